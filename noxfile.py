@@ -1,0 +1,101 @@
+"""Development sessions for the cx monorepo. Packages are discovered from packages/*: adding one is adding a folder.
+
+Every venv installs with constraints.txt, which pins torch to the CPU wheel on the dev machines (never a CUDA build).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
+TEST_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
+
+nox.options.sessions = ["tests", "typecheck", "lint", "layers"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _extras(package: str) -> list[str]:
+    """Optional test extras a package declares (e.g. transformers for integration tests), installed when present."""
+    meta = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+    extras = meta["project"].get("optional-dependencies", {})
+    return [name for name in ("test",) if name in extras]
+
+
+def _editable(package: str) -> list[str]:
+    extras = _extras(package)
+    suffix = f"[{','.join(extras)}]" if extras else ""
+    return ["-e", f"packages/{package}{suffix}"]
+
+
+def _install_all(session: nox.Session) -> None:
+    args: list[str] = []
+    for package in PACKAGES:
+        args += _editable(package)
+    session.install(*CONSTRAINTS, *TEST_TOOLS, *args)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every package's tests and the integration tests in tests/, in one venv holding the whole stack."""
+    _install_all(session)
+    paths = [f"packages/{p}/tests" for p in PACKAGES if (ROOT / "packages" / p / "tests").is_dir()]
+    if (ROOT / "tests").is_dir() and any((ROOT / "tests").glob("test_*.py")):
+        paths.append("tests")
+    session.run("pytest", *paths, *session.posargs, env=TEST_ENV)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def package_tests(session: nox.Session, package: str) -> None:
+    """One package alone, with only what it declares: an undeclared sibling import fails here."""
+    session.install(*CONSTRAINTS, *TEST_TOOLS, *_editable(package))
+    session.run("pytest", f"packages/{package}/tests", *session.posargs, env=TEST_ENV)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict (configured in the root pyproject.toml) on every package's sources and tests."""
+    _install_all(session)
+    session.install(*CONSTRAINTS, "mypy>=1.10")
+    for package in PACKAGES:
+        session.run("mypy", f"packages/{package}/src", f"packages/{package}/tests")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole repository."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(venv_backend="none")
+def layers(session: nox.Session) -> None:
+    """The package dependency graph: declared edges only, no cycles, no reaching into private modules."""
+    session.run("python", str(ROOT / "tools" / "check_layers.py"), external=True)
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The CUDA/NCCL subset (tests marked `gpu`); they skip on machines without CUDA.
+
+    Installs torch without the CPU pin so a GPU machine keeps (or gets) its CUDA build.
+    """
+    args: list[str] = []
+    for package in PACKAGES:
+        args += _editable(package)
+    session.install(*TEST_TOOLS, *args)
+    env = dict(TEST_ENV)
+    env.pop("GLOO_SOCKET_IFNAME")
+    session.run("pytest", "-m", "gpu", *[f"packages/{p}/tests" for p in PACKAGES], *session.posargs, env=env)
+
+
+if os.environ.get("CI"):
+    nox.options.reuse_existing_virtualenvs = False

@@ -1,0 +1,50 @@
+"""cx-mesh: the foundation every cx package stands on.
+
+- `launch` / `launch_from_torch`: initialise torch.distributed (backend from the device, seeds, timeout).
+- `get_accelerator`: the compute device (CUDA or CPU) behind one interface, with memory figures.
+- `ProcessGroupMesh`: an N-d grid of ranks with cached process groups along its axes, and its torch DeviceMesh.
+- `DistCoordinator`, `get_dist_logger`, `assert_same_across_ranks`.
+The multi-process test harness lives in `cx_mesh.testing`.
+"""
+
+from cx_mesh._accelerator import (
+    Accelerator,
+    CpuAccelerator,
+    CudaAccelerator,
+    get_accelerator,
+    set_accelerator,
+)
+from cx_mesh._collectives import ProcessGroup, communication_device, require_initialized
+from cx_mesh._consistency import RankMismatchError, all_gather_bytes, assert_same_across_ranks
+from cx_mesh._coordinator import DistCoordinator
+from cx_mesh._launch import DEFAULT_TIMEOUT, launch, launch_from_torch, set_seed
+from cx_mesh._logging import DistLogger, get_dist_logger
+from cx_mesh._process_group_mesh import Axis, ProcessGroupMesh
+
+__all__ = [
+    # launch
+    "DEFAULT_TIMEOUT",
+    "launch",
+    "launch_from_torch",
+    "set_seed",
+    # device
+    "Accelerator",
+    "CpuAccelerator",
+    "CudaAccelerator",
+    "get_accelerator",
+    "set_accelerator",
+    # process groups
+    "Axis",
+    "ProcessGroup",
+    "ProcessGroupMesh",
+    "communication_device",
+    "require_initialized",
+    # coordination
+    "DistCoordinator",
+    "RankMismatchError",
+    "all_gather_bytes",
+    "assert_same_across_ranks",
+    # logging
+    "DistLogger",
+    "get_dist_logger",
+]

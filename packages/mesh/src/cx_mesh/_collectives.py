@@ -1,0 +1,27 @@
+"""Small helpers every package needs around torch.distributed: the device a group communicates on."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ProcessGroup", "communication_device", "require_initialized"]
+
+ProcessGroup = dist.ProcessGroup
+
+
+def require_initialized(what: str) -> None:
+    """Raise a clear error when distributed work is attempted before `launch`."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{what} needs torch.distributed to be initialised first: call cx_mesh.launch(...) or "
+            "cx_mesh.launch_from_torch() (or torch.distributed.init_process_group) before it"
+        )
+
+
+def communication_device(group: ProcessGroup | None = None) -> torch.device:
+    """The device whose tensors `group`'s backend accepts: the current CUDA device for NCCL, else CPU."""
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

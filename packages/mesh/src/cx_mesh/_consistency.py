@@ -1,0 +1,68 @@
+"""`assert_same_across_ranks`: fail fast, on every rank, when ranks were given different configurations.
+
+A mismatched configuration (different mesh sizes, precisions, chunk sizes) otherwise surfaces as a hang inside a
+collective. Each rank contributes a SHA-256 fingerprint of the value's `repr`; when they differ, the short reprs are
+gathered too so that the error, raised identically on every rank, names the value, the ranks and what each had.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from cx_mesh._collectives import ProcessGroup, communication_device, require_initialized
+
+__all__ = ["RankMismatchError", "assert_same_across_ranks", "all_gather_bytes"]
+
+_SHOWN_CHARS = 200
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks of one process group hold different values for something that must agree."""
+
+
+def all_gather_bytes(payload: bytes, group: ProcessGroup | None = None) -> list[bytes]:
+    """Gather a variable-length byte string from every rank of `group` (tensor collectives only: no pickle)."""
+    device = communication_device(group)
+    size = dist.get_world_size(group)
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    lengths = torch.empty(size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(lengths, length, group=group)
+    longest = max(int(lengths.max().item()), 1)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if payload:
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    gathered = torch.empty(size * longest, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(gathered, mine, group=group)
+    rows = gathered.view(size, longest).cpu()
+    return [bytes(rows[i, : int(lengths[i])].tolist()) for i in range(size)]
+
+
+def assert_same_across_ranks(value: object, group: ProcessGroup | None = None, what: str = "value") -> None:
+    """Raise `RankMismatchError` on every rank of `group` unless all ranks passed an equal `value`.
+
+    Equality is by `repr`, so pass plain data (numbers, strings, tuples, dicts, dataclasses). Collective: every rank
+    of the group must call it.
+    """
+    require_initialized("assert_same_across_ranks")
+    text = repr(value)
+    digest = hashlib.sha256(text.encode()).digest()
+    digests = all_gather_bytes(digest, group)
+    if len(set(digests)) == 1:
+        return
+    shown = all_gather_bytes(text[:_SHOWN_CHARS].encode(), group)
+    group_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(digests)))
+    by_value: dict[bytes, list[int]] = {}
+    for global_rank, fingerprint in zip(group_ranks, digests, strict=True):
+        by_value.setdefault(fingerprint, []).append(global_rank)
+    majority = max(by_value.values(), key=len)
+    lines = []
+    for ranks in by_value.values():
+        sample = shown[group_ranks.index(ranks[0])].decode(errors="replace")
+        lines.append(f"  ranks {ranks}: {sample}")
+    differing = sorted(r for ranks in by_value.values() if ranks is not majority for r in ranks)
+    raise RankMismatchError(
+        f"ranks disagree on {what}: ranks {differing} differ from ranks {majority}.\n" + "\n".join(lines)
+    )

@@ -1,0 +1,91 @@
+"""Initialise torch.distributed for a cx job: from torchrun's environment or from explicit coordinates.
+
+The backend follows the accelerator (NCCL on CUDA, gloo on CPU) unless given; every rank seeds torch and Python's
+`random` identically so that model initialisation agrees across ranks; the collective timeout is configurable.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from cx_mesh._accelerator import get_accelerator
+
+__all__ = ["DEFAULT_TIMEOUT", "launch", "launch_from_torch", "set_seed"]
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python's and torch's generators (all devices) with the same value."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def launch(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    *,
+    local_rank: int | None = None,
+    backend: str | None = None,
+    seed: int = 1024,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> None:
+    """Join the job as `rank` of `world_size`, rendezvousing at tcp://host:port (rank 0 hosts the store)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, {world_size}) for world_size {world_size}")
+    if not 0 < port < 65536:
+        raise ValueError(f"port must be in 1..65535, got {port}")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is already initialised in this process; call launch only once "
+            "(or dist.destroy_process_group() first)"
+        )
+    accelerator = get_accelerator()
+    if local_rank is not None and accelerator.device_count() > 0:
+        accelerator.set_device(local_rank % accelerator.device_count())
+    chosen_backend = backend or accelerator.communication_backend
+    dist.init_process_group(
+        backend=chosen_backend,
+        init_method=f"tcp://{host}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    set_seed(seed)
+
+
+def launch_from_torch(*, backend: str | None = None, seed: int = 1024, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    """Initialise from the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
+    missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"launch_from_torch: environment variable(s) {', '.join(missing)} not set; "
+            "start the script with torchrun (or set them), or call launch(rank, world_size, host, port)"
+        )
+    try:
+        rank = int(os.environ["RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        port = int(os.environ["MASTER_PORT"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError as error:
+        raise RuntimeError(f"launch_from_torch: malformed torchrun environment variable: {error}") from None
+    launch(
+        rank,
+        world_size,
+        os.environ["MASTER_ADDR"],
+        port,
+        local_rank=local_rank,
+        backend=backend,
+        seed=seed,
+        timeout=timeout,
+    )
