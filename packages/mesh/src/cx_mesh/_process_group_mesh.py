@@ -54,7 +54,7 @@ class ProcessGroupMesh:
         self._axis_names = names
         self._rank = dist.get_rank()
         self._coordinate = self.unravel(self._rank, self._shape)
-        self._groups: dict[_GroupKey, ProcessGroup] = {}
+        self._groups: dict[_GroupKey, ProcessGroup | None] = {}
         self._ranks_of_group: dict[ProcessGroup, tuple[int, ...]] = {}
 
     # ---- geometry -----------------------------------------------------------------------------------------
@@ -133,7 +133,9 @@ class ProcessGroupMesh:
     ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
         if isinstance(axis, int | str):
             axes: tuple[int, ...] = (self.axis_index(axis),)
-            per_axis: Sequence[Sequence[int]] | None = None if indices_at_axis is None else (cast(Sequence[int], indices_at_axis),)
+            per_axis: Sequence[Sequence[int]] | None = (
+                None if indices_at_axis is None else (cast(Sequence[int], indices_at_axis),)
+            )
         else:
             axes = tuple(self.axis_index(a) for a in axis)
             if not axes:
@@ -178,15 +180,17 @@ class ProcessGroupMesh:
         axis: Axis | Sequence[Axis],
         indices_at_axis: Sequence[int] | Sequence[Sequence[int]] | None = None,
         backend: str | None = None,
-    ) -> ProcessGroup:
-        """Create (collectively, on every rank) all groups along `axis` and return this rank's.
+    ) -> ProcessGroup | None:
+        """Create (collectively: every rank must call it) all groups along `axis`; return this rank's, or None.
 
-        Ranks outside every created group (possible with a partial `indices_at_axis`) receive
-        `torch.distributed.GroupMember.NON_GROUP_MEMBER`, exactly as `torch.distributed.new_group` does.
+        None is returned on ranks outside every created group, which is possible with a partial `indices_at_axis`.
+        The result is cached; later calls with the same arguments return it without communicating.
         """
         axes, indices = self._normalise(axis, indices_at_axis)
         key: _GroupKey = (axes, indices, backend)
-        mine: ProcessGroup = cast(ProcessGroup, dist.GroupMember.NON_GROUP_MEMBER)
+        if key in self._groups:
+            return self._groups[key]
+        mine: ProcessGroup | None = None
         for ranks in self._all_rank_sets(axes, indices):
             group = dist.new_group(list(ranks), backend=backend)
             if self._rank in ranks:
@@ -201,12 +205,19 @@ class ProcessGroupMesh:
         indices_at_axis: Sequence[int] | Sequence[Sequence[int]] | None = None,
         backend: str | None = None,
     ) -> ProcessGroup:
-        """This rank's group along `axis` (one axis or a list of axes), created on first use and cached."""
-        axes, indices = self._normalise(axis, indices_at_axis)
-        cached = self._groups.get((axes, indices, backend))
-        if cached is not None:
-            return cached
-        return self.create_group_along_axis(axis, indices_at_axis, backend)
+        """This rank's group along `axis` (one axis or a list of axes), created on first use and cached.
+
+        Collective on first use, like `create_group_along_axis`. Raises `ValueError` on a rank that the requested
+        `indices_at_axis` leave out (after taking part in the creation, so no rank is left waiting); such ranks
+        should call `create_group_along_axis`, which returns None for them.
+        """
+        group = self.create_group_along_axis(axis, indices_at_axis, backend)
+        if group is None:
+            raise ValueError(
+                f"rank {self._rank} (coordinate {self._coordinate}) is not in any group along axis {axis!r} "
+                f"with indices_at_axis={indices_at_axis!r}; use create_group_along_axis, which returns None here"
+            )
+        return group
 
     def get_ranks_in_group(self, group: ProcessGroup) -> list[int]:
         """Global ranks of a group this mesh created (or any group, through torch)."""

@@ -1,0 +1,83 @@
+"""DistCoordinator patterns, the rank-aware logger and the accelerator's CPU facts."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cx_mesh import CpuAccelerator, DistCoordinator, get_accelerator, get_dist_logger
+from cx_mesh.testing import distributed
+
+
+@distributed(world_size=2)
+def test_coordinator_master_and_decorator(rank: int, world_size: int) -> None:
+    coordinator = DistCoordinator()
+    assert (coordinator.rank, coordinator.world_size) == (rank, world_size)
+    assert coordinator.is_master() == (rank == 0)
+    assert coordinator.is_last_process() == (rank == 1)
+
+    @coordinator.on_master_only()
+    def answer() -> int:
+        return 42
+
+    assert answer() == (42 if rank == 0 else None)
+
+
+@distributed(world_size=2)
+def test_coordinator_priority_execution_orders_ranks(rank: int, world_size: int, tmp_path: Path) -> None:
+    marker = tmp_path / "written-by-executor"
+    coordinator = DistCoordinator()
+    with coordinator.priority_execution() as is_executor:
+        if is_executor:
+            marker.write_text("done")
+        else:
+            assert marker.read_text() == "done"  # the executor has finished before anyone else enters
+    coordinator.block_all()
+
+
+@distributed(world_size=2)
+def test_logging_filters_by_rank_and_adds_rank(rank: int, world_size: int, tmp_path: Path) -> None:
+    logger = get_dist_logger("cx.test")
+    get_dist_logger("cx.test")  # a second call must not add a second handler
+    assert sum(type(h).__name__ == "_CxHandler" for h in logger.logger.handlers) == 1
+    records: list[logging.LogRecord] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    capture = Capture()
+    logger.logger.addHandler(capture)
+    try:
+        logger.info("from rank 1 only", ranks=[1])
+        logger.warning("from everyone")
+    finally:
+        logger.logger.removeHandler(capture)
+    messages = [r.getMessage() for r in records]
+    assert messages == (["from rank 1 only", "from everyone"] if rank == 1 else ["from everyone"])
+    assert all(getattr(r, "rank", None) == rank for r in records)
+    dist.barrier()
+
+
+def test_accelerator_cpu_facts() -> None:
+    accelerator = CpuAccelerator()
+    assert accelerator.name == "cpu"
+    assert accelerator.communication_backend == "gloo"
+    assert accelerator.current_device() == torch.device("cpu")
+    assert accelerator.memory_allocated() > 0
+    assert accelerator.max_memory_allocated() >= accelerator.memory_allocated() // 2
+    assert accelerator.total_memory() > 2**30
+    accelerator.set_memory_capacity(123456)
+    assert accelerator.total_memory() == 123456
+    accelerator.set_memory_capacity(None)
+    assert accelerator.total_memory() > 2**30
+    with pytest.raises(ValueError, match="positive"):
+        accelerator.set_memory_capacity(0)
+    with accelerator.stream():
+        accelerator.synchronize()
+    if not torch.cuda.is_available():
+        assert get_accelerator().name == "cpu"

@@ -1,0 +1,127 @@
+"""The multi-process harness reports every kind of failure by rank, in bounded time, leaving no process behind."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cx_mesh.testing import DistributedTestFailure, distributed, spawn
+
+
+def _sum_ranks(rank: int, world_size: int, out: str) -> None:
+    tensor = torch.tensor([float(rank)])
+    dist.all_reduce(tensor)
+    Path(out, f"rank{rank}").write_text(f"{tensor.item()} {os.getpid()}")
+
+
+def _raise_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("planted failure on rank one")
+
+
+def _hang_on_rank_one(rank: int, world_size: int, out: str) -> None:
+    Path(out, f"pid{rank}").write_text(str(os.getpid()))
+    if rank == 1:
+        time.sleep(600)
+
+
+def _exit_early_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def _no_group(rank: int, world_size: int) -> None:
+    assert not dist.is_initialized()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_harness_spawn_runs_every_rank(tmp_path: Path) -> None:
+    spawn(_sum_ranks, 4, str(tmp_path))
+    for rank in range(4):
+        total, _ = (tmp_path / f"rank{rank}").read_text().split()
+        assert float(total) == 6.0
+
+
+def test_harness_reports_the_rank_that_raised() -> None:
+    with pytest.raises(DistributedTestFailure) as caught:
+        spawn(_raise_on_rank_one, 2, timeout=30)
+    message = str(caught.value)
+    assert "rank 1 raised" in message
+    assert "planted failure on rank one" in message
+
+
+def test_harness_reports_a_hang_in_bounded_time_and_kills_it(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(DistributedTestFailure) as caught:
+        spawn(_hang_on_rank_one, 2, str(tmp_path), timeout=4)
+    assert time.monotonic() - start < 15
+    assert "rank(s) [1] did not finish" in str(caught.value)
+    pid = int((tmp_path / "pid1").read_text())
+    assert not _alive(pid)
+
+
+def test_harness_reports_an_early_exit() -> None:
+    with pytest.raises(DistributedTestFailure) as caught:
+        spawn(_exit_early_on_rank_one, 2, timeout=30)
+    assert "rank 1 exited with code 3 before reporting a result" in str(caught.value)
+
+
+def test_harness_rejects_local_functions() -> None:
+    def local(rank: int, world_size: int) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="module level"):
+        spawn(local, 2)
+
+
+def test_harness_without_process_group() -> None:
+    spawn(_no_group, 2, init_process_group=False)
+
+
+@distributed(world_size=(1, 2, 4))
+@pytest.mark.parametrize("value", [1.0, 2.5])
+def test_harness_decorator_parametrises(rank: int, world_size: int, value: float) -> None:
+    tensor = torch.tensor([value])
+    dist.all_reduce(tensor)
+    assert tensor.item() == value * world_size
+    assert dist.get_world_size() == world_size
+
+
+@distributed(world_size=2)
+def test_harness_decorator_passes_fixtures(rank: int, world_size: int, tmp_path: Path) -> None:
+    (tmp_path / f"from{rank}").write_text("x")
+    dist.barrier()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["from0", "from1"]
+
+
+@distributed(world_size=2, fresh=True)
+def test_harness_fresh_processes(rank: int, world_size: int) -> None:
+    torch.set_default_dtype(torch.float64)  # process-wide change: fine, these processes are thrown away
+    assert dist.get_world_size() == 2
+
+
+def test_harness_pool_recovers_after_a_failure() -> None:
+    from cx_mesh.testing._pool import run_in_pool
+    from cx_mesh.testing._worker import FunctionRef
+
+    with pytest.raises(DistributedTestFailure, match="planted failure"):
+        run_in_pool(FunctionRef.of(_raise_on_rank_one), 2, {}, backend="gloo", timeout=30, threads=1)
+    # a healthy task after the failure runs on a fresh pool
+    run_in_pool(FunctionRef.of(_exit_early_ok), 2, {}, backend="gloo", timeout=30, threads=1)
+
+
+def _exit_early_ok(rank: int, world_size: int) -> None:
+    dist.barrier()

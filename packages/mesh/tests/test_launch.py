@@ -1,0 +1,96 @@
+"""launch / launch_from_torch: a real torchrun job, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cx_mesh import launch, launch_from_torch
+from cx_mesh.testing import spawn
+
+_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    from cx_mesh import launch_from_torch, get_accelerator
+    launch_from_torch()
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    seeded = torch.rand(1).item()
+    with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w") as out:
+        out.write(f"{dist.get_world_size()} {t.item()} {dist.get_backend()} {seeded} {os.environ['LOCAL_RANK']}")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_launch_from_torch_under_torchrun(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(_SCRIPT)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(script),
+        str(tmp_path),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [(tmp_path / f"rank{r}").read_text().split() for r in range(2)]
+    for local_rank, (world, total, backend, _seeded, local) in enumerate(reports):
+        assert (int(world), float(total), backend, int(local)) == (2, 1.0, "gloo", local_rank)
+    assert reports[0][3] == reports[1][3], "ranks must be seeded alike"
+
+
+def test_launch_from_torch_without_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set"):
+        launch_from_torch()
+
+
+def test_launch_rejects_bad_coordinates() -> None:
+    with pytest.raises(ValueError, match="rank 2 is outside"):
+        launch(2, 2, "127.0.0.1", 29500)
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        launch(0, 0, "127.0.0.1", 29500)
+    with pytest.raises(ValueError, match="port"):
+        launch(0, 1, "127.0.0.1", 70000)
+
+
+def _launch_explicitly(rank: int, world_size: int, port: int) -> None:
+    launch(rank, world_size, "127.0.0.1", port, timeout=timedelta(seconds=60), seed=7)
+    assert dist.get_backend() == "gloo"
+    expected = torch.Generator().manual_seed(7)
+    assert torch.equal(torch.rand(3), torch.rand(3, generator=expected))
+    with pytest.raises(RuntimeError, match="already initialised"):
+        launch(rank, world_size, "127.0.0.1", port)
+    dist.barrier()
+
+
+def test_launch_explicit_rendezvous() -> None:
+    spawn(_launch_explicitly, 2, _free_port(), init_process_group=False, timeout=60)
