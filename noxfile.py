@@ -66,6 +66,7 @@ def typecheck(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "mypy>=1.10")
     for package in PACKAGES:
         session.run("mypy", f"packages/{package}/src", f"packages/{package}/tests")
+    session.run("mypy", "tests", "tools")
 
 
 @nox.session

@@ -1,0 +1,59 @@
+"""The `layers` check itself: it passes on the repository and catches each kind of planted violation."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_checker() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("check_layers", ROOT / "tools" / "check_layers.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["check_layers"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+checker = _load_checker()
+
+
+def _package(root: Path, name: str, deps: list[str], source: str = "") -> None:
+    folder = root / "packages" / name
+    (folder / "src" / f"cx_{name}").mkdir(parents=True)
+    listed = ", ".join(f'"{d}"' for d in ["torch>=2.4", *deps])
+    (folder / "pyproject.toml").write_text(f'[project]\nname = "cx-{name}"\ndependencies = [{listed}]\n')
+    (folder / "src" / f"cx_{name}" / "__init__.py").write_text(source)
+
+
+def test_layers_repository_is_clean() -> None:
+    assert checker.check(ROOT) == []
+
+
+def test_layers_flags_undeclared_import(tmp_path: Path) -> None:
+    _package(tmp_path, "mesh", [])
+    _package(tmp_path, "chunk", [], "import cx_mesh\n")
+    problems = checker.check(tmp_path)
+    assert len(problems) == 1
+    assert "imports cx_mesh but cx-chunk does not declare cx-mesh" in problems[0]
+
+
+def test_layers_flags_cycles(tmp_path: Path) -> None:
+    _package(tmp_path, "mesh", ["cx-zero"])
+    _package(tmp_path, "zero", ["cx-chunk"])
+    _package(tmp_path, "chunk", ["cx-mesh"])
+    problems = checker.check(tmp_path)
+    assert problems == ["dependency cycle: chunk -> mesh -> zero -> chunk"]
+
+
+def test_layers_flags_private_imports_and_unknown_packages(tmp_path: Path) -> None:
+    _package(tmp_path, "mesh", [])
+    _package(tmp_path, "chunk", ["cx-mesh", "cx-nothing"], "from cx_mesh._launch import launch\n")
+    problems = checker.check(tmp_path)
+    assert any("declares cx packages that do not exist: ['nothing']" in p for p in problems)
+    assert any("imports private module cx_mesh._launch of cx-mesh" in p for p in problems)
