@@ -125,3 +125,18 @@ def test_harness_pool_recovers_after_a_failure() -> None:
 
 def _exit_early_ok(rank: int, world_size: int) -> None:
     dist.barrier()
+
+
+def _skip_everywhere(rank: int, world_size: int) -> None:
+    pytest.skip("planted skip")
+
+
+def test_harness_reports_skips_as_skips() -> None:
+    outcomes = spawn(_skip_everywhere, 2, timeout=30)
+    assert {rank: (o.ok, o.skipped) for rank, o in outcomes.items()} == {
+        0: (True, "planted skip"),
+        1: (True, "planted skip"),
+    }
+    decorated = distributed(world_size=2)(_skip_everywhere)
+    with pytest.raises(pytest.skip.Exception, match="planted skip"):
+        decorated()

@@ -15,7 +15,7 @@ import tempfile
 from typing import Any
 
 from cx_mesh.testing._processes import RankHandle, collect, context, kill_all
-from cx_mesh.testing._worker import FunctionRef, Task, pool_worker_main
+from cx_mesh.testing._worker import FunctionRef, Outcome, Task, pool_worker_main
 
 __all__ = ["WorkerPool", "run_in_pool", "shutdown_pools"]
 
@@ -58,10 +58,10 @@ class WorkerPool:
             self.close(graceful=False)
             raise
 
-    def run(self, task: Task, timeout: float) -> None:
+    def run(self, task: Task, timeout: float) -> dict[int, Outcome]:
         for pipe in self._task_pipes:
             pipe.send(task)
-        collect(self._handles, timeout, f"{task.function.qualname} on {self.world_size} rank(s)")
+        return collect(self._handles, timeout, f"{task.function.qualname} on {self.world_size} rank(s)")
 
     def close(self, graceful: bool = True) -> None:
         if graceful:
@@ -87,15 +87,15 @@ def run_in_pool(
     backend: str,
     timeout: float,
     threads: int,
-) -> None:
-    """Run one task on the pooled ranks for this shape; a failing task discards the pool."""
+) -> dict[int, Outcome]:
+    """Run one task on the pooled ranks for this shape and return each rank's outcome; a failure discards the pool."""
     key = (world_size, backend, threads)
     pool = _pools.get(key)
     if pool is None:
         pool = WorkerPool(world_size, backend, threads, collective_timeout=timeout)
         _pools[key] = pool
     try:
-        pool.run(Task(function, (), kwargs), timeout)
+        return pool.run(Task(function, (), kwargs), timeout)
     except BaseException:
         _pools.pop(key, None)
         pool.close(graceful=False)

@@ -46,9 +46,9 @@ def distributed(
 
         def run(size: int, kwargs: dict[str, Any]) -> None:
             if use_pool:
-                run_in_pool(reference, size, kwargs, backend=backend, timeout=timeout, threads=threads)
+                outcomes = run_in_pool(reference, size, kwargs, backend=backend, timeout=timeout, threads=threads)
             else:
-                spawn(
+                outcomes = spawn(
                     function,
                     size,
                     backend=backend,
@@ -57,6 +57,11 @@ def distributed(
                     init_process_group=init_process_group,
                     **kwargs,
                 )
+            reasons = {o.skipped for o in outcomes.values()}
+            if None not in reasons:  # every rank skipped: so does the test
+                import pytest
+
+                pytest.skip("; ".join(sorted(r for r in reasons if r is not None)))
 
         rest = parameters[2:]
         if len(sizes) == 1:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cx_mesh.testing._processes import RankHandle, collect, context, kill_all
-from cx_mesh.testing._worker import FunctionRef, Task, single_worker_main
+from cx_mesh.testing._worker import FunctionRef, Outcome, Task, single_worker_main
 
 __all__ = ["DEFAULT_TIMEOUT_SECONDS", "spawn"]
 
@@ -28,8 +28,8 @@ def spawn(
     threads: int = 1,
     init_process_group: bool = True,
     **kwargs: Any,
-) -> None:
-    """Run `function(rank, world_size, *args, **kwargs)` on `world_size` new processes.
+) -> dict[int, Outcome]:
+    """Run `function(rank, world_size, *args, **kwargs)` on `world_size` new processes; return each rank's outcome.
 
     The processes join one process group (`backend`, default gloo) unless `init_process_group=False`. Any rank that
     raises, exits early or is still running after `timeout` seconds fails the call with
@@ -65,9 +65,10 @@ def spawn(
             process.start()
             send.close()
             handles.append(RankHandle(rank, process, receive))
-        collect(handles, timeout, f"{task.function.qualname} on {world_size} rank(s)")
+        outcomes = collect(handles, timeout, f"{task.function.qualname} on {world_size} rank(s)")
         for handle in handles:
             handle.process.join(timeout=5)
+        return outcomes
     finally:
         kill_all(handles)
         shutil.rmtree(workdir, ignore_errors=True)

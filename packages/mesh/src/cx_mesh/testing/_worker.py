@@ -66,6 +66,7 @@ class Outcome:
     rank: int
     ok: bool
     error: str | None = None
+    skipped: str | None = None  # the reason, when the function called pytest.skip (counts as ok)
 
 
 def _prepare_process(threads: int, backend: str) -> None:
@@ -82,10 +83,21 @@ def _init_group(rank: int, world_size: int, backend: str, store_path: str, timeo
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
 
 
+def _skip_reason(error: BaseException) -> str | None:
+    """The message of a pytest skip raised inside the function (pytest is not imported to find out)."""
+    kind = type(error)
+    if kind.__name__ == "Skipped" and any(base.__module__.startswith("_pytest") for base in kind.__mro__):
+        return str(getattr(error, "msg", "") or error)
+    return None
+
+
 def _run(task: Task, rank: int, world_size: int) -> Outcome:
     try:
         task.function.resolve()(rank, world_size, *task.args, **task.kwargs)
-    except BaseException:
+    except BaseException as error:
+        reason = _skip_reason(error)
+        if reason is not None:
+            return Outcome(rank, ok=True, skipped=reason)
         return Outcome(rank, ok=False, error=traceback.format_exc())
     return Outcome(rank, ok=True)
 

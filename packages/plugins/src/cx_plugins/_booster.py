@@ -1,0 +1,81 @@
+"""`Booster`: the user's entry point. It validates the plugin/precision pairing, asks the plugin to configure the
+training objects, and routes backward, no_sync and checkpointing through the plugin."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+from cx_mesh import get_accelerator
+from cx_plugins._plugin import Boosted, Plugin
+from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
+from cx_plugins._wrappers import OptimizerWrapper
+
+__all__ = ["Booster"]
+
+
+class Booster:
+    """Boost a model/optimizer/dataloader for distributed training with a plugin (ColossalAI's Booster API)."""
+
+    def __init__(self, device: str | None = None, mixed_precision: str | None = None, plugin: Plugin | None = None):
+        if plugin is None:
+            raise ValueError("Booster needs a plugin (e.g. TorchDDPPlugin()); cx has no implicit plugin-less mode")
+        self.plugin = plugin
+        if device is not None and device not in plugin.supported_devices():
+            raise ValueError(
+                f"device {device!r} is not supported by {type(plugin).__name__}: {plugin.supported_devices()}"
+            )
+        if device is not None and device != get_accelerator().name:
+            raise ValueError(f"device {device!r} differs from this process's accelerator {get_accelerator().name!r}")
+        if plugin.control_precision() and mixed_precision is not None:
+            raise ValueError(
+                f"{type(plugin).__name__} controls precision itself: pass precision to the plugin, "
+                "not mixed_precision to the Booster"
+            )
+        accepted = tuple(Precision(p) for p in plugin.supported_precisions())
+        self.mixed_precision = Precision.parse(mixed_precision, accepted)
+
+    def boost(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: DataLoader[Any] | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> Boosted:
+        """Returns (model, optimizer, criterion, dataloader, lr_scheduler), each ready for distributed training."""
+        boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
+            model, optimizer, criterion, dataloader, lr_scheduler
+        )
+        if self.mixed_precision is not Precision.FP32 and not isinstance(boosted_model, AutocastModel):
+            boosted_model = AutocastModel(boosted_model, self.mixed_precision)
+            if self.mixed_precision is Precision.FP16 and boosted_optimizer is not None:
+                boosted_optimizer = ScaledOptimizer(boosted_optimizer.unwrap())
+        return boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler
+
+    def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
+        """Backward through the optimizer wrapper, so loss scaling and gradient reduction happen where they must."""
+        optimizer.backward(loss)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module, optimizer: OptimizerWrapper | None = None) -> Iterator[None]:
+        """Gradient accumulation without communication, where the plugin supports it."""
+        if not self.plugin.support_no_sync():
+            raise NotImplementedError(f"{type(self.plugin).__name__} does not support no_sync")
+        with self.plugin.no_sync(model, optimizer):
+            yield
+
+    def execute_pipeline(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.plugin.supports_pipeline():
+            raise NotImplementedError(
+                f"execute_pipeline needs a plugin with pipeline parallelism; {type(self.plugin).__name__} has none "
+                "(the HybridParallel plugins that provide it are not built yet)"
+            )
+        raise NotImplementedError("no cx plugin implements pipeline execution yet")

@@ -1,0 +1,76 @@
+"""Mixed precision as the Booster applies it to plugins that do not control precision themselves (e.g. DDP).
+
+"fp16" runs the forward under autocast(float16) with dynamic loss scaling (torch's GradScaler); "bf16" runs it under
+autocast(bfloat16) with no scaling; "fp32" (or None) changes nothing. Parameters and optimizer state stay fp32.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from cx_mesh import get_accelerator
+from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+
+__all__ = ["AutocastModel", "Precision", "ScaledOptimizer"]
+
+
+class Precision(enum.Enum):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+    @classmethod
+    def parse(cls, value: str | None, accepted: tuple[Precision, ...] | None = None) -> Precision:
+        if value is None:
+            return cls.FP32
+        choices = accepted or tuple(cls)
+        try:
+            precision = cls(value)
+        except ValueError:
+            precision = None
+        if precision is None or precision not in choices:
+            names = ", ".join(repr(p.value) for p in choices)
+            raise ValueError(f"unsupported precision {value!r}; accepted: {names}")
+        return precision
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {Precision.FP32: torch.float32, Precision.FP16: torch.float16, Precision.BF16: torch.bfloat16}[self]
+
+
+class AutocastModel(ModelWrapper):
+    """Runs the wrapped module's forward under autocast in the given low precision."""
+
+    def __init__(self, module: nn.Module, precision: Precision) -> None:
+        super().__init__(module)
+        self.precision = precision
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(get_accelerator().name, dtype=self.precision.dtype):
+            return self.module(*args, **kwargs)
+
+
+class ScaledOptimizer(OptimizerWrapper):
+    """fp16 loss scaling around a torch optimizer: scale in backward, unscale and skip on overflow in step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
+        self.scaler = torch.amp.GradScaler(get_accelerator().name)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        self.scaler.scale(loss).backward(retain_graph=retain_graph)
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        if closure is not None:
+            raise ValueError("ScaledOptimizer.step does not take a closure (loss scaling needs backward first)")
+        self.scaler.step(self.optim)
+        self.scaler.update()
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.scaler.get_scale())

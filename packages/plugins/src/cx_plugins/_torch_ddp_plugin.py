@@ -1,0 +1,114 @@
+"""`TorchDDPPlugin`: PyTorch's DistributedDataParallel behind the Booster, arguments as in ColossalAI."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+from cx_mesh import assert_same_across_ranks, get_accelerator
+from cx_plugins._plugin import Boosted, DPPluginBase
+from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+
+__all__ = ["DDPOptions", "TorchDDPModel", "TorchDDPPlugin"]
+
+
+@dataclass(frozen=True)
+class DDPOptions:
+    """The DistributedDataParallel arguments, validated once."""
+
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+
+
+class TorchDDPModel(ModelWrapper):
+    """A model wrapped in DistributedDataParallel; `unwrap()` returns the original module."""
+
+    def __init__(self, module: nn.Module, options: DDPOptions) -> None:
+        device = get_accelerator().current_device()
+        module = module.to(device)
+        ddp_kwargs: dict[str, Any] = asdict(options)
+        if options.broadcast_buffers:
+            del ddp_kwargs["broadcast_buffers"]  # True is DDP's default; passing it explicitly warns on torch 2.13
+        if device.type == "cuda":
+            ddp_kwargs["device_ids"] = [device.index]
+        super().__init__(DistributedDataParallel(module, **ddp_kwargs))
+
+
+class TorchDDPPlugin(DPPluginBase):
+    """Plain data parallelism with PyTorch DDP. Mixed precision comes from the Booster ("fp16", "bf16")."""
+
+    def __init__(
+        self,
+        broadcast_buffers: bool = True,
+        bucket_cap_mb: int = 25,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+    ) -> None:
+        super().__init__()
+        self.options = DDPOptions(
+            broadcast_buffers=broadcast_buffers,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            check_reduction=check_reduction,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+        )
+        assert_same_across_ranks(self.options, what="TorchDDPPlugin options")
+
+    def supported_devices(self) -> list[str]:
+        return ["cuda", "cpu"]
+
+    def supported_precisions(self) -> list[str]:
+        return ["fp32", "fp16", "bf16"]
+
+    def control_precision(self) -> bool:
+        return False
+
+    def control_device(self) -> bool:
+        return True
+
+    def support_no_sync(self) -> bool:
+        return True
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: DataLoader[Any] | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> Boosted:
+        boosted = model if isinstance(model, ModelWrapper) else TorchDDPModel(model, self.options)
+        wrapped = None if optimizer is None else OptimizerWrapper(optimizer)
+        return boosted, wrapped, criterion, dataloader, lr_scheduler
+
+    def no_sync(
+        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Accumulate gradients locally (no all-reduce) inside the block."""
+        return _find_ddp(model).no_sync()
+
+
+def _find_ddp(model: nn.Module) -> DistributedDataParallel:
+    for module in model.modules():
+        if isinstance(module, DistributedDataParallel):
+            return module
+    raise ValueError("no_sync: the model was not boosted by TorchDDPPlugin (no DistributedDataParallel inside)")

@@ -1,0 +1,71 @@
+"""Wrappers the Booster hands back: a model that knows how to unwrap itself and an optimizer that owns backward.
+
+Owning backward in the optimizer is what lets mixed precision (loss scaling) and ZeRO (gradient reduction) plug in
+without the training loop changing: the loop always calls `booster.backward(loss, optimizer)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+__all__ = ["ModelWrapper", "OptimizerWrapper"]
+
+
+class ModelWrapper(nn.Module):
+    """A boosted model: forwards to the wrapped module; `unwrap()` returns the user's original module."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def unwrap(self) -> nn.Module:
+        inner = self.module
+        return inner.unwrap() if isinstance(inner, ModelWrapper) else _strip_ddp(inner)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def _strip_ddp(module: nn.Module) -> nn.Module:
+    inner = getattr(module, "module", None)
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel) and isinstance(inner, nn.Module):
+        return inner
+    return module
+
+
+class OptimizerWrapper:
+    """A boosted optimizer: `backward(loss)`, `step()`, `zero_grad()`, and the torch optimizer's public face."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optim = optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optim.state
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        loss.backward(retain_graph=retain_graph)
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        self.optim.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+
+    def unwrap(self) -> Optimizer:
+        return self.optim

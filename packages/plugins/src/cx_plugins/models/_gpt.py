@@ -1,0 +1,115 @@
+"""A small GPT-style decoder (tied embeddings, pre-LayerNorm blocks) with deterministic initialisation.
+
+Sized by `GPTConfig`; the defaults make a ~1M-parameter model that trains in seconds on a CPU. Its forward mirrors
+Hugging Face causal LMs: `model(input_ids, labels=None)` returns logits, or the mean next-token loss when labels
+are given, so plugins are exercised the way transformers models use them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "GPTConfig"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 512
+    max_positions: int = 64
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    mlp_ratio: int = 4
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        for name in ("vocab_size", "max_positions", "hidden_size", "num_layers", "num_heads", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        batch, length, width = hidden.shape
+        q, k, v = self.qkv(hidden).split(width, dim=-1)
+        shape = (batch, length, self.num_heads, width // self.num_heads)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        projected: torch.Tensor = self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return projected
+
+
+class _Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(config.hidden_size)
+        self.attention = _SelfAttention(config)
+        self.mlp_norm = nn.LayerNorm(config.hidden_size)
+        inner = config.mlp_ratio * config.hidden_size
+        self.mlp = nn.Sequential(nn.Linear(config.hidden_size, inner), nn.GELU(), nn.Linear(inner, config.hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.attention(self.attention_norm(hidden))
+        mixed: torch.Tensor = hidden + self.mlp(self.mlp_norm(hidden))
+        return mixed
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, `num_layers` blocks, a final LayerNorm and an LM head (tied by default)."""
+
+    def __init__(self, config: GPTConfig | None = None, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config or GPTConfig()
+        c = self.config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_positions = nn.Embedding(c.max_positions, c.hidden_size)
+        self.blocks = nn.ModuleList(_Block(c) for _ in range(c.num_layers))
+        self.final_norm = nn.LayerNorm(c.hidden_size)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Initialise every parameter from its own generator seeded by `seed`: identical on every rank and run."""
+        generator = torch.Generator().manual_seed(seed)
+        std = 0.02
+        residual_std = std / math.sqrt(2 * self.config.num_layers)
+        for name, parameter in self.named_parameters():
+            if name.endswith("bias"):
+                parameter.zero_()
+            elif "norm" in name:
+                parameter.fill_(1.0)
+            else:
+                scale = residual_std if name.endswith(("proj.weight", "mlp.2.weight")) else std
+                values = torch.randn(parameter.shape, generator=generator) * scale
+                parameter.copy_(values.to(parameter.dtype))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        length = input_ids.shape[1]
+        if length > self.config.max_positions:
+            raise ValueError(f"sequence length {length} exceeds max_positions {self.config.max_positions}")
+        positions = torch.arange(length, device=input_ids.device)
+        hidden = self.embed_tokens(input_ids) + self.embed_positions(positions)
+        for block in self.blocks:
+            hidden = block(hidden)
+        logits: torch.Tensor = self.lm_head(self.final_norm(hidden))
+        if labels is None:
+            return logits
+        return F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
