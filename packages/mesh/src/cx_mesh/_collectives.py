@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["ProcessGroup", "communication_device", "require_initialized"]
+__all__ = ["ProcessGroup", "all_gather_flat", "communication_device", "require_initialized"]
 
 ProcessGroup = dist.ProcessGroup
 
@@ -25,3 +25,16 @@ def communication_device(group: ProcessGroup | None = None) -> torch.device:
     if backend == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def all_gather_flat(
+    output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
+) -> dist.Work | None:
+    """All-gather equal-sized tensors into one flat output (rank-major), via `all_gather_single` where torch has it.
+
+    torch 2.13 renamed `all_gather_into_tensor` to `all_gather_single` and warns on the old name; torch 2.4 has only
+    the old one. Every cx package gathers through here so that choice lives in one place.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work: dist.Work | None = gather(output, tensor, group=group, async_op=async_op)
+    return work

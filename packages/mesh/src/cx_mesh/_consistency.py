@@ -12,7 +12,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from cx_mesh._collectives import ProcessGroup, communication_device, require_initialized
+from cx_mesh._collectives import ProcessGroup, all_gather_flat, communication_device, require_initialized
 
 __all__ = ["RankMismatchError", "assert_same_across_ranks", "all_gather_bytes"]
 
@@ -29,13 +29,13 @@ def all_gather_bytes(payload: bytes, group: ProcessGroup | None = None) -> list[
     size = dist.get_world_size(group)
     length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     lengths = torch.empty(size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(lengths, length, group=group)
+    all_gather_flat(lengths, length, group)
     longest = max(int(lengths.max().item()), 1)
     mine = torch.zeros(longest, dtype=torch.uint8, device=device)
     if payload:
         mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     gathered = torch.empty(size * longest, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
+    all_gather_flat(gathered, mine, group)
     rows = gathered.view(size, longest).cpu()
     return [bytes(rows[i, : int(lengths[i])].tolist()) for i in range(size)]
 

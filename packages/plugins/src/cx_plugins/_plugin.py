@@ -63,6 +63,21 @@ class Plugin(ABC):
     def supports_pipeline(self) -> bool:
         return False
 
+    @abstractmethod
+    def prepare_dataloader(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        shuffle: bool = False,
+        seed: int = 1024,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        num_workers: int = 0,
+        distributed_sampler_cls: type[DistributedSampler[Any]] | None = None,
+        **kwargs: Any,
+    ) -> DataLoader[Any]:
+        """A DataLoader that gives each data-parallel rank its own share of `dataset`."""
+
 
 class DPPluginBase(Plugin):
     """Base for data-parallel plugins: knows the data-parallel rank and size, and shards data by them."""

@@ -1,0 +1,81 @@
+"""The demo's command line, parsed once into a frozen `DemoOptions`."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["PLUGINS", "DemoOptions", "parse_options"]
+
+PLUGINS = ("torch_ddp",)
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    plugin: str
+    nproc: int
+    steps: int
+    batch_size: int
+    seq_len: int
+    hidden_size: int
+    num_layers: int
+    lr: float
+    precision: str
+    seed: int
+    log_every: int
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cx-train",
+        description="Train cx's reference GPT on an embedded text dataset with a chosen plugin on N local processes.",
+    )
+    parser.add_argument(
+        "--plugin", choices=PLUGINS, default=PLUGINS[0], help="parallel strategy (default: %(default)s)"
+    )
+    parser.add_argument("--nproc", type=_positive, default=2, help="processes on this machine (default: %(default)s)")
+    parser.add_argument("--steps", type=_positive, default=200, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--batch-size", type=_positive, default=8, help="sequences per rank per step")
+    parser.add_argument("--seq-len", type=_positive, default=64, help="characters per sequence")
+    parser.add_argument("--hidden-size", type=_positive, default=128)
+    parser.add_argument("--num-layers", type=_positive, default=2)
+    parser.add_argument("--lr", type=_positive_float, default=1e-3)
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--seed", type=int, default=1024)
+    parser.add_argument("--log-every", type=_positive, default=10, help="steps between progress lines")
+    return parser
+
+
+def parse_options(argv: Sequence[str] | None = None) -> DemoOptions:
+    args = build_parser().parse_args(argv)
+    if args.hidden_size % 4:
+        build_parser().error(f"--hidden-size must be a multiple of 4 (the model has 4 heads), got {args.hidden_size}")
+    return DemoOptions(
+        plugin=args.plugin,
+        nproc=args.nproc,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        lr=args.lr,
+        precision=args.precision,
+        seed=args.seed,
+        log_every=args.log_every,
+    )

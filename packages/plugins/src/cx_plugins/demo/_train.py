@@ -1,0 +1,96 @@
+"""One rank of the demo: build the model, boost it with the chosen plugin, train, report progress on rank 0."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from cx_mesh import all_gather_flat, get_accelerator, launch_from_torch
+from cx_plugins._booster import Booster
+from cx_plugins._plugin import Plugin
+from cx_plugins._torch_ddp_plugin import TorchDDPPlugin
+from cx_plugins.demo._data import TokenWindows
+from cx_plugins.demo._options import DemoOptions
+from cx_plugins.models import GPT, GPTConfig
+
+__all__ = ["train"]
+
+
+def _plugin_and_precision(options: DemoOptions) -> tuple[Plugin, str | None]:
+    if options.plugin == "torch_ddp":
+        return TorchDDPPlugin(), None if options.precision == "fp32" else options.precision
+    raise ValueError(f"unknown plugin {options.plugin!r}")
+
+
+def _memory_per_rank() -> list[int]:
+    mine = torch.tensor([get_accelerator().memory_allocated()], dtype=torch.int64)
+    everyone = torch.empty(dist.get_world_size(), dtype=torch.int64)
+    all_gather_flat(everyone, mine)
+    return [int(v) for v in everyone]
+
+
+def train(options: DemoOptions) -> list[float]:
+    """Run the demo on this rank (torch.distributed from torchrun's environment); returns rank 0's losses."""
+    launch_from_torch(seed=options.seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dataset = TokenWindows(n_windows=max(512, options.batch_size * world * 16), length=options.seq_len + 1)
+    config = GPTConfig(
+        vocab_size=dataset.tokenizer.vocab_size,
+        max_positions=options.seq_len + 1,
+        hidden_size=options.hidden_size,
+        num_layers=options.num_layers,
+        num_heads=4,
+    )
+    plugin, mixed_precision = _plugin_and_precision(options)
+    booster = Booster(mixed_precision=mixed_precision, plugin=plugin)
+    model = GPT(config, seed=options.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=0.0)
+    loader = plugin.prepare_dataloader(dataset, batch_size=options.batch_size, shuffle=True, seed=options.seed)
+    boosted, boosted_optimizer, *_ = booster.boost(model, optimizer)
+    assert boosted_optimizer is not None
+    if rank == 0:
+        parameters = sum(p.numel() for p in model.parameters())
+        print(
+            f"cx-train: plugin={options.plugin} ranks={world} precision={options.precision} "
+            f"params={parameters / 1e6:.2f}M steps={options.steps}",
+            flush=True,
+        )
+    losses: list[float] = []
+    device = get_accelerator().current_device()
+    step, epoch, started, tokens = 0, 0, time.perf_counter(), 0
+    while step < options.steps:
+        sampler = getattr(loader, "sampler", None)
+        if sampler is not None and hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        for batch in loader:
+            batch = batch.to(device)
+            loss = boosted(batch, labels=batch)
+            booster.backward(loss, boosted_optimizer)
+            boosted_optimizer.step()
+            boosted_optimizer.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+            tokens += batch.numel() * world
+            step += 1
+            if step % options.log_every == 0 or step == options.steps:
+                _report(step, options.steps, losses, tokens / (time.perf_counter() - started), _memory_per_rank())
+            if step >= options.steps:
+                break
+        epoch += 1
+    return losses
+
+
+def _report(step: int, total: int, losses: list[float], tokens_per_second: float, memory: list[int]) -> None:
+    if dist.get_rank() != 0:
+        return
+    width = 24
+    filled = int(width * step / total)
+    recent = sum(losses[-10:]) / len(losses[-10:])
+    memory_text = " ".join(f"r{r}:{m / 2**20:.0f}MiB" for r, m in enumerate(memory))
+    line = f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{total} loss {recent:.3f} "
+    line += f"tok/s {tokens_per_second:,.0f} mem {memory_text}"
+    print(line, file=sys.stdout, flush=True)
