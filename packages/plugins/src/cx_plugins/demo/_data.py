@@ -7,6 +7,7 @@ demo must show, and it is identical on every machine and every run.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import torch
@@ -54,7 +55,8 @@ class CharTokenizer:
     """Characters to ids over a fixed alphabet (every character the grammar can produce)."""
 
     def __init__(self) -> None:
-        corpus = " ".join([*sum(_SUBJECTS.values(), []), *sum(_VERBS.values(), []), *_OBJECTS, *_ENDINGS])
+        phrases = itertools.chain(*_SUBJECTS.values(), *_VERBS.values(), _OBJECTS, _ENDINGS)
+        corpus = " ".join(phrases)
         alphabet = sorted(set(corpus) | set(corpus.upper()) | set(".!? "))
         self.alphabet = "".join(alphabet)
         self._ids = {c: i for i, c in enumerate(self.alphabet)}
