@@ -57,3 +57,13 @@ def test_layers_flags_private_imports_and_unknown_packages(tmp_path: Path) -> No
     problems = checker.check(tmp_path)
     assert any("declares cx packages that do not exist: ['nothing']" in p for p in problems)
     assert any("imports private module cx_mesh._launch of cx-mesh" in p for p in problems)
+
+
+def test_layers_test_file_basenames_are_unique() -> None:
+    """pytest's default import mode imports test files by basename, so two equal names would collide."""
+    seen: dict[str, Path] = {}
+    for path in sorted([*ROOT.glob("packages/*/tests/**/*.py"), *ROOT.glob("tests/**/*.py")]):
+        if path.name == "__init__.py" or path.name == "conftest.py":
+            continue
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a basename"
+        seen[path.name] = path

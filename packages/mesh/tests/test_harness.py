@@ -66,8 +66,8 @@ def test_harness_reports_the_rank_that_raised() -> None:
 def test_harness_reports_a_hang_in_bounded_time_and_kills_it(tmp_path: Path) -> None:
     start = time.monotonic()
     with pytest.raises(DistributedTestFailure) as caught:
-        spawn(_hang_on_rank_one, 2, str(tmp_path), timeout=4)
-    assert time.monotonic() - start < 15
+        spawn(_hang_on_rank_one, 2, str(tmp_path), timeout=8)
+    assert time.monotonic() - start < 20
     assert "rank(s) [1] did not finish" in str(caught.value)
     pid = int((tmp_path / "pid1").read_text())
     assert not _alive(pid)
