@@ -140,3 +140,25 @@ def test_harness_reports_skips_as_skips() -> None:
     decorated = distributed(world_size=2)(_skip_everywhere)
     with pytest.raises(pytest.skip.Exception, match="planted skip"):
         decorated()
+
+
+def _change_process_state(rank: int, world_size: int) -> None:
+    from cx_mesh import get_accelerator
+
+    torch.set_default_dtype(torch.float64)
+    get_accelerator().set_memory_capacity(12345)
+
+
+def _expect_default_process_state(rank: int, world_size: int) -> None:
+    from cx_mesh import get_accelerator
+
+    assert torch.get_default_dtype() == torch.float32
+    assert get_accelerator().total_memory() != 12345
+
+
+def test_harness_pool_resets_process_state_between_tests() -> None:
+    from cx_mesh.testing._pool import run_in_pool
+    from cx_mesh.testing._worker import FunctionRef
+
+    for function in (_change_process_state, _expect_default_process_state):
+        run_in_pool(FunctionRef.of(function), 2, {}, backend="gloo", timeout=30, threads=1)

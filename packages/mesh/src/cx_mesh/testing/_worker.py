@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore  # public as dist.FileStore; its stub does not declare it
 
+from cx_mesh import set_accelerator
+
 __all__ = ["FunctionRef", "Outcome", "Task", "pool_worker_main", "single_worker_main"]
 
 INNER_ATTRIBUTE = "__cx_distributed_inner__"
@@ -102,6 +104,15 @@ def _run(task: Task, rank: int, world_size: int) -> Outcome:
     return Outcome(rank, ok=True)
 
 
+def _reset_process_state() -> None:
+    """Undo process-wide settings a previous pooled test may have changed, so tests stay independent."""
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    torch.manual_seed(0)
+    accelerator = set_accelerator("cuda" if torch.cuda.is_available() else "cpu")
+    accelerator.set_memory_capacity(None)
+
+
 def _leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -160,7 +171,7 @@ def pool_worker_main(
         task = tasks.recv()
         if task is None:
             break
-        torch.set_default_dtype(torch.float32)
+        _reset_process_state()
         report.send(_run(task, rank, world_size))
     try:
         dist.barrier()
