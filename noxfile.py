@@ -42,6 +42,16 @@ def _install_all(session: nox.Session) -> None:
 
 
 @nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: `cx-train` with its defaults (a reference GPT on embedded text, 2 local processes).
+
+    Flags after `--` go to cx-train, e.g. `nox -s demo -- --steps 50 --nproc 4`.
+    """
+    session.install(*CONSTRAINTS, *_editable("plugins"))
+    session.run("cx-train", *session.posargs, env={"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+
+
+@nox.session
 def tests(session: nox.Session) -> None:
     """Every package's tests and the integration tests in tests/, in one venv holding the whole stack."""
     _install_all(session)
