@@ -15,6 +15,8 @@ ROOT = Path(__file__).parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
+# Optional integrations exercised by the full suite (their tests skip where these are absent).
+INTEGRATION_TOOLS = ("transformers>=4.40",)
 TEST_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
 
 nox.options.sessions = ["tests", "typecheck", "lint", "layers"]
@@ -55,6 +57,7 @@ def demo(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Every package's tests and the integration tests in tests/, in one venv holding the whole stack."""
     _install_all(session)
+    session.install(*CONSTRAINTS, *INTEGRATION_TOOLS)
     paths = [f"packages/{p}/tests" for p in PACKAGES if (ROOT / "packages" / p / "tests").is_dir()]
     if (ROOT / "tests").is_dir() and any((ROOT / "tests").glob("test_*.py")):
         paths.append("tests")

@@ -1,0 +1,91 @@
+"""cx-checkpoint: sharded, atomic, reshardable checkpoints in the Hugging Face layout, with no pickle.
+
+- `CheckpointIO` (abstract) and `GeneralCheckpointIO` (single process, plain modules and optimizers).
+- `CheckpointIndexFile`: the HF `*.index.json`; `file_names` gives `model-00001-of-00003.safetensors`-style names.
+- `write_sharded`: the streaming shard writer (any rank count writing in parallel, one merged index, atomic commit).
+- `TensorSource` / `TensorSink`: the protocols parallel owners of state implement to save and load by global name;
+  `CheckpointReader` + `load_into` read lazily, only the regions each sink owns.
+- Optimizer state keyed by parameter name: `OptimizerMeta`, `optimizer_tensor_name`, `attach_param_names`.
+- `CheckpointError` and its subclasses for every problem found on load.
+The file format is specified in docs/checkpoint.md.
+"""
+
+from cx_checkpoint._checkpoint_io import DEFAULT_SIZE_PER_SHARD, CheckpointIO, Stateful
+from cx_checkpoint._errors import (
+    CheckpointError,
+    CheckpointIndexError,
+    CheckpointKindError,
+    CheckpointNotFoundError,
+    CheckpointPathError,
+    CorruptShardError,
+    KeyMismatchError,
+    MissingShardError,
+    TensorMismatchError,
+    UnsafeCheckpointError,
+)
+from cx_checkpoint._general import GeneralCheckpointIO, read_optimizer_meta
+from cx_checkpoint._index import CheckpointIndexFile
+from cx_checkpoint._loading import LoadResult, load_into
+from cx_checkpoint._module import ModuleSink, ModuleSource
+from cx_checkpoint._naming import CheckpointKind, FileFormat, FileNames, file_names
+from cx_checkpoint._optimizer import (
+    OPTIMIZER_FORMAT,
+    OptimizerMeta,
+    attach_param_names,
+    optimizer_param_names,
+    optimizer_tensor_name,
+    restore_optimizer,
+    split_optimizer,
+)
+from cx_checkpoint._protocols import Region, TensorSink, TensorSource, TensorSpec, iter_source
+from cx_checkpoint._reader import CheckpointReader
+from cx_checkpoint._writer import ShardWriter, WrittenShard, write_sharded
+
+__all__ = [
+    # checkpoint IO
+    "DEFAULT_SIZE_PER_SHARD",
+    "CheckpointIO",
+    "GeneralCheckpointIO",
+    "LoadResult",
+    "Stateful",
+    # layout
+    "CheckpointIndexFile",
+    "CheckpointKind",
+    "FileFormat",
+    "FileNames",
+    "file_names",
+    # streaming write and lazy read
+    "ShardWriter",
+    "WrittenShard",
+    "write_sharded",
+    "CheckpointReader",
+    "load_into",
+    # protocols
+    "Region",
+    "TensorSink",
+    "TensorSource",
+    "TensorSpec",
+    "iter_source",
+    "ModuleSink",
+    "ModuleSource",
+    # optimizer state by name
+    "OPTIMIZER_FORMAT",
+    "OptimizerMeta",
+    "attach_param_names",
+    "optimizer_param_names",
+    "optimizer_tensor_name",
+    "read_optimizer_meta",
+    "restore_optimizer",
+    "split_optimizer",
+    # errors
+    "CheckpointError",
+    "CheckpointIndexError",
+    "CheckpointKindError",
+    "CheckpointNotFoundError",
+    "CheckpointPathError",
+    "CorruptShardError",
+    "KeyMismatchError",
+    "MissingShardError",
+    "TensorMismatchError",
+    "UnsafeCheckpointError",
+]

@@ -1,0 +1,60 @@
+"""Asynchronous saving: stage tensors to CPU now, write them in a background thread, re-raise errors on `synchronize`.
+
+The background job runs exactly the code a synchronous save runs, on CPU copies taken before `save_*` returns, so
+the files are byte-identical and training may keep updating the live tensors. Jobs run one at a time, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from cx_mesh import get_accelerator
+
+__all__ = ["AsyncWriter", "stage_to_cpu"]
+
+
+def stage_to_cpu(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Private CPU copies of `tensors` (page-locked where the accelerator supports it), complete on return."""
+    accelerator = get_accelerator()
+    pin = accelerator.is_pin_memory_available()
+    staged: dict[str, torch.Tensor] = {}
+    any_device = False
+    for name, tensor in tensors.items():
+        on_device = tensor.device.type != "cpu"
+        any_device = any_device or on_device
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin and on_device)
+        copy.copy_(tensor.detach(), non_blocking=pin and on_device)
+        staged[name] = copy
+    if any_device:
+        accelerator.synchronize()
+    return staged
+
+
+class AsyncWriter:
+    """A single background writer thread and the futures of the jobs handed to it."""
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._futures: list[Future[None]] = []
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cx-checkpoint-writer")
+        self._futures.append(self._executor.submit(job))
+
+    @property
+    def pending(self) -> int:
+        return sum(not future.done() for future in self._futures)
+
+    def synchronize(self) -> None:
+        """Wait for every submitted job; raise the first error (the others are chained in its notes)."""
+        futures, self._futures = self._futures, []
+        errors = [error for future in futures if (error := future.exception()) is not None]
+        if errors:
+            first = errors[0]
+            for other in errors[1:]:
+                first.add_note(f"another asynchronous save also failed: {type(other).__name__}: {other}")
+            raise first

@@ -1,0 +1,204 @@
+"""`CheckpointIO`: the abstract save/load interface every cx plugin implements (ColossalAI's, without pickle).
+
+The public methods validate arguments and dispatch to the sharded or unsharded hooks a subclass implements;
+learning-rate schedulers are handled here (their state is plain data, stored as tagged JSON). Asynchronous saves go
+through one background writer per `CheckpointIO`; `synchronize()` waits for them and re-raises their errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from cx_checkpoint._async import AsyncWriter
+from cx_checkpoint._atomic import write_file_atomic
+from cx_checkpoint._errors import CheckpointKindError, CheckpointNotFoundError
+from cx_checkpoint._json_codec import decode, encode
+from cx_checkpoint._loading import LoadResult
+from cx_checkpoint._writer import megabytes_to_bytes
+
+__all__ = ["DEFAULT_SIZE_PER_SHARD", "CheckpointIO", "Stateful"]
+
+DEFAULT_SIZE_PER_SHARD = 1024
+_SCHEDULER_FORMAT = "cx-lr-scheduler/1"
+PathLike = str | os.PathLike[str]
+
+
+class Stateful(Protocol):
+    """Anything with `state_dict()` / `load_state_dict()` of plain data (e.g. an LR scheduler)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class CheckpointIO(ABC):
+    """Save and load models, optimizers and LR schedulers; subclasses implement the sharded/unsharded hooks."""
+
+    def __init__(self) -> None:
+        self._async = AsyncWriter()
+
+    # ---- model ---------------------------------------------------------------------------------------------------
+    def save_model(
+        self,
+        model: nn.Module,
+        checkpoint: PathLike,
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: float = DEFAULT_SIZE_PER_SHARD,
+        use_safetensors: bool = False,
+        use_async: bool = False,
+    ) -> None:
+        """Save `model`'s weights: a single file at `checkpoint`, or (`shard=True`) a directory of shards + index."""
+        path = Path(checkpoint)
+        megabytes_to_bytes(size_per_shard)
+        if shard:
+            self.save_sharded_model(model, path, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async)
+            return
+        _refuse_sharding_options(prefix, size_per_shard)
+        suffixes = (".safetensors",) if use_safetensors else (".bin", ".pt", ".pth")
+        if path.suffix not in suffixes:
+            raise ValueError(
+                f"{path}: an unsharded {'safetensors' if use_safetensors else 'legacy bin'} model file must end in "
+                f"{' / '.join(suffixes)} (use_safetensors={use_safetensors})"
+            )
+        self.save_unsharded_model(model, path, gather_dtensor, use_safetensors, use_async)
+
+    def load_model(self, model: nn.Module, checkpoint: PathLike, strict: bool = True) -> LoadResult:
+        """Load weights into `model` from a file, an index file or a checkpoint directory."""
+        path = _existing(checkpoint)
+        if path.is_dir() or path.name.endswith(".index.json"):
+            return self.load_sharded_model(model, path, strict)
+        return self.load_unsharded_model(model, path, strict)
+
+    # ---- optimizer -----------------------------------------------------------------------------------------------
+    def save_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        checkpoint: PathLike,
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: float = DEFAULT_SIZE_PER_SHARD,
+        use_async: bool = False,
+    ) -> None:
+        """Save optimizer state by parameter name: one `.safetensors` file, or (`shard=True`) a directory."""
+        path = Path(checkpoint)
+        megabytes_to_bytes(size_per_shard)
+        if shard:
+            self.save_sharded_optimizer(optimizer, path, gather_dtensor, prefix, size_per_shard, use_async)
+            return
+        _refuse_sharding_options(prefix, size_per_shard)
+        if path.suffix != ".safetensors":
+            raise ValueError(f"{path}: an unsharded cx optimizer checkpoint is a .safetensors file")
+        self.save_unsharded_optimizer(optimizer, path, gather_dtensor, use_async)
+
+    def load_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: PathLike, prefix: str | None = None) -> None:
+        """Load optimizer state from a `.safetensors` file, an index file or a checkpoint directory."""
+        path = _existing(checkpoint)
+        if path.is_dir() or path.name.endswith(".index.json"):
+            self.load_sharded_optimizer(optimizer, path, prefix)
+            return
+        if prefix is not None:
+            raise ValueError("prefix selects files inside a sharded optimizer checkpoint directory; got a single file")
+        self.load_unsharded_optimizer(optimizer, path)
+
+    # ---- LR scheduler --------------------------------------------------------------------------------------------
+    def save_lr_scheduler(self, lr_scheduler: Stateful, checkpoint: PathLike) -> None:
+        """Write the scheduler's state as tagged JSON to the file `checkpoint`, atomically."""
+        text = json.dumps({"format": _SCHEDULER_FORMAT, "state": encode(lr_scheduler.state_dict(), "lr_scheduler")})
+        write_file_atomic(Path(checkpoint), lambda tmp: tmp.write_text(text))
+
+    def load_lr_scheduler(self, lr_scheduler: Stateful, checkpoint: PathLike) -> None:
+        path = _existing(checkpoint)
+        try:
+            data = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise CheckpointKindError(f"{path}: not a cx LR scheduler checkpoint (not JSON: {error})") from error
+        if not isinstance(data, dict) or data.get("format") != _SCHEDULER_FORMAT:
+            raise CheckpointKindError(f"{path}: not a cx LR scheduler checkpoint (format is not {_SCHEDULER_FORMAT!r})")
+        lr_scheduler.load_state_dict(decode(data["state"]))
+
+    # ---- async ---------------------------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every asynchronous save of this CheckpointIO; re-raise the first error a writer hit."""
+        self._async.synchronize()
+
+    def _run(self, job: Callable[[], None], use_async: bool) -> None:
+        """Run a prepared save job now, or in the background writer when `use_async`."""
+        if use_async:
+            self._async.submit(job)
+        else:
+            job()
+
+    # ---- hooks ---------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def save_unsharded_model(
+        self, model: nn.Module, checkpoint: Path, gather_dtensor: bool, use_safetensors: bool, use_async: bool
+    ) -> None: ...
+
+    @abstractmethod
+    def save_sharded_model(
+        self,
+        model: nn.Module,
+        checkpoint: Path,
+        gather_dtensor: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_safetensors: bool,
+        use_async: bool,
+    ) -> None: ...
+
+    @abstractmethod
+    def load_unsharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult: ...
+
+    @abstractmethod
+    def load_sharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult: ...
+
+    @abstractmethod
+    def save_unsharded_optimizer(
+        self, optimizer: torch.optim.Optimizer, checkpoint: Path, gather_dtensor: bool, use_async: bool
+    ) -> None: ...
+
+    @abstractmethod
+    def save_sharded_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        checkpoint: Path,
+        gather_dtensor: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_async: bool,
+    ) -> None: ...
+
+    @abstractmethod
+    def load_unsharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None: ...
+
+    @abstractmethod
+    def load_sharded_optimizer(
+        self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None
+    ) -> None: ...
+
+
+def _existing(checkpoint: PathLike) -> Path:
+    path = Path(checkpoint)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
+    return path
+
+
+def _refuse_sharding_options(prefix: str | None, size_per_shard: float) -> None:
+    if prefix is not None:
+        raise ValueError(
+            "prefix names the files of a sharded checkpoint (shard=True); an unsharded save writes the path given"
+        )
+    if size_per_shard != DEFAULT_SIZE_PER_SHARD:
+        raise ValueError(f"size_per_shard={size_per_shard} applies to sharded saves only (shard=True)")

@@ -1,0 +1,171 @@
+"""One tensor file on disk: write a safetensors or legacy `.bin` file, check a safetensors header, load a `.bin` safely.
+
+Safetensors files are written by a small deterministic serializer (header metadata `{"cx_kind": ..., "format": "pt"}`)
+and verified on load by reading the header ourselves: the file size must be exactly 8 + header length + data length,
+so a truncated file is reported as such. Legacy `.bin` files are read only with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cx_checkpoint._errors import CorruptShardError, UnsafeCheckpointError
+
+__all__ = ["SafetensorsHeader", "load_bin", "read_safetensors_header", "write_bin", "write_safetensors"]
+
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def _standalone(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors detached, on CPU and contiguous (copies are made only where needed)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        out[name] = t if t.is_contiguous() else t.contiguous()
+    return out
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """Write `tensors` to a safetensors file at `path` (not yet fsynced), byte-for-byte deterministically.
+
+    The layout is the safetensors specification's: an 8-byte little-endian header length, a JSON header padded
+    with spaces to a multiple of 8 (`__metadata__` first, keys sorted), then the tensors' bytes back to back, widest
+    dtype first and by name. `safetensors.torch.save_file` is not used because its metadata order varies between
+    calls, which would break the promise that an asynchronous save is byte-identical to a synchronous one.
+    """
+    prepared = _standalone(tensors)
+    order = sorted(prepared, key=lambda name: (-prepared[name].element_size(), name))
+    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    offset = 0
+    for name in order:
+        tensor = prepared[name]
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with path.open("wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)))
+        handle.write(encoded)
+        for name in order:
+            tensor = prepared[name]
+            if tensor.numel():
+                handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def write_bin(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write a legacy `pytorch_model.bin`-style file: `torch.save` of a plain name -> tensor dict."""
+    plain = {}
+    for name, tensor in _standalone(tensors).items():
+        # torch.save stores whole storages: a view of a larger storage would drag all of it along.
+        plain[name] = tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
+    torch.save(plain, path)
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed safetensors header: tensor name -> (dtype, shape, byte size), plus the string metadata."""
+
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]]
+    metadata: dict[str, str]
+
+
+def read_safetensors_header(path: Path) -> SafetensorsHeader:
+    """Parse and check `path`'s header against the file size; `CorruptShardError` names what is wrong."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise CorruptShardError(
+                f"{path}: truncated safetensors file ({size} bytes, shorter than its 8-byte header length)"
+            )
+        (header_length,) = struct.unpack("<Q", prefix)
+        if header_length > min(size - 8, _MAX_HEADER_BYTES):
+            raise CorruptShardError(
+                f"{path}: header claims {header_length} bytes but the file has {size} bytes "
+                "(truncated or not safetensors)"
+            )
+        raw = handle.read(header_length)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CorruptShardError(f"{path}: safetensors header is not valid JSON: {error}") from error
+    if not isinstance(header, dict):
+        raise CorruptShardError(f"{path}: safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+    end = 0
+    for name, entry in header.items():
+        try:
+            dtype = _DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, stop = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise CorruptShardError(f"{path}: malformed header entry for tensor {name!r}: {entry!r}") from error
+        tensors[name] = (dtype, shape, stop - begin)
+        end = max(end, stop)
+    expected = 8 + header_length + end
+    if size != expected:
+        raise CorruptShardError(
+            f"{path}: file size is {size} bytes but its header describes {expected} bytes "
+            f"({'truncated' if size < expected else 'trailing data'})"
+        )
+    return SafetensorsHeader(tensors, {str(k): str(v) for k, v in metadata.items()})
+
+
+def load_bin(path: Path) -> dict[str, torch.Tensor]:
+    """Load a legacy `.bin` state dict with `torch.load(weights_only=True)`; refuse anything needing code."""
+    try:
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as error:
+            if "mmap" not in str(error):
+                raise
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise UnsafeCheckpointError(
+            f"{path}: refused to load this pickle file: it needs arbitrary code to load (torch.load with "
+            f"weights_only=True rejected it: {str(error).splitlines()[0]}). Only plain tensor files are accepted."
+        ) from error
+    except (EOFError, RuntimeError) as error:
+        raise CorruptShardError(
+            f"{path}: cannot read this .bin file (truncated or not a torch file): {error}"
+        ) from error
+    if not isinstance(loaded, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()
+    ):
+        raise CorruptShardError(f"{path}: a .bin weights file must hold a dict of name -> tensor")
+    return loaded
