@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cx_mesh.testing import DistributedTestFailure, distributed, spawn
+from cx_mesh.testing import DistributedTestFailure, distributed, run_distributed, spawn
 
 
 def _sum_ranks(rank: int, world_size: int, out: str) -> None:
@@ -114,13 +114,10 @@ def test_harness_fresh_processes(rank: int, world_size: int) -> None:
 
 
 def test_harness_pool_recovers_after_a_failure() -> None:
-    from cx_mesh.testing._pool import run_in_pool
-    from cx_mesh.testing._worker import FunctionRef
-
     with pytest.raises(DistributedTestFailure, match="planted failure"):
-        run_in_pool(FunctionRef.of(_raise_on_rank_one), 2, {}, backend="gloo", timeout=30, threads=1)
+        run_distributed(_raise_on_rank_one, 2, timeout=30)
     # a healthy task after the failure runs on a fresh pool
-    run_in_pool(FunctionRef.of(_exit_early_ok), 2, {}, backend="gloo", timeout=30, threads=1)
+    assert set(run_distributed(_exit_early_ok, 2, timeout=30)) == {0, 1}
 
 
 def _exit_early_ok(rank: int, world_size: int) -> None:
@@ -157,8 +154,5 @@ def _expect_default_process_state(rank: int, world_size: int) -> None:
 
 
 def test_harness_pool_resets_process_state_between_tests() -> None:
-    from cx_mesh.testing._pool import run_in_pool
-    from cx_mesh.testing._worker import FunctionRef
-
     for function in (_change_process_state, _expect_default_process_state):
-        run_in_pool(FunctionRef.of(function), 2, {}, backend="gloo", timeout=30, threads=1)
+        run_distributed(function, 2, timeout=30)

@@ -4,6 +4,7 @@ training objects, and routes backward, no_sync and checkpointing through the plu
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,10 +14,11 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, CheckpointIO
 from cx_mesh import get_accelerator
 from cx_plugins._plugin import Boosted, Plugin
 from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
-from cx_plugins._wrappers import OptimizerWrapper
+from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 
 __all__ = ["Booster"]
 
@@ -41,6 +43,7 @@ class Booster:
             )
         accepted = tuple(Precision(p) for p in plugin.supported_precisions())
         self.mixed_precision = Precision.parse(mixed_precision, accepted)
+        self._checkpoint_io: CheckpointIO | None = None
 
     def boost(
         self,
@@ -79,3 +82,65 @@ class Booster:
                 "(the HybridParallel plugins that provide it are not built yet)"
             )
         raise NotImplementedError("no cx plugin implements pipeline execution yet")
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------------
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """The plugin's checkpoint IO, created once per Booster (it owns the asynchronous writer)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = self.plugin.get_checkpoint_io()
+        return self._checkpoint_io
+
+    def save_model(
+        self,
+        model: nn.Module,
+        checkpoint: str | os.PathLike[str],
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = DEFAULT_SIZE_PER_SHARD,
+        use_safetensors: bool = False,
+        use_async: bool = False,
+    ) -> None:
+        """Save full weights by parameter name (Hugging Face layout); `size_per_shard` is in MB."""
+        self.checkpoint_io.save_model(
+            _unwrap_model(model), checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async
+        )
+
+    def load_model(self, model: nn.Module, checkpoint: str | os.PathLike[str], strict: bool = True) -> None:
+        """Load a cx/HF checkpoint into `model`; with `strict`, missing or unexpected keys are errors."""
+        self.checkpoint_io.load_model(_unwrap_model(model), checkpoint, strict=strict)
+
+    def save_optimizer(
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str | os.PathLike[str],
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = DEFAULT_SIZE_PER_SHARD,
+        use_async: bool = False,
+    ) -> None:
+        """Save optimizer state keyed by parameter name (safetensors + JSON, no pickle)."""
+        self.checkpoint_io.save_optimizer(
+            optimizer.unwrap(), checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_async
+        )
+
+    def load_optimizer(
+        self, optimizer: OptimizerWrapper, checkpoint: str | os.PathLike[str], prefix: str | None = None
+    ) -> None:
+        self.checkpoint_io.load_optimizer(optimizer.unwrap(), checkpoint, prefix)
+
+    def save_lr_scheduler(self, lr_scheduler: LRScheduler, checkpoint: str | os.PathLike[str]) -> None:
+        self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
+
+    def load_lr_scheduler(self, lr_scheduler: LRScheduler, checkpoint: str | os.PathLike[str]) -> None:
+        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
+
+    def synchronize(self) -> None:
+        """Wait until every asynchronous save has reached disk (re-raising a writer's error)."""
+        self.checkpoint_io.synchronize()
+
+
+def _unwrap_model(model: nn.Module) -> nn.Module:
+    return model.unwrap() if isinstance(model, ModelWrapper) else model

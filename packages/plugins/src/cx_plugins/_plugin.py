@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from cx_checkpoint import CheckpointIO
 from cx_mesh import require_initialized
 from cx_plugins._wrappers import OptimizerWrapper
 
@@ -62,6 +63,10 @@ class Plugin(ABC):
 
     def supports_pipeline(self) -> bool:
         return False
+
+    @abstractmethod
+    def get_checkpoint_io(self) -> CheckpointIO:
+        """The plugin's checkpoint IO; every plugin writes the canonical cx format."""
 
     @abstractmethod
     def prepare_dataloader(

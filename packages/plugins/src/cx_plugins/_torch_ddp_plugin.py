@@ -13,7 +13,9 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from cx_checkpoint import CheckpointIO, attach_param_names
 from cx_mesh import assert_same_across_ranks, get_accelerator
+from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
 from cx_plugins._plugin import Boosted, DPPluginBase
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 
@@ -96,9 +98,14 @@ class TorchDDPPlugin(DPPluginBase):
         dataloader: DataLoader[Any] | None = None,
         lr_scheduler: LRScheduler | None = None,
     ) -> Boosted:
+        if optimizer is not None and not isinstance(model, ModelWrapper):
+            attach_param_names(optimizer, model)  # checkpoints key optimizer state by the user's parameter names
         boosted = model if isinstance(model, ModelWrapper) else TorchDDPModel(model, self.options)
         wrapped = None if optimizer is None else OptimizerWrapper(optimizer)
         return boosted, wrapped, criterion, dataloader, lr_scheduler
+
+    def get_checkpoint_io(self) -> CheckpointIO:
+        return ReplicatedCheckpointIO()
 
     def no_sync(
         self, model: nn.Module, optimizer: OptimizerWrapper | None = None

@@ -11,10 +11,11 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from cx_mesh.testing._pool import run_in_pool
 from cx_mesh.testing._processes import RankHandle, collect, context, kill_all
 from cx_mesh.testing._worker import FunctionRef, Outcome, Task, single_worker_main
 
-__all__ = ["DEFAULT_TIMEOUT_SECONDS", "spawn"]
+__all__ = ["DEFAULT_TIMEOUT_SECONDS", "run_distributed", "spawn"]
 
 DEFAULT_TIMEOUT_SECONDS = 120.0
 
@@ -72,3 +73,22 @@ def spawn(
     finally:
         kill_all(handles)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_distributed(
+    function: Callable[..., Any],
+    world_size: int,
+    *,
+    fresh: bool = False,
+    backend: str = "gloo",
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    threads: int = 1,
+    **kwargs: Any,
+) -> dict[int, Outcome]:
+    """Run `function(rank, world_size, **kwargs)` on the pooled ranks of this world size (or fresh ones).
+
+    For tests that orchestrate several distributed phases, e.g. save at 2 ranks then load at 4.
+    """
+    if fresh:
+        return spawn(function, world_size, backend=backend, timeout=timeout, threads=threads, **kwargs)
+    return run_in_pool(FunctionRef.of(function), world_size, kwargs, backend=backend, timeout=timeout, threads=threads)
