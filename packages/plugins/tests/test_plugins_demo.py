@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,14 +40,42 @@ def test_plugins_demo_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> N
         assert message in capsys.readouterr().err
 
 
-def test_plugins_demo_trains_on_two_processes() -> None:
+def _cx_train(*flags: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    command = [sys.executable, "-m", "cx_plugins.demo", "--steps", "60", "--log-every", "20"]
+    command = [sys.executable, "-m", "cx_plugins.demo", "--log-every", "20", *flags]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "ranks=2" in result.stdout
-    assert "step 60/60" in result.stdout
-    match = re.search(r"cx-train: loss ([0-9.]+) -> ([0-9.]+)", result.stdout)
-    assert match, result.stdout
-    first, last = float(match.group(1)), float(match.group(2))
-    assert last < first - 0.5, f"loss did not fall enough: {first} -> {last}"
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _loss_change(output: str) -> tuple[float, float]:
+    match = re.search(r"cx-train: loss ([0-9.]+) -> ([0-9.]+)", output)
+    assert match, output
+    return float(match.group(1)), float(match.group(2))
+
+
+def test_plugins_demo_trains_saves_and_resumes_at_another_world_size(tmp_path: Path) -> None:
+    first_run = _cx_train("--steps", "60", "--save", str(tmp_path / "ckpt"), "--save-every", "40")
+    assert "ranks=2" in first_run
+    assert "step 60/60" in first_run
+    assert "saved step 40" in first_run
+    start, end = _loss_change(first_run)
+    assert end < start - 0.5, f"loss did not fall enough: {start} -> {end}"
+    assert (tmp_path / "ckpt" / "trainer.json").is_file()
+    assert (tmp_path / "ckpt" / "model" / "model.safetensors.index.json").is_file() or (
+        tmp_path / "ckpt" / "model" / "model.safetensors"
+    ).is_file()
+
+    resumed = _cx_train("--steps", "90", "--nproc", "1", "--resume", str(tmp_path / "ckpt"))
+    assert "ranks=1" in resumed
+    assert "resumed from" in resumed
+    assert "at step 60" in resumed
+    assert "step 90/90" in resumed
+    resumed_start, _ = _loss_change(resumed)
+    assert resumed_start < start - 0.5, "the resumed run must start from the trained weights, not from scratch"
+
+
+def test_plugins_demo_refuses_an_incomplete_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_options(["--resume", str(tmp_path)])
+    assert "not a complete cx-train checkpoint" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -26,9 +27,14 @@ def _run_rank(argv: Sequence[str]) -> int:
     return 0
 
 
+_ARGS_VARIABLE = "CX_TRAIN_ARGS"  # flags travel to the ranks here: torchrun's own parser would claim some of them
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if _ARGS_VARIABLE in os.environ and not arguments:
+            arguments = json.loads(os.environ[_ARGS_VARIABLE])
         code = _run_rank(arguments)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -36,7 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parse_options(arguments)  # validate flags before starting any process
     from torch.distributed.run import main as torchrun
 
-    launcher = ["--standalone", "--nproc_per_node", str(options.nproc), "-m", "cx_plugins.demo", *arguments]
+    launcher = ["--standalone", "--nproc_per_node", str(options.nproc), "-m", "cx_plugins.demo"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[_ARGS_VARIABLE] = json.dumps(arguments)
     torchrun(launcher)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["PLUGINS", "DemoOptions", "parse_options"]
 
@@ -25,6 +26,9 @@ class DemoOptions:
     precision: str
     seed: int
     log_every: int
+    save: Path | None
+    save_every: int
+    resume: Path | None
 
 
 def _positive(text: str) -> int:
@@ -59,13 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--seed", type=int, default=1024)
     parser.add_argument("--log-every", type=_positive, default=10, help="steps between progress lines")
+    parser.add_argument("--save", type=Path, default=None, help="checkpoint directory (written at the end)")
+    parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (needs --save)")
+    parser.add_argument("--resume", type=Path, default=None, help="continue from a cx-train checkpoint directory")
     return parser
 
 
 def parse_options(argv: Sequence[str] | None = None) -> DemoOptions:
     args = build_parser().parse_args(argv)
+    parser = build_parser()
     if args.hidden_size % 4:
-        build_parser().error(f"--hidden-size must be a multiple of 4 (the model has 4 heads), got {args.hidden_size}")
+        parser.error(f"--hidden-size must be a multiple of 4 (the model has 4 heads), got {args.hidden_size}")
+    if args.save_every < 0 or (args.save_every and args.save is None):
+        parser.error("--save-every needs --save DIR and a non-negative step count")
+    if args.resume is not None and not (args.resume / "trainer.json").is_file():
+        parser.error(f"--resume {args.resume}: not a complete cx-train checkpoint (no trainer.json)")
     return DemoOptions(
         plugin=args.plugin,
         nproc=args.nproc,
@@ -78,4 +90,7 @@ def parse_options(argv: Sequence[str] | None = None) -> DemoOptions:
         precision=args.precision,
         seed=args.seed,
         log_every=args.log_every,
+        save=args.save,
+        save_every=args.save_every,
+        resume=args.resume,
     )

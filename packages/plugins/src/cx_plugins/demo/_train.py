@@ -12,6 +12,7 @@ from cx_mesh import all_gather_flat, get_accelerator, launch_from_torch
 from cx_plugins._booster import Booster
 from cx_plugins._plugin import Plugin
 from cx_plugins._torch_ddp_plugin import TorchDDPPlugin
+from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_checkpoint
 from cx_plugins.demo._data import TokenWindows
 from cx_plugins.demo._options import DemoOptions
 from cx_plugins.models import GPT, GPTConfig
@@ -60,12 +61,20 @@ def train(options: DemoOptions) -> list[float]:
         )
     losses: list[float] = []
     device = get_accelerator().current_device()
-    step, epoch, started, tokens = 0, 0, time.perf_counter(), 0
+    step = 0
+    if options.resume is not None:
+        step = load_checkpoint(booster, boosted, boosted_optimizer, options.resume).step
+        if rank == 0:
+            print(f"cx-train: resumed from {options.resume} at step {step}", flush=True)
+    epoch, skip = divmod(step, len(loader))
+    started, tokens = time.perf_counter(), 0
     while step < options.steps:
         sampler = getattr(loader, "sampler", None)
         if sampler is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        for batch in loader:
+        for index, batch in enumerate(loader):
+            if index < skip:  # resuming mid-epoch: the batches before the checkpoint were already trained on
+                continue
             batch = batch.to(device)
             loss = boosted(batch, labels=batch)
             booster.backward(loss, boosted_optimizer)
@@ -78,9 +87,16 @@ def train(options: DemoOptions) -> list[float]:
             step += 1
             if step % options.log_every == 0 or step == options.steps:
                 _report(step, options.steps, losses, tokens / (time.perf_counter() - started), _memory_per_rank())
+            if options.save is not None and (
+                step == options.steps or (options.save_every and step % options.save_every == 0)
+            ):
+                state = TrainerState(step=step, plugin=options.plugin, world_size=world)
+                save_checkpoint(booster, boosted, boosted_optimizer, options.save, state)
+                if rank == 0:
+                    print(f"cx-train: saved step {step} to {options.save}", flush=True)
             if step >= options.steps:
                 break
-        epoch += 1
+        epoch, skip = epoch + 1, 0
     return losses
 
 
