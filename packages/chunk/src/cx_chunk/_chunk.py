@@ -1,0 +1,494 @@
+"""`Chunk`: one 1-D buffer of `chunk_size` elements holding many tensors back to back, sharded over a group.
+
+Storage model (what exists when):
+- open (before `close`): the full buffer on the compute device; appended tensors point into it.
+- sharded, released: only this rank's own slice (`chunk_size / group_size` elements) exists, on the device or the
+  host (`move`); the chunk's tensors point at empty storage.
+- gathered: the full buffer on the compute device; the own slice is a view into it; tensors point at their slots.
+- keep_gathered chunks are never sharded: the full buffer is the storage (it can still be moved to the host).
+- gradient/master chunks built with `clone_layout` keep a separate own-slice tensor and may also hold a full buffer
+  of local (unreduced) gradients; `reduce(accumulate=True)` adds the reduced slice into the own slice.
+Memory usage is computed from the tensors that exist, so it is exact by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cx_chunk._errors import ChunkError, ChunkFullError
+from cx_chunk._layout import MemoryUsage, Residence, ShardView, TensorSlot
+from cx_chunk._states import TensorState, check_transition
+from cx_mesh import ProcessGroup, communication_device, get_accelerator, require_initialized
+
+__all__ = ["Chunk"]
+
+_RELEASABLE = frozenset({TensorState.HOLD, TensorState.FREE})
+
+
+@dataclass
+class _Entry:
+    tensor: torch.Tensor
+    slot: TensorSlot
+    state: TensorState
+
+
+class Chunk:
+    """A chunk of `chunk_size` elements of one dtype; see the module docstring for its storage model."""
+
+    def __init__(
+        self,
+        chunk_size: int,
+        dtype: torch.dtype,
+        group: ProcessGroup | None = None,
+        *,
+        keep_gathered: bool = False,
+        chunk_id: int = 0,
+        extra_dp_group: ProcessGroup | None = None,
+        pin_memory: bool = False,
+        compute_device: torch.device | None = None,
+    ) -> None:
+        require_initialized("cx_chunk.Chunk")
+        if chunk_size <= 0:
+            raise ValueError(f"Chunk: chunk_size must be positive, got {chunk_size}")
+        self.group = group
+        self.group_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if chunk_size % self.group_size != 0:
+            raise ValueError(
+                f"Chunk: chunk_size {chunk_size} is not a multiple of the group size {self.group_size}; "
+                "round it up (search_chunk_configuration does)"
+            )
+        self.chunk_id = chunk_id
+        self.chunk_size = chunk_size
+        self.dtype = dtype
+        self.keep_gathered = keep_gathered
+        self.extra_dp_group = extra_dp_group
+        self.pin_memory = pin_memory
+        self.compute_device = compute_device if compute_device is not None else get_accelerator().current_device()
+        self.element_size = torch.empty((), dtype=dtype).element_size()
+        self.shard_size = chunk_size if keep_gathered else chunk_size // self.group_size
+        self.shard_begin = 0 if keep_gathered else self.rank * self.shard_size
+        self.shard_end = self.shard_begin + self.shard_size
+        self.utilized_size = 0
+        self.is_closed = False
+        self.paired: Chunk | None = None
+        self._entries: dict[int, _Entry] = {}
+        self._order: list[_Entry] = []
+        self._repoint = True
+        self._buffer: torch.Tensor | None = torch.zeros(chunk_size, dtype=dtype, device=self.compute_device)
+        self._buffer_residence = Residence.DEVICE
+        self._shard: torch.Tensor | None = None
+        self._shard_residence = Residence.DEVICE
+        self._pending: dist.Work | None = None
+
+    # ----------------------------------------------------------------------------------------------- layout
+    def __repr__(self) -> str:
+        return (
+            f"Chunk(id={self.chunk_id}, size={self.chunk_size}, dtype={self.dtype}, tensors={len(self._order)}, "
+            f"gathered={self.is_gathered}, keep_gathered={self.keep_gathered}, residence={self.residence.value})"
+        )
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors in this chunk, in append order."""
+        return [entry.tensor for entry in self._order]
+
+    @property
+    def slots(self) -> list[TensorSlot]:
+        return [entry.slot for entry in self._order]
+
+    def __contains__(self, tensor: object) -> bool:
+        return isinstance(tensor, torch.Tensor) and id(tensor) in self._entries
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.tensors)
+
+    def slot(self, tensor: torch.Tensor) -> TensorSlot:
+        return self._entry(tensor).slot
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full (gathered) chunk."""
+        return self.chunk_size * self.element_size
+
+    @property
+    def shard_nbytes(self) -> int:
+        return self.shard_size * self.element_size
+
+    def has_room(self, numel: int) -> bool:
+        return not self.is_closed and self.utilized_size + numel <= self.chunk_size
+
+    def append(self, tensor: torch.Tensor, name: str | None = None) -> TensorSlot:
+        """Copy `tensor` into the next free slot and re-point its data there; returns the slot."""
+        if self.is_closed:
+            raise ChunkError(f"chunk {self.chunk_id} is closed: no tensor can be appended")
+        if tensor.dtype != self.dtype:
+            raise ValueError(f"chunk {self.chunk_id} holds {self.dtype}, cannot append a {tensor.dtype} tensor")
+        if id(tensor) in self._entries:
+            raise ValueError(f"tensor {self._entries[id(tensor)].slot.name!r} is already in chunk {self.chunk_id}")
+        numel = tensor.numel()
+        if not self.has_room(numel):
+            raise ChunkFullError(
+                f"chunk {self.chunk_id}: tensor of {numel} elements does not fit "
+                f"({self.chunk_size - self.utilized_size} of {self.chunk_size} free)"
+            )
+        assert self._buffer is not None
+        slot = TensorSlot(
+            name or f"tensor{len(self._order)}", tensor.shape, self.utilized_size, self.utilized_size + numel
+        )
+        self._buffer[slot.begin : slot.end].copy_(tensor.detach().reshape(-1))
+        entry = _Entry(tensor, slot, TensorState.HOLD)
+        self._entries[id(tensor)] = entry
+        self._order.append(entry)
+        self.utilized_size += numel
+        tensor.data = self._buffer[slot.begin : slot.end].view(slot.shape)
+        return slot
+
+    def close(self) -> None:
+        """Freeze the layout; a sharded chunk then keeps only its own slice (the tensors become empty)."""
+        if self.is_closed:
+            raise ChunkError(f"chunk {self.chunk_id} is already closed")
+        self.is_closed = True
+        if not self.keep_gathered:
+            self._scatter()
+
+    # ------------------------------------------------------------------------------------------------ states
+    def tensor_state(self, tensor: torch.Tensor) -> TensorState:
+        return self._entry(tensor).state
+
+    def transition(self, tensor: torch.Tensor, new: TensorState) -> None:
+        """Move one tensor to `new`; raises `IllegalTransitionError` naming the tensor and both states."""
+        entry = self._entry(tensor)
+        check_transition(entry.slot.name, entry.state, new)
+        entry.state = new
+
+    def state_counts(self) -> dict[TensorState, int]:
+        counts = dict.fromkeys(TensorState, 0)
+        for entry in self._order:
+            counts[entry.state] += 1
+        return counts
+
+    @property
+    def can_release(self) -> bool:
+        """True when no tensor is in use (all HOLD or FREE) and the chunk may be sharded."""
+        return not self.keep_gathered and all(entry.state in _RELEASABLE for entry in self._order)
+
+    @property
+    def can_reduce(self) -> bool:
+        """True when every tensor's gradient is in place (all READY_FOR_REDUCE)."""
+        return bool(self._order) and all(entry.state is TensorState.READY_FOR_REDUCE for entry in self._order)
+
+    # ---------------------------------------------------------------------------------------------- residence
+    @property
+    def is_gathered(self) -> bool:
+        return self._buffer is not None
+
+    @property
+    def residence(self) -> Residence:
+        """Where the chunk's persistent storage (own slice, or the buffer of a keep_gathered chunk) lives."""
+        if self._shard is not None:
+            return self._shard_residence
+        return self._buffer_residence
+
+    def memory_usage(self) -> MemoryUsage:
+        """Bytes of the tensors this chunk holds right now, per device kind."""
+        usage = MemoryUsage()
+        if self._buffer is not None:
+            usage = usage + MemoryUsage.single(self._buffer_residence, self.nbytes)
+        if self._shard is not None:
+            usage = usage + MemoryUsage.single(self._shard_residence, self._shard.numel() * self.element_size)
+        return usage
+
+    def gather(self, *, async_op: bool = False) -> bool:
+        """Make the full buffer available on the compute device; returns whether an all-gather was issued.
+
+        With `async_op=True` the all-gather is started and completed by `wait()` (any access waits implicitly).
+        """
+        self._require_closed("gather")
+        self.wait()
+        if self._buffer is not None and self._shard is None:
+            if self._buffer_residence is Residence.HOST:
+                self._buffer = self._place(self._buffer, Residence.DEVICE)
+                self._buffer_residence = Residence.DEVICE
+                self._point_tensors()
+            return False
+        if self._buffer is not None:
+            raise ChunkError(f"chunk {self.chunk_id} holds unreduced gradients; reduce it before gathering")
+        assert self._shard is not None
+        if self.keep_gathered or self.group_size == 1:  # the own slice is the whole chunk: no collective
+            self._buffer = self._place(self._shard, Residence.DEVICE)
+            self._buffer_residence = Residence.DEVICE
+            self._shard = None
+            self._point_tensors()
+            return False
+        comm = communication_device(self.group)
+        source = self._shard.to(comm)
+        out = torch.empty(self.chunk_size, dtype=self.dtype, device=comm)
+        work = dist.all_gather_into_tensor(out, source, group=self.group, async_op=async_op)
+        self._buffer = out
+        self._buffer_residence = Residence.DEVICE
+        if async_op:
+            self._pending = work
+        else:
+            self._finish_gather()
+        return True
+
+    def wait(self) -> None:
+        """Complete an asynchronous gather (no-op when none is pending)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+            self._finish_gather()
+
+    @property
+    def gather_pending(self) -> bool:
+        return self._pending is not None
+
+    def shard(self, to: Residence | None = None) -> bool:
+        """Release the full buffer and keep only the own slice; returns whether anything was freed.
+
+        `to=Residence.HOST` copies the own slice straight to the host (an eviction: no second device copy).
+        """
+        self._require_closed("shard")
+        if self.keep_gathered:
+            raise ChunkError(f"chunk {self.chunk_id} is keep_gathered and cannot be sharded")
+        self.wait()
+        if self._buffer is None:
+            return False
+        if self._shard is not None:
+            raise ChunkError(f"chunk {self.chunk_id} holds unreduced gradients; reduce it before sharding")
+        busy = [f"{e.slot.name} ({e.state.name})" for e in self._order if e.state not in _RELEASABLE]
+        if busy:
+            raise ChunkError(f"chunk {self.chunk_id} cannot be sharded while tensors are in use: {', '.join(busy)}")
+        self._scatter(to)
+        return True
+
+    def move(self, residence: Residence) -> bool:
+        """Move the persistent storage to the device or the host; returns whether anything moved."""
+        self._require_closed("move")
+        self.wait()
+        if self._shard is not None:
+            if self._shard_residence is residence:
+                return False
+            self._shard = self._place(self._shard, residence)
+            self._shard_residence = residence
+            return True
+        assert self._buffer is not None
+        if not self.keep_gathered:
+            raise ChunkError(f"chunk {self.chunk_id} is gathered; shard it before moving it")
+        if self._buffer_residence is residence:
+            return False
+        self._buffer = self._place(self._buffer, residence)
+        self._buffer_residence = residence
+        self._point_tensors()
+        return True
+
+    # ------------------------------------------------------------------------------------------------ values
+    def tensor_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor's slot in the gathered buffer, shaped like the tensor."""
+        slot = self._entry(tensor).slot
+        buffer = self._require_buffer("tensor_view")
+        return buffer[slot.begin : slot.end].view(slot.shape)
+
+    def write(self, tensor: torch.Tensor, data: torch.Tensor) -> None:
+        """Copy `data` (e.g. the tensor's gradient) into the tensor's slot of the gathered buffer."""
+        self._slot_data(tensor, data, "write").copy_(data.detach().reshape(-1))
+
+    def accumulate(self, tensor: torch.Tensor, data: torch.Tensor) -> None:
+        """Add `data` into the tensor's slot of the gathered buffer."""
+        self._slot_data(tensor, data, "accumulate").add_(data.detach().reshape(-1).to(self.dtype))
+
+    def open_buffer(self) -> None:
+        """Allocate a zero full buffer on the device without gathering (for local gradients)."""
+        self._require_closed("open_buffer")
+        self.wait()
+        if self._buffer is None:
+            self._buffer = torch.zeros(self.chunk_size, dtype=self.dtype, device=self.compute_device)
+            self._buffer_residence = Residence.DEVICE
+            self._point_tensors()
+
+    def shard_tensor(self) -> torch.Tensor:
+        """This rank's own slice (1-D, `shard_size` elements): a view of the buffer when gathered."""
+        self.wait()
+        if self._shard is not None:
+            return self._shard
+        if self._buffer is not None:
+            return self._buffer[self.shard_begin : self.shard_end]
+        raise ChunkError(f"chunk {self.chunk_id} has no storage")
+
+    def shard_views(self) -> list[ShardView]:
+        """For each tensor overlapping this rank's own slice: which of its elements are where in the slice."""
+        views = []
+        for entry in self._order:
+            begin = max(entry.slot.begin, self.shard_begin)
+            end = min(entry.slot.end, self.shard_end)
+            if begin < end:
+                views.append(
+                    ShardView(
+                        entry.slot.name,
+                        begin - entry.slot.begin,
+                        end - entry.slot.begin,
+                        begin - self.shard_begin,
+                        end - self.shard_begin,
+                    )
+                )
+        return views
+
+    def shard_view(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The 1-D part of this rank's own slice that holds (part of) `tensor`, or None when none of it is here."""
+        name = self._entry(tensor).slot.name
+        for view in self.shard_views():
+            if view.name == name:
+                return self.shard_tensor()[view.shard_begin : view.shard_end]
+        return None
+
+    # --------------------------------------------------------------------------------------------- reduction
+    def reduce(self, *, accumulate: bool = False) -> None:
+        """Average the full buffer's gradients over the group (and the extra data-parallel group).
+
+        Sharded chunks reduce-scatter into the own slice and free the buffer; keep_gathered chunks all-reduce in
+        place. With `accumulate=True` the reduced slice is added into the separate own slice (gradient chunks).
+        Tensors in READY_FOR_REDUCE go back to HOLD.
+        """
+        self._require_closed("reduce")
+        self.wait()
+        buffer = self._require_buffer("reduce")
+        comm = communication_device(self.group)
+        if self.keep_gathered:
+            reduced = buffer.to(comm)
+            dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.group)
+        else:
+            reduced = torch.empty(self.shard_size, dtype=self.dtype, device=comm)
+            dist.reduce_scatter_tensor(reduced, buffer.to(comm), op=dist.ReduceOp.SUM, group=self.group)
+        divisor = self.group_size
+        if self.extra_dp_group is not None:
+            dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.extra_dp_group)
+            divisor *= dist.get_world_size(self.extra_dp_group)
+        reduced.div_(divisor)
+        reduced = reduced.to(self.compute_device)
+        if accumulate:
+            if self._shard is None:
+                self._shard, self._shard_residence = reduced, Residence.DEVICE
+            else:
+                self._shard.add_(reduced.to(self._shard.device))
+            self._buffer = None
+        elif self.keep_gathered:
+            if self._shard is not None:
+                raise ChunkError(f"chunk {self.chunk_id} accumulates gradients: call reduce(accumulate=True)")
+            buffer.copy_(reduced)
+        else:
+            if self._shard is not None:
+                raise ChunkError(f"chunk {self.chunk_id} accumulates gradients: call reduce(accumulate=True)")
+            self._shard, self._shard_residence = reduced, Residence.DEVICE
+            self._buffer = None
+        self._point_tensors()
+        for entry in self._order:
+            if entry.state is TensorState.READY_FOR_REDUCE:
+                entry.state = TensorState.HOLD
+
+    # -------------------------------------------------------------------------------------------- pairing
+    def clone_layout(
+        self, dtype: torch.dtype, *, copy_values: bool = True, residence: Residence = Residence.DEVICE
+    ) -> Chunk:
+        """A closed chunk with the same layout and group whose own slice is this one's (cast) or zeros.
+
+        The clone does not re-point tensors: its slots are looked up by the same tensors. Used for fp32 master
+        chunks (`copy_values=True`) and gradient chunks (`copy_values=False`).
+        """
+        self._require_closed("clone_layout")
+        clone = Chunk.__new__(Chunk)
+        clone.__dict__.update(self.__dict__)
+        clone.dtype = dtype
+        clone.element_size = torch.empty((), dtype=dtype).element_size()
+        clone.paired = None
+        clone._entries = {}
+        clone._order = []
+        for entry in self._order:
+            copy = _Entry(entry.tensor, entry.slot, TensorState.HOLD)
+            clone._entries[id(entry.tensor)] = copy
+            clone._order.append(copy)
+        clone._repoint = False
+        clone._buffer = None
+        clone._pending = None
+        if copy_values:
+            own = self.shard_tensor().to(dtype=dtype, copy=True)
+        else:
+            own = torch.zeros(self.shard_size, dtype=dtype, device=self.compute_device)
+        clone._shard = clone._place(own, residence)
+        clone._shard_residence = residence
+        return clone
+
+    def copy_shard_from(self, other: Chunk) -> None:
+        """Whole-slice copy (with dtype cast) of `other`'s own slice into this one's; layouts must match."""
+        if other.chunk_size != self.chunk_size or other.slots != self.slots or other.shard_begin != self.shard_begin:
+            raise ValueError(f"copy_shard_from: chunk {other.chunk_id} and chunk {self.chunk_id} differ in layout")
+        target = self.shard_tensor()
+        target.copy_(other.shard_tensor().to(device=target.device, dtype=target.dtype))
+
+    # -------------------------------------------------------------------------------------------- internals
+    def _entry(self, tensor: torch.Tensor) -> _Entry:
+        try:
+            return self._entries[id(tensor)]
+        except KeyError:
+            raise KeyError(f"tensor of shape {tuple(tensor.shape)} is not in chunk {self.chunk_id}") from None
+
+    def _require_closed(self, what: str) -> None:
+        if not self.is_closed:
+            raise ChunkError(f"chunk {self.chunk_id}: {what} needs a closed chunk; call close() first")
+
+    def _require_buffer(self, what: str) -> torch.Tensor:
+        self.wait()
+        if self._buffer is None:
+            raise ChunkError(f"chunk {self.chunk_id}: {what} needs the gathered buffer; gather it first")
+        return self._buffer
+
+    def _slot_data(self, tensor: torch.Tensor, data: torch.Tensor, what: str) -> torch.Tensor:
+        slot = self._entry(tensor).slot
+        if data.numel() != slot.numel:
+            raise ValueError(f"{what}: {slot.name!r} has {slot.numel} elements, data has {data.numel()}")
+        return self._require_buffer(what)[slot.begin : slot.end]
+
+    def _place(self, tensor: torch.Tensor, residence: Residence) -> torch.Tensor:
+        if residence is Residence.DEVICE:
+            return tensor.to(self.compute_device)
+        host = tensor.to("cpu")
+        if self.pin_memory and get_accelerator().is_pin_memory_available() and not host.is_pinned():
+            host = host.pin_memory()
+        return host
+
+    def _scatter(self, to: Residence | None = None) -> None:
+        assert self._buffer is not None
+        own = self._buffer[self.shard_begin : self.shard_end]
+        if to is Residence.HOST and self._buffer_residence is Residence.DEVICE:
+            placed = self._place(own, Residence.HOST)
+            # where host and device are the same memory `placed` is `own` itself: a partial view would keep the
+            # whole buffer alive, so copy it
+            self._shard = (
+                placed if placed.data_ptr() != own.data_ptr() or own.numel() == self.chunk_size else own.clone()
+            )
+            self._shard_residence = Residence.HOST
+        else:
+            self._shard = own if self.shard_size == self.chunk_size else own.clone()
+            self._shard_residence = self._buffer_residence
+        self._buffer = None
+        self._point_tensors()
+
+    def _finish_gather(self) -> None:
+        assert self._buffer is not None
+        self._buffer = self._buffer.to(self.compute_device)
+        self._shard = None
+        self._point_tensors()
+
+    def _point_tensors(self) -> None:
+        if not self._repoint:
+            return
+        buffer = self._buffer
+        for entry in self._order:
+            if buffer is None:
+                entry.tensor.data = torch.empty(0, dtype=self.dtype, device=self.compute_device)
+            else:
+                entry.tensor.data = buffer[entry.slot.begin : entry.slot.end].view(entry.slot.shape)

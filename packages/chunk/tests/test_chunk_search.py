@@ -1,0 +1,111 @@
+"""search_chunk_configuration: the chosen size's waste is the brute-force minimum over the same grid; small models
+become one gathered chunk; outliers get chunks of their own; the reported waste is what the manager produces."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cx_chunk import ChunkManager, search_chunk_configuration
+from cx_mesh.testing import distributed
+
+MEBI = 2**20
+
+
+def _params(sizes: list[int]) -> list[torch.Tensor]:
+    return [torch.empty(n, device="meta") for n in sizes]
+
+
+def _brute_force(sizes: list[int], range_m: float, interval: int, min_m: float, group: int) -> tuple[int, int]:
+    """(size, waste) minimising waste over the documented grid, by simulating chunks as explicit lists."""
+    mean = sum(sizes) / len(sizes)
+    std = math.sqrt(sum((s - mean) ** 2 for s in sizes) / len(sizes))
+    cut = math.floor(mean + 3 * std)
+    regular = [s for s in sizes if s <= cut]
+    outlier_waste = sum((-s) % group for s in sizes if s > cut)
+    start = max(round(min_m * MEBI), *regular)
+    start = math.ceil(start / interval) * interval
+    results = []
+    for candidate in range(start, start + round(range_m * MEBI) + 1, interval):
+        size = math.ceil(candidate / group) * group
+        chunks: list[list[int]] = [[]]
+        for s in regular:
+            if sum(chunks[-1]) + s > size:
+                chunks.append([])
+            chunks[-1].append(s)
+        results.append((sum(size - sum(c) for c in chunks) + outlier_waste, size))
+    waste, size = min(results)
+    return size, waste
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=40),
+    interval=st.sampled_from([1, 7, 64, 100]),
+    group=st.sampled_from([1, 2, 4]),
+)
+def test_chunk_search_matches_brute_force(sizes: list[int], interval: int, group: int) -> None:
+    range_m, min_m = 2000 / MEBI, 500 / MEBI
+    if sum(sizes) < round(min_m * MEBI):
+        sizes = [*sizes, 600]
+    config, total, waste = search_chunk_configuration(
+        _params(sizes), range_m, interval, min_m, filter_exlarge_params=True, group_size=group
+    )
+    size, expected_waste = _brute_force(sizes, range_m, interval, min_m, group)
+    assert total == sum(sizes)
+    assert waste == expected_waste
+    assert config.chunk_size == size
+    assert config.chunk_size % group == 0
+    assert not config.keep_gathered
+
+
+def test_chunk_search_small_model_is_one_gathered_chunk() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 3))
+    config, total, waste = search_chunk_configuration(model, 1, 16, min_chunk_size_m=1, group_size=4)
+    assert total == 10 * 10 + 10 + 10 * 3 + 3
+    assert config.keep_gathered
+    assert config.chunk_size == 144
+    assert waste == 144 - total
+
+
+def test_chunk_search_hidden_dim_sets_default_interval() -> None:
+    sizes = [1000, 1000, 24]
+    by_hidden = search_chunk_configuration(_params(sizes), 0.01, None, 0, hidden_dim=256)
+    explicit = search_chunk_configuration(_params(sizes), 0.01, 256, 0)
+    assert by_hidden == explicit
+    assert by_hidden.config.chunk_size % 256 == 0
+
+
+def test_chunk_search_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="no parameters"):
+        search_chunk_configuration([], 1, 16)
+    with pytest.raises(ValueError, match="search_range_m"):
+        search_chunk_configuration(_params([4]), -1, 16)
+    with pytest.raises(ValueError, match="search_interval"):
+        search_chunk_configuration(_params([4]), 1, 0)
+
+
+@distributed(world_size=(1, 2))
+def test_chunk_search_outliers_get_own_chunks_and_waste_is_real(rank: int, world_size: int) -> None:
+    sizes = [300] * 12 + [50_001] + [257, 33] * 5
+    config, total, waste = search_chunk_configuration(
+        _params(sizes), 2000 / MEBI, 32, 100 / MEBI, group_size=world_size
+    )
+    assert config.separate_above is not None
+    assert 300 <= config.separate_above < 50_001
+    assert config.chunk_size < 50_001
+    manager = ChunkManager(config, compute_device=torch.device("meta"))
+    params = _params(sizes)
+    for p in params:
+        manager.register_tensor(p)
+    manager.close_all_groups()
+    own = manager.get_chunk(params[12])
+    assert own.tensors == [params[12]]
+    assert own.chunk_size == -(-50_001 // world_size) * world_size
+    actual_waste = sum(c.chunk_size - c.utilized_size for c in manager.chunks())
+    assert actual_waste == waste
+    assert sum(c.utilized_size for c in manager.chunks()) == total
