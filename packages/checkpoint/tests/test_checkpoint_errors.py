@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from cx_checkpoint import (
     CheckpointKindError,
     CheckpointNotFoundError,
     CheckpointPathError,
+    CheckpointReader,
     CorruptShardError,
     GeneralCheckpointIO,
     KeyMismatchError,
@@ -79,6 +83,53 @@ def test_checkpoint_truncated_file(tmp_path: Path, shard: bool) -> None:
     victim.write_bytes(data[:8] + b"{not json" + data[17:])
     with pytest.raises(CorruptShardError, match="not valid JSON"):
         GeneralCheckpointIO().load_model(make_model(1), target)
+
+
+def _rewrite_header(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Apply `edit` to a safetensors file's JSON header, keeping the data section as it is."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    edit(header)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + length :])
+
+
+def _bigger_tensor(header: dict[str, Any]) -> str:
+    return max((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][1])
+
+
+def _wrong_shape(header: dict[str, Any]) -> None:
+    header[_bigger_tensor(header)]["shape"] = [1]
+
+
+def _overlap(header: dict[str, Any]) -> None:
+    names = sorted((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][0])
+    first, second = header[names[0]], header[names[1]]
+    width = first["data_offsets"][1] - first["data_offsets"][0]
+    second["dtype"], second["shape"] = first["dtype"], first["shape"]
+    second["data_offsets"] = [first["data_offsets"][0], first["data_offsets"][0] + width]
+
+
+def _read_every_tensor(path: Path) -> None:
+    with CheckpointReader.open(path) as reader:
+        for name in reader.names():
+            reader.read(name)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [(_wrong_shape, "inconsistent: shape"), (_overlap, "gap or overlap")],
+    ids=["shape-vs-offsets", "overlap"],
+)
+def test_checkpoint_inconsistent_header(tmp_path: Path, edit: Callable[[dict[str, Any]], None], message: str) -> None:
+    # a header whose shapes and offsets disagree is a CorruptShardError naming the file, not a SafetensorError
+    # from deep inside safetensors when the tensor is read
+    _, target = _saved(tmp_path, shard=False)
+    _rewrite_header(target, edit)
+    with pytest.raises(CorruptShardError, match=rf"{target.name}.*{message}"):
+        _read_every_tensor(target)
 
 
 @pytest.mark.parametrize("use_safetensors", [True, False], ids=["safetensors", "bin"])

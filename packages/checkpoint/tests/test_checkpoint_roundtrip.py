@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -286,3 +287,50 @@ def test_checkpoint_scheduler_state_types_survive(tmp_path: Path) -> None:
     )
     io.load_lr_scheduler(fresh, tmp_path / "s.json")
     assert fresh.state_dict() == scheduler.state_dict()
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["single", "sharded"])
+def test_checkpoint_sync_save_after_async_save_wins(tmp_path: Path, shard: bool) -> None:
+    # an async save still queued when a synchronous save of newer state to the same path runs must not land after
+    # it: the path holds what was saved last, and the async save's error-free completion is still reported
+    io = GeneralCheckpointIO()
+    target = tmp_path / ("ckpt" if shard else "model.safetensors")
+    kwargs: dict[str, Any] = {"shard": shard, "use_safetensors": True}
+    gate = threading.Event()
+
+    def busy() -> None:  # keeps the writer busy so the async save below stays queued
+        gate.wait(timeout=30)
+
+    io._async.submit(busy)
+    old, new = make_model(0), make_model(1)
+    io.save_model(old, target, use_async=True, **kwargs)
+    opener = threading.Timer(0.3, gate.set)
+    opener.start()
+    io.save_model(new, target, **kwargs)
+    io.synchronize()
+    opener.join()
+    restored = make_model(2)
+    io.load_model(restored, target)
+    assert_same_state(new.state_dict(), restored.state_dict())
+
+
+@pytest.mark.parametrize(("shard", "use_safetensors", "name"), LAYOUTS)
+def test_checkpoint_async_save_of_tied_weights_is_byte_identical(
+    tmp_path: Path, shard: bool, use_safetensors: bool, name: str
+) -> None:
+    # tied weights (one parameter under two names): staging must keep them tied, or the legacy .bin (which stores
+    # shared storages once) differs from the synchronous save's
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False), nn.Linear(10, 3))
+    model[1].weight = model[0].weight
+    io = GeneralCheckpointIO()
+    kwargs: dict[str, Any] = {"shard": shard, "use_safetensors": use_safetensors}
+    if shard:
+        kwargs["size_per_shard"] = 0.0002
+    for directory, use_async in (("sync", False), ("async", True)):
+        (tmp_path / directory).mkdir()
+        io.save_model(model, tmp_path / directory / name, use_async=use_async, **kwargs)
+    io.synchronize()
+    assert tree_bytes(tmp_path / "sync") == tree_bytes(tmp_path / "async")
+    restored = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False), nn.Linear(10, 3))
+    io.load_model(restored, tmp_path / "async" / name)
+    assert_same_state(model.state_dict(), restored.state_dict())

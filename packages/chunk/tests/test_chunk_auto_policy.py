@@ -15,8 +15,10 @@ from cx_chunk import (
     ChunkConfig,
     ChunkManager,
     ChunkScheduler,
+    Residence,
     StaticPlacementPolicy,
     StepTrace,
+    TensorState,
     gather_cost,
 )
 from cx_mesh import get_accelerator
@@ -230,3 +232,33 @@ def test_chunk_auto_policy_moves_keep_gathered_chunks_whole(rank: int, world_siz
         scheduler.end_step()
     assert len(policy.evictions) >= 4
     assert all(chunk.is_gathered for chunk in manager.chunks())  # replicated chunks are moved, never sharded
+
+
+@distributed(world_size=(1, 2))
+def test_chunk_auto_policy_keeps_in_use_replicated_chunk_on_device(rank: int, world_size: int) -> None:
+    # a keep_gathered chunk one of whose tensors is still in COMPUTE (an enclosing operation) must stay in use after
+    # an inner operation releases another of its tensors, so a later period cannot evict it to the host under the
+    # running operation
+    params = layered_params(2, 8 * world_size, seed=14)
+    manager = ChunkManager(ChunkConfig(chunk_size=8 * world_size, keep_gathered=True))
+    for layer, group in enumerate(params):
+        for index, p in enumerate(group):
+            manager.register_tensor(p, name=f"layer{layer}.p{index}")
+    manager.close_all_groups()
+    outer, other = manager.chunks()
+    policy = AutoPlacementPolicy(0.5, 1.0, capacity_bytes=2 * outer.nbytes)  # warm-up budget: one chunk
+    scheduler = ChunkScheduler(manager, policy)
+    assert other.residence is Residence.HOST  # setup moved the last chunk out to meet the warm-up budget
+    scheduler.begin_step()
+    enclosing, inner = params[0]
+    scheduler.access([enclosing], non_model_bytes=0)
+    manager.transition([enclosing], TensorState.COMPUTE)
+    run_period(scheduler, [inner])  # inner operation on the same chunk: access, compute, release
+    assert outer in manager.accessed
+    with pytest.warns(RuntimeWarning, match="everything movable is on the host"):
+        scheduler.access(params[1], non_model_bytes=0)
+    assert outer.residence is Residence.DEVICE
+    assert [e.chunk_id for e in policy.evictions] == []
+    manager.transition([enclosing], TensorState.HOLD)
+    scheduler.release([enclosing])
+    assert outer not in manager.accessed

@@ -120,3 +120,29 @@ def test_chunk_manager_rejects_bad_registration(rank: int, world_size: int) -> N
 def test_chunk_manager_rejects_size_not_multiple_of_group(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="not a multiple of the group size 2"):
         ChunkManager(ChunkConfig(chunk_size=9))
+
+
+@distributed(world_size=2)
+def test_chunk_manager_accounting_after_prefetch_completed_implicitly(rank: int, world_size: int) -> None:
+    # a prefetched (in-flight) gather that manager operations complete on the way (master and gradient chunk
+    # creation, write_grad, accumulate_grad) must still be accounted: completing it frees the own slice
+    manager = ChunkManager(ChunkConfig(chunk_size=16))
+    params = [torch.randn(8) for _ in range(4)]
+    for index, p in enumerate(params):
+        manager.register_tensor(p, name=f"p{index}")
+    manager.close_all_groups()
+    first, second = manager.chunks()
+    manager.prefetch_chunk(first)
+    manager.create_master_chunks("param")
+    _check(manager)
+    manager.release_chunk(first)
+    manager.prefetch_chunk(first)
+    manager.transition(first.tensors, TensorState.COMPUTE)
+    manager.transition(first.tensors, TensorState.HOLD_AFTER_BWD)
+    manager.write_grad(first.tensors[0], torch.ones(8))
+    _check(manager)
+    manager.prefetch_chunk(second)
+    manager.accumulate_grad(second.tensors[0], torch.ones(8))
+    _check(manager)
+    assert not first.gather_pending
+    assert not second.gather_pending

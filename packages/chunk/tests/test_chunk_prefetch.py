@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from _chunk_helpers import layered_manager, layered_params, run_period
-from cx_chunk import AutoPlacementPolicy, ChunkScheduler, MemoryTracer, MemStats, StaticPlacementPolicy
+from cx_chunk import (
+    AutoPlacementPolicy,
+    ChunkScheduler,
+    MemoryTracer,
+    MemStats,
+    StaticPlacementPolicy,
+    StepTrace,
+    TensorState,
+)
 from cx_mesh.testing import distributed
 
 
@@ -103,3 +111,75 @@ def test_chunk_memstats_and_tracer_validate() -> None:
     stats.clear()
     assert len(stats) == 0
     assert stats.max_non_model_bytes() == 0
+
+
+class _FakeAccelerator:
+    """Device memory figures a test sets by hand: bytes in use now and the peak since the last reset."""
+
+    def __init__(self) -> None:
+        self.allocated = 0
+        self.peak = 0
+
+    def use(self, nbytes: int) -> None:
+        self.allocated = nbytes
+        self.peak = max(self.peak, nbytes)
+
+    def memory_allocated(self) -> int:
+        return self.allocated
+
+    def max_memory_allocated(self) -> int:
+        return self.peak
+
+    def reset_peak_memory_stats(self) -> None:
+        self.peak = self.allocated
+
+
+@distributed(world_size=1)
+def test_chunk_tracer_attributes_measured_peak_to_its_own_period(
+    rank: int, world_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # measured non-model bytes: the peak reached while period t runs belongs to period t (the peak read when
+    # period t+1 starts is period t's, and the last period's is read at end_step); a shift by one would plan each
+    # forward period with its predecessor's (smaller) activations
+    fake = _FakeAccelerator()
+    monkeypatch.setattr("cx_chunk._memstats.get_accelerator", lambda: fake)
+    params = layered_params(3, 16, seed=12)
+    manager = layered_manager(params, world_size)
+    scheduler = ChunkScheduler(manager, StaticPlacementPolicy())
+    scheduler.begin_step()
+    activations = 0
+    for layer, (grows_by, transient) in enumerate([(100, 50), (200, 0), (300, 1000)]):
+        scheduler.access(params[layer])
+        model = manager.usage.device
+        activations += grows_by
+        fake.use(model + activations + transient)
+        fake.use(model + activations)
+        scheduler.manager.transition(params[layer], TensorState.COMPUTE)
+        scheduler.manager.transition(params[layer], TensorState.HOLD)
+        scheduler.release(params[layer])
+        fake.use(manager.usage.device + activations)
+    scheduler.end_step()
+    assert scheduler.trace is not None
+    assert scheduler.trace.non_model_per_period == (150, 300, 1600)
+
+
+@distributed(world_size=1)
+def test_chunk_step_trace_queries_match_a_scan(rank: int, world_size: int) -> None:
+    import random
+
+    params = layered_params(6, 16, seed=13)
+    manager = layered_manager(params, world_size)
+    chunks = manager.chunks()
+    generator = random.Random(3)
+    periods = tuple(frozenset(generator.sample(chunks, generator.randint(0, 3))) for _ in range(25))
+    trace = StepTrace(periods, tuple(range(len(periods))))
+    for after in range(-1, len(periods) + 1):
+        for chunk in chunks:
+            scan = next((p for p in range(after + 1, len(periods)) if chunk in periods[p]), None)
+            assert trace.next_use(chunk, after) == scan, (chunk.chunk_id, after)
+        firsts: list[int] = []
+        for period in range(after + 1, len(periods)):
+            firsts += [
+                c.chunk_id for c in sorted(periods[period], key=lambda c: c.chunk_id) if c.chunk_id not in firsts
+            ]
+        assert [c.chunk_id for c in trace.upcoming(after)] == firsts

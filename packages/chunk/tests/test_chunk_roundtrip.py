@@ -118,6 +118,10 @@ def test_chunk_shard_views_cover_every_element_once(rank: int, world_size: int) 
         shard_view = chunk.shard_view(tensors[index])
         assert shard_view is not None
         assert torch.equal(shard_view, piece)
+    here = {view.name for view in views}
+    for index, tensor in enumerate(tensors):
+        if f"p{index}" not in here:
+            assert chunk.shard_view(tensor) is None
     dist.all_reduce(covered)
     assert torch.equal(covered, torch.ones_like(covered))
 

@@ -1,16 +1,18 @@
 """Asynchronous saving: stage tensors to CPU now, write them in a background thread, re-raise errors on `synchronize`.
 
 The background job runs exactly the code a synchronous save runs, on CPU copies taken before `save_*` returns, so
-the files are byte-identical and training may keep updating the live tensors. Jobs run one at a time, in order.
+the files are byte-identical and training may keep updating the live tensors. Jobs run one at a time, in order;
+a synchronous save through the same `CheckpointIO` first waits for them, so saves land in the order they are made.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from cx_checkpoint._files import alias_key
 from cx_mesh import get_accelerator
 
 __all__ = ["AsyncWriter", "stage_to_cpu"]
@@ -21,13 +23,17 @@ def stage_to_cpu(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     accelerator = get_accelerator()
     pin = accelerator.is_pin_memory_available()
     staged: dict[str, torch.Tensor] = {}
+    copies: dict[tuple[object, ...], torch.Tensor] = {}
     any_device = False
     for name, tensor in tensors.items():
-        on_device = tensor.device.type != "cpu"
-        any_device = any_device or on_device
-        copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin and on_device)
-        copy.copy_(tensor.detach(), non_blocking=pin and on_device)
-        staged[name] = copy
+        key = alias_key(tensor)  # tied weights are staged once and stay tied, as in a synchronous save
+        if key not in copies:
+            on_device = tensor.device.type != "cpu"
+            any_device = any_device or on_device
+            copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin and on_device)
+            copy.copy_(tensor.detach(), non_blocking=pin and on_device)
+            copies[key] = copy
+        staged[name] = copies[key]
     if any_device:
         accelerator.synchronize()
     return staged
@@ -45,9 +51,9 @@ class AsyncWriter:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cx-checkpoint-writer")
         self._futures.append(self._executor.submit(job))
 
-    @property
-    def pending(self) -> int:
-        return sum(not future.done() for future in self._futures)
+    def drain(self) -> None:
+        """Wait until every submitted job has finished, leaving their errors for `synchronize`."""
+        wait(self._futures)
 
     def synchronize(self) -> None:
         """Wait for every submitted job; raise the first error (the others are chained in its notes)."""

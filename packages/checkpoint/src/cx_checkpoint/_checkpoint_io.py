@@ -133,10 +133,14 @@ class CheckpointIO(ABC):
         self._async.synchronize()
 
     def _run(self, job: Callable[[], None], use_async: bool) -> None:
-        """Run a prepared save job now, or in the background writer when `use_async`."""
+        """Run a prepared save job now, or in the background writer when `use_async`.
+
+        A synchronous job first waits for the queued asynchronous ones: otherwise an earlier async save to the same
+        path would land after it (overwriting newer state with older) or have its staging removed mid-write."""
         if use_async:
             self._async.submit(job)
         else:
+            self._async.drain()
             job()
 
     # ---- hooks ---------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ so a truncated file is reported as such. Legacy `.bin` files are read only with 
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import struct
 from collections.abc import Mapping
@@ -18,7 +19,7 @@ import torch
 
 from cx_checkpoint._errors import CorruptShardError, UnsafeCheckpointError
 
-__all__ = ["SafetensorsHeader", "load_bin", "read_safetensors_header", "write_bin", "write_safetensors"]
+__all__ = ["SafetensorsHeader", "alias_key", "load_bin", "read_safetensors_header", "write_bin", "write_safetensors"]
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 _DTYPES = {
@@ -41,14 +42,23 @@ _DTYPES = {
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
+def alias_key(tensor: torch.Tensor) -> tuple[object, ...]:
+    """Equal for two tensors exactly when they are the same view of the same memory (tied weights)."""
+    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+
+
 def _standalone(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors detached, on CPU and contiguous (copies are made only where needed)."""
+    """The tensors detached, on CPU and contiguous (copies are made only where needed, once per aliased view)."""
     out: dict[str, torch.Tensor] = {}
+    done: dict[tuple[object, ...], torch.Tensor] = {}
     for name, tensor in tensors.items():
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        out[name] = t if t.is_contiguous() else t.contiguous()
+        key = alias_key(tensor)
+        if key not in done:
+            t = tensor.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            done[key] = t if t.is_contiguous() else t.contiguous()
+        out[name] = done[key]
     return out
 
 
@@ -89,9 +99,15 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
 def write_bin(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
     """Write a legacy `pytorch_model.bin`-style file: `torch.save` of a plain name -> tensor dict."""
     plain = {}
+    copies: dict[int, torch.Tensor] = {}
     for name, tensor in _standalone(tensors).items():
-        # torch.save stores whole storages: a view of a larger storage would drag all of it along.
-        plain[name] = tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
+        # torch.save stores whole storages: a view of a larger storage would drag all of it along. Aliases (tied
+        # weights) stay one tensor, so the file is the same whether or not the tensors were staged first.
+        if tensor.untyped_storage().nbytes() != tensor.nbytes:
+            if id(tensor) not in copies:
+                copies[id(tensor)] = tensor.clone()
+            tensor = copies[id(tensor)]
+        plain[name] = tensor
     torch.save(plain, path)
 
 
@@ -126,8 +142,10 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
     if not isinstance(header, dict):
         raise CorruptShardError(f"{path}: safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CorruptShardError(f"{path}: safetensors __metadata__ is not a JSON object")
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
-    end = 0
+    extents: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         try:
             dtype = _DTYPES[entry["dtype"]]
@@ -135,8 +153,22 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
             begin, stop = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as error:
             raise CorruptShardError(f"{path}: malformed header entry for tensor {name!r}: {entry!r}") from error
-        tensors[name] = (dtype, shape, stop - begin)
-        end = max(end, stop)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if min(shape, default=0) < 0 or stop - begin != nbytes:
+            raise CorruptShardError(
+                f"{path}: header entry for tensor {name!r} is inconsistent: shape {list(shape)} of "
+                f"{entry['dtype']} is {nbytes} bytes but data_offsets {[begin, stop]} span {stop - begin}"
+            )
+        tensors[name] = (dtype, shape, nbytes)
+        extents.append((begin, stop, name))
+    # safetensors requires the tensors to tile the data section exactly: no gap, no overlap
+    end = 0
+    for begin, stop, name in sorted(extents):
+        if begin != end:
+            raise CorruptShardError(
+                f"{path}: tensor {name!r} starts at data byte {begin}, expected {end} (gap or overlap in the header)"
+            )
+        end = stop
     expected = 8 + header_length + end
     if size != expected:
         raise CorruptShardError(

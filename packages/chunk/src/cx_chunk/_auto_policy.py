@@ -25,7 +25,7 @@ from cx_chunk._chunk import Chunk
 from cx_chunk._errors import BudgetError
 from cx_chunk._layout import Residence
 from cx_chunk._manager import ChunkManager
-from cx_chunk._policy import PlacementPolicy, gather_cost, release_headroom
+from cx_chunk._policy import PlacementPolicy, gather_cost, in_use, release_headroom
 from cx_chunk._trace import StepTrace
 from cx_mesh import get_accelerator
 
@@ -152,7 +152,7 @@ class AutoPlacementPolicy(PlacementPolicy):
         for chunk in manager.chunks():
             if chunk in needed or chunk in manager.accessed or chunk.memory_usage().device == 0:
                 continue
-            if chunk.is_gathered and not chunk.keep_gathered and not chunk.can_release:
+            if in_use(chunk):
                 continue
             out.append(chunk)
         return out

@@ -340,11 +340,11 @@ class Chunk:
 
     def shard_view(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """The 1-D part of this rank's own slice that holds (part of) `tensor`, or None when none of it is here."""
-        name = self._entry(tensor).slot.name
-        for view in self.shard_views():
-            if view.name == name:
-                return self.shard_tensor()[view.shard_begin : view.shard_end]
-        return None
+        slot = self._entry(tensor).slot
+        begin, end = max(slot.begin, self.shard_begin), min(slot.end, self.shard_end)
+        if begin >= end:
+            return None
+        return self.shard_tensor()[begin - self.shard_begin : end - self.shard_begin]
 
     # --------------------------------------------------------------------------------------------- reduction
     def reduce(self, *, accumulate: bool = False) -> None:
@@ -379,7 +379,8 @@ class Chunk:
         elif self.keep_gathered:
             if self._shard is not None:
                 raise ChunkError(f"chunk {self.chunk_id} accumulates gradients: call reduce(accumulate=True)")
-            buffer.copy_(reduced)
+            if reduced is not buffer:  # reduced in place when the backend takes the buffer's device
+                buffer.copy_(reduced)
         else:
             if self._shard is not None:
                 raise ChunkError(f"chunk {self.chunk_id} accumulates gradients: call reduce(accumulate=True)")

@@ -238,6 +238,7 @@ class ChunkManager:
         for chunk in self._groups[group_name]:
             if id(chunk) in self._masters:
                 raise ChunkError(f"chunk {chunk.chunk_id} already has a master chunk")
+            self._settle(chunk)
             master = chunk.clone_layout(dtype, copy_values=True, residence=residence)
             chunk.paired, master.paired = master, chunk
             self._masters[id(chunk)] = master
@@ -255,6 +256,7 @@ class ChunkManager:
         """The gradient chunk of `chunk` (same layout, zero own slice), created on first call."""
         grad = self._grads.get(id(chunk))
         if grad is None:
+            self._settle(chunk)
             grad = chunk.clone_layout(chunk.dtype, copy_values=False, residence=residence)
             self._grads[id(chunk)] = grad
             self._add(grad.memory_usage())
@@ -294,17 +296,21 @@ class ChunkManager:
     def write_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         """Place a gradient in the tensor's slot of its (gathered) parameter chunk, as Gemini does without
         accumulation: the parameter values there are no longer needed once backward has used them."""
-        self.get_chunk(tensor).write(tensor, grad)
+        chunk = self.get_chunk(tensor)
+        self._settle(chunk)
+        chunk.write(tensor, grad)
 
     def accumulate_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         """Add a gradient into the tensor's slot of its gradient chunk's local buffer (allocated on demand)."""
         grad_chunk = self.grad_chunk(self.get_chunk(tensor))
+        self._settle(grad_chunk)
         if not grad_chunk.is_gathered:
             self._tracked(grad_chunk, grad_chunk.open_buffer)
         grad_chunk.accumulate(tensor, grad)
 
     def zero_grad_chunks(self) -> None:
         for grad in self._grads.values():
+            self._settle(grad)
             grad.shard_tensor().zero_()
 
     # ------------------------------------------------------------------------------------------- accounting
@@ -327,6 +333,12 @@ class ChunkManager:
     def _add(self, delta: MemoryUsage) -> None:
         self._usage = self._usage + delta
         self._peak = MemoryUsage(max(self._peak.device, self._usage.device), max(self._peak.host, self._usage.host))
+
+    def _settle(self, chunk: Chunk) -> None:
+        """Complete a pending asynchronous gather under accounting before a chunk method would complete it
+        implicitly (completing frees the own slice, which the usage figures must see)."""
+        if chunk.gather_pending:
+            self._tracked(chunk, chunk.wait)
 
     def _tracked(self, chunk: Chunk, operation: Callable[[], _T]) -> _T:
         with self._accounting(chunk):

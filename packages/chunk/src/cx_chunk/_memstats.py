@@ -9,7 +9,7 @@ package installs no hooks itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -77,19 +77,35 @@ class MemStats:
 class MemoryTracer:
     """Records periods into a `MemStats`, measuring non-model memory when it is not given.
 
-    Measured non-model bytes = the accelerator's peak memory since the previous record minus the model bytes
-    (`model_bytes()`, e.g. a ChunkManager's device usage); the peak is then reset. On CPU the peak cannot be reset
-    (it is the process's), so CPU callers pass `non_model_bytes` explicitly.
+    A measured period's non-model bytes are the accelerator's peak between its own `record` and the next one (or
+    `finish`), minus the model bytes (`model_bytes()`, e.g. a ChunkManager's device usage): the peak taken when
+    period t+1 starts belongs to period t, not to t+1. Until then a period holds the non-model bytes in use when it
+    started; `finish` (called by `ChunkScheduler.end_step`) attributes the last period's peak. On CPU the peak cannot
+    be reset (it is the process's), so CPU callers pass `non_model_bytes` explicitly.
     """
 
     def __init__(self, memstats: MemStats | None = None, *, model_bytes: Callable[[], int] | None = None) -> None:
         self.memstats = memstats if memstats is not None else MemStats()
         self._model_bytes = model_bytes if model_bytes is not None else (lambda: 0)
+        self._measuring: PeriodRecord | None = None
 
     def record(self, tensors: Sequence[torch.Tensor], *, non_model_bytes: int | None = None) -> PeriodRecord:
+        self.finish()
         model = self._model_bytes()
-        if non_model_bytes is None:
-            accelerator = get_accelerator()
-            non_model_bytes = max(0, accelerator.max_memory_allocated() - model)
-            accelerator.reset_peak_memory_stats()
-        return self.memstats.record_period(tensors, non_model_bytes, model)
+        if non_model_bytes is not None:
+            return self.memstats.record_period(tensors, non_model_bytes, model)
+        accelerator = get_accelerator()
+        record = self.memstats.record_period(tensors, max(0, accelerator.memory_allocated() - model), model)
+        accelerator.reset_peak_memory_stats()
+        self._measuring = record
+        return record
+
+    def finish(self) -> None:
+        """Attribute the peak since the last measured `record` to that period (no-op when none is open)."""
+        record, self._measuring = self._measuring, None
+        periods = self.memstats.periods
+        if record is None or record.index >= len(periods) or periods[record.index] is not record:
+            return
+        model = max(record.model_bytes, self._model_bytes())
+        peak = max(0, get_accelerator().max_memory_allocated() - model)
+        periods[record.index] = replace(record, non_model_bytes=max(record.non_model_bytes, peak))

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from cx_chunk._chunk import Chunk
 from cx_chunk._layout import Residence
 from cx_chunk._manager import ChunkManager
+from cx_chunk._states import TensorState
 from cx_chunk._trace import StepTrace
 
 __all__ = ["PlacementPolicy"]
@@ -43,6 +44,16 @@ class PlacementPolicy(ABC):
     def admits_prefetch(self, manager: ChunkManager, chunk: Chunk, period: int, trace: StepTrace) -> bool:
         """Whether `chunk` may be gathered ahead of use during `period` (default: always)."""
         return True
+
+
+_IN_USE = (TensorState.COMPUTE, TensorState.HOLD_AFTER_BWD, TensorState.READY_FOR_REDUCE)
+
+
+def in_use(chunk: Chunk) -> bool:
+    """Whether any tensor of `chunk` is in use (not HOLD or FREE); unlike `Chunk.can_release` this also holds for
+    keep_gathered chunks, which are never sharded but can still be moved to the host."""
+    counts = chunk.state_counts()
+    return any(counts[state] for state in _IN_USE)
 
 
 def gather_cost(chunk: Chunk) -> int:

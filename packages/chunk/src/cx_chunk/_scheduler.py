@@ -12,6 +12,7 @@ keeps a chunk gathered when the next recorded period uses it again (no shard/re-
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -21,7 +22,7 @@ from cx_chunk._chunk import Chunk
 from cx_chunk._layout import Residence
 from cx_chunk._manager import ChunkManager
 from cx_chunk._memstats import MemoryTracer, MemStats
-from cx_chunk._policy import PlacementPolicy
+from cx_chunk._policy import PlacementPolicy, in_use
 from cx_chunk._trace import StepTrace
 from cx_mesh import communication_device
 
@@ -87,7 +88,7 @@ class ChunkScheduler:
         A chunk with a tensor still in use (shared by an enclosing operation) stays gathered until then."""
         following = self._period  # index of the period after the one that just ran
         for chunk in self.manager.chunks_of(tensors):
-            if not (chunk.can_release or chunk.keep_gathered):
+            if in_use(chunk):  # keep_gathered chunks too: unmarked, the policy could evict them under the operation
                 continue
             self.manager.mark_unused(chunk)
             if (
@@ -103,11 +104,12 @@ class ChunkScheduler:
             raise RuntimeError("ChunkScheduler.end_step: no step in progress")
         self._in_step = False
         if self.trace is None:
+            self.tracer.finish()
             self.trace = self._build_trace(self.tracer.memstats)
 
     def _prefetch(self, period: int) -> None:
         assert self.trace is not None
-        for chunk in self.trace.upcoming(period)[: self.max_prefetch]:
+        for chunk in itertools.islice(self.trace._iter_upcoming(period), self.max_prefetch):
             if chunk.is_gathered and chunk.residence is Residence.DEVICE:
                 continue  # already ahead of use (gathered earlier, or in use now)
             if not self.policy.admits_prefetch(self.manager, chunk, period, self.trace):
