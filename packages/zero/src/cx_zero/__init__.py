@@ -1,0 +1,42 @@
+"""cx-zero: ZeRO data parallelism for cx.
+
+- `LowLevelZeroOptimizer`: ZeRO-1/2 (master weights, optimizer state and, with stage 2, gradients partitioned) over
+  one or several data-parallel groups (dense over the full DP group, MoE experts over a smaller one).
+- Shared with Gemini: `DynamicGradScaler` / `ConstantGradScaler` (loss scaling), `compute_grad_norm` /
+  `clip_grad_norm_` (norm over exactly the given groups), `has_inf_or_nan` / `any_across_groups` (overflow),
+  `HybridAdam` / `CPUAdam` (fused Adam(W), fast on CPU shards), `require_elementwise` (which optimizers may step on
+  flat shards).
+"""
+
+from cx_zero._adam import CPUAdam, HybridAdam
+from cx_zero._elementwise import ELEMENTWISE_OPTIMIZER_TYPES, require_elementwise
+from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
+from cx_zero._low_level_optimizer import LowLevelZeroOptimizer
+from cx_zero._norm import NormType, clip_coefficient, clip_grad_norm_, compute_grad_norm, local_norm_term, reduce_norm
+from cx_zero._options import LowLevelZeroOptions, ZeroStage
+from cx_zero._overflow import any_across_groups, has_inf_or_nan
+
+__all__ = [
+    # ZeRO-1/2
+    "LowLevelZeroOptimizer",
+    "LowLevelZeroOptions",
+    "ZeroStage",
+    # loss scaling and overflow
+    "BaseGradScaler",
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "any_across_groups",
+    "has_inf_or_nan",
+    # norms and clipping
+    "NormType",
+    "clip_coefficient",
+    "clip_grad_norm_",
+    "compute_grad_norm",
+    "local_norm_term",
+    "reduce_norm",
+    # optimizers
+    "CPUAdam",
+    "HybridAdam",
+    "ELEMENTWISE_OPTIMIZER_TYPES",
+    "require_elementwise",
+]

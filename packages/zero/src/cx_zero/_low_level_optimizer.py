@@ -1,0 +1,446 @@
+"""`LowLevelZeroOptimizer`: ZeRO-1/2 around any elementwise torch optimizer, over one or several DP groups.
+
+Parameters stay whole on every rank (the "working" parameters the model computes with). Each trainable parameter is
+assigned to one process group (`pg_to_param_list`; default: all over `dp_process_group` or the world), flattened,
+padded and split over it (see `_partition`); the wrapped optimizer steps only this rank's master shards. Gradients
+are reduced in fixed buckets (`_buckets`, `_reduce`) at the end of `backward` (or during it with
+`overlap_communication` or stage 2), the step runs on the shards, and the updated shards are all-gathered back into
+the working parameters (`_gather`), optionally lazily just before the next forward (`overlap_allgather`).
+
+Global decisions (inf/nan overflow and the gradient norm, one reduction of the summed squares) are reduced over the
+group that spans all the others (the dense DP group when experts use a sub-group) and over the TP/PP groups when
+given, never over an unrelated group. Whether a parameter received a gradient travels with the gradient buckets, so
+every rank of its group agrees, and a parameter no rank used is skipped by the optimizer exactly as torch skips a
+parameter whose `.grad` is None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cx_mesh import ProcessGroup, assert_same_across_ranks, get_dist_logger, require_initialized
+from cx_zero._buckets import plan_buckets
+from cx_zero._comm import group_ranks
+from cx_zero._elementwise import require_elementwise
+from cx_zero._gather import DeferredGathers, GroupGatherer
+from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
+from cx_zero._norm import clip_coefficient, local_norm_term, reduce_norm
+from cx_zero._options import LowLevelZeroOptions, ZeroStage
+from cx_zero._partition import ParamShard, shard_of
+from cx_zero._reduce import GroupReducer
+from cx_zero._setup import decide_working_dtype, group_params, parameter_names, trainable_params
+from cx_zero._state_dict import sharded_optimizer_state, state_bytes, stream_full_states
+
+__all__ = ["LowLevelZeroOptimizer"]
+
+_MIB = 1024 * 1024
+_HOOK_ATTRIBUTE = "_cx_zero_grad_hook"  # the handle of the gradient hook of the optimizer that owns a parameter
+
+
+class LowLevelZeroOptimizer:
+    """ZeRO stage 1 (`partition_grad=False`) or 2 (`partition_grad=True`) with ColossalAI's arguments.
+
+    cx additions (keyword-only): `module` (an `nn.Module` or a name -> parameter mapping) names parameters in state
+    dicts (otherwise they are keyed by their position, as strings); `tp_process_group` / `pp_process_group` join the
+    gradient-norm and overflow reductions when the model is also split by tensor or pipeline parallelism.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        pg_to_param_list: Mapping[ProcessGroup, list[nn.Parameter]] | None = None,
+        initial_scale: float = 2**16,
+        min_scale: float = 1,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 2,
+        max_scale: float = 2**24,
+        clip_grad_norm: float = 0.0,
+        verbose: bool = False,
+        reduce_bucket_size: int = 1024 * 1024,
+        communication_dtype: torch.dtype | None = None,
+        overlap_communication: bool = False,
+        partition_grad: bool = False,
+        cpu_offload: bool = False,
+        dp_process_group: ProcessGroup | None = None,
+        extra_dp_group: ProcessGroup | None = None,
+        forced_dtype: torch.dtype | None = None,
+        master_weights: bool = True,
+        overlap_allgather: bool = False,
+        *,
+        module: nn.Module | Mapping[str, torch.Tensor] | None = None,
+        tp_process_group: ProcessGroup | None = None,
+        pp_process_group: ProcessGroup | None = None,
+    ) -> None:
+        require_initialized("LowLevelZeroOptimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"LowLevelZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        require_elementwise(optimizer, "LowLevelZeroOptimizer")
+        if optimizer.state:
+            raise ValueError(
+                "LowLevelZeroOptimizer needs a fresh optimizer (its state is partitioned at construction); "
+                "load earlier state afterwards with load_state_dict"
+            )
+        if pg_to_param_list is not None and dp_process_group is not None:
+            raise ValueError("give either dp_process_group or pg_to_param_list, not both")
+        if pg_to_param_list is not None and extra_dp_group is not None:
+            raise ValueError(
+                "extra_dp_group is supported only with a single dp_process_group, not with pg_to_param_list"
+            )
+        self.options = LowLevelZeroOptions(
+            initial_scale=initial_scale,
+            min_scale=min_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            max_scale=max_scale,
+            clip_grad_norm=clip_grad_norm,
+            verbose=verbose,
+            reduce_bucket_size=reduce_bucket_size,
+            communication_dtype=communication_dtype,
+            overlap_communication=overlap_communication,
+            stage=ZeroStage.TWO if partition_grad else ZeroStage.ONE,
+            cpu_offload=cpu_offload,
+            forced_dtype=forced_dtype,
+            master_weights=master_weights,
+            overlap_allgather=overlap_allgather,
+        )
+        self.optim = optimizer
+        self._logger = get_dist_logger()
+
+        trainable = trainable_params(optimizer)
+        self._working_dtype = decide_working_dtype(trainable, forced_dtype)
+        self._master_dtype = torch.float32 if master_weights else self._working_dtype
+        self._fp16 = self._working_dtype == torch.float16
+        names = parameter_names(trainable, module)
+        groups = group_params(trainable, pg_to_param_list, dp_process_group)
+
+        self._shards: list[ParamShard] = []
+        self._shard_of: dict[int, ParamShard] = {}
+        self._groups: list[ProcessGroup | None] = []
+        self._group_shards: list[list[ParamShard]] = []
+        self._reducers: list[GroupReducer] = []
+        self._gatherers: list[GroupGatherer] = []
+        position = {id(p): i for i, p in enumerate(trainable)}
+        for group in [g for g, _ in groups] + [extra_dp_group]:
+            if group is not None and dist.get_rank(group) < 0:
+                raise ValueError(
+                    f"rank {dist.get_rank()} is not a member of a process group given to LowLevelZeroOptimizer "
+                    f"(ranks {group_ranks(group)}): pass each rank its own groups"
+                )
+        for group_index, (group, params) in enumerate(groups):
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            assert_same_across_ranks(
+                (repr(self.options), [(tuple(p.shape), str(p.dtype)) for p in params]),
+                group,
+                "LowLevelZeroOptimizer options and parameter shapes",
+            )
+            device = torch.device("cpu") if cpu_offload else params[0].device if params else torch.device("cpu")
+            shards = []
+            for param in params:
+                master = shard_of(param.detach(), size, rank).to(device=device, dtype=self._master_dtype).clone()
+                shard = ParamShard(position[id(param)], names[id(param)], param, master, group_index, size, rank)
+                shards.append(shard)
+                self._shard_of[id(param)] = shard
+            buckets = plan_buckets(list(reversed(shards)), self.options.reduce_bucket_size)
+            comm_dtype = communication_dtype or self._working_dtype
+            self._groups.append(group)
+            self._group_shards.append(shards)
+            self._reducers.append(
+                GroupReducer(group, buckets, self.options.stage, comm_dtype, self._master_dtype, device, extra_dp_group)
+            )
+            self._gatherers.append(GroupGatherer(group, buckets, self._working_dtype))
+        self._shards = sorted(self._shard_of.values(), key=lambda s: s.index)
+        self._spanning_index = self._spanning_group_index()
+        spanning = self._groups[self._spanning_index]
+        self._norm_groups = [spanning] + [g for g in (tp_process_group, pp_process_group) if g is not None]
+
+        for param_group in optimizer.param_groups:
+            param_group["params"] = [self._shard_of[id(p)].master for p in param_group["params"] if p.requires_grad]
+
+        self.grad_scaler: BaseGradScaler = (
+            DynamicGradScaler(
+                initial_scale=initial_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                hysteresis=hysteresis,
+            )
+            if self._fp16
+            else ConstantGradScaler(1.0)
+        )
+        self._require_grad_sync = True
+        self._in_backward = False
+        self._unreduced = False
+        self._grad_norm: float | None = None
+        self._last_overflow = False
+        self._deferred = DeferredGathers()
+        for shard in self._shards:
+            # A parameter belongs to the newest optimizer built over it: an older one's hook is removed, so
+            # re-wrapping a model (e.g. after loading a checkpoint) never leaves a stale optimizer reducing gradients.
+            previous = getattr(shard.working, _HOOK_ATTRIBUTE, None)
+            if previous is not None:
+                previous.remove()
+            handle = shard.working.register_post_accumulate_grad_hook(self._grad_hook(shard))
+            setattr(shard.working, _HOOK_ATTRIBUTE, handle)
+
+    def _spanning_group_index(self) -> int:
+        """The group whose ranks include every other group's: norm and overflow reduce over it (then TP, PP)."""
+        all_ranks = {r for g in self._groups for r in group_ranks(g)}
+        spanning = [i for i, g in enumerate(self._groups) if set(group_ranks(g)) >= all_ranks]
+        if not spanning:
+            raise ValueError(
+                "the process groups in pg_to_param_list must be nested: one of them (the dense data-parallel "
+                f"group) must contain the ranks of all the others; got {[group_ranks(g) for g in self._groups]}"
+            )
+        return spanning[0]
+
+    def _grad_hook(self, shard: ParamShard) -> Any:
+        def hook(_param: torch.Tensor) -> None:
+            if not self._in_backward:
+                raise RuntimeError(
+                    "a parameter managed by LowLevelZeroOptimizer received a gradient outside optimizer.backward(): "
+                    "call optimizer.backward(loss) or optimizer.backward_by_grad(tensor, grad) instead of "
+                    "loss.backward(), so that gradients are reduced"
+                )
+            shard.used = True
+            if self._require_grad_sync:
+                # Stage 2 reduces during backward even without overlap_communication, so that the full-size
+                # gradients are released bucket by bucket instead of piling up until the end of backward. Only the
+                # spanning group launches early: the other groups' buckets go at the end of backward, after it, so
+                # every rank issues collectives on different groups in one global order (NCCL needs that).
+                eager = self.options.overlap_communication or self.options.stage is ZeroStage.TWO
+                eager = eager and shard.group_index == self._spanning_index
+                self._reducers[shard.group_index].mark_ready(shard, launch=eager)
+
+        return hook
+
+    # ---- properties -------------------------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (over master shards): change `lr` here or with a scheduler."""
+        return self.optim.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.grad_scaler.scale
+
+    @property
+    def stage(self) -> int:
+        return self.options.stage.value
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last `step()` was skipped because of an inf/nan gradient."""
+        return self._last_overflow
+
+    # ---- backward -------------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Backward of `loss` (scaled for fp16) and, outside `no_sync`, the reduction of the gradients."""
+        self.synchronize_working_params()
+        if self._fp16:
+            loss = loss.float() * self.grad_scaler.scale  # scale in fp32: an fp16 loss times 2**16 may overflow
+        self._in_backward = True
+        try:
+            loss.backward(retain_graph=retain_graph)
+        finally:
+            self._in_backward = False
+        self._after_backward()
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        """Backward from an intermediate `tensor` with upstream `grad` (pipeline stages)."""
+        self.synchronize_working_params()
+        if self._fp16:
+            grad = grad * self.grad_scaler.scale
+        self._in_backward = True
+        try:
+            torch.autograd.backward(tensor, grad)
+        finally:
+            self._in_backward = False
+        self._after_backward()
+
+    def _after_backward(self) -> None:
+        if not self._require_grad_sync:
+            self._unreduced = True
+            return
+        # The spanning group first (it may have launched early), then the others in their given order.
+        order = [self._spanning_index] + [i for i in range(len(self._reducers)) if i != self._spanning_index]
+        for index in order:
+            self._reducers[index].flush()
+        self._unreduced = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) for the backwards inside; the next one outside reduces."""
+        previous = self._require_grad_sync
+        self._require_grad_sync = False
+        try:
+            yield
+        finally:
+            self._require_grad_sync = previous
+
+    # ---- step -----------------------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Agree on used parameters and overflow, unscale and clip, step the shards, rebuild working params."""
+        if not self._require_grad_sync:
+            raise RuntimeError("step() inside no_sync(): leave the no_sync() context and run one more backward first")
+        if self._unreduced:
+            raise RuntimeError(
+                "the last backward ran inside no_sync(), so its gradients were never reduced: "
+                "run the final micro-batch's backward outside no_sync() before step()"
+            )
+        self.synchronize_working_params()
+        self._agree_on_used()
+        grads = [s.grad_shard for s in self._shards if s.grad_shard is not None]
+        # One reduction answers both questions: an inf/nan anywhere makes the summed squares non-finite.
+        scaled_norm = float(reduce_norm(local_norm_term(grads, 2.0), 2.0, self._norm_groups))
+        overflow = self._fp16 and not math.isfinite(scaled_norm)
+        scale = self.grad_scaler.scale
+        self.grad_scaler.update(overflow)
+        self._last_overflow = overflow
+        if overflow:
+            if self.options.verbose:
+                self._logger.info(f"gradient overflow: step skipped, loss scale now {self.grad_scaler.scale}", [0])
+            self._clear_gradients()
+            return
+        norm = scaled_norm / scale
+        self._grad_norm = norm
+        factor = 1.0 / scale
+        if self.options.clip_grad_norm > 0:
+            factor *= clip_coefficient(norm, self.options.clip_grad_norm)
+        if factor != 1.0 and grads:
+            torch._foreach_mul_(grads, factor)
+        for shard in self._shards:
+            shard.master.grad = shard.grad_shard
+        self.optim.step()
+        self._clear_gradients()
+        pending = [p for gatherer in self._gatherers for p in gatherer.start(self.options.overlap_allgather)]
+        if self.options.overlap_allgather:
+            self._deferred.defer(pending)
+        else:
+            for item in pending:
+                item.finish()
+
+    def _agree_on_used(self) -> None:
+        """A parameter takes part in the step when any rank of its group produced a gradient for it (the flags
+        travelled with the gradient buckets, so every rank of the group reads the same answer)."""
+        flagged = [s for s in self._shards if s.used_anywhere is not None]
+        values = torch.cat([s.used_anywhere for s in flagged if s.used_anywhere is not None]).cpu() if flagged else None
+        used = {id(s): bool(values[i]) for i, s in enumerate(flagged)} if values is not None else {}
+        for shard in self._shards:
+            if not used.get(id(shard), False):
+                shard.grad_shard = None
+            elif shard.grad_shard is None:
+                shard.grad_shard = torch.zeros_like(shard.master)
+
+    def _clear_gradients(self) -> None:
+        for shard in self._shards:
+            shard.grad_shard = None
+            shard.master.grad = None
+            shard.used = False
+            shard.used_anywhere = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the working gradients and the reduced gradient shards."""
+        for shard in self._shards:
+            if set_to_none or shard.working.grad is None:
+                shard.working.grad = None
+            else:
+                shard.working.grad.zero_()
+        self._clear_gradients()
+        self._unreduced = False
+
+    def get_grad_norm(self) -> float | None:
+        """The unscaled global 2-norm of the gradients of the last completed step (None before any)."""
+        return self._grad_norm
+
+    def synchronize_working_params(self) -> None:
+        """Finish every deferred all-gather (`overlap_allgather`) so the working parameters are up to date."""
+        self._deferred.finish_all()
+
+    # ---- maps -----------------------------------------------------------------------------------------------
+    def get_working_to_master_map(self) -> dict[int, torch.Tensor]:
+        """id(working parameter) -> this rank's master shard."""
+        return {id(s.working): s.master for s in self._shards}
+
+    def get_master_to_working_map(self) -> dict[int, nn.Parameter]:
+        """id(master shard) -> working parameter."""
+        return {id(s.master): s.working for s in self._shards}
+
+    def get_param_padding_map(self) -> dict[int, int]:
+        """id(working parameter) -> zeros appended before splitting it over its group."""
+        return {id(s.working): s.padding for s in self._shards}
+
+    def update_master_params(self, model: nn.Module) -> None:
+        """Copy the (e.g. freshly loaded) working parameters of `model` into this rank's master shards."""
+        self.synchronize_working_params()
+        with torch.no_grad():
+            for param in model.parameters():
+                shard = self._shard_of.get(id(param))
+                if shard is not None:
+                    piece = shard_of(param.detach(), shard.group_size, shard.group_rank)
+                    shard.master.copy_(piece.to(device=shard.master.device, dtype=shard.master.dtype))
+
+    # ---- state dicts ----------------------------------------------------------------------------------------
+    def _shard_groups(self) -> list[list[ParamShard]]:
+        masters = {id(s.master): s for s in self._shards}
+        return [[masters[id(m)] for m in group["params"]] for group in self.optim.param_groups]
+
+    def state_shard(
+        self, prefix: str = "", max_shard_size: float = 1024, only_rank_0: bool = False
+    ) -> Iterator[tuple[dict[str, dict[str, Any]], int]]:
+        """Yield (full states by `prefix + name`, bytes) pieces of at most `max_shard_size` MiB.
+
+        Collective: every rank must iterate it to the end. With `only_rank_0`, other ranks yield nothing.
+        """
+        if max_shard_size <= 0:
+            raise ValueError(f"max_shard_size must be a positive number of MiB, got {max_shard_size}")
+        self.synchronize_working_params()
+        keep = not only_rank_0 or dist.get_rank() == 0
+        shards = [s for group in self._shard_groups() for s in group]
+        limit = int(max_shard_size * _MIB)
+        include_master = self._master_dtype != self._working_dtype  # mixed precision: resume from fp32 masters
+        yield from stream_full_states(shards, self.optim, self._groups, prefix, limit, keep, include_master)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full optimizer state by parameter name, plus param groups and the loss scaler (collective)."""
+        state: dict[str, dict[str, Any]] = {}
+        for piece, _ in self.state_shard(max_shard_size=1 << 40):
+            state.update(piece)
+        groups = []
+        for group, shards in zip(self.optim.param_groups, self._shard_groups(), strict=True):
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [s.key for s in shards]})
+        return {"state": state, "param_groups": groups, "grad_scaler": self.grad_scaler.state_dict()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a full state dict (by name, from any world size); each rank keeps its slices."""
+        self.synchronize_working_params()
+        for key in ("state", "param_groups"):
+            if key not in state_dict:
+                raise KeyError(f"optimizer state dict needs a {key!r} entry, got {sorted(state_dict)}")
+        inner, masters = sharded_optimizer_state(state_dict, self._shard_groups())
+        self.optim.load_state_dict(inner)
+        with torch.no_grad():
+            for shard in self._shards:
+                master = masters.get(id(shard.master))
+                if master is not None:
+                    shard.master.copy_(master.to(device=shard.master.device, dtype=shard.master.dtype))
+        if "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(dict(state_dict["grad_scaler"]))
+
+    def local_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for master shards and optimizer state (for memory accounting)."""
+        masters = sum(s.master.numel() * s.master.element_size() for s in self._shards)
+        state = sum(state_bytes(dict(v)) for v in self.optim.state.values())
+        return {"master": masters, "optimizer_state": state}

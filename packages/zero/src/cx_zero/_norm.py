@@ -1,0 +1,111 @@
+"""Distributed gradient norm and clipping over exactly the process groups that hold the gradients.
+
+Each rank passes the gradients (or gradient shards) it holds. The local contribution (sum of squares for the
+2-norm, max |g| for the inf-norm) is reduced over each given group in turn, so pass groups whose ranks hold disjoint
+parts of the model (e.g. the DP group a ZeRO shard is split over, then the TP group, then the PP group); never a
+group whose ranks hold copies of the same gradients. With no groups the norm is the local one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+
+from cx_mesh import ProcessGroup, communication_device
+
+__all__ = ["NormType", "clip_coefficient", "clip_grad_norm_", "compute_grad_norm", "reduce_norm", "local_norm_term"]
+
+
+class NormType(Enum):
+    """The norms supported: the 2-norm and the max-norm."""
+
+    TWO = "2"
+    INF = "inf"
+
+    @classmethod
+    def parse(cls, value: float | str | NormType) -> NormType:
+        if isinstance(value, NormType):
+            return value
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text in ("inf", "infinity"):
+                return cls.INF
+            try:
+                value = float(text)
+            except ValueError:
+                raise ValueError(f"unsupported norm type {value!r}: expected 2 or inf") from None
+        if value == 2:
+            return cls.TWO
+        if math.isinf(value) and value > 0:
+            return cls.INF
+        raise ValueError(f"unsupported norm type {value!r}: expected 2 or inf")
+
+
+def local_norm_term(tensors: Iterable[torch.Tensor], norm_type: float | str | NormType = 2.0) -> torch.Tensor:
+    """This rank's float32 contribution: sum of squares (2-norm) or max |x| (inf-norm); 0 for no tensors."""
+    kind = NormType.parse(norm_type)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel() > 0:
+            by_device.setdefault(t.device, []).append(t.detach())
+    if not by_device:
+        return torch.zeros((), dtype=torch.float32)
+    order = 2.0 if kind is NormType.TWO else float("inf")
+    # Computed in fp32 (an fp16 tensor's norm easily exceeds 65504); one host transfer per device.
+    norms = torch.cat(
+        [torch.stack(torch._foreach_norm(items, order, dtype=torch.float32)).cpu() for items in by_device.values()]
+    )
+    return norms.pow(2).sum() if kind is NormType.TWO else norms.max()
+
+
+def reduce_norm(
+    term: torch.Tensor, norm_type: float | str | NormType = 2.0, groups: Sequence[ProcessGroup | None] = ()
+) -> torch.Tensor:
+    """Reduce a local term over each group in turn and return the norm (float32 scalar on CPU)."""
+    kind = NormType.parse(norm_type)
+    value = term.detach().to(torch.float32).reshape(1).clone()
+    op = dist.ReduceOp.SUM if kind is NormType.TWO else dist.ReduceOp.MAX
+    for group in groups:
+        if dist.get_world_size(group) == 1:
+            continue
+        on_device = value.to(communication_device(group))
+        dist.all_reduce(on_device, op=op, group=group)
+        value = on_device.cpu()
+    result = value[0]
+    return result.sqrt() if kind is NormType.TWO else result
+
+
+def compute_grad_norm(
+    grads: Iterable[torch.Tensor], norm_type: float | str | NormType = 2.0, groups: Sequence[ProcessGroup | None] = ()
+) -> torch.Tensor:
+    """The global norm of the gradients held (disjointly) by the ranks of `groups` (module doc)."""
+    return reduce_norm(local_norm_term(grads, norm_type), norm_type, groups)
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """The factor torch's `clip_grad_norm_` multiplies by: min(1, max_norm / (norm + 1e-6))."""
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float | str | NormType = 2.0,
+    groups: Sequence[ProcessGroup | None] = (),
+) -> torch.Tensor:
+    """Clip the `.grad` of `parameters` in place by the global norm over `groups`; returns that norm.
+
+    Equals `torch.nn.utils.clip_grad_norm_` on the unsharded model when the ranks hold disjoint parts of it.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = compute_grad_norm(grads, norm_type, groups)
+    coefficient = clip_coefficient(float(total), max_norm)
+    if coefficient < 1.0 and grads:
+        torch._foreach_mul_(grads, coefficient)
+    return total

@@ -1,0 +1,145 @@
+"""Optimizer state between its sharded form (each rank's slice of every state tensor) and the full form (whole
+tensors shaped like the parameter), so a checkpoint saved at one world size loads at another.
+
+A state entry is sharded when it is a 1-D tensor of the shard's length (Adam's moments, ...); 0-d entries such as
+`step` and non-tensor entries are copied as they are. With mixed precision the fp32 master weight travels in the
+same per-parameter entry under `MASTER_KEY`, so a bf16/fp16 run resumes exactly rather than from its rounded
+working weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from cx_mesh import ProcessGroup, communication_device
+from cx_zero._comm import all_gather_flat
+from cx_zero._partition import ParamShard, shard_of
+
+__all__ = ["MASTER_KEY", "full_state", "sharded_optimizer_state", "sharded_state", "state_bytes", "stream_full_states"]
+
+MASTER_KEY = "master_weight"
+_SCALAR_KEYS = frozenset({"step"})
+
+
+def _is_shard_entry(shard: ParamShard, key: str, value: Any) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and key not in _SCALAR_KEYS
+        and value.dim() == 1
+        and value.numel() == shard.shard_numel
+    )
+
+
+def full_state(shard: ParamShard, state: dict[str, Any], group: ProcessGroup | None) -> dict[str, Any]:
+    """Gather one parameter's state over its group (collective) into whole tensors on the CPU."""
+    result: dict[str, Any] = {}
+    for key in sorted(state):
+        value = state[key]
+        if _is_shard_entry(shard, key, value):
+            device = communication_device(group)
+            mine = value.detach().to(device)
+            if shard.group_size == 1:
+                gathered = mine
+            else:
+                gathered = torch.empty(shard.shard_numel * shard.group_size, dtype=mine.dtype, device=device)
+                all_gather_flat(gathered, mine.contiguous(), group)
+            result[key] = gathered[: shard.numel].view(shard.working.shape).cpu().clone()
+        elif isinstance(value, torch.Tensor):
+            result[key] = value.detach().cpu().clone()
+        else:
+            result[key] = value
+    return result
+
+
+def sharded_state(shard: ParamShard, state: dict[str, Any], what: str) -> dict[str, Any]:
+    """This rank's slice of one parameter's full state (no communication)."""
+    result: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and key not in _SCALAR_KEYS and value.dim() > 0:
+            if tuple(value.shape) != tuple(shard.working.shape):
+                raise ValueError(
+                    f"{what}: state {key!r} has shape {tuple(value.shape)} but the parameter has shape "
+                    f"{tuple(shard.working.shape)}; a full (unsharded) optimizer state is expected"
+                )
+            result[key] = shard_of(value.detach(), shard.group_size, shard.group_rank).clone()
+        else:
+            result[key] = value
+    return result
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def stream_full_states(
+    shards: Sequence[ParamShard],
+    optimizer: torch.optim.Optimizer,
+    groups: Sequence[ProcessGroup | None],
+    prefix: str,
+    limit_bytes: int,
+    keep: bool,
+    include_master: bool,
+) -> Iterator[tuple[dict[str, dict[str, Any]], int]]:
+    """Gather each shard's state (collective, in `shards` order) and yield pieces of at most `limit_bytes` (a single
+    larger parameter is a piece of its own); yields nothing when not `keep`, but still takes part in the gathers.
+    With `include_master`, each entry also holds the full master weight under `MASTER_KEY`."""
+    piece: dict[str, dict[str, Any]] = {}
+    size = 0
+    for shard in shards:
+        state = dict(optimizer.state.get(shard.master, {}))
+        if include_master:
+            state[MASTER_KEY] = shard.master
+        if not state:
+            continue
+        full = full_state(shard, state, groups[shard.group_index])
+        if not keep:
+            continue
+        nbytes = state_bytes(full)
+        if piece and size + nbytes > limit_bytes:
+            yield piece, size
+            piece, size = {}, 0
+        piece[prefix + shard.key] = full
+        size += nbytes
+    if piece:
+        yield piece, size
+
+
+def sharded_optimizer_state(
+    state_dict: Mapping[str, Any], shard_groups: Sequence[Sequence[ParamShard]]
+) -> tuple[dict[str, Any], dict[int, torch.Tensor]]:
+    """The wrapped optimizer's own (positional) state dict holding this rank's slices of a full state dict, and the
+    master-weight slices found in it (by id of the shard's master)."""
+    saved_groups = list(state_dict["param_groups"])
+    if len(saved_groups) != len(shard_groups):
+        raise ValueError(f"state dict has {len(saved_groups)} param groups, the optimizer {len(shard_groups)}")
+    inner_groups: list[dict[str, Any]] = []
+    inner_state: dict[int, dict[str, Any]] = {}
+    masters: dict[int, torch.Tensor] = {}
+    index = 0
+    for saved, shards in zip(saved_groups, shard_groups, strict=True):
+        mine = [s.key for s in shards]
+        theirs = [str(key) for key in saved["params"]]
+        if sorted(theirs) != sorted(mine):
+            missing = sorted(set(mine) - set(theirs))
+            extra = sorted(set(theirs) - set(mine))
+            raise ValueError(f"param group names differ: missing {missing[:5]}, unexpected {extra[:5]}")
+        ids = []
+        for shard in shards:
+            # Positional keys may be ints, as in a plain torch optimizer's state dict.
+            entry_key: str | int = shard.key
+            if entry_key not in state_dict["state"] and shard.key.isdigit():
+                entry_key = int(shard.key)
+            if entry_key in state_dict["state"]:
+                entry = sharded_state(shard, dict(state_dict["state"][entry_key]), shard.key)
+                master = entry.pop(MASTER_KEY, None)
+                if master is not None:
+                    masters[id(shard.master)] = master
+                if entry:
+                    inner_state[index] = entry
+            ids.append(index)
+            index += 1
+        inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    return {"state": inner_state, "param_groups": inner_groups}, masters
