@@ -102,18 +102,21 @@ def test_zero_cpu_offload_with_hybrid_adam(rank: int, world_size: int, stage: in
 
 @distributed(world_size=(2, 4))
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero_clipping_matches_torch_clip_grad_norm(rank: int, world_size: int, stage: int) -> None:
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_zero_clipping_matches_torch_clip_grad_norm(rank: int, world_size: int, stage: int, norm_type: float) -> None:
     model = make_model("mlp")
     reference = Reference(clone_model(model))
+    clip = 0.05 if norm_type == 2.0 else 0.005
     optimizer = LowLevelZeroOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
         partition_grad=stage == 2,
-        clip_grad_norm=0.05,
+        clip_grad_norm=clip,
+        norm_type=norm_type,
     )
     for step in range(STEPS):
         _train(rank, world_size, "mlp", optimizer, model, step)
-        reference.train_step("mlp", step, world_size, clip=0.05)
-        assert reference.last_norm > 0.05, "the test must actually clip"
+        reference.train_step("mlp", step, world_size, clip=clip, norm_type=norm_type)
+        assert reference.last_norm > clip, "the test must actually clip"
         assert optimizer.get_grad_norm() == pytest.approx(reference.last_norm, rel=1e-5)
         assert_params_close(model, reference.model, RTOL, ATOL, f"step {step}")
 

@@ -140,26 +140,26 @@ class Reference:
         (loss_fn(self.model) * self.scale).backward()
         return [None if p.grad is None else p.grad.float() / self.scale for p in self.params]
 
-    def step(self, grads: list[torch.Tensor | None], clip: float = 0.0) -> None:
+    def step(self, grads: list[torch.Tensor | None], clip: float = 0.0, norm_type: float = 2.0) -> None:
         for master, grad in zip(self.masters, grads, strict=True):
             master.grad = grad
         present = [m for m in self.masters if m.grad is not None]
-        self.last_norm = float(torch.nn.utils.get_total_norm([g for g in grads if g is not None]))
+        self.last_norm = float(torch.nn.utils.get_total_norm([g for g in grads if g is not None], norm_type))
         if clip > 0:
-            torch.nn.utils.clip_grad_norm_(present, clip)
+            torch.nn.utils.clip_grad_norm_(present, clip, norm_type)
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         with torch.no_grad():
             for param, master in zip(self.params, self.masters, strict=True):
                 param.copy_(master.to(param.dtype))
 
-    def train_step(self, kind: str, step: int, world_size: int, clip: float = 0.0) -> None:
+    def train_step(self, kind: str, step: int, world_size: int, clip: float = 0.0, norm_type: float = 2.0) -> None:
         x, y = batch(kind, step, world_size)
         per_rank = []
         for r in range(world_size):
             xr, yr = local(x, r, world_size), local(y, r, world_size)
             per_rank.append(self.grads_of(bound_loss(kind, xr, yr)))
-        self.step(average(per_rank, 1.0 / world_size), clip)
+        self.step(average(per_rank, 1.0 / world_size), clip, norm_type)
 
 
 def average(grads: Sequence[list[torch.Tensor | None]], weight: float) -> list[torch.Tensor | None]:

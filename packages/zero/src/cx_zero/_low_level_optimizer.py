@@ -31,7 +31,7 @@ from cx_zero._comm import group_ranks
 from cx_zero._elementwise import require_elementwise
 from cx_zero._gather import DeferredGathers, GroupGatherer
 from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
-from cx_zero._norm import clip_coefficient, local_norm_term, reduce_norm
+from cx_zero._norm import NormType, clip_coefficient, local_norm_term, reduce_norm
 from cx_zero._options import LowLevelZeroOptions, ZeroStage
 from cx_zero._partition import ParamShard, shard_of
 from cx_zero._reduce import GroupReducer
@@ -48,7 +48,8 @@ class LowLevelZeroOptimizer:
     """ZeRO stage 1 (`partition_grad=False`) or 2 (`partition_grad=True`) with ColossalAI's arguments.
 
     cx additions (keyword-only): `module` (an `nn.Module` or a name -> parameter mapping) names parameters in state
-    dicts (otherwise they are keyed by their position, as strings); `tp_process_group` / `pp_process_group` join the
+    dicts (otherwise they are keyed by their position, as strings); `norm_type` (2 or inf) for the gradient norm
+    and clipping; `tp_process_group` / `pp_process_group` join the
     gradient-norm and overflow reductions when the model is also split by tensor or pipeline parallelism.
     """
 
@@ -77,6 +78,7 @@ class LowLevelZeroOptimizer:
         overlap_allgather: bool = False,
         *,
         module: nn.Module | Mapping[str, torch.Tensor] | None = None,
+        norm_type: float | str = 2.0,
         tp_process_group: ProcessGroup | None = None,
         pp_process_group: ProcessGroup | None = None,
     ) -> None:
@@ -104,6 +106,7 @@ class LowLevelZeroOptimizer:
             hysteresis=hysteresis,
             max_scale=max_scale,
             clip_grad_norm=clip_grad_norm,
+            norm_type=NormType.parse(norm_type),
             verbose=verbose,
             reduce_bucket_size=reduce_bucket_size,
             communication_dtype=communication_dtype,
@@ -303,8 +306,11 @@ class LowLevelZeroOptimizer:
         self.synchronize_working_params()
         self._agree_on_used()
         grads = [s.grad_shard for s in self._shards if s.grad_shard is not None]
-        # One reduction answers both questions: an inf/nan anywhere makes the summed squares non-finite.
-        scaled_norm = float(reduce_norm(local_norm_term(grads, 2.0), 2.0, self._norm_groups))
+        # One reduction answers both questions: an inf/nan anywhere makes the norm non-finite. A NaN becomes +inf
+        # first, because a MAX reduction may drop NaNs (comparisons with NaN are false) while +inf always wins.
+        norm_type = self.options.norm_type
+        term = torch.nan_to_num(local_norm_term(grads, norm_type), nan=math.inf)
+        scaled_norm = float(reduce_norm(term, norm_type, self._norm_groups))
         overflow = self._fp16 and not math.isfinite(scaled_norm)
         scale = self.grad_scaler.scale
         self.grad_scaler.update(overflow)
@@ -362,7 +368,7 @@ class LowLevelZeroOptimizer:
         self._unreduced = False
 
     def get_grad_norm(self) -> float | None:
-        """The unscaled global 2-norm of the gradients of the last completed step (None before any)."""
+        """The unscaled global norm (norm_type) of the gradients of the last completed step (None before any)."""
         return self._grad_norm
 
     def synchronize_working_params(self) -> None:

@@ -7,6 +7,8 @@ from enum import Enum
 
 import torch
 
+from cx_zero._norm import NormType
+
 __all__ = ["LowLevelZeroOptions", "ZeroStage", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -31,6 +33,7 @@ class LowLevelZeroOptions:
     hysteresis: int = 2
     max_scale: float = 2**24
     clip_grad_norm: float = 0.0
+    norm_type: NormType = NormType.TWO
     verbose: bool = False
     reduce_bucket_size: int = 1024 * 1024
     communication_dtype: torch.dtype | None = None
