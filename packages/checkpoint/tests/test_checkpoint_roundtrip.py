@@ -334,3 +334,28 @@ def test_checkpoint_async_save_of_tied_weights_is_byte_identical(
     restored = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False), nn.Linear(10, 3))
     io.load_model(restored, tmp_path / "async" / name)
     assert_same_state(model.state_dict(), restored.state_dict())
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_checkpoint_optimizer_parts_round_trip(tmp_path: Path, shard: bool) -> None:
+    """Owners of optimizer state that are not torch optimizers save and load it as (description, tensors)."""
+    from cx_checkpoint import OptimizerMeta, optimizer_tensor_name
+
+    moment = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    meta = OptimizerMeta(
+        param_groups=[{"lr": 0.1, "betas": (0.9, 0.99), "param_names": ["layer.weight"]}],
+        state={
+            "layer.weight": {
+                "exp_avg": {"tensor": optimizer_tensor_name("layer.weight", "exp_avg")},
+                "step": {"value": 3},
+            }
+        },
+    )
+    tensors = {optimizer_tensor_name("layer.weight", "exp_avg"): moment}
+    io = GeneralCheckpointIO()
+    path = tmp_path / ("optimizer" if shard else "optimizer.safetensors")
+    io.save_optimizer_parts(meta, tensors, path, shard=shard)
+    loaded_meta, loaded = io.load_optimizer_parts(path)
+    assert loaded_meta == meta
+    assert list(loaded) == list(tensors)
+    assert torch.equal(loaded[optimizer_tensor_name("layer.weight", "exp_avg")], moment)

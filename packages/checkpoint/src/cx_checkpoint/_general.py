@@ -7,6 +7,7 @@ and copy tensor by tensor, so peak extra memory is one tensor.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from torch import nn
 
 from cx_checkpoint._async import stage_to_cpu
 from cx_checkpoint._atomic import write_file_atomic
-from cx_checkpoint._checkpoint_io import CheckpointIO
+from cx_checkpoint._checkpoint_io import DEFAULT_SIZE_PER_SHARD, CheckpointIO
 from cx_checkpoint._errors import CheckpointIndexError, CheckpointKindError, KeyMismatchError
 from cx_checkpoint._files import write_bin, write_safetensors
 from cx_checkpoint._hf_config import hf_side_files, write_side_files
@@ -94,12 +95,7 @@ class GeneralCheckpointIO(CheckpointIO):
         self, optimizer: torch.optim.Optimizer, checkpoint: Path, gather_dtensor: bool, use_async: bool
     ) -> None:
         meta, tensors = split_optimizer(optimizer, gather_dtensor)
-        metadata = {"format": "pt", "cx_kind": CheckpointKind.OPTIMIZER.value, "cx_optimizer": meta.to_json()}
-        if use_async:
-            tensors = stage_to_cpu(tensors)
-        self._run(
-            lambda: write_file_atomic(checkpoint, lambda tmp: write_safetensors(tmp, tensors, metadata)), use_async
-        )
+        self.save_optimizer_parts(meta, tensors, checkpoint, shard=False, use_async=use_async)
 
     def save_sharded_optimizer(
         self,
@@ -111,10 +107,35 @@ class GeneralCheckpointIO(CheckpointIO):
         use_async: bool,
     ) -> None:
         meta, tensors = split_optimizer(optimizer, gather_dtensor)
-        text = meta.to_json()
-        json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
+        self.save_optimizer_parts(
+            meta, tensors, checkpoint, shard=True, prefix=prefix, size_per_shard=size_per_shard, use_async=use_async
+        )
+
+    def save_optimizer_parts(
+        self,
+        meta: OptimizerMeta,
+        tensors: dict[str, torch.Tensor],
+        checkpoint: Path,
+        *,
+        shard: bool,
+        prefix: str | None = None,
+        size_per_shard: float = DEFAULT_SIZE_PER_SHARD,
+        use_async: bool = False,
+    ) -> None:
+        """Write an optimizer checkpoint from its parts: the JSON description and the full state tensors by name.
+
+        For owners of optimizer state that is not a plain torch optimizer (ZeRO optimizers gather theirs first).
+        """
         if use_async:
             tensors = stage_to_cpu(tensors)
+        if not shard:
+            metadata = {"format": "pt", "cx_kind": CheckpointKind.OPTIMIZER.value, "cx_optimizer": meta.to_json()}
+            self._run(
+                lambda: write_file_atomic(checkpoint, lambda tmp: write_safetensors(tmp, tensors, metadata)), use_async
+            )
+            return
+        text = meta.to_json()
+        json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
 
         def job() -> None:
             write_sharded(
@@ -127,6 +148,21 @@ class GeneralCheckpointIO(CheckpointIO):
             )
 
         self._run(job, use_async)
+
+    def load_optimizer_parts(
+        self, checkpoint: str | os.PathLike[str], prefix: str | None = None
+    ) -> tuple[OptimizerMeta, dict[str, torch.Tensor]]:
+        """Read an optimizer checkpoint (file, index or directory) as its JSON description and full state tensors."""
+        with CheckpointReader.open(Path(checkpoint), CheckpointKind.OPTIMIZER, prefix) as reader:
+            meta = read_optimizer_meta(reader)
+            where = str(reader.index_path or reader.path)
+            names = describe_tensors(meta)
+            absent = [name for name in names if name not in reader.specs]
+            if absent:
+                raise KeyMismatchError(
+                    f"{where}: the optimizer description names state tensors the files lack", absent, []
+                )
+            return meta, {name: reader.read(name) for name in names}
 
     def load_unsharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
         self._load_optimizer(optimizer, checkpoint, None)

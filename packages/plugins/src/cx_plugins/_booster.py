@@ -18,7 +18,7 @@ from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, CheckpointIO
 from cx_mesh import get_accelerator
 from cx_plugins._plugin import Boosted, Plugin
 from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
-from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_plugins._wrappers import OptimizerWrapper
 
 __all__ = ["Booster"]
 
@@ -104,12 +104,12 @@ class Booster:
     ) -> None:
         """Save full weights by parameter name (Hugging Face layout); `size_per_shard` is in MB."""
         self.checkpoint_io.save_model(
-            _unwrap_model(model), checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async
+            model, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async
         )
 
     def load_model(self, model: nn.Module, checkpoint: str | os.PathLike[str], strict: bool = True) -> None:
         """Load a cx/HF checkpoint into `model`; with `strict`, missing or unexpected keys are errors."""
-        self.checkpoint_io.load_model(_unwrap_model(model), checkpoint, strict=strict)
+        self.checkpoint_io.load_model(model, checkpoint, strict=strict)
 
     def save_optimizer(
         self,
@@ -140,7 +140,3 @@ class Booster:
     def synchronize(self) -> None:
         """Wait until every asynchronous save has reached disk (re-raising a writer's error)."""
         self.checkpoint_io.synchronize()
-
-
-def _unwrap_model(model: nn.Module) -> nn.Module:
-    return model.unwrap() if isinstance(model, ModelWrapper) else model

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cx_checkpoint import GeneralCheckpointIO, Stateful
+from cx_checkpoint import GeneralCheckpointIO, LoadResult, Stateful
 from cx_mesh import DistCoordinator
+from cx_plugins._wrappers import ModelWrapper
 
 __all__ = ["ReplicatedCheckpointIO"]
 
@@ -30,7 +31,7 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         self, model: nn.Module, checkpoint: Path, gather_dtensor: bool, use_safetensors: bool, use_async: bool
     ) -> None:
         if self._coordinator.is_master():
-            super().save_unsharded_model(model, checkpoint, gather_dtensor, use_safetensors, use_async)
+            super().save_unsharded_model(_plain(model), checkpoint, gather_dtensor, use_safetensors, use_async)
         self._coordinator.block_all()
 
     def save_sharded_model(
@@ -45,9 +46,15 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
     ) -> None:
         if self._coordinator.is_master():
             super().save_sharded_model(
-                model, checkpoint, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async
+                _plain(model), checkpoint, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async
             )
         self._coordinator.block_all()
+
+    def load_unsharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
+        return super().load_unsharded_model(_plain(model), checkpoint, strict)
+
+    def load_sharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
+        return super().load_sharded_model(_plain(model), checkpoint, strict)
 
     def save_unsharded_optimizer(
         self, optimizer: torch.optim.Optimizer, checkpoint: Path, gather_dtensor: bool, use_async: bool
@@ -78,3 +85,8 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         """Wait for this rank's asynchronous writes (the master's), then for every rank."""
         super().synchronize()
         self._coordinator.block_all()
+
+
+def _plain(model: nn.Module) -> nn.Module:
+    """The user's module inside a boosted model (DDP and precision wrappers removed)."""
+    return model.unwrap() if isinstance(model, ModelWrapper) else model

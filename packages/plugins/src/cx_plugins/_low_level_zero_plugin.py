@@ -1,0 +1,197 @@
+"""`LowLevelZeroPlugin`: ZeRO-1/2 (cx_zero.LowLevelZeroOptimizer) behind the Booster, arguments as in ColossalAI.
+
+The plugin only composes: validate the options once, build the (zero, extra_dp) layout, cast the model to the
+training precision, wrap the optimizer. The algorithm lives in cx-zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+from cx_checkpoint import CheckpointIO
+from cx_mesh import assert_same_across_ranks, get_accelerator
+from cx_plugins._layout import ZeroLayout
+from cx_plugins._plugin import Boosted, DPPluginBase
+from cx_plugins._precision import Precision
+from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_plugins._zero_checkpoint_io import ZeroCheckpointIO
+from cx_plugins._zero_wrappers import CastModel, ZeroOptimizerWrapper
+from cx_zero import LowLevelZeroOptimizer, NormType
+
+__all__ = ["LowLevelZeroPlugin", "LowLevelZeroPluginOptions"]
+
+_ACCEPTED = (Precision.FP16, Precision.BF16, Precision.FP32)
+
+
+@dataclass(frozen=True)
+class LowLevelZeroPluginOptions:
+    stage: int
+    precision: Precision
+    initial_scale: float
+    min_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int
+    max_scale: float
+    max_norm: float
+    norm_type: NormType
+    reduce_bucket_size_in_m: float
+    communication_dtype: torch.dtype | None
+    overlap_communication: bool
+    overlap_allgather: bool
+    cpu_offload: bool
+    master_weights: bool
+    verbose: bool
+    cast_inputs: bool
+    extra_dp_size: int
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2):
+            raise ValueError(f"LowLevelZeroPlugin: stage must be 1 or 2, got {self.stage!r}")
+        if self.max_norm < 0:
+            raise ValueError(f"LowLevelZeroPlugin: max_norm must be >= 0 (0 disables clipping), got {self.max_norm}")
+        if not self.reduce_bucket_size_in_m > 0 or math.isinf(self.reduce_bucket_size_in_m):
+            raise ValueError(f"reduce_bucket_size_in_m must be a positive number, got {self.reduce_bucket_size_in_m}")
+
+
+class LowLevelZeroPlugin(DPPluginBase):
+    """ZeRO stage 1 or 2: optimizer state and fp32 master weights (and stage-2 gradients) partitioned over ranks."""
+
+    def __init__(
+        self,
+        stage: int = 1,
+        precision: str = "fp16",
+        initial_scale: float = 2**32,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        max_norm: float = 0.0,
+        norm_type: float = 2.0,
+        reduce_bucket_size_in_m: int = 12,
+        communication_dtype: torch.dtype | None = None,
+        overlap_communication: bool = True,
+        overlap_allgather: bool = False,
+        cpu_offload: bool = False,
+        master_weights: bool = True,
+        verbose: bool = False,
+        cast_inputs: bool = True,
+        extra_dp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.options = LowLevelZeroPluginOptions(
+            stage=stage,
+            precision=Precision.parse(precision, _ACCEPTED),
+            initial_scale=initial_scale,
+            min_scale=min_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            max_scale=max_scale,
+            max_norm=max_norm,
+            norm_type=NormType.parse(norm_type),
+            reduce_bucket_size_in_m=reduce_bucket_size_in_m,
+            communication_dtype=communication_dtype,
+            overlap_communication=overlap_communication,
+            overlap_allgather=overlap_allgather,
+            cpu_offload=cpu_offload,
+            master_weights=master_weights,
+            verbose=verbose,
+            cast_inputs=cast_inputs,
+            extra_dp_size=extra_dp_size,
+        )
+        assert_same_across_ranks(self.options, what="LowLevelZeroPlugin options")
+        self.layout = ZeroLayout.build(extra_dp_size=extra_dp_size)
+        # Which ZeRO optimizer serves a user's torch optimizer, and which module each one trains (for checkpoint IO).
+        self._zero_of: weakref.WeakKeyDictionary[Optimizer, LowLevelZeroOptimizer] = weakref.WeakKeyDictionary()
+        self._owner_of: weakref.WeakKeyDictionary[LowLevelZeroOptimizer, weakref.ref[nn.Module]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def supported_devices(self) -> list[str]:
+        return ["cuda", "cpu"]
+
+    def supported_precisions(self) -> list[str]:
+        return [p.value for p in _ACCEPTED]
+
+    def control_precision(self) -> bool:
+        return True
+
+    def control_device(self) -> bool:
+        return True
+
+    def support_no_sync(self) -> bool:
+        return True
+
+    def data_parallel_rank_and_size(self) -> tuple[int, int]:
+        return self.layout.dp_rank, self.layout.dp_size
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: DataLoader[Any] | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> Boosted:
+        o = self.options
+        if not isinstance(model, ModelWrapper):
+            model = CastModel(model.to(get_accelerator().current_device()), o.precision.dtype, o.cast_inputs)
+        wrapped: OptimizerWrapper | None = None
+        if optimizer is not None:
+            zero = LowLevelZeroOptimizer(
+                optimizer,
+                initial_scale=o.initial_scale,
+                min_scale=o.min_scale,
+                growth_factor=o.growth_factor,
+                backoff_factor=o.backoff_factor,
+                growth_interval=o.growth_interval,
+                hysteresis=o.hysteresis,
+                max_scale=o.max_scale,
+                clip_grad_norm=o.max_norm,
+                verbose=o.verbose,
+                reduce_bucket_size=int(o.reduce_bucket_size_in_m * 1024 * 1024),
+                communication_dtype=o.communication_dtype,
+                overlap_communication=o.overlap_communication,
+                partition_grad=o.stage == 2,
+                cpu_offload=o.cpu_offload,
+                dp_process_group=self.layout.zero_group,
+                extra_dp_group=self.layout.extra_dp_group,
+                master_weights=o.master_weights,
+                overlap_allgather=o.overlap_allgather,
+                module=model.unwrap(),
+                norm_type=o.norm_type.value,
+            )
+            self._zero_of[optimizer] = zero
+            self._owner_of[zero] = weakref.ref(model.unwrap())
+            wrapped = ZeroOptimizerWrapper(optimizer, zero)
+        return model, wrapped, criterion, dataloader, lr_scheduler
+
+    def get_checkpoint_io(self) -> CheckpointIO:
+        return ZeroCheckpointIO(self._zero_of.get, self._optimizers_of)
+
+    def _optimizers_of(self, module: nn.Module) -> Iterator[LowLevelZeroOptimizer]:
+        return (zero for zero, owner in self._owner_of.items() if owner() is module)
+
+    def no_sync(
+        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Accumulate gradients without communication (the next backward outside the block reduces them all)."""
+        if not isinstance(optimizer, ZeroOptimizerWrapper):
+            raise ValueError("LowLevelZeroPlugin.no_sync needs the optimizer returned by booster.boost")
+        return optimizer.zero.no_sync()

@@ -1,0 +1,222 @@
+"""Checkpoint IO for the ZeRO plugins, in the canonical cx format so any plugin at any world size can read it.
+
+Model: weights are replicated on every rank, so the master rank writes them, cast back to the model's own dtypes
+(a bf16-trained model saved from an fp32 module is saved in fp32); loading casts into the training precision and
+refreshes the optimizer's fp32 masters. Optimizer: the ZeRO optimizer gathers full states by parameter name
+(collective), the master rank writes them as cx optimizer parts; the loss scaler's state rides in the JSON
+description (group 0, key `cx_grad_scaler`), so an fp16 run resumes with the same scale.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cx_checkpoint import (
+    DEFAULT_SIZE_PER_SHARD,
+    CheckpointKind,
+    CheckpointReader,
+    LoadResult,
+    OptimizerMeta,
+    Region,
+    TensorSpec,
+    load_into,
+    optimizer_tensor_name,
+)
+from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
+from cx_plugins._zero_wrappers import CastModel
+from cx_zero import LowLevelZeroOptimizer
+
+__all__ = ["ZeroCheckpointIO", "zero_state_from_parts", "zero_state_to_parts"]
+
+_SCALER_KEY = "cx_grad_scaler"
+
+
+class _CanonicalView(nn.Module):
+    """Presents a cast model's state in the model's original dtypes (what the checkpoint stores)."""
+
+    def __init__(self, model: CastModel) -> None:
+        super().__init__()
+        self._model = model
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        dtypes = self._model.original_dtypes
+        state = self._model.unwrap().state_dict()
+        return {name: value.to(dtypes.get(name, value.dtype)) for name, value in state.items()}
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "config":  # Hugging Face models: their config is written beside the weights
+            return self._model.unwrap().config
+        return super().__getattr__(name)
+
+
+class _CastingSink:
+    """A TensorSink that expects tensors in the model's original dtypes and copies them into the cast model."""
+
+    def __init__(self, model: CastModel) -> None:
+        self._targets = model.unwrap().state_dict(keep_vars=True)
+        self._dtypes = model.original_dtypes
+
+    def expected_tensors(self) -> Mapping[str, TensorSpec]:
+        return {name: TensorSpec(tuple(t.shape), self._dtypes.get(name, t.dtype)) for name, t in self._targets.items()}
+
+    def owned_region(self, name: str) -> Region | None:
+        return None
+
+    def receive(self, name: str, tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._targets[name].copy_(tensor)
+
+
+def zero_state_to_parts(state: Mapping[str, Any]) -> tuple[OptimizerMeta, dict[str, torch.Tensor]]:
+    """A ZeRO optimizer's full state dict (by name) as cx optimizer parts."""
+    groups: list[dict[str, Any]] = []
+    for number, group in enumerate(state["param_groups"]):
+        hyper = {key: value for key, value in group.items() if key != "params"}
+        if number == 0 and "grad_scaler" in state:
+            hyper[_SCALER_KEY] = dict(state["grad_scaler"])
+        groups.append({**hyper, "param_names": [str(name) for name in group["params"]]})
+    entries: dict[str, dict[str, dict[str, Any]]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, values in state["state"].items():
+        described: dict[str, dict[str, Any]] = {}
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensor_name = optimizer_tensor_name(name, key)
+                tensors[tensor_name] = value
+                described[key] = {"tensor": tensor_name}
+            else:
+                described[key] = {"value": value}
+        entries[name] = described
+    return OptimizerMeta(groups, entries), tensors
+
+
+def zero_state_from_parts(meta: OptimizerMeta, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The inverse of `zero_state_to_parts` (also reads optimizers saved by the replicated plugins)."""
+    groups: list[dict[str, Any]] = []
+    scaler: dict[str, Any] | None = None
+    for group in meta.param_groups:
+        hyper = {key: value for key, value in group.items() if key not in ("param_names", _SCALER_KEY)}
+        scaler = scaler or group.get(_SCALER_KEY)
+        groups.append({**hyper, "params": list(group["param_names"])})
+    state = {
+        name: {key: tensors[e["tensor"]] if "tensor" in e else e["value"] for key, e in described.items()}
+        for name, described in meta.state.items()
+    }
+    result: dict[str, Any] = {"state": state, "param_groups": groups}
+    if scaler is not None:
+        result["grad_scaler"] = scaler
+    return result
+
+
+class ZeroCheckpointIO(ReplicatedCheckpointIO):
+    """Replicated weights written by the master rank; ZeRO optimizer state gathered by name, then written."""
+
+    def __init__(
+        self,
+        zero_of: Callable[[torch.optim.Optimizer], LowLevelZeroOptimizer | None],
+        optimizers_of: Callable[[nn.Module], Iterator[LowLevelZeroOptimizer]],
+    ) -> None:
+        super().__init__()
+        self._zero_of = zero_of
+        self._optimizers_of = optimizers_of
+
+    # ---- model -------------------------------------------------------------------------------------------------
+    def _view(self, model: nn.Module) -> nn.Module:
+        return _CanonicalView(model) if isinstance(model, CastModel) else model
+
+    def save_unsharded_model(
+        self, model: nn.Module, checkpoint: Path, gather_dtensor: bool, use_safetensors: bool, use_async: bool
+    ) -> None:
+        super().save_unsharded_model(self._view(model), checkpoint, gather_dtensor, use_safetensors, use_async)
+
+    def save_sharded_model(
+        self,
+        model: nn.Module,
+        checkpoint: Path,
+        gather_dtensor: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_safetensors: bool,
+        use_async: bool,
+    ) -> None:
+        super().save_sharded_model(
+            self._view(model), checkpoint, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async
+        )
+
+    def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
+        if not isinstance(model, CastModel):
+            return super().load_unsharded_model(model, checkpoint, strict)
+        with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
+            result = load_into(reader, _CastingSink(model), strict=strict)
+        for zero in self._optimizers_of(model.unwrap()):
+            zero.update_master_params(model.unwrap())
+        return result
+
+    def load_unsharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
+        return self._load_model(model, checkpoint, strict)
+
+    def load_sharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
+        return self._load_model(model, checkpoint, strict)
+
+    # ---- optimizer ---------------------------------------------------------------------------------------------
+    def _zero(self, optimizer: torch.optim.Optimizer) -> LowLevelZeroOptimizer:
+        zero = self._zero_of(optimizer)
+        if zero is None:
+            raise ValueError("this optimizer was not boosted by this plugin: pass the optimizer booster.boost returned")
+        return zero
+
+    def _save_parts(
+        self,
+        optimizer: torch.optim.Optimizer,
+        checkpoint: Path,
+        shard: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_async: bool,
+    ) -> None:
+        meta, tensors = zero_state_to_parts(self._zero(optimizer).state_dict())  # collective: every rank
+        if self._coordinator.is_master():
+            self.save_optimizer_parts(
+                meta,
+                tensors,
+                checkpoint,
+                shard=shard,
+                prefix=prefix,
+                size_per_shard=size_per_shard,
+                use_async=use_async,
+            )
+        self._coordinator.block_all()
+
+    def save_unsharded_optimizer(
+        self, optimizer: torch.optim.Optimizer, checkpoint: Path, gather_dtensor: bool, use_async: bool
+    ) -> None:
+        self._save_parts(optimizer, checkpoint, False, None, DEFAULT_SIZE_PER_SHARD, use_async)
+
+    def save_sharded_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        checkpoint: Path,
+        gather_dtensor: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_async: bool,
+    ) -> None:
+        self._save_parts(optimizer, checkpoint, True, prefix, size_per_shard, use_async)
+
+    def _load_parts(
+        self, optimizer: torch.optim.Optimizer, checkpoint: str | os.PathLike[str], prefix: str | None
+    ) -> None:
+        meta, tensors = self.load_optimizer_parts(checkpoint, prefix)
+        self._zero(optimizer).load_state_dict(zero_state_from_parts(meta, tensors))
+
+    def load_unsharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+        self._load_parts(optimizer, checkpoint, None)
+
+    def load_sharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
+        self._load_parts(optimizer, checkpoint, prefix)

@@ -1,0 +1,76 @@
+"""Wrappers for ZeRO plugins: a model cast to the training precision, and the ZeRO optimizer behind the Booster."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_zero import LowLevelZeroOptimizer
+
+__all__ = ["CastModel", "ZeroOptimizerWrapper"]
+
+
+class CastModel(ModelWrapper):
+    """The module with its floating parameters and buffers in `dtype`; floating inputs cast too when asked.
+
+    `original_dtypes` remembers each floating tensor's dtype before the cast, so checkpoints are written in the
+    model's own precision (the canonical cx format), whatever precision it trained in.
+    """
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, cast_inputs: bool) -> None:
+        self.original_dtypes = {name: t.dtype for name, t in module.state_dict(keep_vars=True).items()}
+        if dtype != torch.float32:
+            module = module.to(dtype)
+        super().__init__(module)
+        self.dtype = dtype
+        self.cast_inputs = cast_inputs and dtype != torch.float32
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.cast_inputs:
+            args, kwargs = tree_map(self._cast, (args, kwargs))
+        return self.module(*args, **kwargs)
+
+    def _cast(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(self.dtype)
+        return value
+
+
+class ZeroOptimizerWrapper(OptimizerWrapper):
+    """Routes backward/step/zero_grad to the ZeRO optimizer; `unwrap()` is still the user's torch optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, zero: LowLevelZeroOptimizer) -> None:
+        super().__init__(optimizer)
+        self.zero = zero
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        self.zero.backward(loss, retain_graph=retain_graph)
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        if closure is not None:
+            raise ValueError(
+                "ZeRO optimizers do not take a closure: call booster.backward(loss, optimizer), then step()"
+            )
+        self.zero.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full optimizer state by parameter name (collective)."""
+        return self.zero.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.zero.load_state_dict(state_dict)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.zero.loss_scale
+
+    def get_grad_norm(self) -> float | None:
+        return self.zero.get_grad_norm()

@@ -1,0 +1,73 @@
+"""Shared pieces of the plugin tests: a tiny GPT, deterministic data, plugins by name, and the single-process
+reference that replays data parallelism (each rank's micro-batch separately, gradients averaged)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from cx_plugins import Booster, LowLevelZeroPlugin, OptimizerWrapper, Plugin, TorchDDPPlugin
+from cx_plugins.models import GPT, GPTConfig
+
+CONFIG = GPTConfig(vocab_size=64, max_positions=8, hidden_size=16, num_layers=1, num_heads=4)
+GLOBAL_BATCH, LENGTH, LR = 4, 8, 1e-2
+# Data-parallel runs and the reference differ only in the gradient mean's summation order; Adam's scale-free update
+# turns that into up to ~lr/100 on elements whose gradient is near zero (see test_plugins_ddp.py).
+RTOL, ATOL = 1e-5, LR / 100
+
+
+def data(steps: int, seed: int = 99) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CONFIG.vocab_size, (steps, GLOBAL_BATCH, LENGTH), generator=generator)
+
+
+def make_plugin(name: str, **options: Any) -> Plugin:
+    if name == "torch_ddp":
+        return TorchDDPPlugin(**options)
+    if name.startswith("zero"):
+        return LowLevelZeroPlugin(stage=int(name[-1]), **{"precision": "fp32", **options})
+    raise ValueError(name)
+
+
+def boosted(plugin: str, seed: int = 0, **options: Any) -> tuple[Booster, nn.Module, nn.Module, OptimizerWrapper]:
+    booster = Booster(plugin=make_plugin(plugin, **options))
+    plain = GPT(CONFIG, seed=seed)
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=LR))
+    assert optimizer is not None
+    return booster, plain, model, optimizer
+
+
+def train(
+    rank: int, world_size: int, booster: Booster, model: nn.Module, optimizer: OptimizerWrapper, batches: torch.Tensor
+) -> list[float]:
+    per_rank = GLOBAL_BATCH // world_size
+    losses = []
+    for batch in batches:
+        mine = batch[rank * per_rank : (rank + 1) * per_rank]
+        loss = model(mine, labels=mine)
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def reference(batches: torch.Tensor, seed: int = 0) -> nn.Module:
+    model = GPT(CONFIG, seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for batch in batches:
+        model(batch, labels=batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def assert_matches(model: nn.Module, expected: nn.Module, what: str) -> None:
+    want = expected.state_dict()
+    for name, value in model.state_dict().items():
+        try:
+            torch.testing.assert_close(value.float(), want[name], rtol=RTOL, atol=ATOL)
+        except AssertionError as error:
+            raise AssertionError(f"{what}, {name}: {error}") from None
