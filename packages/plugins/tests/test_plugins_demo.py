@@ -54,7 +54,7 @@ def _loss_change(output: str) -> tuple[float, float]:
     return float(match.group(1)), float(match.group(2))
 
 
-def test_plugins_demo_trains_saves_and_resumes_at_another_world_size(tmp_path: Path) -> None:
+def test_plugins_demo_trains_saves_and_resumes_under_another_plugin_and_world_size(tmp_path: Path) -> None:
     first_run = _cx_train("--steps", "60", "--save", str(tmp_path / "ckpt"), "--save-every", "40")
     assert "ranks=2" in first_run
     assert "step 60/60" in first_run
@@ -66,7 +66,9 @@ def test_plugins_demo_trains_saves_and_resumes_at_another_world_size(tmp_path: P
         tmp_path / "ckpt" / "model" / "model.safetensors"
     ).is_file()
 
-    resumed = _cx_train("--steps", "90", "--nproc", "1", "--resume", str(tmp_path / "ckpt"))
+    resumed = _cx_train(
+        "--steps", "90", "--nproc", "1", "--plugin", "low_level_zero", "--resume", str(tmp_path / "ckpt")
+    )
     assert "ranks=1" in resumed
     assert "resumed from" in resumed
     assert "at step 60" in resumed

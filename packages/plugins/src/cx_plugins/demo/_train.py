@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from cx_mesh import all_gather_flat, get_accelerator, launch_from_torch
 from cx_plugins._booster import Booster
+from cx_plugins._low_level_zero_plugin import LowLevelZeroPlugin
 from cx_plugins._plugin import Plugin
 from cx_plugins._torch_ddp_plugin import TorchDDPPlugin
 from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_checkpoint
@@ -23,6 +24,8 @@ __all__ = ["train"]
 def _plugin_and_precision(options: DemoOptions) -> tuple[Plugin, str | None]:
     if options.plugin == "torch_ddp":
         return TorchDDPPlugin(), None if options.precision == "fp32" else options.precision
+    if options.plugin == "low_level_zero":
+        return LowLevelZeroPlugin(stage=2, precision=options.precision), None
     raise ValueError(f"unknown plugin {options.plugin!r}")
 
 
