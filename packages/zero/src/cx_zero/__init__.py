@@ -1,5 +1,7 @@
 """cx-zero: ZeRO data parallelism for cx.
 
+- `GeminiDDP` / `GeminiOptimizer`: chunk-based ZeRO-3 with GPU/CPU placement (cx-chunk), in `cx_zero.gemini`,
+  re-exported here with `GeminiOptions`, `PlacementKind` and `PathMismatchError`.
 - `LowLevelZeroOptimizer`: ZeRO-1/2 (master weights, optimizer state and, with stage 2, gradients partitioned) over
   one or several data-parallel groups (dense over the full DP group, MoE experts over a smaller one).
 - Shared with Gemini: `DynamicGradScaler` / `ConstantGradScaler` (loss scaling), `compute_grad_norm` /
@@ -9,14 +11,21 @@
 """
 
 from cx_zero._adam import CPUAdam, HybridAdam
-from cx_zero._elementwise import ELEMENTWISE_OPTIMIZER_TYPES, require_elementwise
+from cx_zero._elementwise import ELEMENTWISE_OPTIMIZERS, require_elementwise
 from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
 from cx_zero._low_level_optimizer import LowLevelZeroOptimizer
 from cx_zero._norm import NormType, clip_coefficient, clip_grad_norm_, compute_grad_norm, local_norm_term, reduce_norm
 from cx_zero._options import LowLevelZeroOptions, ZeroStage
 from cx_zero._overflow import any_across_groups, has_inf_or_nan
+from cx_zero.gemini import GeminiDDP, GeminiOptimizer, GeminiOptions, PathMismatchError, PlacementKind
 
 __all__ = [
+    # Gemini ZeRO-3
+    "GeminiDDP",
+    "GeminiOptimizer",
+    "GeminiOptions",
+    "PathMismatchError",
+    "PlacementKind",
     # ZeRO-1/2
     "LowLevelZeroOptimizer",
     "LowLevelZeroOptions",
@@ -37,6 +46,6 @@ __all__ = [
     # optimizers
     "CPUAdam",
     "HybridAdam",
-    "ELEMENTWISE_OPTIMIZER_TYPES",
+    "ELEMENTWISE_OPTIMIZERS",
     "require_elementwise",
 ]

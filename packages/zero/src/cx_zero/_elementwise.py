@@ -1,8 +1,9 @@
 """Which optimizers may step on flat shards: only those whose update of an element depends on that element alone.
 
-ZeRO hands the wrapped optimizer 1-D slices of each parameter, so an optimizer that looks at a whole matrix or a
-whole parameter (factored second moments, per-parameter trust ratios as in LAMB/LARS, line search, sparse gradients)
-would silently compute something else. Those are refused; unknown optimizer classes are refused too, naming the list.
+ZeRO (LowLevelZero and Gemini) hands the wrapped optimizer 1-D slices of each parameter, so an optimizer that looks
+at a whole matrix or a whole parameter (factored second moments, per-parameter trust ratios as in LAMB/LARS, line
+search, sparse gradients) would silently compute something else. Those are refused; unknown optimizer classes are
+refused too, naming the list.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import torch
 
 from cx_zero._adam import CPUAdam, HybridAdam
 
-__all__ = ["ELEMENTWISE_OPTIMIZER_TYPES", "require_elementwise"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "require_elementwise"]
 
-ELEMENTWISE_OPTIMIZER_TYPES: tuple[type[torch.optim.Optimizer], ...] = (
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
     torch.optim.AdamW,
@@ -31,10 +32,10 @@ ELEMENTWISE_OPTIMIZER_TYPES: tuple[type[torch.optim.Optimizer], ...] = (
 
 
 def require_elementwise(optimizer: torch.optim.Optimizer, who: str) -> None:
-    """Raise TypeError unless `optimizer` is (a subclass of) one of `ELEMENTWISE_OPTIMIZER_TYPES`."""
-    if isinstance(optimizer, ELEMENTWISE_OPTIMIZER_TYPES):
+    """Raise TypeError unless `optimizer` is (a subclass of) one of `ELEMENTWISE_OPTIMIZERS`."""
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
         return
-    accepted = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZER_TYPES)
+    accepted = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
     raise TypeError(
         f"{who}: {type(optimizer).__name__} is not known to be elementwise (its update of one element may depend on "
         f"others, e.g. factored, per-parameter or matrix-wise updates), so it cannot step on flat parameter shards; "

@@ -1,0 +1,22 @@
+"""Gemini: chunk-based ZeRO-3 for any PyTorch module (ColossalAI's GeminiDDP / GeminiOptimizer arguments).
+
+- `GeminiDDP(module, ...)`: parameters packed into cx-chunk chunks, sharded over the zero group, gathered just
+  before each module runs (forward and backward) and released after; gradients reduce-scattered chunk by chunk.
+- `GeminiOptimizer(optimizer, module, ...)`: steps any elementwise torch optimizer on each rank's fp32 master
+  shard; fp16 dynamic loss scaling, clipping by global norm (2 and inf).
+- `GeminiOptions`, `PlacementKind`: the validated options; `PathMismatchError`: ranks used different parameters.
+See docs/gemini.md.
+"""
+
+from cx_zero.gemini._ddp import GeminiDDP
+from cx_zero.gemini._driver import PathMismatchError
+from cx_zero.gemini._optimizer import GeminiOptimizer
+from cx_zero.gemini._options import GeminiOptions, PlacementKind
+
+__all__ = [
+    "GeminiDDP",
+    "GeminiOptimizer",
+    "GeminiOptions",
+    "PathMismatchError",
+    "PlacementKind",
+]

@@ -1,0 +1,387 @@
+"""`GeminiDDP`: chunk-based ZeRO-3 data parallelism for any `nn.Module` (ColossalAI's constructor arguments).
+
+Construction casts the parameters to `mixed_precision`, packs the trainable ones into the chunk group "param" and
+the frozen ones into "frozen" (never reduced, no master), closes the groups (each rank keeps its own slices),
+creates fp32 master chunks for low-precision parameters and gradient chunks at the placement policy's optimizer
+residence, and installs the module-granularity hooks of `GeminiDriver`. Parameters keep their identity: their
+`.data` points into a gathered chunk while used and at empty storage otherwise. Buffers stay ordinary replicated
+module buffers on the compute device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cx_chunk import (
+    AutoPlacementPolicy,
+    Chunk,
+    ChunkConfig,
+    ChunkManager,
+    ChunkScheduler,
+    MemStats,
+    PlacementPolicy,
+    StaticPlacementPolicy,
+    search_chunk_configuration,
+)
+from cx_mesh import ProcessGroup, communication_device, get_accelerator, get_dist_logger, require_initialized
+from cx_zero.gemini import _state
+from cx_zero.gemini._driver import GeminiDriver
+from cx_zero.gemini._gather import full_chunk
+from cx_zero.gemini._options import GeminiOptions, PlacementKind
+from cx_zero.gemini._units import build_units, parameter_names
+
+__all__ = ["GeminiDDP", "parse_chunk_config"]
+
+_CHUNK_KEYS = frozenset({"chunk_size", "keep_gathered", "separate_above"})
+
+
+def parse_chunk_config(config: Mapping[Any, Any], group_size: int) -> ChunkConfig:
+    """`{"chunk_size": n, "keep_gathered": b}` or ColossalAI's `{group_size: {...}}` form -> `ChunkConfig`."""
+    if "chunk_size" not in config and len(config) == 1 and isinstance(next(iter(config.values())), Mapping):
+        config = next(iter(config.values()))
+    unknown = set(config) - _CHUNK_KEYS
+    if unknown or "chunk_size" not in config:
+        raise ValueError(
+            f"GeminiDDP: chunk_config_dict must have 'chunk_size' and may have 'keep_gathered', 'separate_above' "
+            f"(got keys {sorted(map(str, config))})"
+        )
+    size = int(config["chunk_size"])
+    if size <= 0:
+        raise ValueError(f"GeminiDDP: chunk_config_dict chunk_size must be positive, got {size}")
+    size = -(-size // group_size) * group_size
+    return ChunkConfig(size, bool(config.get("keep_gathered", False)), config.get("separate_above"))
+
+
+class _IncompatibleKeys(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+class GeminiDDP(nn.Module):
+    """Wrap `module` for chunk-based ZeRO-3 (argument meanings in docs/gemini.md)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        chunk_config_dict: Mapping[Any, Any] | None = None,
+        chunk_init_device: torch.device | None = None,
+        placement_policy: str = "static",
+        enable_gradient_accumulation: bool = False,
+        max_prefetch: int = 0,
+        shard_param_frac: float = 1.0,
+        offload_optim_frac: float = 0.0,
+        offload_param_frac: float = 0.0,
+        warmup_non_model_data_ratio: float = 0.8,
+        steady_cuda_cap_ratio: float = 0.9,
+        search_range_m: float = 32,
+        hidden_dim: int | None = None,
+        min_chunk_size_m: float = 32,
+        pin_memory: bool = False,
+        force_outputs_fp32: bool = False,
+        strict_ddp_mode: bool = False,
+        mixed_precision: torch.dtype = torch.float16,
+        zero_group: ProcessGroup | None = None,
+        extra_dp_group: ProcessGroup | None = None,
+        memstats: MemStats | None = None,
+        master_weights: bool = True,
+        enable_async_reduce: bool = True,
+        verbose: bool = False,
+    ) -> None:
+        require_initialized("GeminiDDP")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"GeminiDDP: module must be an nn.Module, got {type(module).__name__}")
+        if isinstance(module, GeminiDDP) or getattr(module, "_cx_gemini_wrapped", False):
+            raise ValueError("GeminiDDP: this module is already wrapped by a GeminiDDP")
+        options = GeminiOptions(
+            placement=PlacementKind.parse(placement_policy),
+            mixed_precision=mixed_precision,
+            master_weights=master_weights,
+            enable_gradient_accumulation=enable_gradient_accumulation,
+            max_prefetch=max_prefetch,
+            shard_param_frac=shard_param_frac,
+            offload_optim_frac=offload_optim_frac,
+            offload_param_frac=offload_param_frac,
+            warmup_non_model_data_ratio=warmup_non_model_data_ratio,
+            steady_cuda_cap_ratio=steady_cuda_cap_ratio,
+            search_range_m=search_range_m,
+            hidden_dim=hidden_dim,
+            min_chunk_size_m=min_chunk_size_m,
+            pin_memory=pin_memory,
+            force_outputs_fp32=force_outputs_fp32,
+            strict_ddp_mode=strict_ddp_mode,
+        )
+        super().__init__()
+        self.module = module
+        self.options = options
+        self.zero_group = zero_group
+        self.extra_dp_group = extra_dp_group
+        self.compute_device = chunk_init_device if chunk_init_device is not None else get_accelerator().current_device()
+        self.compute_device = torch.device(self.compute_device)
+        group_size = dist.get_world_size(zero_group)
+
+        sparse = [n for n, m in module.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+        if sparse:
+            raise NotImplementedError(
+                f"GeminiDDP: sparse gradients are not supported (chunks hold dense gradients); modules {sparse} "
+                "have sparse=True: build them with sparse=False"
+            )
+        all_names = parameter_names(module)
+        params = list({id(p): p for p in module.parameters()}.values())
+        if not params:
+            raise ValueError("GeminiDDP: the module has no parameters")
+        bad = [all_names[id(p)][0] for p in params if not p.is_floating_point()]
+        if bad:
+            raise TypeError(f"GeminiDDP: non-floating-point parameters cannot be trained in chunks: {bad}")
+        self.param_names: dict[int, str] = {id(p): all_names[id(p)][0] for p in params}
+        self.all_param_names = all_names
+        self.original_dtypes: dict[int, torch.dtype] = {id(p): p.dtype for p in params}
+        trainable = [p for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
+        if not trainable:
+            raise ValueError("GeminiDDP: no parameter requires grad; there is nothing to train")
+
+        if chunk_config_dict is not None:
+            if search_range_m != 32 or min_chunk_size_m != 32 or hidden_dim is not None:
+                raise ValueError(
+                    "GeminiDDP: search_range_m, min_chunk_size_m and hidden_dim configure the chunk-size search; "
+                    "they do not apply when chunk_config_dict is given (pass one or the other)"
+                )
+            config = parse_chunk_config(chunk_config_dict, group_size)
+            if strict_ddp_mode and not config.keep_gathered:
+                config = ChunkConfig(config.chunk_size, True, config.separate_above)
+        else:
+            config = search_chunk_configuration(
+                trainable,
+                search_range_m,
+                min_chunk_size_m=min_chunk_size_m,
+                hidden_dim=hidden_dim,
+                group_size=group_size,
+            ).config
+            if strict_ddp_mode:
+                config = ChunkConfig(config.chunk_size, True, config.separate_above)
+        self.chunk_config = config
+
+        originals = (
+            {id(p): p.detach().to("cpu", torch.float32, copy=True) for p in trainable} if (options.needs_master) else {}
+        )
+        # floating buffers compute in the parameters' dtype (an fp32 buffer would promote bf16 activations to fp32
+        # and the next low-precision layer would refuse them); state dicts give them back in their own dtype
+        self.buffer_dtypes: dict[int, torch.dtype] = {}
+        for buffer_owner in module.modules():
+            for name, buf in buffer_owner.named_buffers(recurse=False):
+                if buf is not None:
+                    dtype = mixed_precision if buf.is_floating_point() else buf.dtype
+                    moved = buf.to(self.compute_device, dtype)
+                    self.buffer_dtypes[id(moved)] = buf.dtype
+                    setattr(buffer_owner, name, moved)
+        self.manager = ChunkManager(
+            config,
+            group=zero_group,
+            extra_dp_group=extra_dp_group,
+            compute_device=self.compute_device,
+            pin_memory=pin_memory,
+        )
+        for p in params:
+            p.data = p.data.to(self.compute_device, mixed_precision)
+            self.manager.register_tensor(p, "param" if p.requires_grad else "frozen", name=self.param_names[id(p)])
+        self.manager.close_all_groups()
+        if options.needs_master:
+            self.manager.create_master_chunks("param", torch.float32)
+            self._load_master_values(originals)
+        del originals
+        self._sync_replicas()
+        policy: PlacementPolicy
+        if options.placement is PlacementKind.STATIC:
+            policy = StaticPlacementPolicy(shard_param_frac, offload_optim_frac, offload_param_frac)
+        else:
+            policy = AutoPlacementPolicy(warmup_non_model_data_ratio, steady_cuda_cap_ratio)
+        self.policy = policy
+        self.scheduler = ChunkScheduler(self.manager, policy, max_prefetch=max_prefetch, memstats=memstats)
+        for chunk in self.manager.chunks("param"):
+            self.manager.grad_chunk(chunk, policy.optimizer_residence(chunk))
+
+        check_groups = [zero_group] + ([extra_dp_group] if extra_dp_group is not None else [])
+        self.driver = GeminiDriver(
+            self.manager,
+            self.scheduler,
+            build_units(module),
+            self.param_names,
+            check_groups=check_groups,
+            eager_reduce=enable_async_reduce,
+            allow_accumulation=enable_gradient_accumulation,
+        )
+        self.driver.install()
+        module._cx_gemini_wrapped = True  # type: ignore[assignment]
+        if verbose:
+            get_dist_logger("cx_zero.gemini").info(
+                f"GeminiDDP: {len(trainable)} trainable + {len(frozen)} frozen parameters in "
+                f"{len(self.manager.chunks())} chunks of {config.chunk_size} elements "
+                f"(keep_gathered={config.keep_gathered}), placement {options.placement.value}",
+                ranks=[0],
+            )
+
+    # --------------------------------------------------------------------------------------------- running
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_inference_mode_enabled():
+            # chunk buffers made under inference mode would be inference tensors, unusable by later training
+            # steps: gather and compute outside it, still without autograd
+            with torch.inference_mode(False), torch.no_grad():
+                return self._forward(*args, **kwargs)
+        return self._forward(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.driver.begin_forward()
+        try:
+            args, kwargs = _cast_floats((args, kwargs), self.options.mixed_precision)
+            output = self.module(*args, **kwargs)
+        except BaseException as error:
+            self.driver.abandon_forward()
+            if isinstance(error, RuntimeError) and "0" in str(error):
+                error.add_note(
+                    "GeminiDDP: parameters are gathered per module (its own and its direct children's parameters); "
+                    "a parameter read from anywhere else is an empty tensor. If a shape above is 0, call the module "
+                    "that owns the parameter (or its parent) instead of reading the parameter directly."
+                )
+            raise
+        self.driver.end_forward(output)
+        if self.options.force_outputs_fp32:
+            output = _cast_floats(output, torch.float32)
+        return output
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Run backward; gradients land in gradient chunks, reduced over the zero group chunk by chunk."""
+        loss.backward()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradient chunks (parameters never hold `.grad`)."""
+        self.driver.zero_grad()
+
+    def unwrap(self) -> nn.Module:
+        """The wrapped module (its parameters are still sharded: read full values through `state_dict`)."""
+        return self.module
+
+    # ------------------------------------------------------------------------------------------- state dict
+    def state_dict(  # type: ignore[override]
+        self, destination: Any = None, prefix: str = "", keep_vars: bool = False, *, only_rank_0: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Full tensors (original dtype, CPU) by name, tied parameters under every name; collective.
+
+        With `only_rank_0=True` only rank 0 of the group(s) gets them (the others get an empty dict).
+        """
+        if destination is not None or keep_vars:
+            raise NotImplementedError("GeminiDDP.state_dict: destination and keep_vars are not supported")
+        out: dict[str, torch.Tensor] = {}
+        for shard, _ in _state.state_dict_shard(self, prefix, 0, only_rank_0):
+            out.update(shard)
+        return out
+
+    def state_dict_shard(
+        self, prefix: str = "", max_shard_size: int = 1024 * 1024 * 1024, only_rank_0: bool = True
+    ) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
+        """Stream the state dict as (tensors, bytes) pieces of about `max_shard_size` bytes; collective."""
+        return _state.state_dict_shard(self, prefix, max_shard_size, only_rank_0)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
+        """Load full tensors by name; each rank keeps its own part (every rank passes the full dict)."""
+        if assign:
+            raise NotImplementedError("GeminiDDP.load_state_dict: assign=True is not supported")
+        missing, unexpected = _state.load_full(self, state_dict, strict)
+        return _IncompatibleKeys(missing, unexpected)
+
+    # cx-checkpoint protocols ------------------------------------------------------------------------------
+    def tensor_chunks(self, max_bytes: int) -> Iterator[Mapping[str, torch.Tensor]]:
+        """`TensorSource`: rank 0 of the group yields the full tensors; every rank must iterate (collective)."""
+        for shard, _ in _state.state_dict_shard(self, "", max_bytes, True):
+            if shard:
+                yield shard
+
+    def expected_tensors(self) -> Mapping[str, Any]:
+        """`TensorSink`: every name with its full shape and dtype."""
+        return _state.expected(self)
+
+    def owned_region(self, name: str) -> None:
+        """`TensorSink`: the whole tensor is read; each rank keeps the flat range its chunks own."""
+        return None
+
+    def receive(self, name: str, tensor: torch.Tensor) -> None:
+        """`TensorSink`: take one full tensor."""
+        _state.load_full(self, {name: tensor}, strict=False)
+
+    # ------------------------------------------------------------------------------------------- accounting
+    def chunk_memory(self) -> dict[str, int]:
+        """Resident chunk bytes on this rank (parameter, master, gradient) and the gathered parameter total."""
+        usage = self.manager.usage
+        return {
+            "device": usage.device,
+            "host": usage.host,
+            "gathered_param_bytes": sum(c.nbytes for c in self.manager.chunks()),
+        }
+
+    # -------------------------------------------------------------------------------------------- internals
+    def _sync_replicas(self) -> None:
+        """Make what every rank keeps in full identical, as DDP does: buffers and keep_gathered chunks (with their
+        masters) are broadcast from rank 0 of the zero group, then of the extra data-parallel group. Sharded chunks
+        need nothing: each element has exactly one owner."""
+        tensors = [b for b in self.module.buffers()]
+        for chunk in self.manager.chunks():
+            if chunk.keep_gathered:
+                tensors.append(chunk.shard_tensor())
+                if chunk.paired is not None:
+                    tensors.append(self.manager.master_chunk(chunk).shard_tensor())
+        groups = [self.zero_group] + ([self.extra_dp_group] if self.extra_dp_group is not None else [])
+        for group in groups:
+            if dist.get_world_size(group) == 1:
+                continue
+            source = dist.get_global_rank(group, 0) if group is not None else 0
+            device = communication_device(group)
+            for tensor in tensors:
+                staged = tensor.to(device)
+                dist.broadcast(staged, source, group=group)
+                if staged is not tensor:
+                    tensor.copy_(staged)
+
+    def _load_master_values(self, values: Mapping[int, torch.Tensor]) -> None:
+        """Write fp32 values (by parameter id, full tensors) into this rank's part of the master chunks."""
+        for chunk in self.manager.chunks("param"):
+            master = self.manager.master_chunk(chunk)
+            shard = master.shard_tensor()
+            for tensor, view in _views(chunk):
+                if id(tensor) in values:
+                    flat = values[id(tensor)].reshape(-1)[view.tensor_begin : view.tensor_end]
+                    shard[view.shard_begin : view.shard_end].copy_(flat.to(shard.device, shard.dtype))
+
+    def _named_full_tensors(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, full value in its original dtype on CPU), chunk by chunk; collective over the zero group."""
+        for chunk in self.manager.chunks():
+            source: Chunk = chunk
+            if chunk.paired is not None:
+                source = self.manager.master_chunk(chunk)
+            full = full_chunk(source)
+            for tensor, slot in zip(chunk.tensors, chunk.slots, strict=True):
+                value = full[slot.begin : slot.end].view(slot.shape).to(self.original_dtypes[id(tensor)])
+                yield tensor, value  # type: ignore[misc]
+
+
+def _views(chunk: Chunk) -> Iterator[tuple[torch.Tensor, Any]]:
+    by_name = {slot.name: tensor for tensor, slot in zip(chunk.tensors, chunk.slots, strict=True)}
+    for view in chunk.shard_views():
+        yield by_name[view.name], view
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple):
+        return tuple(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_cast_floats(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value

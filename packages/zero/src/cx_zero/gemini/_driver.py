@@ -1,0 +1,310 @@
+"""The per-step driver behind GeminiDDP's hooks: gather before use, release after, gradients into chunks.
+
+Forward: a unit's pre-hook gathers its parameters' chunks (through the `ChunkScheduler`, which also prefetches and
+applies the placement policy) and marks them COMPUTE; the post-hook marks them HOLD when no enclosing unit still
+uses them and releases their chunks. Nested units share parameters, so uses are counted.
+Backward: a hook on each unit's forward outputs gathers the unit again before autograd runs through it; each
+parameter's post-accumulate-grad hook moves its gradient into the chunk's gradient buffer (autograd keeps none)
+and, once every parameter of a chunk has its gradient, reduce-scatters that chunk and releases it. A callback at
+the end of backward checks that every rank produced gradients for the same parameters (a clear error instead of
+mismatched collectives), then reduces the chunks whose parameters were partly unused (missing gradients are zero).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from cx_chunk import Chunk, ChunkManager, ChunkScheduler, TensorState
+from cx_mesh import ProcessGroup, all_gather_bytes, communication_device, get_accelerator
+from cx_zero.gemini._units import Unit
+
+__all__ = ["GeminiDriver", "PathMismatchError"]
+
+_S = TensorState
+
+
+def _same_digest(digest: bytes, group: ProcessGroup | None) -> bool:
+    """One all-gather of a fixed-size digest: whether every rank of `group` holds the same one."""
+    device = communication_device(group)
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+    gathered = torch.empty(len(digest) * torch.distributed.get_world_size(group), dtype=torch.uint8, device=device)
+    torch.distributed.all_gather_into_tensor(gathered, mine, group=group)
+    rows = gathered.view(-1, len(digest))
+    return bool((rows == rows[0]).all().item())
+
+
+class PathMismatchError(RuntimeError):
+    """Ranks of one data-parallel group used different parameters in the same step."""
+
+
+def _tensors_in(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors_in(item)]
+    return []
+
+
+class GeminiDriver:
+    """Owns the hook state of one GeminiDDP (see the module docstring)."""
+
+    def __init__(
+        self,
+        manager: ChunkManager,
+        scheduler: ChunkScheduler,
+        units: Sequence[Unit],
+        names: dict[int, str],
+        *,
+        check_groups: Sequence[ProcessGroup | None],
+        eager_reduce: bool,
+        allow_accumulation: bool,
+    ) -> None:
+        self.manager = manager
+        self.scheduler = scheduler
+        self.units = list(units)
+        self.names = names
+        self.check_groups = list(check_groups)
+        self.eager_reduce = eager_reduce
+        self.allow_accumulation = allow_accumulation
+        self.trainable = [p for unit in units for p in unit.params if p.requires_grad]
+        self._ordered = self._unique(p for u in units for p in u.params)
+        self._index = {id(p): i for i, p in enumerate(self._ordered)}
+        self.broken: str | None = None
+        self._uses: dict[int, int] = {}
+        self._skipped: dict[int, list[bool]] = {}  # per module: whether each running call skipped (covered)
+        self._in_step = False
+        self._expect_backward = False
+        self._in_backward = False
+        self._forward_used: set[int] = set()
+        self._grad_now: set[int] = set()  # parameters that received a gradient in the running backward
+        self._reduced_now: set[int] = set()  # chunk ids reduced in the running backward
+        self.has_grad: set[int] = set()  # parameters with a gradient since the last zero_grad
+        self.grads_pending = False
+        self._handles: list[Any] = []
+        self._non_model = 0 if get_accelerator().name == "cpu" else None
+
+    @staticmethod
+    def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for p in params:
+            seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    # ------------------------------------------------------------------------------------------------ install
+    def install(self) -> None:
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        for p in self._unique(self.trainable):
+            self._handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------------------------------------ steps
+    def begin_forward(self) -> None:
+        """Called by GeminiDDP.forward before the wrapped module runs."""
+        if self.broken is not None:
+            raise PathMismatchError(f"{self.broken} (this GeminiDDP is unusable after that error: rebuild it)")
+        if self._in_backward:
+            raise RuntimeError("GeminiDDP: forward called during backward")
+        if self._expect_backward:  # the previous forward's graph was dropped without backward
+            self._finish_step()
+        self._forward_used = set()
+        if not self._in_step:
+            self.scheduler.begin_step()
+            self._in_step = True
+
+    def end_forward(self, output: object) -> None:
+        """Called after the wrapped module ran: train steps wait for backward, others end here."""
+        wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in _tensors_in(output))
+        if not wants_grad:
+            self._finish_step()
+            return
+        self._check_same(self._forward_used, "used in forward")
+        self._expect_backward = True
+
+    def abandon_forward(self) -> None:
+        """The wrapped module raised: release everything so the model stays usable."""
+        self._finish_step()
+
+    def _finish_step(self) -> None:
+        """Release every chunk not kept by the policy and close the scheduler's step."""
+        for chunk in self.manager.chunks():
+            for tensor in chunk.tensors:
+                if chunk.tensor_state(tensor) is _S.COMPUTE:
+                    chunk.transition(tensor, _S.HOLD)
+            if chunk.is_gathered:  # straight to the policy: the trace's "used next" does not span steps
+                self.manager.mark_unused(chunk)
+                self.scheduler.policy.after_use(self.manager, chunk)
+        self._uses.clear()
+        self._skipped.clear()
+        self._expect_backward = False
+        if self._in_step:
+            self.scheduler.end_step()
+            self._in_step = False
+
+    # ---------------------------------------------------------------------------------------------- forward
+    def _access(self, params: Sequence[nn.Parameter]) -> None:
+        self.scheduler.access(params, non_model_bytes=self._non_model)
+
+    def _make_pre_forward(self, unit: Unit) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            skipped = self._skipped.setdefault(id(module), [])
+            if unit.covered and all(self._uses.get(id(p), 0) > 0 for p in unit.params):
+                self._forward_used.update(self._index[id(p)] for p in unit.direct)
+                skipped.append(True)  # the enclosing unit holds every parameter: nothing to gather or release
+                return
+            skipped.append(False)
+            if not self._in_step:
+                raise RuntimeError(
+                    f"GeminiDDP: module {unit.name!r} was called outside GeminiDDP.forward; call the GeminiDDP "
+                    "wrapper (its parameters are sharded and only gathered by the wrapper's hooks)"
+                )
+            self._access(unit.params)
+            for p in unit.params:
+                count = self._uses.get(id(p), 0)
+                if count == 0:
+                    self.manager.get_chunk(p).transition(p, _S.COMPUTE)
+                self._uses[id(p)] = count + 1
+            self._forward_used.update(self._index[id(p)] for p in unit.direct)
+
+        return hook
+
+    def _make_post_forward(self, unit: Unit) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if self._skipped[id(module)].pop():
+                return
+            done = []
+            for p in unit.params:
+                count = self._uses[id(p)] - 1
+                self._uses[id(p)] = count
+                if count == 0:
+                    self.manager.get_chunk(p).transition(p, _S.HOLD)
+                    done.append(p)
+            if done:
+                self.scheduler.release(done)
+            if torch.is_grad_enabled():
+                outputs = [t for t in _tensors_in(output) if t.requires_grad]
+                if outputs:
+                    register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit), mode="any")
+
+        return hook
+
+    # --------------------------------------------------------------------------------------------- backward
+    def _begin_backward(self) -> None:
+        if self.grads_pending and not self.allow_accumulation:
+            raise RuntimeError(
+                "GeminiDDP: a second backward before optimizer.step()/zero_grad() accumulates gradients; pass "
+                "enable_gradient_accumulation=True to GeminiDDP to allow it"
+            )
+        self._in_backward = True
+        self._grad_now = set()
+        self._reduced_now = set()
+        if not self._in_step:
+            self.scheduler.begin_step()
+            self._in_step = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+        params = [p for p in unit.params if id(p) not in self._grad_now]
+        if not params:
+            return
+        self._access(params)
+        for p in params:
+            self.manager.get_chunk(p).transition(p, _S.COMPUTE)
+
+    def _post_accumulate(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        if not self._in_backward:
+            self._begin_backward()
+        if id(param) in self._grad_now:
+            raise RuntimeError(
+                f"GeminiDDP: parameter {self.names[id(param)]!r} received a second gradient in one backward pass "
+                "(reentrant activation checkpointing or a custom autograd path); use "
+                "torch.utils.checkpoint(..., use_reentrant=False)"
+            )
+        chunk = self.manager.get_chunk(param)
+        if chunk.tensor_state(param) is not _S.COMPUTE:
+            chunk.transition(param, _S.COMPUTE)
+        self.manager.accumulate_grad(param, grad)
+        chunk.transition(param, _S.HOLD_AFTER_BWD)
+        chunk.transition(param, _S.READY_FOR_REDUCE)
+        self._grad_now.add(id(param))
+        if self.eager_reduce and chunk.can_reduce:
+            self._reduce(chunk)
+
+    def _reduce(self, chunk: Chunk) -> None:
+        self.manager.reduce_chunk(chunk)
+        self._reduced_now.add(chunk.chunk_id)
+        self.scheduler.release(chunk.tensors)
+
+    def _end_backward(self) -> None:
+        try:
+            self._check_same({self._index[i] for i in self._grad_now}, "given a gradient in backward")
+            for chunk in self.manager.chunks("param"):
+                if chunk.chunk_id in self._reduced_now:
+                    continue
+                got = [t for t in chunk.tensors if id(t) in self._grad_now]
+                if not got:
+                    continue  # no rank produced a gradient here (checked above): nothing to reduce
+                for tensor in chunk.tensors:
+                    if id(tensor) in self._grad_now:
+                        continue
+                    state = chunk.tensor_state(tensor)
+                    if state in (_S.HOLD, _S.FREE):
+                        chunk.transition(tensor, _S.COMPUTE)
+                    chunk.transition(tensor, _S.HOLD_AFTER_BWD)
+                    chunk.transition(tensor, _S.READY_FOR_REDUCE)
+                self._reduce(chunk)
+            self.has_grad.update(self._grad_now)
+            self.grads_pending = True
+        finally:
+            self._in_backward = False
+            self._finish_step()
+
+    def zero_grad(self) -> None:
+        self.manager.zero_grad_chunks()
+        self.has_grad.clear()
+        self.grads_pending = False
+
+    # ------------------------------------------------------------------------------------------ consistency
+    def _check_same(self, used: set[int], what: str) -> None:
+        """Every rank of the check groups must report the same parameter set; otherwise name the difference."""
+        payload = ",".join(str(i) for i in sorted(used)).encode()
+        digest = hashlib.sha256(payload).digest()
+        for group in self.check_groups:
+            if torch.distributed.get_world_size(group) == 1:
+                continue
+            if _same_digest(digest, group):
+                continue
+            sets = [{int(x) for x in raw.decode().split(",") if x} for raw in all_gather_bytes(payload, group)]
+            union = set().union(*sets)
+            common = set.intersection(*sets)
+            differing = sorted(self.names[id(self._ordered[i])] for i in union - common)
+            ranks = {
+                rank: sorted(self.names[id(self._ordered[i])] for i in (s - common)) for rank, s in enumerate(sets)
+            }
+            self.broken = (
+                f"GeminiDDP: ranks took different paths through the model: parameters {what} on some ranks but "
+                f"not on others: {differing}; only-on-this-rank by group rank: {ranks}. Every rank of a "
+                "data-parallel group must use the same parameters in a step (make the branch depend on data that "
+                "is identical across ranks, or run unused branches with a zero contribution)"
+            )
+            self._in_backward = False
+            raise PathMismatchError(self.broken)

@@ -1,0 +1,403 @@
+"""`GeminiOptimizer`: any elementwise torch optimizer stepping on each rank's own slice of the chunks.
+
+The wrapped optimizer's parameters are replaced by placeholders (one per model parameter, so its state stays keyed
+per parameter and `param_groups` keep their hyper-parameters); before each step a placeholder's `.data` is pointed
+at this rank's part of the parameter in the fp32 master chunk (or in the parameter chunk itself when there is no
+separate master), at the residence the placement policy chose for optimizer data, and its `.grad` at the reduced
+gradient slice (unscaled, clipped). After the step the master slice is copied back into the parameter chunk.
+fp16 runs a dynamic loss scale: an overflow on any rank of the groups holding gradients skips the step on every
+rank, leaves parameters and optimizer state untouched and backs the scale off.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cx_checkpoint import OptimizerMeta, TensorSpec, optimizer_tensor_name
+from cx_chunk import Chunk, Residence
+from cx_mesh import ProcessGroup, get_dist_logger
+from cx_zero._elementwise import require_elementwise
+from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
+from cx_zero._norm import NormType, clip_coefficient, local_norm_term, reduce_norm
+from cx_zero._overflow import any_across_groups, has_inf_or_nan
+from cx_zero.gemini._ddp import GeminiDDP
+from cx_zero.gemini._shards import ShardEntry, full_states, own_part
+from cx_zero.gemini._state import is_saver
+
+__all__ = ["GeminiOptimizer"]
+
+
+class GeminiOptimizer:
+    """Wrap `optimizer` (built on `module.parameters()`) for a `GeminiDDP` (argument meanings in docs/gemini.md)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        module: GeminiDDP,
+        gpu_margin_mem_ratio: float = 0.0,
+        initial_scale: float = 2**16,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        max_norm: float = 0.0,
+        norm_type: float = 2.0,
+        tp_group: ProcessGroup | None = None,
+        params_info: Any = None,
+        verbose: bool = False,
+    ) -> None:
+        if not isinstance(module, GeminiDDP):
+            raise TypeError(f"GeminiOptimizer: module must be a GeminiDDP, got {type(module).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"GeminiOptimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+        require_elementwise(optimizer, "GeminiOptimizer")
+        if gpu_margin_mem_ratio != 0.0:
+            raise NotImplementedError(
+                f"GeminiOptimizer: gpu_margin_mem_ratio={gpu_margin_mem_ratio} is not implemented (optimizer data "
+                "stays where the placement policy puts it); pass 0.0"
+            )
+        if params_info is not None:
+            raise NotImplementedError(
+                "GeminiOptimizer: params_info is not used by cx (optimizer state is keyed by parameter name); pass None"
+            )
+        if max_norm < 0 or math.isnan(max_norm):
+            raise ValueError(f"GeminiOptimizer: max_norm must be >= 0 (0 disables clipping), got {max_norm}")
+        self.norm_type = NormType.parse(norm_type)
+        self.optim = optimizer
+        self.module = module
+        self.manager = module.manager
+        self.max_norm = float(max_norm)
+        self.tp_group = tp_group
+        self.scaler: BaseGradScaler
+        if module.options.needs_loss_scaling:
+            self.scaler = DynamicGradScaler(
+                initial_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis
+            )
+        else:
+            self.scaler = ConstantGradScaler(1.0)
+        self._norm: float | None = None
+        self._entries: list[ShardEntry] = []
+        self._by_name: dict[str, ShardEntry] = {}
+        existing = dict(optimizer.state)  # e.g. Adagrad's initial sums: full tensors keyed by the model parameter
+        optimizer.state.clear()
+        self._build(optimizer)
+        self._bind()
+        fills = {id(p): g.get("initial_accumulator_value", 0.0) for g in optimizer.param_groups for p in g["params"]}
+        for entry in self._entries:
+            if entry.param in existing:
+                state = {}
+                for key, value in existing[entry.param].items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == 0:
+                        # built eagerly on the released (empty) parameter: rebuild at this rank's size
+                        value = torch.full((entry.end - entry.begin,), float(fills[id(entry.holder)]))
+                        value = value.to(entry.holder.device, entry.holder.dtype)
+                        state[key] = value
+                    else:
+                        state[key] = self._own_part(entry, value)
+                optimizer.state[entry.holder] = state
+        if verbose:
+            get_dist_logger("cx_zero.gemini").info(
+                f"GeminiOptimizer: {type(optimizer).__name__} over {len(self._entries)} parameters, "
+                f"loss scaler {type(self.scaler).__name__}",
+                ranks=[0],
+            )
+
+    # ------------------------------------------------------------------------------------------- building
+    def _build(self, optimizer: torch.optim.Optimizer) -> None:
+        names = self.module.param_names
+        seen: set[int] = set()
+        for number, group in enumerate(optimizer.param_groups):
+            holders = []
+            group_names = []
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError(
+                        f"GeminiOptimizer: param group {number} holds a tensor of shape {tuple(p.shape)} that is not "
+                        "a parameter of the GeminiDDP module; build the optimizer from the wrapped model's parameters"
+                    )
+                if id(p) in seen:
+                    raise ValueError(f"GeminiOptimizer: parameter {names[id(p)]!r} is in more than one param group")
+                seen.add(id(p))
+                chunk = self.manager.get_chunk(p)
+                begin = end = shard_begin = shard_end = 0
+                for view in chunk.shard_views():
+                    if view.name == names[id(p)]:
+                        begin, end, shard_begin, shard_end = (
+                            view.tensor_begin,
+                            view.tensor_end,
+                            view.shard_begin,
+                            view.shard_end,
+                        )
+                work_dtype = torch.float32 if self.module.options.needs_master else chunk.dtype
+                holder = nn.Parameter(torch.empty(0, dtype=work_dtype), requires_grad=False)
+                entry = ShardEntry(p, holder, names[id(p)], chunk, begin, end, shard_begin, shard_end)
+                self._entries.append(entry)
+                self._by_name[entry.name] = entry
+                holders.append(holder)
+                group_names.append(entry.name)
+            group["params"] = holders
+            group["param_names"] = group_names
+
+    def _optim_device(self, chunk: Chunk) -> torch.device:
+        residence = self.module.policy.optimizer_residence(chunk)
+        return self.module.compute_device if residence is Residence.DEVICE else torch.device("cpu")
+
+    def _work(self, chunk: Chunk) -> tuple[torch.Tensor, bool]:
+        """The slice the optimizer updates for `chunk` and whether it is a copy to write back after the step."""
+        if self.module.options.needs_master:
+            return self.manager.master_chunk(chunk).shard_tensor(), False
+        target = self._optim_device(chunk)
+        if not chunk.is_gathered or chunk.keep_gathered:
+            self.manager.move_chunk(chunk, self.module.policy.optimizer_residence(chunk))
+        shard = chunk.shard_tensor()
+        if shard.device != target:
+            return shard.to(target), True
+        return shard, False
+
+    def _bind(self) -> dict[int, tuple[torch.Tensor, torch.Tensor, bool]]:
+        """Point every placeholder at its part of the current work slice; returns the work slices by chunk."""
+        works: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        for entry in self._entries:
+            if not entry.param.requires_grad:
+                continue
+            key = id(entry.chunk)
+            if key not in works:
+                work, copied = self._work(entry.chunk)
+                works[key] = (work, entry.chunk.shard_tensor(), copied)
+            entry.holder.data = works[key][0][entry.shard_begin : entry.shard_end]
+        return works
+
+    # --------------------------------------------------------------------------------------------- training
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (change `lr` here, or give `.optim` to a torch LR scheduler)."""
+        return self.optim.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 unless mixed_precision is float16)."""
+        return self.scaler.scale
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Scale the loss (fp16) and run GeminiDDP's backward."""
+        scale = self.scaler.scale
+        self.module.backward(loss * scale if scale != 1.0 else loss)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad()
+        for entry in self._entries:
+            entry.holder.grad = None
+
+    def _grads(self) -> list[tuple[ShardEntry, torch.Tensor]]:
+        """Unscaled gradient slices (work dtype and device) of the parameters that have a gradient."""
+        has_grad = self.module.driver.has_grad
+        out = []
+        inv = self.scaler.inv_scale
+        for entry in self._entries:
+            if id(entry.param) not in has_grad:
+                continue
+            grad_shard = self.manager.grad_chunk(entry.chunk).shard_tensor()[entry.shard_begin : entry.shard_end]
+            grad = grad_shard.to(entry.holder.device, entry.holder.dtype)
+            if inv != 1.0:
+                grad = grad * inv if grad.data_ptr() == grad_shard.data_ptr() else grad.mul_(inv)
+            out.append((entry, grad))
+        return out
+
+    def _norm_of(self, grads: list[tuple[ShardEntry, torch.Tensor]]) -> float:
+        """Global norm over the zero group (and tp_group); replicated (keep_gathered) slices count once."""
+        zero_rank = dist.get_rank(self.module.zero_group)
+        held = [g for e, g in grads if not (e.chunk.keep_gathered and zero_rank != 0 and e.chunk.group_size > 1)]
+        if self.norm_type is NormType.INF:
+            held = [g for _, g in grads]
+        groups = [self.module.zero_group] + ([self.tp_group] if self.tp_group is not None else [])
+        return float(reduce_norm(local_norm_term(held, self.norm_type), self.norm_type, groups))
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the reduced gradients now (before `step`) by their global norm; returns that (unscaled) norm."""
+        if not max_norm > 0:
+            raise ValueError(f"GeminiOptimizer.clip_grad_by_norm: max_norm must be positive, got {max_norm}")
+        kind = NormType.parse(norm_type)
+        grads = self._grads()
+        saved, self.norm_type = self.norm_type, kind
+        try:
+            norm = self._norm_of(grads)
+        finally:
+            self.norm_type = saved
+        coefficient = clip_coefficient(norm, max_norm)
+        if math.isfinite(norm) and coefficient < 1.0:
+            for entry in self._entries:
+                if id(entry.param) in self.module.driver.has_grad:
+                    chunk_grad = self.manager.grad_chunk(entry.chunk).shard_tensor()
+                    chunk_grad[entry.shard_begin : entry.shard_end].mul_(coefficient)
+        self._norm = norm
+        return norm
+
+    def get_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step that computed it (clipping), else None."""
+        return self._norm
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Unscale, check overflow (fp16), clip, step the wrapped optimizer on the shards, copy back, zero grads."""
+        if args or kwargs:
+            raise NotImplementedError("GeminiOptimizer.step: closures and extra arguments are not supported")
+        driver = self.module.driver
+        if driver._in_backward:
+            raise RuntimeError("GeminiOptimizer.step: called during backward")
+        works = self._bind()
+        grads = self._grads()
+        if self.module.options.needs_loss_scaling:
+            groups = [self.module.zero_group] + ([self.tp_group] if self.tp_group is not None else [])
+            overflow = any_across_groups(has_inf_or_nan(g for _, g in grads), groups)
+            self.scaler.update(overflow)
+            if overflow:
+                self.zero_grad()
+                return
+        if self.max_norm > 0:
+            self._norm = self._norm_of(grads)
+            coefficient = clip_coefficient(self._norm, self.max_norm)
+            if coefficient < 1.0 and grads:
+                torch._foreach_mul_([g for _, g in grads], coefficient)
+        for entry, grad in grads:
+            entry.holder.grad = grad
+        self.optim.step()
+        for entry in self._entries:
+            entry.holder.grad = None
+        for chunk in self.manager.chunks("param"):
+            work, shard, copied = works.get(id(chunk), (None, None, False))
+            if work is not None and copied:
+                assert shard is not None
+                shard.copy_(work.to(shard.device))
+            if self.module.options.needs_master:
+                chunk.copy_shard_from(self.manager.master_chunk(chunk))
+            if chunk.is_gathered and not chunk.keep_gathered and chunk.group_size > 1:
+                # kept gathered by the policy: the other ranks' parts of the buffer are stale, gather them afresh
+                self.manager.release_chunk(chunk)
+                self.manager.access_chunk(chunk)
+                self.manager.mark_unused(chunk)
+        self.zero_grad()
+
+    # ---------------------------------------------------------------------------------------------- state
+    def _param_groups_meta(self) -> list[dict[str, Any]]:
+        groups = []
+        for group in self.optim.param_groups:
+            hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            groups.append({**hyper, "param_names": list(group["param_names"])})
+        return groups
+
+    def _full_states(self) -> Iterator[tuple[str, str, torch.Tensor | Any]]:
+        return full_states(self._entries, self.optim.state, self.manager.chunks())
+
+    def state_dict(self, only_rank_0: bool = True) -> dict[str, Any]:
+        """`{"state": {param name: {key: full value}}, "param_groups": [hyper-parameters + param_names]}`."""
+        keep = is_saver(self.module) or not only_rank_0
+        state: dict[str, dict[str, Any]] = {}
+        for name, key, value in self._full_states():
+            if keep:
+                state.setdefault(name, {})[key] = value
+        return {"state": state, "param_groups": self._param_groups_meta()} if keep else {}
+
+    def state_shard(
+        self, prefix: str = "", max_shard_size: int = 1024 * 1024 * 1024, only_rank_0: bool = True
+    ) -> Iterator[tuple[dict[str, Any], int]]:
+        """Stream `{param name: {key: value}}` pieces of about `max_shard_size` bytes; collective."""
+        keep = is_saver(self.module) or not only_rank_0
+        piece: dict[str, dict[str, Any]] = {}
+        size = 0
+        for name, key, value in self._full_states():
+            if not keep:
+                continue
+            piece.setdefault(prefix + name, {})[key] = value
+            if isinstance(value, torch.Tensor):
+                size += value.numel() * value.element_size()
+            if 0 < max_shard_size <= size:
+                yield piece, size
+                piece, size = {}, 0
+        if keep and piece:
+            yield piece, size
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load full states by parameter name (every rank passes the whole dict; each keeps its part)."""
+        if set(state_dict) != {"state", "param_groups"}:
+            raise ValueError(
+                f"GeminiOptimizer.load_state_dict: expected keys 'state' and 'param_groups', got {sorted(state_dict)}"
+            )
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.optim.param_groups):
+            raise ValueError(
+                f"GeminiOptimizer.load_state_dict: {len(groups)} param groups given, the optimizer has "
+                f"{len(self.optim.param_groups)}"
+            )
+        for number, (saved, current) in enumerate(zip(groups, self.optim.param_groups, strict=True)):
+            if set(saved.get("param_names", [])) != set(current["param_names"]):
+                raise ValueError(f"GeminiOptimizer.load_state_dict: param group {number} holds other parameters")
+            for key, value in saved.items():
+                if key not in ("params", "param_names"):
+                    current[key] = value
+        unknown = sorted(set(state_dict["state"]) - set(self._by_name))
+        if unknown:
+            raise ValueError(f"GeminiOptimizer.load_state_dict: state for unknown parameters {unknown}")
+        self._bind()
+        for name, entries in state_dict["state"].items():
+            entry = self._by_name[name]
+            state: dict[str, Any] = {}
+            for key, value in entries.items():
+                state[key] = self._own_part(entry, value)
+            self.optim.state[entry.holder] = state
+
+    def _own_part(self, entry: ShardEntry, value: Any) -> Any:
+        return own_part(entry, value)
+
+    # ------------------------------------------------------------------------------- cx-checkpoint protocols
+    def checkpoint_meta(self) -> OptimizerMeta:
+        """The JSON part of a cx optimizer checkpoint (tensors come from `tensor_chunks`); collective."""
+        state: dict[str, dict[str, dict[str, Any]]] = {}
+        for name, key, value in self._full_states():
+            if isinstance(value, torch.Tensor):
+                state.setdefault(name, {})[key] = {"tensor": optimizer_tensor_name(name, key)}
+            else:
+                state.setdefault(name, {})[key] = {"value": value}
+        return OptimizerMeta(self._param_groups_meta(), state)
+
+    def tensor_chunks(self, max_bytes: int) -> Iterator[Mapping[str, torch.Tensor]]:
+        """`TensorSource`: `state.<param>.<key>` tensors, yielded on the saving rank; every rank must iterate."""
+        for piece, _ in self.state_shard("", max_bytes, True):
+            out = {
+                optimizer_tensor_name(name, key): value
+                for name, entries in piece.items()
+                for key, value in entries.items()
+                if isinstance(value, torch.Tensor)
+            }
+            if out:
+                yield out
+
+    def expected_tensors(self) -> Mapping[str, TensorSpec]:
+        """`TensorSink`: the state tensors this optimizer holds now, with full shapes."""
+        out: dict[str, TensorSpec] = {}
+        for entry in self._entries:
+            shape = tuple(entry.chunk.slot(entry.param).shape)
+            for key, value in self.optim.state.get(entry.holder, {}).items():
+                if isinstance(value, torch.Tensor):
+                    full = shape if value.dim() > 0 else ()
+                    out[optimizer_tensor_name(entry.name, str(key))] = TensorSpec(full, value.dtype)
+        return out
+
+    def owned_region(self, name: str) -> None:
+        """`TensorSink`: whole tensors are read; each rank keeps its flat range."""
+        return None
+
+    def receive(self, name: str, tensor: torch.Tensor) -> None:
+        """`TensorSink`: take one `state.<param>.<key>` tensor."""
+        for entry in self._entries:
+            for key in list(self.optim.state.get(entry.holder, {})):
+                if optimizer_tensor_name(entry.name, str(key)) == name:
+                    self.optim.state[entry.holder][key] = self._own_part(entry, tensor)
+                    return
+        raise KeyError(f"GeminiOptimizer.receive: no optimizer state tensor named {name!r}")

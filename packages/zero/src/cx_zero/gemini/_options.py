@@ -1,0 +1,110 @@
+"""Validated GeminiDDP options: the constructor's loose arguments become one frozen dataclass with enums.
+
+Validation happens here, once, so every bad argument fails before any chunk is built, with a message listing what is
+accepted (ColossalAI asserts or silently ignores several of these).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GeminiOptions", "PlacementKind", "SUPPORTED_PRECISIONS"]
+
+SUPPORTED_PRECISIONS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class PlacementKind(enum.Enum):
+    """Where chunks live: fixed fractions decided once (`static`) or a device budget from a warm-up trace (`auto`)."""
+
+    STATIC = "static"
+    AUTO = "auto"
+
+    @classmethod
+    def parse(cls, value: str | PlacementKind) -> PlacementKind:
+        if isinstance(value, PlacementKind):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            accepted = ", ".join(repr(k.value) for k in cls)
+            raise ValueError(f"GeminiDDP: placement_policy={value!r} is not supported; accepted: {accepted}") from None
+
+
+def _fraction(name: str, value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"GeminiDDP: {name} must be in [0, 1], got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class GeminiOptions:
+    """Every GeminiDDP setting after validation (see docs/gemini.md for what each one does)."""
+
+    placement: PlacementKind
+    mixed_precision: torch.dtype
+    master_weights: bool
+    enable_gradient_accumulation: bool
+    max_prefetch: int
+    shard_param_frac: float
+    offload_optim_frac: float
+    offload_param_frac: float
+    warmup_non_model_data_ratio: float
+    steady_cuda_cap_ratio: float
+    search_range_m: float
+    hidden_dim: int | None
+    min_chunk_size_m: float
+    pin_memory: bool
+    force_outputs_fp32: bool
+    strict_ddp_mode: bool
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision not in SUPPORTED_PRECISIONS:
+            accepted = ", ".join(str(d) for d in SUPPORTED_PRECISIONS)
+            raise ValueError(
+                f"GeminiDDP: mixed_precision={self.mixed_precision} is not supported; accepted: {accepted}"
+            )
+        if self.max_prefetch < 0:
+            raise ValueError(f"GeminiDDP: max_prefetch must be >= 0, got {self.max_prefetch}")
+        for name in (
+            "shard_param_frac",
+            "offload_optim_frac",
+            "offload_param_frac",
+            "warmup_non_model_data_ratio",
+            "steady_cuda_cap_ratio",
+        ):
+            _fraction(name, getattr(self, name))
+        if self.offload_param_frac > 0 and (self.shard_param_frac != 1.0 or self.offload_optim_frac != 1.0):
+            raise ValueError(
+                "GeminiDDP: offload_param_frac > 0 needs shard_param_frac=1.0 and offload_optim_frac=1.0 "
+                f"(got shard_param_frac={self.shard_param_frac}, offload_optim_frac={self.offload_optim_frac})"
+            )
+        if self.placement is PlacementKind.AUTO and (
+            self.shard_param_frac != 1.0 or self.offload_optim_frac != 0.0 or self.offload_param_frac != 0.0
+        ):
+            raise ValueError(
+                "GeminiDDP: shard_param_frac / offload_optim_frac / offload_param_frac only apply to "
+                "placement_policy='static'; leave them at their defaults (1.0, 0.0, 0.0) with 'auto'"
+            )
+        if self.search_range_m < 0 or self.min_chunk_size_m < 0:
+            raise ValueError(
+                f"GeminiDDP: search_range_m ({self.search_range_m}) and min_chunk_size_m ({self.min_chunk_size_m}) "
+                "must be >= 0"
+            )
+        if self.hidden_dim is not None and self.hidden_dim <= 0:
+            raise ValueError(f"GeminiDDP: hidden_dim must be positive, got {self.hidden_dim}")
+        if self.strict_ddp_mode and self.placement is not PlacementKind.STATIC:
+            raise ValueError(
+                "GeminiDDP: strict_ddp_mode=True (every chunk kept gathered) needs placement_policy='static'"
+            )
+
+    @property
+    def needs_master(self) -> bool:
+        """A separate fp32 master copy exists only for low-precision parameters with master_weights=True."""
+        return self.master_weights and self.mixed_precision != torch.float32
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        return self.mixed_precision == torch.float16

@@ -1,0 +1,149 @@
+"""Placement: static fractions, optimizer / parameter offload, auto with a device budget, prefetch; memory accounting.
+
+Every placement must train exactly like PyTorch (fp32, 1e-5 relative): placement moves bytes, never changes values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cx_chunk import AutoPlacementPolicy, MemStats, Residence
+from cx_mesh import get_accelerator
+from cx_mesh.testing import distributed
+from cx_zero.gemini import GeminiDDP, GeminiOptimizer
+from zero_gemini_helpers import GPT, Reference, assert_state_close, batch, lm_loss, local, make_gpt
+
+RTOL, ATOL = 1e-5, 1e-6
+CHUNK = {"chunk_size": 2048}
+
+
+def _adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _train(rank: int, world_size: int, steps: int, dtype: torch.dtype = torch.float32, **kwargs: object) -> GeminiDDP:
+    reference = Reference(make_gpt(), world_size, _adamw, dtype=dtype)
+    ddp = GeminiDDP(make_gpt(), chunk_config_dict=CHUNK, mixed_precision=dtype, **kwargs)  # type: ignore[arg-type]
+    optimizer = GeminiOptimizer(_adamw(list(ddp.parameters())), ddp)
+    for step in range(steps):
+        x, y = batch(step, world_size)
+        optimizer.zero_grad()
+        optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
+        optimizer.step()
+        reference.step(step)
+        if dtype == torch.float32:
+            assert_state_close(ddp.state_dict(only_rank_0=False), reference.state(), RTOL, ATOL, f"step {step}")
+        else:  # bf16: Adam moves a weight by about +-lr per step, so a near-zero gradient whose sign differs
+            # after bf16 rounding of the reduction moves it the other way: up to 2 * lr = 2e-2 apart
+            assert_state_close(ddp.state_dict(only_rank_0=False), reference.state(), 2e-2, 2e-2, f"step {step}")
+    return ddp
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("shard_param_frac", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("offload_optim_frac", [0.0, 1.0])
+def test_zero_gemini_placement_static(
+    rank: int, world_size: int, shard_param_frac: float, offload_optim_frac: float
+) -> None:
+    ddp = _train(rank, world_size, 3, shard_param_frac=shard_param_frac, offload_optim_frac=offload_optim_frac)
+    chunks = ddp.manager.chunks("param")
+    kept = [c for c in chunks if c.is_gathered]
+    if shard_param_frac == 1.0:
+        assert not kept
+    if shard_param_frac == 0.0:
+        assert len(kept) == len(chunks)
+    if shard_param_frac == 0.5:
+        assert 0 < len(kept) < len(chunks)
+    for chunk in chunks:
+        want = Residence.HOST if offload_optim_frac == 1.0 else Residence.DEVICE
+        assert ddp.manager.grad_chunk(chunk).residence is want
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_gemini_placement_offload_params(rank: int, world_size: int, dtype: torch.dtype) -> None:
+    ddp = _train(rank, world_size, 3, dtype, offload_param_frac=1.0, offload_optim_frac=1.0, shard_param_frac=1.0)
+    assert all(c.residence is Residence.HOST for c in ddp.manager.chunks("param"))
+    assert ddp.manager.usage.device == 0  # at rest everything lives on the host
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("max_prefetch", [0, 2])
+def test_zero_gemini_placement_prefetch(rank: int, world_size: int, max_prefetch: int) -> None:
+    ddp = _train(rank, world_size, 3, max_prefetch=max_prefetch)
+    assert bool(ddp.scheduler.prefetch_log) == (max_prefetch > 0)
+    assert not any(c.is_gathered for c in ddp.manager.chunks())  # prefetched chunks were released too
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_gemini_placement_auto_with_budget(rank: int, world_size: int, dtype: torch.dtype) -> None:
+    accelerator = get_accelerator()
+    accelerator.set_memory_capacity(60_000)
+    try:
+        ddp = _train(rank, world_size, 3, dtype, placement_policy="auto")
+    finally:
+        accelerator.set_memory_capacity(None)
+    policy = ddp.policy
+    assert isinstance(policy, AutoPlacementPolicy)
+    assert policy.evictions, "a 12 kB warm-up budget must evict chunks"
+    assert all(record.device_bytes <= 60_000 * 0.9 for record in policy.budget_log)
+
+
+@distributed(world_size=(2, 4))
+def test_zero_gemini_placement_memory_is_one_over_n(rank: int, world_size: int) -> None:
+    ddp = _train(rank, world_size, 1, torch.bfloat16)
+    chunks = ddp.manager.chunks()
+    gathered = sum(c.nbytes for c in chunks)
+    resident = sum(c.memory_usage().device + c.memory_usage().host for c in chunks)
+    assert resident == gathered // world_size
+    masters = sum(ddp.manager.master_chunk(c).memory_usage().device for c in ddp.manager.chunks("param"))
+    assert masters == 2 * gathered // world_size  # fp32 master slices: twice the bf16 bytes, also 1/N
+    assert all(p.numel() == 0 for p in ddp.parameters())  # released: parameters point at empty storage
+    assert ddp.manager.recount() == ddp.manager.usage
+    report = ddp.chunk_memory()
+    assert report["gathered_param_bytes"] == gathered
+    assert report["device"] + report["host"] == ddp.manager.usage.device + ddp.manager.usage.host
+    assert isinstance(ddp.unwrap(), GPT)
+
+
+@distributed(world_size=2)
+def test_zero_gemini_placement_memstats_replaces_warmup(rank: int, world_size: int) -> None:
+    """A MemStats recorded before training (here: one period per block, in forward order) is the trace from the
+    first step on: prefetching starts in step 0, and training still matches PyTorch."""
+    model = make_gpt()
+    memstats = MemStats()
+    for module in [model.wte, *model.h, model.ln_f]:
+        memstats.record_period(list(module.parameters()), non_model_bytes=0)
+    reference = Reference(make_gpt(), world_size, _adamw)
+    ddp = GeminiDDP(model, chunk_config_dict=CHUNK, mixed_precision=torch.float32, memstats=memstats, max_prefetch=2)
+    assert ddp.scheduler.warmed_up
+    optimizer = GeminiOptimizer(_adamw(list(ddp.parameters())), ddp)
+    x, y = batch(0, world_size)
+    optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
+    optimizer.step()
+    reference.step(0)
+    assert ddp.scheduler.prefetch_log  # prefetched during the very first step
+    assert_state_close(ddp.state_dict(only_rank_0=False), reference.state(), RTOL, ATOL, "step 0")
+
+
+COMBINATIONS = [
+    {"placement_policy": "auto", "max_prefetch": 2},
+    {"offload_param_frac": 1.0, "offload_optim_frac": 1.0, "max_prefetch": 2},
+    {"shard_param_frac": 0.5, "offload_optim_frac": 1.0, "max_prefetch": 2, "enable_async_reduce": False},
+]
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("kwargs", COMBINATIONS, ids=["auto-prefetch", "offload-all-prefetch", "half-kept-offload"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_gemini_placement_combinations(
+    rank: int, world_size: int, kwargs: dict[str, object], dtype: torch.dtype
+) -> None:
+    accelerator = get_accelerator()
+    accelerator.set_memory_capacity(60_000)
+    try:
+        _train(rank, world_size, 3, dtype, **kwargs)
+    finally:
+        accelerator.set_memory_capacity(None)

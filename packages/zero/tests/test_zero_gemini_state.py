@@ -1,0 +1,170 @@
+"""State dicts: full tensors by name out (streamed), full tensors in; optimizer state by parameter name; resuming
+from a saved state continues exactly; the cx-checkpoint protocols round-trip through files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cx_checkpoint import (
+    CheckpointKind,
+    CheckpointReader,
+    TensorSink,
+    TensorSource,
+    iter_source,
+    load_into,
+    write_sharded,
+)
+from cx_mesh.testing import distributed
+from cx_zero.gemini import GeminiDDP, GeminiOptimizer
+from zero_gemini_helpers import Reference, assert_state_close, batch, lm_loss, local, make_gpt
+
+CHUNK = {"chunk_size": 2048}
+
+
+def _adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _build(seed: int, dtype: torch.dtype = torch.float32) -> tuple[GeminiDDP, GeminiOptimizer]:
+    ddp = GeminiDDP(make_gpt(seed), chunk_config_dict=CHUNK, mixed_precision=dtype)
+    return ddp, GeminiOptimizer(_adamw(list(ddp.parameters())), ddp, initial_scale=2**8)
+
+
+def _step(rank: int, world_size: int, ddp: GeminiDDP, optimizer: GeminiOptimizer, step: int) -> None:
+    x, y = batch(step, world_size)
+    optimizer.zero_grad()
+    optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
+    optimizer.step()
+
+
+@distributed(world_size=(1, 2))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_zero_gemini_state_resume_is_exact(rank: int, world_size: int, dtype: torch.dtype) -> None:
+    ddp, optimizer = _build(0, dtype)
+    for step in range(2):
+        _step(rank, world_size, ddp, optimizer, step)
+    model_state = ddp.state_dict(only_rank_0=False)
+    optim_state = optimizer.state_dict(only_rank_0=False)
+    assert all(v.dtype == torch.float32 for v in model_state.values() if v.is_floating_point())  # original dtype
+    resumed, resumed_optimizer = _build(7, dtype)
+    resumed.load_state_dict(model_state)
+    resumed_optimizer.load_state_dict(optim_state)
+    for step in range(2, 4):
+        _step(rank, world_size, ddp, optimizer, step)
+        _step(rank, world_size, resumed, resumed_optimizer, step)
+        assert_state_close(resumed.state_dict(only_rank_0=False), ddp.state_dict(only_rank_0=False), 0, 0, "resumed")
+
+
+@distributed(world_size=2)
+def test_zero_gemini_state_matches_torch_by_name(rank: int, world_size: int) -> None:
+    reference = Reference(make_gpt(), world_size, _adamw)
+    ddp, optimizer = _build(0)
+    for step in range(2):
+        _step(rank, world_size, ddp, optimizer, step)
+        reference.step(step)
+    state = optimizer.state_dict(only_rank_0=True)
+    model_state = ddp.state_dict()  # collective: every rank calls it, only rank 0 gets the tensors
+    if rank != 0:
+        assert state == {}
+        assert model_state == {}
+        return
+    assert "wte.weight" in model_state
+    names = {id(p): n for n, p in reference.master.named_parameters()}
+    for param, torch_state in reference.optimizer.state.items():
+        ours = state["state"][names[id(param)]]
+        assert float(ours["step"]) == float(torch_state["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours[key], torch_state[key], rtol=1e-5, atol=1e-7)
+    assert state["param_groups"][0]["lr"] == 1e-2
+    assert "wte.weight" in state["param_groups"][0]["param_names"]
+
+
+@distributed(world_size=2)
+def test_zero_gemini_state_shards_are_bounded(rank: int, world_size: int) -> None:
+    ddp, optimizer = _build(0)
+    _step(rank, world_size, ddp, optimizer, 0)
+    full = ddp.state_dict(only_rank_0=False)
+    pieces = list(ddp.state_dict_shard(max_shard_size=4096, only_rank_0=False))
+    assert len(pieces) > 2
+    merged: dict[str, torch.Tensor] = {}
+    for piece, size in pieces:
+        assert size == sum(t.numel() * t.element_size() for t in piece.values()) or "lm_head.weight" in piece
+        merged.update(piece)
+    assert_state_close(merged, full, 0, 0, "shards")
+    optim_pieces = list(optimizer.state_shard(max_shard_size=4096, only_rank_0=False))
+    assert len(optim_pieces) > 2
+    merged_optim: dict[str, dict[str, torch.Tensor]] = {}
+    for piece, _ in optim_pieces:
+        for name, entries in piece.items():
+            merged_optim.setdefault(name, {}).update(entries)
+    assert merged_optim.keys() == optimizer.state_dict(only_rank_0=False)["state"].keys()
+
+
+@distributed(world_size=2)
+def test_zero_gemini_state_checkpoint_protocols(rank: int, world_size: int, tmp_path: Path) -> None:
+    ddp, optimizer = _build(0)
+    _step(rank, world_size, ddp, optimizer, 0)
+    assert isinstance(ddp, TensorSource)
+    assert isinstance(ddp, TensorSink)
+    assert isinstance(optimizer, TensorSource)
+    assert isinstance(optimizer, TensorSink)
+    write_sharded(tmp_path / "model", iter_source(ddp, 4096), size_per_shard=0.004, group=dist.group.WORLD)
+    fresh, _ = _build(3)
+    result = load_into(CheckpointReader.open(tmp_path / "model"), fresh)
+    assert result.missing_keys == ()
+    assert result.unexpected_keys == ()
+    assert_state_close(fresh.state_dict(only_rank_0=False), ddp.state_dict(only_rank_0=False), 0, 0, "checkpoint")
+
+
+@distributed(world_size=2)
+def test_zero_gemini_state_optimizer_checkpoint_protocols(rank: int, world_size: int, tmp_path: Path) -> None:
+    ddp, optimizer = _build(0)
+    other, other_optimizer = _build(0)
+    for step in range(2):
+        _step(rank, world_size, ddp, optimizer, step)
+    _step(rank, world_size, other, other_optimizer, 5)  # creates state of the same layout, other values
+    kind = CheckpointKind.OPTIMIZER
+    write_sharded(
+        tmp_path / "optim", iter_source(optimizer, 4096), kind=kind, size_per_shard=0.004, group=dist.group.WORLD
+    )
+    result = load_into(CheckpointReader.open(tmp_path / "optim", kind=kind), other_optimizer)
+    assert result.missing_keys == ()
+    want = optimizer.state_dict(only_rank_0=False)["state"]
+    got = other_optimizer.state_dict(only_rank_0=False)["state"]
+    for name, entries in want.items():
+        for key, value in entries.items():
+            assert torch.equal(got[name][key], value), (name, key)
+    meta = optimizer.checkpoint_meta()
+    assert meta.state["wte.weight"]["exp_avg"] == {"tensor": "state.wte.weight.exp_avg"}
+
+
+_SINGLE: list[object] = []
+
+
+@distributed(world_size=2)
+def test_zero_gemini_state_checkpoint_loads_at_another_world_size(rank: int, world_size: int, tmp_path: Path) -> None:
+    """Saved sharded over 2 ranks, loaded by a Gemini model sharded over 1 rank (and vice versa): same tensors."""
+    if not _SINGLE:
+        _SINGLE.extend(dist.new_group([r]) for r in range(world_size))
+    ddp, optimizer = _build(0)
+    _step(rank, world_size, ddp, optimizer, 0)
+    write_sharded(tmp_path / "two", iter_source(ddp, 4096), size_per_shard=0.004, group=dist.group.WORLD)
+    single = GeminiDDP(
+        make_gpt(4),
+        chunk_config_dict={"chunk_size": 1000},
+        mixed_precision=torch.bfloat16,
+        zero_group=_SINGLE[rank],  # type: ignore[arg-type]
+    )
+    load_into(CheckpointReader.open(tmp_path / "two"), single)
+    want = ddp.state_dict(only_rank_0=False)
+    assert_state_close(single.state_dict(only_rank_0=False), want, 0, 0, "world 2 -> world 1 (bf16 + master)")
+    if rank == 0:
+        write_sharded(tmp_path / "one", iter_source(single, 4096), size_per_shard=0.004)
+    dist.barrier()
+    back, _ = _build(9)
+    load_into(CheckpointReader.open(tmp_path / "one"), back)
+    assert_state_close(back.state_dict(only_rank_0=False), want, 0, 0, "world 1 -> world 2")
