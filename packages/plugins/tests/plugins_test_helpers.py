@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from cx_plugins import Booster, LowLevelZeroPlugin, OptimizerWrapper, Plugin, TorchDDPPlugin
+from cx_plugins import Booster, GeminiPlugin, LowLevelZeroPlugin, OptimizerWrapper, Plugin, TorchDDPPlugin
+from cx_plugins._gemini_plugin import GeminiModel
 from cx_plugins.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=64, max_positions=8, hidden_size=16, num_layers=1, num_heads=4)
@@ -26,6 +27,8 @@ def data(steps: int, seed: int = 99) -> torch.Tensor:
 def make_plugin(name: str, **options: Any) -> Plugin:
     if name == "torch_ddp":
         return TorchDDPPlugin(**options)
+    if name == "gemini":  # small chunks, so the tiny model really is sharded over several chunks
+        return GeminiPlugin(**{"precision": "fp32", "chunk_config_dict": {"chunk_size": 1024}, **options})
     if name.startswith("zero"):
         return LowLevelZeroPlugin(stage=int(name[-1]), **{"precision": "fp32", **options})
     raise ValueError(name)
@@ -65,8 +68,11 @@ def reference(batches: torch.Tensor, seed: int = 0) -> nn.Module:
 
 
 def assert_matches(model: nn.Module, expected: nn.Module, what: str) -> None:
+    """`model` may be a plain module or a boosted one (a Gemini module's full values come from its state_dict)."""
     want = expected.state_dict()
-    for name, value in model.state_dict().items():
+    state = model.ddp.state_dict(only_rank_0=False) if isinstance(model, GeminiModel) else model.state_dict()
+    assert set(state) == set(want), f"{what}: names differ"
+    for name, value in state.items():
         try:
             torch.testing.assert_close(value.float(), want[name], rtol=RTOL, atol=ATOL)
         except AssertionError as error:

@@ -24,6 +24,7 @@ from cx_checkpoint._errors import (
     UnsafeCheckpointError,
 )
 from cx_checkpoint._general import GeneralCheckpointIO, read_optimizer_meta
+from cx_checkpoint._hf_config import hf_side_files, write_side_files
 from cx_checkpoint._index import CheckpointIndexFile
 from cx_checkpoint._loading import LoadResult, load_into
 from cx_checkpoint._module import ModuleSink, ModuleSource
@@ -54,6 +55,9 @@ __all__ = [
     "FileFormat",
     "FileNames",
     "file_names",
+    # Hugging Face side files (config.json, generation_config.json)
+    "hf_side_files",
+    "write_side_files",
     # streaming write and lazy read
     "ShardWriter",
     "WrittenShard",

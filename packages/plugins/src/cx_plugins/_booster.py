@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,13 +67,11 @@ class Booster:
         """Backward through the optimizer wrapper, so loss scaling and gradient reduction happen where they must."""
         optimizer.backward(loss)
 
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module, optimizer: OptimizerWrapper | None = None) -> Iterator[None]:
-        """Gradient accumulation without communication, where the plugin supports it."""
-        if not self.plugin.support_no_sync():
-            raise NotImplementedError(f"{type(self.plugin).__name__} does not support no_sync")
-        with self.plugin.no_sync(model, optimizer):
-            yield
+    def no_sync(
+        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Gradient accumulation without communication, where the plugin supports it (else the plugin says why)."""
+        return self.plugin.no_sync(model, optimizer)
 
     def execute_pipeline(self, *args: Any, **kwargs: Any) -> Any:
         if not self.plugin.supports_pipeline():

@@ -1,0 +1,291 @@
+"""`GeminiPlugin`: chunk-based ZeRO-3 (cx_zero.GeminiDDP + GeminiOptimizer) behind the Booster.
+
+Every constructor argument of ColossalAI's GeminiPlugin is accepted and honoured. Those that need pieces cx has not
+built yet (tensor parallelism and the ShardFormer switches, fp8) raise `NotImplementedError` naming what is missing
+when given a non-default value; nothing is silently ignored. Unlike ColossalAI, `enable_async_reduce` does not
+quietly turn `pin_memory` on, and `precision` also accepts "fp32".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+from cx_checkpoint import CheckpointIO
+from cx_chunk import MemStats
+from cx_mesh import assert_same_across_ranks, get_accelerator
+from cx_plugins._gemini_checkpoint_io import GeminiCheckpointIO
+from cx_plugins._layout import ZeroLayout
+from cx_plugins._plugin import Boosted, DPPluginBase
+from cx_plugins._precision import Precision
+from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_zero import GeminiDDP, GeminiOptimizer, NormType
+
+__all__ = ["GeminiPlugin"]
+
+_ACCEPTED = (Precision.FP16, Precision.BF16, Precision.FP32)
+_NOT_BUILT = {
+    "tp_size": "tensor parallelism needs cx-shardformer, which is not built yet",
+    "enable_all_optimization": "ShardFormer optimizations need cx-shardformer, which is not built yet",
+    "enable_fused_normalization": "fused normalization comes with cx-shardformer, which is not built yet",
+    "enable_flash_attention": "flash attention comes with cx-shardformer, which is not built yet",
+    "enable_sequence_parallelism": "sequence parallelism needs cx-shardformer, which is not built yet",
+    "enable_jit_fused": "JIT fusion comes with cx-shardformer, which is not built yet",
+    "enable_sequence_overlap": "sequence overlap needs cx-shardformer, which is not built yet",
+    "use_fp8": "fp8 matmuls are not supported by cx yet",
+    "fp8_communication": "fp8 communication is not supported by cx yet",
+    "gpu_margin_mem_ratio": "a hybrid CPU/GPU optimizer step (gpu_margin_mem_ratio > 0) is not supported by cx yet",
+}
+_DEFAULTS: dict[str, object] = {
+    "tp_size": 1,
+    "enable_all_optimization": False,
+    "enable_fused_normalization": False,
+    "enable_flash_attention": False,
+    "enable_sequence_parallelism": False,
+    "enable_jit_fused": False,
+    "enable_sequence_overlap": False,
+    "use_fp8": False,
+    "fp8_communication": False,
+    "gpu_margin_mem_ratio": 0.0,
+}
+
+
+@dataclass(frozen=True)
+class GeminiPluginOptions:
+    """What GeminiDDP and GeminiOptimizer receive, validated once (GeminiDDP re-checks its own arguments)."""
+
+    ddp: Mapping[str, Any]
+    optimizer: Mapping[str, Any]
+    extra_dp_size: int
+    precision: Precision
+    verbose: bool
+    memstats: MemStats | None = field(default=None, compare=False)
+
+    def fingerprint(self) -> object:
+        """What all ranks must agree on (the MemStats object itself is per-rank data, compared by presence)."""
+        return (
+            sorted(self.ddp.items(), key=str),
+            sorted(self.optimizer.items()),
+            self.extra_dp_size,
+            self.precision,
+            self.verbose,
+            self.memstats is not None,
+        )
+
+
+class GeminiModel(ModelWrapper):
+    """The boosted model: GeminiDDP inside; `unwrap()` is the user's module (its parameters stay sharded)."""
+
+    def __init__(self, ddp: GeminiDDP) -> None:
+        super().__init__(ddp)
+        self.ddp = ddp
+
+    def unwrap(self) -> nn.Module:
+        return self.ddp.unwrap()
+
+
+class GeminiOptimizerWrapper(OptimizerWrapper):
+    def __init__(self, optimizer: Optimizer, gemini: GeminiOptimizer) -> None:
+        super().__init__(optimizer)
+        self.gemini = gemini
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        if retain_graph:
+            raise NotImplementedError("GeminiPlugin: backward(retain_graph=True) is not supported")
+        self.gemini.backward(loss)
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        if closure is not None:
+            raise ValueError("GeminiOptimizer does not take a closure: call booster.backward, then step()")
+        self.gemini.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.gemini.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.gemini.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.gemini.load_state_dict(state_dict)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.gemini.loss_scale
+
+    def get_grad_norm(self) -> float | None:
+        return self.gemini.get_grad_norm()
+
+
+class GeminiPlugin(DPPluginBase):
+    """Gemini ZeRO-3: parameters, gradients and optimizer state in chunks sharded over ranks, placed on GPU or CPU."""
+
+    def __init__(
+        self,
+        chunk_config_dict: dict[Any, Any] | None = None,
+        chunk_init_device: torch.device | None = None,
+        placement_policy: str = "static",
+        enable_gradient_accumulation: bool = False,
+        max_prefetch: int = 0,
+        shard_param_frac: float = 1.0,
+        offload_optim_frac: float = 0.0,
+        offload_param_frac: float = 0.0,
+        warmup_non_model_data_ratio: float = 0.8,
+        steady_cuda_cap_ratio: float = 0.9,
+        precision: str = "fp16",
+        master_weights: bool = True,
+        pin_memory: bool = False,
+        force_outputs_fp32: bool = False,
+        strict_ddp_mode: bool = False,
+        search_range_m: int = 32,
+        hidden_dim: int | None = None,
+        min_chunk_size_m: float = 32,
+        memstats: MemStats | None = None,
+        gpu_margin_mem_ratio: float = 0.0,
+        initial_scale: float = 2**16,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        max_norm: float = 0.0,
+        norm_type: float = 2.0,
+        tp_size: int = 1,
+        extra_dp_size: int = 1,
+        enable_all_optimization: bool = False,
+        enable_fused_normalization: bool = False,
+        enable_flash_attention: bool = False,
+        enable_sequence_parallelism: bool = False,
+        enable_jit_fused: bool = False,
+        enable_sequence_overlap: bool = False,
+        enable_async_reduce: bool = True,
+        use_fp8: bool = False,
+        verbose: bool = False,
+        fp8_communication: bool = False,
+    ) -> None:
+        super().__init__()
+        given = {
+            "tp_size": tp_size,
+            "enable_all_optimization": enable_all_optimization,
+            "enable_fused_normalization": enable_fused_normalization,
+            "enable_flash_attention": enable_flash_attention,
+            "enable_sequence_parallelism": enable_sequence_parallelism,
+            "enable_jit_fused": enable_jit_fused,
+            "enable_sequence_overlap": enable_sequence_overlap,
+            "use_fp8": use_fp8,
+            "fp8_communication": fp8_communication,
+            "gpu_margin_mem_ratio": gpu_margin_mem_ratio,
+        }
+        for name, value in given.items():
+            if value != _DEFAULTS[name]:
+                raise NotImplementedError(f"GeminiPlugin({name}={value!r}): {_NOT_BUILT[name]}")
+        resolved = Precision.parse(precision, _ACCEPTED)
+        NormType.parse(norm_type)  # a clear error now rather than at boost time
+        self.options = GeminiPluginOptions(
+            ddp={
+                "chunk_config_dict": chunk_config_dict,
+                "chunk_init_device": chunk_init_device,
+                "placement_policy": placement_policy,
+                "enable_gradient_accumulation": enable_gradient_accumulation,
+                "max_prefetch": max_prefetch,
+                "shard_param_frac": shard_param_frac,
+                "offload_optim_frac": offload_optim_frac,
+                "offload_param_frac": offload_param_frac,
+                "warmup_non_model_data_ratio": warmup_non_model_data_ratio,
+                "steady_cuda_cap_ratio": steady_cuda_cap_ratio,
+                "search_range_m": search_range_m,
+                "hidden_dim": hidden_dim,
+                "min_chunk_size_m": min_chunk_size_m,
+                "pin_memory": pin_memory,
+                "force_outputs_fp32": force_outputs_fp32,
+                "strict_ddp_mode": strict_ddp_mode,
+                "mixed_precision": resolved.dtype,
+                "master_weights": master_weights,
+                "enable_async_reduce": enable_async_reduce,
+            },
+            optimizer={
+                "initial_scale": initial_scale,
+                "min_scale": min_scale,
+                "growth_factor": growth_factor,
+                "backoff_factor": backoff_factor,
+                "growth_interval": growth_interval,
+                "hysteresis": hysteresis,
+                "max_scale": max_scale,
+                "max_norm": max_norm,
+                "norm_type": norm_type,
+            },
+            extra_dp_size=extra_dp_size,
+            precision=resolved,
+            verbose=verbose,
+            memstats=memstats,
+        )
+        assert_same_across_ranks(self.options.fingerprint(), what="GeminiPlugin options")
+        self.layout = ZeroLayout.build(extra_dp_size=extra_dp_size)
+        self._gemini_of: weakref.WeakKeyDictionary[Optimizer, GeminiOptimizer] = weakref.WeakKeyDictionary()
+
+    def supported_devices(self) -> list[str]:
+        return ["cuda", "cpu"]
+
+    def supported_precisions(self) -> list[str]:
+        return [p.value for p in _ACCEPTED]
+
+    def control_precision(self) -> bool:
+        return True
+
+    def control_device(self) -> bool:
+        return True
+
+    def support_no_sync(self) -> bool:
+        return False
+
+    def data_parallel_rank_and_size(self) -> tuple[int, int]:
+        return self.layout.dp_rank, self.layout.dp_size
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: DataLoader[Any] | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> Boosted:
+        if isinstance(model, GeminiModel):
+            boosted = model
+        elif isinstance(model, ModelWrapper):
+            raise ValueError("GeminiPlugin: the model was already boosted by another plugin")
+        else:
+            ddp = GeminiDDP(
+                model.to(get_accelerator().current_device()),
+                **self.options.ddp,
+                zero_group=self.layout.zero_group,
+                extra_dp_group=self.layout.extra_dp_group,
+                memstats=self.options.memstats,
+                verbose=self.options.verbose,
+            )
+            boosted = GeminiModel(ddp)
+        wrapped: OptimizerWrapper | None = None
+        if optimizer is not None:
+            gemini = GeminiOptimizer(optimizer, boosted.ddp, **self.options.optimizer, verbose=self.options.verbose)
+            self._gemini_of[optimizer] = gemini
+            wrapped = GeminiOptimizerWrapper(optimizer, gemini)
+        return boosted, wrapped, criterion, dataloader, lr_scheduler
+
+    def get_checkpoint_io(self) -> CheckpointIO:
+        return GeminiCheckpointIO(self._gemini_of.get)
+
+    def no_sync(
+        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError(
+            "GeminiPlugin does not support no_sync: use GeminiPlugin(enable_gradient_accumulation=True) and call "
+            "backward on each micro-batch before one step()"
+        )
