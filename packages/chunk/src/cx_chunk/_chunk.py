@@ -22,7 +22,14 @@ import torch.distributed as dist
 from cx_chunk._errors import ChunkError, ChunkFullError
 from cx_chunk._layout import MemoryUsage, Residence, ShardView, TensorSlot
 from cx_chunk._states import TensorState, check_transition
-from cx_mesh import ProcessGroup, communication_device, get_accelerator, require_initialized
+from cx_mesh import (
+    ProcessGroup,
+    all_gather_flat,
+    communication_device,
+    get_accelerator,
+    reduce_scatter_flat,
+    require_initialized,
+)
 
 __all__ = ["Chunk"]
 
@@ -228,7 +235,7 @@ class Chunk:
         comm = communication_device(self.group)
         source = self._shard.to(comm)
         out = torch.empty(self.chunk_size, dtype=self.dtype, device=comm)
-        work = dist.all_gather_into_tensor(out, source, group=self.group, async_op=async_op)
+        work = all_gather_flat(out, source, self.group, async_op=async_op)
         self._buffer = out
         self._buffer_residence = Residence.DEVICE
         if async_op:
@@ -363,7 +370,7 @@ class Chunk:
             dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.group)
         else:
             reduced = torch.empty(self.shard_size, dtype=self.dtype, device=comm)
-            dist.reduce_scatter_tensor(reduced, buffer.to(comm), op=dist.ReduceOp.SUM, group=self.group)
+            reduce_scatter_flat(reduced, buffer.to(comm), dist.ReduceOp.SUM, self.group)
         divisor = self.group_size
         if self.extra_dp_group is not None:
             dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.extra_dp_group)

@@ -14,7 +14,13 @@ from cx_mesh._accelerator import (
     get_accelerator,
     set_accelerator,
 )
-from cx_mesh._collectives import ProcessGroup, all_gather_flat, communication_device, require_initialized
+from cx_mesh._collectives import (
+    ProcessGroup,
+    all_gather_flat,
+    communication_device,
+    reduce_scatter_flat,
+    require_initialized,
+)
 from cx_mesh._consistency import RankMismatchError, all_gather_bytes, assert_same_across_ranks
 from cx_mesh._coordinator import DistCoordinator
 from cx_mesh._launch import DEFAULT_TIMEOUT, launch, launch_from_torch, set_seed
@@ -39,6 +45,7 @@ __all__ = [
     "ProcessGroupMesh",
     "all_gather_flat",
     "communication_device",
+    "reduce_scatter_flat",
     "require_initialized",
     # coordination
     "DistCoordinator",

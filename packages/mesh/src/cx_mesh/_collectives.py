@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["ProcessGroup", "all_gather_flat", "communication_device", "require_initialized"]
+__all__ = ["ProcessGroup", "all_gather_flat", "communication_device", "reduce_scatter_flat", "require_initialized"]
 
 ProcessGroup = dist.ProcessGroup
 
@@ -37,4 +37,18 @@ def all_gather_flat(
     """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work: dist.Work | None = gather(output, tensor, group=group, async_op=async_op)
+    return work
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Reduce a flat tensor over `group` and keep this rank's equal-sized slice, via `reduce_scatter_single` where
+    torch has it (torch 2.13 warns on `reduce_scatter_tensor`; torch 2.4 has only that)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    work: dist.Work | None = scatter(output, tensor, op=op, group=group, async_op=async_op)
     return work

@@ -9,7 +9,7 @@ from pathlib import Path
 
 __all__ = ["PLUGINS", "DemoOptions", "parse_options"]
 
-PLUGINS = ("torch_ddp", "low_level_zero")
+PLUGINS = ("gemini", "low_level_zero", "torch_ddp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 

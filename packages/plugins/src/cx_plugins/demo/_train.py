@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from cx_mesh import all_gather_flat, get_accelerator, launch_from_torch
 from cx_plugins._booster import Booster
+from cx_plugins._gemini_plugin import GeminiPlugin
 from cx_plugins._low_level_zero_plugin import LowLevelZeroPlugin
 from cx_plugins._plugin import Plugin
 from cx_plugins._torch_ddp_plugin import TorchDDPPlugin
@@ -24,6 +25,9 @@ __all__ = ["train"]
 def _plugin_and_precision(options: DemoOptions) -> tuple[Plugin, str | None]:
     if options.plugin == "torch_ddp":
         return TorchDDPPlugin(), None if options.precision == "fp32" else options.precision
+    if options.plugin == "gemini":
+        # The demo model is small: small chunks, so that its parameters really are sharded over the ranks.
+        return GeminiPlugin(precision=options.precision, search_range_m=1, min_chunk_size_m=0.05, hidden_dim=64), None
     if options.plugin == "low_level_zero":
         return LowLevelZeroPlugin(stage=2, precision=options.precision), None
     raise ValueError(f"unknown plugin {options.plugin!r}")
@@ -51,12 +55,12 @@ def train(options: DemoOptions) -> list[float]:
     plugin, mixed_precision = _plugin_and_precision(options)
     booster = Booster(mixed_precision=mixed_precision, plugin=plugin)
     model = GPT(config, seed=options.seed)
+    parameters = sum(p.numel() for p in model.parameters())  # before boosting: Gemini shards them away
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=0.0)
     loader = plugin.prepare_dataloader(dataset, batch_size=options.batch_size, shuffle=True, seed=options.seed)
     boosted, boosted_optimizer, *_ = booster.boost(model, optimizer)
     assert boosted_optimizer is not None
     if rank == 0:
-        parameters = sum(p.numel() for p in model.parameters())
         print(
             f"cx-train: plugin={options.plugin} ranks={world} precision={options.precision} "
             f"params={parameters / 1e6:.2f}M steps={options.steps}",
