@@ -8,7 +8,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from cx_plugins import Booster, GeminiPlugin, LowLevelZeroPlugin, OptimizerWrapper, Plugin, TorchDDPPlugin
+from cx_plugins import (
+    Booster,
+    GeminiPlugin,
+    LowLevelZeroPlugin,
+    ModelWrapper,
+    OptimizerWrapper,
+    Plugin,
+    TorchDDPPlugin,
+)
 from cx_plugins._gemini_plugin import GeminiModel
 from cx_plugins.models import GPT, GPTConfig
 
@@ -67,10 +75,17 @@ def reference(batches: torch.Tensor, seed: int = 0) -> nn.Module:
     return model
 
 
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full tensors by name of a plain or boosted model (Gemini's parameters are sharded: gathered, collective)."""
+    if isinstance(model, GeminiModel):
+        return model.ddp.state_dict(only_rank_0=False)
+    return model.unwrap().state_dict() if isinstance(model, ModelWrapper) else model.state_dict()
+
+
 def assert_matches(model: nn.Module, expected: nn.Module, what: str) -> None:
-    """`model` may be a plain module or a boosted one (a Gemini module's full values come from its state_dict)."""
+    """`model` may be a plain module or a boosted one."""
     want = expected.state_dict()
-    state = model.ddp.state_dict(only_rank_0=False) if isinstance(model, GeminiModel) else model.state_dict()
+    state = full_state(model)
     assert set(state) == set(want), f"{what}: names differ"
     for name, value in state.items():
         try:

@@ -3,15 +3,13 @@ and clear errors for arguments cx does not support yet."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from cx_mesh import RankMismatchError
-from cx_mesh.testing import distributed, run_distributed
+from cx_mesh.testing import distributed
 from cx_plugins import Booster, GeminiPlugin
 from plugins_test_helpers import assert_matches, boosted, data, reference, train
 
@@ -37,42 +35,6 @@ def test_plugins_gemini_placements_through_plugin_arguments(
     batches = data(STEPS)
     train(rank, world_size, booster, model, optimizer, batches)
     assert_matches(model, reference(batches), f"gemini {placement}")
-
-
-def _save(rank: int, world_size: int, plugin: str, directory: str, shard: bool, use_async: bool) -> None:
-    booster, _, model, optimizer = boosted(plugin)
-    train(rank, world_size, booster, model, optimizer, data(5)[:2])
-    model_path = Path(directory, "model" if shard else "model.safetensors")
-    optimizer_path = Path(directory, "optimizer" if shard else "optimizer.safetensors")
-    booster.save_model(model, model_path, shard=shard, use_safetensors=True, use_async=use_async)
-    booster.save_optimizer(optimizer, optimizer_path, shard=shard, use_async=use_async)
-    booster.synchronize()
-
-
-def _resume(rank: int, world_size: int, plugin: str, directory: str, shard: bool) -> None:
-    booster, plain, model, optimizer = boosted(plugin, seed=1)
-    booster.load_model(model, Path(directory, "model" if shard else "model.safetensors"))
-    booster.load_optimizer(optimizer, Path(directory, "optimizer" if shard else "optimizer.safetensors"))
-    train(rank, world_size, booster, model, optimizer, data(5)[2:])
-    assert_matches(model if plugin == "gemini" else plain, reference(data(5)), f"{plugin} at world {world_size}")
-    dist.barrier()
-
-
-@pytest.mark.parametrize(
-    ("saver", "loader", "shard", "use_async"),
-    [
-        ("gemini", "gemini", True, False),
-        ("gemini", "torch_ddp", False, True),
-        ("zero2", "gemini", True, True),
-        ("torch_ddp", "gemini", False, False),
-    ],
-)
-def test_plugins_gemini_resume_across_plugins_and_world_sizes(
-    tmp_path: Path, saver: str, loader: str, shard: bool, use_async: bool
-) -> None:
-    run_distributed(_save, 2, plugin=saver, directory=str(tmp_path), shard=shard, use_async=use_async)
-    for world_size in (1, 4):
-        run_distributed(_resume, world_size, plugin=loader, directory=str(tmp_path), shard=shard)
 
 
 @distributed(world_size=2)

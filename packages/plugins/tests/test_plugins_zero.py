@@ -3,14 +3,11 @@ plugin at any world size, and clear errors for bad options."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from cx_mesh import RankMismatchError
-from cx_mesh.testing import distributed, run_distributed
+from cx_mesh.testing import distributed
 from cx_plugins import Booster, LowLevelZeroPlugin
 from plugins_test_helpers import CONFIG, assert_matches, boosted, data, reference, train
 
@@ -39,36 +36,6 @@ def test_plugins_zero_low_precision_trains_like_fp32(rank: int, world_size: int,
     fp32_losses = train(rank, world_size, fp32_booster, fp32_model, fp32_optimizer, batches)
     tolerance = {"bf16": 2e-2, "fp16": 2e-3}[precision]
     assert losses == pytest.approx(fp32_losses, rel=tolerance)
-
-
-def _save(rank: int, world_size: int, plugin: str, directory: str, shard: bool) -> None:
-    booster, _, model, optimizer = boosted(plugin)
-    train(rank, world_size, booster, model, optimizer, data(5)[:2])
-    booster.save_model(
-        model, Path(directory, "model" if shard else "model.safetensors"), shard=shard, use_safetensors=True
-    )
-    booster.save_optimizer(optimizer, Path(directory, "optimizer" if shard else "optimizer.safetensors"), shard=shard)
-
-
-def _resume(rank: int, world_size: int, plugin: str, directory: str, shard: bool) -> None:
-    booster, plain, model, optimizer = boosted(plugin, seed=1)
-    booster.load_model(model, Path(directory, "model" if shard else "model.safetensors"))
-    booster.load_optimizer(optimizer, Path(directory, "optimizer" if shard else "optimizer.safetensors"))
-    train(rank, world_size, booster, model, optimizer, data(5)[2:])
-    assert_matches(plain, reference(data(5)), f"{plugin} at world {world_size}")
-    dist.barrier()
-
-
-@pytest.mark.parametrize(
-    ("saver", "loader", "shard"),
-    [("zero2", "zero1", True), ("zero1", "torch_ddp", False), ("torch_ddp", "zero2", True), ("zero2", "zero2", False)],
-)
-def test_plugins_zero_resume_across_plugins_and_world_sizes(
-    tmp_path: Path, saver: str, loader: str, shard: bool
-) -> None:
-    run_distributed(_save, 2, plugin=saver, directory=str(tmp_path), shard=shard)
-    for world_size in (1, 4):
-        run_distributed(_resume, world_size, plugin=loader, directory=str(tmp_path), shard=shard)
 
 
 @distributed(world_size=4)
