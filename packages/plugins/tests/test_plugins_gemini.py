@@ -38,6 +38,20 @@ def test_plugins_gemini_placements_through_plugin_arguments(
 
 
 @distributed(world_size=2)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_plugins_gemini_low_precision_trains_like_fp32(rank: int, world_size: int, precision: str) -> None:
+    """cx-zero's Gemini tests hold each precision to its own reference; here the plugin must pass the precision
+    through (parameters in chunks of that dtype, fp32 masters, fp16 loss scaling), so losses follow the fp32 run's
+    within the precision's rounding."""
+    batches = data(STEPS)
+    booster, _, model, optimizer = boosted("gemini", precision=precision, initial_scale=2**8)
+    losses = train(rank, world_size, booster, model, optimizer, batches)
+    fp32_booster, _, fp32_model, fp32_optimizer = boosted("gemini")
+    fp32_losses = train(rank, world_size, fp32_booster, fp32_model, fp32_optimizer, batches)
+    assert losses == pytest.approx(fp32_losses, rel={"bf16": 2e-2, "fp16": 2e-3}[precision])
+
+
+@distributed(world_size=2)
 def test_plugins_gemini_bad_arguments(rank: int, world_size: int) -> None:
     with pytest.raises(NotImplementedError, match=r"tp_size=2.*cx-shardformer"):
         GeminiPlugin(tp_size=2)
