@@ -26,7 +26,14 @@ def test_plugins_gemini_fp32_matches_single_process(rank: int, world_size: int) 
 
 @distributed(world_size=2)
 @pytest.mark.parametrize(
-    "placement", [{"placement_policy": "static", "offload_optim_frac": 1.0}, {"shard_param_frac": 0.5}]
+    "placement",
+    [
+        {"offload_optim_frac": 1.0},
+        {"shard_param_frac": 0.5},
+        {"offload_optim_frac": 1.0, "offload_param_frac": 1.0},
+        {"placement_policy": "auto"},
+        {"max_prefetch": 2},
+    ],
 )
 def test_plugins_gemini_placements_through_plugin_arguments(
     rank: int, world_size: int, placement: dict[str, Any]
