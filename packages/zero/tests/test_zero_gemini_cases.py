@@ -3,8 +3,13 @@ gradient accumulation, eval / no_grad forwards between steps. fp32 against PyTor
 
 from __future__ import annotations
 
+import os
+import sys
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -270,3 +275,29 @@ def test_zero_gemini_cases_replicas_start_identical(rank: int, world_size: int, 
     everyone = [torch.zeros_like(digest) for _ in range(world_size)]
     torch.distributed.all_gather(everyone, digest)
     assert all(torch.equal(e, everyone[0]) for e in everyone)
+
+
+@distributed(world_size=2)
+def test_zero_gemini_cases_no_deprecated_collectives(rank: int, world_size: int) -> None:
+    """cx-zero's gathers in a training step (two path checks) and in the model's and the optimizer's state dicts go
+    through cx-mesh's version-tolerant `all_gather_flat`, never torch's old `all_gather_into_tensor`, which torch
+    2.13 deprecates with a FutureWarning on every call."""
+    original = dist.all_gather_into_tensor
+    callers: list[str] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        callers.append(sys._getframe(1).f_code.co_filename)
+        return original(*args, **kwargs)
+
+    setattr(dist, "all_gather_into_tensor", recording)  # noqa: B010
+    try:
+        ddp = GeminiDDP(make_gpt(), chunk_config_dict={"chunk_size": 2048}, mixed_precision=torch.bfloat16)
+        optimizer = GeminiOptimizer(_adamw(list(ddp.parameters())), ddp)
+        x, y = batch(0, world_size)
+        optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
+        optimizer.step()
+        ddp.state_dict(only_rank_0=False)
+        optimizer.state_dict(only_rank_0=False)
+    finally:
+        setattr(dist, "all_gather_into_tensor", original)  # noqa: B010
+    assert [c for c in callers if f"{os.sep}cx_zero{os.sep}" in c] == []

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from cx_mesh.testing import distributed
-from cx_zero.gemini import GeminiDDP
+from cx_zero.gemini import GeminiDDP, GeminiOptimizer
 from zero_gemini_helpers import make_gpt
 
 BAD_ARGUMENTS = [
@@ -21,6 +21,8 @@ BAD_ARGUMENTS = [
     ({"max_prefetch": -1}, ValueError, r"max_prefetch must be >= 0"),
     ({"chunk_config_dict": {"size": 10}}, ValueError, r"must have 'chunk_size'"),
     ({"placement_policy": "auto", "offload_optim_frac": 1.0}, ValueError, r"only apply to placement_policy='static'"),
+    ({"steady_cuda_cap_ratio": 0.5}, ValueError, r"only apply to placement_policy='auto'"),  # else silently ignored
+    ({"warmup_non_model_data_ratio": 0.1}, ValueError, r"only apply to placement_policy='auto'"),
     ({"strict_ddp_mode": True, "placement_policy": "auto"}, ValueError, r"strict_ddp_mode=True .* needs"),
     ({"chunk_config_dict": {"chunk_size": 64}, "hidden_dim": 8}, ValueError, r"do not apply when chunk_config_dict"),
 ]
@@ -93,3 +95,19 @@ def test_zero_gemini_errors_parameter_read_outside_its_unit(rank: int, world_siz
     assert "call the module that owns the parameter" in "".join(getattr(info.value, "__notes__", []))
     ddp.eval()  # still usable for well-formed calls afterwards: the chunks were released
     assert not any(c.is_gathered for c in ddp.manager.chunks())
+
+
+@distributed(world_size=1)
+def test_zero_gemini_errors_refused_optimizer_is_left_unchanged(rank: int, world_size: int) -> None:
+    """A tensor that is not one of the model's parameters is refused before the optimizer is touched: its param
+    groups still hold the model's parameters, so it can be fixed and wrapped."""
+    ddp = GeminiDDP(make_gpt(), mixed_precision=torch.float32)
+    params = list(ddp.parameters())
+    stranger = nn.Parameter(torch.zeros(3))
+    inner = torch.optim.SGD([{"params": params}, {"params": [stranger]}], lr=0.1)
+    with pytest.raises(ValueError, match="not a parameter of the GeminiDDP module"):
+        GeminiOptimizer(inner, ddp)
+    assert inner.param_groups[0]["params"] == params
+    assert "param_names" not in inner.param_groups[0]
+    inner.param_groups.pop()
+    assert len(GeminiOptimizer(inner, ddp).param_groups[0]["params"]) == len(params)

@@ -64,16 +64,20 @@ def test_zero_gemini_fp32_variants(rank: int, world_size: int, kwargs: dict[str,
 _GROUPS: dict[str, tuple[object, object]] = {}
 
 
-@distributed(world_size=4)
-def test_zero_gemini_fp32_extra_dp_group(rank: int, world_size: int) -> None:
-    """Chunks sharded over pairs {0,1}, {2,3}; gradients also averaged over {0,2}, {1,3}: DP over all 4 ranks."""
+def _pair_groups(rank: int) -> tuple[object, object]:
+    """(zero group, extra group) of `rank` in a 4-rank world: chunks over {0,1}, {2,3}; replicas over {0,2}, {1,3}."""
     if "groups" not in _GROUPS:
         zero = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         extra = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         _GROUPS["groups"] = (zero, extra)
     zero_groups, extra_groups = _GROUPS["groups"]
-    zero_group = zero_groups[rank // 2]  # type: ignore[index]
-    extra_group = extra_groups[rank % 2]  # type: ignore[index]
+    return zero_groups[rank // 2], extra_groups[rank % 2]  # type: ignore[index]
+
+
+@distributed(world_size=4)
+def test_zero_gemini_fp32_extra_dp_group(rank: int, world_size: int) -> None:
+    """Chunks sharded over pairs {0,1}, {2,3}; gradients also averaged over {0,2}, {1,3}: DP over all 4 ranks."""
+    zero_group, extra_group = _pair_groups(rank)
     ddp = run_and_compare(
         rank,
         world_size,
@@ -81,3 +85,27 @@ def test_zero_gemini_fp32_extra_dp_group(rank: int, world_size: int) -> None:
         steps=3,
     )
     assert all(c.group_size == 2 for c in ddp.manager.chunks())
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_gemini_extra_dp_replicas_start_identical(rank: int, world_size: int, dtype: torch.dtype) -> None:
+    """Every rank builds its model from another seed: the replicas over extra_dp_group (which hold the same sharded
+    slices) must still start identical, as documented (and, with bf16, their fp32 masters too)."""
+    zero_group, extra_group = _pair_groups(rank)
+    ddp = GeminiDDP(
+        make_gpt(seed=rank),
+        mixed_precision=dtype,
+        chunk_config_dict={"chunk_size": 2048},
+        zero_group=zero_group,  # type: ignore[arg-type]
+        extra_dp_group=extra_group,  # type: ignore[arg-type]
+    )
+    assert any(not c.keep_gathered and c.group_size == 2 for c in ddp.manager.chunks())
+    state = ddp.state_dict(only_rank_0=False)  # from the fp32 masters with bf16
+    everyone: list[dict[str, torch.Tensor] | None] = [None] * world_size
+    dist.all_gather_object(everyone, state)
+    for other in everyone:
+        assert other is not None
+        assert other.keys() == state.keys()
+        for name, value in state.items():
+            assert torch.equal(other[name], value), name

@@ -72,10 +72,16 @@ def test_zero_gemini_optimizer_clipping_matches_torch(
 
 
 @distributed(world_size=2)
-def test_zero_gemini_optimizer_fp16_overflow_skips_step(rank: int, world_size: int) -> None:
+@pytest.mark.parametrize("max_norm", [0.0, 1.0])
+def test_zero_gemini_optimizer_fp16_overflow_skips_step(rank: int, world_size: int, max_norm: float) -> None:
     ddp = GeminiDDP(make_gpt(), chunk_config_dict={"chunk_size": 2048}, mixed_precision=torch.float16)
     optimizer = GeminiOptimizer(
-        torch.optim.AdamW(ddp.parameters(), lr=1e-3), ddp, initial_scale=2**10, hysteresis=1, growth_interval=1000
+        torch.optim.AdamW(ddp.parameters(), lr=1e-3),
+        ddp,
+        initial_scale=2**10,
+        hysteresis=1,
+        growth_interval=1000,
+        max_norm=max_norm,
     )
     x, y = batch(0, world_size)
     optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
@@ -97,6 +103,35 @@ def test_zero_gemini_optimizer_fp16_overflow_skips_step(rank: int, world_size: i
     optimizer.step()
     changed = ddp.state_dict(only_rank_0=False)
     assert any(not torch.equal(changed[k], before[k]) for k in before)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_zero_gemini_optimizer_fp16_clipping_step_reduces_once(rank: int, world_size: int, norm_type: float) -> None:
+    """fp16 with clipping: the overflow flag and the norm come from one all-reduce per step, not two."""
+    ddp = GeminiDDP(make_gpt(), chunk_config_dict={"chunk_size": 2048}, mixed_precision=torch.float16)
+    optimizer = GeminiOptimizer(
+        torch.optim.AdamW(ddp.parameters(), lr=1e-3), ddp, initial_scale=2**10, max_norm=1e-3, norm_type=norm_type
+    )
+    x, y = batch(0, world_size)
+    optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
+    original = dist.all_reduce
+    calls: list[object] = []
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(kwargs.get("group"))
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    setattr(dist, "all_reduce", counting)  # noqa: B010
+    try:
+        optimizer.step()
+    finally:
+        setattr(dist, "all_reduce", original)  # noqa: B010
+    assert len(calls) == 1
+    norm = optimizer.get_grad_norm()
+    assert norm is not None
+    assert math.isfinite(norm)
+    assert norm > 1e-3  # clipped
 
 
 @distributed(world_size=2)

@@ -29,6 +29,8 @@ def test_zero_rejects_bad_constructor_arguments(rank: int, world_size: int) -> N
         LowLevelZeroOptimizer(torch.optim.AdamW(params), pg_to_param_list={world: params[:2]})
     with pytest.raises(ValueError, match="reduce_bucket_size"):
         LowLevelZeroOptimizer(torch.optim.AdamW(params), reduce_bucket_size=0)
+    with pytest.raises(ValueError, match="clip_grad_norm"):  # NaN would silently disable clipping
+        LowLevelZeroOptimizer(torch.optim.AdamW(params), clip_grad_norm=float("nan"))
     with pytest.raises(ValueError, match="communication_dtype"):
         LowLevelZeroOptimizer(torch.optim.AdamW(params), communication_dtype=torch.float64)
     with pytest.raises(TypeError, match="LBFGS is not known to be elementwise"):
@@ -84,3 +86,16 @@ def test_zero_rejects_a_group_without_this_rank(rank: int, world_size: int) -> N
     model = make_mlp()
     with pytest.raises(ValueError, match="is not a member"):
         LowLevelZeroOptimizer(torch.optim.AdamW(model.parameters()), dp_process_group=other if rank < 2 else pair)
+
+
+@distributed(world_size=2)
+def test_zero_failed_construction_leaves_the_optimizer_usable(rank: int, world_size: int) -> None:
+    """A bad loss-scaler argument (checked for fp16 only) fails before the wrapped optimizer's param groups are
+    re-pointed at master shards: the same optimizer can be wrapped again with the argument corrected."""
+    model = make_mlp()
+    inner = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="growth_factor"):
+        LowLevelZeroOptimizer(inner, forced_dtype=torch.float16, growth_factor=0.5)
+    assert [p for group in inner.param_groups for p in group["params"]] == list(model.parameters())
+    optimizer = LowLevelZeroOptimizer(inner, forced_dtype=torch.float16)
+    assert optimizer.loss_scale == 2**16

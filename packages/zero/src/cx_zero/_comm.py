@@ -1,7 +1,9 @@
-"""Version-tolerant wrappers for the flat collectives ZeRO uses (all-gather and reduce-scatter into one tensor).
+"""The flat collectives ZeRO uses beyond cx-mesh's `all_gather_flat`: reduce-scatter into one tensor, and the
+all-gather of one rank's flat slice into a full CPU copy that both halves' state dicts (LowLevelZero's optimizer
+state, Gemini's chunks) are built from.
 
-torch 2.13 renamed `all_gather_into_tensor` / `reduce_scatter_tensor` to `*_single` and warns on the old names;
-torch 2.4 has only the old names. These wrappers pick whichever exists.
+torch 2.13 renamed `reduce_scatter_tensor` to `reduce_scatter_single` and warns on the old name; torch 2.4 has only
+the old name. The wrapper picks whichever exists (cx-mesh's `all_gather_flat` does the same for the all-gather).
 """
 
 from __future__ import annotations
@@ -11,20 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cx_mesh import ProcessGroup
+from cx_mesh import ProcessGroup, all_gather_flat, communication_device
 
-__all__ = ["all_gather_flat", "group_ranks", "reduce_scatter_flat"]
+__all__ = ["gather_to_cpu", "group_ranks", "reduce_scatter_flat"]
 
-_ALL_GATHER: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def all_gather_flat(
-    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, async_op: bool = False
-) -> dist.Work | None:
-    """Gather every rank's equally sized `shard` into `output` (rank order, concatenated)."""
-    work: dist.Work | None = _ALL_GATHER(output, shard, group=group, async_op=async_op)
-    return work
 
 
 def reduce_scatter_flat(
@@ -33,6 +26,17 @@ def reduce_scatter_flat(
     """Sum `flat` (group size x len(output)) over the group; rank r receives the r-th slice in `output`."""
     work: dist.Work | None = _REDUCE_SCATTER(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return work
+
+
+def gather_to_cpu(shard: torch.Tensor, group: ProcessGroup | None, group_size: int) -> torch.Tensor:
+    """Every rank's equally sized 1-D `shard` concatenated in rank order, as a fresh CPU tensor (collective over
+    `group` unless `group_size` is 1, when `shard` is already the whole)."""
+    if group_size == 1:
+        return shard.detach().to("cpu", copy=True)
+    device = communication_device(group)
+    out = torch.empty(shard.numel() * group_size, dtype=shard.dtype, device=device)
+    all_gather_flat(out, shard.detach().to(device).contiguous(), group)
+    return out.cpu()
 
 
 def group_ranks(group: ProcessGroup | None) -> tuple[int, ...]:

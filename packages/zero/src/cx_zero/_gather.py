@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cx_mesh import ProcessGroup, communication_device
+from cx_mesh import ProcessGroup, all_gather_flat, communication_device
 from cx_zero._buckets import Bucket
-from cx_zero._comm import all_gather_flat
 
 __all__ = ["DeferredGathers", "GroupGatherer", "PendingGather"]
 
@@ -57,9 +56,10 @@ class GroupGatherer:
     def start(self, async_op: bool) -> list[PendingGather]:
         pending = []
         for bucket in self.buckets:
-            mine = torch.cat(
-                [s.master.detach().to(device=self.device, dtype=self.working_dtype) for s in bucket.shards]
-            )
+            # one pass per shard: cast and move straight into the send buffer (no per-shard temporary, no cat)
+            mine = torch.empty(bucket.width, dtype=self.working_dtype, device=self.device)
+            for s in bucket.shards:
+                mine[s.offset : s.offset + s.shard_numel].copy_(s.master.detach())
             if self.size == 1:
                 pending.append(PendingGather(bucket, 1, mine, None))
                 continue

@@ -31,7 +31,7 @@ from cx_zero._comm import group_ranks
 from cx_zero._elementwise import require_elementwise
 from cx_zero._gather import DeferredGathers, GroupGatherer
 from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
-from cx_zero._norm import NormType, clip_coefficient, local_norm_term, reduce_norm
+from cx_zero._norm import NormType, clip_coefficient, norm_or_inf
 from cx_zero._options import LowLevelZeroOptions, ZeroStage
 from cx_zero._partition import ParamShard, shard_of
 from cx_zero._reduce import GroupReducer
@@ -124,6 +124,21 @@ class LowLevelZeroOptimizer:
         self._working_dtype = decide_working_dtype(trainable, forced_dtype)
         self._master_dtype = torch.float32 if master_weights else self._working_dtype
         self._fp16 = self._working_dtype == torch.float16
+        # Built (and its arguments checked) before anything is changed: a failed construction must leave the
+        # wrapped optimizer pointing at the model's parameters, so that it can be wrapped again.
+        self.grad_scaler: BaseGradScaler = (
+            DynamicGradScaler(
+                initial_scale=initial_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                hysteresis=hysteresis,
+            )
+            if self._fp16
+            else ConstantGradScaler(1.0)
+        )
         names = parameter_names(trainable, module)
         groups = group_params(trainable, pg_to_param_list, dp_process_group)
 
@@ -170,19 +185,6 @@ class LowLevelZeroOptimizer:
         for param_group in optimizer.param_groups:
             param_group["params"] = [self._shard_of[id(p)].master for p in param_group["params"] if p.requires_grad]
 
-        self.grad_scaler: BaseGradScaler = (
-            DynamicGradScaler(
-                initial_scale=initial_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                min_scale=min_scale,
-                max_scale=max_scale,
-                hysteresis=hysteresis,
-            )
-            if self._fp16
-            else ConstantGradScaler(1.0)
-        )
         self._require_grad_sync = True
         self._in_backward = False
         self._unreduced = False
@@ -306,11 +308,8 @@ class LowLevelZeroOptimizer:
         self.synchronize_working_params()
         self._agree_on_used()
         grads = [s.grad_shard for s in self._shards if s.grad_shard is not None]
-        # One reduction answers both questions: an inf/nan anywhere makes the norm non-finite. A NaN becomes +inf
-        # first, because a MAX reduction may drop NaNs (comparisons with NaN are false) while +inf always wins.
-        norm_type = self.options.norm_type
-        term = torch.nan_to_num(local_norm_term(grads, norm_type), nan=math.inf)
-        scaled_norm = float(reduce_norm(term, norm_type, self._norm_groups))
+        # One reduction answers both questions: an inf/nan anywhere makes the norm non-finite.
+        scaled_norm = norm_or_inf(grads, self.options.norm_type, self._norm_groups)
         overflow = self._fp16 and not math.isfinite(scaled_norm)
         scale = self.grad_scaler.scale
         self.grad_scaler.update(overflow)

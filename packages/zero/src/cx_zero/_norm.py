@@ -17,7 +17,15 @@ import torch.distributed as dist
 
 from cx_mesh import ProcessGroup, communication_device
 
-__all__ = ["NormType", "clip_coefficient", "clip_grad_norm_", "compute_grad_norm", "reduce_norm", "local_norm_term"]
+__all__ = [
+    "NormType",
+    "clip_coefficient",
+    "clip_grad_norm_",
+    "compute_grad_norm",
+    "local_norm_term",
+    "norm_or_inf",
+    "reduce_norm",
+]
 
 
 class NormType(Enum):
@@ -77,6 +85,19 @@ def reduce_norm(
         value = on_device.cpu()
     result = value[0]
     return result.sqrt() if kind is NormType.TWO else result
+
+
+def norm_or_inf(
+    grads: Iterable[torch.Tensor], norm_type: float | str | NormType, groups: Sequence[ProcessGroup | None]
+) -> float:
+    """The global norm in one reduction, +inf when any gradient on any rank holds an inf or a nan.
+
+    One reduction answers both ZeRO questions (the fp16 overflow flag is `not isfinite`, the clip factor uses the
+    norm). A local NaN becomes +inf before reducing, because a MAX reduction may drop NaNs (comparisons with NaN are
+    false) while +inf always wins, so every rank reads the same answer.
+    """
+    term = torch.nan_to_num(local_norm_term(grads, norm_type), nan=math.inf)
+    return float(reduce_norm(term, norm_type, groups))
 
 
 def compute_grad_norm(

@@ -47,7 +47,7 @@ class LowLevelZeroOptions:
     def __post_init__(self) -> None:
         if self.reduce_bucket_size < 1:
             raise ValueError(f"reduce_bucket_size must be a positive number of elements, got {self.reduce_bucket_size}")
-        if self.clip_grad_norm < 0:
+        if not self.clip_grad_norm >= 0:  # NaN too: it would disable clipping silently
             raise ValueError(f"clip_grad_norm must be >= 0 (0 disables clipping), got {self.clip_grad_norm}")
         for name in ("communication_dtype", "forced_dtype"):
             value = getattr(self, name)

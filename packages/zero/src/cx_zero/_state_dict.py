@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from cx_mesh import ProcessGroup, communication_device
-from cx_zero._comm import all_gather_flat
+from cx_mesh import ProcessGroup
+from cx_zero._comm import gather_to_cpu
 from cx_zero._partition import ParamShard, shard_of
 
 __all__ = ["MASTER_KEY", "full_state", "sharded_optimizer_state", "sharded_state", "state_bytes", "stream_full_states"]
@@ -39,14 +39,9 @@ def full_state(shard: ParamShard, state: dict[str, Any], group: ProcessGroup | N
     for key in sorted(state):
         value = state[key]
         if _is_shard_entry(shard, key, value):
-            device = communication_device(group)
-            mine = value.detach().to(device)
-            if shard.group_size == 1:
-                gathered = mine
-            else:
-                gathered = torch.empty(shard.shard_numel * shard.group_size, dtype=mine.dtype, device=device)
-                all_gather_flat(gathered, mine.contiguous(), group)
-            result[key] = gathered[: shard.numel].view(shard.working.shape).cpu().clone()
+            gathered = gather_to_cpu(value, group, shard.group_size)
+            whole = gathered[: shard.numel].view(shard.working.shape)
+            result[key] = whole.clone() if shard.padding else whole  # no padded storage behind a saved tensor
         elif isinstance(value, torch.Tensor):
             result[key] = value.detach().cpu().clone()
         else:

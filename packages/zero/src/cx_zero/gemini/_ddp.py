@@ -10,7 +10,7 @@ module buffers on the compute device.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -326,36 +326,30 @@ class GeminiDDP(nn.Module):
 
     # -------------------------------------------------------------------------------------------- internals
     def _sync_replicas(self) -> None:
-        """Make what every rank keeps in full identical, as DDP does: buffers and keep_gathered chunks (with their
-        masters) are broadcast from rank 0 of the zero group, then of the extra data-parallel group. Sharded chunks
-        need nothing: each element has exactly one owner."""
-        tensors = [b for b in self.module.buffers()]
+        """Make every replica identical, as DDP does: what each rank of the zero group keeps in full (buffers and
+        keep_gathered chunks, with their masters) is broadcast from its rank 0; sharded chunks need nothing there
+        (each element has exactly one owner in the zero group). Over `extra_dp_group` every rank with the same zero
+        rank holds the same slices, so all of them (sharded chunks and masters too) are broadcast from its rank 0."""
+        buffers = list(self.module.buffers())
+        zero_tensors = buffers + self._chunk_shards(lambda chunk: chunk.keep_gathered)
+        _broadcast(zero_tensors, self.zero_group)
+        if self.extra_dp_group is not None:
+            _broadcast(buffers + self._chunk_shards(lambda chunk: True), self.extra_dp_group)
+
+    def _chunk_shards(self, select: Callable[[Chunk], bool]) -> list[torch.Tensor]:
+        """This rank's slice of every selected chunk and of its master chunk."""
+        tensors = []
         for chunk in self.manager.chunks():
-            if chunk.keep_gathered:
+            if select(chunk):
                 tensors.append(chunk.shard_tensor())
                 if chunk.paired is not None:
                     tensors.append(self.manager.master_chunk(chunk).shard_tensor())
-        groups = [self.zero_group] + ([self.extra_dp_group] if self.extra_dp_group is not None else [])
-        for group in groups:
-            if dist.get_world_size(group) == 1:
-                continue
-            source = dist.get_global_rank(group, 0) if group is not None else 0
-            device = communication_device(group)
-            for tensor in tensors:
-                staged = tensor.to(device)
-                dist.broadcast(staged, source, group=group)
-                if staged is not tensor:
-                    tensor.copy_(staged)
+        return tensors
 
     def _load_master_values(self, values: Mapping[int, torch.Tensor]) -> None:
         """Write fp32 values (by parameter id, full tensors) into this rank's part of the master chunks."""
         for chunk in self.manager.chunks("param"):
-            master = self.manager.master_chunk(chunk)
-            shard = master.shard_tensor()
-            for tensor, view in _views(chunk):
-                if id(tensor) in values:
-                    flat = values[id(tensor)].reshape(-1)[view.tensor_begin : view.tensor_end]
-                    shard[view.shard_begin : view.shard_end].copy_(flat.to(shard.device, shard.dtype))
+            _state.write_own_slices(self.manager.master_chunk(chunk), chunk, values)
 
     def _named_full_tensors(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, full value in its original dtype on CPU), chunk by chunk; collective over the zero group."""
@@ -369,10 +363,17 @@ class GeminiDDP(nn.Module):
                 yield tensor, value  # type: ignore[misc]
 
 
-def _views(chunk: Chunk) -> Iterator[tuple[torch.Tensor, Any]]:
-    by_name = {slot.name: tensor for tensor, slot in zip(chunk.tensors, chunk.slots, strict=True)}
-    for view in chunk.shard_views():
-        yield by_name[view.name], view
+def _broadcast(tensors: list[torch.Tensor], group: ProcessGroup | None) -> None:
+    """Overwrite `tensors` with rank 0 of `group`'s values (staged through the group's communication device)."""
+    if dist.get_world_size(group) == 1:
+        return
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    device = communication_device(group)
+    for tensor in tensors:
+        staged = tensor.to(device)
+        dist.broadcast(staged, source, group=group)
+        if staged is not tensor:
+            tensor.copy_(staged)
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

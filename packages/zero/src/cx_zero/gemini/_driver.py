@@ -21,7 +21,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from cx_chunk import Chunk, ChunkManager, ChunkScheduler, TensorState
-from cx_mesh import ProcessGroup, all_gather_bytes, communication_device, get_accelerator
+from cx_mesh import ProcessGroup, all_gather_bytes, all_gather_flat, communication_device, get_accelerator
 from cx_zero.gemini._units import Unit
 
 __all__ = ["GeminiDriver", "PathMismatchError"]
@@ -34,7 +34,7 @@ def _same_digest(digest: bytes, group: ProcessGroup | None) -> bool:
     device = communication_device(group)
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
     gathered = torch.empty(len(digest) * torch.distributed.get_world_size(group), dtype=torch.uint8, device=device)
-    torch.distributed.all_gather_into_tensor(gathered, mine, group=group)
+    all_gather_flat(gathered, mine, group)
     rows = gathered.view(-1, len(digest))
     return bool((rows == rows[0]).all().item())
 

@@ -8,22 +8,16 @@ communication device. Every rank of the chunk's group must call this for the sam
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from cx_chunk import Chunk
-from cx_mesh import communication_device
+from cx_zero._comm import gather_to_cpu
 
 __all__ = ["full_chunk", "gather_shard"]
 
 
 def gather_shard(shard: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     """All-gather one own slice laid out like `chunk` (keep_gathered or group of one: already full); CPU result."""
-    if chunk.keep_gathered or chunk.group_size == 1:
-        return shard.detach().to("cpu", copy=True)
-    comm = communication_device(chunk.group)
-    out = torch.empty(chunk.chunk_size, dtype=shard.dtype, device=comm)
-    dist.all_gather_into_tensor(out, shard.detach().to(comm).contiguous(), group=chunk.group)
-    return out.cpu()
+    return gather_to_cpu(shard, chunk.group, 1 if chunk.keep_gathered else chunk.group_size)
 
 
 def full_chunk(chunk: Chunk) -> torch.Tensor:

@@ -24,8 +24,7 @@ from cx_chunk import Chunk, Residence
 from cx_mesh import ProcessGroup, get_dist_logger
 from cx_zero._elementwise import require_elementwise
 from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
-from cx_zero._norm import NormType, clip_coefficient, local_norm_term, reduce_norm
-from cx_zero._overflow import any_across_groups, has_inf_or_nan
+from cx_zero._norm import NormType, clip_coefficient, norm_or_inf
 from cx_zero.gemini._ddp import GeminiDDP
 from cx_zero.gemini._shards import ShardEntry, full_states, own_part
 from cx_zero.gemini._state import is_saver
@@ -86,9 +85,9 @@ class GeminiOptimizer:
         self._norm: float | None = None
         self._entries: list[ShardEntry] = []
         self._by_name: dict[str, ShardEntry] = {}
+        self._build(optimizer)  # checks every parameter before changing the optimizer
         existing = dict(optimizer.state)  # e.g. Adagrad's initial sums: full tensors keyed by the model parameter
         optimizer.state.clear()
-        self._build(optimizer)
         self._bind()
         fills = {id(p): g.get("initial_accumulator_value", 0.0) for g in optimizer.param_groups for p in g["params"]}
         for entry in self._entries:
@@ -114,6 +113,7 @@ class GeminiOptimizer:
     def _build(self, optimizer: torch.optim.Optimizer) -> None:
         names = self.module.param_names
         seen: set[int] = set()
+        rebuilt: list[tuple[list[nn.Parameter], list[str]]] = []
         for number, group in enumerate(optimizer.param_groups):
             holders = []
             group_names = []
@@ -143,6 +143,8 @@ class GeminiOptimizer:
                 self._by_name[entry.name] = entry
                 holders.append(holder)
                 group_names.append(entry.name)
+            rebuilt.append((holders, group_names))
+        for group, (holders, group_names) in zip(optimizer.param_groups, rebuilt, strict=True):
             group["params"] = holders
             group["param_names"] = group_names
 
@@ -201,24 +203,29 @@ class GeminiOptimizer:
         has_grad = self.module.driver.has_grad
         out = []
         inv = self.scaler.inv_scale
+        by_chunk: dict[int, torch.Tensor] = {}  # one cast/move/unscale per chunk slice, not one per parameter
         for entry in self._entries:
             if id(entry.param) not in has_grad:
                 continue
-            grad_shard = self.manager.grad_chunk(entry.chunk).shard_tensor()[entry.shard_begin : entry.shard_end]
-            grad = grad_shard.to(entry.holder.device, entry.holder.dtype)
-            if inv != 1.0:
-                grad = grad * inv if grad.data_ptr() == grad_shard.data_ptr() else grad.mul_(inv)
-            out.append((entry, grad))
+            work = by_chunk.get(id(entry.chunk))
+            if work is None:
+                shard = self.manager.grad_chunk(entry.chunk).shard_tensor()
+                work = shard.to(entry.holder.device, entry.holder.dtype)
+                if inv != 1.0:  # never in place on the gradient chunk itself: clip_grad_by_norm may come first
+                    work = work * inv if work.data_ptr() == shard.data_ptr() else work.mul_(inv)
+                by_chunk[id(entry.chunk)] = work
+            out.append((entry, work[entry.shard_begin : entry.shard_end]))
         return out
 
     def _norm_of(self, grads: list[tuple[ShardEntry, torch.Tensor]]) -> float:
-        """Global norm over the zero group (and tp_group); replicated (keep_gathered) slices count once."""
+        """Global norm over the zero group (and tp_group); replicated (keep_gathered) slices count once; +inf when
+        any gradient anywhere is inf or nan (the fp16 overflow flag: replicated slices are equal on every rank)."""
         zero_rank = dist.get_rank(self.module.zero_group)
         held = [g for e, g in grads if not (e.chunk.keep_gathered and zero_rank != 0 and e.chunk.group_size > 1)]
         if self.norm_type is NormType.INF:
             held = [g for _, g in grads]
         groups = [self.module.zero_group] + ([self.tp_group] if self.tp_group is not None else [])
-        return float(reduce_norm(local_norm_term(held, self.norm_type), self.norm_type, groups))
+        return norm_or_inf(held, self.norm_type, groups)
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the reduced gradients now (before `step`) by their global norm; returns that (unscaled) norm."""
@@ -253,16 +260,18 @@ class GeminiOptimizer:
             raise RuntimeError("GeminiOptimizer.step: called during backward")
         works = self._bind()
         grads = self._grads()
-        if self.module.options.needs_loss_scaling:
-            groups = [self.module.zero_group] + ([self.tp_group] if self.tp_group is not None else [])
-            overflow = any_across_groups(has_inf_or_nan(g for _, g in grads), groups)
+        fp16 = self.module.options.needs_loss_scaling
+        # one reduction gives both the overflow flag and the clipping norm
+        norm = self._norm_of(grads) if fp16 or self.max_norm > 0 else None
+        if fp16:
+            overflow = norm is not None and not math.isfinite(norm)
             self.scaler.update(overflow)
             if overflow:
                 self.zero_grad()
                 return
-        if self.max_norm > 0:
-            self._norm = self._norm_of(grads)
-            coefficient = clip_coefficient(self._norm, self.max_norm)
+        if norm is not None and self.max_norm > 0:
+            self._norm = norm
+            coefficient = clip_coefficient(norm, self.max_norm)
             if coefficient < 1.0 and grads:
                 torch._foreach_mul_([g for _, g in grads], coefficient)
         for entry, grad in grads:

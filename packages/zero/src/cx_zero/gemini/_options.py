@@ -88,6 +88,14 @@ class GeminiOptions:
                 "GeminiDDP: shard_param_frac / offload_optim_frac / offload_param_frac only apply to "
                 "placement_policy='static'; leave them at their defaults (1.0, 0.0, 0.0) with 'auto'"
             )
+        if self.placement is PlacementKind.STATIC and (
+            self.warmup_non_model_data_ratio != 0.8 or self.steady_cuda_cap_ratio != 0.9
+        ):
+            raise ValueError(
+                "GeminiDDP: warmup_non_model_data_ratio / steady_cuda_cap_ratio only apply to "
+                "placement_policy='auto'; leave them at their defaults (0.8, 0.9) with 'static' "
+                f"(got {self.warmup_non_model_data_ratio}, {self.steady_cuda_cap_ratio})"
+            )
         if self.search_range_m < 0 or self.min_chunk_size_m < 0:
             raise ValueError(
                 f"GeminiDDP: search_range_m ({self.search_range_m}) and min_chunk_size_m ({self.min_chunk_size_m}) "

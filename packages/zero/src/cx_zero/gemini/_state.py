@@ -21,7 +21,7 @@ from cx_chunk import Chunk
 if TYPE_CHECKING:
     from cx_zero.gemini._ddp import GeminiDDP
 
-__all__ = ["expected", "is_saver", "load_full", "state_dict_shard"]
+__all__ = ["expected", "is_saver", "load_full", "state_dict_shard", "write_own_slices"]
 
 
 def is_saver(ddp: GeminiDDP) -> bool:
@@ -112,19 +112,23 @@ def load_full(ddp: GeminiDDP, state_dict: Mapping[str, torch.Tensor], strict: bo
 
 
 def _write_chunk(ddp: GeminiDDP, chunk: Chunk, values: Mapping[int, torch.Tensor]) -> None:
-    targets = [chunk]
-    if chunk.paired is not None:
-        targets.append(ddp.manager.master_chunk(chunk))
-    for target in targets:
-        if target.is_gathered and target is chunk:
-            for tensor in chunk.tensors:
-                if id(tensor) in values:
-                    target.write(tensor, values[id(tensor)].to(target.dtype))
-            continue
-        shard = target.shard_tensor()
-        by_name = {slot.name: tensor for tensor, slot in zip(chunk.tensors, chunk.slots, strict=True)}
-        for view in target.shard_views():
-            tensor = by_name[view.name]
+    if chunk.is_gathered:
+        for tensor in chunk.tensors:
             if id(tensor) in values:
-                flat = values[id(tensor)].reshape(-1)[view.tensor_begin : view.tensor_end]
-                shard[view.shard_begin : view.shard_end].copy_(flat.to(shard.device, shard.dtype))
+                chunk.write(tensor, values[id(tensor)].to(chunk.dtype))
+    else:
+        write_own_slices(chunk, chunk, values)
+    if chunk.paired is not None:
+        write_own_slices(ddp.manager.master_chunk(chunk), chunk, values)
+
+
+def write_own_slices(target: Chunk, layout: Chunk, values: Mapping[int, torch.Tensor]) -> None:
+    """Write this rank's flat range of each full tensor in `values` (keyed by id of `layout`'s tensors) into
+    `target`'s own slice; `target` is `layout` itself or a chunk laid out like it (its master)."""
+    shard = target.shard_tensor()
+    by_name = {slot.name: tensor for tensor, slot in zip(layout.tensors, layout.slots, strict=True)}
+    for view in target.shard_views():
+        tensor = by_name[view.name]
+        if id(tensor) in values:
+            flat = values[id(tensor)].reshape(-1)[view.tensor_begin : view.tensor_end]
+            shard[view.shard_begin : view.shard_end].copy_(flat.to(shard.device, shard.dtype))
