@@ -8,16 +8,22 @@ saves are waited for with `synchronize()`.
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from cx_checkpoint import GeneralCheckpointIO, LoadResult, Stateful
+from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, GeneralCheckpointIO, LoadResult, OptimizerMeta, Stateful
 from cx_mesh import DistCoordinator
 from cx_plugins._wrappers import ModelWrapper
 
-__all__ = ["ReplicatedCheckpointIO"]
+__all__ = ["SCALER_KEY", "ReplicatedCheckpointIO", "ShardedOptimizerCheckpointIO", "split_scaler", "with_scaler"]
+
+SCALER_KEY = "cx_grad_scaler"
+"""Where a loss scaler's state rides in a cx optimizer description: a key of param group 0 (plain JSON data)."""
 
 
 class ReplicatedCheckpointIO(GeneralCheckpointIO):
@@ -90,3 +96,67 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
 def _plain(model: nn.Module) -> nn.Module:
     """The user's module inside a boosted model (DDP and precision wrappers removed)."""
     return model.unwrap() if isinstance(model, ModelWrapper) else model
+
+
+def with_scaler(meta: OptimizerMeta, scaler_state: Mapping[str, Any] | None) -> OptimizerMeta:
+    """`meta` with the loss scaler's state stored in param group 0 (so an fp16 run resumes at the same scale)."""
+    if scaler_state is None or not meta.param_groups:
+        return meta
+    groups = [dict(group) for group in meta.param_groups]
+    groups[0][SCALER_KEY] = dict(scaler_state)
+    return OptimizerMeta(groups, meta.state)
+
+
+def split_scaler(meta: OptimizerMeta) -> tuple[OptimizerMeta, dict[str, Any] | None]:
+    """The description without the scaler entry, and the scaler's state (None when the checkpoint has none)."""
+    scaler = next((group[SCALER_KEY] for group in meta.param_groups if SCALER_KEY in group), None)
+    groups = [{k: v for k, v in group.items() if k != SCALER_KEY} for group in meta.param_groups]
+    return OptimizerMeta(groups, meta.state), scaler
+
+
+def states_by_name(meta: OptimizerMeta, tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """param name -> state key -> full value (tensors looked up by their stored names)."""
+    return {
+        name: {key: tensors[e["tensor"]] if "tensor" in e else e["value"] for key, e in entries.items()}
+        for name, entries in meta.state.items()
+    }
+
+
+class ShardedOptimizerCheckpointIO(ReplicatedCheckpointIO, ABC):
+    """For plugins whose optimizer state is sharded: subclasses gather it (collectively) and load it back."""
+
+    @abstractmethod
+    def _save_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        checkpoint: Path,
+        shard: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_async: bool,
+    ) -> None: ...
+
+    @abstractmethod
+    def _load_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None: ...
+
+    def save_unsharded_optimizer(
+        self, optimizer: torch.optim.Optimizer, checkpoint: Path, gather_dtensor: bool, use_async: bool
+    ) -> None:
+        self._save_optimizer(optimizer, checkpoint, False, None, DEFAULT_SIZE_PER_SHARD, use_async)
+
+    def save_sharded_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        checkpoint: Path,
+        gather_dtensor: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_async: bool,
+    ) -> None:
+        self._save_optimizer(optimizer, checkpoint, True, prefix, size_per_shard, use_async)
+
+    def load_unsharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+        self._load_optimizer(optimizer, checkpoint, None)
+
+    def load_sharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
+        self._load_optimizer(optimizer, checkpoint, prefix)

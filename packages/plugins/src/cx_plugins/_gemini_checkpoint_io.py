@@ -8,7 +8,6 @@ rank reads each full tensor lazily and keeps its part. The loss scaler's state r
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,10 @@ import torch
 from torch import nn
 
 from cx_checkpoint import (
-    DEFAULT_SIZE_PER_SHARD,
     CheckpointKind,
     CheckpointReader,
     FileFormat,
-    GeneralCheckpointIO,
     LoadResult,
-    OptimizerMeta,
     file_names,
     hf_side_files,
     iter_source,
@@ -31,13 +27,11 @@ from cx_checkpoint import (
     write_sharded,
     write_side_files,
 )
-from cx_mesh import DistCoordinator
+from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, split_scaler, states_by_name, with_scaler
 from cx_plugins._wrappers import ModelWrapper
 from cx_zero import GeminiDDP, GeminiOptimizer
 
 __all__ = ["GeminiCheckpointIO"]
-
-_SCALER_KEY = "cx_grad_scaler"
 
 
 class _StateView(nn.Module):
@@ -66,11 +60,10 @@ def _drain(stream: Iterable[object]) -> None:
         pass
 
 
-class GeminiCheckpointIO(GeneralCheckpointIO):
+class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
     def __init__(self, gemini_of: Callable[[torch.optim.Optimizer], GeminiOptimizer | None]) -> None:
         super().__init__()
         self._gemini_of = gemini_of
-        self._coordinator = DistCoordinator()
 
     # ---- model -------------------------------------------------------------------------------------------------
     @staticmethod
@@ -85,11 +78,10 @@ class GeminiCheckpointIO(GeneralCheckpointIO):
     ) -> None:
         ddp = self._ddp(model)
         state = ddp.state_dict(only_rank_0=True)  # collective; full CPU tensors on the saving rank only
-        if self._coordinator.is_master():
-            super().save_unsharded_model(
-                _StateView(state, ddp.unwrap()), checkpoint, gather_dtensor, use_safetensors, use_async
-            )
-        self._coordinator.block_all()
+        # the replicated path: the master rank writes, every rank waits for it
+        super().save_unsharded_model(
+            _StateView(state, ddp.unwrap()), checkpoint, gather_dtensor, use_safetensors, use_async
+        )
 
     def save_sharded_model(
         self,
@@ -104,17 +96,8 @@ class GeminiCheckpointIO(GeneralCheckpointIO):
         ddp = self._ddp(model)
         if use_async:  # the writer thread cannot take part in collectives: gather now, write in the background
             state = ddp.state_dict(only_rank_0=True)
-            if self._coordinator.is_master():
-                super().save_sharded_model(
-                    _StateView(state, ddp.unwrap()),
-                    checkpoint,
-                    gather_dtensor,
-                    prefix,
-                    size_per_shard,
-                    use_safetensors,
-                    use_async,
-                )
-            self._coordinator.block_all()
+            view = _StateView(state, ddp.unwrap())
+            super().save_sharded_model(view, checkpoint, gather_dtensor, prefix, size_per_shard, use_safetensors, True)
             return
         stream = iter_source(ddp, _bytes(size_per_shard))
         if self._coordinator.is_master():
@@ -149,13 +132,6 @@ class GeminiCheckpointIO(GeneralCheckpointIO):
             raise ValueError("this optimizer was not boosted by the GeminiPlugin: pass the one booster.boost returned")
         return gemini
 
-    def _meta(self, gemini: GeminiOptimizer) -> OptimizerMeta:
-        meta = gemini.checkpoint_meta()  # collective
-        groups = [dict(group) for group in meta.param_groups]
-        if groups:
-            groups[0][_SCALER_KEY] = gemini.scaler.state_dict()
-        return OptimizerMeta(groups, meta.state)
-
     def _save_optimizer(
         self,
         optimizer: torch.optim.Optimizer,
@@ -166,11 +142,11 @@ class GeminiCheckpointIO(GeneralCheckpointIO):
         use_async: bool,
     ) -> None:
         gemini = self._gemini(optimizer)
-        meta = self._meta(gemini)
+        meta = with_scaler(gemini.checkpoint_meta(), gemini.scaler.state_dict())  # collective
         stream = iter_source(gemini, _bytes(size_per_shard))
         if not self._coordinator.is_master():
             _drain(stream)
-        elif shard and not use_async:
+        elif shard and not use_async:  # straight from the owners' stream into shard files
             json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
             text = meta.to_json()
             write_sharded(
@@ -194,52 +170,15 @@ class GeminiCheckpointIO(GeneralCheckpointIO):
             )
         self._coordinator.block_all()
 
-    def save_unsharded_optimizer(
-        self, optimizer: torch.optim.Optimizer, checkpoint: Path, gather_dtensor: bool, use_async: bool
-    ) -> None:
-        self._save_optimizer(optimizer, checkpoint, False, None, DEFAULT_SIZE_PER_SHARD, use_async)
-
-    def save_sharded_optimizer(
-        self,
-        optimizer: torch.optim.Optimizer,
-        checkpoint: Path,
-        gather_dtensor: bool,
-        prefix: str | None,
-        size_per_shard: float,
-        use_async: bool,
-    ) -> None:
-        self._save_optimizer(optimizer, checkpoint, True, prefix, size_per_shard, use_async)
-
-    def _load_optimizer_from(
-        self, optimizer: torch.optim.Optimizer, checkpoint: str | os.PathLike[str], prefix: str | None
-    ) -> None:
-        gemini = self._gemini(optimizer)
+    def _load_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
         meta, tensors = self.load_optimizer_parts(checkpoint, prefix)
-        scaler: dict[str, Any] | None = None
-        groups = []
-        for group in meta.param_groups:
-            scaler = scaler or group.get(_SCALER_KEY)
-            groups.append({k: v for k, v in group.items() if k != _SCALER_KEY})
+        meta, scaler = split_scaler(meta)
+        # LowLevelZero checkpoints also carry fp32 master copies; Gemini's masters come from the model checkpoint
         state = {
-            name: {key: tensors[e["tensor"]] if "tensor" in e else e["value"] for key, e in entries.items()}
-            for name, entries in meta.state.items()
+            name: {key: value for key, value in entries.items() if key != "master_weight"}
+            for name, entries in states_by_name(meta, tensors).items()
         }
-        state = {name: {k: v for k, v in entries.items() if k != "master_weight"} for name, entries in state.items()}
-        gemini.load_state_dict({"state": state, "param_groups": groups})
+        gemini = self._gemini(optimizer)
+        gemini.load_state_dict({"state": state, "param_groups": meta.param_groups})
         if scaler is not None:
             gemini.scaler.load_state_dict(scaler)
-
-    def load_unsharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
-        self._load_optimizer_from(optimizer, checkpoint, None)
-
-    def load_sharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
-        self._load_optimizer_from(optimizer, checkpoint, prefix)
-
-    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
-        if self._coordinator.is_master():
-            super().save_lr_scheduler(lr_scheduler, checkpoint)
-        self._coordinator.block_all()
-
-    def synchronize(self) -> None:
-        super().synchronize()
-        self._coordinator.block_all()

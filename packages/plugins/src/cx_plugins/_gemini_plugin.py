@@ -25,14 +25,13 @@ from cx_chunk import MemStats
 from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._gemini_checkpoint_io import GeminiCheckpointIO
 from cx_plugins._layout import ZeroLayout
-from cx_plugins._plugin import Boosted, DPPluginBase
+from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._precision import Precision
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_zero import GeminiDDP, GeminiOptimizer, NormType
 
 __all__ = ["GeminiPlugin"]
 
-_ACCEPTED = (Precision.FP16, Precision.BF16, Precision.FP32)
 _NOT_BUILT = {
     "tp_size": "tensor parallelism needs cx-shardformer, which is not built yet",
     "enable_all_optimization": "ShardFormer optimizations need cx-shardformer, which is not built yet",
@@ -125,7 +124,7 @@ class GeminiOptimizerWrapper(OptimizerWrapper):
         return self.gemini.get_grad_norm()
 
 
-class GeminiPlugin(DPPluginBase):
+class GeminiPlugin(ZeroPluginBase):
     """Gemini ZeRO-3: parameters, gradients and optimizer state in chunks sharded over ranks, placed on GPU or CPU."""
 
     def __init__(
@@ -188,7 +187,7 @@ class GeminiPlugin(DPPluginBase):
         for name, value in given.items():
             if value != _DEFAULTS[name]:
                 raise NotImplementedError(f"GeminiPlugin({name}={value!r}): {_NOT_BUILT[name]}")
-        resolved = Precision.parse(precision, _ACCEPTED)
+        resolved = Precision.parse(precision, ZERO_PRECISIONS)
         NormType.parse(norm_type)  # a clear error now rather than at boost time
         self.options = GeminiPluginOptions(
             ddp={
@@ -232,23 +231,8 @@ class GeminiPlugin(DPPluginBase):
         self.layout = ZeroLayout.build(extra_dp_size=extra_dp_size)
         self._gemini_of: weakref.WeakKeyDictionary[Optimizer, GeminiOptimizer] = weakref.WeakKeyDictionary()
 
-    def supported_devices(self) -> list[str]:
-        return ["cuda", "cpu"]
-
-    def supported_precisions(self) -> list[str]:
-        return [p.value for p in _ACCEPTED]
-
-    def control_precision(self) -> bool:
-        return True
-
-    def control_device(self) -> bool:
-        return True
-
     def support_no_sync(self) -> bool:
         return False
-
-    def data_parallel_rank_and_size(self) -> tuple[int, int]:
-        return self.layout.dp_rank, self.layout.dp_size
 
     def configure(
         self,

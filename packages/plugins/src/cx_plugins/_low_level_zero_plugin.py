@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from cx_checkpoint import CheckpointIO
 from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._layout import ZeroLayout
-from cx_plugins._plugin import Boosted, DPPluginBase
+from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._precision import Precision
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_plugins._zero_checkpoint_io import ZeroCheckpointIO
@@ -30,8 +30,6 @@ from cx_plugins._zero_wrappers import CastModel, ZeroOptimizerWrapper
 from cx_zero import LowLevelZeroOptimizer, NormType
 
 __all__ = ["LowLevelZeroPlugin", "LowLevelZeroPluginOptions"]
-
-_ACCEPTED = (Precision.FP16, Precision.BF16, Precision.FP32)
 
 
 @dataclass(frozen=True)
@@ -66,7 +64,7 @@ class LowLevelZeroPluginOptions:
             raise ValueError(f"reduce_bucket_size_in_m must be a positive number, got {self.reduce_bucket_size_in_m}")
 
 
-class LowLevelZeroPlugin(DPPluginBase):
+class LowLevelZeroPlugin(ZeroPluginBase):
     """ZeRO stage 1 or 2: optimizer state and fp32 master weights (and stage-2 gradients) partitioned over ranks."""
 
     def __init__(
@@ -95,7 +93,7 @@ class LowLevelZeroPlugin(DPPluginBase):
         super().__init__()
         self.options = LowLevelZeroPluginOptions(
             stage=stage,
-            precision=Precision.parse(precision, _ACCEPTED),
+            precision=Precision.parse(precision, ZERO_PRECISIONS),
             initial_scale=initial_scale,
             min_scale=min_scale,
             growth_factor=growth_factor,
@@ -123,23 +121,8 @@ class LowLevelZeroPlugin(DPPluginBase):
             weakref.WeakKeyDictionary()
         )
 
-    def supported_devices(self) -> list[str]:
-        return ["cuda", "cpu"]
-
-    def supported_precisions(self) -> list[str]:
-        return [p.value for p in _ACCEPTED]
-
-    def control_precision(self) -> bool:
-        return True
-
-    def control_device(self) -> bool:
-        return True
-
     def support_no_sync(self) -> bool:
         return True
-
-    def data_parallel_rank_and_size(self) -> tuple[int, int]:
-        return self.layout.dp_rank, self.layout.dp_size
 
     def configure(
         self,

@@ -17,9 +17,14 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from cx_checkpoint import CheckpointIO
 from cx_mesh import require_initialized
+from cx_plugins._layout import ZeroLayout
+from cx_plugins._precision import Precision
 from cx_plugins._wrappers import OptimizerWrapper
 
-__all__ = ["Boosted", "DPPluginBase", "Plugin"]
+__all__ = ["ZERO_PRECISIONS", "Boosted", "DPPluginBase", "Plugin", "ZeroPluginBase"]
+
+ZERO_PRECISIONS = (Precision.FP16, Precision.BF16, Precision.FP32)
+"""The training precisions the ZeRO plugins apply themselves (cx adds fp32 to ColossalAI's fp16 and bf16)."""
 
 Boosted = tuple[
     nn.Module, OptimizerWrapper | None, Callable[..., Any] | None, DataLoader[Any] | None, LRScheduler | None
@@ -130,6 +135,28 @@ class DPPluginBase(Plugin):
             num_workers=num_workers,
             **kwargs,
         )
+
+
+class ZeroPluginBase(DPPluginBase):
+    """Shared by the ZeRO plugins: they own precision and device placement, and their `ZeroLayout` (built by the
+    subclass as `self.layout`) gives the data-parallel coordinates."""
+
+    layout: ZeroLayout
+
+    def supported_devices(self) -> list[str]:
+        return ["cuda", "cpu"]
+
+    def supported_precisions(self) -> list[str]:
+        return [p.value for p in ZERO_PRECISIONS]
+
+    def control_precision(self) -> bool:
+        return True
+
+    def control_device(self) -> bool:
+        return True
+
+    def data_parallel_rank_and_size(self) -> tuple[int, int]:
+        return self.layout.dp_rank, self.layout.dp_size
 
 
 class _WorkerSeeder:

@@ -3,13 +3,11 @@
 Model: weights are replicated on every rank, so the master rank writes them, cast back to the model's own dtypes
 (a bf16-trained model saved from an fp32 module is saved in fp32); loading casts into the training precision and
 refreshes the optimizer's fp32 masters. Optimizer: the ZeRO optimizer gathers full states by parameter name
-(collective), the master rank writes them as cx optimizer parts; the loss scaler's state rides in the JSON
-description (group 0, key `cx_grad_scaler`), so an fp16 run resumes with the same scale.
+(collective), the master rank writes them as cx optimizer parts, the loss scaler's state in the JSON description.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,6 @@ import torch
 from torch import nn
 
 from cx_checkpoint import (
-    DEFAULT_SIZE_PER_SHARD,
     CheckpointKind,
     CheckpointReader,
     LoadResult,
@@ -28,13 +25,11 @@ from cx_checkpoint import (
     load_into,
     optimizer_tensor_name,
 )
-from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
+from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, split_scaler, states_by_name, with_scaler
 from cx_plugins._zero_wrappers import CastModel
 from cx_zero import LowLevelZeroOptimizer
 
 __all__ = ["ZeroCheckpointIO", "zero_state_from_parts", "zero_state_to_parts"]
-
-_SCALER_KEY = "cx_grad_scaler"
 
 
 class _CanonicalView(nn.Module):
@@ -75,46 +70,38 @@ class _CastingSink:
 
 def zero_state_to_parts(state: Mapping[str, Any]) -> tuple[OptimizerMeta, dict[str, torch.Tensor]]:
     """A ZeRO optimizer's full state dict (by name) as cx optimizer parts."""
-    groups: list[dict[str, Any]] = []
-    for number, group in enumerate(state["param_groups"]):
-        hyper = {key: value for key, value in group.items() if key != "params"}
-        if number == 0 and "grad_scaler" in state:
-            hyper[_SCALER_KEY] = dict(state["grad_scaler"])
-        groups.append({**hyper, "param_names": [str(name) for name in group["params"]]})
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "param_names": [str(n) for n in group["params"]]}
+        for group in state["param_groups"]
+    ]
     entries: dict[str, dict[str, dict[str, Any]]] = {}
     tensors: dict[str, torch.Tensor] = {}
     for name, values in state["state"].items():
         described: dict[str, dict[str, Any]] = {}
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
-                tensor_name = optimizer_tensor_name(name, key)
-                tensors[tensor_name] = value
-                described[key] = {"tensor": tensor_name}
+                tensors[optimizer_tensor_name(name, key)] = value
+                described[key] = {"tensor": optimizer_tensor_name(name, key)}
             else:
                 described[key] = {"value": value}
         entries[name] = described
-    return OptimizerMeta(groups, entries), tensors
+    return with_scaler(OptimizerMeta(groups, entries), state.get("grad_scaler")), tensors
 
 
 def zero_state_from_parts(meta: OptimizerMeta, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The inverse of `zero_state_to_parts` (also reads optimizers saved by the replicated plugins)."""
-    groups: list[dict[str, Any]] = []
-    scaler: dict[str, Any] | None = None
-    for group in meta.param_groups:
-        hyper = {key: value for key, value in group.items() if key not in ("param_names", _SCALER_KEY)}
-        scaler = scaler or group.get(_SCALER_KEY)
-        groups.append({**hyper, "params": list(group["param_names"])})
-    state = {
-        name: {key: tensors[e["tensor"]] if "tensor" in e else e["value"] for key, e in described.items()}
-        for name, described in meta.state.items()
-    }
-    result: dict[str, Any] = {"state": state, "param_groups": groups}
+    """The inverse of `zero_state_to_parts` (also reads optimizers saved by the other plugins)."""
+    meta, scaler = split_scaler(meta)
+    groups = [
+        {**{k: v for k, v in group.items() if k != "param_names"}, "params": list(group["param_names"])}
+        for group in meta.param_groups
+    ]
+    result: dict[str, Any] = {"state": states_by_name(meta, tensors), "param_groups": groups}
     if scaler is not None:
         result["grad_scaler"] = scaler
     return result
 
 
-class ZeroCheckpointIO(ReplicatedCheckpointIO):
+class ZeroCheckpointIO(ShardedOptimizerCheckpointIO):
     """Replicated weights written by the master rank; ZeRO optimizer state gathered by name, then written."""
 
     def __init__(
@@ -171,7 +158,7 @@ class ZeroCheckpointIO(ReplicatedCheckpointIO):
             raise ValueError("this optimizer was not boosted by this plugin: pass the optimizer booster.boost returned")
         return zero
 
-    def _save_parts(
+    def _save_optimizer(
         self,
         optimizer: torch.optim.Optimizer,
         checkpoint: Path,
@@ -193,30 +180,6 @@ class ZeroCheckpointIO(ReplicatedCheckpointIO):
             )
         self._coordinator.block_all()
 
-    def save_unsharded_optimizer(
-        self, optimizer: torch.optim.Optimizer, checkpoint: Path, gather_dtensor: bool, use_async: bool
-    ) -> None:
-        self._save_parts(optimizer, checkpoint, False, None, DEFAULT_SIZE_PER_SHARD, use_async)
-
-    def save_sharded_optimizer(
-        self,
-        optimizer: torch.optim.Optimizer,
-        checkpoint: Path,
-        gather_dtensor: bool,
-        prefix: str | None,
-        size_per_shard: float,
-        use_async: bool,
-    ) -> None:
-        self._save_parts(optimizer, checkpoint, True, prefix, size_per_shard, use_async)
-
-    def _load_parts(
-        self, optimizer: torch.optim.Optimizer, checkpoint: str | os.PathLike[str], prefix: str | None
-    ) -> None:
+    def _load_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
         meta, tensors = self.load_optimizer_parts(checkpoint, prefix)
         self._zero(optimizer).load_state_dict(zero_state_from_parts(meta, tensors))
-
-    def load_unsharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
-        self._load_parts(optimizer, checkpoint, None)
-
-    def load_sharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
-        self._load_parts(optimizer, checkpoint, prefix)
