@@ -6,6 +6,7 @@ Every venv installs with constraints.txt, which pins torch to the CPU wheel on t
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 
@@ -30,16 +31,43 @@ def _extras(package: str) -> list[str]:
     return [name for name in ("test",) if name in extras]
 
 
+def _siblings(package: str) -> list[str]:
+    """The cx packages `package` declares as runtime dependencies (by folder name)."""
+    meta = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+    names = (re.match(r"\s*([A-Za-z0-9_.\-]+)", r) for r in meta["project"].get("dependencies", []))
+    return [m.group(1).lower().removeprefix("cx-") for m in names if m and m.group(1).lower().startswith("cx-")]
+
+
+def _with_siblings(package: str) -> list[str]:
+    """`package` and every cx package it depends on, transitively, bottom first."""
+    ordered: list[str] = []
+
+    def visit(name: str) -> None:
+        if name not in ordered:
+            for sibling in _siblings(name):
+                visit(sibling)
+            ordered.append(name)
+
+    visit(package)
+    return ordered
+
+
 def _editable(package: str) -> list[str]:
-    extras = _extras(package)
-    suffix = f"[{','.join(extras)}]" if extras else ""
-    return ["-e", f"packages/{package}{suffix}"]
+    """Editable installs of `package` (with its test extra) and of the cx packages it declares: they are not on
+    PyPI, so pip must be handed their folders."""
+    args: list[str] = []
+    for name in _with_siblings(package):
+        extras = _extras(name) if name == package else []
+        suffix = f"[{','.join(extras)}]" if extras else ""
+        args += ["-e", f"packages/{name}{suffix}"]
+    return args
 
 
 def _install_all(session: nox.Session) -> None:
     args: list[str] = []
     for package in PACKAGES:
-        args += _editable(package)
+        extras = _extras(package)
+        args += ["-e", f"packages/{package}[{','.join(extras)}]" if extras else f"packages/{package}"]
     session.install(*CONSTRAINTS, *TEST_TOOLS, *args)
 
 
@@ -104,7 +132,7 @@ def gpu(session: nox.Session) -> None:
     """
     args: list[str] = []
     for package in PACKAGES:
-        args += _editable(package)
+        args += ["-e", f"packages/{package}"]
     session.install(*TEST_TOOLS, *args)
     env = dict(TEST_ENV)
     env.pop("GLOO_SOCKET_IFNAME")
