@@ -73,12 +73,14 @@ def _install_all(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: `cx-train` with its defaults (a reference GPT on embedded text, 2 local processes).
+    """The main job: `cx-train` with its defaults (a reference GPT on embedded text, 2 local processes), saving a
+    checkpoint to ./cx-demo-checkpoint.
 
     Flags after `--` go to cx-train, e.g. `nox -s demo -- --steps 50 --nproc 4`.
     """
     session.install(*CONSTRAINTS, *_editable("plugins"))
-    session.run("cx-train", *session.posargs, env={"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+    flags = session.posargs or ["--save", "cx-demo-checkpoint"]  # the default run leaves a checkpoint to look at
+    session.run("cx-train", *flags, env={"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
 
 
 @nox.session
