@@ -7,6 +7,7 @@ so a truncated file is reported as such. Legacy `.bin` files are read only with 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import pickle
@@ -93,7 +94,18 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
         for name in order:
             tensor = prepared[name]
             if tensor.numel():
-                handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+                handle.write(_bytes_of(tensor))
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy view of a contiguous CPU tensor's bytes (numpy is not a dependency of cx-checkpoint).
+
+    The view points into the tensor's storage; callers keep the tensor alive while it is used.
+    """
+    flat = tensor.reshape(-1).view(torch.uint8)
+    if flat.device.type != "cpu" or not flat.is_contiguous():
+        raise ValueError("safetensors payloads are written from contiguous CPU tensors")
+    return memoryview((ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())).cast("B")
 
 
 def write_bin(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
