@@ -123,7 +123,17 @@ def states_by_name(meta: OptimizerMeta, tensors: Mapping[str, torch.Tensor]) -> 
 
 
 class ShardedOptimizerCheckpointIO(ReplicatedCheckpointIO, ABC):
-    """For plugins whose optimizer state is sharded: subclasses gather it (collectively) and load it back."""
+    """For plugins whose optimizer state is sharded: subclasses gather it (collectively) and load it back, and may
+    change how a model is loaded (one `_load_model` for files, index files and directories alike)."""
+
+    def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
+        return super().load_unsharded_model(model, checkpoint, strict)  # the reader handles both layouts
+
+    def load_unsharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
+        return self._load_model(model, checkpoint, strict)
+
+    def load_sharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
+        return self._load_model(model, checkpoint, strict)
 
     @abstractmethod
     def _save_optimizer(

@@ -119,12 +119,6 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
         with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
             return load_into(reader, self._ddp(model), strict=strict)
 
-    def load_unsharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        return self._load_model(model, checkpoint, strict)
-
-    def load_sharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        return self._load_model(model, checkpoint, strict)
-
     # ---- optimizer ---------------------------------------------------------------------------------------------
     def _gemini(self, optimizer: torch.optim.Optimizer) -> GeminiOptimizer:
         gemini = self._gemini_of(optimizer)

@@ -138,18 +138,12 @@ class ZeroCheckpointIO(ShardedOptimizerCheckpointIO):
 
     def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
         if not isinstance(model, CastModel):
-            return super().load_unsharded_model(model, checkpoint, strict)
+            return super()._load_model(model, checkpoint, strict)
         with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
             result = load_into(reader, _CastingSink(model), strict=strict)
         for zero in self._optimizers_of(model.unwrap()):
             zero.update_master_params(model.unwrap())
         return result
-
-    def load_unsharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        return self._load_model(model, checkpoint, strict)
-
-    def load_sharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        return self._load_model(model, checkpoint, strict)
 
     # ---- optimizer ---------------------------------------------------------------------------------------------
     def _zero(self, optimizer: torch.optim.Optimizer) -> LowLevelZeroOptimizer:
