@@ -3,11 +3,14 @@ plugin at any world size, and clear errors for bad options."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from cx_mesh import RankMismatchError
-from cx_mesh.testing import distributed
+from cx_mesh.testing import distributed, run_distributed
 from cx_plugins import Booster, LowLevelZeroPlugin
 from plugins_test_helpers import CONFIG, assert_matches, boosted, data, reference, train
 
@@ -53,3 +56,27 @@ def test_plugins_zero_bad_options(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="controls precision itself"):
         Booster(mixed_precision="bf16", plugin=LowLevelZeroPlugin())
     assert CONFIG.num_layers == 1
+
+
+def _save_small_shards(rank: int, world_size: int, directory: str) -> None:
+    booster, _, model, optimizer = boosted("zero2")
+    train(rank, world_size, booster, model, optimizer, data(4)[:2])
+    booster.save_model(model, Path(directory, "model"), shard=True, use_safetensors=True)
+    # a few KB per shard: the optimizer state streams through several files, never gathered whole on one rank
+    booster.save_optimizer(optimizer, Path(directory, "optimizer"), shard=True, size_per_shard=0.004)
+
+
+def _resume_small_shards(rank: int, world_size: int, directory: str) -> None:
+    booster, _, model, optimizer = boosted("zero1", seed=1)
+    booster.load_model(model, Path(directory, "model"))
+    booster.load_optimizer(optimizer, Path(directory, "optimizer"))
+    train(rank, world_size, booster, model, optimizer, data(4)[2:])
+    assert_matches(model, reference(data(4)), f"zero1 at world {world_size}")
+    dist.barrier()
+
+
+def test_plugins_zero_streams_optimizer_state_into_many_shards(tmp_path: Path) -> None:
+    run_distributed(_save_small_shards, 2, directory=str(tmp_path))
+    shards = sorted(p.name for p in (tmp_path / "optimizer").glob("*.safetensors"))
+    assert len(shards) > 3, shards
+    run_distributed(_resume_small_shards, 1, directory=str(tmp_path))

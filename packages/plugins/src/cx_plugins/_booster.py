@@ -96,7 +96,7 @@ class Booster:
         shard: bool = False,
         gather_dtensor: bool = True,
         prefix: str | None = None,
-        size_per_shard: int = DEFAULT_SIZE_PER_SHARD,
+        size_per_shard: float = DEFAULT_SIZE_PER_SHARD,
         use_safetensors: bool = False,
         use_async: bool = False,
     ) -> None:
@@ -116,7 +116,7 @@ class Booster:
         shard: bool = False,
         gather_dtensor: bool = True,
         prefix: str | None = None,
-        size_per_shard: int = DEFAULT_SIZE_PER_SHARD,
+        size_per_shard: float = DEFAULT_SIZE_PER_SHARD,
         use_async: bool = False,
     ) -> None:
         """Save optimizer state keyed by parameter name (safetensors + JSON, no pickle)."""

@@ -18,12 +18,15 @@ from torch import nn
 from cx_checkpoint import (
     CheckpointKind,
     CheckpointReader,
+    FileFormat,
     LoadResult,
     OptimizerMeta,
     Region,
     TensorSpec,
+    file_names,
     load_into,
     optimizer_tensor_name,
+    write_sharded,
 )
 from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, split_scaler, states_by_name, with_scaler
 from cx_plugins._zero_wrappers import CastModel
@@ -161,7 +164,11 @@ class ZeroCheckpointIO(ShardedOptimizerCheckpointIO):
         size_per_shard: float,
         use_async: bool,
     ) -> None:
-        meta, tensors = zero_state_to_parts(self._zero(optimizer).state_dict())  # collective: every rank
+        zero = self._zero(optimizer)
+        if shard and not use_async:
+            self._stream_sharded(zero, checkpoint, prefix, size_per_shard)
+            return
+        meta, tensors = zero_state_to_parts(zero.state_dict())  # collective: every rank
         if self._coordinator.is_master():
             self.save_optimizer_parts(
                 meta,
@@ -172,6 +179,45 @@ class ZeroCheckpointIO(ShardedOptimizerCheckpointIO):
                 size_per_shard=size_per_shard,
                 use_async=use_async,
             )
+        self._coordinator.block_all()
+
+    def _stream_sharded(
+        self, zero: LowLevelZeroOptimizer, checkpoint: Path, prefix: str | None, size_per_shard: float
+    ) -> None:
+        """Full states are gathered a shard's worth at a time and written at once: no rank holds them all."""
+        described: dict[str, dict[str, dict[str, Any]]] = {}
+        pieces = zero.state_shard(max_shard_size=size_per_shard, only_rank_0=True)  # collective, in step on all ranks
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for piece, _ in pieces:
+                for name, values in piece.items():
+                    meta, named = zero_state_to_parts({"state": {name: values}, "param_groups": []})
+                    described.update(meta.state)
+                    yield from named.items()
+
+        if not self._coordinator.is_master():
+            for _ in tensors():  # the other ranks take part in the same gathers and yield nothing
+                pass
+            self._coordinator.block_all()
+            return
+        groups = zero.param_groups_by_name()
+        json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
+
+        def description(directory: Path) -> None:  # written after the tensors, when every state is described
+            meta, _ = zero_state_to_parts(
+                {"state": {}, "param_groups": groups, "grad_scaler": zero.grad_scaler.state_dict()}
+            )
+            full = OptimizerMeta(meta.param_groups, described)
+            (directory / json_name).write_text(full.to_json())
+
+        write_sharded(
+            checkpoint,
+            tensors(),
+            kind=CheckpointKind.OPTIMIZER,
+            size_per_shard=size_per_shard,
+            prefix=prefix,
+            extra_files=description,
+        )
         self._coordinator.block_all()
 
     def _load_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:

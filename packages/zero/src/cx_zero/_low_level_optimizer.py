@@ -423,10 +423,18 @@ class LowLevelZeroOptimizer:
         state: dict[str, dict[str, Any]] = {}
         for piece, _ in self.state_shard(max_shard_size=1 << 40):
             state.update(piece)
-        groups = []
-        for group, shards in zip(self.optim.param_groups, self._shard_groups(), strict=True):
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [s.key for s in shards]})
-        return {"state": state, "param_groups": groups, "grad_scaler": self.grad_scaler.state_dict()}
+        return {
+            "state": state,
+            "param_groups": self.param_groups_by_name(),
+            "grad_scaler": self.grad_scaler.state_dict(),
+        }
+
+    def param_groups_by_name(self) -> list[dict[str, Any]]:
+        """Each param group's hyper-parameters with `params` as parameter names (local: no communication)."""
+        return [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [s.key for s in shards]}
+            for group, shards in zip(self.optim.param_groups, self._shard_groups(), strict=True)
+        ]
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a full state dict (by name, from any world size); each rank keeps its slices."""
