@@ -11,6 +11,7 @@ import torch.distributed as dist
 from cx_checkpoint import CheckpointError, KeyMismatchError
 from cx_mesh.testing import distributed, run_distributed
 from cx_plugins import Booster, OptimizerWrapper, TorchDDPPlugin
+from cx_plugins._precision import ScaledOptimizer
 from cx_plugins.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=64, max_positions=8, hidden_size=16, num_layers=1, num_heads=4)
@@ -103,3 +104,30 @@ def test_plugins_ddp_checkpoint_errors(rank: int, world_size: int, tmp_path: Pat
     other = GPT(GPTConfig(vocab_size=64, max_positions=8, hidden_size=16, num_layers=2, num_heads=4), seed=0)
     with pytest.raises(KeyMismatchError):
         booster.load_model(other, path)  # strict by default: the extra block's keys are missing from the file
+
+
+def _fp16_booster() -> tuple[Booster, torch.nn.Module, OptimizerWrapper]:
+    booster = Booster(mixed_precision="fp16", plugin=TorchDDPPlugin())
+    plain = GPT(CONFIG, seed=0)
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=LR))
+    assert optimizer is not None
+    return booster, model, optimizer
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("shard", [False, True])
+def test_plugins_ddp_fp16_checkpoint_keeps_the_loss_scale(
+    rank: int, world_size: int, tmp_path: Path, shard: bool
+) -> None:
+    booster, model, optimizer = _fp16_booster()
+    _train(rank, world_size, model, optimizer, booster, _data()[:1])
+    assert isinstance(optimizer, ScaledOptimizer)
+    optimizer.scaler.update(new_scale=123.0)  # as if overflows had backed the scale off
+    path = tmp_path / ("optimizer" if shard else "optimizer.safetensors")
+    booster.save_optimizer(optimizer, path, shard=shard)
+    resumed_booster, _, resumed = _fp16_booster()
+    assert isinstance(resumed, ScaledOptimizer)
+    assert resumed.loss_scale != 123.0
+    resumed_booster.load_optimizer(resumed, path)
+    assert resumed.loss_scale == 123.0
+    assert resumed.unwrap().state_dict()["state"], "the Adam moments were restored too"

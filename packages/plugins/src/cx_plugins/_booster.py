@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, CheckpointIO
 from cx_mesh import get_accelerator
+from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
 from cx_plugins._plugin import Boosted, Plugin
 from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
 from cx_plugins._wrappers import OptimizerWrapper
@@ -60,7 +61,11 @@ class Booster:
         if self.mixed_precision is not Precision.FP32 and not isinstance(boosted_model, AutocastModel):
             boosted_model = AutocastModel(boosted_model, self.mixed_precision)
             if self.mixed_precision is Precision.FP16 and boosted_optimizer is not None:
-                boosted_optimizer = ScaledOptimizer(boosted_optimizer.unwrap())
+                scaled = ScaledOptimizer(boosted_optimizer.unwrap())
+                boosted_optimizer = scaled
+                io = self.checkpoint_io
+                if isinstance(io, ReplicatedCheckpointIO):  # checkpoints keep the loss scale
+                    io.register_loss_scaler(scaled.unwrap(), scaled.scaler)
         return boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler
 
     def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:

@@ -8,6 +8,7 @@ saves are waited for with `synchronize()`.
 from __future__ import annotations
 
 import os
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,7 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, GeneralCheckpointIO, LoadResult, OptimizerMeta, Stateful
+from cx_checkpoint import (
+    DEFAULT_SIZE_PER_SHARD,
+    GeneralCheckpointIO,
+    LoadResult,
+    OptimizerMeta,
+    Stateful,
+    restore_optimizer,
+    split_optimizer,
+)
 from cx_mesh import DistCoordinator
 from cx_plugins._wrappers import ModelWrapper
 
@@ -32,6 +41,7 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
     def __init__(self) -> None:
         super().__init__()
         self._coordinator = DistCoordinator()
+        self._scalers: weakref.WeakKeyDictionary[torch.optim.Optimizer, Stateful] = weakref.WeakKeyDictionary()
 
     def save_unsharded_model(
         self, model: nn.Module, checkpoint: Path, gather_dtensor: bool, use_safetensors: bool, use_async: bool
@@ -62,12 +72,42 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
     def load_sharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
         return super().load_sharded_model(_plain(model), checkpoint, strict)
 
+    def register_loss_scaler(self, optimizer: torch.optim.Optimizer, scaler: Stateful) -> None:
+        """Save and load `scaler`'s state with `optimizer`'s (the Booster registers its fp16 GradScaler here), so an
+        fp16 run resumes at the loss scale it had."""
+        self._scalers[optimizer] = scaler
+
+    def _save_replicated_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        checkpoint: Path,
+        gather_dtensor: bool,
+        shard: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_async: bool,
+    ) -> None:
+        if self._coordinator.is_master():
+            meta, tensors = split_optimizer(optimizer, gather_dtensor)
+            scaler = self._scalers.get(optimizer)
+            meta = with_scaler(meta, None if scaler is None else scaler.state_dict())
+            self.save_optimizer_parts(
+                meta,
+                tensors,
+                checkpoint,
+                shard=shard,
+                prefix=prefix,
+                size_per_shard=size_per_shard,
+                use_async=use_async,
+            )
+        self._coordinator.block_all()
+
     def save_unsharded_optimizer(
         self, optimizer: torch.optim.Optimizer, checkpoint: Path, gather_dtensor: bool, use_async: bool
     ) -> None:
-        if self._coordinator.is_master():
-            super().save_unsharded_optimizer(optimizer, checkpoint, gather_dtensor, use_async)
-        self._coordinator.block_all()
+        self._save_replicated_optimizer(
+            optimizer, checkpoint, gather_dtensor, False, None, DEFAULT_SIZE_PER_SHARD, use_async
+        )
 
     def save_sharded_optimizer(
         self,
@@ -78,9 +118,23 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         size_per_shard: float,
         use_async: bool,
     ) -> None:
-        if self._coordinator.is_master():
-            super().save_sharded_optimizer(optimizer, checkpoint, gather_dtensor, prefix, size_per_shard, use_async)
-        self._coordinator.block_all()
+        self._save_replicated_optimizer(optimizer, checkpoint, gather_dtensor, True, prefix, size_per_shard, use_async)
+
+    def _load_replicated_optimizer(
+        self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None
+    ) -> None:
+        meta, tensors = self.load_optimizer_parts(checkpoint, prefix)
+        meta, scaler_state = split_scaler(meta)
+        restore_optimizer(optimizer, meta, tensors.__getitem__, str(checkpoint))
+        scaler = self._scalers.get(optimizer)
+        if scaler is not None and scaler_state is not None:
+            scaler.load_state_dict(scaler_state)
+
+    def load_unsharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+        self._load_replicated_optimizer(optimizer, checkpoint, None)
+
+    def load_sharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
+        self._load_replicated_optimizer(optimizer, checkpoint, prefix)
 
     def save_lr_scheduler(self, lr_scheduler: Stateful, checkpoint: str | os.PathLike[str]) -> None:
         if self._coordinator.is_master():
