@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +19,16 @@ from torch import nn
 
 from cx_checkpoint import (
     DEFAULT_SIZE_PER_SHARD,
+    CheckpointKind,
+    FileFormat,
     GeneralCheckpointIO,
     LoadResult,
     OptimizerMeta,
     Stateful,
+    file_names,
     restore_optimizer,
     split_optimizer,
+    write_sharded,
 )
 from cx_mesh import DistCoordinator
 from cx_plugins._wrappers import ModelWrapper
@@ -87,10 +91,25 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         size_per_shard: float,
         use_async: bool,
     ) -> None:
-        if self._coordinator.is_master():
-            meta, tensors = split_optimizer(optimizer, gather_dtensor)
+        meta, tensors = split_optimizer(optimizer, gather_dtensor) if self._coordinator.is_master() else (None, {})
+        if meta is not None:
             scaler = self._scalers.get(optimizer)
             meta = with_scaler(meta, None if scaler is None else scaler.state_dict())
+        self._write_parts(meta, tensors, checkpoint, shard, prefix, size_per_shard, use_async)
+
+    def _write_parts(
+        self,
+        meta: OptimizerMeta | None,
+        tensors: dict[str, torch.Tensor],
+        checkpoint: Path,
+        shard: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_async: bool,
+    ) -> None:
+        """The master rank writes an optimizer checkpoint from its parts (`meta` is None elsewhere); all wait."""
+        if self._coordinator.is_master():
+            assert meta is not None, "the master rank writes the optimizer description"
             self.save_optimizer_parts(
                 meta,
                 tensors,
@@ -183,6 +202,34 @@ class ShardedOptimizerCheckpointIO(ReplicatedCheckpointIO, ABC):
     def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
         return super().load_unsharded_model(model, checkpoint, strict)  # the reader handles both layouts
 
+    def _write_optimizer_stream(
+        self,
+        checkpoint: Path,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        describe: Callable[[], OptimizerMeta],
+        prefix: str | None,
+        size_per_shard: float,
+    ) -> None:
+        """Write a sharded optimizer checkpoint straight from a collective stream of full state tensors.
+
+        The master rank writes the shard files as the stream yields; the other ranks iterate the same stream (the
+        same gathers, in the same order) and keep nothing. `describe()` is called after the stream is consumed,
+        so it may describe what the stream produced.
+        """
+        if not self._coordinator.is_master():
+            drain(tensors)
+        else:
+            json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
+            write_sharded(
+                checkpoint,
+                tensors,
+                kind=CheckpointKind.OPTIMIZER,
+                size_per_shard=size_per_shard,
+                prefix=prefix,
+                extra_files=lambda directory: (directory / json_name).write_text(describe().to_json()),
+            )
+        self._coordinator.block_all()
+
     def load_unsharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
         return self._load_model(model, checkpoint, strict)
 
@@ -224,3 +271,9 @@ class ShardedOptimizerCheckpointIO(ReplicatedCheckpointIO, ABC):
 
     def load_sharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
         self._load_optimizer(optimizer, checkpoint, prefix)
+
+
+def drain(stream: Iterable[object]) -> None:
+    """Consume a collective stream on a rank that keeps nothing of it."""
+    for _ in stream:
+        pass

@@ -8,7 +8,7 @@ rank reads each full tensor lazily and keeps its part. The loss scaler's state r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +20,13 @@ from cx_checkpoint import (
     CheckpointReader,
     FileFormat,
     LoadResult,
-    file_names,
     hf_side_files,
     iter_source,
     load_into,
     write_sharded,
     write_side_files,
 )
-from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, split_scaler, states_by_name, with_scaler
+from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, drain, split_scaler, states_by_name, with_scaler
 from cx_plugins._wrappers import ModelWrapper
 from cx_zero import GeminiDDP, GeminiOptimizer
 
@@ -53,11 +52,6 @@ class _StateView(nn.Module):
 
 def _bytes(size_per_shard_mb: float) -> int:
     return max(1, int(size_per_shard_mb * 1024 * 1024))
-
-
-def _drain(stream: Iterable[object]) -> None:
-    for _ in stream:
-        pass
 
 
 class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
@@ -112,7 +106,7 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
                 extra_files=lambda directory: write_side_files(directory, side),
             )
         else:
-            _drain(stream)  # the same collectives, in the same order, as the writing rank's stream
+            drain(stream)  # the same collectives, in the same order, as the writing rank's stream
         self._coordinator.block_all()
 
     def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
@@ -138,31 +132,11 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
         gemini = self._gemini(optimizer)
         meta = with_scaler(gemini.checkpoint_meta(), gemini.scaler.state_dict())  # collective
         stream = iter_source(gemini, _bytes(size_per_shard))
-        if not self._coordinator.is_master():
-            _drain(stream)
-        elif shard and not use_async:  # straight from the owners' stream into shard files
-            json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
-            text = meta.to_json()
-            write_sharded(
-                checkpoint,
-                stream,
-                kind=CheckpointKind.OPTIMIZER,
-                size_per_shard=size_per_shard,
-                prefix=prefix,
-                extra_files=lambda directory: (directory / json_name).write_text(text),
-            )
-        else:
-            tensors = dict(stream)
-            self.save_optimizer_parts(
-                meta,
-                tensors,
-                checkpoint,
-                shard=shard,
-                prefix=prefix,
-                size_per_shard=size_per_shard,
-                use_async=use_async,
-            )
-        self._coordinator.block_all()
+        if shard and not use_async:  # straight from the owners' stream into shard files
+            self._write_optimizer_stream(checkpoint, stream, lambda: meta, prefix, size_per_shard)
+            return
+        tensors = dict(stream)  # collective; empty except on the saving rank
+        self._write_parts(meta, tensors, checkpoint, shard, prefix, size_per_shard, use_async)
 
     def _load_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
         meta, tensors = self.load_optimizer_parts(checkpoint, prefix)

@@ -18,15 +18,12 @@ from torch import nn
 from cx_checkpoint import (
     CheckpointKind,
     CheckpointReader,
-    FileFormat,
     LoadResult,
     OptimizerMeta,
     Region,
     TensorSpec,
-    file_names,
     load_into,
     optimizer_tensor_name,
-    write_sharded,
 )
 from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, split_scaler, states_by_name, with_scaler
 from cx_plugins._zero_wrappers import CastModel
@@ -169,17 +166,7 @@ class ZeroCheckpointIO(ShardedOptimizerCheckpointIO):
             self._stream_sharded(zero, checkpoint, prefix, size_per_shard)
             return
         meta, tensors = zero_state_to_parts(zero.state_dict())  # collective: every rank
-        if self._coordinator.is_master():
-            self.save_optimizer_parts(
-                meta,
-                tensors,
-                checkpoint,
-                shard=shard,
-                prefix=prefix,
-                size_per_shard=size_per_shard,
-                use_async=use_async,
-            )
-        self._coordinator.block_all()
+        self._write_parts(meta, tensors, checkpoint, shard, prefix, size_per_shard, use_async)
 
     def _stream_sharded(
         self, zero: LowLevelZeroOptimizer, checkpoint: Path, prefix: str | None, size_per_shard: float
@@ -195,30 +182,14 @@ class ZeroCheckpointIO(ShardedOptimizerCheckpointIO):
                     described.update(meta.state)
                     yield from named.items()
 
-        if not self._coordinator.is_master():
-            for _ in tensors():  # the other ranks take part in the same gathers and yield nothing
-                pass
-            self._coordinator.block_all()
-            return
-        groups = zero.param_groups_by_name()
-        json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
-
-        def description(directory: Path) -> None:  # written after the tensors, when every state is described
-            meta, _ = zero_state_to_parts(
-                {"state": {}, "param_groups": groups, "grad_scaler": zero.grad_scaler.state_dict()}
+        def describe() -> OptimizerMeta:  # called after the stream: every state is described by then
+            scaler = zero.grad_scaler.state_dict()
+            groups, _ = zero_state_to_parts(
+                {"state": {}, "param_groups": zero.param_groups_by_name(), "grad_scaler": scaler}
             )
-            full = OptimizerMeta(meta.param_groups, described)
-            (directory / json_name).write_text(full.to_json())
+            return OptimizerMeta(groups.param_groups, described)
 
-        write_sharded(
-            checkpoint,
-            tensors(),
-            kind=CheckpointKind.OPTIMIZER,
-            size_per_shard=size_per_shard,
-            prefix=prefix,
-            extra_files=description,
-        )
-        self._coordinator.block_all()
+        self._write_optimizer_stream(checkpoint, tensors(), describe, prefix, size_per_shard)
 
     def _load_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
         meta, tensors = self.load_optimizer_parts(checkpoint, prefix)
