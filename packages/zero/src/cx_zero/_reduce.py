@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cx_mesh import ProcessGroup, communication_device
+from cx_mesh import ProcessGroup, communication_device, reduce_scatter_flat
 from cx_zero._buckets import Bucket
-from cx_zero._comm import reduce_scatter_flat
 from cx_zero._options import ZeroStage
 from cx_zero._partition import ParamShard, padded_flat
 
@@ -107,7 +106,7 @@ class GroupReducer:
             out = flat[0]
         elif self.stage is ZeroStage.TWO:
             out = torch.empty(columns, dtype=self.communication_dtype, device=self.device)
-            work = reduce_scatter_flat(out, flat.view(-1), self.group, async_op=async_op)
+            work = reduce_scatter_flat(out, flat.view(-1), dist.ReduceOp.SUM, self.group, async_op=async_op)
         else:
             work = dist.all_reduce(flat, group=self.group, async_op=async_op)
             out = flat[self.rank]
