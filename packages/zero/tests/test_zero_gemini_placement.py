@@ -147,3 +147,45 @@ def test_zero_gemini_placement_combinations(
         _train(rank, world_size, 3, dtype, **kwargs)
     finally:
         accelerator.set_memory_capacity(None)
+
+
+@distributed(world_size=(2, 4))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_gemini_placement_backward_needs_one_buffer_per_chunk(
+    rank: int, world_size: int, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(0)
+    model = GPT(layers=4)
+    root = {id(p) for p in [*model.wte.parameters(), *model.wpe.parameters(), *model.ln_f.parameters()]}
+    ddp = GeminiDDP(model, chunk_config_dict=CHUNK, mixed_precision=dtype)
+    optimizer = GeminiOptimizer(_adamw(list(ddp.parameters())), ddp)
+    chunks = ddp.manager.chunks("param")
+    # the root unit's parameters stay gathered through the whole step, and so do a block's layer norms through
+    # the block (here more than a chunk's worth of attention and MLP weights): they share no chunk with those
+    for chunk in chunks:
+        names = [slot.name for slot in chunk.slots]
+        if {id(t) for t in chunk.tensors} & root:
+            assert not [n for n in names if ".attn." in n or ".mlp." in n], names
+    separate_buffers: list[torch.Tensor] = []
+    manager = ddp.manager
+    original = manager.accumulate_grad
+
+    def counting(tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        separate_buffers.append(tensor)
+        original(tensor, grad)
+
+    manager.accumulate_grad = counting  # type: ignore[method-assign]
+    for step in range(2):
+        x, y = batch(step, world_size)
+        optimizer.zero_grad()
+        rest = manager.usage.device
+        manager.reset_peak()
+        optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
+        optimizer.step()
+    assert not separate_buffers  # every gradient went into its gathered parameter chunk
+    # in flight at most: the root chunk, the chunk in backward, the next one being gathered (own slices of the
+    # values kept aside in fp32, where no master holds them, count too)
+    full = max(c.nbytes for c in chunks)
+    root_bytes = sum(c.nbytes for c in chunks if {id(t) for t in c.tensors} & root)
+    aside = 0 if dtype != torch.float32 else 2 * full // world_size
+    assert manager.peak.device - rest <= root_bytes + 2 * full + aside, (manager.peak.device - rest, full, root_bytes)

@@ -8,6 +8,10 @@ Storage model (what exists when):
 - keep_gathered chunks are never sharded: the full buffer is the storage (it can still be moved to the host).
 - gradient/master chunks built with `clone_layout` keep a separate own-slice tensor and may also hold a full buffer
   of local (unreduced) gradients; `reduce(accumulate=True)` adds the reduced slice into the own slice.
+- gradients in the buffer (`write_grad_in_buffer`): a gathered parameter chunk whose parameters are done with in
+  backward takes their gradients into their own slots, so no second full-size buffer is needed; the own slice of
+  parameter values is copied aside first (or cast back from the master chunk) and is all that remains after
+  `reduce_into` the gradient chunk.
 Memory usage is computed from the tensors that exist, so it is exact by construction.
 """
 
@@ -91,6 +95,7 @@ class Chunk:
         self._shard: torch.Tensor | None = None
         self._shard_residence = Residence.DEVICE
         self._pending: dist.Work | None = None
+        self._grads_in_buffer: set[int] | None = None  # ids of tensors whose slot holds a gradient (see module doc)
 
     # ----------------------------------------------------------------------------------------------- layout
     def __repr__(self) -> str:
@@ -217,6 +222,8 @@ class Chunk:
         """
         self._require_closed("gather")
         self.wait()
+        if self._grads_in_buffer is not None:
+            return False  # gathered: the slots without a gradient yet still hold parameter values
         if self._buffer is not None and self._shard is None:
             if self._buffer_residence is Residence.HOST:
                 self._buffer = self._place(self._buffer, Residence.DEVICE)
@@ -266,7 +273,7 @@ class Chunk:
         self.wait()
         if self._buffer is None:
             return False
-        if self._shard is not None:
+        if self._shard is not None or self._grads_in_buffer is not None:
             raise ChunkError(f"chunk {self.chunk_id} holds unreduced gradients; reduce it before sharding")
         busy = [f"{e.slot.name} ({e.state.name})" for e in self._order if e.state not in _RELEASABLE]
         if busy:
@@ -278,6 +285,8 @@ class Chunk:
         """Move the persistent storage to the device or the host; returns whether anything moved."""
         self._require_closed("move")
         self.wait()
+        if self._grads_in_buffer is not None:
+            raise ChunkError(f"chunk {self.chunk_id} holds unreduced gradients in its buffer; reduce it before moving")
         if self._shard is not None:
             if self._shard_residence is residence:
                 return False
@@ -371,12 +380,7 @@ class Chunk:
         else:
             reduced = torch.empty(self.shard_size, dtype=self.dtype, device=comm)
             reduce_scatter_flat(reduced, buffer.to(comm), dist.ReduceOp.SUM, self.group)
-        divisor = self.group_size
-        if self.extra_dp_group is not None:
-            dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.extra_dp_group)
-            divisor *= dist.get_world_size(self.extra_dp_group)
-        reduced.div_(divisor)
-        reduced = reduced.to(self.compute_device)
+        reduced = self._finish_reduce(reduced)
         if accumulate:
             if self._shard is None:
                 self._shard, self._shard_residence = reduced, Residence.DEVICE
@@ -397,6 +401,71 @@ class Chunk:
         for entry in self._order:
             if entry.state is TensorState.READY_FOR_REDUCE:
                 entry.state = TensorState.HOLD
+
+    @property
+    def grads_in_buffer(self) -> bool:
+        """Whether the gathered buffer holds gradients in some slots (see `write_grad_in_buffer`)."""
+        return self._grads_in_buffer is not None
+
+    def write_grad_in_buffer(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        """Overwrite `tensor`'s slot of the gathered buffer with its gradient (its values are no longer needed in
+        this backward). The first call copies this rank's own slice of parameter values aside, unless a master
+        chunk on the device holds them (then `reduce_into` casts them back from there)."""
+        if self.keep_gathered or self.shard_size == self.chunk_size:
+            raise ChunkError(f"chunk {self.chunk_id}: gradients go into the buffer only in sharded chunks")
+        slot = self._slot_data(tensor, grad, "write_grad_in_buffer")
+        if self._grads_in_buffer is None:
+            assert self._buffer is not None
+            assert self._shard is None
+            if not self._restorable_from_master():
+                self._shard = self._buffer[self.shard_begin : self.shard_end].clone()
+                self._shard_residence = self._buffer_residence
+            self._grads_in_buffer = set()
+        slot.copy_(grad.detach().reshape(-1))
+        self._grads_in_buffer.add(id(tensor))
+
+    def reduce_into(self, target: Chunk) -> None:
+        """Average the gradients in the buffer over the group (and extra data-parallel group), add this rank's
+        slice into `target`'s own slice (the gradient chunk) and drop the buffer: the chunk is sharded again.
+        Slots that got no gradient count as zeros. Tensors in READY_FOR_REDUCE go back to HOLD."""
+        if self._grads_in_buffer is None:
+            raise ChunkError(f"chunk {self.chunk_id}: reduce_into needs gradients written into the buffer")
+        if target.slots != self.slots or target.shard_begin != self.shard_begin or target.dtype != self.dtype:
+            raise ValueError(f"reduce_into: chunk {target.chunk_id} differs from chunk {self.chunk_id} in layout")
+        buffer = self._require_buffer("reduce_into")
+        for entry in self._order:
+            if id(entry.tensor) not in self._grads_in_buffer:
+                buffer[entry.slot.begin : entry.slot.end].zero_()
+        comm = communication_device(self.group)
+        reduced = torch.empty(self.shard_size, dtype=self.dtype, device=comm)
+        reduce_scatter_flat(reduced, buffer.to(comm), dist.ReduceOp.SUM, self.group)
+        reduced = self._finish_reduce(reduced)
+        own = target.shard_tensor()
+        own.add_(reduced.to(own.device))
+        if self._shard is None:  # the values were not copied aside: the master slice holds them
+            assert self.paired is not None
+            self._shard = self.paired.shard_tensor().to(self.compute_device, self.dtype)
+            self._shard_residence = Residence.DEVICE
+        self._buffer = None
+        self._grads_in_buffer = None
+        self._point_tensors()
+        for entry in self._order:
+            if entry.state is TensorState.READY_FOR_REDUCE:
+                entry.state = TensorState.HOLD
+
+    def _restorable_from_master(self) -> bool:
+        """A parameter chunk whose paired master chunk (on the device) holds the own slice's values: after a
+        reduce_into they are cast back from it instead of being copied aside before the first gradient."""
+        master = self.paired
+        return master is not None and master.residence is Residence.DEVICE and master.dtype != self.dtype
+
+    def _finish_reduce(self, reduced: torch.Tensor) -> torch.Tensor:
+        """Sum over the extra data-parallel group, divide by the number of replicas, back on the compute device."""
+        divisor = self.group_size
+        if self.extra_dp_group is not None:
+            dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.extra_dp_group)
+            divisor *= dist.get_world_size(self.extra_dp_group)
+        return reduced.div_(divisor).to(self.compute_device)
 
     # -------------------------------------------------------------------------------------------- pairing
     def clone_layout(
@@ -422,6 +491,7 @@ class Chunk:
         clone._repoint = False
         clone._buffer = None
         clone._pending = None
+        clone._grads_in_buffer = None
         if copy_values:
             own = self.shard_tensor().to(dtype=dtype, copy=True)
         else:

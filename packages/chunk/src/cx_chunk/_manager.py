@@ -11,7 +11,7 @@ benchmarks and the tests read these figures.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -118,6 +118,44 @@ class ChunkManager:
         self._tracked_append(current, tensor, name)
         return current
 
+    def register_apart(
+        self, tensors: Sequence[torch.Tensor], group_name: str = "param", *, names: Sequence[str] | None = None
+    ) -> list[Chunk]:
+        """Register tensors that are used together into closed chunks of their own (never shared with tensors
+        registered otherwise): filled in order up to `chunk_size` (or one tensor larger than that), each sized to
+        what it holds (rounded up to the group size), so setting them apart costs no padding. For tensors that
+        stay gathered far longer than the rest (a model's embedding and final norm): in a shared chunk they would
+        keep their neighbours gathered."""
+        if names is not None and len(names) != len(tensors):
+            raise ValueError(f"register_apart: {len(tensors)} tensors but {len(names)} names")
+        if group_name in self._closed_groups:
+            raise ChunkError(f"chunk group {group_name!r} is closed: no tensor can be registered into it")
+        if len({id(t) for t in tensors}) != len(tensors) or any(id(t) in self._tensor_chunk for t in tensors):
+            raise ValueError("register_apart: a tensor is given twice or is already registered")
+        dtypes = {t.dtype for t in tensors} | {c.dtype for c in self._groups.get(group_name, [])[:1]}
+        if len(dtypes) > 1:
+            raise ValueError(f"register_apart: chunk group {group_name!r} would mix dtypes {sorted(map(str, dtypes))}")
+        plan: list[list[int]] = []
+        filled = 0
+        for index, tensor in enumerate(tensors):
+            numel = tensor.numel()
+            if not plan or (filled and filled + numel > self.config.chunk_size):
+                plan.append([])  # a tensor above chunk_size still takes the tensors before it that fit with it
+                filled = 0
+            plan[-1].append(index)
+            filled += numel
+        made = []
+        for members in plan:
+            size = _round_up(max(sum(tensors[i].numel() for i in members), 1), self.group_size)
+            chunks = self._groups.setdefault(group_name, [])
+            chunk = self._new_chunk(size, tensors[members[0]].dtype)
+            chunks.append(chunk)
+            for i in members:
+                self._tracked_append(chunk, tensors[i], names[i] if names is not None else None)
+            self._tracked(chunk, chunk.close)
+            made.append(chunk)
+        return made
+
     def close_group(self, group_name: str) -> list[Chunk]:
         """Close the group's open chunk (sharded chunks then hold only their own slice)."""
         if group_name not in self._groups:
@@ -209,6 +247,19 @@ class ChunkManager:
             ]
             raise ChunkError(f"chunk {chunk.chunk_id} is not ready for reduce: {', '.join(waiting)}")
         grad_chunk = self._grads.get(id(chunk))
+        if chunk.grads_in_buffer:
+            if grad_chunk is None:
+                raise ChunkError(f"chunk {chunk.chunk_id} holds gradients in its buffer but has no gradient chunk")
+            if grad_chunk.is_gathered:
+                raise ChunkError(f"chunk {chunk.chunk_id}: gradients both in its buffer and in its gradient chunk's")
+            self._note_transient(chunk, chunk.shard_nbytes)  # the reduced slice exists while the buffer does
+            with self._accounting(chunk), self._accounting(grad_chunk):
+                chunk.reduce_into(grad_chunk)
+            self._collectives["reduce_scatter"] += 1
+            if chunk.extra_dp_group is not None:
+                self._collectives["all_reduce"] += 1
+            self._accessed.discard(chunk)
+            return
         if grad_chunk is not None and not grad_chunk.is_gathered:
             raise ChunkError(
                 f"chunk {chunk.chunk_id} has a gradient chunk but no gradient was accumulated into it since the last "
@@ -307,6 +358,15 @@ class ChunkManager:
         if not grad_chunk.is_gathered:
             self._tracked(grad_chunk, grad_chunk.open_buffer)
         grad_chunk.accumulate(tensor, grad)
+
+    def write_grad_in_buffer(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        """Put a gradient into the tensor's slot of its gathered parameter chunk (`Chunk.write_grad_in_buffer`); the
+        next `reduce_chunk` adds the reduced slice into the gradient chunk. Saves a full-size gradient buffer."""
+        chunk = self.get_chunk(tensor)
+        self.grad_chunk(chunk)
+        self._settle(chunk)
+        with self._accounting(chunk):
+            chunk.write_grad_in_buffer(tensor, grad)
 
     def zero_grad_chunks(self) -> None:
         for grad in self._grads.values():

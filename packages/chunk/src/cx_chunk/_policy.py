@@ -7,6 +7,7 @@
 - `after_access`: after they are gathered (bookkeeping, e.g. budget checks).
 - `after_use`: a chunk none of whose tensors is in use any more: keep it gathered, shard it, offload it.
 - `admits_prefetch`: whether gathering a chunk early fits.
+- `keeps_gathered`: whether a chunk stays gathered between uses (its buffer must then keep parameter values).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class PlacementPolicy(ABC):
     def admits_prefetch(self, manager: ChunkManager, chunk: Chunk, period: int, trace: StepTrace) -> bool:
         """Whether `chunk` may be gathered ahead of use during `period` (default: always)."""
         return True
+
+    def keeps_gathered(self, chunk: Chunk) -> bool:
+        """Whether the policy keeps `chunk` gathered between uses (default: no chunk)."""
+        return False
 
 
 _IN_USE = (TensorState.COMPUTE, TensorState.HOLD_AFTER_BWD, TensorState.READY_FOR_REDUCE)

@@ -92,6 +92,9 @@ class StaticPlacementPolicy(PlacementPolicy):
     def optimizer_residence(self, chunk: Chunk) -> Residence:
         return Residence.HOST if chunk.chunk_id in self._offload_optim else Residence.DEVICE
 
+    def keeps_gathered(self, chunk: Chunk) -> bool:
+        return chunk.chunk_id in self._kept or chunk.keep_gathered
+
     def after_use(self, manager: ChunkManager, chunk: Chunk) -> None:
         if chunk.chunk_id in self._kept or chunk.keep_gathered:
             return

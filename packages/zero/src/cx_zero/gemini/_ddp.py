@@ -1,7 +1,8 @@
 """`GeminiDDP`: chunk-based ZeRO-3 data parallelism for any `nn.Module` (ColossalAI's constructor arguments).
 
 Construction casts the parameters to `mixed_precision`, packs the trainable ones into the chunk group "param" and
-the frozen ones into "frozen" (never reduced, no master), closes the groups (each rank keeps its own slices),
+the frozen ones into "frozen" (never reduced, no master) with the parameters of long-lived units (the model's root:
+embedding, final norm) in chunks of their own, closes the groups (each rank keeps its own slices),
 creates fp32 master chunks for low-precision parameters and gradient chunks at the placement policy's optimizer
 residence, and installs the module-granularity hooks of `GeminiDriver`. Parameters keep their identity: their
 `.data` points into a gathered chunk while used and at empty storage otherwise. Buffers stay ordinary replicated
@@ -33,7 +34,7 @@ from cx_zero.gemini import _state
 from cx_zero.gemini._driver import GeminiDriver
 from cx_zero.gemini._gather import full_chunk
 from cx_zero.gemini._options import GeminiOptions, PlacementKind
-from cx_zero.gemini._units import build_units, parameter_names
+from cx_zero.gemini._units import build_units, long_lived_params, parameter_names
 
 __all__ = ["GeminiDDP", "parse_chunk_config"]
 
@@ -186,9 +187,18 @@ class GeminiDDP(nn.Module):
             compute_device=self.compute_device,
             pin_memory=pin_memory,
         )
+        units = build_units(module)
+        apart = [] if config.keep_gathered else long_lived_params(units, config.chunk_size)
         for p in params:
             p.data = p.data.to(self.compute_device, mixed_precision)
-            self.manager.register_tensor(p, "param" if p.requires_grad else "frozen", name=self.param_names[id(p)])
+        for group_name, wanted in (("param", True), ("frozen", False)):
+            together = [p for p in apart if p.requires_grad is wanted]
+            if together:
+                self.manager.register_apart(together, group_name, names=[self.param_names[id(p)] for p in together])
+        set_apart = {id(p) for p in apart}
+        for p in params:
+            if id(p) not in set_apart:
+                self.manager.register_tensor(p, "param" if p.requires_grad else "frozen", name=self.param_names[id(p)])
         self.manager.close_all_groups()
         if options.needs_master:
             self.manager.create_master_chunks("param", torch.float32)
@@ -209,7 +219,7 @@ class GeminiDDP(nn.Module):
         self.driver = GeminiDriver(
             self.manager,
             self.scheduler,
-            build_units(module),
+            units,
             self.param_names,
             check_groups=check_groups,
             eager_reduce=enable_async_reduce,

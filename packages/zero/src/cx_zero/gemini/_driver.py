@@ -5,7 +5,9 @@ applies the placement policy) and marks them COMPUTE; the post-hook marks them H
 uses them and releases their chunks. Nested units share parameters, so uses are counted.
 Backward: a hook on each unit's forward outputs gathers the unit again before autograd runs through it; each
 parameter's post-accumulate-grad hook moves its gradient into the chunk's gradient buffer (autograd keeps none)
-and, once every parameter of a chunk has its gradient, reduce-scatters that chunk and releases it. A callback at
+and, once every parameter of a chunk has its gradient, reduce-scatters that chunk and releases it. A sharded
+chunk takes the gradients into its own gathered buffer (a parameter's values are dead once its gradient exists),
+so backward holds one full-size buffer per chunk in flight, not two. A callback at
 the end of backward checks that every rank produced gradients for the same parameters (a clear error instead of
 mismatched collectives), then reduces the chunks whose parameters were partly unused (missing gradients are zero).
 """
@@ -242,12 +244,27 @@ class GeminiDriver:
         chunk = self.manager.get_chunk(param)
         if chunk.tensor_state(param) is not _S.COMPUTE:
             chunk.transition(param, _S.COMPUTE)
-        self.manager.accumulate_grad(param, grad)
+        if self._grad_into_buffer(chunk):
+            self.manager.write_grad_in_buffer(param, grad)
+        else:
+            self.manager.accumulate_grad(param, grad)
         chunk.transition(param, _S.HOLD_AFTER_BWD)
         chunk.transition(param, _S.READY_FOR_REDUCE)
         self._grad_now.add(id(param))
         if self.eager_reduce and chunk.can_reduce:
             self._reduce(chunk)
+
+    def _grad_into_buffer(self, chunk: Chunk) -> bool:
+        """Whether a gradient goes into its parameter's slot of the gathered chunk (no second full-size buffer):
+        for sharded chunks the policy releases after use, unless this backward started a gradient buffer."""
+        if chunk.grads_in_buffer:
+            return True
+        return (
+            chunk.is_gathered
+            and chunk.shard_size != chunk.chunk_size
+            and not self.scheduler.policy.keeps_gathered(chunk)
+            and not self.manager.grad_chunk(chunk).is_gathered
+        )
 
     def _reduce(self, chunk: Chunk) -> None:
         self.manager.reduce_chunk(chunk)

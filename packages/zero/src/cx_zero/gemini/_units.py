@@ -7,6 +7,9 @@ that are never called: `nn.ModuleList`, `nn.ModuleDict`). So a module may use it
 a grandchild's only through the child's forward. Nested units share parameters; the driver counts nested uses.
 A unit whose parameters all belong to its parent's unit too (a leaf such as a Linear inside a block) is `covered`:
 when its parent is running, its parameters are gathered already and its hooks only record that it ran.
+A unit stays gathered while its descendants run: `long_lived_params` names the parameters of units that outlive
+more than a chunk's worth of other parameters (a model's root with its embedding and final norm), which the chunk
+layout sets apart so they do not keep the chunks of the blocks in between gathered too.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["Unit", "build_units", "parameter_names"]
+__all__ = ["Unit", "build_units", "long_lived_params", "parameter_names"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -72,3 +75,27 @@ def parameter_names(root: nn.Module) -> dict[int, list[str]]:
     for name, param in root.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     return names
+
+
+def _is_descendant(name: str, ancestor: str) -> bool:
+    return name != ancestor and (ancestor == "<root>" or name.startswith(ancestor + "."))
+
+
+def long_lived_params(units: list[Unit], chunk_size: int) -> list[nn.Parameter]:
+    """Parameters of every unit whose descendant units hold more than `chunk_size` other elements, in unit order.
+
+    Such a unit keeps its parameters gathered through all of its descendants' forwards and backwards; a chunk it
+    shared with one of those descendants would stay gathered just as long."""
+    found: dict[int, nn.Parameter] = {}
+    for unit in units:
+        if unit.covered:
+            continue
+        own = {id(p) for p in unit.params}
+        inner: dict[int, int] = {}
+        for other in units:
+            if not other.covered and _is_descendant(other.name, unit.name):
+                inner.update((id(p), p.numel()) for p in other.params if id(p) not in own)
+        if sum(inner.values()) > chunk_size:
+            for p in unit.params:
+                found.setdefault(id(p), p)
+    return list(found.values())
