@@ -30,10 +30,11 @@ from cx_mesh.testing import spawn
 from cx_zero import HybridAdam
 from cx_zero.gemini import GeminiDDP, GeminiOptimizer
 
-LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = 4, 256, 4, 4096, 128, 8
+LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = int(os.environ.get("CX_BENCH_LAYERS", 12)), 256, 4, 4096, 128, 8
 WARMUP, STEPS, ADAM_NUMEL = 2, 12, 100_000_000
+DEPTHS: tuple[int, ...] = (2, 4, 8, 12, 24)  # part 3: peak model data by depth (exact accounting, no timing)
 if os.environ.get("CX_BENCH_SMOKE"):  # a seconds-long run that only checks the script works
-    LAYERS, HIDDEN, VOCAB, SEQ, STEPS, ADAM_NUMEL = 1, 32, 64, 16, 2, 1_000_000
+    LAYERS, HIDDEN, VOCAB, SEQ, STEPS, ADAM_NUMEL, DEPTHS = 1, 32, 64, 16, 2, 1_000_000, (1, 2)
 
 
 class Block(nn.Module):
@@ -57,11 +58,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, HIDDEN)
         self.wpe = nn.Parameter(torch.randn(SEQ, HIDDEN) * 0.02)
-        self.h = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.h = nn.ModuleList(Block() for _ in range(layers))
         self.ln_f = nn.LayerNorm(HIDDEN)
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.lm_head.weight = self.wte.weight
@@ -74,9 +75,9 @@ class GPT(nn.Module):
         return out
 
 
-def _model() -> GPT:
+def _model(layers: int = LAYERS) -> GPT:
     torch.manual_seed(0)
-    return GPT()
+    return GPT(layers)
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -87,10 +88,10 @@ Step = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def _gemini(
-    dtype: torch.dtype, offload: bool, hybrid: bool = False, prefetch: int = 0
+    dtype: torch.dtype, offload: bool, hybrid: bool = False, prefetch: int = 0, layers: int = LAYERS
 ) -> tuple[Step, Callable[[], dict[str, float]]]:
     ddp = GeminiDDP(
-        _model(),
+        _model(layers),
         mixed_precision=dtype,
         min_chunk_size_m=0.25,  # several sharded chunks (the default would keep this 5M model as one DDP chunk)
         search_range_m=1,
@@ -108,7 +109,7 @@ def _gemini(
         optimizer.step()
 
     def memory() -> dict[str, float]:
-        numel = sum(p.numel() for p in _model().parameters())
+        numel = sum(slot.numel for chunk in ddp.manager.chunks() for slot in chunk.slots)
         peak = ddp.manager.peak
         state = sum(
             v.numel() * v.element_size()
@@ -179,6 +180,13 @@ def _worker(rank: int, world_size: int, out: str) -> None:
             dist.barrier()
             if i >= WARMUP:
                 times[name].append(time.perf_counter() - start)
+    depth: dict[str, dict[str, float]] = {}
+    for layers in DEPTHS:  # memory only: one pair of steps per depth, exact accounting
+        for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            g_step, g_mem = _gemini(dtype, offload=False, layers=layers)
+            for batch in data[:2]:
+                g_step(batch[:, :-1], batch[:, 1:])
+            depth[f"{layers} {label}"] = g_mem()
     if rank == 0:
         result: dict[str, dict[str, float]] = {
             name: {"ms": 1000 * statistics.median(times[name]), **(memory() if memory else {})}
@@ -198,6 +206,7 @@ def _worker(rank: int, world_size: int, out: str) -> None:
             for label, (ours, theirs) in pairs.items()
             if ours in times and theirs in times
         }
+        result["depth"] = depth  # type: ignore[assignment]
         Path(out).write_text(json.dumps(result))
 
 
@@ -223,19 +232,27 @@ def _adam_bench() -> dict[str, float]:
     return out
 
 
+def _per_param(row: dict[str, float]) -> str:
+    peak = (row["peak_chunk_bytes"] + row["optimizer_state_bytes"]) / row["numel"]
+    rest = (row["rest_chunk_bytes"] + row["optimizer_state_bytes"]) / row["numel"]
+    return f"{rest:.2f} at rest, {peak:.2f} at peak (chunks + optim state)"
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "result.json")
         spawn(_worker, 2, path, timeout=900)
         systems = json.loads(Path(path).read_text())
     ratios = systems.pop("ratios")
+    depth = systems.pop("depth")
+    print(f"GPT with {LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}, world 2")
     for name, row in systems.items():
         line = f"{name:40s} {row['ms']:8.1f} ms"
         if "peak_chunk_bytes" in row:
-            peak = (row["peak_chunk_bytes"] + row["optimizer_state_bytes"]) / row["numel"]
-            rest = (row["rest_chunk_bytes"] + row["optimizer_state_bytes"]) / row["numel"]
-            line += f"   model data B/param/rank: {rest:.2f} at rest, {peak:.2f} at peak (chunks + optim state)"
+            line += f"   model data B/param/rank: {_per_param(row)}"
         print(line)
+    for name, row in depth.items():
+        print(f"depth {name:34s} {row['numel'] / 1e6:6.1f}M params   model data B/param/rank: {_per_param(row)}")
     for label, ratio in ratios.items():
         print(f"ratio gemini/fsdp2 {label}: {ratio:.2f} (median of per-round ratios)")
     adam = _adam_bench()

@@ -107,11 +107,11 @@ def test_chunk_register_apart_packs_tensors_into_chunks_of_their_own(rank: int, 
     apart = [torch.randn(40), torch.randn(5), torch.randn(250 * world_size), torch.randn(3)]
     values = [t.clone() for t in apart]
     made = manager.register_apart(apart, names=["a", "b", "huge", "c"])
-    # 40 + 5 fit together (the outlier rule does not split a set that is apart anyway); "huge" takes the chunk
-    # of its own it needs; "c" starts a new one: each chunk sized to what it holds, rounded to the group size
-    assert [[s.name for s in c.slots] for c in made] == [["a", "b"], ["huge"], ["c"]]
+    # largest first, first fit, chunks up to the largest tensor's size: the small ones go together (the outlier
+    # rule does not split a set that is apart anyway), not one chunk each; each chunk sized to what it holds
+    assert [[s.name for s in c.slots] for c in made] == [["huge"], ["a", "b", "c"]]
     round_up = lambda n: -(-n // world_size) * world_size  # noqa: E731
-    assert [c.chunk_size for c in made] == [round_up(45), round_up(250 * world_size), round_up(3)]
+    assert [c.chunk_size for c in made] == [round_up(sum(s.numel for s in c.slots)) for c in made]
     assert all(c.is_closed for c in made)
     assert manager.get_chunk(ordinary) not in made
     with pytest.raises(ValueError, match="mix dtypes"):
@@ -127,3 +127,40 @@ def test_chunk_register_apart_packs_tensors_into_chunks_of_their_own(rank: int, 
         manager.register_apart([ordinary], "other")
     with pytest.raises(ChunkError, match="closed"):
         manager.register_apart([torch.zeros(2)], "param")
+
+
+@distributed(world_size=(2, 4))
+def test_chunk_async_reduce_into_completes_later_with_the_same_result(rank: int, world_size: int) -> None:
+    ours, ours_params = _manager(torch.float32, world_size, master=False)
+    theirs, their_params = _manager(torch.float32, world_size, master=False)
+    grads = _grads(rank, 0)
+    _backward(theirs, their_params, grads, in_buffer=True)
+    chunk = ours.get_chunk(ours_params[0])
+    ours.access_chunk(chunk)
+    for p, g in zip(ours_params, grads, strict=True):
+        for state in (TensorState.COMPUTE, TensorState.HOLD_AFTER_BWD):
+            chunk.transition(p, state)
+        ours.write_grad_in_buffer(p, g)
+        chunk.transition(p, TensorState.READY_FOR_REDUCE)
+    ours.reduce_chunk(chunk, async_op=True)
+    assert chunk.reducing
+    assert ours.reducing == [chunk]
+    assert ours.usage == ours.recount()  # the in-flight output slice is accounted
+    with pytest.raises(ChunkError, match="being reduced"):
+        chunk.gather()
+    with pytest.raises(ChunkError, match="being reduced"):
+        ours.write_grad_in_buffer(ours_params[0], grads[0])
+    assert ours.finish_reductions() == [chunk]
+    assert not ours.reducing
+    assert not chunk.is_gathered
+    assert ours.usage == ours.recount()
+    # the synchronous reference left params[0] without a gradient (zero); here all four have one
+    expected = theirs.grad_chunk(theirs.get_chunk(their_params[0])).shard_tensor().clone()
+    mine = ours.grad_chunk(chunk).shard_tensor()
+    first = chunk.slot(ours_params[0])
+    lo, hi = max(first.begin, chunk.shard_begin), min(first.end, chunk.shard_end)
+    if lo < hi:
+        mine = mine.clone()
+        mine[lo - chunk.shard_begin : hi - chunk.shard_begin] = 0
+    torch.testing.assert_close(mine, expected)
+    assert all(chunk.tensor_state(p) is TensorState.HOLD for p in ours_params)

@@ -183,9 +183,13 @@ def test_zero_gemini_placement_backward_needs_one_buffer_per_chunk(
         optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
         optimizer.step()
     assert not separate_buffers  # every gradient went into its gathered parameter chunk
-    # in flight at most: the root chunk, the chunk in backward, the next one being gathered (own slices of the
-    # values kept aside in fp32, where no master holds them, count too)
+    assert manager.collective_counts["reduce_scatter"] == 2 * len(chunks)
+    # in flight at most: the root chunk, the chunk whose reduce-scatter overlaps backward (with its output slice),
+    # the chunk in backward, the next one being gathered (and the own slices of values kept aside in fp32, where
+    # no master holds them)
     full = max(c.nbytes for c in chunks)
     root_bytes = sum(c.nbytes for c in chunks if {id(t) for t in c.tensors} & root)
-    aside = 0 if dtype != torch.float32 else 2 * full // world_size
-    assert manager.peak.device - rest <= root_bytes + 2 * full + aside, (manager.peak.device - rest, full, root_bytes)
+    aside = 0 if dtype != torch.float32 else 3 * full // world_size
+    bound = root_bytes + 3 * full + full // world_size + aside
+    assert manager.peak.device - rest <= bound, (manager.peak.device - rest, full, root_bytes)
+    assert not manager.reducing

@@ -168,3 +168,22 @@ def test_zero_gemini_state_checkpoint_loads_at_another_world_size(rank: int, wor
     back, _ = _build(9)
     load_into(CheckpointReader.open(tmp_path / "one"), back)
     assert_state_close(back.state_dict(only_rank_0=False), want, 0, 0, "world 1 -> world 2")
+
+
+@distributed(world_size=1)
+@pytest.mark.parametrize("scalars_on_device", [False, True])
+def test_zero_gemini_state_scalar_state_stays_on_the_host(rank: int, world_size: int, scalars_on_device: bool) -> None:
+    # a loaded `step` goes where torch optimizers keep it: on the host unless capturable/fused (a device scalar
+    # would synchronise every step); the meta device stands in for an accelerator here
+    from cx_chunk import ChunkConfig, ChunkManager
+    from cx_zero.gemini._shards import ShardEntry, own_part
+
+    param = torch.nn.Parameter(torch.zeros(4))
+    manager = ChunkManager(ChunkConfig(chunk_size=4))
+    chunk = manager.register_tensor(param, name="w")
+    manager.close_all_groups()
+    holder = torch.nn.Parameter(torch.empty(4, device="meta"), requires_grad=False)
+    entry = ShardEntry(param, holder, "w", chunk, 0, 4, 0, 4)
+    step = own_part(entry, torch.tensor(7.0), scalars_on_device=scalars_on_device)
+    assert step.device.type == ("meta" if scalars_on_device else "cpu")
+    assert own_part(entry, torch.arange(4.0)).device.type == "meta"  # elementwise state follows the shard

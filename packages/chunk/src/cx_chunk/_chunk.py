@@ -47,6 +47,16 @@ class _Entry:
     state: TensorState
 
 
+@dataclass
+class _Reduction:
+    """A reduce-scatter in flight: its handle, input (kept alive until it completes), output, destination."""
+
+    work: dist.Work | None
+    source: torch.Tensor
+    reduced: torch.Tensor
+    target: Chunk
+
+
 class Chunk:
     """A chunk of `chunk_size` elements of one dtype; see the module docstring for its storage model."""
 
@@ -96,6 +106,7 @@ class Chunk:
         self._shard_residence = Residence.DEVICE
         self._pending: dist.Work | None = None
         self._grads_in_buffer: set[int] | None = None  # ids of tensors whose slot holds a gradient (see module doc)
+        self._reduction: _Reduction | None = None
 
     # ----------------------------------------------------------------------------------------------- layout
     def __repr__(self) -> str:
@@ -213,6 +224,12 @@ class Chunk:
             usage = usage + MemoryUsage.single(self._buffer_residence, self.nbytes)
         if self._shard is not None:
             usage = usage + MemoryUsage.single(self._shard_residence, self._shard.numel() * self.element_size)
+        if self._reduction is not None:
+            residence = Residence.DEVICE if self._reduction.reduced.device == self.compute_device else Residence.HOST
+            extra = self._reduction.reduced.numel()
+            if self._reduction.source.data_ptr() != (self._buffer.data_ptr() if self._buffer is not None else 0):
+                extra += self._reduction.source.numel()
+            usage = usage + MemoryUsage.single(residence, extra * self.element_size)
         return usage
 
     def gather(self, *, async_op: bool = False) -> bool:
@@ -222,6 +239,8 @@ class Chunk:
         """
         self._require_closed("gather")
         self.wait()
+        if self._reduction is not None:
+            raise ChunkError(f"chunk {self.chunk_id}: its gradients are being reduced; finish_reduce first")
         if self._grads_in_buffer is not None:
             return False  # gathered: the slots without a gradient yet still hold parameter values
         if self._buffer is not None and self._shard is None:
@@ -413,6 +432,8 @@ class Chunk:
         chunk on the device holds them (then `reduce_into` casts them back from there)."""
         if self.keep_gathered or self.shard_size == self.chunk_size:
             raise ChunkError(f"chunk {self.chunk_id}: gradients go into the buffer only in sharded chunks")
+        if self._reduction is not None:
+            raise ChunkError(f"chunk {self.chunk_id}: its gradients are being reduced; no gradient can be added")
         slot = self._slot_data(tensor, grad, "write_grad_in_buffer")
         if self._grads_in_buffer is None:
             assert self._buffer is not None
@@ -424,12 +445,16 @@ class Chunk:
         slot.copy_(grad.detach().reshape(-1))
         self._grads_in_buffer.add(id(tensor))
 
-    def reduce_into(self, target: Chunk) -> None:
+    def reduce_into(self, target: Chunk, *, async_op: bool = False) -> None:
         """Average the gradients in the buffer over the group (and extra data-parallel group), add this rank's
         slice into `target`'s own slice (the gradient chunk) and drop the buffer: the chunk is sharded again.
-        Slots that got no gradient count as zeros. Tensors in READY_FOR_REDUCE go back to HOLD."""
+        Slots that got no gradient count as zeros. Tensors in READY_FOR_REDUCE go back to HOLD.
+        With `async_op=True` the reduce-scatter is started and `finish_reduce` completes the rest (until then
+        the chunk keeps its buffer, `reducing` is True and it cannot be gathered, sharded or moved)."""
         if self._grads_in_buffer is None:
             raise ChunkError(f"chunk {self.chunk_id}: reduce_into needs gradients written into the buffer")
+        if self._reduction is not None:
+            raise ChunkError(f"chunk {self.chunk_id}: a reduction is already in flight")
         if target.slots != self.slots or target.shard_begin != self.shard_begin or target.dtype != self.dtype:
             raise ValueError(f"reduce_into: chunk {target.chunk_id} differs from chunk {self.chunk_id} in layout")
         buffer = self._require_buffer("reduce_into")
@@ -438,14 +463,32 @@ class Chunk:
                 buffer[entry.slot.begin : entry.slot.end].zero_()
         comm = communication_device(self.group)
         reduced = torch.empty(self.shard_size, dtype=self.dtype, device=comm)
-        reduce_scatter_flat(reduced, buffer.to(comm), dist.ReduceOp.SUM, self.group)
-        reduced = self._finish_reduce(reduced)
-        own = target.shard_tensor()
+        source = buffer.to(comm)
+        work = reduce_scatter_flat(reduced, source, dist.ReduceOp.SUM, self.group, async_op=async_op)
+        self._reduction = _Reduction(work, source, reduced, target)
+        if not async_op:
+            self.finish_reduce()
+
+    @property
+    def reducing(self) -> bool:
+        """Whether an asynchronous `reduce_into` waits for `finish_reduce`."""
+        return self._reduction is not None
+
+    def finish_reduce(self) -> None:
+        """Complete a `reduce_into` (no-op when none is in flight)."""
+        reduction = self._reduction
+        if reduction is None:
+            return
+        if reduction.work is not None:
+            reduction.work.wait()
+        reduced = self._finish_reduce(reduction.reduced)
+        own = reduction.target.shard_tensor()
         own.add_(reduced.to(own.device))
         if self._shard is None:  # the values were not copied aside: the master slice holds them
             assert self.paired is not None
             self._shard = self.paired.shard_tensor().to(self.compute_device, self.dtype)
             self._shard_residence = Residence.DEVICE
+        self._reduction = None
         self._buffer = None
         self._grads_in_buffer = None
         self._point_tensors()
@@ -492,6 +535,7 @@ class Chunk:
         clone._buffer = None
         clone._pending = None
         clone._grads_in_buffer = None
+        clone._reduction = None
         if copy_values:
             own = self.shard_tensor().to(dtype=dtype, copy=True)
         else:

@@ -65,6 +65,7 @@ class ChunkManager:
         self._states: dict[tuple[int, str], Chunk] = {}
         self._next_id = 0
         self._accessed: set[Chunk] = set()
+        self._reducing: list[Chunk] = []
         self._usage = MemoryUsage()
         self._peak = MemoryUsage()
         self._collectives = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
@@ -122,8 +123,9 @@ class ChunkManager:
         self, tensors: Sequence[torch.Tensor], group_name: str = "param", *, names: Sequence[str] | None = None
     ) -> list[Chunk]:
         """Register tensors that are used together into closed chunks of their own (never shared with tensors
-        registered otherwise): filled in order up to `chunk_size` (or one tensor larger than that), each sized to
-        what it holds (rounded up to the group size), so setting them apart costs no padding. For tensors that
+        registered otherwise): packed first-fit, largest first, into as few chunks as hold at most `chunk_size`
+        elements (or the largest tensor), each sized to what it holds (rounded up to the group size), so setting
+        them apart costs no padding. For tensors that
         stay gathered far longer than the rest (a model's embedding and final norm): in a shared chunk they would
         keep their neighbours gathered."""
         if names is not None and len(names) != len(tensors):
@@ -135,15 +137,20 @@ class ChunkManager:
         dtypes = {t.dtype for t in tensors} | {c.dtype for c in self._groups.get(group_name, [])[:1]}
         if len(dtypes) > 1:
             raise ValueError(f"register_apart: chunk group {group_name!r} would mix dtypes {sorted(map(str, dtypes))}")
+        # first fit, largest first, into chunks as large as the chunk size or the largest tensor: an embedding
+        # larger than a chunk still takes the small tensors that live with it (one collective, not several)
+        capacity = max(self.config.chunk_size, max((t.numel() for t in tensors), default=0))
         plan: list[list[int]] = []
-        filled = 0
-        for index, tensor in enumerate(tensors):
-            numel = tensor.numel()
-            if not plan or (filled and filled + numel > self.config.chunk_size):
-                plan.append([])  # a tensor above chunk_size still takes the tensors before it that fit with it
-                filled = 0
-            plan[-1].append(index)
-            filled += numel
+        filled: list[int] = []
+        for index in sorted(range(len(tensors)), key=lambda i: -tensors[i].numel()):
+            numel = tensors[index].numel()
+            target = next((b for b, used in enumerate(filled) if used + numel <= capacity), None)
+            if target is None:
+                plan.append([])
+                filled.append(0)
+                target = len(plan) - 1
+            plan[target].append(index)
+            filled[target] += numel
         made = []
         for members in plan:
             size = _round_up(max(sum(tensors[i].numel() for i in members), 1), self.group_size)
@@ -237,8 +244,10 @@ class ChunkManager:
     def move_chunk(self, chunk: Chunk, residence: Residence) -> bool:
         return bool(self._tracked(chunk, lambda: chunk.move(residence)))
 
-    def reduce_chunk(self, chunk: Chunk) -> None:
-        """Reduce the chunk's gradients (into its gradient chunk when it has one); needs all READY_FOR_REDUCE."""
+    def reduce_chunk(self, chunk: Chunk, *, async_op: bool = False) -> None:
+        """Reduce the chunk's gradients (into its gradient chunk when it has one); needs all READY_FOR_REDUCE.
+        `async_op=True` (chunks holding their gradients in the buffer) starts the reduce-scatter and leaves it to
+        `finish_reductions`, so it overlaps whatever the caller computes next."""
         if not chunk.can_reduce:
             waiting = [
                 f"{slot.name} ({chunk.tensor_state(t).name})"
@@ -252,9 +261,12 @@ class ChunkManager:
                 raise ChunkError(f"chunk {chunk.chunk_id} holds gradients in its buffer but has no gradient chunk")
             if grad_chunk.is_gathered:
                 raise ChunkError(f"chunk {chunk.chunk_id}: gradients both in its buffer and in its gradient chunk's")
-            self._note_transient(chunk, chunk.shard_nbytes)  # the reduced slice exists while the buffer does
+            if not async_op:
+                self._note_transient(chunk, chunk.shard_nbytes)  # the reduced slice exists while the buffer does
             with self._accounting(chunk), self._accounting(grad_chunk):
-                chunk.reduce_into(grad_chunk)
+                chunk.reduce_into(grad_chunk, async_op=async_op)
+            if async_op:
+                self._reducing.append(chunk)
             self._collectives["reduce_scatter"] += 1
             if chunk.extra_dp_group is not None:
                 self._collectives["all_reduce"] += 1
@@ -277,6 +289,21 @@ class ChunkManager:
             for tensor in chunk.tensors:
                 chunk.transition(tensor, TensorState.HOLD)
         self._accessed.discard(chunk)
+
+    @property
+    def reducing(self) -> list[Chunk]:
+        """Chunks whose asynchronous reduction is in flight, oldest first."""
+        return list(self._reducing)
+
+    def finish_reductions(self, keep: int = 0) -> list[Chunk]:
+        """Complete the oldest asynchronous reductions until at most `keep` are in flight; returns those chunks."""
+        done = []
+        while len(self._reducing) > keep:
+            chunk = self._reducing.pop(0)
+            with self._accounting(chunk), self._accounting(self._grads[id(chunk)]):
+                chunk.finish_reduce()
+            done.append(chunk)
+        return done
 
     # ---------------------------------------------------------------------------------- master and gradients
     def create_master_chunks(

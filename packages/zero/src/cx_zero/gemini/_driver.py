@@ -142,6 +142,7 @@ class GeminiDriver:
 
     def _finish_step(self) -> None:
         """Release every chunk not kept by the policy and close the scheduler's step."""
+        self._finish_reductions()
         for chunk in self.manager.chunks():
             for tensor in chunk.tensors:
                 if chunk.tensor_state(tensor) is _S.COMPUTE:
@@ -224,6 +225,7 @@ class GeminiDriver:
         params = [p for p in unit.params if id(p) not in self._grad_now]
         if not params:
             return
+        self._finish_reductions()  # before gathering more: the reduction's buffer goes first
         self._access(params)
         for p in params:
             self.manager.get_chunk(p).transition(p, _S.COMPUTE)
@@ -267,12 +269,24 @@ class GeminiDriver:
         )
 
     def _reduce(self, chunk: Chunk) -> None:
-        self.manager.reduce_chunk(chunk)
+        """Reduce a chunk whose gradients are complete. During backward a chunk holding them in its buffer is
+        reduced asynchronously, overlapping backward until the next gather or reduction (one in flight at a
+        time, never while a chunk is gathered), and released when that completes."""
+        overlap = self._in_backward and chunk.grads_in_buffer
+        if overlap:  # the previous one has had a chunk's backward to complete in
+            self._finish_reductions()
+        self.manager.reduce_chunk(chunk, async_op=overlap)
         self._reduced_now.add(chunk.chunk_id)
-        self.scheduler.release(chunk.tensors)
+        if not overlap:
+            self.scheduler.release(chunk.tensors)
+
+    def _finish_reductions(self, keep: int = 0) -> None:
+        for done in self.manager.finish_reductions(keep):
+            self.scheduler.release(done.tensors)
 
     def _end_backward(self) -> None:
         try:
+            self._finish_reductions()
             self._check_same({self._index[i] for i in self._grad_now}, "given a gradient in backward")
             for chunk in self.manager.chunks("param"):
                 if chunk.chunk_id in self._reduced_now:

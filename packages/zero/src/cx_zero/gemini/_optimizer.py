@@ -84,6 +84,7 @@ class GeminiOptimizer:
             self.scaler = ConstantGradScaler(1.0)
         self._norm: float | None = None
         self._entries: list[ShardEntry] = []
+        self._scalars_on_device: dict[int, bool] | None = None
         self._by_name: dict[str, ShardEntry] = {}
         self._build(optimizer)  # checks every parameter before changing the optimizer
         existing = dict(optimizer.state)  # e.g. Adagrad's initial sums: full tensors keyed by the model parameter
@@ -350,6 +351,7 @@ class GeminiOptimizer:
             for key, value in saved.items():
                 if key not in ("params", "param_names"):
                     current[key] = value
+        self._scalars_on_device = None  # the loaded hyper-parameters may say capturable/fused
         unknown = sorted(set(state_dict["state"]) - set(self._by_name))
         if unknown:
             raise ValueError(f"GeminiOptimizer.load_state_dict: state for unknown parameters {unknown}")
@@ -362,7 +364,13 @@ class GeminiOptimizer:
             self.optim.state[entry.holder] = state
 
     def _own_part(self, entry: ShardEntry, value: Any) -> Any:
-        return own_part(entry, value)
+        if self._scalars_on_device is None:  # per placeholder: does its group keep scalar state on the device
+            self._scalars_on_device = {
+                id(p): bool(group.get("capturable") or group.get("fused"))
+                for group in self.optim.param_groups
+                for p in group["params"]
+            }
+        return own_part(entry, value, scalars_on_device=self._scalars_on_device.get(id(entry.holder), False))
 
     # ------------------------------------------------------------------------------- cx-checkpoint protocols
     def checkpoint_meta(self) -> OptimizerMeta:

@@ -71,13 +71,15 @@ def full_states(
                     )
 
 
-def own_part(entry: ShardEntry, value: Any) -> Any:
-    """This rank's part of a full state value: scalars as they are, elementwise tensors as the flat slice."""
+def own_part(entry: ShardEntry, value: Any, *, scalars_on_device: bool = False) -> Any:
+    """This rank's part of a full state value: scalars as they are, elementwise tensors as the flat slice on the
+    placeholder's device. 0-d tensors (Adam's `step`) go on the host, where torch optimizers keep them unless
+    `capturable`/`fused` (`scalars_on_device`): a device scalar would cost a synchronisation on every step."""
     if not isinstance(value, torch.Tensor):
         return value
     device = entry.holder.device
     if value.dim() == 0:
-        return value.detach().to(device, copy=True)
+        return value.detach().to(device if scalars_on_device else torch.device("cpu"), copy=True)
     slot = entry.chunk.slot(entry.param)
     if value.numel() != slot.numel:
         raise ValueError(
