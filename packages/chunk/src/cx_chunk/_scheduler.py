@@ -75,8 +75,9 @@ class ChunkScheduler:
         if self.trace is None:
             self.tracer.record(tensors, non_model_bytes=non_model_bytes)
         self.policy.prepare(self.manager, chunks, period, self.trace)
+        for chunk in chunks:  # all started before any is waited for: several gathers in flight at once
+            self.manager.access_chunk(chunk, async_op=True)
         for chunk in chunks:
-            self.manager.access_chunk(chunk)
             self.manager.wait_chunk(chunk)
         self.policy.after_access(self.manager, period, self.trace)
         if self.trace is not None and self.max_prefetch:
