@@ -32,6 +32,7 @@ from cx_zero.gemini import GeminiDDP, GeminiOptimizer
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = int(os.environ.get("CX_BENCH_LAYERS", 12)), 256, 4, 4096, 128, 8
 WARMUP, STEPS, ADAM_NUMEL = 2, 12, 100_000_000
+CHUNK_M = float(os.environ.get("CX_BENCH_CHUNK_M", 0.25))  # Gemini min_chunk_size_m; the search then finds one block
 DEPTHS: tuple[int, ...] = (2, 4, 8, 12, 24)  # part 3: peak model data by depth (exact accounting, no timing)
 if os.environ.get("CX_BENCH_SMOKE"):  # a seconds-long run that only checks the script works
     LAYERS, HIDDEN, VOCAB, SEQ, STEPS, ADAM_NUMEL, DEPTHS = 1, 32, 64, 16, 2, 1_000_000, (1, 2)
@@ -93,7 +94,7 @@ def _gemini(
     ddp = GeminiDDP(
         _model(layers),
         mixed_precision=dtype,
-        min_chunk_size_m=0.25,  # several sharded chunks (the default would keep this 5M model as one DDP chunk)
+        min_chunk_size_m=CHUNK_M,  # the default, 32M, would keep this small model as one replicated DDP chunk
         search_range_m=1,
         hidden_dim=HIDDEN,
         offload_optim_frac=1.0 if offload else 0.0,

@@ -75,6 +75,14 @@ def test_plugins_gemini_bad_arguments(rank: int, world_size: int) -> None:
     booster = Booster(plugin=GeminiPlugin(placement_policy="foo", precision="fp32"))
     with pytest.raises(ValueError, match="foo"):
         booster.boost(torch.nn.Linear(4, 4))
+    linear = torch.nn.Linear(4, 4)
+    booster = Booster(plugin=GeminiPlugin(gpu_margin_mem_ratio=0.5, precision="fp32"))
+    with pytest.raises(ValueError, match="placement_policy='auto' only"):
+        booster.boost(linear, torch.optim.SGD(linear.parameters(), lr=0.1))
+    linear = torch.nn.Linear(4, 4)
+    booster = Booster(plugin=GeminiPlugin(placement_policy="auto", gpu_margin_mem_ratio=0.5, precision="fp32"))
+    _, boosted_optimizer, *_ = booster.boost(linear, torch.optim.SGD(linear.parameters(), lr=0.1))
+    assert boosted_optimizer is not None
     plugin_booster, _, model, optimizer = boosted("gemini")
     with (
         pytest.raises(NotImplementedError, match="enable_gradient_accumulation"),

@@ -143,7 +143,7 @@ def test_zero_gemini_optimizer_refuses_non_elementwise(rank: int, world_size: in
         GeminiOptimizer(torch.optim.Adafactor(ddp.parameters()), ddp)
     with pytest.raises(ValueError, match="not a parameter of the GeminiDDP module"):
         GeminiOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1), ddp)
-    with pytest.raises(NotImplementedError, match="gpu_margin_mem_ratio"):
+    with pytest.raises(ValueError, match=r"gpu_margin_mem_ratio=0\.5 applies to placement_policy='auto' only"):
         GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp, gpu_margin_mem_ratio=0.5)
     with pytest.raises(ValueError, match="unsupported norm type"):
         GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp, norm_type=1.0)

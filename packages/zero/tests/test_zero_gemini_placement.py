@@ -22,10 +22,18 @@ def _adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _train(rank: int, world_size: int, steps: int, dtype: torch.dtype = torch.float32, **kwargs: object) -> GeminiDDP:
+def _train(
+    rank: int,
+    world_size: int,
+    steps: int,
+    dtype: torch.dtype = torch.float32,
+    gpu_margin_mem_ratio: float = 0.0,
+    **kwargs: object,
+) -> GeminiDDP:
     reference = Reference(make_gpt(), world_size, _adamw, dtype=dtype)
     ddp = GeminiDDP(make_gpt(), chunk_config_dict=CHUNK, mixed_precision=dtype, **kwargs)  # type: ignore[arg-type]
-    optimizer = GeminiOptimizer(_adamw(list(ddp.parameters())), ddp)
+    optimizer = GeminiOptimizer(_adamw(list(ddp.parameters())), ddp, gpu_margin_mem_ratio=gpu_margin_mem_ratio)
+    ddp.test_optimizer = optimizer  # type: ignore[assignment]
     for step in range(steps):
         x, y = batch(step, world_size)
         optimizer.zero_grad()
@@ -144,7 +152,7 @@ def test_zero_gemini_placement_combinations(
     accelerator = get_accelerator()
     accelerator.set_memory_capacity(60_000)
     try:
-        _train(rank, world_size, 3, dtype, **kwargs)
+        _train(rank, world_size, 3, dtype, **kwargs)  # type: ignore[arg-type]
     finally:
         accelerator.set_memory_capacity(None)
 
@@ -193,3 +201,49 @@ def test_zero_gemini_placement_backward_needs_one_buffer_per_chunk(
     bound = root_bytes + 3 * full + full // world_size + aside
     assert manager.peak.device - rest <= bound, (manager.peak.device - rest, full, root_bytes)
     assert not manager.reducing
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio", [1.0, 4e-5])
+def test_zero_gemini_placement_gpu_margin_moves_optimizer_data(
+    rank: int, world_size: int, dtype: torch.dtype, ratio: float
+) -> None:
+    accelerator = get_accelerator()
+    accelerator.set_memory_capacity(10**9)
+    try:  # parity with PyTorch at every step is checked inside _train: placement never changes values
+        ddp = _train(rank, world_size, 3, dtype, ratio, placement_policy="auto")
+    finally:
+        accelerator.set_memory_capacity(None)
+    optimizer: GeminiOptimizer = ddp.test_optimizer  # type: ignore[assignment]
+    policy = ddp.policy
+    assert isinstance(policy, AutoPlacementPolicy)
+    chunks = ddp.manager.chunks("param")
+    moved = optimizer.device_optimizer_chunks
+    assert moved is not None
+    if ratio == 1.0:  # a 1 GB device holds everything
+        assert moved == chunks
+    else:  # about 36 kB: the first few chunks (layout order), not all
+        assert 0 < len(moved) < len(chunks)
+        assert moved == chunks[: len(moved)]
+    state_bytes = 0
+    for chunk in chunks:
+        on_device = chunk in moved
+        want = Residence.DEVICE if on_device else Residence.HOST
+        assert policy.optimizer_residence(chunk) is want
+        assert all(c.residence is want for c in ddp.manager.companions(chunk))
+    moved_holders = {id(e.holder) for e in optimizer._entries if e.chunk in moved}
+    for holder, state in optimizer.optim.state.items():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and id(holder) in moved_holders:
+                state_bytes += value.numel() * value.element_size()
+    assert policy.reserved_bytes == state_bytes  # taken off the auto policy's later budgets
+
+
+@distributed(world_size=2)
+def test_zero_gemini_placement_gpu_margin_needs_auto(rank: int, world_size: int) -> None:
+    ddp = GeminiDDP(make_gpt(), chunk_config_dict=CHUNK, mixed_precision=torch.float32)
+    with pytest.raises(ValueError, match="placement_policy='auto' only"):
+        GeminiOptimizer(_adamw(list(ddp.parameters())), ddp, gpu_margin_mem_ratio=0.5)
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
+        GeminiOptimizer(_adamw(list(ddp.parameters())), ddp, gpu_margin_mem_ratio=1.5)

@@ -12,7 +12,10 @@ warm-up the least recently used first. When even evicting everything movable doe
 need still fits under C * steady_cuda_cap_ratio (the non-model estimate was too pessimistic), the policy evicts
 everything it can and proceeds (falls back to the host) instead of failing; only a period whose own chunks cannot
 fit under C * steady_cuda_cap_ratio raises `BudgetError`, naming the budget and the need. Master, gradient and
-optimizer-state chunks live on the host (as in ColossalAI's auto placement).
+optimizer-state chunks live on the host (as in ColossalAI's auto placement), except those of chunks given to
+`keep_optimizer_on_device`: a caller that measured spare device memory after warm-up (`optimizer_margin`) moves
+some chunks' optimizer data there (ColossalAI's `gpu_margin_mem_ratio`); the bytes it holds outside chunks
+(optimizer state tensors) are reserved, i.e. taken off every later budget.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class AutoPlacementPolicy(PlacementPolicy):
     budget_log: list[BudgetRecord] = field(default_factory=list, init=False, repr=False, compare=False)
     evictions: list[Eviction] = field(default_factory=list, init=False, repr=False, compare=False)
     _last_use: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _optimizer_on_device: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
+    _reserved: list[int] = field(default_factory=lambda: [0], init=False, repr=False, compare=False)
     _fell_back: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -79,8 +84,30 @@ class AutoPlacementPolicy(PlacementPolicy):
     def budget(self, period: int, trace: StepTrace | None) -> int:
         """Device bytes allowed for chunk payload during `period` (see the module docstring)."""
         if trace is None:
-            return int(self.capacity * (1.0 - self.warmup_non_model_data_ratio))
-        return self.hard_limit - trace.non_model(period)
+            return int(self.capacity * (1.0 - self.warmup_non_model_data_ratio)) - self.reserved_bytes
+        return self.hard_limit - trace.non_model(period) - self.reserved_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Device bytes held outside chunks for optimizer data kept on the device (see the module docstring)."""
+        return self._reserved[0]
+
+    def optimizer_margin(self, manager: ChunkManager, trace: StepTrace) -> int:
+        """Device bytes left over in steady state: the hard limit less the largest recorded non-model figure, the
+        peak of chunk payload so far and what is reserved already (never negative)."""
+        non_model = max(trace.non_model_per_period, default=0)
+        return max(0, self.hard_limit - non_model - manager.peak.device - self.reserved_bytes)
+
+    def keep_optimizer_on_device(self, manager: ChunkManager, chunk: Chunk, reserved_bytes: int = 0) -> None:
+        """Move `chunk`'s master, gradient and optimizer-state chunks to the device and keep them there;
+        `reserved_bytes`: device memory the caller adds outside chunks for it (optimizer state tensors)."""
+        if reserved_bytes < 0:
+            raise ValueError(f"keep_optimizer_on_device: reserved_bytes must be >= 0, got {reserved_bytes}")
+        self._optimizer_on_device.add(chunk.chunk_id)
+        self._reserved[0] += reserved_bytes
+        for companion in manager.companions(chunk):
+            if not companion.is_gathered:
+                manager.move_chunk(companion, Residence.DEVICE)
 
     # ----------------------------------------------------------------------------------------------- hooks
     def setup(self, manager: ChunkManager) -> None:
@@ -96,7 +123,7 @@ class AutoPlacementPolicy(PlacementPolicy):
                 manager.move_chunk(chunk, Residence.HOST)
 
     def optimizer_residence(self, chunk: Chunk) -> Residence:
-        return Residence.HOST
+        return Residence.DEVICE if chunk.chunk_id in self._optimizer_on_device else Residence.HOST
 
     def prepare(self, manager: ChunkManager, chunks: Sequence[Chunk], period: int, trace: StepTrace | None) -> None:
         for chunk in chunks:

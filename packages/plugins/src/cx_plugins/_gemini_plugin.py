@@ -42,7 +42,6 @@ _NOT_BUILT = {
     "enable_sequence_overlap": "sequence overlap needs cx-shardformer, which is not built yet",
     "use_fp8": "fp8 matmuls are not supported by cx yet",
     "fp8_communication": "fp8 communication is not supported by cx yet",
-    "gpu_margin_mem_ratio": "a hybrid CPU/GPU optimizer step (gpu_margin_mem_ratio > 0) is not supported by cx yet",
 }
 _DEFAULTS: dict[str, object] = {
     "tp_size": 1,
@@ -54,7 +53,6 @@ _DEFAULTS: dict[str, object] = {
     "enable_sequence_overlap": False,
     "use_fp8": False,
     "fp8_communication": False,
-    "gpu_margin_mem_ratio": 0.0,
 }
 
 
@@ -182,7 +180,6 @@ class GeminiPlugin(ZeroPluginBase):
             "enable_sequence_overlap": enable_sequence_overlap,
             "use_fp8": use_fp8,
             "fp8_communication": fp8_communication,
-            "gpu_margin_mem_ratio": gpu_margin_mem_ratio,
         }
         for name, value in given.items():
             if value != _DEFAULTS[name]:
@@ -221,6 +218,7 @@ class GeminiPlugin(ZeroPluginBase):
                 "max_scale": max_scale,
                 "max_norm": max_norm,
                 "norm_type": norm_type,
+                "gpu_margin_mem_ratio": gpu_margin_mem_ratio,
             },
             extra_dp_size=extra_dp_size,
             precision=resolved,

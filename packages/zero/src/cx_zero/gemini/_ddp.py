@@ -146,6 +146,7 @@ class GeminiDDP(nn.Module):
         if not trainable:
             raise ValueError("GeminiDDP: no parameter requires grad; there is nothing to train")
 
+        units = build_units(module)
         if chunk_config_dict is not None:
             if search_range_m != 32 or min_chunk_size_m != 32 or hidden_dim is not None:
                 raise ValueError(
@@ -156,13 +157,23 @@ class GeminiDDP(nn.Module):
             if strict_ddp_mode and not config.keep_gathered:
                 config = ChunkConfig(config.chunk_size, True, config.separate_above)
         else:
-            config = search_chunk_configuration(
-                trainable,
-                search_range_m,
-                min_chunk_size_m=min_chunk_size_m,
-                hidden_dim=hidden_dim,
-                group_size=group_size,
-            ).config
+
+            def search(candidates: list[nn.Parameter]) -> ChunkConfig:
+                return search_chunk_configuration(
+                    candidates,
+                    search_range_m,
+                    min_chunk_size_m=min_chunk_size_m,
+                    hidden_dim=hidden_dim,
+                    group_size=group_size,
+                ).config
+
+            config = search(trainable)
+            if not config.keep_gathered:  # size the chunks for the stream packed by size: without the set-apart
+                apart_ids = {id(p) for p in long_lived_params(units, config.chunk_size)}
+                stream = [p for p in trainable if id(p) not in apart_ids]
+                if apart_ids and stream:
+                    refined = search(stream)
+                    config = config if refined.keep_gathered else refined
             if strict_ddp_mode:
                 config = ChunkConfig(config.chunk_size, True, config.separate_above)
         self.chunk_config = config
@@ -187,7 +198,6 @@ class GeminiDDP(nn.Module):
             compute_device=self.compute_device,
             pin_memory=pin_memory,
         )
-        units = build_units(module)
         apart = [] if config.keep_gathered else long_lived_params(units, config.chunk_size)
         for p in params:
             p.data = p.data.to(self.compute_device, mixed_precision)

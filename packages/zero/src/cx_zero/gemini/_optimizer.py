@@ -20,12 +20,13 @@ import torch.distributed as dist
 from torch import nn
 
 from cx_checkpoint import OptimizerMeta, TensorSpec, optimizer_tensor_name
-from cx_chunk import Chunk, Residence
+from cx_chunk import AutoPlacementPolicy, Chunk, Residence
 from cx_mesh import ProcessGroup, get_dist_logger
 from cx_zero._elementwise import require_elementwise
 from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
 from cx_zero._norm import NormType, clip_coefficient, norm_or_inf
 from cx_zero.gemini._ddp import GeminiDDP
+from cx_zero.gemini._margin import use_device_margin
 from cx_zero.gemini._shards import ShardEntry, full_states, own_part
 from cx_zero.gemini._state import is_saver
 
@@ -58,10 +59,12 @@ class GeminiOptimizer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"GeminiOptimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
         require_elementwise(optimizer, "GeminiOptimizer")
-        if gpu_margin_mem_ratio != 0.0:
-            raise NotImplementedError(
-                f"GeminiOptimizer: gpu_margin_mem_ratio={gpu_margin_mem_ratio} is not implemented (optimizer data "
-                "stays where the placement policy puts it); pass 0.0"
+        if not 0.0 <= gpu_margin_mem_ratio <= 1.0:
+            raise ValueError(f"GeminiOptimizer: gpu_margin_mem_ratio must be in [0, 1], got {gpu_margin_mem_ratio}")
+        if gpu_margin_mem_ratio > 0 and not isinstance(module.policy, AutoPlacementPolicy):
+            raise ValueError(
+                f"GeminiOptimizer: gpu_margin_mem_ratio={gpu_margin_mem_ratio} applies to placement_policy='auto' "
+                "only (static placement keeps optimizer data where offload_optim_frac says); pass 0.0"
             )
         if params_info is not None:
             raise NotImplementedError(
@@ -85,6 +88,8 @@ class GeminiOptimizer:
         self._norm: float | None = None
         self._entries: list[ShardEntry] = []
         self._scalars_on_device: dict[int, bool] | None = None
+        self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
+        self.device_optimizer_chunks: list[Chunk] | None = None  # chosen after the first step when the ratio > 0
         self._by_name: dict[str, ShardEntry] = {}
         self._build(optimizer)  # checks every parameter before changing the optimizer
         existing = dict(optimizer.state)  # e.g. Adagrad's initial sums: full tensors keyed by the model parameter
@@ -280,6 +285,8 @@ class GeminiOptimizer:
         self.optim.step()
         for entry in self._entries:
             entry.holder.grad = None
+        if self.gpu_margin_mem_ratio > 0 and self.device_optimizer_chunks is None:
+            self._use_device_margin()
         for chunk in self.manager.chunks("param"):
             work, shard, copied = works.get(id(chunk), (None, None, False))
             if work is not None and copied:
@@ -293,6 +300,23 @@ class GeminiOptimizer:
                 self.manager.access_chunk(chunk)
                 self.manager.mark_unused(chunk)
         self.zero_grad()
+
+    def _use_device_margin(self) -> None:
+        """After the first step: move whole chunks' optimizer data into `gpu_margin_mem_ratio` of the spare
+        device memory (module `_margin`); their work slices are rebound before the copy-back below."""
+        policy, trace = self.module.policy, self.module.scheduler.trace
+        assert isinstance(policy, AutoPlacementPolicy)
+        if trace is None:
+            return
+        self.device_optimizer_chunks = use_device_margin(
+            policy,
+            self.manager,
+            trace,
+            self.gpu_margin_mem_ratio,
+            self._entries,
+            self.optim.state,
+            self.module.compute_device,
+        )
 
     # ---------------------------------------------------------------------------------------------- state
     def _param_groups_meta(self) -> list[dict[str, Any]]:
