@@ -32,6 +32,7 @@ from cx_mesh import (
     communication_device,
     get_accelerator,
     reduce_scatter_flat,
+    reduce_scatter_scratch_numel,
     require_initialized,
 )
 
@@ -55,6 +56,7 @@ class _Reduction:
     source: torch.Tensor
     reduced: torch.Tensor
     target: Chunk
+    scratch_numel: int  # what the collective allocates besides (see cx_mesh.reduce_scatter_scratch_numel)
 
 
 class Chunk:
@@ -226,7 +228,7 @@ class Chunk:
             usage = usage + MemoryUsage.single(self._shard_residence, self._shard.numel() * self.element_size)
         if self._reduction is not None:
             residence = Residence.DEVICE if self._reduction.reduced.device == self.compute_device else Residence.HOST
-            extra = self._reduction.reduced.numel()
+            extra = self._reduction.reduced.numel() + self._reduction.scratch_numel
             if self._reduction.source.data_ptr() != (self._buffer.data_ptr() if self._buffer is not None else 0):
                 extra += self._reduction.source.numel()
             usage = usage + MemoryUsage.single(residence, extra * self.element_size)
@@ -465,7 +467,8 @@ class Chunk:
         reduced = torch.empty(self.shard_size, dtype=self.dtype, device=comm)
         source = buffer.to(comm)
         work = reduce_scatter_flat(reduced, source, dist.ReduceOp.SUM, self.group, async_op=async_op)
-        self._reduction = _Reduction(work, source, reduced, target)
+        scratch = reduce_scatter_scratch_numel(source.numel(), self.group)
+        self._reduction = _Reduction(work, source, reduced, target, scratch)
         if not async_op:
             self.finish_reduce()
 

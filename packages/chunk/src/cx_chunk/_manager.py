@@ -22,7 +22,7 @@ from cx_chunk._config import ChunkConfig
 from cx_chunk._errors import ChunkError
 from cx_chunk._layout import MemoryUsage, Residence
 from cx_chunk._states import TensorState
-from cx_mesh import ProcessGroup, get_accelerator, require_initialized
+from cx_mesh import ProcessGroup, get_accelerator, reduce_scatter_scratch_numel, require_initialized
 
 __all__ = ["ChunkManager"]
 
@@ -261,8 +261,8 @@ class ChunkManager:
                 raise ChunkError(f"chunk {chunk.chunk_id} holds gradients in its buffer but has no gradient chunk")
             if grad_chunk.is_gathered:
                 raise ChunkError(f"chunk {chunk.chunk_id}: gradients both in its buffer and in its gradient chunk's")
-            if not async_op:
-                self._note_transient(chunk, chunk.shard_nbytes)  # the reduced slice exists while the buffer does
+            if not async_op:  # the reduced slice (and the collective's scratch) exist while the buffer does
+                self._note_transient(chunk, chunk.shard_nbytes + self._scratch_bytes(chunk))
             with self._accounting(chunk), self._accounting(grad_chunk):
                 chunk.reduce_into(grad_chunk, async_op=async_op)
             if async_op:
@@ -279,8 +279,8 @@ class ChunkManager:
             )
         target = grad_chunk if grad_chunk is not None else chunk
         kind = "all_reduce" if chunk.keep_gathered else "reduce_scatter"
-        if not chunk.keep_gathered:
-            self._note_transient(target, target.shard_nbytes)  # the reduced slice exists while the buffer does
+        if not chunk.keep_gathered:  # the reduced slice (and the collective's scratch) exist while the buffer does
+            self._note_transient(target, target.shard_nbytes + self._scratch_bytes(target))
         self._tracked(target, lambda: target.reduce(accumulate=target is grad_chunk))
         self._collectives[kind] += 1
         if chunk.extra_dp_group is not None:
@@ -410,6 +410,10 @@ class ChunkManager:
         for chunk in self.all_chunks():
             total = total + chunk.memory_usage()
         return total
+
+    @staticmethod
+    def _scratch_bytes(chunk: Chunk) -> int:
+        return reduce_scatter_scratch_numel(chunk.chunk_size, chunk.group) * chunk.element_size
 
     def _note_transient(self, chunk: Chunk, extra: int) -> None:
         """Raise the device peak for an operation that briefly holds `extra` more bytes than before or after it

@@ -19,6 +19,7 @@ from cx_mesh._collectives import (
     all_gather_flat,
     communication_device,
     reduce_scatter_flat,
+    reduce_scatter_scratch_numel,
     require_initialized,
 )
 from cx_mesh._consistency import RankMismatchError, all_gather_bytes, assert_same_across_ranks
@@ -46,6 +47,7 @@ __all__ = [
     "all_gather_flat",
     "communication_device",
     "reduce_scatter_flat",
+    "reduce_scatter_scratch_numel",
     "require_initialized",
     # coordination
     "DistCoordinator",

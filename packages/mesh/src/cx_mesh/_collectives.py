@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["ProcessGroup", "all_gather_flat", "communication_device", "reduce_scatter_flat", "require_initialized"]
+__all__ = [
+    "ProcessGroup",
+    "all_gather_flat",
+    "communication_device",
+    "reduce_scatter_flat",
+    "reduce_scatter_scratch_numel",
+    "require_initialized",
+]
 
 ProcessGroup = dist.ProcessGroup
+_NO_TIMEOUT = timedelta(0)
 
 
 def require_initialized(what: str) -> None:
@@ -40,6 +50,39 @@ def all_gather_flat(
     return work
 
 
+def _sums_by_exchange(op: dist.ReduceOp.RedOpType, group: ProcessGroup | None) -> bool:
+    """gloo's reduce-scatter is emulated and slower than its all-reduce (measured with torch 2.13: 5.1 ms vs 2.0 ms
+    for an all-to-all plus a local sum, 3 MB fp32, 2 ranks; 9.9 vs 4.3 ms at 4): a SUM over gloo exchanges the
+    slices with one all-to-all and adds them locally instead."""
+    return op == dist.ReduceOp.SUM and dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1
+
+
+def reduce_scatter_scratch_numel(numel: int, group: ProcessGroup | None = None) -> int:
+    """Elements of temporary buffer `reduce_scatter_flat` allocates for a SUM of `numel` elements over `group`
+    (the received slices on gloo; none where the backend reduce-scatters natively), for memory accounting."""
+    return numel if _sums_by_exchange(dist.ReduceOp.SUM, group) else 0
+
+
+class _SumAfterExchange(dist.Work):
+    """An all-to-all of the slices in flight; `wait` completes it and adds the received slices into the output."""
+
+    def __init__(self, exchange: dist.Work | None, received: torch.Tensor, output: torch.Tensor, parts: int) -> None:
+        super().__init__()
+        self._exchange = exchange
+        self._received: torch.Tensor | None = received
+        self._output = output
+        self._parts = parts
+
+    def wait(self, timeout: timedelta = _NO_TIMEOUT) -> bool:
+        if self._received is None:
+            return True
+        if self._exchange is not None:
+            self._exchange.wait()
+        torch.sum(self._received.view(self._parts, -1), dim=0, out=self._output)
+        self._received = None  # the scratch buffer goes as soon as the sum is taken
+        return True
+
+
 def reduce_scatter_flat(
     output: torch.Tensor,
     tensor: torch.Tensor,
@@ -48,7 +91,16 @@ def reduce_scatter_flat(
     async_op: bool = False,
 ) -> dist.Work | None:
     """Reduce a flat tensor over `group` and keep this rank's equal-sized slice, via `reduce_scatter_single` where
-    torch has it (torch 2.13 warns on `reduce_scatter_tensor`; torch 2.4 has only that)."""
+    torch has it (torch 2.13 warns on `reduce_scatter_tensor`; torch 2.4 has only that); a SUM over gloo goes
+    through one all-to-all and a local sum (see `_sums_by_exchange`), with a scratch buffer of `tensor`'s size."""
+    if _sums_by_exchange(op, group):
+        received = torch.empty_like(tensor)
+        exchange = dist.all_to_all_single(received, tensor, group=group, async_op=async_op)
+        pending = _SumAfterExchange(exchange, received, output, dist.get_world_size(group))
+        if not async_op:
+            pending.wait()
+            return None
+        return pending
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     work: dist.Work | None = scatter(output, tensor, op=op, group=group, async_op=async_op)
     return work

@@ -1,12 +1,13 @@
 """`GroupReducer`: reduces one process group's gradients bucket by bucket into each rank's gradient shards.
 
-Stage 1 all-reduces a bucket and keeps this rank's row; stage 2 reduce-scatters it. Both sum the same padded layout
-in the same order, so their results are bit-identical. Gradients are divided by the number of data-parallel replicas
-before the sum (as DDP does), summed in the communication dtype and accumulated into the shard in the master dtype.
-A parameter without a gradient on this rank contributes zeros. Each bucket carries one extra column per parameter
-holding, in every row, whether this rank produced a gradient for it; after the sum every rank of the group knows
-whether any rank did (no separate collective). With `extra_group`, the reduced shard is also all-reduced over that
-group (replicas of the same partition, e.g. a second data-parallel dimension).
+Both stages reduce-scatter a bucket (each keeps only its row); stage 1 at the end of backward, stage 2 as soon as
+the bucket is complete. Same collective on the same layout, so their results are bit-identical. Gradients are
+divided by the number of data-parallel replicas before the sum (as DDP does), summed in the communication dtype
+and accumulated into the shard in the master dtype. A parameter without a gradient on this rank contributes zeros.
+Each bucket carries one extra column per parameter holding, in every row, whether this rank produced a gradient
+for it; after the sum every rank of the group knows whether any rank did (no separate collective). With
+`extra_group`, the reduced shard is also all-reduced over that group (replicas of the same partition, e.g. a
+second data-parallel dimension).
 """
 
 from __future__ import annotations
@@ -104,12 +105,9 @@ class GroupReducer:
         work: dist.Work | None = None
         if self.size == 1:
             out = flat[0]
-        elif self.stage is ZeroStage.TWO:
+        else:  # both stages keep only this rank's row: a reduce-scatter moves half the bytes of an all-reduce
             out = torch.empty(columns, dtype=self.communication_dtype, device=self.device)
             work = reduce_scatter_flat(out, flat.view(-1), dist.ReduceOp.SUM, self.group, async_op=async_op)
-        else:
-            work = dist.all_reduce(flat, group=self.group, async_op=async_op)
-            out = flat[self.rank]
         self._in_flight.append(_InFlight(bucket, flat, out, work))
 
     def _complete(self, item: _InFlight) -> None:

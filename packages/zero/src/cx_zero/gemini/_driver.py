@@ -225,7 +225,7 @@ class GeminiDriver:
         params = [p for p in unit.params if id(p) not in self._grad_now]
         if not params:
             return
-        self._finish_reductions()  # before gathering more: the reduction's buffer goes first
+        self._finish_reductions()  # before gathering more: the reduction's buffers go first
         self._access(params)
         for p in params:
             self.manager.get_chunk(p).transition(p, _S.COMPUTE)
@@ -271,7 +271,7 @@ class GeminiDriver:
     def _reduce(self, chunk: Chunk) -> None:
         """Reduce a chunk whose gradients are complete. During backward a chunk holding them in its buffer is
         reduced asynchronously, overlapping backward until the next gather or reduction (one in flight at a
-        time, never while a chunk is gathered), and released when that completes."""
+        time, never while another chunk is being gathered), and released when that completes."""
         overlap = self._in_backward and chunk.grads_in_buffer
         if overlap:  # the previous one has had a chunk's backward to complete in
             self._finish_reductions()
