@@ -164,3 +164,22 @@ def test_chunk_async_reduce_into_completes_later_with_the_same_result(rank: int,
         mine[lo - chunk.shard_begin : hi - chunk.shard_begin] = 0
     torch.testing.assert_close(mine, expected)
     assert all(chunk.tensor_state(p) is TensorState.HOLD for p in ours_params)
+
+
+@distributed(world_size=(1, 2))
+def test_chunk_release_frees_the_buffer_that_saved_views_still_see(rank: int, world_size: int) -> None:
+    # autograd keeps views of the parameters it saved in forward; releasing the chunk must free the memory anyway,
+    # and the gather before backward must refill the very storage those views look at
+    manager, params = _manager(torch.float32, world_size, master=False)
+    chunk = manager.get_chunk(params[0])
+    manager.access_chunk(chunk)
+    saved = params[1].data  # what autograd would hold
+    values = saved.clone()
+    manager.release_chunk(chunk)
+    if world_size > 1:
+        assert saved.untyped_storage().nbytes() == 0  # freed although still referenced
+    assert manager.usage == manager.recount()
+    manager.access_chunk(chunk)
+    torch.testing.assert_close(saved, values)  # the same storage, gathered again
+    assert saved.untyped_storage().data_ptr() == params[1].untyped_storage().data_ptr()
+    manager.release_chunk(chunk)

@@ -120,8 +120,12 @@ def test_chunk_grad_chunk_accumulates_micro_steps(rank: int, world_size: int) ->
     assert isinstance(expected, torch.Tensor)
     own = _padded(expected, chunk.chunk_size)[chunk.shard_begin : chunk.shard_end]
     torch.testing.assert_close(grad_chunk.shard_tensor().double(), own, rtol=1e-5, atol=1e-5)
-    manager.zero_grad_chunks()
+    manager.zero_grad_chunks(set_to_none=False)
     assert torch.count_nonzero(grad_chunk.shard_tensor()) == 0
+    manager.zero_grad_chunks()  # set to none: the slice is freed and accounted as such
+    assert not grad_chunk.has_own_slice
+    assert grad_chunk.memory_usage().device == 0
+    assert manager.usage == manager.recount()
     with pytest.raises(ChunkError, match=r"not ready for reduce: tensor0 \(HOLD\)"):
         manager.reduce_chunk(chunk)
     manager.transition(params, TensorState.COMPUTE)

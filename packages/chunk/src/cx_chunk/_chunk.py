@@ -109,6 +109,7 @@ class Chunk:
         self._pending: dist.Work | None = None
         self._grads_in_buffer: set[int] | None = None  # ids of tensors whose slot holds a gradient (see module doc)
         self._reduction: _Reduction | None = None
+        self._retired: torch.Tensor | None = None  # the last full buffer, its storage resized to nothing
 
     # ----------------------------------------------------------------------------------------------- layout
     def __repr__(self) -> str:
@@ -215,7 +216,7 @@ class Chunk:
     @property
     def residence(self) -> Residence:
         """Where the chunk's persistent storage (own slice, or the buffer of a keep_gathered chunk) lives."""
-        if self._shard is not None:
+        if self._shard is not None or self._buffer is None:  # no storage at all: where it will be created
             return self._shard_residence
         return self._buffer_residence
 
@@ -262,7 +263,7 @@ class Chunk:
             return False
         comm = communication_device(self.group)
         source = self._shard.to(comm)
-        out = torch.empty(self.chunk_size, dtype=self.dtype, device=comm)
+        out = self._revive(comm)
         work = all_gather_flat(out, source, self.group, async_op=async_op)
         self._buffer = out
         self._buffer_residence = Residence.DEVICE
@@ -314,7 +315,9 @@ class Chunk:
             self._shard = self._place(self._shard, residence)
             self._shard_residence = residence
             return True
-        assert self._buffer is not None
+        if self._buffer is None:  # storage discarded: it will be created there
+            self._shard_residence = residence
+            return False
         if not self.keep_gathered:
             raise ChunkError(f"chunk {self.chunk_id} is gathered; shard it before moving it")
         if self._buffer_residence is residence:
@@ -403,10 +406,7 @@ class Chunk:
             reduce_scatter_flat(reduced, buffer.to(comm), dist.ReduceOp.SUM, self.group)
         reduced = self._finish_reduce(reduced)
         if accumulate:
-            if self._shard is None:
-                self._shard, self._shard_residence = reduced, Residence.DEVICE
-            else:
-                self._shard.add_(reduced.to(self._shard.device))
+            self._add_to_own_slice(reduced)
             self._buffer = None
         elif self.keep_gathered:
             if self._shard is not None:
@@ -417,7 +417,7 @@ class Chunk:
             if self._shard is not None:
                 raise ChunkError(f"chunk {self.chunk_id} accumulates gradients: call reduce(accumulate=True)")
             self._shard, self._shard_residence = reduced, Residence.DEVICE
-            self._buffer = None
+            self._drop_buffer()
         self._point_tensors()
         for entry in self._order:
             if entry.state is TensorState.READY_FOR_REDUCE:
@@ -485,19 +485,40 @@ class Chunk:
         if reduction.work is not None:
             reduction.work.wait()
         reduced = self._finish_reduce(reduction.reduced)
-        own = reduction.target.shard_tensor()
-        own.add_(reduced.to(own.device))
+        reduction.target._add_to_own_slice(reduced)
         if self._shard is None:  # the values were not copied aside: the master slice holds them
             assert self.paired is not None
             self._shard = self.paired.shard_tensor().to(self.compute_device, self.dtype)
             self._shard_residence = Residence.DEVICE
         self._reduction = None
-        self._buffer = None
+        self._drop_buffer()
         self._grads_in_buffer = None
         self._point_tensors()
         for entry in self._order:
             if entry.state is TensorState.READY_FOR_REDUCE:
                 entry.state = TensorState.HOLD
+
+    def discard_own_slice(self) -> bool:
+        """Free the own slice of a gradient chunk (`clone_layout(copy_values=False)`) between steps, like
+        `zero_grad(set_to_none=True)`: the next reduction creates it again where `residence` says. Returns whether
+        anything was freed."""
+        if self._repoint:
+            raise ChunkError(f"chunk {self.chunk_id}: only gradient chunks can discard their own slice")
+        if self._buffer is not None:
+            raise ChunkError(f"chunk {self.chunk_id} holds unreduced gradients; reduce it first")
+        freed, self._shard = self._shard is not None, None
+        return freed
+
+    @property
+    def has_own_slice(self) -> bool:
+        return self._shard is not None
+
+    def _add_to_own_slice(self, reduced: torch.Tensor) -> None:
+        """Accumulate a reduced slice into the own slice, creating it (zero-copy where it can) when discarded."""
+        if self._shard is None:
+            self._shard = self._place(reduced, self._shard_residence)
+        else:
+            self._shard.add_(reduced.to(self._shard.device))
 
     def _restorable_from_master(self) -> bool:
         """A parameter chunk whose paired master chunk (on the device) holds the own slice's values: after a
@@ -539,6 +560,7 @@ class Chunk:
         clone._pending = None
         clone._grads_in_buffer = None
         clone._reduction = None
+        clone._retired = None
         if copy_values:
             own = self.shard_tensor().to(dtype=dtype, copy=True)
         else:
@@ -599,14 +621,41 @@ class Chunk:
         else:
             self._shard = own if self.shard_size == self.chunk_size else own.clone()
             self._shard_residence = self._buffer_residence
-        self._buffer = None
+        self._drop_buffer()
         self._point_tensors()
 
     def _finish_gather(self) -> None:
         assert self._buffer is not None
-        self._buffer = self._buffer.to(self.compute_device)
+        if self._buffer.device != self.compute_device:  # gathered through the host (gloo with an accelerator)
+            target = self._revive(self.compute_device)
+            target.copy_(self._buffer)
+            self._buffer = target
         self._shard = None
         self._point_tensors()
+
+    def _revive(self, device: torch.device) -> torch.Tensor:
+        """A full-size buffer on `device`: the retired one with its storage grown back when it lives there (so
+        views autograd saved in forward see the values gathered again for backward), else a new one."""
+        retired = self._retired
+        if retired is not None and retired.device == device:
+            self._retired = None
+            retired.untyped_storage().resize_(self.chunk_size * self.element_size)
+            return retired
+        return torch.empty(self.chunk_size, dtype=self.dtype, device=device)
+
+    def _drop_buffer(self) -> None:
+        """Free the full buffer now, even while autograd holds views of it saved for backward (a parameter chunk's
+        tensors point into it): its storage is resized to nothing and the tensor kept for the next gather to
+        fill again, as FSDP2 and ColossalAI do. Without this, every buffer released in forward would stay
+        allocated until backward, unseen by the accounting."""
+        buffer, self._buffer = self._buffer, None
+        if buffer is None or not self._repoint:
+            return
+        storage = buffer.untyped_storage()
+        if self._shard is not None and self._shard.untyped_storage().data_ptr() == storage.data_ptr():
+            return  # the own slice is the whole buffer: it stays
+        storage.resize_(0)
+        self._retired = buffer
 
     def _point_tensors(self) -> None:
         if not self._repoint:

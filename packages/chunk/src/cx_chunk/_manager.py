@@ -395,10 +395,15 @@ class ChunkManager:
         with self._accounting(chunk):
             chunk.write_grad_in_buffer(tensor, grad)
 
-    def zero_grad_chunks(self) -> None:
+    def zero_grad_chunks(self, set_to_none: bool = True) -> None:
+        """Forget every gradient chunk's reduced gradients: free their own slices (the next reduction creates
+        them again, so no gradient memory exists between a step and the next backward), or zero them."""
         for grad in self._grads.values():
             self._settle(grad)
-            grad.shard_tensor().zero_()
+            if set_to_none and not grad.is_gathered:
+                self._tracked(grad, grad.discard_own_slice)
+            elif grad.has_own_slice:
+                grad.shard_tensor().zero_()
 
     # ------------------------------------------------------------------------------------------- accounting
     def reset_peak(self) -> None:
