@@ -7,7 +7,10 @@ hits all systems alike: fp32, bf16 (Gemini: bf16 chunks + fp32 master; FSDP2: Mi
 fp32 reduce) and optimizer offload (Gemini offload_optim_frac=1 vs FSDP2 CPUOffloadPolicy(pin_memory=False)). It
 reports the median step time (forward, backward, step, barrier) and Gemini's peak model data per rank (chunk bytes
 at their peak, from cx-chunk's exact accounting, plus optimizer state) against the ZeRO-3 ideal. Part 2 times one
-step of HybridAdam vs torch AdamW (default and foreach) on a 100M-element fp32 CPU tensor, 1 thread.
+step of HybridAdam vs torch AdamW (default and foreach) on a 100M-element fp32 CPU tensor, 1 thread. Part 3 gives
+Gemini's peak model data per rank by depth (exact accounting). Part 4 runs each system alone in a fresh pair of
+processes under the profiler (`profile_memory=True` from before the model is built) and reports the peak of all
+live tensor bytes per rank during a step: the like-for-like memory comparison with FSDP2.
 """
 
 from __future__ import annotations
@@ -233,6 +236,50 @@ def _adam_bench() -> dict[str, float]:
     return out
 
 
+def _peak_live_bytes(prof: torch.profiler.profile, marker: str) -> int:
+    """The CPU allocator's largest running total of live tensor bytes after `marker` began (the profiler records
+    it with every allocation when `profile_memory=True`; tracked from process start because profiling was on
+    before the model was built)."""
+    nodes = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    start, allocations = None, []
+    while nodes:
+        node = nodes.pop()
+        if node.name == marker:
+            start = node.start_time_ns
+        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
+            allocations.append((node.start_time_ns, node.extra_fields.total_allocated))
+        nodes.extend(node.children)
+    assert start is not None
+    return int(max(total for t, total in allocations if t >= start))
+
+
+def _peak_worker(rank: int, world_size: int, system: str, dtype: torch.dtype, out: str) -> None:
+    """Part 4: one system per pair of processes, profiled from before the model exists; peak of the last step."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.set_num_threads(1)
+    batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(rank))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = _fsdp(dtype, offload=False) if system == "fsdp2" else _gemini(dtype, offload=False)[0]
+        for _ in range(2):
+            step(batch[:, :-1], batch[:, 1:])
+        with record_function("measured_step"):
+            step(batch[:, :-1], batch[:, 1:])
+    if rank == 0:
+        Path(out).write_text(json.dumps(_peak_live_bytes(prof, "measured_step")))
+
+
+def _peak_memory() -> dict[str, float]:
+    peaks = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            for system in ("gemini", "fsdp2"):
+                path = str(Path(tmp) / f"{system}-{label}.json")
+                spawn(_peak_worker, 2, system, dtype, path, timeout=600)
+                peaks[f"{system} {label}"] = float(json.loads(Path(path).read_text()))
+    return peaks
+
+
 def _per_param(row: dict[str, float]) -> str:
     peak = (row["peak_chunk_bytes"] + row["optimizer_state_bytes"]) / row["numel"]
     rest = (row["rest_chunk_bytes"] + row["optimizer_state_bytes"]) / row["numel"]
@@ -256,6 +303,13 @@ def main() -> None:
         print(f"depth {name:34s} {row['numel'] / 1e6:6.1f}M params   model data B/param/rank: {_per_param(row)}")
     for label, ratio in ratios.items():
         print(f"ratio gemini/fsdp2 {label}: {ratio:.2f} (median of per-round ratios)")
+    peaks = _peak_memory()
+    for label in ("fp32", "bf16"):
+        ours, theirs = peaks[f"gemini {label}"], peaks[f"fsdp2 {label}"]
+        print(
+            f"peak live tensor memory per rank, {label}: gemini {ours / 2**20:.1f} MiB, "
+            f"fsdp2 {theirs / 2**20:.1f} MiB, ratio {ours / theirs:.2f} (all tensors: model data, activations, communication buffers)"
+        )
     adam = _adam_bench()
     for name, ms in adam.items():
         print(f"{name:40s} {ms:8.1f} ms per step on {ADAM_NUMEL} elements")
