@@ -308,7 +308,8 @@ def main() -> None:
         ours, theirs = peaks[f"gemini {label}"], peaks[f"fsdp2 {label}"]
         print(
             f"peak live tensor memory per rank, {label}: gemini {ours / 2**20:.1f} MiB, "
-            f"fsdp2 {theirs / 2**20:.1f} MiB, ratio {ours / theirs:.2f} (all tensors: model data, activations, communication buffers)"
+            f"fsdp2 {theirs / 2**20:.1f} MiB, ratio {ours / theirs:.2f} "
+            "(all tensors: model data, activations, communication buffers)"
         )
     adam = _adam_bench()
     for name, ms in adam.items():

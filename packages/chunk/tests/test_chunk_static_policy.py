@@ -47,8 +47,10 @@ def test_chunk_static_policy_resident_bytes_match_formula(
     param_shard = [b // world_size for b in full]
     master_shard = [n * 4 // world_size for n in sizes]  # fp32; the master and exp_avg each hold one
     kept, offload_optim, offload_param = _greedy(full, 1 - shard), _greedy(full, optim), _greedy(full, param)
+    # a released sharded chunk whose master is on the device keeps no own slice (the master holds its values)
+    master_holds = [not offload_optim[i] and world_size > 1 for i in range(len(sizes))]
     device = sum(
-        (full[i] if kept[i] else (0 if offload_param[i] else param_shard[i]))
+        (full[i] if kept[i] else (0 if offload_param[i] or master_holds[i] else param_shard[i]))
         + (0 if offload_optim[i] else 2 * master_shard[i])
         for i in range(len(sizes))
     )

@@ -8,6 +8,8 @@ Storage model (what exists when):
 - keep_gathered chunks are never sharded: the full buffer is the storage (it can still be moved to the host).
 - gradient/master chunks built with `clone_layout` keep a separate own-slice tensor and may also hold a full buffer
   of local (unreduced) gradients; `reduce(accumulate=True)` adds the reduced slice into the own slice.
+- a parameter chunk paired with a master chunk on the device keeps no own slice while released: its values are
+  the master's, cast when the chunk is gathered (`has_own_slice` is False).
 - gradients in the buffer (`write_grad_in_buffer`): a gathered parameter chunk whose parameters are done with in
   backward takes their gradients into their own slots, so no second full-size buffer is needed; the own slice of
   parameter values is copied aside first (or cast back from the master chunk) and is all that remains after
@@ -110,6 +112,7 @@ class Chunk:
         self._grads_in_buffer: set[int] | None = None  # ids of tensors whose slot holds a gradient (see module doc)
         self._reduction: _Reduction | None = None
         self._retired: torch.Tensor | None = None  # the last full buffer, its storage resized to nothing
+        self._pending_source: torch.Tensor | None = None
 
     # ----------------------------------------------------------------------------------------------- layout
     def __repr__(self) -> str:
@@ -254,21 +257,22 @@ class Chunk:
             return False
         if self._buffer is not None:
             raise ChunkError(f"chunk {self.chunk_id} holds unreduced gradients; reduce it before gathering")
-        assert self._shard is not None
+        own = self._shard if self._shard is not None else self._values_from_master()
         if self.keep_gathered or self.group_size == 1:  # the own slice is the whole chunk: no collective
-            self._buffer = self._place(self._shard, Residence.DEVICE)
+            self._buffer = self._place(own, Residence.DEVICE)
             self._buffer_residence = Residence.DEVICE
             self._shard = None
             self._point_tensors()
             return False
         comm = communication_device(self.group)
-        source = self._shard.to(comm)
+        source = own.to(comm)
         out = self._revive(comm)
         work = all_gather_flat(out, source, self.group, async_op=async_op)
         self._buffer = out
         self._buffer_residence = Residence.DEVICE
         if async_op:
             self._pending = work
+            self._pending_source = source  # alive until the collective has read it
         else:
             self._finish_gather()
         return True
@@ -278,6 +282,7 @@ class Chunk:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
+            self._pending_source = None
             self._finish_gather()
 
     @property
@@ -486,10 +491,7 @@ class Chunk:
             reduction.work.wait()
         reduced = self._finish_reduce(reduction.reduced)
         reduction.target._add_to_own_slice(reduced)
-        if self._shard is None:  # the values were not copied aside: the master slice holds them
-            assert self.paired is not None
-            self._shard = self.paired.shard_tensor().to(self.compute_device, self.dtype)
-            self._shard_residence = Residence.DEVICE
+        # without a copy aside the master slice holds the values: the chunk keeps no own slice until gathered
         self._reduction = None
         self._drop_buffer()
         self._grads_in_buffer = None
@@ -511,7 +513,8 @@ class Chunk:
 
     @property
     def has_own_slice(self) -> bool:
-        return self._shard is not None
+        """Whether storage for this rank's own slice exists (separately, or inside the gathered buffer)."""
+        return self._shard is not None or self._buffer is not None
 
     def _add_to_own_slice(self, reduced: torch.Tensor) -> None:
         """Accumulate a reduced slice into the own slice, creating it (zero-copy where it can) when discarded."""
@@ -519,6 +522,12 @@ class Chunk:
             self._shard = self._place(reduced, self._shard_residence)
         else:
             self._shard.add_(reduced.to(self._shard.device))
+
+    def _values_from_master(self) -> torch.Tensor:
+        """The own slice's values cast from the paired master chunk (a chunk that keeps no own slice of its own)."""
+        if self.paired is None:
+            raise ChunkError(f"chunk {self.chunk_id} has no storage")
+        return self.paired.shard_tensor().to(self.compute_device, self.dtype)
 
     def _restorable_from_master(self) -> bool:
         """A parameter chunk whose paired master chunk (on the device) holds the own slice's values: after a
@@ -561,6 +570,7 @@ class Chunk:
         clone._grads_in_buffer = None
         clone._reduction = None
         clone._retired = None
+        clone._pending_source = None
         if copy_values:
             own = self.shard_tensor().to(dtype=dtype, copy=True)
         else:
@@ -573,6 +583,8 @@ class Chunk:
         """Whole-slice copy (with dtype cast) of `other`'s own slice into this one's; layouts must match."""
         if other.chunk_size != self.chunk_size or other.slots != self.slots or other.shard_begin != self.shard_begin:
             raise ValueError(f"copy_shard_from: chunk {other.chunk_id} and chunk {self.chunk_id} differ in layout")
+        if self._shard is None and self._buffer is None:
+            return  # no own slice to update: the next gather casts the values from `other`, the master
         target = self.shard_tensor()
         target.copy_(other.shard_tensor().to(device=target.device, dtype=target.dtype))
 
@@ -609,6 +621,11 @@ class Chunk:
 
     def _scatter(self, to: Residence | None = None) -> None:
         assert self._buffer is not None
+        if self._restorable_from_master() and self.shard_size != self.chunk_size:
+            self._shard = None  # the master holds these values: the next gather casts them from there
+            self._drop_buffer()
+            self._point_tensors()
+            return
         own = self._buffer[self.shard_begin : self.shard_end]
         if to is Residence.HOST and self._buffer_residence is Residence.DEVICE:
             placed = self._place(own, Residence.HOST)

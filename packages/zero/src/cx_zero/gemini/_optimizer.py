@@ -180,7 +180,7 @@ class GeminiOptimizer:
             key = id(entry.chunk)
             if key not in works:
                 work, copied = self._work(entry.chunk)
-                works[key] = (work, entry.chunk.shard_tensor(), copied)
+                works[key] = (work, entry.chunk.shard_tensor() if copied else work, copied)
             entry.holder.data = works[key][0][entry.shard_begin : entry.shard_end]
         return works
 

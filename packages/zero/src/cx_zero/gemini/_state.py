@@ -116,7 +116,7 @@ def _write_chunk(ddp: GeminiDDP, chunk: Chunk, values: Mapping[int, torch.Tensor
         for tensor in chunk.tensors:
             if id(tensor) in values:
                 chunk.write(tensor, values[id(tensor)].to(chunk.dtype))
-    else:
+    elif chunk.has_own_slice:  # otherwise the master below is where the values live
         write_own_slices(chunk, chunk, values)
     if chunk.paired is not None:
         write_own_slices(ddp.manager.master_chunk(chunk), chunk, values)
