@@ -50,6 +50,15 @@ class _Entry:
     state: TensorState
 
 
+def _with_index(device: torch.device | str) -> torch.device:
+    """`cuda` -> `cuda:<current>`: buffers are matched by device (a retired buffer is refilled only on its own
+    device), and torch.device("cuda") != torch.device("cuda:0")."""
+    device = torch.device(device)
+    if str(device) == "cuda":  # no index
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @dataclass
 class _Reduction:
     """A reduce-scatter in flight: its handle, input (kept alive until it completes), output, destination."""
@@ -93,7 +102,9 @@ class Chunk:
         self.keep_gathered = keep_gathered
         self.extra_dp_group = extra_dp_group
         self.pin_memory = pin_memory
-        self.compute_device = compute_device if compute_device is not None else get_accelerator().current_device()
+        self.compute_device = _with_index(
+            compute_device if compute_device is not None else get_accelerator().current_device()
+        )
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.shard_size = chunk_size if keep_gathered else chunk_size // self.group_size
         self.shard_begin = 0 if keep_gathered else self.rank * self.shard_size
@@ -643,7 +654,7 @@ class Chunk:
 
     def _finish_gather(self) -> None:
         assert self._buffer is not None
-        if self._buffer.device != self.compute_device:  # gathered through the host (gloo with an accelerator)
+        if _with_index(self._buffer.device) != self.compute_device:  # gathered through the host (gloo + accelerator)
             target = self._revive(self.compute_device)
             target.copy_(self._buffer)
             self._buffer = target
@@ -654,7 +665,7 @@ class Chunk:
         """A full-size buffer on `device`: the retired one with its storage grown back when it lives there (so
         views autograd saved in forward see the values gathered again for backward), else a new one."""
         retired = self._retired
-        if retired is not None and retired.device == device:
+        if retired is not None and retired.device == _with_index(device):
             self._retired = None
             retired.untyped_storage().resize_(self.chunk_size * self.element_size)
             return retired
