@@ -253,3 +253,36 @@ def test_zero_gemini_placement_gpu_margin_needs_auto(rank: int, world_size: int)
         GeminiOptimizer(_adamw(list(ddp.parameters())), ddp, gpu_margin_mem_ratio=0.5)
     with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
         GeminiOptimizer(_adamw(list(ddp.parameters())), ddp, gpu_margin_mem_ratio=1.5)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_gemini_placement_forward_frees_what_autograd_saved(
+    rank: int, world_size: int, dtype: torch.dtype
+) -> None:
+    # autograd saves the parameters each layer read; a chunk released after its layer must free its buffer anyway
+    # (FSDP2's storage resize), or every chunk stays allocated until backward while the accounting says released
+    torch.manual_seed(0)
+    ddp = GeminiDDP(GPT(layers=4), chunk_config_dict=CHUNK, mixed_precision=dtype)
+    optimizer = GeminiOptimizer(_adamw(list(ddp.parameters())), ddp)
+    params = {id(p) for p in ddp.parameters()}
+    saved: dict[int, torch.UntypedStorage] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) in params:  # keyed by the storage's address when it was saved
+            saved.setdefault(tensor.untyped_storage().data_ptr(), tensor.untyped_storage())
+        return tensor
+
+    for step in range(2):
+        x, y = batch(step, world_size)
+        optimizer.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = ddp(local(x, rank, world_size))
+        held = sum(storage.nbytes() for storage in saved.values())
+        gathered = sum(c.nbytes for c in ddp.manager.chunks() if c.is_gathered)
+        all_chunks = sum(c.nbytes for c in ddp.manager.chunks())
+        assert saved, "the forward saved no parameter: the test checks nothing"
+        assert held <= gathered < all_chunks, (held, gathered, all_chunks)
+        optimizer.backward(lm_loss(logits, local(y, rank, world_size)))  # the same storage, refilled
+        optimizer.step()
+        saved.clear()
