@@ -158,6 +158,39 @@ def _fsdp(dtype: torch.dtype, offload: bool) -> Step:
     return step
 
 
+def _deepspeed(dtype: torch.dtype, rank: int, world_size: int) -> Step | None:
+    """DeepSpeed ZeRO-3 on the CPU (the optional column; None when DeepSpeed is not installed), as ../shared/peers.md
+    describes: DS_ACCELERATOR=cpu, the process group cx already made, the same torch AdamW."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for name, value in (("LOCAL_RANK", rank), ("RANK", rank), ("WORLD_SIZE", world_size)):
+        os.environ.setdefault(name, str(value))
+    try:
+        import deepspeed  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    except ImportError:
+        return None
+    import logging
+    import warnings
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # DeepSpeed's old names
+    model = _model()
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = _loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+
+    return step
+
+
 def _worker(rank: int, world_size: int, out: str) -> None:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(rank)
@@ -169,6 +202,9 @@ def _worker(rank: int, world_size: int, out: str) -> None:
         g_step, g_mem = _gemini(dtype, offload=False, prefetch=2)
         cases[f"gemini {label} max_prefetch=2"] = (g_step, g_mem)
         cases[f"fsdp2 {label}"] = (_fsdp(dtype, offload=False), None)
+        deepspeed_step = _deepspeed(dtype, rank, world_size)
+        if deepspeed_step is not None:
+            cases[f"deepspeed zero3 {label}"] = (deepspeed_step, None)
     g_step, g_mem = _gemini(torch.float32, offload=True)
     cases["gemini fp32 offload_optim"] = (g_step, g_mem)
     cases["fsdp2 fp32 CPUOffloadPolicy"] = (_fsdp(torch.float32, offload=True), None)
@@ -198,12 +234,17 @@ def _worker(rank: int, world_size: int, out: str) -> None:
         }
         # ratios of steps taken back to back in the same round, so machine load common to both cancels
         pairs = {
-            "fp32": ("gemini fp32", "fsdp2 fp32"),
-            "fp32 max_prefetch=2": ("gemini fp32 max_prefetch=2", "fsdp2 fp32"),
-            "bf16": ("gemini bf16", "fsdp2 bf16"),
-            "bf16 max_prefetch=2": ("gemini bf16 max_prefetch=2", "fsdp2 bf16"),
-            "offload": ("gemini fp32 offload_optim", "fsdp2 fp32 CPUOffloadPolicy"),
-            "offload + HybridAdam": ("gemini fp32 offload_optim + HybridAdam", "fsdp2 fp32 CPUOffloadPolicy"),
+            "gemini/fsdp2 fp32": ("gemini fp32", "fsdp2 fp32"),
+            "gemini/fsdp2 fp32 max_prefetch=2": ("gemini fp32 max_prefetch=2", "fsdp2 fp32"),
+            "gemini/fsdp2 bf16": ("gemini bf16", "fsdp2 bf16"),
+            "gemini/fsdp2 bf16 max_prefetch=2": ("gemini bf16 max_prefetch=2", "fsdp2 bf16"),
+            "gemini/fsdp2 offload": ("gemini fp32 offload_optim", "fsdp2 fp32 CPUOffloadPolicy"),
+            "gemini/fsdp2 offload + HybridAdam": (
+                "gemini fp32 offload_optim + HybridAdam",
+                "fsdp2 fp32 CPUOffloadPolicy",
+            ),
+            "gemini/deepspeed zero3 fp32": ("gemini fp32", "deepspeed zero3 fp32"),
+            "gemini/deepspeed zero3 bf16": ("gemini bf16", "deepspeed zero3 bf16"),
         }
         result["ratios"] = {
             label: statistics.median(a / b for a, b in zip(times[ours], times[theirs], strict=True))
@@ -302,7 +343,7 @@ def main() -> None:
     for name, row in depth.items():
         print(f"depth {name:34s} {row['numel'] / 1e6:6.1f}M params   model data B/param/rank: {_per_param(row)}")
     for label, ratio in ratios.items():
-        print(f"ratio gemini/fsdp2 {label}: {ratio:.2f} (median of per-round ratios)")
+        print(f"ratio {label}: {ratio:.2f} (median of per-round ratios)")
     peaks = _peak_memory()
     for label in ("fp32", "bf16"):
         ours, theirs = peaks[f"gemini {label}"], peaks[f"fsdp2 {label}"]
