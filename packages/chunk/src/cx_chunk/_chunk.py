@@ -268,7 +268,7 @@ class Chunk:
             return False
         if self._buffer is not None:
             raise ChunkError(f"chunk {self.chunk_id} holds unreduced gradients; reduce it before gathering")
-        own = self._shard if self._shard is not None else self._values_from_master()
+        own = self.own_values()
         if self.keep_gathered or self.group_size == 1:  # the own slice is the whole chunk: no collective
             self._buffer = self._place(own, Residence.DEVICE)
             self._buffer_residence = Residence.DEVICE
@@ -534,8 +534,11 @@ class Chunk:
         else:
             self._shard.add_(reduced.to(self._shard.device))
 
-    def _values_from_master(self) -> torch.Tensor:
-        """The own slice's values cast from the paired master chunk (a chunk that keeps no own slice of its own)."""
+    def own_values(self) -> torch.Tensor:
+        """This rank's own slice of values wherever they live: the own slice (a view of the buffer when gathered),
+        or, for a released chunk that keeps none, its master's slice cast to this chunk's dtype (a copy)."""
+        if self.has_own_slice:
+            return self.shard_tensor()
         if self.paired is None:
             raise ChunkError(f"chunk {self.chunk_id} has no storage")
         return self.paired.shard_tensor().to(self.compute_device, self.dtype)

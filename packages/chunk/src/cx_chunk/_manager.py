@@ -125,9 +125,8 @@ class ChunkManager:
         """Register tensors that are used together into closed chunks of their own (never shared with tensors
         registered otherwise): packed first-fit, largest first, into as few chunks as hold at most `chunk_size`
         elements (or the largest tensor), each sized to what it holds (rounded up to the group size), so setting
-        them apart costs no padding. For tensors that
-        stay gathered far longer than the rest (a model's embedding and final norm): in a shared chunk they would
-        keep their neighbours gathered."""
+        them apart costs no padding. For tensors that stay gathered far longer than the rest (a model's embedding
+        and final norm): in a shared chunk they would keep their neighbours gathered."""
         if names is not None and len(names) != len(tensors):
             raise ValueError(f"register_apart: {len(tensors)} tensors but {len(names)} names")
         if group_name in self._closed_groups:
@@ -257,48 +256,51 @@ class ChunkManager:
             raise ChunkError(f"chunk {chunk.chunk_id} is not ready for reduce: {', '.join(waiting)}")
         grad_chunk = self._grads.get(id(chunk))
         if chunk.grads_in_buffer:
-            if grad_chunk is None:
-                raise ChunkError(f"chunk {chunk.chunk_id} holds gradients in its buffer but has no gradient chunk")
-            if grad_chunk.is_gathered:
-                raise ChunkError(f"chunk {chunk.chunk_id}: gradients both in its buffer and in its gradient chunk's")
-            if not async_op:  # the reduced slice (and the collective's scratch) exist while the buffer does
-                self._note_transient(chunk, chunk.shard_nbytes + self._scratch_bytes(chunk))
-            with self._accounting(chunk), self._accounting(grad_chunk):
-                chunk.reduce_into(grad_chunk, async_op=async_op)
-            if async_op:
-                self._reducing.append(chunk)
-            self._collectives["reduce_scatter"] += 1
-            if chunk.extra_dp_group is not None:
-                self._collectives["all_reduce"] += 1
-            self._accessed.discard(chunk)
-            return
+            self._reduce_in_buffer(chunk, grad_chunk, async_op)
+        else:
+            self._reduce_separate(chunk, grad_chunk)
+        self._collectives["all_reduce" if chunk.keep_gathered else "reduce_scatter"] += 1
+        if chunk.extra_dp_group is not None:
+            self._collectives["all_reduce"] += 1
+        self._accessed.discard(chunk)
+
+    def _reduce_in_buffer(self, chunk: Chunk, grad_chunk: Chunk | None, async_op: bool) -> None:
+        """The gradients sit in the parameter chunk's own buffer: reduce-scatter it into the gradient chunk."""
+        if grad_chunk is None:
+            raise ChunkError(f"chunk {chunk.chunk_id} holds gradients in its buffer but has no gradient chunk")
+        if grad_chunk.is_gathered:
+            raise ChunkError(f"chunk {chunk.chunk_id}: gradients both in its buffer and in its gradient chunk's")
+        if not async_op:  # the reduced slice (and the collective's scratch) exist while the buffer does
+            self._note_transient(chunk, chunk.shard_nbytes + self._scratch_bytes(chunk))
+        with self._accounting(chunk), self._accounting(grad_chunk):
+            chunk.reduce_into(grad_chunk, async_op=async_op)
+        if async_op:
+            self._reducing.append(chunk)
+
+    def _reduce_separate(self, chunk: Chunk, grad_chunk: Chunk | None) -> None:
+        """The gradients sit in the gradient chunk's buffer (or, without one, were written into the chunk)."""
         if grad_chunk is not None and not grad_chunk.is_gathered:
             raise ChunkError(
                 f"chunk {chunk.chunk_id} has a gradient chunk but no gradient was accumulated into it since the last "
                 "reduce (use accumulate_grad, not write_grad, for chunks with gradient chunks)"
             )
         target = grad_chunk if grad_chunk is not None else chunk
-        kind = "all_reduce" if chunk.keep_gathered else "reduce_scatter"
         if not chunk.keep_gathered:  # the reduced slice (and the collective's scratch) exist while the buffer does
             self._note_transient(target, target.shard_nbytes + self._scratch_bytes(target))
         self._tracked(target, lambda: target.reduce(accumulate=target is grad_chunk))
-        self._collectives[kind] += 1
-        if chunk.extra_dp_group is not None:
-            self._collectives["all_reduce"] += 1
         if target is grad_chunk:
             for tensor in chunk.tensors:
                 chunk.transition(tensor, TensorState.HOLD)
-        self._accessed.discard(chunk)
 
     @property
     def reducing(self) -> list[Chunk]:
         """Chunks whose asynchronous reduction is in flight, oldest first."""
         return list(self._reducing)
 
-    def finish_reductions(self, keep: int = 0) -> list[Chunk]:
-        """Complete the oldest asynchronous reductions until at most `keep` are in flight; returns those chunks."""
+    def finish_reductions(self) -> list[Chunk]:
+        """Complete every asynchronous reduction in flight, oldest first; returns their chunks."""
         done = []
-        while len(self._reducing) > keep:
+        while self._reducing:
             chunk = self._reducing.pop(0)
             with self._accounting(chunk), self._accounting(self._grads[id(chunk)]):
                 chunk.finish_reduce()

@@ -280,8 +280,8 @@ class GeminiDriver:
         if not overlap:
             self.scheduler.release(chunk.tensors)
 
-    def _finish_reductions(self, keep: int = 0) -> None:
-        for done in self.manager.finish_reductions(keep):
+    def _finish_reductions(self) -> None:
+        for done in self.manager.finish_reductions():
             self.scheduler.release(done.tensors)
 
     def _end_backward(self) -> None:

@@ -24,9 +24,7 @@ def full_chunk(chunk: Chunk) -> torch.Tensor:
     """The whole chunk (1-D, CPU copy) whether or not it is gathered right now."""
     if chunk.is_gathered:
         return _buffer(chunk)
-    if not chunk.has_own_slice and chunk.paired is not None:  # the master holds this chunk's values
-        return gather_shard(chunk.paired.shard_tensor().to(chunk.dtype), chunk)
-    return gather_shard(chunk.shard_tensor(), chunk)
+    return gather_shard(chunk.own_values(), chunk)
 
 
 def _buffer(chunk: Chunk) -> torch.Tensor:

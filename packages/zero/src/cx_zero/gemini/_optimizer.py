@@ -308,8 +308,12 @@ class GeminiOptimizer:
         """Point the placeholders at empty storage until the next step: a placeholder still viewing a parameter
         chunk's own slice would keep that slice alive after the chunk replaces it (a gather drops it, a release
         makes a new one), a hidden second copy of the parameters (measured: 21 MB on the 12-layer benchmark)."""
+        empty: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # one per kind, not one per parameter
         for entry in self._entries:
-            entry.holder.data = torch.empty(0, dtype=entry.holder.dtype, device=entry.holder.device)
+            kind = (entry.holder.dtype, entry.holder.device)
+            if kind not in empty:
+                empty[kind] = torch.empty(0, dtype=kind[0], device=kind[1])
+            entry.holder.data = empty[kind]
 
     def _use_device_margin(self) -> None:
         """After the first step: move whole chunks' optimizer data into `gpu_margin_mem_ratio` of the spare
