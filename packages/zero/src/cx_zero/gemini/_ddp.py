@@ -156,6 +156,7 @@ class GeminiDDP(nn.Module):
             config = parse_chunk_config(chunk_config_dict, group_size)
             if strict_ddp_mode and not config.keep_gathered:
                 config = ChunkConfig(config.chunk_size, True, config.separate_above)
+            apart = [] if config.keep_gathered else long_lived_params(units, config.chunk_size)
         else:
 
             def search(candidates: list[nn.Parameter]) -> ChunkConfig:
@@ -168,14 +169,15 @@ class GeminiDDP(nn.Module):
                 ).config
 
             config = search(trainable)
-            if not config.keep_gathered:  # size the chunks for the stream packed by size: without the set-apart
-                apart_ids = {id(p) for p in long_lived_params(units, config.chunk_size)}
+            apart = [] if config.keep_gathered else long_lived_params(units, config.chunk_size)
+            if apart:  # size the chunks for the stream that is packed by size: without the set-apart parameters
+                apart_ids = {id(p) for p in apart}
                 stream = [p for p in trainable if id(p) not in apart_ids]
-                if apart_ids and stream:
-                    refined = search(stream)
-                    config = config if refined.keep_gathered else refined
+                refined = search(stream) if stream else config
+                config = config if refined.keep_gathered else refined
             if strict_ddp_mode:
                 config = ChunkConfig(config.chunk_size, True, config.separate_above)
+                apart = []
         self.chunk_config = config
 
         originals = (
@@ -198,7 +200,6 @@ class GeminiDDP(nn.Module):
             compute_device=self.compute_device,
             pin_memory=pin_memory,
         )
-        apart = [] if config.keep_gathered else long_lived_params(units, config.chunk_size)
         for p in params:
             p.data = p.data.to(self.compute_device, mixed_precision)
         for group_name, wanted in (("param", True), ("frozen", False)):
