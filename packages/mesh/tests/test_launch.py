@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cx_mesh import launch, launch_from_torch
+from cx_mesh import ProcessGroupMesh, collective_timeout, launch, launch_from_torch
 from cx_mesh.testing import spawn
 
 _SCRIPT = textwrap.dedent(
@@ -89,6 +89,9 @@ def _launch_explicitly(rank: int, world_size: int, port: int) -> None:
     assert torch.equal(torch.rand(3), torch.rand(3, generator=expected))
     with pytest.raises(RuntimeError, match="already initialised"):
         launch(rank, world_size, "127.0.0.1", port)
+    # the launch timeout reaches every group cx creates later (torch's new_group alone would use its 30 min default)
+    assert collective_timeout() == timedelta(seconds=60)
+    assert ProcessGroupMesh(world_size).timeout == timedelta(seconds=60)
     dist.barrier()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch.distributed as dist
 
@@ -22,8 +24,38 @@ def test_consistency_planted_disagreement_raises_everywhere(rank: int, world_siz
     message = str(caught.value)
     assert "ranks disagree on tp_size" in message
     assert "ranks [2] differ from ranks [0, 1, 3]" in message
-    assert "{'tp_size': 4}" in message
-    assert "{'tp_size': 2}" in message
+    assert "tp_size: ranks [0, 1, 3]: 2; ranks [2]: 4" in message
+
+
+@dataclasses.dataclass(frozen=True)
+class _Precision:
+    dtype: str
+    initial_scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    plugin: str
+    precision: _Precision
+    groups: tuple[dict[str, float], ...]
+    padding: str
+
+
+@distributed(world_size=2)
+def test_consistency_error_names_only_the_differing_fields(rank: int, world_size: int) -> None:
+    settings = _Settings(
+        plugin="GeminiPlugin",
+        precision=_Precision("bf16" if rank == 0 else "fp16", 2.0**16),
+        groups=({"lr": 1e-3, "weight_decay": 0.0}, {"lr": 1e-3 if rank == 0 else 2e-3, "weight_decay": 0.1}),
+        padding="x" * 500,  # long fields that agree are not shown at all
+    )
+    with pytest.raises(RankMismatchError) as caught:
+        assert_same_across_ranks(settings, what="settings")
+    lines = str(caught.value).splitlines()
+    assert lines[1:] == [
+        "  precision.dtype: ranks [0]: 'bf16'; ranks [1]: 'fp16'",
+        "  groups[1]['lr']: ranks [0]: 0.001; ranks [1]: 0.002",
+    ]
 
 
 @distributed(world_size=4)

@@ -17,6 +17,7 @@ from cx_mesh._accelerator import (
 from cx_mesh._collectives import (
     ProcessGroup,
     all_gather_flat,
+    all_reduce,
     communication_device,
     reduce_scatter_flat,
     reduce_scatter_scratch_numel,
@@ -27,6 +28,7 @@ from cx_mesh._coordinator import DistCoordinator
 from cx_mesh._launch import DEFAULT_TIMEOUT, launch, launch_from_torch, set_seed
 from cx_mesh._logging import DistLogger, get_dist_logger
 from cx_mesh._process_group_mesh import Axis, ProcessGroupMesh
+from cx_mesh._timeouts import CollectiveTimeoutError, collective_timeout, describe_group, named_collective
 
 __all__ = [
     # launch
@@ -45,10 +47,16 @@ __all__ = [
     "ProcessGroup",
     "ProcessGroupMesh",
     "all_gather_flat",
+    "all_reduce",
     "communication_device",
     "reduce_scatter_flat",
     "reduce_scatter_scratch_numel",
     "require_initialized",
+    # timeouts
+    "CollectiveTimeoutError",
+    "collective_timeout",
+    "describe_group",
+    "named_collective",
     # coordination
     "DistCoordinator",
     "RankMismatchError",

@@ -1,4 +1,5 @@
-"""Small helpers every package needs around torch.distributed: the device a group communicates on."""
+"""Small helpers every package needs around torch.distributed: the device a group communicates on, and the flat
+collectives every package shares (one place for torch-version switches; timeouts named by group)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cx_mesh._timeouts import named_collective
+
 __all__ = [
     "ProcessGroup",
     "all_gather_flat",
+    "all_reduce",
     "communication_device",
     "reduce_scatter_flat",
     "reduce_scatter_scratch_numel",
@@ -46,8 +50,38 @@ def all_gather_flat(
     the old one. Every cx package gathers through here so that choice lives in one place.
     """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work: dist.Work | None = gather(output, tensor, group=group, async_op=async_op)
-    return work
+    with named_collective("all-gather", group):
+        work: dist.Work | None = gather(output, tensor, group=group, async_op=async_op)
+    return _NamedWork(work, "all-gather", group) if work is not None else None
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """`dist.all_reduce`, with a timeout reported as a `CollectiveTimeoutError` naming the group."""
+    with named_collective("all-reduce", group):
+        work: dist.Work | None = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _NamedWork(work, "all-reduce", group) if work is not None else None
+
+
+class _NamedWork(dist.Work):
+    """A collective in flight whose `wait` reports a timeout by group name (the backend's error names a socket)."""
+
+    def __init__(self, work: dist.Work, what: str, group: ProcessGroup | None) -> None:
+        super().__init__()
+        self._work = work
+        self._what = what
+        self._group = group
+
+    def wait(self, timeout: timedelta = _NO_TIMEOUT) -> bool:
+        with named_collective(self._what, self._group):
+            return bool(self._work.wait(timeout)) if timeout != _NO_TIMEOUT else bool(self._work.wait())
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
 
 
 def _sums_by_exchange(op: dist.ReduceOp.RedOpType, group: ProcessGroup | None) -> bool:
@@ -66,8 +100,16 @@ def reduce_scatter_scratch_numel(numel: int, group: ProcessGroup | None = None) 
 class _SumAfterExchange(dist.Work):
     """An all-to-all of the slices in flight; `wait` completes it and adds the received slices into the output."""
 
-    def __init__(self, exchange: dist.Work | None, received: torch.Tensor, output: torch.Tensor, parts: int) -> None:
+    def __init__(
+        self,
+        exchange: dist.Work | None,
+        received: torch.Tensor,
+        output: torch.Tensor,
+        parts: int,
+        group: ProcessGroup | None,
+    ) -> None:
         super().__init__()
+        self._group = group
         self._exchange = exchange
         self._received: torch.Tensor | None = received
         self._output = output
@@ -77,7 +119,8 @@ class _SumAfterExchange(dist.Work):
         if self._received is None:
             return True
         if self._exchange is not None:
-            self._exchange.wait()
+            with named_collective("reduce-scatter (all-to-all)", self._group):
+                self._exchange.wait()
         torch.sum(self._received.view(self._parts, -1), dim=0, out=self._output)
         self._received = None  # the scratch buffer goes as soon as the sum is taken
         return True
@@ -95,12 +138,14 @@ def reduce_scatter_flat(
     through one all-to-all and a local sum (see `_sums_by_exchange`), with a scratch buffer of `tensor`'s size."""
     if _sums_by_exchange(op, group):
         received = torch.empty_like(tensor)
-        exchange = dist.all_to_all_single(received, tensor, group=group, async_op=async_op)
-        pending = _SumAfterExchange(exchange, received, output, dist.get_world_size(group))
+        with named_collective("reduce-scatter (all-to-all)", group):
+            exchange = dist.all_to_all_single(received, tensor, group=group, async_op=async_op)
+        pending = _SumAfterExchange(exchange, received, output, dist.get_world_size(group), group)
         if not async_op:
             pending.wait()
             return None
         return pending
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    work: dist.Work | None = scatter(output, tensor, op=op, group=group, async_op=async_op)
-    return work
+    with named_collective("reduce-scatter", group):
+        work: dist.Work | None = scatter(output, tensor, op=op, group=group, async_op=async_op)
+    return _NamedWork(work, "reduce-scatter", group) if work is not None else None

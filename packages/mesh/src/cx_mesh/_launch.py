@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cx_mesh._accelerator import get_accelerator
+from cx_mesh._timeouts import set_collective_timeout
 
 __all__ = ["DEFAULT_TIMEOUT", "launch", "launch_from_torch", "set_seed"]
 
@@ -61,6 +62,7 @@ def launch(
         world_size=world_size,
         timeout=timeout,
     )
+    set_collective_timeout(timeout)  # every group cx creates later uses it too (torch's new_group would not)
     set_seed(seed)
 
 

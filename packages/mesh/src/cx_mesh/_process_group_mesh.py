@@ -3,7 +3,8 @@
 Ranks are laid out in C order (the last axis varies fastest). A group "along axis a" holds the ranks that share this
 rank's coordinates on every other axis. Creating a group is collective over the whole world, so when any rank asks
 for groups along an axis, the mesh creates every group of that axis in the same order on every rank; groups are
-cached, so later calls are free and never deadlock.
+cached, so later calls are free and never deadlock. Every group uses the job's collective timeout (the one given to
+`launch`) and carries a description naming its mesh axes, so a timed-out collective can say which group it was.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Literal, cast, overload
 
 import torch
@@ -19,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cx_mesh._accelerator import get_accelerator
 from cx_mesh._collectives import ProcessGroup, require_initialized
+from cx_mesh._timeouts import collective_timeout, remember_group_timeout
 
 __all__ = ["Axis", "ProcessGroupMesh"]
 
@@ -33,8 +36,10 @@ class ProcessGroupMesh:
     group. Axes can be addressed by index or by name.
     """
 
-    def __init__(self, *sizes: int, axis_names: Sequence[str] | None = None) -> None:
+    def __init__(self, *sizes: int, axis_names: Sequence[str] | None = None, timeout: timedelta | None = None) -> None:
         require_initialized("ProcessGroupMesh")
+        if timeout is not None and timeout <= timedelta(0):
+            raise ValueError(f"ProcessGroupMesh timeout must be positive, got {timeout}")
         if not sizes:
             raise ValueError("ProcessGroupMesh needs at least one axis size, e.g. ProcessGroupMesh(world_size)")
         if any(not isinstance(size, int) or size < 1 for size in sizes):
@@ -54,6 +59,7 @@ class ProcessGroupMesh:
         self._axis_names = names
         self._rank = dist.get_rank()
         self._coordinate = self.unravel(self._rank, self._shape)
+        self._timeout = timeout if timeout is not None else collective_timeout()
         self._groups: dict[_GroupKey, ProcessGroup | None] = {}
         self._ranks_of_group: dict[ProcessGroup, tuple[int, ...]] = {}
 
@@ -69,6 +75,11 @@ class ProcessGroupMesh:
     @property
     def axis_names(self) -> tuple[str, ...] | None:
         return self._axis_names
+
+    @property
+    def timeout(self) -> timedelta:
+        """How long a collective on this mesh's groups may wait before it raises (the job's, unless given)."""
+        return self._timeout
 
     def axis_index(self, axis: Axis) -> int:
         """Resolve an axis given by index or name; a clear error for anything out of range."""
@@ -191,13 +202,19 @@ class ProcessGroupMesh:
         if key in self._groups:
             return self._groups[key]
         mine: ProcessGroup | None = None
+        description = self._describe(axes)
         for ranks in self._all_rank_sets(axes, indices):
-            group = dist.new_group(list(ranks), backend=backend)
+            group = dist.new_group(list(ranks), backend=backend, timeout=self._timeout, group_desc=description)
             if self._rank in ranks:
+                remember_group_timeout(group, self._timeout)
                 mine = group
                 self._ranks_of_group[group] = ranks
         self._groups[key] = mine
         return mine
+
+    def _describe(self, axes: tuple[int, ...]) -> str:
+        names = [self._axis_names[a] if self._axis_names else f"axis {a}" for a in axes]
+        return f"cx mesh {self._shape} along {' x '.join(names)}"
 
     def get_group_along_axis(
         self,

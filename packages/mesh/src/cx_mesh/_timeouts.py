@@ -1,0 +1,115 @@
+"""Collective timeouts: every group cx creates uses the job's configured timeout, and a timed-out collective says
+which group it was.
+
+torch's `new_group` without a timeout falls back to the backend's default (30 minutes for gloo), not to the timeout
+the job was launched with, so a stuck or out-of-step rank would hang cx's reductions far longer than the user asked.
+`launch` records its timeout here; groups are created with it. A backend's timeout error names a socket or a buffer,
+not a group: `named_collective` turns it into a `CollectiveTimeoutError` naming the group, its ranks and the operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "collective_timeout",
+    "describe_group",
+    "is_timeout_error",
+    "named_collective",
+    "set_collective_timeout",
+]
+
+_configured: timedelta | None = None
+_by_group_name: dict[str, timedelta] = {}  # timeouts of the groups cx created, for error messages
+# Phrases the backends use when a collective ran out of time (gloo: "Timed out waiting 2000ms for recv operation";
+# NCCL's watchdog: "Watchdog caught collective operation timeout"; store waits: "Socket Timeout").
+_TIMEOUT_PHRASES = ("timed out", "timeout")
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within the job's timeout: some rank of the named group is stuck or out of step."""
+
+
+def set_collective_timeout(timeout: timedelta) -> None:
+    """Record the timeout that every group cx creates from now on must use (`launch` calls this)."""
+    if timeout <= timedelta(0):
+        raise ValueError(f"the collective timeout must be positive, got {timeout}")
+    global _configured
+    _configured = timeout
+
+
+def collective_timeout() -> timedelta:
+    """The timeout for new groups: the one given to `launch`, else the default group's, else torch's default."""
+    if _configured is not None:
+        return _configured
+    if dist.is_available() and dist.is_initialized():
+        found = _default_group_timeout()
+        if found is not None:
+            return found
+    return dist.default_pg_timeout
+
+
+def _default_group_timeout() -> timedelta | None:
+    """The timeout the user gave `init_process_group` directly (no public accessor in torch; best effort)."""
+    from torch.distributed import distributed_c10d
+
+    group = distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def remember_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
+    """Note the timeout a group was created with, so that its timeout error can say how long it waited."""
+    _by_group_name[group.group_name] = timeout
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> timedelta:
+    """The timeout of a group cx created, else the job's."""
+    known = _by_group_name.get(group.group_name) if group is not None else None
+    return known if known is not None else collective_timeout()
+
+
+def describe_group(group: dist.ProcessGroup | None) -> str:
+    """A short human name for a group: its description (cx names its groups by mesh axis) and its global ranks."""
+    if group is None:
+        return "the default group (all ranks)"
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError):
+        ranks = []
+    description = getattr(group, "group_desc", "") or getattr(group, "group_name", "")
+    return f"group {description!r} (ranks {ranks})" if description else f"group of ranks {ranks}"
+
+
+def is_timeout_error(error: BaseException) -> bool:
+    """Whether a backend error reports a collective that ran out of time."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError | dist.DistBackendError) and any(p in text for p in _TIMEOUT_PHRASES)
+
+
+@contextlib.contextmanager
+def named_collective(what: str, group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Run (or wait for) a collective; a backend timeout becomes a `CollectiveTimeoutError` naming `group`."""
+    try:
+        yield
+    except CollectiveTimeoutError:
+        raise
+    except Exception as error:
+        if not is_timeout_error(error):
+            raise
+        raise CollectiveTimeoutError(
+            f"{what} on {describe_group(group)} timed out after {group_timeout(group)}: a rank of this group is "
+            f"stuck or running a different collective (ranks out of step). Backend said: {error}"
+        ) from error
