@@ -9,7 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cx_mesh import CpuAccelerator, DistCoordinator, get_accelerator, get_dist_logger
+from cx_mesh import (
+    CpuAccelerator,
+    DistCoordinator,
+    disable_existing_loggers,
+    get_accelerator,
+    get_current_device,
+    get_dist_logger,
+)
 from cx_mesh.testing import distributed
 
 
@@ -81,3 +88,30 @@ def test_accelerator_cpu_facts() -> None:
         accelerator.synchronize()
     if not torch.cuda.is_available():
         assert get_accelerator().name == "cpu"
+
+
+def test_accelerator_offers_colossalai_spellings() -> None:
+    # the calls ColossalAI scripts make on get_accelerator(), and colossalai.utils.get_current_device
+    accelerator = get_accelerator()
+    assert accelerator.get_current_device() == accelerator.current_device() == get_current_device()
+    assert accelerator.is_available() == (accelerator.device_count() > 0)
+    accelerator.manual_seed(5)
+    first = torch.rand(3, device=accelerator.current_device())
+    accelerator.manual_seed(5)
+    assert torch.equal(first, torch.rand(3, device=accelerator.current_device()))
+    accelerator.empty_cache()
+    accelerator.reset_peak_memory_stats()
+    assert accelerator.max_memory_allocated() >= 0
+
+
+def test_disable_existing_loggers_spares_cx() -> None:
+    chatty, own = logging.getLogger("cx_test_chatty_library"), logging.getLogger("cx.child")
+    chatty.setLevel(logging.INFO)
+    own.setLevel(logging.INFO)
+    disable_existing_loggers(exclude=["cx"])
+    assert chatty.level == logging.ERROR
+    assert own.level == logging.INFO
+    other = logging.getLogger("cx_test_other")
+    other.setLevel(logging.DEBUG)
+    disable_existing_loggers(include=["cx_test_other"])
+    assert other.level == logging.ERROR

@@ -97,3 +97,16 @@ def _launch_explicitly(rank: int, world_size: int, port: int) -> None:
 
 def test_launch_explicit_rendezvous() -> None:
     spawn(_launch_explicitly, 2, _free_port(), init_process_group=False, timeout=60)
+
+
+def _launch_with_nccl_on_cpu(rank: int, world_size: int, port: int) -> None:
+    # ColossalAI scripts pass backend="nccl": without CUDA it falls back to gloo with a warning instead of failing
+    with pytest.warns(UserWarning, match="backend 'nccl' needs CUDA"):
+        launch(rank, world_size, "127.0.0.1", port, backend="nccl", timeout=timedelta(seconds=60), verbose=True)
+    assert dist.get_backend() == "gloo"
+    dist.barrier()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without CUDA")
+def test_launch_nccl_without_cuda_falls_back_to_gloo() -> None:
+    spawn(_launch_with_nccl_on_cpu, 2, _free_port(), init_process_group=False, timeout=60)

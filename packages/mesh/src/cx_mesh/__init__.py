@@ -12,6 +12,7 @@ from cx_mesh._accelerator import (
     CpuAccelerator,
     CudaAccelerator,
     get_accelerator,
+    get_current_device,
     set_accelerator,
 )
 from cx_mesh._collectives import (
@@ -26,7 +27,7 @@ from cx_mesh._collectives import (
 from cx_mesh._consistency import RankMismatchError, all_gather_bytes, assert_same_across_ranks
 from cx_mesh._coordinator import DistCoordinator
 from cx_mesh._launch import DEFAULT_TIMEOUT, launch, launch_from_torch, set_seed
-from cx_mesh._logging import DistLogger, get_dist_logger
+from cx_mesh._logging import DistLogger, disable_existing_loggers, get_dist_logger
 from cx_mesh._process_group_mesh import Axis, ProcessGroupMesh
 from cx_mesh._timeouts import CollectiveTimeoutError, collective_timeout, describe_group, named_collective
 
@@ -41,6 +42,7 @@ __all__ = [
     "CpuAccelerator",
     "CudaAccelerator",
     "get_accelerator",
+    "get_current_device",
     "set_accelerator",
     # process groups
     "Axis",
@@ -64,5 +66,6 @@ __all__ = [
     "assert_same_across_ranks",
     # logging
     "DistLogger",
+    "disable_existing_loggers",
     "get_dist_logger",
 ]

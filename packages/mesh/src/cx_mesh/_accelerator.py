@@ -17,7 +17,14 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "get_accelerator", "set_accelerator"]
+__all__ = [
+    "Accelerator",
+    "CpuAccelerator",
+    "CudaAccelerator",
+    "get_accelerator",
+    "get_current_device",
+    "set_accelerator",
+]
 
 
 class Accelerator(ABC):
@@ -69,6 +76,22 @@ class Accelerator(ABC):
     @abstractmethod
     def stream(self) -> contextlib.AbstractContextManager[object]:
         """A context that runs work on a side stream (a no-op on devices without streams)."""
+
+    def is_available(self) -> bool:
+        """Whether this device can run work in this process (ColossalAI scripts gate fused kernels on it)."""
+        return self.device_count() > 0
+
+    def get_current_device(self) -> torch.device:
+        """ColossalAI's spelling of `current_device()`."""
+        return self.current_device()
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed this device's generators (all of them for CUDA; the CPU generator on CPU)."""
+        torch.manual_seed(seed)
+
+    def empty_cache(self) -> None:
+        """Return cached, unused device memory to the system (nothing is cached on CPU)."""
+        return None
 
     def total_memory(self) -> int:
         """Bytes the device offers: the override from `set_memory_capacity`, else the physical capacity."""
@@ -169,6 +192,12 @@ class CudaAccelerator(Accelerator):
     def reset_peak_memory_stats(self) -> None:
         torch.cuda.reset_peak_memory_stats()
 
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def manual_seed(self, seed: int) -> None:
+        torch.cuda.manual_seed_all(seed)
+
     def _physical_capacity(self) -> int:
         return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
@@ -188,6 +217,11 @@ def get_accelerator() -> Accelerator:
     if _ACCELERATOR is None:
         _ACCELERATOR = CudaAccelerator() if torch.cuda.is_available() else CpuAccelerator()
     return _ACCELERATOR
+
+
+def get_current_device() -> torch.device:
+    """The device this process computes on (ColossalAI's `colossalai.utils.get_current_device`)."""
+    return get_accelerator().current_device()
 
 
 def set_accelerator(kind: str | Accelerator) -> Accelerator:

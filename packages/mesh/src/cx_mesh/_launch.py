@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from cx_mesh._accelerator import get_accelerator
+from cx_mesh._logging import get_dist_logger
 from cx_mesh._timeouts import set_collective_timeout
 
 __all__ = ["DEFAULT_TIMEOUT", "launch", "launch_from_torch", "set_seed"]
@@ -38,8 +40,13 @@ def launch(
     backend: str | None = None,
     seed: int = 1024,
     timeout: timedelta = DEFAULT_TIMEOUT,
+    verbose: bool = False,
 ) -> None:
-    """Join the job as `rank` of `world_size`, rendezvousing at tcp://host:port (rank 0 hosts the store)."""
+    """Join the job as `rank` of `world_size`, rendezvousing at tcp://host:port (rank 0 hosts the store).
+
+    A backend this machine cannot run (NCCL without CUDA) falls back to the accelerator's with a warning, as
+    ColossalAI does, so scripts that hard-code `backend="nccl"` run on CPU; `verbose` logs the launch on rank 0.
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
@@ -54,7 +61,7 @@ def launch(
     accelerator = get_accelerator()
     if local_rank is not None and accelerator.device_count() > 0:
         accelerator.set_device(local_rank % accelerator.device_count())
-    chosen_backend = backend or accelerator.communication_backend
+    chosen_backend = _runnable_backend(backend, accelerator.communication_backend)
     dist.init_process_group(
         backend=chosen_backend,
         init_method=f"tcp://{host}:{port}",
@@ -64,9 +71,25 @@ def launch(
     )
     set_collective_timeout(timeout)  # every group cx creates later uses it too (torch's new_group would not)
     set_seed(seed)
+    if verbose and rank == 0:
+        get_dist_logger().info(
+            f"launched {world_size} rank(s) with backend {chosen_backend} on {accelerator.name}, seed {seed}"
+        )
 
 
-def launch_from_torch(*, backend: str | None = None, seed: int = 1024, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+def _runnable_backend(requested: str | None, fallback: str) -> str:
+    """`requested`, unless it is NCCL on a machine without CUDA: then the accelerator's backend, with a warning."""
+    if requested is None:
+        return fallback
+    if requested.lower() == "nccl" and not torch.cuda.is_available():
+        warnings.warn(f"backend 'nccl' needs CUDA, which this machine lacks: using {fallback!r} instead", stacklevel=3)
+        return fallback
+    return requested
+
+
+def launch_from_torch(
+    *, backend: str | None = None, seed: int = 1024, timeout: timedelta = DEFAULT_TIMEOUT, verbose: bool = False
+) -> None:
     """Initialise from the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
     missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
@@ -90,4 +113,5 @@ def launch_from_torch(*, backend: str | None = None, seed: int = 1024, timeout: 
         backend=backend,
         seed=seed,
         timeout=timeout,
+        verbose=verbose,
     )

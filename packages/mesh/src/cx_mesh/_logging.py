@@ -67,3 +67,15 @@ def get_dist_logger(name: str = "cx", level: int | str = logging.INFO) -> DistLo
         logger.propagate = False
         logger.setLevel(level)
     return DistLogger(logger)
+
+
+def disable_existing_loggers(include: Iterable[str] | None = None, exclude: Iterable[str] = ("cx",)) -> None:
+    """Raise the loggers that exist now (or only those in `include`) to ERROR, except those in `exclude`.
+
+    ColossalAI scripts call this first to silence chatty libraries; cx's own loggers are spared by default.
+    """
+    names = list(include) if include is not None else list(logging.root.manager.loggerDict)
+    spared = set(exclude)
+    for name in names:
+        if name not in spared and not any(name.startswith(f"{prefix}.") for prefix in spared):
+            logging.getLogger(name).setLevel(logging.ERROR)
