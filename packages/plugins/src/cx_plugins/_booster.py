@@ -19,6 +19,7 @@ from cx_mesh import get_accelerator
 from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
 from cx_plugins._plugin import Boosted, Plugin
 from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
+from cx_plugins._settings import check_boost_settings
 from cx_plugins._wrappers import OptimizerWrapper
 
 __all__ = ["Booster"]
@@ -55,6 +56,7 @@ class Booster:
         lr_scheduler: LRScheduler | None = None,
     ) -> Boosted:
         """Returns (model, optimizer, criterion, dataloader, lr_scheduler), each ready for distributed training."""
+        check_boost_settings(self.plugin, self.mixed_precision.value, optimizer)
         boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
             model, optimizer, criterion, dataloader, lr_scheduler
         )
