@@ -1,8 +1,11 @@
 """cx-plugins: the Booster and its plugins, with ColossalAI's names and arguments.
 
 Present: `Booster`, `Plugin`, `DPPluginBase`, `TorchDDPPlugin`, `LowLevelZeroPlugin`, `GeminiPlugin`, the wrappers,
-and reference models in `cx_plugins.models`; every plugin saves and loads the canonical cx checkpoint format.
+reference models in `cx_plugins.models`, ColossalAI's learning-rate schedulers in `cx_plugins.lr_scheduler`; every
+plugin saves and loads the canonical cx checkpoint format. `__version__` is the installed distribution's version.
 """
+
+from importlib import metadata as _metadata
 
 from cx_plugins._booster import Booster
 from cx_plugins._gemini_plugin import GeminiPlugin
@@ -12,7 +15,13 @@ from cx_plugins._precision import Precision
 from cx_plugins._torch_ddp_plugin import TorchDDPPlugin
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 
+try:
+    __version__ = _metadata.version("cx-plugins")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was not installed
+    __version__ = "0.0.0+unknown"
+
 __all__ = [
+    "__version__",
     "Booster",
     "DPPluginBase",
     "GeminiPlugin",
