@@ -1,8 +1,18 @@
 """Multi-process test harness for cx: `spawn` for fresh ranks, `@distributed` for pytest tests.
 
-Every package's distributed tests use this. See docs/mesh.md for examples.
+Every package's distributed tests use this. See docs/mesh.md for examples. ColossalAI's `colossalai.testing` helpers
+(`parameterize`, `rerun_if_address_is_in_use`, `clear_cache_before_run`, `spawn(func, nprocs)`,
+`check_state_dict_equal`, `assert_close_loose`, `free_port`) are here too, so its tests move by changing imports.
 """
 
+from cx_mesh.testing._colossalai import (
+    assert_close_loose,
+    check_state_dict_equal,
+    clear_cache_before_run,
+    free_port,
+    parameterize,
+    rerun_if_address_is_in_use,
+)
 from cx_mesh.testing._pool import shutdown_pools
 from cx_mesh.testing._processes import DistributedTestFailure
 from cx_mesh.testing._pytest import distributed
@@ -11,7 +21,13 @@ from cx_mesh.testing._spawn import DEFAULT_TIMEOUT_SECONDS, run_distributed, spa
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "DistributedTestFailure",
+    "assert_close_loose",
+    "check_state_dict_equal",
+    "clear_cache_before_run",
     "distributed",
+    "free_port",
+    "parameterize",
+    "rerun_if_address_is_in_use",
     "run_distributed",
     "shutdown_pools",
     "spawn",

@@ -5,12 +5,14 @@ Rendezvous is a `FileStore` in a private temporary directory, so concurrent test
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from cx_mesh.testing._colossalai import free_port
 from cx_mesh.testing._pool import run_in_pool
 from cx_mesh.testing._processes import RankHandle, collect, context, kill_all
 from cx_mesh.testing._worker import FunctionRef, Outcome, Task, single_worker_main
@@ -22,12 +24,13 @@ DEFAULT_TIMEOUT_SECONDS = 120.0
 
 def spawn(
     function: Callable[..., Any],
-    world_size: int,
+    world_size: int | None = None,
     *args: Any,
+    nprocs: int | None = None,
     backend: str = "gloo",
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     threads: int = 1,
-    init_process_group: bool = True,
+    init_process_group: bool | None = None,
     **kwargs: Any,
 ) -> dict[int, Outcome]:
     """Run `function(rank, world_size, *args, **kwargs)` on `world_size` new processes; return each rank's outcome.
@@ -36,7 +39,20 @@ def spawn(
     raises, exits early or is still running after `timeout` seconds fails the call with
     `DistributedTestFailure`, naming the ranks and carrying their tracebacks; no process outlives the call.
     `function` must be defined at module level.
+
+    ColossalAI's form works too: `spawn(run_dist, nprocs=2, **kwargs)` with `run_dist(rank, world_size, port)`. A
+    function that takes a `port` parameter (and is not given one) gets a free port and no process group: it calls
+    `launch(rank, world_size, host, port)` itself, as ColossalAI's tests do.
     """
+    if world_size is None:
+        world_size = nprocs if nprocs is not None else 1
+    elif nprocs is not None and nprocs != world_size:
+        raise ValueError(f"spawn: world_size={world_size} and nprocs={nprocs} disagree; pass one of them")
+    if "port" not in kwargs and "port" in inspect.signature(function).parameters:
+        kwargs["port"] = free_port()
+        if init_process_group is None:
+            init_process_group = False
+    init_process_group = True if init_process_group is None else init_process_group
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     task = Task(FunctionRef.of(function), tuple(args), dict(kwargs))

@@ -1,0 +1,128 @@
+"""`colossalai.testing`'s helpers in cx_mesh.testing, used the way ColossalAI's tests use them: a test whose only
+change is its imports (spawn(run_dist, n) with run_dist(rank, world_size, port) calling launch itself)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cx_mesh import launch
+from cx_mesh.testing import (
+    DistributedTestFailure,
+    assert_close_loose,
+    check_state_dict_equal,
+    clear_cache_before_run,
+    parameterize,
+    rerun_if_address_is_in_use,
+    spawn,
+)
+
+SEEN: list[tuple[int, float]] = []
+
+
+@parameterize("size", [2, 3])
+@parameterize("scale", [1.0, 2.0])
+def check_all_reduce(size: int, scale: float) -> None:
+    SEEN.append((size, scale))
+    tensor = torch.full((size,), scale * (dist.get_rank() + 1))
+    dist.all_reduce(tensor)
+    assert_close_loose(tensor, torch.full((size,), scale * 3.0))
+
+
+def run_dist(rank: int, world_size: int, port: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ColossalAI's tests ask for nccl: on CPU cx falls back to gloo, warning once
+        launch(rank=rank, world_size=world_size, host="localhost", port=port, backend="nccl")
+    check_all_reduce()
+    assert sorted(SEEN) == [(2, 1.0), (2, 2.0), (3, 1.0), (3, 2.0)]  # the product of both parameterize lists
+    dist.barrier()
+
+
+@rerun_if_address_is_in_use()
+@clear_cache_before_run()
+def test_colossalai_style_spawn_hands_a_port_and_launch_runs() -> None:
+    spawn(run_dist, 2)
+
+
+def run_with_kwargs(rank: int, world_size: int, port: int, value: int) -> None:
+    launch(rank, world_size, "127.0.0.1", port)
+    total = torch.tensor([value])
+    dist.all_reduce(total)
+    assert total.item() == value * world_size
+    dist.barrier()
+
+
+def test_colossalai_style_spawn_with_nprocs_and_kwargs() -> None:
+    spawn(run_with_kwargs, nprocs=2, value=5)
+    with pytest.raises(ValueError, match="disagree"):
+        spawn(run_with_kwargs, 2, nprocs=4, value=5)
+
+
+def test_parameterize_respects_an_explicit_argument() -> None:
+    calls: list[int] = []
+
+    @parameterize("x", [1, 2, 3])
+    def record(x: int) -> None:
+        calls.append(x)
+
+    record()
+    record(x=7)
+    assert calls == [1, 2, 3, 7]
+
+
+def test_rerun_if_address_is_in_use_retries_only_that_failure() -> None:
+    attempts: list[int] = []
+
+    @rerun_if_address_is_in_use(max_try=3)
+    def flaky() -> str:
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise RuntimeError("The server socket has failed to listen on any local network address: EADDRINUSE")
+        return "ran"
+
+    assert flaky() == "ran"
+    assert len(attempts) == 3
+
+    @rerun_if_address_is_in_use(max_try=3)
+    def broken() -> None:
+        attempts.append(1)
+        raise RuntimeError("a real failure")
+
+    attempts.clear()
+    with pytest.raises(RuntimeError, match="a real failure"):
+        broken()
+    assert len(attempts) == 1
+
+
+def test_check_state_dict_equal_names_the_differing_path() -> None:
+    first = {"model": {"w": torch.ones(2), "b": torch.zeros(1)}, "step": 3, "groups": [{"lr": 0.1}]}
+    same = {"model": {"w": torch.ones(2), "b": torch.zeros(1)}, "step": 3, "groups": [{"lr": 0.1}]}
+    check_state_dict_equal(first, same)
+    check_state_dict_equal({"w": torch.ones(2)}, {"w": torch.ones(2, dtype=torch.float64)}, ignore_dtype=True)
+    with pytest.raises(AssertionError, match=r"state_dict\['model'\]\['w'\]: tensors differ"):
+        check_state_dict_equal(first, {**same, "model": {"w": torch.tensor([1.0, 2.0]), "b": torch.zeros(1)}})
+    with pytest.raises(AssertionError, match=r"state_dict\['groups'\]\[0\]\['lr'\]: 0.1 != 0.2"):
+        check_state_dict_equal(first, {**same, "groups": [{"lr": 0.2}]})
+    with pytest.raises(AssertionError, match="keys differ"):
+        check_state_dict_equal(first, {"model": {}})
+
+
+def test_assert_close_loose_crosses_dtypes_but_not_real_differences() -> None:
+    assert_close_loose(torch.ones(3, dtype=torch.bfloat16), torch.ones(3))
+    with pytest.raises(AssertionError):
+        assert_close_loose(torch.ones(3), torch.full((3,), 1.1))
+
+
+def _fails_on_rank_one(rank: int, world_size: int, port: int) -> None:
+    launch(rank, world_size, "127.0.0.1", port)
+    if rank == 1:
+        raise ValueError("rank one failed")
+    dist.barrier()
+
+
+def test_colossalai_style_spawn_reports_failures_by_rank() -> None:
+    with pytest.raises(DistributedTestFailure, match="rank one failed"):
+        spawn(_fails_on_rank_one, 2, timeout=30)
