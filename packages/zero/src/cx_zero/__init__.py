@@ -6,12 +6,13 @@
   one or several data-parallel groups (dense over the full DP group, MoE experts over a smaller one).
 - Shared with Gemini: `DynamicGradScaler` / `ConstantGradScaler` (loss scaling), `compute_grad_norm` /
   `clip_grad_norm_` (norm over exactly the given groups), `has_inf_or_nan` / `any_across_groups` (overflow),
-  `HybridAdam` / `CPUAdam` (fused Adam(W), fast on CPU shards), `require_elementwise` (which optimizers may step on
-  flat shards).
+  `HybridAdam` / `CPUAdam` / `FusedAdam` (fused Adam(W), fast on CPU shards), `require_elementwise` (which
+  optimizers may step on flat shards).
 """
 
 from cx_zero._adam import CPUAdam, HybridAdam
 from cx_zero._elementwise import ELEMENTWISE_OPTIMIZERS, require_elementwise
+from cx_zero._fused_adam import FusedAdam
 from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
 from cx_zero._low_level_optimizer import LowLevelZeroOptimizer
 from cx_zero._norm import NormType, clip_coefficient, clip_grad_norm_, compute_grad_norm, local_norm_term, reduce_norm
@@ -45,6 +46,7 @@ __all__ = [
     "reduce_norm",
     # optimizers
     "CPUAdam",
+    "FusedAdam",
     "HybridAdam",
     "ELEMENTWISE_OPTIMIZERS",
     "require_elementwise",
