@@ -17,7 +17,7 @@ PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproje
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
 # Optional integrations exercised by the full suite (their tests skip where these are absent).
-INTEGRATION_TOOLS = ("transformers>=4.40",)
+INTEGRATION_TOOLS = ("transformers>=4.40", "peft>=0.13")
 TEST_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
 
 nox.options.sessions = ["tests", "typecheck", "lint", "layers"]

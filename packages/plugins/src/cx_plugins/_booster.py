@@ -20,7 +20,7 @@ from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
 from cx_plugins._plugin import Boosted, Plugin
 from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
 from cx_plugins._settings import check_boost_settings
-from cx_plugins._wrappers import OptimizerWrapper
+from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 
 __all__ = ["Booster"]
 
@@ -87,6 +87,32 @@ class Booster:
                 "(the HybridParallel plugins that provide it are not built yet)"
             )
         raise NotImplementedError("no cx plugin implements pipeline execution yet")
+
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | os.PathLike[str] | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+        quantize: bool = False,
+    ) -> nn.Module:
+        """Add LoRA adapters (Hugging Face peft) to `model`, new from `lora_config` (a `peft.LoraConfig`) or loaded
+        trainable from `pretrained_dir`; call it before `boost` and build the optimizer from the returned model."""
+        if quantize or bnb_quantization_config is not None:
+            raise NotImplementedError("enable_lora: quantised base weights (bitsandbytes) are not supported in cx")
+        if isinstance(model, ModelWrapper):
+            raise ValueError("enable_lora must be called before boost (this model is already boosted)")
+        return self.plugin.enable_lora(model, None if pretrained_dir is None else str(pretrained_dir), lora_config)
+
+    def save_lora_as_pretrained(
+        self, model: nn.Module, checkpoint: str | os.PathLike[str], use_safetensors: bool = False
+    ) -> None:
+        """Save the LoRA adapters of a boosted model in peft's format (loadable by `PeftModel.from_pretrained` and by
+        `enable_lora(pretrained_dir=...)`); always safetensors."""
+        io = self.checkpoint_io
+        if not isinstance(io, ReplicatedCheckpointIO) or not self.plugin.support_lora():
+            raise NotImplementedError(f"save_lora_as_pretrained: {type(self.plugin).__name__} does not support LoRA")
+        io.save_lora_as_pretrained(model, checkpoint, use_safetensors)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     @property

@@ -31,6 +31,7 @@ from cx_checkpoint import (
     write_sharded,
 )
 from cx_mesh import DistCoordinator
+from cx_plugins._lora import save_lora
 from cx_plugins._wrappers import ModelWrapper
 
 __all__ = ["SCALER_KEY", "ReplicatedCheckpointIO", "ShardedOptimizerCheckpointIO", "split_scaler", "with_scaler"]
@@ -154,6 +155,14 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
 
     def load_sharded_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
         self._load_replicated_optimizer(optimizer, checkpoint, prefix)
+
+    def save_lora_as_pretrained(
+        self, model: nn.Module, checkpoint: str | os.PathLike[str], use_safetensors: bool = False
+    ) -> None:
+        """The master rank writes the model's LoRA adapters in peft's folder format; every rank waits for it."""
+        if self._coordinator.is_master():
+            save_lora(_plain(model), checkpoint, use_safetensors)
+        self._coordinator.block_all()
 
     def save_lr_scheduler(self, lr_scheduler: Stateful, checkpoint: str | os.PathLike[str]) -> None:
         if self._coordinator.is_master():

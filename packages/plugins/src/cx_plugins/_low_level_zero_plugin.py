@@ -124,6 +124,9 @@ class LowLevelZeroPlugin(ZeroPluginBase):
     def support_no_sync(self) -> bool:
         return True
 
+    def support_lora(self) -> bool:
+        return True
+
     def configure(
         self,
         model: nn.Module,

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from cx_checkpoint import CheckpointIO
 from cx_mesh import require_initialized
 from cx_plugins._layout import ZeroLayout
+from cx_plugins._lora import apply_lora
 from cx_plugins._precision import Precision
 from cx_plugins._wrappers import OptimizerWrapper
 
@@ -68,6 +69,19 @@ class Plugin(ABC):
 
     def supports_pipeline(self) -> bool:
         return False
+
+    def support_lora(self) -> bool:
+        """Whether `enable_lora` works with this plugin (plugins whose ranks hold full weights say yes)."""
+        return False
+
+    def enable_lora(self, model: nn.Module, pretrained_dir: str | None = None, lora_config: Any = None) -> nn.Module:
+        """Add LoRA adapters (peft) to `model` before boost; a clear error for plugins that do not support it."""
+        if not self.support_lora():
+            raise NotImplementedError(
+                f"{type(self).__name__} does not support LoRA yet (as in ColossalAI); use TorchDDPPlugin or "
+                "LowLevelZeroPlugin for LoRA fine-tuning"
+            )
+        return apply_lora(model, pretrained_dir, lora_config)
 
     @abstractmethod
     def get_checkpoint_io(self) -> CheckpointIO:

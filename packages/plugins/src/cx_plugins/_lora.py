@@ -1,0 +1,68 @@
+"""LoRA through Hugging Face peft (an optional dependency, imported only here): adapters added to a model before
+`boost`, and saved in peft's own folder format so `PeftModel.from_pretrained` loads them.
+
+cx always writes the adapter as safetensors: peft's other format is a pickle, which cx never writes.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+__all__ = ["apply_lora", "is_lora_model", "save_lora"]
+
+
+def _peft() -> Any:
+    try:
+        import peft
+    except ImportError as error:
+        raise ImportError(
+            "LoRA in cx uses Hugging Face peft, which is not installed: pip install 'cx-plugins[lora]' (or peft)"
+        ) from error
+    return peft
+
+
+def apply_lora(model: nn.Module, pretrained_dir: str | os.PathLike[str] | None, lora_config: Any) -> nn.Module:
+    """`model` with LoRA adapters: new ones from `lora_config`, or trainable ones loaded from `pretrained_dir`."""
+    peft = _peft()
+    if isinstance(model, peft.PeftModel):
+        raise ValueError("enable_lora: the model already has LoRA adapters (it is a peft PeftModel)")
+    if pretrained_dir is not None:
+        if lora_config is not None:
+            warnings.warn(
+                "enable_lora: pretrained_dir is given, so its adapter config is used and lora_config is ignored",
+                stacklevel=3,
+            )
+        return peft.PeftModel.from_pretrained(model, str(pretrained_dir), is_trainable=True)  # type: ignore[no-any-return]
+    if lora_config is None:
+        raise ValueError("enable_lora needs a peft LoraConfig (lora_config=...) or a pretrained adapter directory")
+    return peft.get_peft_model(model, lora_config)  # type: ignore[no-any-return]
+
+
+def is_lora_model(model: nn.Module) -> bool:
+    try:
+        peft = _peft()
+    except ImportError:
+        return False
+    return isinstance(model, peft.PeftModel)
+
+
+def save_lora(model: nn.Module, checkpoint: str | os.PathLike[str], use_safetensors: bool) -> None:
+    """Write `model`'s adapters (a peft model holding full weights on this rank) in peft's folder format."""
+    if not is_lora_model(model):
+        raise ValueError(
+            f"save_lora_as_pretrained: {type(model).__name__} has no LoRA adapters; call booster.enable_lora before "
+            "boost"
+        )
+    if not use_safetensors:
+        warnings.warn(
+            "save_lora_as_pretrained: use_safetensors=False would write a pickle; cx writes safetensors, which "
+            "PeftModel.from_pretrained loads the same way",
+            stacklevel=3,
+        )
+    Path(checkpoint).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(checkpoint), safe_serialization=True)  # type: ignore[operator]
