@@ -5,12 +5,14 @@
 - `write_sharded`: the streaming shard writer (any rank count writing in parallel, one merged index, atomic commit).
 - `TensorSource` / `TensorSink`: the protocols parallel owners of state implement to save and load by global name;
   `CheckpointReader` + `load_into` read lazily, only the regions each sink owns.
+- `DTensorModuleSink` / `local_region`: loading into DTensor parameters, each rank reading only its shard's region.
 - Optimizer state keyed by parameter name: `OptimizerMeta`, `optimizer_tensor_name`, `attach_param_names`.
 - `CheckpointError` and its subclasses for every problem found on load.
 The file format is specified in docs/checkpoint.md.
 """
 
 from cx_checkpoint._checkpoint_io import DEFAULT_SIZE_PER_SHARD, CheckpointIO, Stateful
+from cx_checkpoint._dtensor import DTensorModuleSink, local_region
 from cx_checkpoint._errors import (
     CheckpointError,
     CheckpointIndexError,
@@ -72,6 +74,8 @@ __all__ = [
     "iter_source",
     "ModuleSink",
     "ModuleSource",
+    "DTensorModuleSink",
+    "local_region",
     # optimizer state by name
     "OPTIMIZER_FORMAT",
     "OptimizerMeta",

@@ -1,6 +1,7 @@
 """cx-plugins: the Booster and its plugins, with ColossalAI's names and arguments.
 
-Present: `Booster`, `Plugin`, `DPPluginBase`, `TorchDDPPlugin`, `LowLevelZeroPlugin`, `GeminiPlugin`, the wrappers,
+Present: `Booster`, `Plugin`, `DPPluginBase`, `TorchDDPPlugin`, `TorchFSDPPlugin` (FSDP2), `LowLevelZeroPlugin`,
+`GeminiPlugin`, the wrappers,
 reference models in `cx_plugins.models`, ColossalAI's learning-rate schedulers in `cx_plugins.lr_scheduler`; every
 plugin saves and loads the canonical cx checkpoint format. `__version__` is the installed distribution's version.
 """
@@ -13,6 +14,7 @@ from cx_plugins._low_level_zero_plugin import LowLevelZeroPlugin
 from cx_plugins._plugin import DPPluginBase, Plugin
 from cx_plugins._precision import Precision
 from cx_plugins._torch_ddp_plugin import TorchDDPPlugin
+from cx_plugins._torch_fsdp_plugin import TorchFSDPPlugin
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 
 try:
@@ -31,4 +33,5 @@ __all__ = [
     "Plugin",
     "Precision",
     "TorchDDPPlugin",
+    "TorchFSDPPlugin",
 ]

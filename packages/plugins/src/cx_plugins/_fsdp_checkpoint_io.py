@@ -1,0 +1,113 @@
+"""Checkpoint IO for TorchFSDPPlugin, in the canonical cx format (full tensors by parameter name, optimizer state
+by name, safetensors + JSON), so FSDP checkpoints load under every cx plugin and any world size, and back.
+
+Saving gathers with torch's own state-dict machinery (`get_model_state_dict` / `get_optimizer_state_dict` with
+full state dicts offloaded to the CPU of rank 0: one full copy, on the writing rank only); the master rank writes.
+Loading the model reads, on every rank, only the region of each tensor its FSDP shard holds (`DTensorModuleSink`).
+Loading the optimizer reads the full state on every rank and lets `set_optimizer_state_dict` keep each rank's shard
+(every rank reading the same files also means every rank raises the same error for a bad checkpoint, never a hang).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from cx_checkpoint import CheckpointKind, CheckpointReader, DTensorModuleSink, LoadResult, load_into
+from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO, _plain
+from cx_plugins._zero_checkpoint_io import zero_state_from_parts, zero_state_to_parts
+
+__all__ = ["FSDPCheckpointIO"]
+
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class _GatheredView(nn.Module):
+    """A model's gathered full state (held by the master rank) presented as a module to the writers."""
+
+    def __init__(self, state: Mapping[str, Any], model: nn.Module) -> None:
+        super().__init__()
+        self._state = state
+        self.config = getattr(model, "config", None)
+        self.generation_config = getattr(model, "generation_config", None)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return dict(self._state)
+
+
+class FSDPCheckpointIO(ReplicatedCheckpointIO):
+    """Model and optimizer checkpoints of an FSDP2-sharded model (see the module docstring)."""
+
+    def __init__(self, optimizer_owner: MutableMapping[torch.optim.Optimizer, nn.Module]) -> None:
+        super().__init__()
+        self._owner = optimizer_owner
+
+    def _gathered(self, model: nn.Module) -> nn.Module:
+        module = _plain(model)
+        return _GatheredView(get_model_state_dict(module, options=_GATHER), module)  # collective
+
+    def save_unsharded_model(
+        self, model: nn.Module, checkpoint: Path, gather_dtensor: bool, use_safetensors: bool, use_async: bool
+    ) -> None:
+        super().save_unsharded_model(self._gathered(model), checkpoint, gather_dtensor, use_safetensors, use_async)
+
+    def save_sharded_model(
+        self,
+        model: nn.Module,
+        checkpoint: Path,
+        gather_dtensor: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_safetensors: bool,
+        use_async: bool,
+    ) -> None:
+        view = self._gathered(model)
+        super().save_sharded_model(view, checkpoint, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async)
+
+    def load_unsharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
+        return self._load_model(model, checkpoint, strict)
+
+    def load_sharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
+        return self._load_model(model, checkpoint, strict)
+
+    def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
+        with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
+            return load_into(reader, DTensorModuleSink(_plain(model)), strict=strict)
+
+    def _module_of(self, optimizer: torch.optim.Optimizer) -> nn.Module:
+        module = self._owner.get(optimizer)
+        if module is None:
+            raise ValueError("TorchFSDPPlugin checkpoints need the optimizer returned by booster.boost")
+        return module
+
+    def _save_replicated_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        checkpoint: Path,
+        gather_dtensor: bool,
+        shard: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_async: bool,
+    ) -> None:
+        state = get_optimizer_state_dict(self._module_of(optimizer), optimizer, options=_GATHER)  # collective
+        meta, tensors = zero_state_to_parts(state) if self._coordinator.is_master() else (None, {})
+        self._write_parts(meta, tensors, checkpoint, shard, prefix, size_per_shard, use_async)
+
+    def _load_replicated_optimizer(
+        self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None
+    ) -> None:
+        meta, tensors = self.load_optimizer_parts(checkpoint, prefix)
+        state = zero_state_from_parts(meta, tensors)
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(self._module_of(optimizer), optimizer, state, options=options)  # collective

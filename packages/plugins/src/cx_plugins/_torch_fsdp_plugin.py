@@ -1,0 +1,136 @@
+"""`TorchFSDPPlugin`: ColossalAI's FSDP plugin arguments, run on torch's FSDP2 (`fully_shard`).
+
+Composition: validate the FSDP1-style arguments into `FSDPOptions`, optionally sync rank 0's weights, shard the
+submodules the wrap policy picks and then the root, and repoint the user's optimizer at the sharded parameters
+(its param groups kept). Checkpoints are the canonical cx format (`FSDPCheckpointIO`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    FSDPModule,
+    MixedPrecision,
+    ShardingStrategy,
+)
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+from cx_checkpoint import CheckpointIO
+from cx_mesh import assert_same_across_ranks, get_accelerator
+from cx_plugins._fsdp_checkpoint_io import FSDPCheckpointIO
+from cx_plugins._fsdp_options import FSDPOptions
+from cx_plugins._fsdp_wrap import cast_buffers, repoint_optimizer, shard_module, sync_module_states
+from cx_plugins._plugin import Boosted, DPPluginBase
+from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+
+__all__ = ["TorchFSDPModel", "TorchFSDPPlugin"]
+
+
+class TorchFSDPModel(ModelWrapper):
+    """A model sharded with FSDP2 in place; `unwrap()` is the user's module (its parameters are now DTensors)."""
+
+
+class TorchFSDPPlugin(DPPluginBase):
+    """Fully sharded data parallelism with torch's FSDP2, arguments as ColossalAI's TorchFSDPPlugin (FSDP1's)."""
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: Callable[..., bool] | None = None,
+        backward_prefetch: BackwardPrefetch | None = None,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        sync_module_states: bool = False,
+        fp8_communication: bool = False,
+    ) -> None:
+        super().__init__()
+        self.options = FSDPOptions.from_colossalai(
+            process_group,
+            sharding_strategy,
+            cpu_offload,
+            auto_wrap_policy,
+            backward_prefetch,
+            mixed_precision,
+            ignored_modules,
+            param_init_fn,
+            sync_module_states,
+            fp8_communication,
+        )
+        assert_same_across_ranks(self.options.fingerprint(), what="TorchFSDPPlugin options")
+        self._owner: weakref.WeakKeyDictionary[Optimizer, nn.Module] = weakref.WeakKeyDictionary()
+
+    def supported_devices(self) -> list[str]:
+        return ["cuda", "cpu"]
+
+    def supported_precisions(self) -> list[str]:
+        return ["fp32"]  # precision comes from the FSDP `mixed_precision` argument, as in ColossalAI
+
+    def control_precision(self) -> bool:
+        return True
+
+    def control_device(self) -> bool:
+        return True
+
+    def support_no_sync(self) -> bool:
+        return True
+
+    def data_parallel_rank_and_size(self) -> tuple[int, int]:
+        group = self.options.process_group
+        return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (self.rank, self.world_size)
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: DataLoader[Any] | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> Boosted:
+        if not isinstance(model, ModelWrapper):
+            names = {parameter: name for name, parameter in model.named_parameters()}
+            model = model.to(get_accelerator().current_device())
+            if self.options.sync_module_states:
+                sync_module_states(model, self.options.process_group)
+            cast_buffers(model, self.options.buffer_dtype)
+            shard_module(model, self.options)
+            if optimizer is not None:
+                repoint_optimizer(optimizer, names, model)
+            model = TorchFSDPModel(model)
+        wrapped = None
+        if optimizer is not None:
+            self._owner[optimizer] = model.unwrap()
+            wrapped = OptimizerWrapper(optimizer)
+        return model, wrapped, criterion, dataloader, lr_scheduler
+
+    def get_checkpoint_io(self) -> CheckpointIO:
+        return FSDPCheckpointIO(self._owner)
+
+    def no_sync(
+        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Accumulate gradients without reduce-scatter inside the block (FSDP2's `set_requires_gradient_sync`)."""
+        return _gradient_sync_off(model.unwrap() if isinstance(model, ModelWrapper) else model)
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(module: nn.Module) -> Iterator[None]:
+    if not isinstance(module, FSDPModule):
+        raise ValueError("no_sync: the model was not boosted by TorchFSDPPlugin")
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
