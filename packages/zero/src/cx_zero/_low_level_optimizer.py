@@ -5,7 +5,7 @@ assigned to one process group (`pg_to_param_list`; default: all over `dp_process
 padded and split over it (see `_partition`); the wrapped optimizer steps only this rank's master shards. Gradients
 are reduced in fixed buckets (`_buckets`, `_reduce`) at the end of `backward` (or during it with
 `overlap_communication` or stage 2), the step runs on the shards, and the updated shards are all-gathered back into
-the working parameters (`_gather`), optionally lazily just before the next forward (`overlap_allgather`).
+the working parameters (`_gather`), optionally finished lazily before the next forward (`overlap_allgather`).
 
 Global decisions (inf/nan overflow and the gradient norm, one reduction of the summed squares) are reduced over the
 group that spans all the others (the dense DP group when experts use a sub-group) and over the TP/PP groups when
