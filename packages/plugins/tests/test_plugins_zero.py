@@ -42,6 +42,26 @@ def test_plugins_zero_low_precision_trains_like_fp32(rank: int, world_size: int,
 
 
 @distributed(world_size=4)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_plugins_zero_extra_dp_groups_are_contiguous_and_train_like_pytorch(
+    rank: int, world_size: int, stage: int
+) -> None:
+    """ColossalAI's LowLevelZero mesh is (extra_dp, zero): zero groups are blocks of contiguous ranks (a node), the
+    extra_dp groups stride across them; the data-parallel rank is the global rank. Training matches PyTorch."""
+    booster, plain, model, optimizer = boosted(f"zero{stage}", extra_dp_size=2)
+    plugin = booster.plugin
+    assert isinstance(plugin, LowLevelZeroPlugin)
+    zero_groups, extra_groups = ([0, 1], [2, 3]), ([0, 2], [1, 3])
+    assert dist.get_process_group_ranks(plugin.layout.zero_group) == list(zero_groups[rank // 2])
+    assert plugin.layout.extra_dp_group is not None
+    assert dist.get_process_group_ranks(plugin.layout.extra_dp_group) == list(extra_groups[rank % 2])
+    assert plugin.data_parallel_rank_and_size() == (rank, 4)
+    batches = data(STEPS)
+    train(rank, world_size, booster, model, optimizer, batches)
+    assert_matches(plain, reference(batches), f"stage {stage}, extra_dp_size 2")
+
+
+@distributed(world_size=4)
 def test_plugins_zero_bad_options(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="stage must be 1 or 2, got 3"):
         LowLevelZeroPlugin(stage=3)
