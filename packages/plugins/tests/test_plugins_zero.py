@@ -75,7 +75,20 @@ def test_plugins_zero_bad_options(rank: int, world_size: int) -> None:
         LowLevelZeroPlugin(max_norm=1.0 if rank == 3 else 0.0)
     with pytest.raises(ValueError, match="controls precision itself"):
         Booster(mixed_precision="bf16", plugin=LowLevelZeroPlugin())
+    with pytest.raises(NotImplementedError, match=r"use_fp8=True\): fp8 matmuls are not supported"):
+        LowLevelZeroPlugin(use_fp8=True)
+    with pytest.raises(NotImplementedError, match=r"fp8_communication=True\): fp8 communication is not supported"):
+        LowLevelZeroPlugin(fp8_communication=True)
     assert CONFIG.num_layers == 1
+
+
+@distributed(world_size=2)
+def test_plugins_zero_accepts_colossalai_fp8_switches_off(rank: int, world_size: int) -> None:
+    """ColossalAI scripts pass `use_fp8=False, fp8_communication=False`: accepted, and training is unchanged."""
+    batches = data(2)
+    booster, plain, model, optimizer = boosted("zero2", use_fp8=False, fp8_communication=False)
+    train(rank, world_size, booster, model, optimizer, batches)
+    assert_matches(plain, reference(batches), "fp8 switches off")
 
 
 def _save_small_shards(rank: int, world_size: int, directory: str) -> None:

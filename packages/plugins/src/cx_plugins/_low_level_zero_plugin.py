@@ -88,9 +88,21 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         master_weights: bool = True,
         verbose: bool = False,
         cast_inputs: bool = True,
+        fp8_communication: bool = False,
+        use_fp8: bool = False,
         extra_dp_size: int = 1,
     ) -> None:
         super().__init__()
+        # ColossalAI's fp8 switches: accepted so its scripts run unchanged; False changes nothing
+        if fp8_communication:
+            raise NotImplementedError(
+                "LowLevelZeroPlugin(fp8_communication=True): fp8 communication is not supported by cx yet; "
+                "pass fp8_communication=False"
+            )
+        if use_fp8:
+            raise NotImplementedError(
+                "LowLevelZeroPlugin(use_fp8=True): fp8 matmuls are not supported by cx yet; pass use_fp8=False"
+            )
         self.options = LowLevelZeroPluginOptions(
             stage=stage,
             precision=Precision.parse(precision, ZERO_PRECISIONS),
