@@ -254,6 +254,19 @@ class GeminiOptimizer:
         self._norm = norm
         return norm
 
+    def clip_grad_by_value(self, clip_value: float) -> None:
+        """Clamp the reduced gradients now (before `step`) into [-clip_value, clip_value], unscaled. In fp16 an
+        inf/nan anywhere leaves them as they are, so that `step` still sees the overflow and skips."""
+        if not clip_value > 0 or math.isinf(clip_value):
+            raise ValueError(f"GeminiOptimizer.clip_grad_by_value: clip_value must be positive, got {clip_value}")
+        if self.module.options.needs_loss_scaling and not math.isfinite(self._norm_of(self._grads())):
+            return
+        bound = clip_value * self.scaler.scale  # the gradient chunks hold scaled gradients
+        for entry in self._entries:
+            if id(entry.param) in self.module.driver.has_grad:
+                chunk_grad = self.manager.grad_chunk(entry.chunk).shard_tensor()
+                chunk_grad[entry.shard_begin : entry.shard_end].clamp_(-bound, bound)
+
     def get_grad_norm(self) -> float | None:
         """The global gradient norm of the last step that computed it (clipping), else None."""
         return self._norm
