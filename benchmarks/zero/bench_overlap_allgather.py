@@ -29,7 +29,7 @@ HOST_MS = (0, 30)
 
 def run_ranks(rank: int, world_size: int, out_path: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_low_level_zero import GPT, SEQ, VOCAB, BATCH, _loss
+    from bench_low_level_zero import BATCH, GPT, SEQ, VOCAB, _loss
 
     torch.manual_seed(0)
     base = GPT()
