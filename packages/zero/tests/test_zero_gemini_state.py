@@ -47,12 +47,21 @@ def test_zero_gemini_state_resume_is_exact(rank: int, world_size: int, dtype: to
     ddp, optimizer = _build(0, dtype)
     for step in range(2):
         _step(rank, world_size, ddp, optimizer, step)
+    if dtype == torch.float16:  # resume after the scale has moved: a lost scaler state must not pass unnoticed
+        for _ in range(2):  # hysteresis 2: the second overflow halves the scale
+            optimizer.zero_grad()
+            x, y = batch(0, world_size)
+            loss = lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size))
+            optimizer.backward(loss * float("inf"))
+            optimizer.step()
+        assert optimizer.loss_scale == 2**7
     model_state = ddp.state_dict(only_rank_0=False)
     optim_state = optimizer.state_dict(only_rank_0=False)
     assert all(v.dtype == torch.float32 for v in model_state.values() if v.is_floating_point())  # original dtype
     resumed, resumed_optimizer = _build(7, dtype)
     resumed.load_state_dict(model_state)
     resumed_optimizer.load_state_dict(optim_state)
+    assert resumed_optimizer.loss_scale == optimizer.loss_scale
     for step in range(2, 4):
         _step(rank, world_size, ddp, optimizer, step)
         _step(rank, world_size, resumed, resumed_optimizer, step)

@@ -124,8 +124,9 @@ def test_zero_clipping_matches_torch_clip_grad_norm(rank: int, world_size: int, 
 @distributed(world_size=2)
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_overlap_allgather_updates_params_before_their_module_runs(rank: int, world_size: int, stage: int) -> None:
-    """With overlap_allgather the step only starts the all-gathers; each Linear's parameters are written just
-    before that Linear's forward, so the next forward sees the updated values without an explicit sync."""
+    """With overlap_allgather the step only starts the all-gathers; they are finished just before the next module
+    forward, which sees the updated values without an explicit sync (the lazy path with models that read other
+    modules' parameters: test_zero_low_level_overlap.py)."""
     model = make_model("mlp")
     reference = Reference(clone_model(model))
     optimizer = LowLevelZeroOptimizer(
@@ -135,9 +136,9 @@ def test_zero_overlap_allgather_updates_params_before_their_module_runs(rank: in
         reduce_bucket_size=40,
     )
     for step in range(STEPS):
+        reference.train_step("mlp", step, world_size)  # first: any module forward finishes the pending gathers
         before = [p.detach().clone() for p in model.parameters()]
         _train(rank, world_size, "mlp", optimizer, model, step)
-        reference.train_step("mlp", step, world_size)
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)), "still deferred"
         x, _ = batch("mlp", step + 1, world_size)
         with torch.no_grad():

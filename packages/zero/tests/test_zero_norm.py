@@ -78,3 +78,15 @@ def test_zero_overflow_flag_over_groups(rank: int, world_size: int) -> None:
 def test_zero_norm_of_nothing_is_zero() -> None:
     assert float(compute_grad_norm([])) == 0.0
     assert float(compute_grad_norm([torch.zeros(0)], "inf")) == 0.0
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("norm_type", [2.0, "inf"])
+def test_zero_norm_or_inf_sees_one_ranks_inf(rank: int, world_size: int, bad: float, norm_type: float | str) -> None:
+    """The fp16 overflow flag of ZeRO and Gemini: an inf or nan on one rank only makes the norm inf on every rank
+    (a +inf was once turned into the largest finite float before the reduction, and the overflow went unseen)."""
+    from cx_zero._norm import norm_or_inf
+
+    grads = [torch.tensor([bad, 1.0]) if rank == 0 else torch.ones(2)]
+    assert norm_or_inf(grads, norm_type, [None]) == math.inf

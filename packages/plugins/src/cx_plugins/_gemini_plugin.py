@@ -27,7 +27,7 @@ from cx_plugins._gemini_checkpoint_io import GeminiCheckpointIO
 from cx_plugins._layout import ZeroLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._precision import Precision
-from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper, finite_or_raise
 from cx_zero import GeminiDDP, GeminiOptimizer, NormType
 
 __all__ = ["GeminiPlugin"]
@@ -107,6 +107,17 @@ class GeminiOptimizerWrapper(OptimizerWrapper):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.gemini.zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip by the global norm over every rank's gradient shards (unscaled); returns that norm."""
+        norm = self.gemini.clip_grad_by_norm(max_norm, norm_type)
+        fp16 = self.gemini.module.options.needs_loss_scaling  # an fp16 overflow is no error: step() skips it
+        return finite_or_raise(norm, error_if_nonfinite and not fp16)
+
+    def clip_grad_by_value(self, clip_value: float) -> None:
+        self.gemini.clip_grad_by_value(clip_value)
 
     def state_dict(self) -> dict[str, Any]:
         return self.gemini.state_dict()

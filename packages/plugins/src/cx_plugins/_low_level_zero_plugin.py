@@ -1,6 +1,6 @@
 """`LowLevelZeroPlugin`: ZeRO-1/2 (cx_zero.LowLevelZeroOptimizer) behind the Booster, arguments as in ColossalAI.
 
-The plugin only composes: validate the options once, build the (zero, extra_dp) layout, cast the model to the
+The plugin only composes: validate the options once, build the (extra_dp, zero) layout, cast the model to the
 training precision, wrap the optimizer. The algorithm lives in cx-zero.
 """
 
@@ -88,9 +88,21 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         master_weights: bool = True,
         verbose: bool = False,
         cast_inputs: bool = True,
+        fp8_communication: bool = False,
+        use_fp8: bool = False,
         extra_dp_size: int = 1,
     ) -> None:
         super().__init__()
+        # ColossalAI's fp8 switches: accepted so its scripts run unchanged; False changes nothing
+        if fp8_communication:
+            raise NotImplementedError(
+                "LowLevelZeroPlugin(fp8_communication=True): fp8 communication is not supported by cx yet; "
+                "pass fp8_communication=False"
+            )
+        if use_fp8:
+            raise NotImplementedError(
+                "LowLevelZeroPlugin(use_fp8=True): fp8 matmuls are not supported by cx yet; pass use_fp8=False"
+            )
         self.options = LowLevelZeroPluginOptions(
             stage=stage,
             precision=Precision.parse(precision, ZERO_PRECISIONS),
@@ -114,7 +126,8 @@ class LowLevelZeroPlugin(ZeroPluginBase):
             extra_dp_size=extra_dp_size,
         )
         assert_same_across_ranks(self.options, what="LowLevelZeroPlugin options")
-        self.layout = ZeroLayout.build(extra_dp_size=extra_dp_size)
+        # ColossalAI's (extra_dp, zero) mesh: each zero group is a block of contiguous ranks
+        self.layout = ZeroLayout.build(extra_dp_size=extra_dp_size, extra_dp_outer=True)
         # Which ZeRO optimizer serves a user's torch optimizer, and which module each one trains (for checkpoint IO).
         self._zero_of: weakref.WeakKeyDictionary[Optimizer, LowLevelZeroOptimizer] = weakref.WeakKeyDictionary()
         self._owner_of: weakref.WeakKeyDictionary[LowLevelZeroOptimizer, weakref.ref[nn.Module]] = (

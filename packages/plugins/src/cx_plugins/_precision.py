@@ -61,6 +61,7 @@ class ScaledOptimizer(OptimizerWrapper):
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
         self.scaler = torch.amp.GradScaler(get_accelerator().name)
+        self._unscaled = False
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         self.scaler.scale(loss).backward(retain_graph=retain_graph)
@@ -70,6 +71,24 @@ class ScaledOptimizer(OptimizerWrapper):
             raise ValueError("ScaledOptimizer.step does not take a closure (loss scaling needs backward first)")
         self.scaler.step(self.optim)
         self.scaler.update()
+        self._unscaled = False
+
+    def _unscale(self) -> None:
+        """Clipping works on true gradients: unscale once per step (GradScaler remembers any inf it saw, so the
+        step is still skipped on overflow)."""
+        if not self._unscaled:
+            self.scaler.unscale_(self.optim)
+            self._unscaled = True
+
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        self._unscale()
+        return super().clip_grad_by_norm(max_norm, norm_type, error_if_nonfinite)
+
+    def clip_grad_by_value(self, clip_value: float) -> None:
+        self._unscale()
+        super().clip_grad_by_value(clip_value)
 
     @property
     def loss_scale(self) -> float:

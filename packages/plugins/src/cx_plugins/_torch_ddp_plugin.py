@@ -63,8 +63,14 @@ class TorchDDPPlugin(DPPluginBase):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        fp8_communication: bool = False,
     ) -> None:
         super().__init__()
+        if fp8_communication:  # ColossalAI's switch: accepted so its scripts run unchanged; False changes nothing
+            raise NotImplementedError(
+                "TorchDDPPlugin(fp8_communication=True): fp8 gradient compression is not supported by cx yet; "
+                "pass fp8_communication=False"
+            )
         self.options = DDPOptions(
             broadcast_buffers=broadcast_buffers,
             bucket_cap_mb=bucket_cap_mb,

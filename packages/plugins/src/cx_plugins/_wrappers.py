@@ -6,6 +6,7 @@ without the training loop changing: the loop always calls `booster.backward(loss
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-__all__ = ["ModelWrapper", "OptimizerWrapper"]
+__all__ = ["ModelWrapper", "OptimizerWrapper", "finite_or_raise"]
 
 
 class ModelWrapper(nn.Module):
@@ -61,6 +62,25 @@ class OptimizerWrapper:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
 
+    def _params_with_grad(self) -> list[torch.Tensor]:
+        return [p for group in self.optim.param_groups for p in group["params"] if p.grad is not None]
+
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Call between backward and step: scale the gradients so that their total norm is at most `max_norm`
+        (`torch.nn.utils.clip_grad_norm_`; the gradients are replicated, so the local norm is the global one).
+        Returns the norm before clipping."""
+        if not max_norm > 0 or math.isinf(max_norm):
+            raise ValueError(f"clip_grad_by_norm: max_norm must be a positive number, got {max_norm}")
+        return torch.nn.utils.clip_grad_norm_(self._params_with_grad(), max_norm, norm_type, error_if_nonfinite)
+
+    def clip_grad_by_value(self, clip_value: float) -> None:
+        """Call between backward and step: clamp every gradient element into [-clip_value, clip_value]."""
+        if not clip_value > 0 or math.isinf(clip_value):
+            raise ValueError(f"clip_grad_by_value: clip_value must be a positive number, got {clip_value}")
+        torch.nn.utils.clip_grad_value_(self._params_with_grad(), clip_value)
+
     def state_dict(self) -> dict[str, Any]:
         return self.optim.state_dict()
 
@@ -69,3 +89,10 @@ class OptimizerWrapper:
 
     def unwrap(self) -> Optimizer:
         return self.optim
+
+
+def finite_or_raise(norm: float, check: bool) -> torch.Tensor:
+    """`norm` as a tensor (what torch's clip_grad_norm_ returns); with `check`, an error when it is inf or nan."""
+    if check and not math.isfinite(norm):
+        raise RuntimeError(f"the total norm of the gradients is {norm}: clipping is not possible (error_if_nonfinite)")
+    return torch.tensor(norm)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
-from cx_zero import LowLevelZeroOptimizer
+from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper, finite_or_raise
+from cx_zero import DynamicGradScaler, LowLevelZeroOptimizer
 
 __all__ = ["CastModel", "ZeroOptimizerWrapper"]
 
@@ -60,6 +60,17 @@ class ZeroOptimizerWrapper(OptimizerWrapper):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.zero.zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip by the global norm over every rank's gradient shard (unscaled); returns that norm."""
+        norm = self.zero.clip_grad_by_norm(max_norm, norm_type)
+        # an fp16 overflow is no error: step() skips it and backs the loss scale off
+        return finite_or_raise(norm, error_if_nonfinite and not isinstance(self.zero.grad_scaler, DynamicGradScaler))
+
+    def clip_grad_by_value(self, clip_value: float) -> None:
+        self.zero.clip_grad_by_value(clip_value)
 
     def state_dict(self) -> dict[str, Any]:
         """Full optimizer state by parameter name (collective)."""

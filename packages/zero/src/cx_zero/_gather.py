@@ -1,8 +1,8 @@
 """`GroupGatherer`: after a step, all-gathers each rank's updated shards back into the full working parameters.
 
 One all-gather per bucket (the same buckets as the gradient reduction). With `async_op` the gathers are started and
-completed later, bucket by bucket, just before a module that owns one of the bucket's parameters runs forward
-(`overlap_allgather`), or all at once when the optimizer needs the parameters.
+completed later (`overlap_allgather`): all of them just before the first module forward that follows the step, or
+when the optimizer needs the parameters, whichever comes first.
 """
 
 from __future__ import annotations
@@ -70,35 +70,32 @@ class GroupGatherer:
 
 
 class DeferredGathers:
-    """Started all-gathers finished lazily: a module's parameters just before its forward, or all at once.
+    """Started all-gathers, finished together before the next forward reads any parameter, or on demand.
 
-    While any are pending, a process-wide forward pre-hook is registered (and removed as soon as none is left); it
-    finishes the buckets holding the parameters the module owns directly.
+    Finishing only the buckets of the parameters a module owns directly is not enough: a forward may read parameters
+    of submodules it never calls (`nn.MultiheadAttention` hands `out_proj.weight` to functional code) or of any other
+    module (tied weights, functional models), and nothing cheaper than intercepting every op can tell which. So the
+    first forward pre-hook of any module after the step finishes all of them; the gathers overlap with everything
+    between `step()` and that forward (zero_grad, the data loader, the scheduler, logging). A process-wide pre-hook
+    is registered only while gathers are pending and removed as it fires.
     """
 
     def __init__(self) -> None:
-        self._by_param: dict[int, PendingGather] = {}
+        self._pending: list[PendingGather] = []
         self._handle: torch.utils.hooks.RemovableHandle | None = None
 
     def defer(self, pending: list[PendingGather]) -> None:
-        for item in pending:
-            for shard in item.bucket.shards:
-                self._by_param[id(shard.working)] = item
-        if self._by_param and self._handle is None:
+        self._pending.extend(pending)
+        if self._pending and self._handle is None:
             self._handle = nn.modules.module.register_module_forward_pre_hook(self._before_forward)
 
-    def _before_forward(self, module: nn.Module, _args: Any) -> None:
-        for param in module.parameters(recurse=False):
-            item = self._by_param.pop(id(param), None)
-            if item is not None:
-                item.finish()
-        if not self._by_param:
-            self.finish_all()
+    def _before_forward(self, _module: nn.Module, _args: Any) -> None:
+        self.finish_all()
 
     def finish_all(self) -> None:
-        for item in list(self._by_param.values()):
-            item.finish()
-        self._by_param.clear()
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        pending, self._pending = self._pending, []
+        for item in pending:
+            item.finish()

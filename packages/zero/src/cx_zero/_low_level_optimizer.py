@@ -5,7 +5,7 @@ assigned to one process group (`pg_to_param_list`; default: all over `dp_process
 padded and split over it (see `_partition`); the wrapped optimizer steps only this rank's master shards. Gradients
 are reduced in fixed buckets (`_buckets`, `_reduce`) at the end of `backward` (or during it with
 `overlap_communication` or stage 2), the step runs on the shards, and the updated shards are all-gathered back into
-the working parameters (`_gather`), optionally lazily just before the next forward (`overlap_allgather`).
+the working parameters (`_gather`), optionally finished lazily before the next forward (`overlap_allgather`).
 
 Global decisions (inf/nan overflow and the gradient norm, one reduction of the summed squares) are reduced over the
 group that spans all the others (the dense DP group when experts use a sub-group) and over the TP/PP groups when
@@ -336,6 +336,44 @@ class LowLevelZeroOptimizer:
         else:
             for item in pending:
                 item.finish()
+
+    # ---- clipping between backward and step (ColossalAI's OptimizerWrapper methods) ------------------------
+    def _reduced_grads(self, what: str) -> list[torch.Tensor]:
+        """This rank's reduced gradient shards (still multiplied by the loss scale), after the last backward."""
+        if not self._require_grad_sync or self._unreduced:
+            raise RuntimeError(
+                f"{what}: the gradients are not reduced yet; call it after the last backward outside no_sync(), "
+                "before step()"
+            )
+        self._agree_on_used()
+        return [s.grad_shard for s in self._shards if s.grad_shard is not None]
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float | str = 2.0) -> float:
+        """Scale the reduced gradients so that their global `norm_type` norm (over every shard on every rank, and
+        the TP/PP groups) is at most `max_norm`, as `torch.nn.utils.clip_grad_norm_` does on one process; the norm
+        is taken on the unscaled (fp16 loss-scaled) gradients. Returns that norm (inf/nan: nothing is changed, and
+        an fp16 `step()` skips). Call between the backward and `step()`."""
+        if not max_norm > 0 or math.isinf(max_norm):
+            raise ValueError(f"clip_grad_by_norm: max_norm must be a positive number, got {max_norm}")
+        grads = self._reduced_grads("clip_grad_by_norm")
+        norm = norm_or_inf(grads, NormType.parse(norm_type), self._norm_groups) / self.grad_scaler.scale
+        coefficient = clip_coefficient(norm, max_norm)
+        if math.isfinite(norm) and coefficient < 1.0 and grads:
+            torch._foreach_mul_(grads, coefficient)
+        return norm
+
+    def clip_grad_by_value(self, clip_value: float) -> None:
+        """Clamp every unscaled gradient element into [-clip_value, clip_value] (`torch.nn.utils.clip_grad_value_`).
+        In fp16 an inf/nan anywhere leaves the gradients as they are, so that `step()` still sees the overflow and
+        skips (clamping would turn an inf into a finite value). Call between the backward and `step()`."""
+        if not clip_value > 0 or math.isinf(clip_value):
+            raise ValueError(f"clip_grad_by_value: clip_value must be a positive number, got {clip_value}")
+        grads = self._reduced_grads("clip_grad_by_value")
+        if self._fp16 and not math.isfinite(norm_or_inf(grads, self.options.norm_type, self._norm_groups)):
+            return
+        bound = clip_value * self.grad_scaler.scale
+        for grad in grads:
+            grad.clamp_(-bound, bound)
 
     def _agree_on_used(self) -> None:
         """A parameter takes part in the step when any rank of its group produced a gradient for it (the flags

@@ -96,7 +96,8 @@ def norm_or_inf(
     norm). A local NaN becomes +inf before reducing, because a MAX reduction may drop NaNs (comparisons with NaN are
     false) while +inf always wins, so every rank reads the same answer.
     """
-    term = torch.nan_to_num(local_norm_term(grads, norm_type), nan=math.inf)
+    # posinf too: nan_to_num otherwise turns +inf into the largest finite float, and one rank's inf is then missed
+    term = torch.nan_to_num(local_norm_term(grads, norm_type), nan=math.inf, posinf=math.inf)
     return float(reduce_norm(term, norm_type, groups))
 
 

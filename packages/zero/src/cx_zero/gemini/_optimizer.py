@@ -254,6 +254,19 @@ class GeminiOptimizer:
         self._norm = norm
         return norm
 
+    def clip_grad_by_value(self, clip_value: float) -> None:
+        """Clamp the reduced gradients now (before `step`) into [-clip_value, clip_value], unscaled. In fp16 an
+        inf/nan anywhere leaves them as they are, so that `step` still sees the overflow and skips."""
+        if not clip_value > 0 or math.isinf(clip_value):
+            raise ValueError(f"GeminiOptimizer.clip_grad_by_value: clip_value must be positive, got {clip_value}")
+        if self.module.options.needs_loss_scaling and not math.isfinite(self._norm_of(self._grads())):
+            return
+        bound = clip_value * self.scaler.scale  # the gradient chunks hold scaled gradients
+        for entry in self._entries:
+            if id(entry.param) in self.module.driver.has_grad:
+                chunk_grad = self.manager.grad_chunk(entry.chunk).shard_tensor()
+                chunk_grad[entry.shard_begin : entry.shard_end].clamp_(-bound, bound)
+
     def get_grad_norm(self) -> float | None:
         """The global gradient norm of the last step that computed it (clipping), else None."""
         return self._norm
@@ -344,13 +357,16 @@ class GeminiOptimizer:
         return full_states(self._entries, self.optim.state, self.manager.chunks())
 
     def state_dict(self, only_rank_0: bool = True) -> dict[str, Any]:
-        """`{"state": {param name: {key: full value}}, "param_groups": [hyper-parameters + param_names]}`."""
+        """`{"state": {param name: {key: full value}}, "param_groups": [hyper-parameters + param_names],
+        "grad_scaler": the loss scaler's state}` (a resumed fp16 run must not restart from `initial_scale`)."""
         keep = is_saver(self.module) or not only_rank_0
         state: dict[str, dict[str, Any]] = {}
         for name, key, value in self._full_states():
             if keep:
                 state.setdefault(name, {})[key] = value
-        return {"state": state, "param_groups": self._param_groups_meta()} if keep else {}
+        if not keep:
+            return {}
+        return {"state": state, "param_groups": self._param_groups_meta(), "grad_scaler": self.scaler.state_dict()}
 
     def state_shard(
         self, prefix: str = "", max_shard_size: int = 1024 * 1024 * 1024, only_rank_0: bool = True
@@ -373,9 +389,10 @@ class GeminiOptimizer:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load full states by parameter name (every rank passes the whole dict; each keeps its part)."""
-        if set(state_dict) != {"state", "param_groups"}:
+        if not {"state", "param_groups"} <= set(state_dict) <= {"state", "param_groups", "grad_scaler"}:
             raise ValueError(
-                f"GeminiOptimizer.load_state_dict: expected keys 'state' and 'param_groups', got {sorted(state_dict)}"
+                "GeminiOptimizer.load_state_dict: expected keys 'state', 'param_groups' (and optionally "
+                f"'grad_scaler'), got {sorted(state_dict)}"
             )
         groups = state_dict["param_groups"]
         if len(groups) != len(self.optim.param_groups):
@@ -401,6 +418,8 @@ class GeminiOptimizer:
                 state[key] = self._own_part(entry, value)
             self.optim.state[entry.holder] = state
         self._unbind()
+        if "grad_scaler" in state_dict:
+            self.scaler.load_state_dict(dict(state_dict["grad_scaler"]))
 
     def _own_part(self, entry: ShardEntry, value: Any) -> Any:
         if self._scalars_on_device is None:  # per placeholder: does its group keep scalar state on the device
