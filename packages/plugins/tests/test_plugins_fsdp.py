@@ -184,3 +184,29 @@ def test_fsdp_arguments_fsdp2_cannot_express_are_clear_errors(rank: int, world_s
         TorchFSDPPlugin(mixed_precision=MixedPrecision(param_dtype=torch.float16))
     with pytest.warns(UserWarning, match="BACKWARD_POST"):
         TorchFSDPPlugin(backward_prefetch=BackwardPrefetch.BACKWARD_POST)
+
+
+@distributed(world_size=2)
+def test_fsdp_clip_grad_by_norm_uses_the_global_norm(rank: int, world_size: int) -> None:
+    booster = Booster(plugin=_plugin())
+    model = GPT(CONFIG, seed=0)
+    boosted, optimizer, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=LR))
+    assert optimizer is not None
+    expected = GPT(CONFIG, seed=0)
+    reference_optimizer = torch.optim.SGD(expected.parameters(), lr=LR)
+    batches = data(2)
+    per_rank = GLOBAL_BATCH // world_size
+    for batch in batches:
+        mine = batch[rank * per_rank : (rank + 1) * per_rank]
+        booster.backward(boosted(mine, labels=mine), optimizer)
+        norm = optimizer.clip_grad_by_norm(0.05)  # well below the gradients' norm: clipping really acts
+        optimizer.step()
+        optimizer.zero_grad()
+        expected(batch, labels=batch).backward()
+        expected_norm = torch.nn.utils.clip_grad_norm_(expected.parameters(), 0.05)
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        assert not isinstance(norm, DTensor)
+        torch.testing.assert_close(norm, expected_norm, rtol=1e-5, atol=0)
+        assert float(norm) > 0.05
+    _assert_close(_full(boosted), expected, RTOL, 1e-6)

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (
@@ -21,6 +22,7 @@ from torch.distributed.fsdp import (
     MixedPrecision,
     ShardingStrategy,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
@@ -33,11 +35,21 @@ from cx_plugins._fsdp_wrap import cast_buffers, repoint_optimizer, shard_module,
 from cx_plugins._plugin import Boosted, DPPluginBase
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 
-__all__ = ["TorchFSDPModel", "TorchFSDPPlugin"]
+__all__ = ["FSDPOptimizerWrapper", "TorchFSDPModel", "TorchFSDPPlugin"]
 
 
 class TorchFSDPModel(ModelWrapper):
     """A model sharded with FSDP2 in place; `unwrap()` is the user's module (its parameters are now DTensors)."""
+
+
+class FSDPOptimizerWrapper(OptimizerWrapper):
+    """The user's optimizer over the sharded parameters; clipping returns the global norm as a plain tensor."""
+
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        norm = super().clip_grad_by_norm(max_norm, norm_type, error_if_nonfinite)  # DTensor maths: global norm
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 class TorchFSDPPlugin(DPPluginBase):
@@ -112,7 +124,7 @@ class TorchFSDPPlugin(DPPluginBase):
         wrapped = None
         if optimizer is not None:
             self._owner[optimizer] = model.unwrap()
-            wrapped = OptimizerWrapper(optimizer)
+            wrapped = FSDPOptimizerWrapper(optimizer)
         return model, wrapped, criterion, dataloader, lr_scheduler
 
     def get_checkpoint_io(self) -> CheckpointIO:
