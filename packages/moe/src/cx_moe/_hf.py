@@ -138,10 +138,12 @@ def expert_parallelize_hf(
         raise ValueError(
             f"{type(model).__name__} has no MoE block cx knows (supported: {', '.join(HF_MOE_BLOCKS)})"
         )
-    for name, block in blocks:
-        experts, count = _check_layout(name, block)
-        if getattr(experts, "_cx_expert_parallel", None) is not None:
+    checked = []
+    for name, block in blocks:  # every block checked before any is changed
+        if getattr(getattr(block, "experts", None), "_cx_expert_parallel", None) is not None:
             raise ValueError(f"{name} is already expert-parallel")
+        checked.append(_check_layout(name, block))
+    for (name, _), (experts, count) in zip(blocks, checked, strict=True):
         ep_rank, ep_size = check_expert_groups(count, ep_group, moe_dp_group, name)
         local = count // ep_size
         rows = slice(ep_rank * local, (ep_rank + 1) * local)
