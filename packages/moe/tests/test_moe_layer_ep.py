@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from cx_mesh.testing import distributed
-from cx_moe import ExpertOptions, MoeLayer, RouterOptions, collect_router_losses, is_moe_tensor
+from cx_moe import CapacityOptions, ExpertOptions, MoeLayer, RouterOptions, collect_router_losses, is_moe_tensor
 from moe_test_helpers import (
     FP32,
     HIDDEN,
@@ -30,11 +30,16 @@ def _build(ep_size: int, case: str) -> tuple[MoeLayer, MoeLayer, int]:
     shared = 8 if case == "shared" else 0
     experts = ExpertOptions(HIDDEN, INTER, shared_intermediate_size=shared, shared_expert_gate=bool(shared))
     router = RouterOptions(num_experts=8, top_k=2, aux_loss_coef=0.01, z_loss_coef=0.001)
+    capacity = None
+    if case == "capacity_dropping":
+        capacity = CapacityOptions(0.5, drop_policy="probability")
+    elif case == "capacity_padded":
+        capacity = CapacityOptions(0.75, drop_policy="position", pad_to_capacity=True)
     ep_group, moe_dp_group = groups(ep_size)
     torch.manual_seed(0)
-    layer = MoeLayer(experts, router, ep_group=ep_group, moe_dp_group=moe_dp_group)
+    layer = MoeLayer(experts, router, capacity=capacity, ep_group=ep_group, moe_dp_group=moe_dp_group)
     torch.manual_seed(0)
-    reference = MoeLayer(experts, router)
+    reference = MoeLayer(experts, router, capacity=capacity)
     for model in (layer, reference):
         if case == "one_hot_expert":
             force_routing(model.gate.weight, hot=5)
@@ -46,6 +51,8 @@ def _build(ep_size: int, case: str) -> tuple[MoeLayer, MoeLayer, int]:
 def _tokens(rank: int, case: str) -> int:
     if case == "empty_rank" and rank == 1:
         return 0
+    if case == "capacity_padded":
+        return 8  # padded capacity needs the same token count on every rank
     return 6 + 3 * rank  # uneven batches
 
 
@@ -58,7 +65,10 @@ def _inputs(rank: int, case: str, step: int) -> tuple[torch.Tensor, torch.Tensor
 
 @distributed(world_size=(1, 2, 4))
 @pytest.mark.parametrize("ep_size", [1, 2, 4])
-@pytest.mark.parametrize("case", ["balanced", "shared", "one_hot_expert", "unused_experts", "empty_rank"])
+@pytest.mark.parametrize(
+    "case",
+    ["balanced", "shared", "one_hot_expert", "unused_experts", "empty_rank", "capacity_dropping", "capacity_padded"],
+)
 def test_moe_layer_matches_unsplit_layer(rank: int, world_size: int, ep_size: int, case: str) -> None:
     if ep_size > world_size or (case == "empty_rank" and world_size == 1):
         pytest.skip("needs more ranks")
