@@ -76,6 +76,7 @@ def grouped_linear(
     use_grouped = implementation is ExpertImplementation.GROUPED_MM or (
         implementation is ExpertImplementation.AUTO and grouped_mm_supported(x, weight)
     )
+    use_grouped = use_grouped and x.shape[0] > 0  # no rows: the CPU kernel's backward rejects the empty gradient
     if use_grouped:
         if _GROUPED_MM is None:
             raise RuntimeError("this torch has no grouped matmul (torch.nn.functional.grouped_mm): use 'loop'")
