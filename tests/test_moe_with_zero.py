@@ -4,8 +4,6 @@ expert-parallel model (ep 2 x moe-dp 2 on 4 ranks) trained with ZeRO-1 and ZeRO-
 
 from __future__ import annotations
 
-from typing import cast
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,7 +32,8 @@ class _Model(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
-        return cast(torch.Tensor, self.out(h + self.moe(h)))
+        out: torch.Tensor = self.out(h + self.moe(h))
+        return out
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +43,8 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _loss(model: _Model, rank: int, step: int) -> torch.Tensor:
     x, y = _batch(rank, step)
-    return ((model(x) - y) ** 2).mean() + collect_router_losses(model)
+    task: torch.Tensor = ((model(x) - y) ** 2).mean()
+    return task + collect_router_losses(model)
 
 
 @distributed(world_size=4)
@@ -59,7 +59,8 @@ def test_expert_parallel_model_trains_under_low_level_zero(rank: int, world_size
     torch.manual_seed(0)
     reference = _Model()
     groups = moe_param_groups(model)
-    assert len(groups) == 2 and groups[moe_dp] == [model.moe.experts.gate_up_proj, model.moe.experts.down_proj]
+    assert len(groups) == 2
+    assert groups[moe_dp] == [model.moe.experts.gate_up_proj, model.moe.experts.down_proj]
     optimizer = LowLevelZeroOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.2), pg_to_param_list=groups, partition_grad=partition_grad
     )

@@ -3,7 +3,7 @@ data-parallel reduction every rank applies before comparing with the single-proc
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ from cx_moe import get_moe_dp_group, is_moe_tensor
 _MESHES: dict[tuple[int, int], ProcessGroupMesh] = {}
 HIDDEN = 16
 INTER = 8
-FP32 = {"rtol": 1e-5, "atol": 1e-5}
+FP32: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def groups(ep_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

@@ -15,10 +15,14 @@ EXPERTS = ExpertOptions(16, 8)
 
 @distributed(world_size=4)
 def test_moe_layer_layout_errors(rank: int, world_size: int) -> None:
-    ep_group, moe_dp_group = groups(2)
-    with pytest.raises(ValueError, match=r"num_experts=6 does not split over ep_size=4; ep sizes that work: \[1, 2, 3, 6\]"):
+    ep_group, _moe_dp_group = groups(2)
+    with pytest.raises(
+        ValueError, match=r"num_experts=6 does not split over ep_size=4; ep sizes that work: \[1, 2, 3, 6\]"
+    ):
         MoeLayer(EXPERTS, RouterOptions(6, 2), ep_group=world())
-    with pytest.raises(ValueError, match=r"ep_group \[.*\] and moe_dp_group \[0, 1, 2, 3\] must meet only in this rank"):
+    with pytest.raises(
+        ValueError, match=r"ep_group \[.*\] and moe_dp_group \[0, 1, 2, 3\] must meet only in this rank"
+    ):
         MoeLayer(EXPERTS, RouterOptions(4, 2), ep_group=ep_group, moe_dp_group=world())
     foreign = _foreign_group(rank)
     with pytest.raises(ValueError, match="is not in the ep_group"):

@@ -59,5 +59,5 @@ def test_plain_experts_and_bad_counts() -> None:
     assert module.up_proj.shape == (2, 8, 16)
     x = torch.randn(3, 16)
     torch.testing.assert_close(module(x, [1, 2])[0], module.down_proj[0] @ F.silu(module.up_proj[0] @ x[0]))
-    with pytest.raises(ValueError, match="counts .1, 1. must have one entry per expert .2. summing to the rows .3."):
+    with pytest.raises(ValueError, match=r"counts .1, 1. must have one entry per expert .2. summing to the rows .3."):
         module(x, [1, 1])

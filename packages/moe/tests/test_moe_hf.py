@@ -35,7 +35,8 @@ def _model(family: str) -> nn.Module:
         config = transformers.MixtralConfig(
             **COMMON, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0
         )
-        return transformers.MixtralForCausalLM(config)
+        model: nn.Module = transformers.MixtralForCausalLM(config)
+        return model
     if family in ("qwen3_moe", "qwen2_moe"):
         extra: dict[str, Any] = {"shared_expert_intermediate_size": 8} if family == "qwen2_moe" else {"head_dim": 8}
         config_class = transformers.Qwen3MoeConfig if family == "qwen3_moe" else transformers.Qwen2MoeConfig
@@ -50,9 +51,9 @@ def _model(family: str) -> nn.Module:
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
-        return (transformers.Qwen3MoeForCausalLM if family == "qwen3_moe" else transformers.Qwen2MoeForCausalLM)(
-            config
-        )
+        model_class = transformers.Qwen3MoeForCausalLM if family == "qwen3_moe" else transformers.Qwen2MoeForCausalLM
+        qwen: nn.Module = model_class(config)
+        return qwen
     config = transformers.DeepseekV3Config(
         **{k: v for k, v in COMMON.items() if k != "num_key_value_heads"},
         num_key_value_heads=2,
@@ -71,12 +72,12 @@ def _model(family: str) -> nn.Module:
         v_head_dim=4,
         routed_scaling_factor=2.5,
     )
-    model = transformers.DeepseekV3ForCausalLM(config)
+    deepseek: nn.Module = transformers.DeepseekV3ForCausalLM(config)
     with torch.no_grad():  # a non-trivial correction bias, so selection and weights differ
-        for module in model.modules():
+        for module in deepseek.modules():
             if hasattr(module, "e_score_correction_bias"):
-                module.e_score_correction_bias.copy_(torch.randn(4) * 0.05)
-    return model
+                getattr(module, "e_score_correction_bias").copy_(torch.randn(4) * 0.05)  # noqa: B009
+    return deepseek
 
 
 def _batch(rank: int) -> torch.Tensor:
@@ -104,12 +105,14 @@ def test_hf_moe_expert_parallel_matches_unconverted(rank: int, world_size: int, 
     model = copy.deepcopy(reference)
     names = [n for n, _ in reference.state_dict().items()]
     converted = expert_parallelize_hf(model, ep_group, moe_dp_group)
-    assert converted and all(n.endswith(".mlp") for n in converted)
+    assert converted
+    assert all(n.endswith(".mlp") for n in converted)
     assert list(model.state_dict()) == names  # parameter and buffer names unchanged
     for name, p in model.named_parameters():
         full = dict(reference.named_parameters())[name]
         if is_moe_tensor(p):
-            assert p.shape[0] * 2 == full.shape[0] and p.shape[1:] == full.shape[1:], name
+            assert p.shape[0] * 2 == full.shape[0], name
+            assert p.shape[1:] == full.shape[1:], name
     reference.train()
     model.train()
 
@@ -127,7 +130,8 @@ def test_hf_moe_expert_parallel_matches_unconverted(rank: int, world_size: int, 
     torch.testing.assert_close(out.logits, mine[1], **FP32, msg="logits")
     torch.testing.assert_close(loss.detach(), mine[0], **FP32, msg="loss with aux")
     if ref_aux is not None:
-        assert out.aux_loss is not None and out.aux_loss.item() > 0
+        assert out.aux_loss is not None
+        assert out.aux_loss.item() > 0
         torch.testing.assert_close(out.aux_loss, ref_aux, **FP32, msg="aux loss")
     for got, want in zip(out.router_logits, mine[2], strict=True):
         torch.testing.assert_close(got, want, **FP32, msg="router logits")
@@ -147,15 +151,15 @@ class _OddBlock(nn.Module):
 @distributed(world_size=2)
 def test_hf_conversion_errors(rank: int, world_size: int) -> None:
     ep_group, moe_dp_group = groups(2)
-    with pytest.raises(UnknownMoeBlockError, match="_OddBlock.*not a MoE block cx knows"):
+    with pytest.raises(UnknownMoeBlockError, match=r"_OddBlock.*not a MoE block cx knows"):
         expert_parallelize_hf(nn.Sequential(_OddBlock()), ep_group, moe_dp_group)
     with pytest.raises(ValueError, match="no MoE block"):
         expert_parallelize_hf(nn.Linear(2, 2), ep_group, moe_dp_group)
     torch.manual_seed(0)
-    model = _model("mixtral")
+    model: Any = _model("mixtral")
     block = model.model.layers[0].mlp
     block.experts.is_transposed = True  # as a future layout change would look
-    with pytest.raises(UnknownMoeBlockError, match="layout for this block changed.*is_transposed"):
+    with pytest.raises(UnknownMoeBlockError, match=r"layout for this block changed.*is_transposed"):
         expert_parallelize_hf(model, ep_group, moe_dp_group)
     block.experts.is_transposed = False
     expert_parallelize_hf(model, ep_group, moe_dp_group)

@@ -104,14 +104,14 @@ def test_moe_layer_matches_unsplit_layer(rank: int, world_size: int, ep_size: in
             with torch.no_grad():
                 for p in model.parameters():
                     if p.grad is not None:
-                        p -= LR * p.grad
+                        p.sub_(LR * p.grad)
                         p.grad = None
     compare_to_reference(layer, reference, ep_rank, ep_size, "after the steps")
 
 
 @distributed(world_size=2)
 def test_moe_layer_holds_one_slice_per_rank_and_marks_it(rank: int, world_size: int) -> None:
-    layer, reference, ep_rank = _build(2, "balanced")
+    layer, reference, _ep_rank = _build(2, "balanced")
     assert layer.experts.gate_up_proj.shape == (4, 2 * INTER, HIDDEN)
     assert layer.experts.down_proj.shape == (4, HIDDEN, INTER)
     expert_numel = sum(p.numel() for p in layer.parameters() if is_moe_tensor(p))

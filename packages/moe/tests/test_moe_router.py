@@ -127,7 +127,8 @@ def test_z_loss_and_empty_batches() -> None:
     total = collect_router_losses(router)
     assert total.item() == 0.0
     total.backward()  # an empty rank still reaches the router in backward
-    assert router.weight.grad is not None and not router.weight.grad.any()
+    assert router.weight.grad is not None
+    assert not router.weight.grad.any()
 
 
 def test_collect_router_losses_weights_and_forgets() -> None:
@@ -161,11 +162,14 @@ def test_expert_bias_update_is_accumulation_safe() -> None:
     halves(x[10:])
     halves.eval()
     halves(x)  # evaluation forwards are not counted
-    assert whole.expert_load is not None and halves.expert_load is not None
+    assert whole.expert_load is not None
+    assert halves.expert_load is not None
     torch.testing.assert_close(whole.expert_load, halves.expert_load)
     load = whole.expert_load.clone()
-    assert update_expert_bias(whole) == 1 and update_expert_bias(halves) == 1
-    assert whole.expert_bias is not None and halves.expert_bias is not None
+    assert update_expert_bias(whole) == 1
+    assert update_expert_bias(halves) == 1
+    assert whole.expert_bias is not None
+    assert halves.expert_bias is not None
     torch.testing.assert_close(whole.expert_bias, 0.01 * torch.sign(load.mean() - load))
     torch.testing.assert_close(whole.expert_bias, halves.expert_bias)
     assert not whole.expert_load.any()
@@ -177,9 +181,12 @@ def test_expert_bias_update_runs_after_the_optimizer_step() -> None:
     handle = register_expert_bias_update(optimizer, router)
     out = router(_x())
     (out.weights.sum()).backward()
-    assert router.expert_bias is not None and not router.expert_bias.any()
+    assert router.expert_bias is not None
+    assert not router.expert_bias.any()
     optimizer.step()
-    assert router.expert_bias.any() and router.expert_load is not None and not router.expert_load.any()
+    assert router.expert_bias.any()
+    assert router.expert_load is not None
+    assert not router.expert_load.any()
     handle.remove()
 
 
@@ -190,7 +197,8 @@ def test_expert_bias_update_sums_counts_over_ranks(rank: int, world_size: int) -
     reference(torch.cat([_x(8, seed=r) for r in range(world_size)]))
     update_expert_bias(router, dist.group.WORLD)
     update_expert_bias(reference, group=None)  # the reference saw the whole batch: no reduction
-    assert router.expert_bias is not None and reference.expert_bias is not None
+    assert router.expert_bias is not None
+    assert reference.expert_bias is not None
     torch.testing.assert_close(router.expert_bias, reference.expert_bias)
 
 
@@ -225,7 +233,12 @@ def test_routers_match_transformers_routers() -> None:
             if hasattr(hf, "e_score_correction_bias"):
                 hf.e_score_correction_bias.normal_(0, 0.1)
         ours = TopKRouter(H, options)
-        ours.load_state_dict({"weight": hf.weight.detach(), **({"expert_bias": hf.e_score_correction_bias} if options.expert_bias else {})})
+        ours.load_state_dict(
+            {
+                "weight": hf.weight.detach(),
+                **({"expert_bias": hf.e_score_correction_bias} if options.expert_bias else {}),
+            }
+        )
         logits, weights, indices = hf(x)
         out = ours(x)
         torch.testing.assert_close(out.logits, logits.float())

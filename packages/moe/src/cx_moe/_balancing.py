@@ -39,7 +39,8 @@ def update_expert_bias(module: nn.Module, group: ProcessGroup | None = None) -> 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(loads, group=group)
     for router, load in zip(routers, loads, strict=True):
-        assert router.expert_bias is not None and router.expert_load is not None
+        assert router.expert_bias is not None
+        assert router.expert_load is not None
         if load.sum() > 0:  # no tokens since the last update: nothing to learn from
             router.expert_bias += router.options.bias_update_rate * torch.sign(load.mean() - load)
         router.expert_load.zero_()

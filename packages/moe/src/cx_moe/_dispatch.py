@@ -36,7 +36,8 @@ class _Wait(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        return funcol.wait_tensor(tensor)
+        waited: torch.Tensor = funcol.wait_tensor(tensor)
+        return waited
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:

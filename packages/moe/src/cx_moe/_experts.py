@@ -71,7 +71,8 @@ def grouped_linear(
     gradient rather than none (data-parallel reductions then see the same parameters on every rank)."""
     if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(
-            f"counts {list(counts)} must have one entry per expert ({weight.shape[0]}) summing to the rows ({x.shape[0]})"
+            f"counts {list(counts)} must have one entry per expert ({weight.shape[0]}) "
+            f"summing to the rows ({x.shape[0]})"
         )
     use_grouped = implementation is ExpertImplementation.GROUPED_MM or (
         implementation is ExpertImplementation.AUTO and grouped_mm_supported(x, weight)
@@ -141,7 +142,9 @@ class GroupedExperts(nn.Module):
             self.gate_up_proj = up
         else:
             self.up_proj = up
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size, device=device, dtype=dtype)
+        )
         if initialize:
             self.reset_parameters()
         self._act = activation_function(activation)

@@ -43,6 +43,9 @@ HF_MOE_BLOCKS: Mapping[str, str] = MappingProxyType(
 )
 
 
+_STATE = "_cx_expert_parallel"  # attribute of a converted experts module
+
+
 class UnknownMoeBlockError(ValueError):
     """A module looks like a MoE block (it holds stacked experts) but cx does not know its layout."""
 
@@ -95,22 +98,26 @@ def _check_layout(name: str, block: nn.Module) -> tuple[nn.Module, int]:
             + "; ".join(problems)
         )
     assert isinstance(experts, nn.Module)
-    return experts, int(experts.gate_up_proj.shape[0])
+    stacked: torch.Tensor = getattr(experts, "gate_up_proj")  # noqa: B009  (checked above; typed access)
+    return experts, int(stacked.shape[0])
 
 
 def _expert_parallel_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers' experts call, expert-parallel: rows to the experts' ranks, grouped matmul, rows back."""
-    state: _ExpertParallelState = self._cx_expert_parallel
-    rows, counts, plan = dispatch(hidden_states, top_k_index, state.num_experts, state.group)
+    state: _ExpertParallelState = getattr(self, _STATE)
+    gate_up: torch.Tensor = getattr(self, "gate_up_proj")  # noqa: B009  (nn.Module attributes are untyped)
+    down: torch.Tensor = getattr(self, "down_proj")  # noqa: B009
+    act: Callable[[torch.Tensor], torch.Tensor] = getattr(self, "act_fn")  # noqa: B009
     apply_gate: Callable[[torch.Tensor], torch.Tensor] | None = getattr(self, "_apply_gate", None)
+    rows, counts, plan = dispatch(hidden_states, top_k_index, state.num_experts, state.group)
     out = expert_mlp(
-        rows.to(self.gate_up_proj.dtype),
+        rows.to(gate_up.dtype),
         counts,
-        scale_grad(self.gate_up_proj, 1.0 / state.ep_size),
-        scale_grad(self.down_proj, 1.0 / state.ep_size),
-        self.act_fn,
+        scale_grad(gate_up, 1.0 / state.ep_size),
+        scale_grad(down, 1.0 / state.ep_size),
+        act,
         gated=True,
         apply_gate=apply_gate,
     )
@@ -135,12 +142,10 @@ def expert_parallelize_hf(
                 f"knows; supported blocks: {', '.join(HF_MOE_BLOCKS)}"
             )
     if not blocks:
-        raise ValueError(
-            f"{type(model).__name__} has no MoE block cx knows (supported: {', '.join(HF_MOE_BLOCKS)})"
-        )
+        raise ValueError(f"{type(model).__name__} has no MoE block cx knows (supported: {', '.join(HF_MOE_BLOCKS)})")
     checked = []
     for name, block in blocks:  # every block checked before any is changed
-        if getattr(getattr(block, "experts", None), "_cx_expert_parallel", None) is not None:
+        if getattr(getattr(block, "experts", None), _STATE, None) is not None:
             raise ValueError(f"{name} is already expert-parallel")
         checked.append(_check_layout(name, block))
     for (name, _), (experts, count) in zip(blocks, checked, strict=True):
@@ -153,6 +158,6 @@ def expert_parallelize_hf(
             piece = nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad)
             set_moe_tensor_info(piece, info)
             setattr(experts, param_name, piece)
-        experts._cx_expert_parallel = _ExpertParallelState(ep_group, count, ep_size)
-        experts.forward = MethodType(_expert_parallel_forward, experts)
+        setattr(experts, _STATE, _ExpertParallelState(ep_group, count, ep_size))
+        setattr(experts, "forward", MethodType(_expert_parallel_forward, experts))  # noqa: B010  (instance override)
     return [name for name, _ in blocks]

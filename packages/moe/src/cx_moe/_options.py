@@ -163,9 +163,7 @@ class ExpertOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation", _enum(Activation, self.activation, "activation"))
-        object.__setattr__(
-            self, "implementation", _enum(ExpertImplementation, self.implementation, "implementation")
-        )
+        object.__setattr__(self, "implementation", _enum(ExpertImplementation, self.implementation, "implementation"))
         if self.hidden_size < 1 or self.intermediate_size < 1:
             raise ValueError(
                 f"hidden_size and intermediate_size must be >= 1, got {self.hidden_size}, {self.intermediate_size}"

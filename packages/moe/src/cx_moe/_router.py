@@ -115,7 +115,10 @@ def collect_router_losses(module: nn.Module) -> torch.Tensor:
     for router in module.modules():
         if not isinstance(router, TopKRouter):
             continue
-        for loss, coef in ((router.aux_loss, router.options.aux_loss_coef), (router.z_loss, router.options.z_loss_coef)):
+        for loss, coef in (
+            (router.aux_loss, router.options.aux_loss_coef),
+            (router.z_loss, router.options.z_loss_coef),
+        ):
             if loss is not None:
                 total = loss * coef if total is None else total + loss * coef
         router.aux_loss = None
