@@ -21,6 +21,7 @@ sum) and backward.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -115,9 +116,7 @@ def _systems(kind: str, rank: int) -> dict[str, tuple[Step, nn.Module]]:
             expert_parallelize_hf(model, dist.group.WORLD)  # type: ignore[arg-type]
         elif system == "transformers ep2":
             _hf_ep(model, "")
-        reduced = [
-            p for n, p in model.named_parameters() if system == "replicated" or not _is_expert(n, p)
-        ]
+        reduced = [p for n, p in model.named_parameters() if system == "replicated" or not _is_expert(n, p)]
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if kind == "model" else None
         systems[system] = (_make_step(kind, model, reduced, optimizer, rank), model)
     return systems
@@ -153,7 +152,8 @@ def _expert_bytes(model: nn.Module) -> int:
     return total
 
 
-def _time(systems: dict[str, tuple[Step, nn.Module]]) -> dict[str, float]:
+def _time(systems: dict[str, tuple[Step, nn.Module]]) -> dict[str, list[float]]:
+    """Per-round step times (seconds) of each system, the systems taking turns within each round."""
     times: dict[str, list[float]] = {name: [] for name in systems}
     for i in range(WARMUP + STEPS):
         for name, (step, _) in systems.items():
@@ -163,7 +163,7 @@ def _time(systems: dict[str, tuple[Step, nn.Module]]) -> dict[str, float]:
             dist.barrier()
             if i >= WARMUP:
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def _breakdown(rank: int) -> dict[str, float]:
@@ -188,7 +188,7 @@ def _breakdown(rank: int) -> dict[str, float]:
         marks = [time.perf_counter()]
         _, weights, indices = block.gate(x)
         marks.append(time.perf_counter())
-        rows, counts, plan = dispatch(x, indices, EXPERTS, dist.group.WORLD)  # type: ignore[arg-type]
+        rows, counts, plan = dispatch(x, indices, EXPERTS, dist.group.WORLD)
         marks.append(time.perf_counter())
         out = expert_mlp(rows, counts, experts.gate_up_proj, experts.down_proj, experts.act_fn, gated=True)
         marks.append(time.perf_counter())
@@ -197,7 +197,7 @@ def _breakdown(rank: int) -> dict[str, float]:
         (y * torch.randn(y.shape, generator=g)).sum().backward()
         marks.append(time.perf_counter())
         if i >= WARMUP:
-            for k, (a, b) in zip(phases, zip(marks, marks[1:], strict=False), strict=True):
+            for k, (a, b) in zip(phases, itertools.pairwise(marks), strict=True):
                 phases[k].append(b - a)
     return {k: statistics.median(v) for k, v in phases.items()}
 
@@ -221,17 +221,21 @@ def main() -> None:
         result = json.loads(Path(path).read_text())
     tokens = {"layer": TOKENS, "model": BATCH * SEQ}
     for kind, title in (("layer", "one MoE layer, fwd+bwd+reduce"), ("model", "tiny Mixtral training step")):
-        times = result[kind]
-        base = times["replicated"]
-        print(f"\n{title} ({tokens[kind]} tokens per rank), 2 ranks")
-        print("| system | median ms | tokens/s (both ranks) | time / replicated | time / transformers ep2 | "
-              "expert MB per rank |")
+        rounds = result[kind]
+        print(f"\n{title} ({tokens[kind]} tokens per rank), 2 ranks; ratios: medians of per-round ratios")
+        print(
+            "| system | median ms | tokens/s (both ranks) | time / replicated | time / transformers ep2 | "
+            "expert MB per rank |"
+        )
         print("|---|---|---|---|---|---|")
-        for name, t in times.items():
+        for name, t in rounds.items():
+            median = statistics.median(t)
+            vs_replicated = statistics.median(a / b for a, b in zip(t, rounds["replicated"], strict=True))
+            vs_hf = statistics.median(a / b for a, b in zip(t, rounds["transformers ep2"], strict=True))
             mb = result[f"{kind} expert bytes"][name] / 2**20
             print(
-                f"| {name} | {t * 1e3:.1f} | {2 * tokens[kind] / t:,.0f} | {t / base:.2f} | "
-                f"{t / times['transformers ep2']:.2f} | {mb:.2f} |"
+                f"| {name} | {median * 1e3:.1f} | {2 * tokens[kind] / median:,.0f} | {vs_replicated:.2f} | "
+                f"{vs_hf:.2f} | {mb:.2f} |"
             )
     phases = result["breakdown"]
     total = sum(phases.values())
