@@ -48,7 +48,7 @@ def spawn(
         world_size = nprocs if nprocs is not None else 1
     elif nprocs is not None and nprocs != world_size:
         raise ValueError(f"spawn: world_size={world_size} and nprocs={nprocs} disagree; pass one of them")
-    if "port" not in kwargs and "port" in inspect.signature(function).parameters:
+    if _wants_port(function, world_size, args, kwargs):
         kwargs["port"] = free_port()
         if init_process_group is None:
             init_process_group = False
@@ -108,3 +108,15 @@ def run_distributed(
     if fresh:
         return spawn(function, world_size, backend=backend, timeout=timeout, threads=threads, **kwargs)
     return run_in_pool(FunctionRef.of(function), world_size, kwargs, backend=backend, timeout=timeout, threads=threads)
+
+
+def _wants_port(function: Callable[..., Any], world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether `function` takes a `port` that this call leaves unbound (ColossalAI's self-launching form)."""
+    signature = inspect.signature(function)
+    if "port" not in signature.parameters:
+        return False
+    try:
+        bound = signature.bind_partial(0, world_size, *args, **kwargs)
+    except TypeError:
+        return False
+    return "port" not in bound.arguments
