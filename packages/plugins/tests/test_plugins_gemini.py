@@ -34,6 +34,7 @@ def test_plugins_gemini_fp32_matches_single_process(rank: int, world_size: int) 
         {"offload_optim_frac": 1.0, "offload_param_frac": 1.0},
         {"placement_policy": "auto"},
         {"max_prefetch": 2},
+        {"chunk_init_device": torch.device("cpu")},  # the model is not moved first: chunks are built on the CPU
     ],
 )
 def test_plugins_gemini_placements_through_plugin_arguments(

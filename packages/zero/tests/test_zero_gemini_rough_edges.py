@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cx_chunk import Residence
+from cx_mesh import CpuAccelerator, get_accelerator, set_accelerator
 from cx_mesh.testing import distributed
 from cx_zero.gemini import GeminiDDP, GeminiOptimizer, PathMismatchError
 from zero_gemini_helpers import assert_state_close, local
@@ -464,3 +466,45 @@ def test_zero_gemini_rough_edges_batchnorm_buffers(rank: int, world_size: int, c
         torch.testing.assert_close(saved["bn.running_mean"], stats[0]["bn.running_mean"], rtol=RTOL, atol=ATOL)
     else:
         assert saved == {}
+
+
+# ----------------------------------------------------------------------------------------------- chunk_init_device
+class _CountingAccelerator(CpuAccelerator):
+    """The CPU accelerator, counting how often cx asks it for the compute device."""
+
+    asked = 0
+
+    def current_device(self) -> torch.device:
+        type(self).asked += 1
+        return super().current_device()
+
+
+@distributed(world_size=2)
+def test_zero_gemini_rough_edges_chunk_init_device_only_says_where_chunks_are_built(rank: int, world_size: int) -> None:
+    """`chunk_init_device` says where chunks are built; they compute on the accelerator's current device (ColossalAI's
+    meaning), which GeminiDDP asks the accelerator for. On this CPU-only machine both are the CPU; the GPU test
+    (test_zero_gemini_gpu) checks chunk_init_device=cpu computing on CUDA against PyTorch. Other devices are
+    refused."""
+    previous = get_accelerator()
+    set_accelerator(_CountingAccelerator())
+    try:
+        ddp = GeminiDDP(
+            _stack(),
+            chunk_config_dict={"chunk_size": BLOCK_NUMEL},
+            mixed_precision=torch.bfloat16,
+            chunk_init_device=torch.device("cpu"),
+        )
+        assert _CountingAccelerator.asked > 0
+    finally:
+        set_accelerator(previous)
+    assert ddp.chunk_init_device == torch.device("cpu")
+    assert ddp.compute_device == get_accelerator().current_device()
+    for chunk in ddp.manager.chunks():
+        assert chunk.compute_device == ddp.compute_device
+        assert ddp.manager.master_chunk(chunk).residence is Residence.DEVICE
+    x = torch.randn(2, DIM, generator=torch.Generator().manual_seed(rank))
+    reference = _stack().to(torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(ddp(x).float(), reference(x.to(torch.bfloat16)).float())
+    with pytest.raises(ValueError, match=r"chunk_init_device must be the CPU or the accelerator \(cpu\), got meta"):
+        GeminiDDP(_stack(), chunk_init_device=torch.device("meta"))
