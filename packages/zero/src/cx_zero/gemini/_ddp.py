@@ -5,8 +5,9 @@ the frozen ones into "frozen" (never reduced, no master) with the parameters of 
 embedding, final norm) in chunks of their own, closes the groups (each rank keeps its own slices),
 creates fp32 master chunks for low-precision parameters and gradient chunks at the placement policy's optimizer
 residence, and installs the module-granularity hooks of `GeminiDriver`. Parameters keep their identity: their
-`.data` points into a gathered chunk while used and at empty storage otherwise. Buffers stay ordinary replicated
-module buffers on the compute device.
+`.data` points into a gathered chunk while used and at empty storage otherwise. Buffers stay ordinary module
+buffers on the compute device, broadcast from rank 0 at wrap time and updated by each rank on its own afterwards
+(docs/gemini.md, Buffers). `chunk_init_device` only says where chunks are built; they compute on the accelerator.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ parameter's post-accumulate-grad hook moves its gradient into the chunk's gradie
 and, once every parameter of a chunk has its gradient, reduce-scatters that chunk and releases it. A sharded
 chunk takes the gradients into its own gathered buffer (a parameter's values are dead once its gradient exists),
 so backward holds one full-size buffer per chunk in flight, not two. A callback at
-the end of backward checks that every rank produced gradients for the same parameters (a clear error instead of
-mismatched collectives), then reduces the chunks whose parameters were partly unused (missing gradients are zero).
+the end of backward checks that every rank produced gradients for the same parameters and issued the same chunk
+collectives in the same order (a clear error instead of mixed collectives; the end of a forward is checked the
+same way), then reduces the chunks whose parameters were partly unused (missing gradients are zero).
 """
 
 from __future__ import annotations
@@ -254,6 +255,13 @@ class GeminiDriver:
 
     # --------------------------------------------------------------------------------------------- backward
     def _begin_backward(self) -> None:
+        if torch.is_grad_enabled() and self._any_released():  # autograd runs a create_graph=True backward so
+            raise RuntimeError(
+                "GeminiDDP: a backward with create_graph=True (a gradient penalty, double backward) is not supported "
+                "while parameters are sharded: the graph it builds reads parameters whose chunks are released after "
+                "use. Keep every chunk gathered (strict_ddp_mode=True or shard_param_frac=0.0), or compute the "
+                "input gradient without create_graph"
+            )
         if self.grads_pending and not self.allow_accumulation:
             raise RuntimeError(
                 "GeminiDDP: a second backward before optimizer.step()/zero_grad() accumulates gradients; pass "
@@ -267,6 +275,11 @@ class GeminiDriver:
             self.scheduler.begin_step()
             self._in_step = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _any_released(self) -> bool:
+        """Whether the placement releases (shards or evicts) any parameter chunk between uses."""
+        policy = self.scheduler.policy
+        return any(not policy.keeps_gathered(chunk) for chunk in self.manager.chunks())
 
     def _pre_backward(self, unit: Unit) -> None:
         if not self._in_backward:
