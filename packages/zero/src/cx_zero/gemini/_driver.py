@@ -255,7 +255,7 @@ class GeminiDriver:
 
     # --------------------------------------------------------------------------------------------- backward
     def _begin_backward(self) -> None:
-        if torch.is_grad_enabled() and self._any_released():  # autograd runs a create_graph=True backward so
+        if torch.is_grad_enabled() and self._any_released():  # grad mode is on only in a create_graph backward
             raise RuntimeError(
                 "GeminiDDP: a backward with create_graph=True (a gradient penalty, double backward) is not supported "
                 "while parameters are sharded: the graph it builds reads parameters whose chunks are released after "
