@@ -441,6 +441,25 @@ class OpaqueModel(nn.Module):
         return out
 
 
+class CarryingBlock(Block):
+    """Returns a tensor and, beside it, an opaque object holding another (as a key/value cache would)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Opaque]:  # type: ignore[override]
+        h = super().forward(x)
+        return h, Opaque(2 * h)
+
+
+class CarryingModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = CarryingBlock()
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.block(x)[0])
+        return out
+
+
 @distributed(world_size=2)
 def test_zero_gemini_rough_edges_opaque_output_raises_naming_its_type(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
@@ -450,6 +469,17 @@ def test_zero_gemini_rough_edges_opaque_output_raises_naming_its_type(rank: int,
         ddp(x)
     with torch.no_grad():  # without autograd nothing needs gathering again: allowed
         assert ddp(x).shape == (4, 1)
+    torch.manual_seed(0)
+    reference = CarryingModel()
+    torch.manual_seed(0)
+    carrying = GeminiDDP(CarryingModel(), chunk_config_dict={"chunk_size": BLOCK_NUMEL}, mixed_precision=torch.float32)
+    optimizer = GeminiOptimizer(_sgd(list(carrying.parameters())), carrying)
+    ref_optimizer = _sgd(list(reference.parameters()))
+    optimizer.backward(carrying(local(x, rank, world_size)).square().mean())  # the visible tensor is enough
+    optimizer.step()
+    torch.stack([reference(local(x, r, world_size)).square().mean() for r in range(world_size)]).mean().backward()
+    ref_optimizer.step()
+    assert_state_close(carrying.state_dict(only_rank_0=False), reference.state_dict(), RTOL, ATOL, "carrying")
 
 
 # ---------------------------------------------------------------------------------------------------- buffers

@@ -3,9 +3,11 @@
 GeminiDDP registers the backward re-gather of a unit on the tensors its forward returned, and decides whether a
 forward ends the step from whether its output needs a gradient; both must see every tensor. torch's pytree knows
 tensors, lists, tuples (named ones too), dicts and every type registered with it (Hugging Face's `ModelOutput`
-is); dataclasses that are not registered are walked through their fields here. A tensor that needs a gradient
-inside anything else (an object pytree sees as one opaque leaf) would reach backward without its unit gathered
-again: that is an error naming the type, instead of a failure deep inside autograd.
+is); dataclasses that are not registered are walked through their fields here. When an output shows no tensor
+that needs a gradient but holds one inside anything else (an object pytree sees as one opaque leaf), backward would
+reach the unit without gathering it again: that is an error naming the type, instead of a failure deep inside
+autograd. (Outputs that show such a tensor are not searched further: the backward hook registered on them is enough,
+and objects carried alongside, such as a key/value cache, are left alone.)
 """
 
 from __future__ import annotations
@@ -51,11 +53,14 @@ def _collect(value: object, found: list[torch.Tensor], seen: set[int]) -> None:
 
 
 def grad_tensors_in(value: object, producer: str) -> list[torch.Tensor]:
-    """The tensors in `value` that require a gradient; raises `OpaqueOutputError` naming `producer` and the type
-    when one is hidden in a structure neither pytree nor dataclass fields see (one attribute level is looked at)."""
+    """The tensors in `value` that require a gradient. When there is none, raises `OpaqueOutputError` naming
+    `producer` and the type if one is hidden in a structure neither pytree nor dataclass fields see (one attribute
+    level is looked at)."""
     if isinstance(value, torch.Tensor):
         return [value] if value.requires_grad else []
     visible = [t for t in tensors_in(value) if t.requires_grad]
+    if visible:
+        return visible
     for leaf in _opaque_leaves(value, set()):
         hidden = [t for item in vars(leaf).values() for t in tensors_in(item) if t.requires_grad]
         if hidden:
@@ -66,7 +71,7 @@ def grad_tensors_in(value: object, producer: str) -> list[torch.Tensor]:
                 "tensors, lists, tuples, dicts or dataclasses, or register the type with "
                 "torch.utils._pytree.register_pytree_node (or register_dataclass)"
             )
-    return visible
+    return []
 
 
 def _opaque_leaves(value: object, seen: set[int]) -> list[Any]:
