@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from _chunk_helpers import layered_manager, layered_params, run_period
+from _chunk_helpers import assert_accounted, layered_manager, layered_params, run_period
 from cx_chunk import (
     AutoPlacementPolicy,
     BudgetError,
@@ -64,7 +64,7 @@ def test_chunk_auto_policy_never_exceeds_budget(rank: int, world_size: int) -> N
     steady = policy.budget_log[len(order) :]
     assert [r.budget for r in steady] == [capacity - non_model[p] for p in range(len(order))] * 2
     assert policy.evictions, "the budget is tight enough that the run must evict"
-    assert manager.usage == manager.recount()
+    assert_accounted(manager)
 
 
 def _belady(periods: list[int], cache: int, resident: list[int]) -> list[tuple[int, int]]:

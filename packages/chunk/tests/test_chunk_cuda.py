@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _chunk_helpers import assert_accounted
 from cx_chunk import ChunkConfig, ChunkManager, Residence, TensorState
 from cx_mesh.testing import distributed
 
@@ -40,4 +41,4 @@ def test_chunk_cuda_round_trip_reduce_and_offload(rank: int, world_size: int) ->
         full = torch.zeros(chunk.chunk_size)
         full[: chunk.utilized_size] = 1.5
         torch.testing.assert_close(chunk.shard_tensor().cpu(), full[chunk.shard_begin : chunk.shard_end])
-    assert manager.usage == manager.recount()
+    assert_accounted(manager)

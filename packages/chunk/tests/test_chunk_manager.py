@@ -5,30 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cx_chunk import Chunk, ChunkConfig, ChunkError, ChunkManager, MemoryUsage, Residence, TensorState
+from _chunk_helpers import assert_accounted
+from cx_chunk import ChunkConfig, ChunkError, ChunkManager, Residence, TensorState
 from cx_mesh.testing import distributed
 
 
-def _resident(chunks: list[Chunk]) -> MemoryUsage:
-    """Independent recount from the tensors each chunk holds (not the chunks' own figures)."""
-    device = host = 0
-    for chunk in chunks:
-        pieces = []
-        if chunk._buffer is not None:
-            pieces.append((chunk._buffer, chunk._buffer_residence))
-        if chunk._shard is not None:
-            pieces.append((chunk._shard, chunk._shard_residence))
-        for tensor, residence in pieces:
-            nbytes = tensor.numel() * tensor.element_size()
-            if residence is Residence.DEVICE:
-                device += nbytes
-            else:
-                host += nbytes
-    return MemoryUsage(device, host)
-
-
 def _check(manager: ChunkManager) -> None:
-    assert manager.usage == _resident(manager.all_chunks())
+    assert_accounted(manager)
     assert manager.peak.device >= manager.usage.device
     assert manager.peak.host >= manager.usage.host
 
@@ -90,7 +73,7 @@ def test_chunk_manager_accounting_after_every_operation(rank: int, world_size: i
     _check(manager)
     with pytest.raises(ChunkError, match="already has a state chunk named 'exp_avg'"):
         manager.create_state_chunk(chunks[0], "exp_avg")
-    assert manager.usage == manager.recount()
+    assert_accounted(manager)
     manager.reset_peak()
     assert manager.peak == manager.usage
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _chunk_helpers import layered_manager, layered_params, run_period
+from _chunk_helpers import assert_accounted, layered_manager, layered_params, run_period
 from cx_chunk import (
     AutoPlacementPolicy,
     ChunkScheduler,
@@ -54,7 +54,7 @@ def test_chunk_prefetch_gathers_ahead_after_warmup(rank: int, world_size: int, m
     assert gathers_per_step == expected
     assert scheduler.warmed_up
     assert scheduler.prefetch_log
-    assert manager.usage == manager.recount()
+    assert_accounted(manager)
 
 
 @distributed(world_size=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _chunk_helpers import layered_params, run_period
+from _chunk_helpers import assert_accounted, layered_params, run_period
 from cx_chunk import ChunkConfig, ChunkManager, ChunkScheduler, MemoryUsage, StaticPlacementPolicy
 from cx_mesh.testing import distributed
 
@@ -59,7 +59,7 @@ def test_chunk_static_policy_resident_bytes_match_formula(
         for i in range(len(sizes))
     )
     assert manager.usage == MemoryUsage(device, host)
-    assert manager.usage == manager.recount()
+    assert_accounted(manager)
 
 
 @distributed(world_size=1)

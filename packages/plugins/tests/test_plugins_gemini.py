@@ -3,6 +3,7 @@ and clear errors for arguments cx does not support yet."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -33,6 +34,7 @@ def test_plugins_gemini_fp32_matches_single_process(rank: int, world_size: int) 
         {"offload_optim_frac": 1.0, "offload_param_frac": 1.0},
         {"placement_policy": "auto"},
         {"max_prefetch": 2},
+        {"chunk_init_device": torch.device("cpu")},  # the model is not moved first: chunks are built on the CPU
     ],
 )
 def test_plugins_gemini_placements_through_plugin_arguments(
@@ -61,11 +63,41 @@ def test_plugins_gemini_low_precision_trains_like_fp32(rank: int, world_size: in
 
 
 @distributed(world_size=2)
+def test_plugins_gemini_shardformer_switches_with_tp_size_1_warn_once_and_change_nothing(
+    rank: int, world_size: int
+) -> None:
+    """ColossalAI's examples pass `enable_fused_normalization=get_accelerator().is_available()`: with tp_size=1
+    ColossalAI's Gemini ignores every ShardFormer switch, so cx accepts them with one warning naming them, and the
+    training is exactly the plugin's without them."""
+    switches = {
+        "enable_all_optimization": True,
+        "enable_fused_normalization": True,
+        "enable_flash_attention": True,
+        "enable_sequence_parallelism": True,
+        "enable_jit_fused": True,
+        "enable_sequence_overlap": True,
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        booster, _, model, optimizer = boosted("gemini", **switches)
+    mentioning = [w for w in caught if "ShardFormer" in str(w.message)]
+    assert len(mentioning) == 1, [str(w.message) for w in caught]
+    assert all(f"{name}=True" in str(mentioning[0].message) for name in switches)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GeminiPlugin(enable_fused_normalization=True, precision="fp32")
+    assert [str(w.message).split(" ignored")[0] for w in caught] == ["GeminiPlugin: enable_fused_normalization=True"]
+    batches = data(STEPS)
+    train(rank, world_size, booster, model, optimizer, batches)
+    assert_matches(model, reference(batches), "gemini with ShardFormer switches at tp_size=1")
+
+
+@distributed(world_size=2)
 def test_plugins_gemini_bad_arguments(rank: int, world_size: int) -> None:
     with pytest.raises(NotImplementedError, match=r"tp_size=2.*cx-shardformer"):
         GeminiPlugin(tp_size=2)
-    with pytest.raises(NotImplementedError, match="enable_flash_attention"):
-        GeminiPlugin(enable_flash_attention=True)
+    with pytest.raises(NotImplementedError, match=r"tp_size=2.*cx-shardformer"):
+        GeminiPlugin(tp_size=2, enable_flash_attention=True)
     with pytest.raises(NotImplementedError, match="fp8"):
         GeminiPlugin(use_fp8=True)
     with pytest.raises(ValueError, match=r"unsupported precision 'fp8'"):

@@ -61,3 +61,11 @@ def test_zero_gemini_gpu_two_ranks_on_one_gpu_over_gloo() -> None:
 
 def test_zero_gemini_gpu_optimizer_offload() -> None:
     spawn(_parity, 2, "bf16", {"offload_optim_frac": 1.0}, backend="gloo", timeout=300)
+
+
+def test_zero_gemini_gpu_chunk_init_device_cpu_computes_on_the_gpu() -> None:
+    """chunk_init_device=cpu (ColossalAI: where chunks are first built) on a GPU machine: the model is built on the
+    CPU, its chunks are built there, and everything then lives and computes on the GPU (`_parity` checks the
+    compute device and that each chunk's values are GPU-resident), matching PyTorch."""
+    world_size = min(2, torch.cuda.device_count())
+    spawn(_parity, world_size, "fp32", {"chunk_init_device": torch.device("cpu")}, backend="nccl", timeout=300)

@@ -1,7 +1,9 @@
 """`Chunk`: one 1-D buffer of `chunk_size` elements holding many tensors back to back, sharded over a group.
 
 Storage model (what exists when):
-- open (before `close`): the full buffer on the compute device; appended tensors point into it.
+- open (before `close`): the full buffer on the compute device, or on the CPU when `init_device` says so (building a
+  model's chunks without holding it whole on the accelerator, as ColossalAI's `chunk_init_device`); appended tensors
+  point into it. Closing moves what remains (the own slice, or the kept buffer) to the compute device.
 - sharded, released: only this rank's own slice (`chunk_size / group_size` elements) exists, on the device or the
   host (`move`); the chunk's tensors point at empty storage.
 - gathered: the full buffer on the compute device; the own slice is a view into it; tensors point at their slots.
@@ -84,6 +86,7 @@ class Chunk:
         extra_dp_group: ProcessGroup | None = None,
         pin_memory: bool = False,
         compute_device: torch.device | None = None,
+        init_device: torch.device | None = None,
     ) -> None:
         require_initialized("cx_chunk.Chunk")
         if chunk_size <= 0:
@@ -115,8 +118,13 @@ class Chunk:
         self._entries: dict[int, _Entry] = {}
         self._order: list[_Entry] = []
         self._repoint = True
-        self._buffer: torch.Tensor | None = torch.zeros(chunk_size, dtype=dtype, device=self.compute_device)
-        self._buffer_residence = Residence.DEVICE
+        built = self.compute_device if init_device is None else _with_index(init_device)
+        if built not in (self.compute_device, torch.device("cpu")):
+            raise ValueError(
+                f"Chunk: init_device must be the compute device ({self.compute_device}) or the CPU, got {built}"
+            )
+        self._buffer: torch.Tensor | None = torch.zeros(chunk_size, dtype=dtype, device=built)
+        self._buffer_residence = Residence.DEVICE if built == self.compute_device else Residence.HOST
         self._shard: torch.Tensor | None = None
         self._shard_residence = Residence.DEVICE
         self._pending: dist.Work | None = None
@@ -193,8 +201,11 @@ class Chunk:
         if self.is_closed:
             raise ChunkError(f"chunk {self.chunk_id} is already closed")
         self.is_closed = True
+        built_on_host = self._buffer_residence is Residence.HOST
         if not self.keep_gathered:
             self._scatter()
+        if built_on_host:  # init_device: built on the host; the chunk lives and computes on the compute device
+            self.move(Residence.DEVICE)
 
     # ------------------------------------------------------------------------------------------------ states
     def tensor_state(self, tensor: torch.Tensor) -> TensorState:

@@ -43,6 +43,7 @@ class ChunkManager:
         group: ProcessGroup | None = None,
         extra_dp_group: ProcessGroup | None = None,
         compute_device: torch.device | None = None,
+        init_device: torch.device | None = None,
         pin_memory: bool = False,
     ) -> None:
         require_initialized("cx_chunk.ChunkManager")
@@ -50,6 +51,7 @@ class ChunkManager:
         self.group = group
         self.extra_dp_group = extra_dp_group
         self.compute_device = compute_device if compute_device is not None else get_accelerator().current_device()
+        self.init_device = init_device  # where chunks are built (None: the compute device); see Chunk
         self.pin_memory = pin_memory
         self.group_size = dist.get_world_size(group)
         if config.chunk_size % self.group_size != 0:
@@ -69,6 +71,7 @@ class ChunkManager:
         self._usage = MemoryUsage()
         self._peak = MemoryUsage()
         self._collectives = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self.on_collective: Callable[[str, Chunk], None] | None = None
 
     @property
     def usage(self) -> MemoryUsage:
@@ -84,6 +87,13 @@ class ChunkManager:
     def collective_counts(self) -> dict[str, int]:
         """Collectives issued so far: all_gather, reduce_scatter, all_reduce."""
         return dict(self._collectives)
+
+    def _issued(self, kind: str, chunk: Chunk) -> None:
+        """Count a collective issued for `chunk` and tell `on_collective` (cx-zero's path check records the
+        sequence: ranks must issue the same collectives for the same chunks in the same order)."""
+        self._collectives[kind] += 1
+        if self.on_collective is not None:
+            self.on_collective(kind, chunk)
 
     @property
     def accessed(self) -> frozenset[Chunk]:
@@ -211,7 +221,7 @@ class ChunkManager:
         if not chunk.is_gathered:
             self._note_transient(chunk, chunk.nbytes)  # the new buffer exists while the own slice still does
         if self._tracked(chunk, lambda: chunk.gather(async_op=async_op)):
-            self._collectives["all_gather"] += 1
+            self._issued("all_gather", chunk)
         self._accessed.add(chunk)
 
     def prefetch_chunk(self, chunk: Chunk) -> None:
@@ -221,7 +231,7 @@ class ChunkManager:
         if not chunk.is_gathered:
             self._note_transient(chunk, chunk.nbytes)
         if self._tracked(chunk, lambda: chunk.gather(async_op=True)):
-            self._collectives["all_gather"] += 1
+            self._issued("all_gather", chunk)
 
     def wait_chunk(self, chunk: Chunk) -> None:
         self._tracked(chunk, chunk.wait)
@@ -259,9 +269,9 @@ class ChunkManager:
             self._reduce_in_buffer(chunk, grad_chunk, async_op)
         else:
             self._reduce_separate(chunk, grad_chunk)
-        self._collectives["all_reduce" if chunk.keep_gathered else "reduce_scatter"] += 1
+        self._issued("all_reduce" if chunk.keep_gathered else "reduce_scatter", chunk)
         if chunk.extra_dp_group is not None:
-            self._collectives["all_reduce"] += 1
+            self._issued("all_reduce", chunk)
         self._accessed.discard(chunk)
 
     def _reduce_in_buffer(self, chunk: Chunk, grad_chunk: Chunk | None, async_op: bool) -> None:
@@ -464,6 +474,7 @@ class ChunkManager:
             extra_dp_group=self.extra_dp_group,
             pin_memory=self.pin_memory,
             compute_device=self.compute_device,
+            init_device=self.init_device,
         )
         self._next_id += 1
         self._add(chunk.memory_usage())

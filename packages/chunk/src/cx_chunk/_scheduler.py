@@ -7,7 +7,10 @@ non-model bytes, which become a `StepTrace` at `end_step` (non-model figures agr
 all-reduce, so every rank takes the same decisions and issues the same collectives). After warm-up, with
 `max_prefetch = k`, each `access` also starts gathering those of the next k distinct chunks in recorded order that
 are not gathered yet (asynchronously where the backend allows; on CPU/gloo it is still correct), and `release`
-keeps a chunk gathered when the next recorded period uses it again (no shard/re-gather pair).
+keeps a chunk gathered when the next recorded period uses it again (no shard/re-gather pair). A step whose
+accesses leave the recorded order stops prefetching until it ends: the trace no longer says what comes next, and
+ranks that took different orders would otherwise issue different numbers of gathers (a hang or a crash) instead of
+the same number in a different order (which cx-zero's path check reports).
 """
 
 from __future__ import annotations
@@ -48,11 +51,17 @@ class ChunkScheduler:
         self.prefetch_log: list[tuple[int, int]] = []
         self._period = 0
         self._in_step = False
+        self._off_trace = False
         policy.setup(manager)
 
     @property
     def warmed_up(self) -> bool:
         return self.trace is not None
+
+    @property
+    def off_trace(self) -> bool:
+        """Whether the running step's accesses have left the recorded order (prefetch is off until the step ends)."""
+        return self._off_trace
 
     @property
     def period(self) -> int:
@@ -64,6 +73,7 @@ class ChunkScheduler:
             raise RuntimeError("ChunkScheduler.begin_step: the previous step was not ended (call end_step)")
         self._in_step = True
         self._period = 0
+        self._off_trace = False
 
     def access(self, tensors: Sequence[torch.Tensor], *, non_model_bytes: int | None = None) -> list[Chunk]:
         """Start a period using `tensors`: make room, gather their chunks, prefetch; returns the chunks."""
@@ -80,7 +90,10 @@ class ChunkScheduler:
         for chunk in chunks:
             self.manager.wait_chunk(chunk)
         self.policy.after_access(self.manager, period, self.trace)
-        if self.trace is not None and self.max_prefetch:
+        if self.trace is not None and not self._off_trace:
+            recorded = self.trace.chunks_per_period
+            self._off_trace = period >= len(recorded) or recorded[period] != frozenset(chunks)
+        if self.trace is not None and self.max_prefetch and not self._off_trace:
             self._prefetch(period)
         return chunks
 

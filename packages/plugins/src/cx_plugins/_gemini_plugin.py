@@ -1,14 +1,17 @@
 """`GeminiPlugin`: chunk-based ZeRO-3 (cx_zero.GeminiDDP + GeminiOptimizer) behind the Booster.
 
 Every constructor argument of ColossalAI's GeminiPlugin is accepted and honoured. Those that need pieces cx has not
-built yet (tensor parallelism and the ShardFormer switches, fp8) raise `NotImplementedError` naming what is missing
-when given a non-default value; nothing is silently ignored. Unlike ColossalAI, `enable_async_reduce` does not
-quietly turn `pin_memory` on, and `precision` also accepts "fp32".
+built yet (tensor parallelism, fp8) raise `NotImplementedError` naming what is missing when given a non-default
+value. The ShardFormer switches only act with tensor parallelism, in ColossalAI too: with `tp_size=1` they are
+accepted with one warning naming them (ColossalAI's own examples pass `enable_fused_normalization=True`), and
+have no effect. Unlike ColossalAI, `enable_async_reduce` does not quietly turn `pin_memory` on, and `precision`
+also accepts "fp32".
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,27 +36,22 @@ from cx_zero import GeminiDDP, GeminiOptimizer, NormType
 __all__ = ["GeminiPlugin"]
 
 _NOT_BUILT = {
-    "tp_size": "tensor parallelism needs cx-shardformer, which is not built yet",
-    "enable_all_optimization": "ShardFormer optimizations need cx-shardformer, which is not built yet",
-    "enable_fused_normalization": "fused normalization comes with cx-shardformer, which is not built yet",
-    "enable_flash_attention": "flash attention comes with cx-shardformer, which is not built yet",
-    "enable_sequence_parallelism": "sequence parallelism needs cx-shardformer, which is not built yet",
-    "enable_jit_fused": "JIT fusion comes with cx-shardformer, which is not built yet",
-    "enable_sequence_overlap": "sequence overlap needs cx-shardformer, which is not built yet",
+    "tp_size": "tensor parallelism (and the ShardFormer switches that come with it) needs cx-shardformer, which is "
+    "not built yet",
     "use_fp8": "fp8 matmuls are not supported by cx yet",
     "fp8_communication": "fp8 communication is not supported by cx yet",
 }
-_DEFAULTS: dict[str, object] = {
-    "tp_size": 1,
-    "enable_all_optimization": False,
-    "enable_fused_normalization": False,
-    "enable_flash_attention": False,
-    "enable_sequence_parallelism": False,
-    "enable_jit_fused": False,
-    "enable_sequence_overlap": False,
-    "use_fp8": False,
-    "fp8_communication": False,
-}
+_DEFAULTS: dict[str, object] = {"tp_size": 1, "use_fp8": False, "fp8_communication": False}
+# ShardFormer switches: ColossalAI's GeminiPlugin runs ShardFormer only when tp_size > 1, so with tp_size=1 they do
+# nothing there either
+_SHARDFORMER_SWITCHES = (
+    "enable_all_optimization",
+    "enable_fused_normalization",
+    "enable_flash_attention",
+    "enable_sequence_parallelism",
+    "enable_jit_fused",
+    "enable_sequence_overlap",
+)
 
 
 @dataclass(frozen=True)
@@ -181,20 +179,32 @@ class GeminiPlugin(ZeroPluginBase):
         fp8_communication: bool = False,
     ) -> None:
         super().__init__()
-        given = {
-            "tp_size": tp_size,
-            "enable_all_optimization": enable_all_optimization,
-            "enable_fused_normalization": enable_fused_normalization,
-            "enable_flash_attention": enable_flash_attention,
-            "enable_sequence_parallelism": enable_sequence_parallelism,
-            "enable_jit_fused": enable_jit_fused,
-            "enable_sequence_overlap": enable_sequence_overlap,
-            "use_fp8": use_fp8,
-            "fp8_communication": fp8_communication,
-        }
+        given = {"tp_size": tp_size, "use_fp8": use_fp8, "fp8_communication": fp8_communication}
         for name, value in given.items():
             if value != _DEFAULTS[name]:
                 raise NotImplementedError(f"GeminiPlugin({name}={value!r}): {_NOT_BUILT[name]}")
+        switches = dict(
+            zip(
+                _SHARDFORMER_SWITCHES,
+                (
+                    enable_all_optimization,
+                    enable_fused_normalization,
+                    enable_flash_attention,
+                    enable_sequence_parallelism,
+                    enable_jit_fused,
+                    enable_sequence_overlap,
+                ),
+                strict=True,
+            )
+        )
+        on = [name for name, value in switches.items() if value]
+        if on:
+            warnings.warn(
+                f"GeminiPlugin: {', '.join(f'{name}=True' for name in on)} ignored: ShardFormer optimizations apply "
+                "only with tensor parallelism (tp_size > 1), in ColossalAI too, and tp_size=1 here",
+                UserWarning,
+                stacklevel=2,
+            )
         resolved = Precision.parse(precision, ZERO_PRECISIONS)
         NormType.parse(norm_type)  # a clear error now rather than at boost time
         self.options = GeminiPluginOptions(
@@ -256,8 +266,15 @@ class GeminiPlugin(ZeroPluginBase):
         elif isinstance(model, ModelWrapper):
             raise ValueError("GeminiPlugin: the model was already boosted by another plugin")
         else:
+            # with chunk_init_device the parameters go straight to that device (the CPU: the accelerator never
+            # holds the whole model); GeminiDDP moves them, and the buffers, where they belong
+            target = (
+                model
+                if self.options.ddp["chunk_init_device"] is not None
+                else model.to(get_accelerator().current_device())
+            )
             ddp = GeminiDDP(
-                model.to(get_accelerator().current_device()),
+                target,
                 **self.options.ddp,
                 zero_group=self.layout.zero_group,
                 extra_dp_group=self.layout.extra_dp_group,

@@ -5,8 +5,9 @@ the frozen ones into "frozen" (never reduced, no master) with the parameters of 
 embedding, final norm) in chunks of their own, closes the groups (each rank keeps its own slices),
 creates fp32 master chunks for low-precision parameters and gradient chunks at the placement policy's optimizer
 residence, and installs the module-granularity hooks of `GeminiDriver`. Parameters keep their identity: their
-`.data` points into a gathered chunk while used and at empty storage otherwise. Buffers stay ordinary replicated
-module buffers on the compute device.
+`.data` points into a gathered chunk while used and at empty storage otherwise. Buffers stay ordinary module
+buffers on the compute device, broadcast from rank 0 at wrap time and updated by each rank on its own afterwards
+(docs/gemini.md, Buffers). `chunk_init_device` only says where chunks are built; they compute on the accelerator.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from cx_zero.gemini import _state
 from cx_zero.gemini._driver import GeminiDriver
 from cx_zero.gemini._gather import full_chunk
 from cx_zero.gemini._options import GeminiOptions, PlacementKind
+from cx_zero.gemini._outputs import map_tensors
 from cx_zero.gemini._units import build_units, long_lived_params, parameter_names
 
 __all__ = ["GeminiDDP", "parse_chunk_config"]
@@ -121,8 +123,17 @@ class GeminiDDP(nn.Module):
         self.options = options
         self.zero_group = zero_group
         self.extra_dp_group = extra_dp_group
-        self.compute_device = chunk_init_device if chunk_init_device is not None else get_accelerator().current_device()
-        self.compute_device = torch.device(self.compute_device)
+        # as in ColossalAI, chunk_init_device only says where chunks are built (the CPU spares the accelerator the
+        # whole model during construction); they live and compute on the accelerator
+        self.compute_device = torch.device(get_accelerator().current_device())
+        self.chunk_init_device = (
+            torch.device(chunk_init_device) if chunk_init_device is not None else self.compute_device
+        )
+        if self.chunk_init_device.type not in ("cpu", self.compute_device.type):
+            raise ValueError(
+                f"GeminiDDP: chunk_init_device must be the CPU or the accelerator ({self.compute_device}), got "
+                f"{self.chunk_init_device}"
+            )
         group_size = dist.get_world_size(zero_group)
 
         sparse = [n for n, m in module.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
@@ -198,10 +209,11 @@ class GeminiDDP(nn.Module):
             group=zero_group,
             extra_dp_group=extra_dp_group,
             compute_device=self.compute_device,
+            init_device=self.chunk_init_device,
             pin_memory=pin_memory,
         )
         for p in params:
-            p.data = p.data.to(self.compute_device, mixed_precision)
+            p.data = p.data.to(self.chunk_init_device, mixed_precision)
         for group_name, wanted in (("param", True), ("frozen", False)):
             together = [p for p in apart if p.requires_grad is wanted]
             if together:
@@ -398,12 +410,5 @@ def _broadcast(tensors: list[torch.Tensor], group: ProcessGroup | None) -> None:
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, tuple):
-        return tuple(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, list):
-        return [_cast_floats(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
+    """Floating tensors anywhere in `value` (pytree structures and dataclasses) cast to `dtype`."""
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, value)

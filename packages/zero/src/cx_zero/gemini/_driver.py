@@ -8,14 +8,16 @@ parameter's post-accumulate-grad hook moves its gradient into the chunk's gradie
 and, once every parameter of a chunk has its gradient, reduce-scatters that chunk and releases it. A sharded
 chunk takes the gradients into its own gathered buffer (a parameter's values are dead once its gradient exists),
 so backward holds one full-size buffer per chunk in flight, not two. A callback at
-the end of backward checks that every rank produced gradients for the same parameters (a clear error instead of
-mismatched collectives), then reduces the chunks whose parameters were partly unused (missing gradients are zero).
+the end of backward checks that every rank produced gradients for the same parameters and issued the same chunk
+collectives in the same order (a clear error instead of mixed collectives; the end of a forward is checked the
+same way), then reduces the chunks whose parameters were partly unused (missing gradients are zero).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from cx_chunk import Chunk, ChunkManager, ChunkScheduler, TensorState
 from cx_mesh import ProcessGroup, all_gather_bytes, all_gather_flat, communication_device, get_accelerator
+from cx_zero.gemini._outputs import OpaqueOutputError, grad_tensors_in
 from cx_zero.gemini._units import Unit
 
 __all__ = ["GeminiDriver", "PathMismatchError"]
@@ -42,17 +45,41 @@ def _same_digest(digest: bytes, group: ProcessGroup | None) -> bool:
 
 
 class PathMismatchError(RuntimeError):
-    """Ranks of one data-parallel group used different parameters in the same step."""
+    """Ranks of one data-parallel group used different parameters, or the same ones in a different order, in the
+    same step."""
 
 
-def _tensors_in(value: object) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors_in(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors_in(item)]
-    return []
+_KINDS = {"all_gather": "g", "reduce_scatter": "r", "all_reduce": "a"}
+_KIND_NAMES = {v: k for k, v in _KINDS.items()}
+_PHASES = {"forward": "used in forward", "backward": "given a gradient in backward"}
+
+
+@dataclass(frozen=True)
+class _Report:
+    """What one rank did in a forward or a backward: the parameters it used (indices), the chunk collectives it
+    issued in order (kind letter, chunk id), and the parameters unfrozen since wrapping."""
+
+    used: tuple[int, ...]
+    sequence: tuple[tuple[str, int], ...]
+    unfrozen: tuple[int, ...]
+
+    def encode(self) -> bytes:
+        return "|".join(
+            [
+                ",".join(map(str, self.used)),
+                ",".join(f"{kind}{chunk}" for kind, chunk in self.sequence),
+                ",".join(map(str, self.unfrozen)),
+            ]
+        ).encode()
+
+    @staticmethod
+    def decode(raw: bytes) -> _Report:
+        used, sequence, unfrozen = raw.decode().split("|")
+        return _Report(
+            tuple(int(x) for x in used.split(",") if x),
+            tuple((x[0], int(x[1:])) for x in sequence.split(",") if x),
+            tuple(int(x) for x in unfrozen.split(",") if x),
+        )
 
 
 class GeminiDriver:
@@ -79,6 +106,11 @@ class GeminiDriver:
         self.trainable = [p for unit in units for p in unit.params if p.requires_grad]
         self._ordered = self._unique(p for u in units for p in u.params)
         self._index = {id(p): i for i, p in enumerate(self._ordered)}
+        self.frozen = [p for p in self._ordered if not p.requires_grad]  # at wrap time: chunks without gradients
+        self._unfrozen: list[int] = []
+        self._chunk_by_id = {chunk.chunk_id: chunk for chunk in manager.chunks()}
+        self._sequence: list[tuple[str, int]] = []  # chunk collectives of the running forward or backward
+        manager.on_collective = self._record
         self.broken: str | None = None
         self._uses: dict[int, int] = {}
         self._skipped: dict[int, list[bool]] = {}  # per module: whether each running call skipped (covered)
@@ -112,6 +144,10 @@ class GeminiDriver:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.manager.on_collective = None
+
+    def _record(self, kind: str, chunk: Chunk) -> None:
+        self._sequence.append((_KINDS[kind], chunk.chunk_id))
 
     # ------------------------------------------------------------------------------------------------ steps
     def begin_forward(self) -> None:
@@ -123,17 +159,30 @@ class GeminiDriver:
         if self._expect_backward:  # the previous forward's graph was dropped without backward
             self._finish_step()
         self._forward_used = set()
+        self._sequence = []
+        self._unfrozen = [self._index[id(p)] for p in self.frozen if p.requires_grad]
         if not self._in_step:
             self.scheduler.begin_step()
             self._in_step = True
 
     def end_forward(self, output: object) -> None:
-        """Called after the wrapped module ran: train steps wait for backward, others end here."""
-        wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in _tensors_in(output))
-        if not wants_grad:
+        """Called after the wrapped module ran: train steps wait for backward, others end here.
+
+        The ranks compare what they used and the order of their chunk collectives (a training forward always; a
+        forward without autograd when it issued collectives, which then must have paired up)."""
+        try:
+            wants_grad = torch.is_grad_enabled() and bool(grad_tensors_in(output, "<root>"))
+        except OpaqueOutputError:
             self._finish_step()
+            raise
+        if not wants_grad:
+            try:
+                if self._sequence:
+                    self._check_same(self._forward_used, "forward")
+            finally:
+                self._finish_step()
             return
-        self._check_same(self._forward_used, "used in forward")
+        self._check_same(self._forward_used, "forward", self._unfrozen)
         self._expect_backward = True
 
     def abandon_forward(self) -> None:
@@ -198,7 +247,7 @@ class GeminiDriver:
             if done:
                 self.scheduler.release(done)
             if torch.is_grad_enabled():
-                outputs = [t for t in _tensors_in(output) if t.requires_grad]
+                outputs = grad_tensors_in(output, unit.name)
                 if outputs:
                     register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit), mode="any")
 
@@ -206,6 +255,13 @@ class GeminiDriver:
 
     # --------------------------------------------------------------------------------------------- backward
     def _begin_backward(self) -> None:
+        if torch.is_grad_enabled() and self._any_released():  # grad mode is on only in a create_graph backward
+            raise RuntimeError(
+                "GeminiDDP: a backward with create_graph=True (a gradient penalty, double backward) is not supported "
+                "while parameters are sharded: the graph it builds reads parameters whose chunks are released after "
+                "use. Keep every chunk gathered (strict_ddp_mode=True or shard_param_frac=0.0), or compute the "
+                "input gradient without create_graph"
+            )
         if self.grads_pending and not self.allow_accumulation:
             raise RuntimeError(
                 "GeminiDDP: a second backward before optimizer.step()/zero_grad() accumulates gradients; pass "
@@ -214,10 +270,16 @@ class GeminiDriver:
         self._in_backward = True
         self._grad_now = set()
         self._reduced_now = set()
+        self._sequence = []
         if not self._in_step:
             self.scheduler.begin_step()
             self._in_step = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _any_released(self) -> bool:
+        """Whether the placement releases (shards or evicts) any parameter chunk between uses."""
+        policy = self.scheduler.policy
+        return any(not policy.keeps_gathered(chunk) for chunk in self.manager.chunks())
 
     def _pre_backward(self, unit: Unit) -> None:
         if not self._in_backward:
@@ -287,7 +349,7 @@ class GeminiDriver:
     def _end_backward(self) -> None:
         try:
             self._finish_reductions()
-            self._check_same({self._index[i] for i in self._grad_now}, "given a gradient in backward")
+            self._check_same({self._index[i] for i in self._grad_now}, "backward")
             for chunk in self.manager.chunks("param"):
                 if chunk.chunk_id in self._reduced_now:
                     continue
@@ -304,7 +366,8 @@ class GeminiDriver:
                     chunk.transition(tensor, _S.READY_FOR_REDUCE)
                 self._reduce(chunk)
             self.has_grad.update(self._grad_now)
-            self.grads_pending = True
+            # a backward that gave no parameter a gradient (torch.autograd.grad(loss, inputs)) does not count
+            self.grads_pending = self.grads_pending or bool(self._grad_now)
         finally:
             self._in_backward = False
             self._finish_step()
@@ -315,27 +378,72 @@ class GeminiDriver:
         self.grads_pending = False
 
     # ------------------------------------------------------------------------------------------ consistency
-    def _check_same(self, used: set[int], what: str) -> None:
-        """Every rank of the check groups must report the same parameter set; otherwise name the difference."""
-        payload = ",".join(str(i) for i in sorted(used)).encode()
+    def _check_same(self, used: set[int], phase: str, unfrozen: Sequence[int] = ()) -> None:
+        """Every rank of the check groups must report the same parameter set and the same sequence of chunk
+        collectives; otherwise name the difference. Parameters unfrozen since wrapping, on any rank, raise too."""
+        mine = _Report(tuple(sorted(used)), tuple(self._sequence), tuple(sorted(unfrozen)))
+        payload = mine.encode()
         digest = hashlib.sha256(payload).digest()
         for group in self.check_groups:
-            if torch.distributed.get_world_size(group) == 1:
+            if torch.distributed.get_world_size(group) == 1 or _same_digest(digest, group):
                 continue
-            if _same_digest(digest, group):
-                continue
-            sets = [{int(x) for x in raw.decode().split(",") if x} for raw in all_gather_bytes(payload, group)]
-            union = set().union(*sets)
-            common = set.intersection(*sets)
-            differing = sorted(self.names[id(self._ordered[i])] for i in union - common)
-            ranks = {
-                rank: sorted(self.names[id(self._ordered[i])] for i in (s - common)) for rank, s in enumerate(sets)
-            }
-            self.broken = (
-                f"GeminiDDP: ranks took different paths through the model: parameters {what} on some ranks but "
-                f"not on others: {differing}; only-on-this-rank by group rank: {ranks}. Every rank of a "
-                "data-parallel group must use the same parameters in a step (make the branch depend on data that "
-                "is identical across ranks, or run unused branches with a zero contribution)"
-            )
-            self._in_backward = False
-            raise PathMismatchError(self.broken)
+            reports = [_Report.decode(raw) for raw in all_gather_bytes(payload, group)]
+            if any(r.unfrozen for r in reports):
+                self._raise_unfrozen(reports)
+            if len({r.used for r in reports}) > 1:
+                self._broken(self._set_message([set(r.used) for r in reports], _PHASES[phase]))
+            self._broken(self._order_message([r.sequence for r in reports], phase))
+        if mine.unfrozen:
+            self._raise_unfrozen([mine])
+
+    def _broken(self, message: str) -> None:
+        self.broken = message
+        self._in_backward = False
+        raise PathMismatchError(message)
+
+    def _raise_unfrozen(self, reports: list[_Report]) -> None:
+        names = sorted({self.names[id(self._ordered[i])] for r in reports for i in r.unfrozen})
+        ranks = [rank for rank, r in enumerate(reports) if r.unfrozen] if len(reports) > 1 else None
+        self._finish_step()
+        raise RuntimeError(
+            f"GeminiDDP: requires_grad=True was set on parameters {names} that were frozen when GeminiDDP wrapped "
+            f"the module{f' (on group ranks {ranks})' if ranks else ''}: frozen parameters live in chunks without "
+            "gradients, master weights or optimizer state, so they cannot start training later. Set requires_grad "
+            "before wrapping (and give the parameters to the optimizer), or freeze them again"
+        )
+
+    def _set_message(self, sets: list[set[int]], what: str) -> str:
+        union = set().union(*sets)
+        common = set.intersection(*sets)
+        differing = sorted(self.names[id(self._ordered[i])] for i in union - common)
+        ranks = {rank: sorted(self.names[id(self._ordered[i])] for i in (s - common)) for rank, s in enumerate(sets)}
+        return (
+            f"GeminiDDP: ranks took different paths through the model: parameters {what} on some ranks but "
+            f"not on others: {differing}; only-on-this-rank by group rank: {ranks}. Every rank of a "
+            "data-parallel group must use the same parameters in a step (make the branch depend on data that "
+            "is identical across ranks, or run unused branches with a zero contribution)"
+        )
+
+    def _order_message(self, sequences: list[tuple[tuple[str, int], ...]], phase: str) -> str:
+        first = next(
+            i
+            for i in range(max(len(s) for s in sequences) + 1)
+            if len({s[i] if i < len(s) else None for s in sequences}) > 1
+        )
+        seen = {
+            rank: self._describe(s[first]) if first < len(s) else "no further collective"
+            for rank, s in enumerate(sequences)
+        }
+        return (
+            f"GeminiDDP: ranks used the same parameters in a different order in {phase}: their chunk collectives "
+            "pair one chunk with another, so gathered parameters or reduced gradients are mixed. First difference "
+            f"at collective {first} of the {phase}, by group rank: {seen}. Every rank of a data-parallel group "
+            "must call its modules in the same order"
+        )
+
+    def _describe(self, entry: tuple[str, int]) -> str:
+        kind, chunk_id = entry
+        chunk = self._chunk_by_id.get(chunk_id)
+        names = [self.names[id(t)] for t in chunk.tensors] if chunk is not None else []
+        shown = ", ".join(names[:3]) + (f", ... ({len(names)} parameters)" if len(names) > 3 else "")
+        return f"{_KIND_NAMES[kind]} of chunk {chunk_id} [{shown}]"
