@@ -79,7 +79,8 @@ def _chunked(
     for piece, shard in zip(pieces, mine, strict=True):
         dist.all_gather_into_tensor(piece, shard)
     params = [piece[:s].clone() for piece, s in zip(pieces, sizes, strict=True)]
-    config, _, waste = search_chunk_configuration(params, 0.25, 1024, min_chunk_size_m=0, group_size=world)
+    result = search_chunk_configuration(params, 0.25, 1024, min_chunk_size_m=0, group_size=world)
+    config, waste = result.config, result.wasted_size
     manager = ChunkManager(config)
     for index, p in enumerate(params):
         manager.register_tensor(p, name=f"p{index}")

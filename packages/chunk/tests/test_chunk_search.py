@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cx_chunk import ChunkManager, search_chunk_configuration
+from cx_chunk import ChunkConfig, ChunkManager, search_chunk_configuration
 from cx_mesh.testing import distributed
 
 MEBI = 2**20
@@ -52,9 +52,10 @@ def test_chunk_search_matches_brute_force(sizes: list[int], interval: int, group
     range_m, min_m = 2000 / MEBI, 500 / MEBI
     if sum(sizes) < round(min_m * MEBI):
         sizes = [*sizes, 600]
-    config, total, waste = search_chunk_configuration(
+    result = search_chunk_configuration(
         _params(sizes), range_m, interval, min_m, filter_exlarge_params=True, group_size=group
     )
+    config, total, waste = result.config, result.total_size, result.wasted_size
     size, expected_waste = _brute_force(sizes, range_m, interval, min_m, group)
     assert total == sum(sizes)
     assert waste == expected_waste
@@ -65,7 +66,9 @@ def test_chunk_search_matches_brute_force(sizes: list[int], interval: int, group
 
 def test_chunk_search_small_model_is_one_gathered_chunk() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 3))
-    config, total, waste = search_chunk_configuration(model, 1, 16, min_chunk_size_m=1, group_size=4)
+    config_dict, total, waste = search_chunk_configuration(model, 1, 16, min_chunk_size_m=1, group_size=4)
+    assert config_dict == {4: {"chunk_size": 144, "keep_gathered": True}}  # ColossalAI's shape, keyed by group size
+    config = search_chunk_configuration(model, 1, 16, min_chunk_size_m=1, group_size=4).config
     assert total == 10 * 10 + 10 + 10 * 3 + 3
     assert config.keep_gathered
     assert config.chunk_size == 144
@@ -92,9 +95,8 @@ def test_chunk_search_rejects_bad_arguments() -> None:
 @distributed(world_size=(1, 2))
 def test_chunk_search_outliers_get_own_chunks_and_waste_is_real(rank: int, world_size: int) -> None:
     sizes = [300] * 12 + [50_001] + [257, 33] * 5
-    config, total, waste = search_chunk_configuration(
-        _params(sizes), 2000 / MEBI, 32, 100 / MEBI, group_size=world_size
-    )
+    result = search_chunk_configuration(_params(sizes), 2000 / MEBI, 32, 100 / MEBI, group_size=world_size)
+    config, total, waste = result.config, result.total_size, result.wasted_size
     assert config.separate_above is not None
     assert 300 <= config.separate_above < 50_001
     assert config.chunk_size < 50_001
@@ -109,3 +111,12 @@ def test_chunk_search_outliers_get_own_chunks_and_waste_is_real(rank: int, world
     actual_waste = sum(c.chunk_size - c.utilized_size for c in manager.chunks())
     assert actual_waste == waste
     assert sum(c.utilized_size for c in manager.chunks()) == total
+
+
+def test_chunk_search_result_edits_like_colossalai() -> None:
+    # ColossalAI's tests: config_dict, *_ = search_chunk_configuration(...); config_dict[world]["chunk_size"] = n
+    result = search_chunk_configuration(_params([1000, 1000, 24]), 0.01, 256, 0, group_size=2)
+    config_dict, *_ = result
+    config_dict[2]["chunk_size"] = 5000
+    config_dict[2]["keep_gathered"] = True
+    assert result.config == ChunkConfig(5000, keep_gathered=True, separate_above=result.config.separate_above)

@@ -16,13 +16,9 @@ BAD_ARGUMENTS = [
     ({"placement_policy": "foo"}, ValueError, r"placement_policy='foo' is not supported; accepted: 'static', 'auto'"),
     ({"shard_param_frac": 1.5}, ValueError, r"shard_param_frac must be in \[0, 1\], got 1.5"),
     ({"offload_optim_frac": -0.1}, ValueError, r"offload_optim_frac must be in \[0, 1\]"),
-    ({"offload_param_frac": 0.5}, ValueError, r"offload_param_frac > 0 needs shard_param_frac=1.0 and offload_optim"),
     ({"mixed_precision": torch.float64}, ValueError, r"torch.float64 is not supported; accepted: torch.float32"),
     ({"max_prefetch": -1}, ValueError, r"max_prefetch must be >= 0"),
     ({"chunk_config_dict": {"size": 10}}, ValueError, r"must have 'chunk_size'"),
-    ({"placement_policy": "auto", "offload_optim_frac": 1.0}, ValueError, r"only apply to placement_policy='static'"),
-    ({"steady_cuda_cap_ratio": 0.5}, ValueError, r"only apply to placement_policy='auto'"),  # else silently ignored
-    ({"warmup_non_model_data_ratio": 0.1}, ValueError, r"only apply to placement_policy='auto'"),
     ({"strict_ddp_mode": True, "placement_policy": "auto"}, ValueError, r"strict_ddp_mode=True .* needs"),
     ({"chunk_config_dict": {"chunk_size": 64}, "hidden_dim": 8}, ValueError, r"do not apply when chunk_config_dict"),
 ]
@@ -35,6 +31,40 @@ def test_zero_gemini_errors_bad_arguments(
 ) -> None:
     with pytest.raises(error, match=message):
         GeminiDDP(make_gpt(), **kwargs)  # type: ignore[arg-type]
+
+
+IGNORED_AS_IN_COLOSSALAI = [
+    ({"offload_param_frac": 0.5}, "offload_param_frac=0.5 (needs shard_param_frac=1.0 and offload_optim_frac=1.0)"),
+    ({"placement_policy": "auto", "offload_optim_frac": 1.0}, "offload_optim_frac=1.0"),
+    ({"steady_cuda_cap_ratio": 0.5}, "steady_cuda_cap_ratio=0.5"),
+    ({"warmup_non_model_data_ratio": 0.1, "steady_cuda_cap_ratio": 0.7}, "warmup_non_model_data_ratio=0.1, steady"),
+]
+
+
+@distributed(world_size=1)
+@pytest.mark.parametrize(("kwargs", "named"), IGNORED_AS_IN_COLOSSALAI)
+def test_zero_gemini_ignored_combinations_warn_once_naming_them(
+    rank: int, world_size: int, kwargs: dict[str, object], named: str
+) -> None:
+    # ColossalAI accepts these and ignores the values its placement policy does not read: so does cx, saying so
+    with pytest.warns(UserWarning, match="ignores") as caught:
+        ddp = GeminiDDP(make_gpt(), mixed_precision=torch.float32, **kwargs)  # type: ignore[arg-type]
+    messages = [str(w.message) for w in caught if "ignores" in str(w.message)]
+    assert len(messages) == 1
+    assert named in messages[0]
+    defaults = {"offload_param_frac": 0.0, "offload_optim_frac": 0.0, "steady_cuda_cap_ratio": 0.9}
+    for name, value in defaults.items():
+        assert getattr(ddp.options, name) == value
+
+
+@distributed(world_size=1)
+def test_zero_gemini_colossalai_only_arguments_are_accepted(rank: int, world_size: int) -> None:
+    with pytest.warns(UserWarning, match="scatter_after_inference=False"):
+        ddp = GeminiDDP(make_gpt(), mixed_precision=torch.float32, scatter_after_inference=False)
+    with pytest.warns(UserWarning, match=r"GeminiOptimizer ignores \['lr'\]"):
+        GeminiOptimizer(torch.optim.AdamW(ddp.parameters()), ddp, lr=1e-3)
+    with pytest.raises(NotImplementedError, match="fp8"):
+        GeminiDDP(make_gpt(), mixed_precision=torch.float32, fp8_communication=True)
 
 
 @distributed(world_size=1)

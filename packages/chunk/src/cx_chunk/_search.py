@@ -12,14 +12,16 @@ The exact rule (units: elements; "m" arguments are multiples of 2**20 elements):
 5. A candidate's waste: next-fit packing in order (a tensor that does not fit closes the chunk and opens a new one),
    plus the unused tail of every chunk, plus the outliers' rounding. The smallest waste wins; ties go to the
    smaller size.
-Returns `(config, total_size, wasted_size)` where total_size counts every parameter element.
+Returns `(config_dict, total_size, wasted_size)` in ColossalAI's shape, `config_dict` being
+`{group_size: {"chunk_size": n, "keep_gathered": b, "separate_above": t}}` (what `GeminiDDP(chunk_config_dict=...)`
+takes, editable the way ColossalAI's tests edit it); `.config` is the same as a `ChunkConfig`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -32,9 +34,26 @@ MEBI = 2**20
 
 
 class ChunkSearchResult(NamedTuple):
-    config: ChunkConfig
+    """Unpacks as ColossalAI's `(config_dict, total_size, waste)`; `config` is the typed form of `config_dict`."""
+
+    config_dict: dict[int, dict[str, Any]]
     total_size: int
     wasted_size: int
+
+    @classmethod
+    def of(cls, config: ChunkConfig, group_size: int, total_size: int, wasted_size: int) -> ChunkSearchResult:
+        entry = {"chunk_size": config.chunk_size, "keep_gathered": config.keep_gathered}
+        if config.separate_above is not None:
+            entry["separate_above"] = config.separate_above
+        return cls({group_size: entry}, total_size, wasted_size)
+
+    @property
+    def config(self) -> ChunkConfig:
+        """The (single) entry of `config_dict` as a `ChunkConfig` (reflecting any edit made to the dict)."""
+        (entry,) = self.config_dict.values()
+        return ChunkConfig(
+            int(entry["chunk_size"]), bool(entry.get("keep_gathered", False)), entry.get("separate_above")
+        )
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -96,7 +115,7 @@ def search_chunk_configuration(
     min_chunk_size = round(min_chunk_size_m * MEBI)
     if total < min_chunk_size:
         chunk_size = _round_up(total, group_size)
-        return ChunkSearchResult(ChunkConfig(chunk_size, keep_gathered=True), total, chunk_size - total)
+        return ChunkSearchResult.of(ChunkConfig(chunk_size, keep_gathered=True), group_size, total, chunk_size - total)
 
     threshold: int | None = None
     regular, outliers = list(sizes), []
@@ -118,4 +137,4 @@ def search_chunk_configuration(
         waste = next_fit_waste(regular, chunk_size) + outlier_waste
         if best_waste < 0 or waste < best_waste or (waste == best_waste and chunk_size < best_size):
             best_size, best_waste = chunk_size, waste
-    return ChunkSearchResult(ChunkConfig(best_size, separate_above=threshold), total, best_waste)
+    return ChunkSearchResult.of(ChunkConfig(best_size, separate_above=threshold), group_size, total, best_waste)

@@ -81,8 +81,13 @@ class LowLevelZeroOptimizer:
         norm_type: float | str = 2.0,
         tp_process_group: ProcessGroup | None = None,
         pp_process_group: ProcessGroup | None = None,
+        fp8_communication: bool = False,
     ) -> None:
         require_initialized("LowLevelZeroOptimizer")
+        if fp8_communication:  # ColossalAI's switch: accepted so its calls run; enabling it is a clear error
+            raise NotImplementedError(
+                "LowLevelZeroOptimizer(fp8_communication=True): fp8 communication is not supported"
+            )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"LowLevelZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         require_elementwise(optimizer, "LowLevelZeroOptimizer")

@@ -12,6 +12,7 @@ buffers on the compute device, broadcast from rank 0 at wrap time and updated by
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -34,7 +35,7 @@ from cx_mesh import ProcessGroup, communication_device, get_accelerator, get_dis
 from cx_zero.gemini import _state
 from cx_zero.gemini._driver import GeminiDriver
 from cx_zero.gemini._gather import full_chunk
-from cx_zero.gemini._options import GeminiOptions, PlacementKind
+from cx_zero.gemini._options import GeminiOptions, PlacementFractions, PlacementKind
 from cx_zero.gemini._outputs import map_tensors
 from cx_zero.gemini._units import build_units, long_lived_params, parameter_names
 
@@ -94,23 +95,46 @@ class GeminiDDP(nn.Module):
         master_weights: bool = True,
         enable_async_reduce: bool = True,
         verbose: bool = False,
+        scatter_after_inference: bool = True,
+        fp8_communication: bool = False,
     ) -> None:
         require_initialized("GeminiDDP")
+        if fp8_communication:
+            raise NotImplementedError("GeminiDDP(fp8_communication=True): fp8 communication is not supported in cx")
+        if not scatter_after_inference:
+            warnings.warn(
+                "GeminiDDP(scatter_after_inference=False) has no effect in cx: chunks gathered by a no-grad forward "
+                "are released after it as with True (results are the same; only re-gathering is saved in ColossalAI)",
+                stacklevel=2,
+            )
         if not isinstance(module, nn.Module):
             raise TypeError(f"GeminiDDP: module must be an nn.Module, got {type(module).__name__}")
         if isinstance(module, GeminiDDP) or getattr(module, "_cx_gemini_wrapped", False):
             raise ValueError("GeminiDDP: this module is already wrapped by a GeminiDDP")
-        options = GeminiOptions(
-            placement=PlacementKind.parse(placement_policy),
-            mixed_precision=mixed_precision,
-            master_weights=master_weights,
-            enable_gradient_accumulation=enable_gradient_accumulation,
-            max_prefetch=max_prefetch,
+        placement = PlacementKind.parse(placement_policy)
+        fractions, ignored = PlacementFractions(
             shard_param_frac=shard_param_frac,
             offload_optim_frac=offload_optim_frac,
             offload_param_frac=offload_param_frac,
             warmup_non_model_data_ratio=warmup_non_model_data_ratio,
             steady_cuda_cap_ratio=steady_cuda_cap_ratio,
+        ).effective(placement)
+        if ignored:
+            warnings.warn(
+                f"GeminiDDP(placement_policy={placement.value!r}) ignores {', '.join(ignored)}, as ColossalAI does",
+                stacklevel=2,
+            )
+        options = GeminiOptions(
+            placement=placement,
+            mixed_precision=mixed_precision,
+            master_weights=master_weights,
+            enable_gradient_accumulation=enable_gradient_accumulation,
+            max_prefetch=max_prefetch,
+            shard_param_frac=fractions.shard_param_frac,
+            offload_optim_frac=fractions.offload_optim_frac,
+            offload_param_frac=fractions.offload_param_frac,
+            warmup_non_model_data_ratio=fractions.warmup_non_model_data_ratio,
+            steady_cuda_cap_ratio=fractions.steady_cuda_cap_ratio,
             search_range_m=search_range_m,
             hidden_dim=hidden_dim,
             min_chunk_size_m=min_chunk_size_m,
@@ -230,9 +254,11 @@ class GeminiDDP(nn.Module):
         self._sync_replicas()
         policy: PlacementPolicy
         if options.placement is PlacementKind.STATIC:
-            policy = StaticPlacementPolicy(shard_param_frac, offload_optim_frac, offload_param_frac)
+            policy = StaticPlacementPolicy(
+                options.shard_param_frac, options.offload_optim_frac, options.offload_param_frac
+            )
         else:
-            policy = AutoPlacementPolicy(warmup_non_model_data_ratio, steady_cuda_cap_ratio)
+            policy = AutoPlacementPolicy(options.warmup_non_model_data_ratio, options.steady_cuda_cap_ratio)
         self.policy = policy
         self.scheduler = ChunkScheduler(self.manager, policy, max_prefetch=max_prefetch, memstats=memstats)
         for chunk in self.manager.chunks("param"):

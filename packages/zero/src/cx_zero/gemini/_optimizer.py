@@ -12,6 +12,7 @@ rank, leaves parameters and optimizer state untouched and backs the scale off.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -53,7 +54,13 @@ class GeminiOptimizer:
         tp_group: ProcessGroup | None = None,
         params_info: Any = None,
         verbose: bool = False,
+        **defaults: Any,
     ) -> None:
+        if defaults:  # ColossalAI's signature takes and ignores them; say so instead of failing or hiding it
+            warnings.warn(
+                f"GeminiOptimizer ignores {sorted(defaults)}: hyper-parameters come from the wrapped optimizer",
+                stacklevel=2,
+            )
         if not isinstance(module, GeminiDDP):
             raise TypeError(f"GeminiOptimizer: module must be a GeminiDDP, got {type(module).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GeminiOptions", "PlacementKind", "SUPPORTED_PRECISIONS"]
+__all__ = ["GeminiOptions", "PlacementKind", "SUPPORTED_PRECISIONS", "PlacementFractions"]
 
 SUPPORTED_PRECISIONS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -37,6 +37,48 @@ def _fraction(name: str, value: float) -> float:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"GeminiDDP: {name} must be in [0, 1], got {value}")
     return float(value)
+
+
+_STATIC_DEFAULTS = {"shard_param_frac": 1.0, "offload_optim_frac": 0.0, "offload_param_frac": 0.0}
+_AUTO_DEFAULTS = {"warmup_non_model_data_ratio": 0.8, "steady_cuda_cap_ratio": 0.9}
+
+
+@dataclass(frozen=True)
+class PlacementFractions:
+    """The placement knobs as given; `effective` keeps only those the chosen policy reads, naming the rest.
+
+    ColossalAI ignores the static fractions under 'auto', the auto ratios under 'static', and `offload_param_frac`
+    without full sharding and optimizer offload. cx accepts the same combinations so ColossalAI scripts run, and
+    says once, in a warning, which values have no effect (they are reset to their defaults).
+    """
+
+    shard_param_frac: float
+    offload_optim_frac: float
+    offload_param_frac: float
+    warmup_non_model_data_ratio: float
+    steady_cuda_cap_ratio: float
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            _fraction(name, value)
+
+    def effective(self, placement: PlacementKind) -> tuple[PlacementFractions, list[str]]:
+        values = dict(self.__dict__)
+        unused = _AUTO_DEFAULTS if placement is PlacementKind.STATIC else _STATIC_DEFAULTS
+        ignored = [f"{name}={values[name]}" for name, default in unused.items() if values[name] != default]
+        for name, default in unused.items():
+            values[name] = default
+        if (
+            placement is PlacementKind.STATIC
+            and values["offload_param_frac"] > 0
+            and (values["shard_param_frac"] != 1.0 or values["offload_optim_frac"] != 1.0)
+        ):
+            ignored.append(
+                f"offload_param_frac={values['offload_param_frac']} (needs shard_param_frac=1.0 and "
+                "offload_optim_frac=1.0)"
+            )
+            values["offload_param_frac"] = 0.0
+        return PlacementFractions(**values), ignored
 
 
 @dataclass(frozen=True)
