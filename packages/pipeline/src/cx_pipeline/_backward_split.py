@@ -1,0 +1,171 @@
+"""Zero-bubble backward: input gradients now, weight gradients later, without computing anything twice.
+
+`backward_input` walks the autograd graph of one stage's forward, finds the *intermediate* nodes that sit on the
+path to the stage inputs and also feed a weight-only subgraph (for a linear layer: its matmul node), and records the
+gradient arriving at each of them while computing the input gradients. `WeightGrad.run` later starts autograd at
+those nodes (public `GradientEdge`s) with the recorded gradients, restricted to the parameters behind them, so each
+node recomputes only its weight-side outputs. Where a parameter is also reachable along the input path (weights shared
+inside one chunk), that restriction cannot avoid counting twice, so the weight pass recomputes the whole backward
+restricted to the parameters instead (correct, slower; reported by `WeightGrad.recomputes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["WeightGrad", "backward_input"]
+
+
+def _node(tensor: torch.Tensor) -> Node | None:
+    if not tensor.requires_grad:
+        return None
+    node: Node = get_gradient_edge(tensor).node
+    return node
+
+
+def _children(node: Node) -> list[Node]:
+    return [child for child, _ in node.next_functions if child is not None]
+
+
+def _reach(roots: Sequence[Node], targets: dict[Node, int]) -> dict[Node, frozenset[int]]:
+    """For every node reachable from `roots`: the target indices (inputs or parameters) reachable from it."""
+    reach: dict[Node, frozenset[int]] = {}
+    stack: list[tuple[Node, bool]] = [(root, False) for root in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if node in reach:
+            continue
+        if expanded:
+            found: set[int] = set()
+            if node in targets:
+                found.add(targets[node])
+            for child in _children(node):
+                found |= reach[child]
+            reach[node] = frozenset(found)
+        else:
+            stack.append((node, True))
+            stack.extend((child, False) for child in _children(node) if child not in reach)
+    return reach
+
+
+class WeightGrad:
+    """The deferred weight-gradient pass of one stage and micro-batch."""
+
+    def __init__(
+        self,
+        groups: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]],
+        fallback: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None,
+    ) -> None:
+        self._groups = groups
+        self._fallback = fallback
+
+    @property
+    def recomputes(self) -> bool:
+        return self._fallback is not None
+
+    def run(self) -> None:
+        """Accumulate the weight gradients into `.grad` (through AccumulateGrad, so gradient hooks fire)."""
+        if self._fallback is not None:
+            outputs, grads, params = self._fallback
+            torch.autograd.backward(outputs, grads, inputs=params)
+        # retain_graph: groups can share nodes below their sources; the graph goes when the step drops its outputs
+        for edges, grads, params in self._groups:
+            torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
+        self._groups = []
+        self._fallback = None
+
+
+def backward_input(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightGrad]:
+    """Gradients of `inputs` now (None where unused); the parameters' gradients as a `WeightGrad` to run later."""
+    roots = [node for node in (_node(o) for o in outputs) if node is not None]
+    input_index = {node: i for i, node in enumerate(n for n in (_node(x) for x in inputs) if n is not None)}
+    trainable = [p for p in params if p.requires_grad]
+    param_index = {get_gradient_edge(p).node: i for i, p in enumerate(trainable)}
+    to_inputs = _reach(roots, input_index)
+    to_params = _reach(roots, param_index)
+
+    # Weight-side edges: (node on the input path) -> (child that reaches parameters but not inputs).
+    captured: dict[Node, list[Any]] = {}
+    weight_sources: list[tuple[Node, frozenset[int]]] = []
+    shared = False
+    for node, reached_inputs in to_inputs.items():
+        if not reached_inputs:
+            continue
+        weight_side: set[int] = set()
+        input_side: set[int] = set()
+        for child in _children(node):
+            if to_inputs[child]:
+                input_side |= to_params[child]
+            else:
+                weight_side |= to_params[child]
+        if weight_side:
+            weight_sources.append((node, frozenset(weight_side)))
+            shared |= bool(weight_side & input_side)
+    param_only_roots = [(o, g) for o, g in zip(outputs, grads, strict=True) if (n := _node(o)) and not to_inputs[n]]
+
+    if shared:
+        grads_in = _grad_inputs(outputs, grads, inputs)
+        used = sorted({i for _, ps in weight_sources for i in ps} | {i for o, _ in param_only_roots for i in to_params[_node(o)]})  # type: ignore[index]
+        return grads_in, WeightGrad([], (list(outputs), list(grads), [trainable[i] for i in used]))
+
+    handles = []
+    for node, _ in weight_sources:
+
+        def hook(grad_outputs: tuple[Any, ...], node: Node = node) -> None:
+            captured[node] = list(grad_outputs)
+
+        handles.append(node.register_prehook(hook))
+    try:
+        grads_in = _grad_inputs(outputs, grads, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    # Group the sources by the parameters they feed (union of overlapping parameter sets), one autograd call each.
+    groups: list[tuple[list[GradientEdge], list[torch.Tensor], set[int]]] = []
+    for node, param_ids in weight_sources:
+        edges = [GradientEdge(node, i) for i, g in enumerate(captured.get(node, [])) if g is not None]
+        values = [g for g in captured.get(node, []) if g is not None]
+        if not edges:
+            continue
+        merged = [grp for grp in groups if grp[2] & param_ids]
+        for grp in merged:
+            groups.remove(grp)
+            edges += grp[0]
+            values += grp[1]
+            param_ids = param_ids | grp[2]
+        groups.append((edges, values, set(param_ids)))
+    if param_only_roots:  # outputs that never touch the inputs: one call from them (they may share a subgraph)
+        reached: set[int] = set()
+        for output, _ in param_only_roots:
+            node = _node(output)
+            assert node is not None
+            reached |= to_params[node]
+        groups.append(
+            ([get_gradient_edge(o) for o, _ in param_only_roots], [g for _, g in param_only_roots], reached)
+        )
+    plan = [(edges, values, [trainable[i] for i in sorted(ids)]) for edges, values, ids in groups if ids]
+    return grads_in, WeightGrad(plan, None)
+
+
+def _grad_inputs(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    wanted = [x for x in inputs if x.requires_grad]
+    if not wanted:
+        return [None] * len(inputs)
+    pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
+    result = torch.autograd.grad(
+        [o for o, _ in pairs], wanted, [g for _, g in pairs], retain_graph=True, allow_unused=True
+    )
+    by_id = {id(x): r for x, r in zip(wanted, result, strict=True)}
+    return [by_id.get(id(x)) for x in inputs]
