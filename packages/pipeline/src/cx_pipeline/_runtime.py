@@ -62,12 +62,16 @@ class StepRunner:
 
     # ---- the step ---------------------------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action], defer_all_reductions: bool) -> None:
-        """Run `actions`; with an optimizer that has `no_sync`, every gradient-producing action but the last (all of
-        them when `defer_all_reductions`) runs inside it."""
+        """Run `actions`; with an optimizer that has `no_sync`, every gradient-producing action runs inside it except
+        each chunk's last (so each parameter is reduced once per step), or all of them when `defer_all_reductions`."""
         no_sync = no_sync_context(self.optimizer)
-        last = max((i for i, a in enumerate(actions) if a.kind in _GRAD_KINDS), default=-1)
+        last_of_chunk: dict[int, int] = {}
         for index, action in enumerate(actions):
-            deferred = no_sync is not None and (index != last or defer_all_reductions)
+            if action.kind in _GRAD_KINDS:
+                last_of_chunk[self.manager.locate_virtual_stage(action.virtual_stage)[1]] = index
+        reducing = set(last_of_chunk.values())
+        for index, action in enumerate(actions):
+            deferred = no_sync is not None and (index not in reducing or defer_all_reductions)
             with no_sync() if deferred and action.kind is not ActionKind.FORWARD else contextlib.nullcontext():
                 if action.kind is ActionKind.FORWARD:
                     self._forward(action.virtual_stage, action.microbatch)

@@ -155,9 +155,17 @@ class PipelineSchedule:
             self.overlap_p2p,
         )
         ties = [s for s in shared if s.group is not None]
-        defer = bool(ties) and no_sync_context(optimizer) is not None
+        # A parameter must be reduced once: with ties across stages (summed first) or a parameter in two of this
+        # rank's chunks (two "last backwards"), every backward defers and one flush reduces at the end.
+        seen: set[int] = set()
+        shared_locally = False
+        for chunk in chunks:
+            ids = {id(p) for p in chunk.parameters()}
+            shared_locally |= bool(ids & seen)
+            seen |= ids
+        defer = (bool(ties) or shared_locally) and no_sync_context(optimizer) is not None
         runner.run(orders[manager.stage], defer_all_reductions=defer)
-        if not forward_only and ties:
+        if not forward_only:
             for tie in ties:
                 tie.all_reduce_grad()
             if defer:
@@ -182,7 +190,7 @@ class PipelineSchedule:
 def _reduce_accumulated(chunks: list[nn.Module], optimizer: Any) -> None:
     """After every backward ran under `no_sync` and the tied gradients were summed, let the optimizer reduce what
     accumulated: a zero gradient through every parameter that has one fires its gradient hooks outside no_sync."""
-    params = [p for chunk in chunks for p in chunk.parameters() if p.grad is not None]
+    params = list({id(p): p for chunk in chunks for p in chunk.parameters() if p.grad is not None}.values())
     if not params:
         return
     anchor = torch.stack([p.reshape(-1)[0].float() for p in params]).sum()
