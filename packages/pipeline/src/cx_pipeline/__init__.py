@@ -4,12 +4,13 @@
 - Schedules with ColossalAI's names and `forward_backward_step`: `OneForwardOneBackwardSchedule`,
   `InterleavedSchedule`, `ZeroBubbleVPipeScheduler` (zero-bubble V, split backward).
 - Splitting models into stages: `PipelineSplittable` (the protocol a model implements), `split_model`, the
-  transformers decoder adapter `HFDecoderSplitter`, and `PipelineModel` with tied parameters across stages.
+  transformers adapters `HFDecoderSplitter` (Llama-style decoders, MoE included) and `GPT2Splitter`, and `PipelineModel` with tied parameters across stages.
 - Micro-batch helpers `split_batch` / `merge_microbatches`, and the schedule simulator `simulate`.
 """
 
 from cx_pipeline._actions import Action, ActionKind, SimulationResult, simulate
 from cx_pipeline._errors import PipelineConfigError
+from cx_pipeline._hf import GPT2Splitter, HFDecoderSplitter
 from cx_pipeline._interleaved import InterleavedSchedule
 from cx_pipeline._microbatch import merge_microbatches, split_batch
 from cx_pipeline._model import PipelineModel, SharedParameter
@@ -37,6 +38,8 @@ __all__ = [
     # models
     "PipelineSplittable",
     "split_model",
+    "HFDecoderSplitter",
+    "GPT2Splitter",
     "PipelineModel",
     "SharedParameter",
     # batches
