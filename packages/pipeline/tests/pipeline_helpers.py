@@ -38,7 +38,8 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(HIDDEN)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(torch.tanh(self.up(self.norm(h))))
+        out: torch.Tensor = h + self.down(torch.tanh(self.up(self.norm(h))))
+        return out
 
 
 class ToyStage(nn.Module):
@@ -100,9 +101,12 @@ def toy_criterion(outputs: Mapping[str, Any], micro_batch: Any) -> torch.Tensor:
     if isinstance(micro_batch, Mapping):
         target = micro_batch["y"]
         if target.dtype == torch.long:
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) + 0.1 * aux
-        return F.mse_loss(logits, target) + 0.1 * aux
-    return logits.pow(2).mean() + 0.1 * aux
+            loss: torch.Tensor = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) + 0.1 * aux
+            return loss
+        loss = F.mse_loss(logits, target) + 0.1 * aux
+        return loss
+    loss = logits.pow(2).mean() + 0.1 * aux
+    return loss
 
 
 def toy_batch(size: int, tied: bool, as_dict: bool, seed: int) -> Any:
@@ -161,7 +165,7 @@ def assert_grads_match(
         want = expected[name].grad
         assert want is not None, name
         assert param.grad is not None, f"{name} got no gradient"
-        torch.testing.assert_close(param.grad, want, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(param.grad, want, atol=atol, rtol=rtol, msg=f"gradient of {name} differs")
         checked += 1
     return checked
 

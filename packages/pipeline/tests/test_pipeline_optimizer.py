@@ -20,7 +20,15 @@ from torch import nn
 
 from cx_mesh.testing import distributed
 from cx_pipeline import split_model
-from pipeline_helpers import ToyNet, batches, build_schedule, names_by_identity, reference_step, toy_batch, toy_criterion
+from pipeline_helpers import (
+    ToyNet,
+    batches,
+    build_schedule,
+    names_by_identity,
+    reference_step,
+    toy_batch,
+    toy_criterion,
+)
 
 SCALE = 64.0
 
@@ -48,9 +56,7 @@ class ScalingReducer:
     def backward(self, loss: torch.Tensor, inputs: Any = None, retain_graph: bool = False) -> None:
         torch.autograd.backward(loss * SCALE, inputs=inputs, retain_graph=retain_graph)
 
-    def backward_by_grad(
-        self, tensor: Any, grad: Any, inputs: Any = None, retain_graph: bool = False
-    ) -> None:
+    def backward_by_grad(self, tensor: Any, grad: Any, inputs: Any = None, retain_graph: bool = False) -> None:
         torch.autograd.backward(tensor, grad, inputs=inputs, retain_graph=retain_graph)
 
 
@@ -105,5 +111,6 @@ def test_plain_optimizer_drives_1f1b(rank: int, world_size: int) -> None:
     names = names_by_identity(full)
     for param in model.parameters():
         want = expected[names[id(param)]].grad
-        assert want is not None and param.grad is not None
+        assert want is not None
+        assert param.grad is not None
         torch.testing.assert_close(param.grad, want, atol=1e-5, rtol=1e-4)

@@ -110,4 +110,5 @@ def test_evaluation_runs_forward_only_and_merges_outputs(rank: int, world_size: 
         torch.testing.assert_close(result["outputs"]["logits"], expected["logits"], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(result["loss"], toy_criterion(expected, batch), atol=1e-6, rtol=1e-5)
     else:
-        assert result["outputs"] is None and result["loss"] is None
+        assert result["outputs"] is None
+        assert result["loss"] is None

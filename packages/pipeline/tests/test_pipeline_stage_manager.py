@@ -17,7 +17,8 @@ def test_stage_and_neighbours_on_a_dp_pp_mesh(rank: int, world_size: int) -> Non
     assert manager.stage == rank % 2
     assert manager.stage_ranks == [rank - rank % 2, rank - rank % 2 + 1]
     other = rank ^ 1
-    assert manager.get_next_rank() == other and manager.get_prev_rank() == other
+    assert manager.get_next_rank() == other
+    assert manager.get_prev_rank() == other
     assert manager.is_first_stage() == (rank % 2 == 0)
     assert manager.is_last_stage() == (rank % 2 == 1)
 

@@ -9,11 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from cx_mesh.testing import distributed
 from cx_pipeline import GPT2Splitter, HFDecoderSplitter, PipelineConfigError, PipelineSplittable, split_model
-from pipeline_helpers import assert_grads_match, batches, build_schedule
+from pipeline_helpers import assert_grads_match, batches, build_schedule, names_by_identity
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,7 +20,7 @@ SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_atte
          "num_key_value_heads": 2, "max_position_embeddings": 32}  # fmt: skip
 
 
-def _model(kind: str, layers: int) -> nn.Module:
+def _model(kind: str, layers: int) -> Any:
     torch.manual_seed(0)
     if kind == "llama" or kind == "llama-tied":
         config = transformers.LlamaConfig(num_hidden_layers=layers, tie_word_embeddings=kind == "llama-tied", **SMALL)
@@ -33,8 +32,16 @@ def _model(kind: str, layers: int) -> nn.Module:
         )  # fmt: skip
         return transformers.MixtralForCausalLM(config)
     config = transformers.GPT2Config(
-        vocab_size=64, n_embd=32, n_layer=layers, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # dropout would draw different random numbers
+        vocab_size=64,
+        n_embd=32,
+        n_layer=layers,
+        n_head=4,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,  # dropout would draw different random numbers
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -52,7 +59,7 @@ def _loss(outputs: Any, micro_batch: Any) -> torch.Tensor:
     return loss
 
 
-def _splitter(kind: str, model: nn.Module) -> PipelineSplittable:
+def _splitter(kind: str, model: Any) -> PipelineSplittable:
     return GPT2Splitter(model) if kind == "gpt2" else HFDecoderSplitter(model)
 
 
@@ -69,6 +76,13 @@ def test_transformers_model_in_two_stages(rank: int, world_size: int, kind: str,
     reference = copy.deepcopy(full)
     manager, schedule = build_schedule(style, world_size, 2)
     model = split_model(_splitter(kind, full), manager)
+    names = names_by_identity(full)
+    held = {names[id(p)] for p in model.parameters()}
+    first_stage = manager.stage == 0
+    embedding = "transformer.wte.weight" if kind == "gpt2" else "model.embed_tokens.weight"
+    holds_head = manager.locate_virtual_stage(manager.num_virtual_stages - 1)[0] == manager.stage
+    assert (embedding in held) == (first_stage or (holds_head and kind in ("llama-tied", "gpt2")))
+    assert len(held) < len(names)  # each rank holds only its layers
     if kind in ("llama-tied", "gpt2"):
         assert len(model.shared) == (1 if style == "1f1b" else 0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -79,17 +93,18 @@ def test_transformers_model_in_two_stages(rank: int, world_size: int, kind: str,
         reference_optimizer.zero_grad()
         result = schedule.forward_backward_step(model, batches(batch), _loss, return_loss=True, return_outputs=True)
         expected = torch.zeros(())
-        aux = []
+        aux: list[torch.Tensor] = []
         for half in (slice(0, 2), slice(2, 4)):
             out = reference(**{k: v[half] for k, v in batch.items()})
             (out.loss / 2).backward()
             expected = expected + out.loss.detach() / 2
-            aux.append(out.aux_loss if kind == "mixtral" else None)
+            if kind == "mixtral":
+                aux.append(out.aux_loss.detach())
         if result["loss"] is not None:
             torch.testing.assert_close(result["loss"], expected, atol=1e-5, rtol=1e-5)
             if kind == "mixtral":
                 assert result["outputs"].aux_loss is not None
-                torch.testing.assert_close(result["outputs"].aux_loss, torch.stack([a.detach() for a in aux]))
+                torch.testing.assert_close(result["outputs"].aux_loss, torch.stack(aux))
         assert assert_grads_match(model, full, reference, atol=1e-5, rtol=1e-4) > 0
         optimizer.step()
         reference_optimizer.step()

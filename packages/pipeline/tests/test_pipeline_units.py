@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,11 @@ from cx_pipeline._pytree import TreeMeta, flatten, unflatten
 
 
 def test_split_and_merge_nested_batches() -> None:
-    batch = {"input_ids": torch.arange(12).reshape(6, 2), "extra": {"mask": torch.ones(6, 2)}, "pair": (torch.zeros(6), 3)}
+    batch: dict[str, Any] = {
+        "input_ids": torch.arange(12).reshape(6, 2),
+        "extra": {"mask": torch.ones(6, 2)},
+        "pair": (torch.zeros(6), 3),
+    }
     parts = split_batch(batch, 3)
     assert [p["input_ids"].shape[0] for p in parts] == [2, 2, 2]
     assert parts[1]["pair"][1] == 3
@@ -33,13 +39,19 @@ def test_split_rejects_disagreeing_batch_sizes() -> None:
 
 
 def test_pytree_metadata_round_trip() -> None:
-    value = {"h": torch.randn(2, 3), "logits": (torch.randn(4, 2), torch.randn(4, 2)), "n": None, "ids": torch.ones(2, dtype=torch.long)}
+    value = {
+        "h": torch.randn(2, 3),
+        "logits": (torch.randn(4, 2), torch.randn(4, 2)),
+        "n": None,
+        "ids": torch.ones(2, dtype=torch.long),
+    }
     leaves, meta = flatten(value)
     again = TreeMeta.from_bytes(meta.to_bytes())
     assert again == meta
     assert [m.requires_grad for m in meta.leaves] == [True, True, True, False]  # float leaves carry gradients
     rebuilt = unflatten(again, leaves)
-    assert rebuilt["n"] is None and isinstance(rebuilt["logits"], tuple)
+    assert rebuilt["n"] is None
+    assert isinstance(rebuilt["logits"], tuple)
     with pytest.raises(TypeError, match="cannot travel"):
         flatten({"x": object()})
 
@@ -69,7 +81,8 @@ def test_split_backward_equals_whole_backward() -> None:
     out = net(split)
     input_grads, weight = backward_input([out], [g], [split], list(net.parameters()))
     assert all(p.grad is None for p in net.parameters())  # the input pass computed no weight gradient
-    assert input_grads[0] is not None and whole.grad is not None
+    assert input_grads[0] is not None
+    assert whole.grad is not None
     torch.testing.assert_close(input_grads[0], whole.grad)
     assert not weight.recomputes
     weight.run()
@@ -89,7 +102,8 @@ def test_split_backward_with_a_weight_used_twice_recomputes_correctly() -> None:
     input_grads, weight = backward_input([layer(torch.tanh(layer(split)))], [g], [split], list(layer.parameters()))
     assert weight.recomputes
     weight.run()
-    assert whole.grad is not None and input_grads[0] is not None
+    assert whole.grad is not None
+    assert input_grads[0] is not None
     torch.testing.assert_close(input_grads[0], whole.grad)
     for param, want in zip(layer.parameters(), expected, strict=True):
         torch.testing.assert_close(param.grad, want)

@@ -4,7 +4,8 @@
 - Schedules with ColossalAI's names and `forward_backward_step`: `OneForwardOneBackwardSchedule`,
   `InterleavedSchedule`, `ZeroBubbleVPipeScheduler` (zero-bubble V, split backward).
 - Splitting models into stages: `PipelineSplittable` (the protocol a model implements), `split_model`, the
-  transformers adapters `HFDecoderSplitter` (Llama-style decoders, MoE included) and `GPT2Splitter`, and `PipelineModel` with tied parameters across stages.
+  transformers adapters `HFDecoderSplitter` (Llama-style decoders, MoE included) and `GPT2Splitter`, and
+  `PipelineModel` with parameters tied across stages.
 - Micro-batch helpers `split_batch` / `merge_microbatches`, and the schedule simulator `simulate`.
 """
 

@@ -200,7 +200,9 @@ def zbv_order(num_stages: int, num_microbatches: int) -> list[list[Action]]:
                 live[stage] += 1
             elif choice.kind is ActionKind.BACKWARD_INPUT:
                 next_backward[choice.virtual_stage] += 1
-                pending_weight[stage].append(Action(ActionKind.BACKWARD_WEIGHT, choice.virtual_stage, choice.microbatch))
+                pending_weight[stage].append(
+                    Action(ActionKind.BACKWARD_WEIGHT, choice.virtual_stage, choice.microbatch)
+                )
             else:
                 live[stage] -= 1
             orders[stage].append(choice)

@@ -114,8 +114,12 @@ def backward_input(
 
     if shared:
         grads_in = _grad_inputs(outputs, grads, inputs)
-        used = sorted({i for _, ps in weight_sources for i in ps} | {i for o, _ in param_only_roots for i in to_params[_node(o)]})  # type: ignore[index]
-        return grads_in, WeightGrad([], (list(outputs), list(grads), [trainable[i] for i in used]))
+        used = {i for _, ps in weight_sources for i in ps}
+        for output, _ in param_only_roots:
+            root = _node(output)
+            assert root is not None
+            used |= to_params[root]
+        return grads_in, WeightGrad([], (list(outputs), list(grads), [trainable[i] for i in sorted(used)]))
 
     handles = []
     for node, _ in weight_sources:
@@ -147,12 +151,10 @@ def backward_input(
     if param_only_roots:  # outputs that never touch the inputs: one call from them (they may share a subgraph)
         reached: set[int] = set()
         for output, _ in param_only_roots:
-            node = _node(output)
-            assert node is not None
-            reached |= to_params[node]
-        groups.append(
-            ([get_gradient_edge(o) for o, _ in param_only_roots], [g for _, g in param_only_roots], reached)
-        )
+            root = _node(output)
+            assert root is not None
+            reached |= to_params[root]
+        groups.append(([get_gradient_edge(o) for o, _ in param_only_roots], [g for _, g in param_only_roots], reached))
     plan = [(edges, values, [trainable[i] for i in sorted(ids)]) for edges, values, ids in groups if ids]
     return grads_in, WeightGrad(plan, None)
 

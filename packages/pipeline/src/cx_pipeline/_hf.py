@@ -44,7 +44,7 @@ def _output_types() -> tuple[type, type]:
 class _LossParts:
     """What the last stage needs from the causal LM besides its head: loss function and MoE aux-loss settings."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
         config = model.config
         self.vocab_size: int = config.vocab_size
         self.loss_function: Callable[..., torch.Tensor] = model.loss_function
@@ -83,14 +83,14 @@ class HFDecoderStage(nn.Module):
 
     def __init__(self, splitter: HFDecoderSplitter, start: int, end: int, first: bool, last: bool) -> None:
         super().__init__()
-        base = _shallow_copy(splitter.base)
-        base.layers = nn.ModuleList(list(splitter.base.layers)[start:end])  # type: ignore[arg-type]
+        base: Any = _shallow_copy(splitter.base)
+        base.layers = nn.ModuleList(list(splitter.base.layers)[start:end])
         if not first:
             base.embed_tokens = None
         if not last:
             base.norm = nn.Identity()
-        self.base = base
-        self.lm_head = splitter.lm_head if last else None
+        self.base: Any = base
+        self.lm_head: Any = splitter.lm_head if last else None
         self.first, self.last = first, last
         self._loss = splitter.loss_parts
 
@@ -128,7 +128,7 @@ class HFDecoderStage(nn.Module):
 class HFDecoderSplitter:
     """`PipelineSplittable` for a transformers decoder-only causal LM (see the module docstring for which)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
         config = getattr(model, "config", None)
         plan = getattr(config, "base_model_pp_plan", None) or {}
         base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
@@ -139,14 +139,13 @@ class HFDecoderSplitter:
                 f"base model has embed_tokens / layers / norm (its config's base_model_pp_plan); missing {missing}. "
                 "Implement PipelineSplittable for other structures (GPT-2: GPT2Splitter)"
             )
-        assert isinstance(base, nn.Module)
         self.model = model
-        self.base = base
-        self.lm_head: nn.Module = model.lm_head
+        self.base: Any = base
+        self.lm_head: Any = model.lm_head
         self.loss_parts = _LossParts(model)
 
     def pipeline_num_layers(self) -> int:
-        return len(self.base.layers)  # type: ignore[arg-type]
+        return len(self.base.layers)
 
     def pipeline_stage_module(self, start: int, end: int, first: bool, last: bool) -> nn.Module:
         return HFDecoderStage(self, start, end, first, last)
@@ -158,13 +157,13 @@ class GPT2Stage(nn.Module):
     def __init__(self, splitter: GPT2Splitter, start: int, end: int, first: bool, last: bool) -> None:
         super().__init__()
         transformer = splitter.transformer
-        self.config = transformer.config
-        self.wte = transformer.wte if first else None
-        self.wpe = transformer.wpe if first else None
-        self.drop = transformer.drop if first else None
-        self.h = nn.ModuleList(list(transformer.h)[start:end])  # type: ignore[arg-type]
-        self.ln_f = transformer.ln_f if last else None
-        self.lm_head = splitter.lm_head if last else None
+        self.config: Any = transformer.config
+        self.wte: Any = transformer.wte if first else None
+        self.wpe: Any = transformer.wpe if first else None
+        self.drop: Any = transformer.drop if first else None
+        self.h = nn.ModuleList(list(transformer.h)[start:end])
+        self.ln_f: Any = transformer.ln_f if last else None
+        self.lm_head: Any = splitter.lm_head if last else None
         self._loss = splitter.loss_parts
 
     def forward(
@@ -178,7 +177,9 @@ class GPT2Stage(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         if self.wte is not None:
-            assert input_ids is not None and self.wpe is not None and self.drop is not None
+            assert input_ids is not None
+            assert self.wpe is not None
+            assert self.drop is not None
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
             hidden = self.drop(self.wte(input_ids) + self.wpe(position_ids))
@@ -204,16 +205,16 @@ class GPT2Stage(nn.Module):
 class GPT2Splitter:
     """`PipelineSplittable` for transformers' GPT2LMHeadModel (tied `wte` / `lm_head` become a shared parameter)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
         transformer = getattr(model, "transformer", None)
         if transformer is None or not all(hasattr(transformer, n) for n in ("wte", "wpe", "h", "ln_f")):
             raise PipelineConfigError(f"GPT2Splitter needs a GPT2LMHeadModel, got {type(model).__name__}")
-        self.transformer: nn.Module = transformer
-        self.lm_head: nn.Module = model.lm_head
+        self.transformer: Any = transformer
+        self.lm_head: Any = model.lm_head
         self.loss_parts = _LossParts(model)
 
     def pipeline_num_layers(self) -> int:
-        return len(self.transformer.h)  # type: ignore[arg-type]
+        return len(self.transformer.h)
 
     def pipeline_stage_module(self, start: int, end: int, first: bool, last: bool) -> nn.Module:
         return GPT2Stage(self, start, end, first, last)

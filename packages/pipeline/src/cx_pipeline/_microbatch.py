@@ -31,7 +31,9 @@ def batch_size_of(batch: Any) -> int:
     found: list[tuple[str, int]] = []
     _tensor_sizes(batch, "batch", found)
     if not found:
-        raise PipelineConfigError(f"the batch holds no tensors to split into micro-batches (got {type(batch).__name__})")
+        raise PipelineConfigError(
+            f"the batch holds no tensors to split into micro-batches (got {type(batch).__name__})"
+        )
     sizes = {size for _, size in found}
     if len(sizes) != 1:
         raise PipelineConfigError(

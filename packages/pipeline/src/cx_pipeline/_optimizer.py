@@ -52,7 +52,8 @@ def require_split_backward(optimizer: object) -> None:
     missing = [
         name
         for name in ("backward", "backward_by_grad")
-        if not callable(getattr(optimizer, name, None)) or not _accepts(getattr(optimizer, name), "inputs", "retain_graph")
+        if not callable(getattr(optimizer, name, None))
+        or not _accepts(getattr(optimizer, name), "inputs", "retain_graph")
     ]
     if missing:
         raise PipelineConfigError(

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from cx_mesh import communication_device
 
+from cx_mesh import communication_device
 from cx_pipeline._actions import Action, ActionKind
 from cx_pipeline._pytree import TreeMeta, flatten, unflatten
 

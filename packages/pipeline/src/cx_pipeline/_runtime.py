@@ -72,7 +72,8 @@ class StepRunner:
         reducing = set(last_of_chunk.values())
         for index, action in enumerate(actions):
             deferred = no_sync is not None and (index not in reducing or defer_all_reductions)
-            with no_sync() if deferred and action.kind is not ActionKind.FORWARD else contextlib.nullcontext():
+            context = no_sync() if no_sync is not None and deferred and action.kind is not ActionKind.FORWARD else None
+            with context if context is not None else contextlib.nullcontext():
                 if action.kind is ActionKind.FORWARD:
                     self._forward(action.virtual_stage, action.microbatch)
                 elif action.kind is ActionKind.BACKWARD_WEIGHT:
@@ -198,7 +199,9 @@ class StepRunner:
             if last:
                 optimizer.backward(outputs[0], inputs=params, retain_graph=False)
             else:
-                optimizer.backward_by_grad(_one_or_list(outputs), _one_or_list(grads), inputs=params, retain_graph=False)
+                optimizer.backward_by_grad(
+                    _one_or_list(outputs), _one_or_list(grads), inputs=params, retain_graph=False
+                )
 
         self._weights[(virtual, mb)] = weight_pass
         return [x.grad for x in inputs]

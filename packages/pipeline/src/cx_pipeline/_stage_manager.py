@@ -15,7 +15,6 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 from cx_mesh import Axis, ProcessGroup, ProcessGroupMesh
-
 from cx_pipeline._errors import PipelineConfigError
 
 __all__ = ["PipelineStageManager"]
@@ -36,7 +35,9 @@ class PipelineStageManager:
         if not isinstance(num_model_chunks, int) or num_model_chunks < 1:
             raise PipelineConfigError(f"num_model_chunks must be a positive integer, got {num_model_chunks!r}")
         if use_zbv and num_model_chunks != 2:
-            raise PipelineConfigError(f"use_zbv needs num_model_chunks=2 (the two arms of the V), got {num_model_chunks}")
+            raise PipelineConfigError(
+                f"use_zbv needs num_model_chunks=2 (the two arms of the V), got {num_model_chunks}"
+            )
         if enable_interleave and not use_zbv and num_model_chunks < 2:
             raise PipelineConfigError("enable_interleave needs num_model_chunks >= 2 (one chunk is plain 1F1B)")
         if not enable_interleave and not use_zbv and num_model_chunks != 1:

@@ -33,7 +33,9 @@ class ZeroBubbleVPipeScheduler(PipelineSchedule):
         overlap_p2p: bool = True,
     ) -> None:
         if num_model_chunks != 2:
-            raise PipelineConfigError(f"the V schedule has two chunks per stage, got num_model_chunks={num_model_chunks}")
+            raise PipelineConfigError(
+                f"the V schedule has two chunks per stage, got num_model_chunks={num_model_chunks}"
+            )
         self.num_model_chunks = num_model_chunks
         super().__init__(stage_manager, num_microbatch, microbatch_size, enable_metadata_cache, overlap_p2p)
 
