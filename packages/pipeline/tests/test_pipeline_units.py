@@ -107,3 +107,27 @@ def test_split_backward_with_a_weight_used_twice_recomputes_correctly() -> None:
     torch.testing.assert_close(input_grads[0], whole.grad)
     for param, want in zip(layer.parameters(), expected, strict=True):
         torch.testing.assert_close(param.grad, want)
+
+
+def test_split_backward_groups_joined_through_a_third_source_do_not_count_twice() -> None:
+    torch.manual_seed(0)
+    p, q = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.randn(6, 6))
+    x, g = torch.randn(3, 6), torch.randn(3, 6)
+
+    def f(inp: torch.Tensor) -> torch.Tensor:
+        # sources: (inp @ q) feeds q, (h @ p) feeds p with q on its input side, (inp @ (p + q)) feeds both and
+        # so joins all three in one group; no single source reaches a parameter along both of its sides
+        return torch.tanh((inp @ q) @ p) + inp @ (p + q)
+
+    whole = x.clone().requires_grad_()
+    f(whole).backward(g)
+    expected = [t.grad.clone() for t in (p, q) if t.grad is not None]
+    p.grad = q.grad = None
+    split = x.clone().requires_grad_()
+    input_grads, weight = backward_input([f(split)], [g], [split], [p, q])
+    weight.run()
+    assert whole.grad is not None
+    assert input_grads[0] is not None
+    torch.testing.assert_close(input_grads[0], whole.grad)
+    for param, want in zip((p, q), expected, strict=True):
+        torch.testing.assert_close(param.grad, want)

@@ -96,6 +96,7 @@ def backward_input(
     # Weight-side edges: (node on the input path) -> (child that reaches parameters but not inputs).
     captured: dict[Node, list[Any]] = {}
     weight_sources: list[tuple[Node, frozenset[int]]] = []
+    input_sides: dict[Node, frozenset[int]] = {}
     shared = False
     for node, reached_inputs in to_inputs.items():
         if not reached_inputs:
@@ -109,17 +110,14 @@ def backward_input(
                 weight_side |= to_params[child]
         if weight_side:
             weight_sources.append((node, frozenset(weight_side)))
+            input_sides[node] = frozenset(input_side)
             shared |= bool(weight_side & input_side)
     param_only_roots = [(o, g) for o, g in zip(outputs, grads, strict=True) if (n := _node(o)) and not to_inputs[n]]
 
+    reachable = sorted(set().union(*(to_params[root] for root in roots)))
+    recompute = WeightGrad([], (list(outputs), list(grads), [trainable[i] for i in reachable]))
     if shared:
-        grads_in = _grad_inputs(outputs, grads, inputs)
-        used = {i for _, ps in weight_sources for i in ps}
-        for output, _ in param_only_roots:
-            root = _node(output)
-            assert root is not None
-            used |= to_params[root]
-        return grads_in, WeightGrad([], (list(outputs), list(grads), [trainable[i] for i in sorted(used)]))
+        return _grad_inputs(outputs, grads, inputs), recompute
 
     handles = []
     for node, _ in weight_sources:
@@ -148,6 +146,10 @@ def backward_input(
             values += grp[1]
             param_ids = param_ids | grp[2]
         groups.append((edges, values, set(param_ids)))
+    # A group's autograd call must not reach its parameters along a source's input side (that would count a
+    # path twice); grouping can bring such parameters together, so check the groups as formed.
+    if any(input_sides[edge.node] & ids for edges, _, ids in groups for edge in edges):
+        return grads_in, recompute
     if param_only_roots:  # outputs that never touch the inputs: one call from them (they may share a subgraph)
         reached: set[int] = set()
         for output, _ in param_only_roots:
