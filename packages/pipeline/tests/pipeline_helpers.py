@@ -134,19 +134,24 @@ def reference_step(
 
 
 def build_schedule(
-    style: str, world_size: int, num_microbatches: int, layers_per_stage: list[int] | None = None
+    style: str,
+    world_size: int,
+    num_microbatches: int,
+    layers_per_stage: list[int] | None = None,
+    enable_metadata_cache: bool = True,
 ) -> tuple[PipelineStageManager, PipelineSchedule]:
     mesh = ProcessGroupMesh(world_size, axis_names=("pp",))
+    options = {"enable_metadata_cache": enable_metadata_cache}
     if style == "1f1b":
         manager = PipelineStageManager(mesh, "pp", num_layers_per_stage=layers_per_stage)
-        return manager, OneForwardOneBackwardSchedule(manager, num_microbatches=num_microbatches)
+        return manager, OneForwardOneBackwardSchedule(manager, num_microbatches=num_microbatches, **options)
     if style == "interleaved":
         manager = PipelineStageManager(
             mesh, "pp", enable_interleave=True, num_model_chunks=2, num_layers_per_stage=layers_per_stage
         )
-        return manager, InterleavedSchedule(manager, num_model_chunks=2, num_microbatch=num_microbatches)
+        return manager, InterleavedSchedule(manager, num_model_chunks=2, num_microbatch=num_microbatches, **options)
     manager = PipelineStageManager(mesh, "pp", use_zbv=True, num_model_chunks=2, num_layers_per_stage=layers_per_stage)
-    return manager, ZeroBubbleVPipeScheduler(manager, num_model_chunks=2, num_microbatch=num_microbatches)
+    return manager, ZeroBubbleVPipeScheduler(manager, num_model_chunks=2, num_microbatch=num_microbatches, **options)
 
 
 def names_by_identity(model: nn.Module) -> dict[int, str]:

@@ -31,11 +31,12 @@ def _run_against_reference(
     layers_per_stage: list[int] | None = None,
     tied: bool = False,
     steps: int = 2,
+    metadata_cache: bool = True,
 ) -> None:
     torch.manual_seed(0)
     full = ToyNet(num_layers, tied=tied)
     reference = copy.deepcopy(full)
-    manager, schedule = build_schedule(style, world_size, num_microbatches, layers_per_stage)
+    manager, schedule = build_schedule(style, world_size, num_microbatches, layers_per_stage, metadata_cache)
     model = split_model(full, manager)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -74,6 +75,13 @@ def test_interleaved_matches_single_process(rank: int, world_size: int, multiple
 @pytest.mark.parametrize("style", ["1f1b", "interleaved", "zbv"])
 def test_tensor_batches(rank: int, world_size: int, style: str) -> None:
     _run_against_reference(world_size, style, 4, 5, as_dict=False)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("style", ["1f1b", "interleaved", "zbv"])
+def test_without_metadata_cache(rank: int, world_size: int, style: str) -> None:
+    """Metadata sent with every activation message instead of once: same results."""
+    _run_against_reference(world_size, style, 4, 4, as_dict=True, metadata_cache=False)
 
 
 @distributed(world_size=2)

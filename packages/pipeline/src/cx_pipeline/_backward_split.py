@@ -27,29 +27,37 @@ def _node(tensor: torch.Tensor) -> Node | None:
     return node
 
 
-def _children(node: Node) -> list[Node]:
-    return [child for child, _ in node.next_functions if child is not None]
+def _bits(mask: int) -> set[int]:
+    return {i for i in range(mask.bit_length()) if mask >> i & 1}
 
 
-def _reach(roots: Sequence[Node], targets: dict[Node, int]) -> dict[Node, frozenset[int]]:
-    """For every node reachable from `roots`: the target indices (inputs or parameters) reachable from it."""
-    reach: dict[Node, frozenset[int]] = {}
+def _analyse(
+    roots: Sequence[Node], inputs: dict[Node, int], params: dict[Node, int]
+) -> tuple[dict[Node, list[Node]], dict[Node, int], dict[Node, int]]:
+    """One walk of the graph below `roots`: every node's children, and the inputs and parameters reachable from
+    it (bit masks over their indices). Bit masks and one walk keep this cheap: it runs per micro-batch."""
+    children: dict[Node, list[Node]] = {}
+    to_inputs: dict[Node, int] = {}
+    to_params: dict[Node, int] = {}
     stack: list[tuple[Node, bool]] = [(root, False) for root in roots]
     while stack:
         node, expanded = stack.pop()
-        if node in reach:
+        if node in to_inputs:
             continue
         if expanded:
-            found: set[int] = set()
-            if node in targets:
-                found.add(targets[node])
-            for child in _children(node):
-                found |= reach[child]
-            reach[node] = frozenset(found)
+            reach_in = 1 << inputs[node] if node in inputs else 0
+            reach_param = 1 << params[node] if node in params else 0
+            for child in children[node]:
+                reach_in |= to_inputs[child]
+                reach_param |= to_params[child]
+            to_inputs[node] = reach_in
+            to_params[node] = reach_param
         else:
+            if node not in children:
+                children[node] = [child for child, _ in node.next_functions if child is not None]
             stack.append((node, True))
-            stack.extend((child, False) for child in _children(node) if child not in reach)
-    return reach
+            stack.extend((child, False) for child in children[node] if child not in to_inputs)
+    return children, to_inputs, to_params
 
 
 class WeightGrad:
@@ -90,31 +98,33 @@ def backward_input(
     input_index = {node: i for i, node in enumerate(n for n in (_node(x) for x in inputs) if n is not None)}
     trainable = [p for p in params if p.requires_grad]
     param_index = {get_gradient_edge(p).node: i for i, p in enumerate(trainable)}
-    to_inputs = _reach(roots, input_index)
-    to_params = _reach(roots, param_index)
+    children, to_inputs, to_params = _analyse(roots, input_index, param_index)
 
     # Weight-side edges: (node on the input path) -> (child that reaches parameters but not inputs).
     captured: dict[Node, list[Any]] = {}
-    weight_sources: list[tuple[Node, frozenset[int]]] = []
-    input_sides: dict[Node, frozenset[int]] = {}
+    weight_sources: list[tuple[Node, int]] = []
+    input_sides: dict[Node, int] = {}
     shared = False
     for node, reached_inputs in to_inputs.items():
         if not reached_inputs:
             continue
-        weight_side: set[int] = set()
-        input_side: set[int] = set()
-        for child in _children(node):
+        weight_side = 0
+        input_side = 0
+        for child in children[node]:
             if to_inputs[child]:
                 input_side |= to_params[child]
             else:
                 weight_side |= to_params[child]
         if weight_side:
-            weight_sources.append((node, frozenset(weight_side)))
-            input_sides[node] = frozenset(input_side)
+            weight_sources.append((node, weight_side))
+            input_sides[node] = input_side
             shared |= bool(weight_side & input_side)
     param_only_roots = [(o, g) for o, g in zip(outputs, grads, strict=True) if (n := _node(o)) and not to_inputs[n]]
 
-    reachable = sorted(set().union(*(to_params[root] for root in roots)))
+    reachable_mask = 0
+    for root in roots:
+        reachable_mask |= to_params[root]
+    reachable = sorted(_bits(reachable_mask))
     recompute = WeightGrad([], (list(outputs), list(grads), [trainable[i] for i in reachable]))
     if shared:
         return _grad_inputs(outputs, grads, inputs), recompute
@@ -134,7 +144,8 @@ def backward_input(
 
     # Group the sources by the parameters they feed (union of overlapping parameter sets), one autograd call each.
     groups: list[tuple[list[GradientEdge], list[torch.Tensor], set[int]]] = []
-    for node, param_ids in weight_sources:
+    for node, mask in weight_sources:
+        param_ids = _bits(mask)
         edges = [GradientEdge(node, i) for i, g in enumerate(captured.get(node, [])) if g is not None]
         values = [g for g in captured.get(node, []) if g is not None]
         if not edges:
@@ -148,14 +159,14 @@ def backward_input(
         groups.append((edges, values, set(param_ids)))
     # A group's autograd call must not reach its parameters along a source's input side (that would count a
     # path twice); grouping can bring such parameters together, so check the groups as formed.
-    if any(input_sides[edge.node] & ids for edges, _, ids in groups for edge in edges):
+    if any(_bits(input_sides[edge.node]) & ids for edges, _, ids in groups for edge in edges):
         return grads_in, recompute
     if param_only_roots:  # outputs that never touch the inputs: one call from them (they may share a subgraph)
         reached: set[int] = set()
         for output, _ in param_only_roots:
-            root = _node(output)
-            assert root is not None
-            reached |= to_params[root]
+            origin = _node(output)
+            assert origin is not None
+            reached |= _bits(to_params[origin])
         groups.append(([get_gradient_edge(o) for o, _ in param_only_roots], [g for _, g in param_only_roots], reached))
     plan = [(edges, values, [trainable[i] for i in sorted(ids)]) for edges, values, ids in groups if ids]
     return grads_in, WeightGrad(plan, None)

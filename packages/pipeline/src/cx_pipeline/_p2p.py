@@ -106,10 +106,15 @@ class StageTransport:
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
     def wait_all(self) -> None:
+        """Wait for every send issued so far."""
         for work, _ in self._pending:
             work.wait()
         self._pending = []
+
+    def end_step(self) -> None:
+        self.wait_all()
         self._sent_like = {}
+        self._inbox = {}
 
     # ---- receiving ------------------------------------------------------------------------------------------------
     def _recv(self, like: torch.Tensor | tuple[tuple[int, ...], torch.dtype], stage: int) -> torch.Tensor:

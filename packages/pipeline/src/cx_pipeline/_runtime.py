@@ -41,7 +41,6 @@ class StepRunner:
         criterion: Callable[[Any, Any], torch.Tensor] | None,
         optimizer: Any | None,
         keep_outputs: bool,
-        overlap_p2p: bool,
     ) -> None:
         self.manager = manager
         self.transport = transport
@@ -50,7 +49,6 @@ class StepRunner:
         self.criterion = criterion
         self.optimizer = optimizer
         self.keep_outputs = keep_outputs
-        self.overlap_p2p = overlap_p2p
         self.num_virtual = manager.num_virtual_stages
         self.loss: torch.Tensor | None = None
         self.outputs: dict[int, Any] = {}
@@ -80,11 +78,8 @@ class StepRunner:
                     self._weights.pop((action.virtual_stage, action.microbatch))()
                 else:
                     self._backward(action.virtual_stage, action.microbatch, action.kind is ActionKind.BACKWARD_INPUT)
-            if self.overlap_p2p:
-                self.transport.prune()
-            else:
-                self.transport.wait_all()
-        self.transport.wait_all()
+            self.transport.prune()
+        self.transport.end_step()
 
     # ---- forward --------------------------------------------------------------------------------------------------
     def _receive_activation(self, virtual: int, mb: int) -> Any:

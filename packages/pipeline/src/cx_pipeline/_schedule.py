@@ -45,6 +45,12 @@ class PipelineSchedule:
     ) -> None:
         _positive_or_none("num_microbatches", num_microbatches)
         _positive_or_none("microbatch_size", microbatch_size)
+        if not overlap_p2p:
+            raise PipelineConfigError(
+                "overlap_p2p=False is not supported: cx's pipeline runtime always sends asynchronously (isend, waited "
+                "for at the end of the step) and receives in the senders' order; waiting for each send before the "
+                "next action would deadlock 1F1B's steady state, where neighbours send to each other at once"
+            )
         if num_microbatches is None and microbatch_size is None:
             raise PipelineConfigError("give num_microbatches or microbatch_size (num_microbatches wins when both are)")
         self.stage_manager = stage_manager
@@ -152,7 +158,6 @@ class PipelineSchedule:
             criterion,
             None if forward_only else optimizer,
             return_outputs,
-            self.overlap_p2p,
         )
         ties = [s for s in shared if s.group is not None]
         # A parameter must be reduced once: with ties across stages (summed first) or a parameter in two of this
