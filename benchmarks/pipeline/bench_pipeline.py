@@ -1,15 +1,16 @@
 """cx-pipeline schedules vs torch.distributed.pipelining's, same model and micro-batches, CPU, gloo.
 
 Run: `OMP_NUM_THREADS=1 .nox/tests/bin/python benchmarks/pipeline/bench_pipeline.py` (a few minutes on 2 cores;
-`CX_BENCH_SMOKE=1` for a seconds-long check). For 2 and 4 stages and each schedule (1F1B, interleaved 1F1B with two
-chunks per stage, zero-bubble V), both systems run the same stage modules (a GPT-like model split by layer) in one
-set of processes, taking turns step by step, so machine noise hits both alike. Reported per case: median step time
-(forwards and backwards of every micro-batch, then a barrier; no optimizer step) of cx and torch, the median of
-their per-round ratios, and the bubble fraction: 1 - (the rank's main-thread CPU time in the step) / (step wall
-time), median over steps, averaged over ranks (a blocking receive sleeps; gloo sends on its own threads; so CPU
-time is the rank's own work, Python bookkeeping included). The theoretical 1F1B bubble is (p-1)/(m+p-1);
-`simulate` gives each schedule's bubble with unit-time actions. With 4 ranks on 2 cores, two processes share a
-core: the 4-stage figures include that.
+`CX_BENCH_SMOKE=1` for a seconds-long check, `CX_BENCH_WORLDS=2` for one pipeline size). For 2 and 4 stages and
+each schedule (1F1B, interleaved 1F1B with two chunks per stage, zero-bubble V), both systems run the same stage
+modules (a GPT-like model split by layer) in one set of processes, taking turns step by step, so machine noise hits
+both alike. Reported per case: median step time (forwards and backwards of every micro-batch, then a barrier; no
+optimizer step) of cx and torch, the median of their per-round ratios, and the bubble fraction: 1 - (the rank's
+main-thread CPU time in the step) / (step wall time), median over steps, averaged over ranks (a blocking receive
+sleeps; gloo sends on its own threads; so CPU time is the rank's own work, Python bookkeeping included), plus an
+estimate from the marginal cost of a micro-batch. The theoretical 1F1B bubble is (p-1)/(m+p-1); `simulate` gives
+each schedule's bubble with unit-time actions. With 4 ranks on 2 cores, two processes share a core: the 4-stage
+figures include that.
 """
 
 from __future__ import annotations
@@ -221,6 +222,7 @@ def _case(rank: int, world_size: int, style: str, m: int) -> dict[str, Any] | No
 def _worker(rank: int, world_size: int, out: str) -> None:
     torch.set_num_threads(1)
     results = []
+    _case(rank, world_size, "1f1b", MICROBATCHES[0])  # process warm-up (allocator, first collectives): discarded
     for m in MICROBATCHES:
         for style in ("1f1b", "interleaved", "zbv"):
             if style == "interleaved" and m % world_size:
@@ -236,7 +238,8 @@ def _worker(rank: int, world_size: int, out: str) -> None:
 def main() -> None:
     print(f"load average at the start: {os.getloadavg()}")
     rows = []
-    for world_size in (2, 4):
+    worlds = tuple(int(w) for w in os.environ.get("CX_BENCH_WORLDS", "2,4").split(","))
+    for world_size in worlds:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "results.json"
             spawn(_worker, world_size, str(path), timeout=1800)

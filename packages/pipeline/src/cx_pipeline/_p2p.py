@@ -54,6 +54,7 @@ class StageTransport:
         self._inbox: dict[Message, Any] = {}
         self._sent_like: dict[Message, list[torch.Tensor]] = {}  # act message -> tensors whose grads come back
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._posted: dict[int, tuple[Message, list[dist.Work], list[torch.Tensor], TreeMeta | None]] = {}
 
     # ---- per-step plan --------------------------------------------------------------------------------------------
     def plan(self, orders: list[list[Action]], num_virtual: int, host: Callable[[int], int]) -> None:
@@ -113,6 +114,8 @@ class StageTransport:
 
     def end_step(self) -> None:
         self.wait_all()
+        if self._posted or any(self._expected.values()):
+            raise RuntimeError(f"stage {self._stage} ended a step with messages still expected: {self._expected}")
         self._sent_like = {}
         self._inbox = {}
 
@@ -140,7 +143,52 @@ class StageTransport:
             leaves.append(tensor)
         return unflatten(meta, leaves)
 
+    def _post(self, stage: int) -> None:
+        """Post the receives of the next message from `stage` ahead of need (one message per neighbour), so its
+        transfer overlaps this rank's compute: gloo and NCCL move the data once the receive is posted."""
+        queue = self._expected.get(stage)
+        if stage in self._posted or not queue:
+            return
+        message = queue[0]
+        kind, virtual, _ = message
+        if kind == "act":
+            if not self.enable_metadata_cache:
+                return  # its metadata comes first, in the message itself
+            meta: TreeMeta | None = self.act_meta[virtual]
+            assert meta is not None
+            shapes = [(leaf.shape, leaf.dtype) for leaf in meta.leaves]
+        elif message in self._sent_like:
+            meta = None
+            shapes = [(tuple(t.shape), t.dtype) for t in self._sent_like[message]]
+        else:
+            return
+        queue.pop(0)
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
+        works = []
+        for buffer in buffers:
+            work = dist.irecv(buffer, self._ranks[stage], group=self._group)
+            assert work is not None
+            works.append(work)
+        self._posted[stage] = (message, works, buffers, meta)
+
+    def prefetch(self) -> None:
+        """Post the next receive from every neighbour that has one pending (see `_post`)."""
+        for stage in self._expected:
+            self._post(stage)
+
     def _take_next(self, stage: int) -> None:
+        posted = self._posted.pop(stage, None)
+        if posted is not None:
+            message, works, buffers, meta = posted
+            for work in works:
+                work.wait()
+            if meta is None:
+                self._inbox[message] = buffers
+            else:
+                for buffer, leaf in zip(buffers, meta.leaves, strict=True):
+                    buffer.requires_grad_(leaf.requires_grad)
+                self._inbox[message] = unflatten(meta, buffers)
+            return
         queue = self._expected.get(stage)
         if not queue:
             raise RuntimeError(f"stage {self._stage} expected no more messages from stage {stage} this step")

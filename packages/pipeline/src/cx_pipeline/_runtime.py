@@ -63,6 +63,7 @@ class StepRunner:
         """Run `actions`; with an optimizer that has `no_sync`, every gradient-producing action runs inside it except
         each chunk's last (so each parameter is reduced once per step), or all of them when `defer_all_reductions`."""
         no_sync = no_sync_context(self.optimizer)
+        self.transport.prefetch()
         last_of_chunk: dict[int, int] = {}
         for index, action in enumerate(actions):
             if action.kind in _GRAD_KINDS:
@@ -79,6 +80,7 @@ class StepRunner:
                 else:
                     self._backward(action.virtual_stage, action.microbatch, action.kind is ActionKind.BACKWARD_INPUT)
             self.transport.prune()
+            self.transport.prefetch()
         self.transport.end_step()
 
     # ---- forward --------------------------------------------------------------------------------------------------
