@@ -204,6 +204,16 @@ class StageTransport:
         else:
             self._inbox[message] = [self._recv(like, stage) for like in self.grads_like(message)]
 
+    def ready(self, stage: int, message: Message) -> bool:
+        """Whether `message` from `stage` can be taken without waiting (already here, or its posted receive done)."""
+        while message not in self._inbox:
+            posted = self._posted.get(stage)
+            if posted is None or not all(work.is_completed() for work in posted[1]):
+                return False
+            self._take_next(stage)  # arrived: keep it, and post the receive of the next one
+            self._post(stage)
+        return True
+
     def receive(self, stage: int, message: Message) -> Any:
         """The value of `message` from `stage`, receiving (and keeping) anything that stage sent before it."""
         while message not in self._inbox:

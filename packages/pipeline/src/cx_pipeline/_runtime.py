@@ -16,7 +16,7 @@ from cx_pipeline._actions import Action, ActionKind
 from cx_pipeline._backward_split import WeightGrad, backward_input
 from cx_pipeline._calling import call_arguments
 from cx_pipeline._optimizer import no_sync_context
-from cx_pipeline._p2p import StageTransport
+from cx_pipeline._p2p import Message, StageTransport
 from cx_pipeline._pytree import flatten, unflatten
 from cx_pipeline._stage_manager import PipelineStageManager
 
@@ -61,16 +61,24 @@ class StepRunner:
     # ---- the step ---------------------------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action], defer_all_reductions: bool) -> None:
         """Run `actions`; with an optimizer that has `no_sync`, every gradient-producing action runs inside it except
-        each chunk's last (so each parameter is reduced once per step), or all of them when `defer_all_reductions`."""
+        each chunk's last (so each parameter is reduced once per step), or all of them when `defer_all_reductions`.
+
+        Weight-gradient passes (`W`) send nothing, so moving one earlier changes no channel's message order: when the
+        next action would wait for a neighbour's message that has not arrived, a pending `W` runs first.
+        """
         no_sync = no_sync_context(self.optimizer)
-        self.transport.prefetch()
-        last_of_chunk: dict[int, int] = {}
-        for index, action in enumerate(actions):
+        remaining: dict[int, int] = {}
+        for action in actions:
             if action.kind in _GRAD_KINDS:
-                last_of_chunk[self.manager.locate_virtual_stage(action.virtual_stage)[1]] = index
-        reducing = set(last_of_chunk.values())
-        for index, action in enumerate(actions):
-            deferred = no_sync is not None and (index not in reducing or defer_all_reductions)
+                chunk = self.manager.locate_virtual_stage(action.virtual_stage)[1]
+                remaining[chunk] = remaining.get(chunk, 0) + 1
+        done: set[Action] = set()
+
+        def execute(action: Action) -> None:
+            chunk = self.manager.locate_virtual_stage(action.virtual_stage)[1]
+            if action.kind in _GRAD_KINDS:
+                remaining[chunk] -= 1
+            deferred = no_sync is not None and (remaining.get(chunk, 0) > 0 or defer_all_reductions)
             context = no_sync() if no_sync is not None and deferred and action.kind is not ActionKind.FORWARD else None
             with context if context is not None else contextlib.nullcontext():
                 if action.kind is ActionKind.FORWARD:
@@ -79,9 +87,34 @@ class StepRunner:
                     self._weights.pop((action.virtual_stage, action.microbatch))()
                 else:
                     self._backward(action.virtual_stage, action.microbatch, action.kind is ActionKind.BACKWARD_INPUT)
+            done.add(action)
             self.transport.prune()
             self.transport.prefetch()
+
+        self.transport.prefetch()
+        for index, action in enumerate(actions):
+            if action in done:
+                continue
+            waiting = self._awaited(action)
+            if waiting is not None:
+                for later in actions[index + 1 :]:
+                    if self.transport.ready(*waiting):
+                        break
+                    ready_weight = (later.virtual_stage, later.microbatch) in self._weights
+                    if later.kind is ActionKind.BACKWARD_WEIGHT and later not in done and ready_weight:
+                        execute(later)
+            execute(action)
         self.transport.end_step()
+
+    def _awaited(self, action: Action) -> tuple[int, Message] | None:
+        """(stage, message) that `action` will wait for from another stage, or None."""
+        v, mb = action.virtual_stage, action.microbatch
+        if action.kind is ActionKind.FORWARD and v > 0 and self._host(v - 1) != self.manager.stage:
+            return self._host(v - 1), ("act", v, mb)
+        grad_kinds = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
+        if action.kind in grad_kinds and v < self.num_virtual - 1 and self._host(v + 1) != self.manager.stage:
+            return self._host(v + 1), ("grad", v, mb)
+        return None
 
     # ---- forward --------------------------------------------------------------------------------------------------
     def _receive_activation(self, virtual: int, mb: int) -> Any:
