@@ -31,6 +31,12 @@ def _model(kind: str, layers: int) -> Any:
             router_aux_loss_coef=0.5, **SMALL,
         )  # fmt: skip
         return transformers.MixtralForCausalLM(config)
+    if kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            num_hidden_layers=layers, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            output_router_logits=True, router_aux_loss_coef=0.5, **SMALL,
+        )  # fmt: skip
+        return transformers.Qwen3MoeForCausalLM(config)
     config = transformers.GPT2Config(
         vocab_size=64,
         n_embd=32,
@@ -67,6 +73,7 @@ def _splitter(kind: str, model: Any) -> PipelineSplittable:
 @pytest.mark.parametrize(
     ("kind", "style"),
     [("llama", "1f1b"), ("llama", "zbv"), ("mixtral", "1f1b"), ("mixtral", "interleaved"), ("llama-tied", "1f1b"),
+     ("qwen3_moe", "1f1b"),
      ("gpt2", "1f1b")],
 )  # fmt: skip
 def test_transformers_model_in_two_stages(rank: int, world_size: int, kind: str, style: str) -> None:
@@ -98,11 +105,11 @@ def test_transformers_model_in_two_stages(rank: int, world_size: int, kind: str,
             out = reference(**{k: v[half] for k, v in batch.items()})
             (out.loss / 2).backward()
             expected = expected + out.loss.detach() / 2
-            if kind == "mixtral":
+            if kind in ("mixtral", "qwen3_moe"):
                 aux.append(out.aux_loss.detach())
         if result["loss"] is not None:
             torch.testing.assert_close(result["loss"], expected, atol=1e-5, rtol=1e-5)
-            if kind == "mixtral":
+            if kind in ("mixtral", "qwen3_moe"):
                 assert result["outputs"].aux_loss is not None
                 torch.testing.assert_close(result["outputs"].aux_loss, torch.stack(aux))
         assert assert_grads_match(model, full, reference, atol=1e-5, rtol=1e-4) > 0
@@ -113,3 +120,6 @@ def test_transformers_model_in_two_stages(rank: int, world_size: int, kind: str,
 def test_unsupported_structure_is_refused() -> None:
     with pytest.raises(PipelineConfigError, match="GPT2Splitter"):
         HFDecoderSplitter(_model("gpt2", 2))
+    gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(num_hidden_layers=2, head_dim=8, **SMALL))
+    with pytest.raises(PipelineConfigError, match="not 'gemma'"):
+        HFDecoderSplitter(gemma)

@@ -2,8 +2,8 @@
 
 `HFDecoderSplitter(model)` implements `PipelineSplittable` for models whose base model follows the structure its
 config publishes in `base_model_pp_plan` (`embed_tokens`, `layers`, `norm`) and feeds `inputs_embeds` straight into
-the layers: Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE and their kin. Each stage runs the model's *own* base
-forward (masks, rotary embeddings, attention and expert implementations, output capture) on a shallow copy that
+the layers: Llama, Mistral, Mixtral, Qwen2/3 and Qwen3-MoE (`SUPPORTED_MODEL_TYPES`). Each stage runs the model's
+*own* base forward (masks, rotary embeddings, attention and expert implementations, output capture) on a copy that
 holds only its layers: no embedding on later stages (they pass `inputs_embeds`), an identity for the final norm
 before the last. The last stage adds the head, the model's own loss function and, for MoE models with
 `output_router_logits`, transformers' load-balancing loss over the router logits of *every* layer: earlier stages
@@ -24,6 +24,11 @@ from torch import nn
 from cx_pipeline._errors import PipelineConfigError
 
 __all__ = ["GPT2Splitter", "HFDecoderSplitter"]
+
+# Model types whose base forward feeds `inputs_embeds` straight into the layers (checked against transformers 5's
+# sources; llama, mixtral and qwen3_moe are tested). Others (e.g. models that scale or add to the embeddings in the
+# base forward) would be silently wrong on later stages, so they are refused rather than guessed.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
@@ -138,6 +143,13 @@ class HFDecoderSplitter:
                 f"HFDecoderSplitter cannot split {type(model).__name__}: it needs a causal LM with `lm_head` whose "
                 f"base model has embed_tokens / layers / norm (its config's base_model_pp_plan); missing {missing}. "
                 "Implement PipelineSplittable for other structures (GPT-2: GPT2Splitter)"
+            )
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise PipelineConfigError(
+                f"HFDecoderSplitter supports model types {list(SUPPORTED_MODEL_TYPES)} (their base forward feeds "
+                f"inputs_embeds straight into the layers), not {model_type!r}: splitting it this way could be silently "
+                "wrong on later stages. Implement PipelineSplittable for it (see GPT2Splitter for an example)"
             )
         self.model = model
         self.base: Any = base
