@@ -1,0 +1,133 @@
+"""Single-process pieces: micro-batch splitting and merging, the pytree metadata, the schedules' action lists
+(deadlock-free, bubbles), and the split backward against a whole one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from cx_pipeline import PipelineConfigError, merge_microbatches, simulate, split_batch
+from cx_pipeline._actions import interleaved_order, one_f_one_b_order, zbv_order
+from cx_pipeline._backward_split import backward_input
+from cx_pipeline._pytree import TreeMeta, flatten, unflatten
+
+
+def test_split_and_merge_nested_batches() -> None:
+    batch: dict[str, Any] = {
+        "input_ids": torch.arange(12).reshape(6, 2),
+        "extra": {"mask": torch.ones(6, 2)},
+        "pair": (torch.zeros(6), 3),
+    }
+    parts = split_batch(batch, 3)
+    assert [p["input_ids"].shape[0] for p in parts] == [2, 2, 2]
+    assert parts[1]["pair"][1] == 3
+    merged = merge_microbatches(parts)
+    torch.testing.assert_close(merged["input_ids"], batch["input_ids"])
+    torch.testing.assert_close(merged["extra"]["mask"], batch["extra"]["mask"])
+    assert merged["pair"][1] == 3
+    torch.testing.assert_close(merge_microbatches([torch.tensor(1.0), torch.tensor(2.0)]), torch.tensor([1.0, 2.0]))
+
+
+def test_split_rejects_disagreeing_batch_sizes() -> None:
+    with pytest.raises(PipelineConfigError, match="same batch size"):
+        split_batch({"a": torch.zeros(4), "b": torch.zeros(3)}, 2)
+    with pytest.raises(PipelineConfigError, match="holds no tensors"):
+        split_batch({"a": 1}, 1)
+
+
+def test_pytree_metadata_round_trip() -> None:
+    value = {
+        "h": torch.randn(2, 3),
+        "logits": (torch.randn(4, 2), torch.randn(4, 2)),
+        "n": None,
+        "ids": torch.ones(2, dtype=torch.long),
+    }
+    leaves, meta = flatten(value)
+    again = TreeMeta.from_bytes(meta.to_bytes())
+    assert again == meta
+    assert [m.requires_grad for m in meta.leaves] == [True, True, True, False]  # float leaves carry gradients
+    rebuilt = unflatten(again, leaves)
+    assert rebuilt["n"] is None
+    assert isinstance(rebuilt["logits"], tuple)
+    with pytest.raises(TypeError, match="cannot travel"):
+        flatten({"x": object()})
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16])
+def test_action_lists_are_deadlock_free(p: int, m: int) -> None:
+    result = simulate(one_f_one_b_order(p, m), p)
+    assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))  # unit-time F and B
+    zbv = simulate(zbv_order(p, m), 2 * p)
+    assert sorted(zbv.busy) == [6 * m] * p  # every F, I and W of both chunks ran exactly once
+    if m >= p:
+        assert zbv.bubble_fraction < result.bubble_fraction
+    if m % p == 0:
+        simulate(interleaved_order(p, 2, m), 2 * p)
+
+
+def test_split_backward_equals_whole_backward() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 8, bias=False))
+    x, g = torch.randn(4, 8), torch.randn(4, 8)
+    whole = x.clone().requires_grad_()
+    net(whole).backward(g)
+    expected = [p.grad.clone() for p in net.parameters() if p.grad is not None]
+    net.zero_grad(set_to_none=True)
+    split = x.clone().requires_grad_()
+    out = net(split)
+    input_grads, weight = backward_input([out], [g], [split], list(net.parameters()))
+    assert all(p.grad is None for p in net.parameters())  # the input pass computed no weight gradient
+    assert input_grads[0] is not None
+    assert whole.grad is not None
+    torch.testing.assert_close(input_grads[0], whole.grad)
+    assert not weight.recomputes
+    weight.run()
+    for param, want in zip(net.parameters(), expected, strict=True):
+        torch.testing.assert_close(param.grad, want)
+
+
+def test_split_backward_with_a_weight_used_twice_recomputes_correctly() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    x, g = torch.randn(4, 8), torch.randn(4, 8)
+    whole = x.clone().requires_grad_()
+    layer(torch.tanh(layer(whole))).backward(g)
+    expected = [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+    layer.zero_grad(set_to_none=True)
+    split = x.clone().requires_grad_()
+    input_grads, weight = backward_input([layer(torch.tanh(layer(split)))], [g], [split], list(layer.parameters()))
+    assert weight.recomputes
+    weight.run()
+    assert whole.grad is not None
+    assert input_grads[0] is not None
+    torch.testing.assert_close(input_grads[0], whole.grad)
+    for param, want in zip(layer.parameters(), expected, strict=True):
+        torch.testing.assert_close(param.grad, want)
+
+
+def test_split_backward_groups_joined_through_a_third_source_do_not_count_twice() -> None:
+    torch.manual_seed(0)
+    p, q = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.randn(6, 6))
+    x, g = torch.randn(3, 6), torch.randn(3, 6)
+
+    def f(inp: torch.Tensor) -> torch.Tensor:
+        # sources: (inp @ q) feeds q, (h @ p) feeds p with q on its input side, (inp @ (p + q)) feeds both and
+        # so joins all three in one group; no single source reaches a parameter along both of its sides
+        return torch.tanh((inp @ q) @ p) + inp @ (p + q)
+
+    whole = x.clone().requires_grad_()
+    f(whole).backward(g)
+    expected = [t.grad.clone() for t in (p, q) if t.grad is not None]
+    p.grad = q.grad = None
+    split = x.clone().requires_grad_()
+    input_grads, weight = backward_input([f(split)], [g], [split], [p, q])
+    weight.run()
+    assert whole.grad is not None
+    assert input_grads[0] is not None
+    torch.testing.assert_close(input_grads[0], whole.grad)
+    for param, want in zip((p, q), expected, strict=True):
+        torch.testing.assert_close(param.grad, want)
