@@ -150,3 +150,31 @@ def test_zero_fp16_overflow_skips_step_on_every_rank(rank: int, world_size: int,
     _step(rank, world_size, optimizer, model, 3)
     assert not optimizer.last_step_skipped
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+@distributed(world_size=2)
+def test_zero_fp16_backward_by_grad_takes_the_already_scaled_gradient(rank: int, world_size: int) -> None:
+    """A pipeline stage receives the gradient of the next stage's scaled loss: backward_by_grad must use it as
+    given (ColossalAI's contract), so it trains exactly like backward(loss) on the whole model (SGD: a doubly
+    scaled gradient would overflow or move the weights 2**10 times too far)."""
+    scale = 2.0**10
+    models = [_input_cast(make_model("mlp").to(torch.float16), torch.float16) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [
+        LowLevelZeroOptimizer(torch.optim.SGD(m.parameters(), lr=LR), initial_scale=scale, partition_grad=True)
+        for m in models
+    ]
+    for step in range(STEPS):
+        x, y = batch("mlp", step, world_size)
+        mine_x, mine_y = local(x, rank, world_size).to(torch.float32), local(y, rank, world_size)
+        _step(rank, world_size, optimizers[0], models[0], step)
+        optimizers[1].zero_grad()
+        out = models[1](mine_x)
+        detached = out.detach().float().requires_grad_(True)
+        downstream = ((detached - mine_y) ** 2).mean() * scale  # what the last stage's backward(loss) differentiates
+        (upstream,) = torch.autograd.grad(downstream, detached)
+        optimizers[1].backward_by_grad(out, upstream.to(out.dtype))
+        optimizers[1].step()
+        assert not optimizers[1].last_step_skipped
+        for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)

@@ -50,6 +50,17 @@ class _Entry:
     tensor: torch.Tensor
     slot: TensorSlot
     state: TensorState
+    hollow: torch.Tensor | None = None
+    """What the tensor shows while its chunk is released: its own shape over a storage of zero bytes (made once),
+    so `shape` and `numel()` stay the parameter's (ColossalAI's scripts count parameters after boost) while no
+    memory is held; reading its values raises torch's storage-size error."""
+
+    def released_view(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.hollow is None or self.hollow.dtype != dtype or self.hollow.device != device:
+            hollow = torch.empty(self.slot.shape, dtype=dtype, device=device)
+            hollow.untyped_storage().resize_(0)
+            self.hollow = hollow
+        return self.hollow
 
 
 def _with_index(device: torch.device | str) -> torch.device:
@@ -705,6 +716,6 @@ class Chunk:
         buffer = self._buffer
         for entry in self._order:
             if buffer is None:
-                entry.tensor.data = torch.empty(0, dtype=self.dtype, device=self.compute_device)
+                entry.tensor.data = entry.released_view(self.dtype, self.compute_device)
             else:
                 entry.tensor.data = buffer[entry.slot.begin : entry.slot.end].view(entry.slot.shape)

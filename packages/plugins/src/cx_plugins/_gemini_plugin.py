@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,17 @@ class GeminiModel(ModelWrapper):
     def unwrap(self) -> nn.Module:
         return self.ddp.unwrap()
 
+    def state_dict(  # type: ignore[override]
+        self, destination: Any = None, prefix: str = "", keep_vars: bool = False, *, only_rank_0: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Full tensors by the user's names, gathered (collective): ColossalAI's `model.state_dict(only_rank_0=...)`;
+        with `only_rank_0=True` ranks other than 0 get an empty dict."""
+        return self.ddp.state_dict(destination, prefix, keep_vars, only_rank_0=only_rank_0)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Full tensors by the user's names; each rank keeps its own part (every rank passes the full dict)."""
+        return self.ddp.load_state_dict(state_dict, strict=strict, assign=assign)
+
 
 class GeminiOptimizerWrapper(OptimizerWrapper):
     def __init__(self, optimizer: Optimizer, gemini: GeminiOptimizer) -> None:
@@ -97,6 +108,15 @@ class GeminiOptimizerWrapper(OptimizerWrapper):
         if retain_graph:
             raise NotImplementedError("GeminiPlugin: backward(retain_graph=True) is not supported")
         self.gemini.backward(loss)
+
+    def backward_by_grad(
+        self,
+        tensor: torch.Tensor,
+        grad: torch.Tensor,
+        inputs: Sequence[torch.Tensor] | None = None,
+        retain_graph: bool = False,
+    ) -> None:
+        raise NotImplementedError("GeminiPlugin: backward_by_grad is not supported (as in ColossalAI); use backward")
 
     def step(self, closure: Callable[[], float] | None = None) -> None:
         if closure is not None:

@@ -7,7 +7,7 @@ without the training loop changing: the loop always calls `booster.backward(loss
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,17 @@ class OptimizerWrapper:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         loss.backward(retain_graph=retain_graph)
+
+    def backward_by_grad(
+        self,
+        tensor: torch.Tensor,
+        grad: torch.Tensor,
+        inputs: Sequence[torch.Tensor] | None = None,
+        retain_graph: bool = False,
+    ) -> None:
+        """Backward from an intermediate `tensor` with its upstream `grad`, used as given (ColossalAI's call; a
+        pipeline stage's upstream gradient already carries any loss scale)."""
+        torch.autograd.backward(tensor, grad, inputs=inputs, retain_graph=retain_graph)
 
     def step(self, closure: Callable[[], float] | None = None) -> None:
         self.optim.step(closure)

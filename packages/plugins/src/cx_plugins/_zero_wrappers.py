@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +50,26 @@ class ZeroOptimizerWrapper(OptimizerWrapper):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         self.zero.backward(loss, retain_graph=retain_graph)
+
+    def backward_by_grad(
+        self,
+        tensor: torch.Tensor,
+        grad: torch.Tensor,
+        inputs: Sequence[torch.Tensor] | None = None,
+        retain_graph: bool = False,
+    ) -> None:
+        self.zero.backward_by_grad(tensor, grad, inputs=inputs, retain_graph=retain_graph)
+
+    def get_working_to_master_map(self) -> dict[int, torch.Tensor]:
+        """id(working parameter) -> this rank's fp32 master shard (ColossalAI's LowLevelZero call)."""
+        return self.zero.get_working_to_master_map()
+
+    def get_master_to_working_map(self) -> dict[int, torch.nn.Parameter]:
+        return self.zero.get_master_to_working_map()
+
+    def update_master_params(self, model: torch.nn.Module) -> None:
+        """Copy the model's (working) weights into the masters, e.g. after loading weights into the model."""
+        self.zero.update_master_params(model.unwrap() if isinstance(model, ModelWrapper) else model)
 
     def step(self, closure: Callable[[], float] | None = None) -> None:
         if closure is not None:

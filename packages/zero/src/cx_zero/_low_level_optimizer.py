@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -256,26 +256,42 @@ class LowLevelZeroOptimizer:
         return self._last_overflow
 
     # ---- backward -------------------------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Backward of `loss` (scaled for fp16) and, outside `no_sync`, the reduction of the gradients."""
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, inputs: Sequence[torch.Tensor] | None = None
+    ) -> None:
+        """Backward of `loss` (scaled for fp16) and, outside `no_sync`, the reduction of the gradients.
+
+        `inputs` limits which leaves receive gradients (torch's `backward(inputs=...)`; a zero-bubble pipeline
+        computes input gradients and weight gradients in separate passes)."""
         self.synchronize_working_params()
         if self._fp16:
             loss = loss.float() * self.grad_scaler.scale  # scale in fp32: an fp16 loss times 2**16 may overflow
-        self._in_backward = True
-        try:
-            loss.backward(retain_graph=retain_graph)
-        finally:
-            self._in_backward = False
-        self._after_backward()
+        self._run_backward(loss, None, retain_graph, inputs)
 
-    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
-        """Backward from an intermediate `tensor` with upstream `grad` (pipeline stages)."""
+    def backward_by_grad(
+        self,
+        tensor: torch.Tensor,
+        grad: torch.Tensor,
+        inputs: Sequence[torch.Tensor] | None = None,
+        retain_graph: bool = False,
+    ) -> None:
+        """Backward from an intermediate `tensor` with upstream `grad` (pipeline stages).
+
+        `grad` is used as given: in a pipeline it comes from the next stage, whose `backward(loss)` already applied
+        the fp16 loss scale (as in ColossalAI; scaling it again would scale these gradients twice)."""
         self.synchronize_working_params()
-        if self._fp16:
-            grad = grad * self.grad_scaler.scale
+        self._run_backward(tensor, grad, retain_graph, inputs)
+
+    def _run_backward(
+        self,
+        tensor: torch.Tensor,
+        grad: torch.Tensor | None,
+        retain_graph: bool,
+        inputs: Sequence[torch.Tensor] | None,
+    ) -> None:
         self._in_backward = True
         try:
-            torch.autograd.backward(tensor, grad)
+            torch.autograd.backward(tensor, grad, retain_graph=retain_graph, inputs=inputs)
         finally:
             self._in_backward = False
         self._after_backward()

@@ -1,0 +1,91 @@
+"""Calls ColossalAI scripts make on boosted objects, the way they make them: parameter counting after a Gemini
+boost, `model.state_dict(only_rank_0=...)`, `optimizer.backward_by_grad`, the ZeRO master maps and
+`update_master_params`, each checked against plain PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cx_mesh.testing import distributed
+from cx_plugins import Booster, ModelWrapper
+from cx_plugins._gemini_plugin import GeminiModel
+from cx_plugins._zero_wrappers import ZeroOptimizerWrapper
+from cx_plugins.models import GPT
+from plugins_test_helpers import ATOL, CONFIG, GLOBAL_BATCH, RTOL, data, make_plugin, reference
+
+
+@distributed(world_size=2)
+def test_gemini_parameters_keep_their_shape_and_state_dict_takes_only_rank_0(rank: int, world_size: int) -> None:
+    plain = GPT(CONFIG, seed=0)
+    shapes = {n: p.shape for n, p in plain.named_parameters()}
+    count = sum(p.numel() for p in plain.parameters())
+    booster = Booster(plugin=make_plugin("gemini"))
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    assert optimizer is not None
+    assert isinstance(model, GeminiModel)
+    # ColossalAI's scripts count parameters after boost (TFLOPS lines, size_per_shard arithmetic)
+    assert sum(p.numel() for p in model.parameters()) == count
+    assert {n: p.shape for n, p in model.unwrap().named_parameters()} == shapes
+    batches = data(2)
+    per_rank = GLOBAL_BATCH // world_size
+    for batch in batches:
+        mine = batch[rank * per_rank : (rank + 1) * per_rank]
+        booster.backward(model(mine, labels=mine), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert sum(p.numel() for p in model.parameters()) == count  # still, after training released the chunks
+    expected = reference(batches).state_dict()
+    everywhere = model.state_dict(only_rank_0=False)
+    for name, value in expected.items():
+        torch.testing.assert_close(everywhere[name].float(), value, rtol=RTOL, atol=ATOL, msg=name)
+    on_rank_0 = model.state_dict(only_rank_0=True)
+    assert (set(on_rank_0) == set(expected)) if rank == 0 else on_rank_0 == {}
+    model.load_state_dict(GPT(CONFIG, seed=3).state_dict())  # full tensors in, each rank keeps its part
+    for name, value in GPT(CONFIG, seed=3).state_dict().items():
+        torch.testing.assert_close(model.state_dict(only_rank_0=False)[name], value, msg=name)
+    with pytest.raises(NotImplementedError, match="backward_by_grad"):
+        optimizer.backward_by_grad(torch.ones(1, requires_grad=True), torch.ones(1))
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("plugin", ["torch_ddp", "zero1", "zero2"])
+def test_backward_by_grad_trains_like_backward(rank: int, world_size: int, plugin: str) -> None:
+    booster = Booster(plugin=make_plugin(plugin))
+    plain = GPT(CONFIG, seed=0)
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    assert optimizer is not None
+    assert isinstance(model, ModelWrapper)
+    batches = data(2)
+    per_rank = GLOBAL_BATCH // world_size
+    for batch in batches:
+        mine = batch[rank * per_rank : (rank + 1) * per_rank]
+        loss = model(mine, labels=mine)
+        optimizer.backward_by_grad(loss, torch.ones_like(loss))  # d(loss)/d(loss) = 1: the same as backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    expected = reference(batches).state_dict()
+    state = model.unwrap().state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name].float(), value, rtol=RTOL, atol=ATOL, msg=name)
+
+
+@distributed(world_size=2)
+def test_zero_master_maps_and_update_master_params(rank: int, world_size: int) -> None:
+    booster = Booster(plugin=make_plugin("zero2"))
+    plain = GPT(CONFIG, seed=0)
+    model, optimizer, *_ = booster.boost(plain, torch.optim.SGD(plain.parameters(), lr=0.0))
+    assert isinstance(optimizer, ZeroOptimizerWrapper)
+    assert isinstance(model, ModelWrapper)
+    working_to_master = optimizer.get_working_to_master_map()
+    master_to_working = optimizer.get_master_to_working_map()
+    assert len(working_to_master) == len(list(plain.parameters())) == len(master_to_working)
+    # load other weights into the model, then tell the optimizer: its masters (and so the next step) follow
+    replacement = GPT(CONFIG, seed=7)
+    model.unwrap().load_state_dict(replacement.state_dict())
+    optimizer.update_master_params(model)
+    mine = data(1)[0][rank * 2 : rank * 2 + 2]
+    booster.backward(model(mine, labels=mine), optimizer)
+    optimizer.step()
+    for name, value in replacement.state_dict().items():  # lr 0: the step writes the masters back unchanged
+        torch.testing.assert_close(model.unwrap().state_dict()[name], value, msg=name)
