@@ -6,14 +6,25 @@
 - `ShardConfig`, `Policy`, `ShardFormer(shard_config).optimize(model, policy=None)`.
 """
 
+from cx_shardformer._config import GradientCheckpointConfig, SequenceParallelMode, ShardConfig
 from cx_shardformer._conv1d import GPT2FusedLinearConv1D_Col, GPT2FusedLinearConv1D_Row
 from cx_shardformer._linear import FusedLinear1D_Col, Linear1D_Col, Linear1D_Row
 from cx_shardformer._loss import cross_entropy_1d
 from cx_shardformer._parallel_module import ParallelModule
+from cx_shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 from cx_shardformer._shard_spec import ShardSpec, get_shard_spec, unshard_tensor
+from cx_shardformer._shardformer import ShardFormer
 from cx_shardformer._vocab import VocabParallelEmbedding1D, VocabParallelLMHead1D
 
 __all__ = [
+    # sharding a model
+    "GradientCheckpointConfig",
+    "ModulePolicyDescription",
+    "Policy",
+    "SequenceParallelMode",
+    "ShardConfig",
+    "ShardFormer",
+    "SubModuleReplacementDescription",
     # layers
     "FusedLinear1D_Col",
     "GPT2FusedLinearConv1D_Col",

@@ -111,11 +111,10 @@ class _ColumnBase(ParallelModule):
         world = group_size(process_group)
         self.spec = make_spec(self._out_dim, parts, world, padded_out, name)
         self.weight = shard_parameter_(weight, self.spec, process_group)
+        self.bias: nn.Parameter | None
         if bias_ is not None:
-            self.bias: nn.Parameter | None = shard_parameter_(bias_, make_spec(0, parts, world, padded_out, name),
-                                                              process_group)
-        else:
-            self.register_parameter("bias", None)
+            bias_ = shard_parameter_(bias_, make_spec(0, parts, world, padded_out, name), process_group)
+        self.register_parameter("bias", bias_)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.weight, bias)
@@ -265,10 +264,9 @@ class _RowBase(ParallelModule):
         self.skip_bias_add = skip_bias_add
         self.spec = make_spec(self._in_dim, (in_features,), group_size(process_group), None, name)
         self.weight = shard_parameter_(weight, self.spec, process_group)
-        self.bias: nn.Parameter | None = bias_
-        if bias_ is None:
-            self.register_parameter("bias", None)
-        elif self._split_gather and not skip_bias_add:
+        self.bias: nn.Parameter | None
+        self.register_parameter("bias", bias_)
+        if bias_ is not None and self._split_gather and not skip_bias_add:
             sync_grad_over(bias_, process_group)  # added to a sequence shard: its gradient is summed over ranks
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
