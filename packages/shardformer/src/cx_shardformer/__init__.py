@@ -12,6 +12,7 @@ from cx_shardformer._linear import FusedLinear1D_Col, Linear1D_Col, Linear1D_Row
 from cx_shardformer._loss import cross_entropy_1d
 from cx_shardformer._parallel_module import ParallelModule
 from cx_shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
+from cx_shardformer._ring import ring_attention, zigzag_positions
 from cx_shardformer._shard_spec import ShardSpec, get_shard_spec, unshard_tensor
 from cx_shardformer._shardformer import ShardFormer
 from cx_shardformer._vocab import VocabParallelEmbedding1D, VocabParallelLMHead1D
@@ -35,6 +36,9 @@ __all__ = [
     "VocabParallelEmbedding1D",
     "VocabParallelLMHead1D",
     "cross_entropy_1d",
+    # sequence parallelism
+    "ring_attention",
+    "zigzag_positions",
     # sharding metadata
     "ShardSpec",
     "get_shard_spec",

@@ -33,7 +33,14 @@ from cx_shardformer._comm import (
 from cx_shardformer._parallel_module import ParallelModule
 from cx_shardformer._shard_spec import make_spec, shard_parameter_
 
-__all__ = ["FusedLinear1D_Col", "Linear1D_Col", "Linear1D_Row", "check_seq_parallel_mode", "sync_grad_over"]
+__all__ = [
+    "FusedLinear1D_Col",
+    "Linear1D_Col",
+    "Linear1D_Row",
+    "check_seq_parallel_mode",
+    "mark_sequence_gathered",
+    "sync_grad_over",
+]
 
 _LAYER_SP_MODES = ("split_gather",)
 
@@ -65,6 +72,15 @@ def sync_grad_over(param: nn.Parameter, group: ProcessGroup | None) -> None:
 
     param.register_hook(hook)
     param.cx_grad_synced = [*synced, group]  # type: ignore[attr-defined]
+
+
+_GATHERED = "cx_sequence_gathered"
+
+
+def mark_sequence_gathered(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
+    """Mark a block input all-gathered along the sequence with a reduce-scatter backward over `group`: column layers
+    fed this exact tensor skip their backward all-reduce (the reduce-scatter sums their input gradients already)."""
+    setattr(tensor, _GATHERED, group)
 
 
 def _new_linear_params(
@@ -134,6 +150,8 @@ class _ColumnBase(ParallelModule):
     def forward(self, input_: torch.Tensor) -> Any:
         if self._split_gather:
             x = gather_forward_reduce_scatter_backward(input_, self.seq_parallel_dim, self.process_group)
+        elif hasattr(input_, _GATHERED) and getattr(input_, _GATHERED) is self.process_group:
+            x = input_  # gathered by the block's sequence-parallel hook, whose backward sums over the group
         else:
             x = copy_to_parallel(input_, self.process_group)
         out = self._matmul(x, None if self.skip_bias_add else self.bias)

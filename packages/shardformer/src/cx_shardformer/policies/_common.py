@@ -79,6 +79,9 @@ class HFDecoderPolicy(Policy):
     embedding_path = ""  # relative to the model, e.g. "model.embed_tokens"
     lm_head_path = "lm_head"
     layers_path = ""  # the ModuleList of decoder layers
+    norm_path = ""  # the final norm (sequence parallelism gathers after it)
+    attention_name = "self_attn"  # inside a decoder layer
+    mlp_name = "mlp"
 
     @property
     def tp_size(self) -> int:
@@ -98,7 +101,8 @@ class HFDecoderPolicy(Policy):
         return list(layers)
 
     def has_lm_head(self) -> bool:
-        return isinstance(get_submodule_or_none(self.model, self.lm_head_path), nn.Linear)
+        head = get_submodule_or_none(self.model, self.lm_head_path)
+        return isinstance(head, nn.Linear | VocabParallelLMHead1D)
 
     def shard_vocab(self) -> None:
         """Embedding and LM head made vocabulary-parallel (a tied head adopts the embedding's shard)."""
@@ -112,13 +116,11 @@ class HFDecoderPolicy(Policy):
             set_submodule(self.model, self.embedding_path, new)
         head = get_submodule_or_none(self.model, self.lm_head_path)
         if isinstance(head, nn.Linear):
-            split_gather = config.sequence_parallelism_mode == "split_gather" and config.enable_sequence_parallelism
             new_head = VocabParallelLMHead1D.from_native_module(
                 head,
                 group,
                 make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
                 gather_output=not config.parallel_output,
-                seq_parallel_mode="split_gather" if split_gather else None,
             )
             set_submodule(self.model, self.lm_head_path, new_head)
             if config.parallel_output:

@@ -24,6 +24,7 @@ class GPT2Policy(HFDecoderPolicy):
     layers_path = "h"
     norm_path = "ln_f"
     decoder_layer = "GPT2Block"
+    attention_name = "attn"
 
     def config_sanity_check(self) -> None:
         config = self.hf_config
