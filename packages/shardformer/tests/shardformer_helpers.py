@@ -22,7 +22,9 @@ def full_value(param: nn.Parameter, group: object = None) -> torch.Tensor:
     return param.detach() if spec is None else unshard_tensor(param, spec, group)  # type: ignore[arg-type]
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL, atol: float = ATOL
+) -> None:
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 

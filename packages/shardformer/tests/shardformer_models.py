@@ -15,19 +15,31 @@ from shardformer_helpers import assert_close, full_grad
 VOCAB, SEQ, BATCH = 50, 8, 2
 
 
-def build(kind: str, **overrides: Any) -> nn.Module:
+def build(kind: str, **overrides: Any) -> Any:
     import transformers
 
     torch.manual_seed(0)
     if kind == "gpt2":
-        config: Any = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, **overrides,
-        )
-        return transformers.GPT2LMHeadModel(config)
+        gpt2: dict[str, Any] = {
+            "vocab_size": VOCAB,
+            "n_positions": 32,
+            "n_embd": 16,
+            "n_layer": 2,
+            "n_head": 4,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        }
+        gpt2.update(overrides)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2))
     settings: dict[str, Any] = {
-        "vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32,
+        "vocab_size": VOCAB,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32,
         "tie_word_embeddings": False,
     }
     settings.update(overrides)

@@ -5,6 +5,7 @@ transformers."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ pytest.importorskip("transformers")
 B, S, H = 2, 4, 8
 
 
-def _conv(out_features: int, in_features: int) -> torch.nn.Module:
+def _conv(out_features: int, in_features: int) -> Any:
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(0)
@@ -37,7 +38,8 @@ def test_shardformer_conv1d_col_matches_plain(rank: int, world_size: int, n_fuse
     layer = GPT2FusedLinearConv1D_Col.from_native_module(
         plain, None, n_fused=n_fused, gather_output=True, seq_parallel_mode=seq_mode
     )
-    assert layer.weight is weight and weight.shape == (H, n_fused * H // world_size)
+    assert layer.weight is weight
+    assert weight.shape == (H, n_fused * H // world_size)
     torch.manual_seed(1)
     x = torch.randn(B, S, H)
     g = torch.randn(B, S, n_fused * H)
@@ -48,9 +50,11 @@ def test_shardformer_conv1d_col_matches_plain(rank: int, world_size: int, n_fuse
     out = layer(x_in)
     assert_close(out, expected.detach(), "gathered output in q, k, v order")
     (out * g).sum().backward()
-    assert x_in.grad is not None and x_ref.grad is not None
+    assert x_in.grad is not None
+    assert x_ref.grad is not None
     assert_close(x_in.grad, chunk(x_ref.grad, 1, rank, world_size) if seq_mode else x_ref.grad, "input grad")
-    assert ref.weight.grad is not None and ref.bias.grad is not None
+    assert ref.weight.grad is not None
+    assert ref.bias.grad is not None
     assert_close(full_grad(weight), ref.weight.grad, "weight grad")
     assert_close(full_grad(layer.bias), ref.bias.grad, "bias grad")  # type: ignore[arg-type]
     assert_close(layer.state_dict()["weight"], ref.weight.detach(), "state_dict full-size")
@@ -63,7 +67,8 @@ def test_shardformer_conv1d_row_matches_plain(rank: int, world_size: int, seq_mo
     plain = _conv(H, 2 * H)
     ref = copy.deepcopy(plain)
     layer = GPT2FusedLinearConv1D_Row.from_native_module(plain, None, seq_parallel_mode=seq_mode)
-    assert layer.weight is plain.weight and plain.weight.shape == (2 * H // world_size, H)
+    assert layer.weight is plain.weight
+    assert plain.weight.shape == (2 * H // world_size, H)
     torch.manual_seed(1)
     x = torch.randn(B, S, 2 * H)
     g = torch.randn(B, S, H)
@@ -74,9 +79,12 @@ def test_shardformer_conv1d_row_matches_plain(rank: int, world_size: int, seq_mo
     out = layer(x_in)
     assert_close(out, chunk(expected, 1, rank, world_size).detach() if seq_mode else expected.detach(), "output")
     (out * (chunk(g, 1, rank, world_size) if seq_mode else g)).sum().backward()
-    assert x_in.grad is not None and x_ref.grad is not None
+    assert x_in.grad is not None
+    assert x_ref.grad is not None
     assert_close(x_in.grad, chunk(x_ref.grad, -1, rank, world_size), "input grad")
-    assert ref.weight.grad is not None and ref.bias.grad is not None and layer.bias is not None
+    assert ref.weight.grad is not None
+    assert ref.bias.grad is not None
+    assert layer.bias is not None
     assert_close(full_grad(layer.weight), ref.weight.grad, "weight grad")
     assert layer.bias.grad is not None
     assert_close(layer.bias.grad, ref.bias.grad, "bias grad")

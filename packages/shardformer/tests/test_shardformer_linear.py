@@ -31,12 +31,16 @@ def _data(features: int, out_features: int) -> tuple[torch.Tensor, torch.Tensor]
 @distributed(world_size=2)
 @pytest.mark.parametrize("gather_output", [True, False])
 @pytest.mark.parametrize("seq_mode", [None, "split_gather"])
-def test_shardformer_linear_col_matches_plain(rank: int, world_size: int, gather_output: bool, seq_mode: str | None) -> None:
+def test_shardformer_linear_col_matches_plain(
+    rank: int, world_size: int, gather_output: bool, seq_mode: str | None
+) -> None:
     plain, ref = _plain()
     weight, bias = plain.weight, plain.bias
     layer = Linear1D_Col.from_native_module(plain, None, gather_output=gather_output, seq_parallel_mode=seq_mode)
-    assert layer.weight is weight and layer.bias is bias
-    assert weight.shape == (OUT // world_size, IN) and bias.shape == (OUT // world_size,)
+    assert layer.weight is weight
+    assert layer.bias is bias
+    assert weight.shape == (OUT // world_size, IN)
+    assert bias.shape == (OUT // world_size,)
 
     x, g = _data(IN, OUT)
     x_ref = x.clone().requires_grad_()
@@ -51,9 +55,12 @@ def test_shardformer_linear_col_matches_plain(rank: int, world_size: int, gather
     # gather_output: every rank holds the same loss; otherwise each holds its slice's share of the total loss, and
     # the input gradient is summed over the ranks either way
     grad_in = x_ref.grad
-    assert grad_in is not None and x_in.grad is not None
+    assert grad_in is not None
+    assert x_in.grad is not None
     assert_close(x_in.grad, chunk(grad_in, 1, rank, world_size) if seq_mode else grad_in, "input grad")
-    assert ref.weight.grad is not None and ref.bias is not None and ref.bias.grad is not None
+    assert ref.weight.grad is not None
+    assert ref.bias is not None
+    assert ref.bias.grad is not None
     assert_close(full_grad(weight), ref.weight.grad, "weight grad")
     assert_close(full_grad(bias), ref.bias.grad, "bias grad")
 
@@ -67,8 +74,10 @@ def test_shardformer_linear_row_matches_plain(
     plain, ref = _plain()
     weight, bias = plain.weight, plain.bias
     layer = Linear1D_Row.from_native_module(plain, None, parallel_input=parallel_input, seq_parallel_mode=seq_mode)
-    assert layer.weight is weight and layer.bias is bias
-    assert weight.shape == (OUT, IN // world_size) and bias.shape == (OUT,)
+    assert layer.weight is weight
+    assert layer.bias is bias
+    assert weight.shape == (OUT, IN // world_size)
+    assert bias.shape == (OUT,)
 
     x, g = _data(IN, OUT)
     x_ref = x.clone().requires_grad_()
@@ -79,9 +88,12 @@ def test_shardformer_linear_row_matches_plain(
     expected = chunk(ref(x), 1, rank, world_size) if seq_mode else ref(x)
     assert_close(out, expected.detach(), "output")
     (out * (chunk(g, 1, rank, world_size) if seq_mode else g)).sum().backward()
-    assert x_ref.grad is not None and x_in.grad is not None
+    assert x_ref.grad is not None
+    assert x_in.grad is not None
     assert_close(x_in.grad, chunk(x_ref.grad, -1, rank, world_size) if parallel_input else x_ref.grad, "input grad")
-    assert ref.weight.grad is not None and ref.bias is not None and ref.bias.grad is not None
+    assert ref.weight.grad is not None
+    assert ref.bias is not None
+    assert ref.bias.grad is not None
     assert_close(full_grad(weight), ref.weight.grad, "weight grad")
     assert bias.grad is not None
     assert_close(bias.grad, ref.bias.grad, "bias grad (replicated, full on every rank)")
@@ -116,7 +128,9 @@ def test_shardformer_fused_col_splits_each_part(rank: int, world_size: int, gath
         assert [p.shape[-1] for p in out.split(local, -1)] == local
         out.square().sum().backward()
         full_ref.square().sum().backward()
-    assert x_ref.grad is not None and x_in.grad is not None and ref.weight.grad is not None
+    assert x_ref.grad is not None
+    assert x_in.grad is not None
+    assert ref.weight.grad is not None
     assert_close(x_in.grad, x_ref.grad, "input grad")
     assert_close(full_grad(layer.weight), ref.weight.grad, "weight grad")
     state = layer.state_dict()
@@ -174,7 +188,7 @@ def test_shardformer_linear_errors(rank: int, world_size: int) -> None:
         Linear1D_Col.from_native_module(nn.Linear(4, 4), seq_parallel_mode="all_to_all")
     with pytest.raises(ValueError, match="unknown seq_parallel_mode"):
         Linear1D_Row.from_native_module(nn.Linear(4, 4), seq_parallel_mode="bogus")
-    with pytest.raises(TypeError, match="expects an nn.Linear"):
+    with pytest.raises(TypeError, match=r"expects an nn\.Linear"):
         Linear1D_Row.from_native_module(nn.Conv2d(1, 1, 1))
     with pytest.raises(ValueError, match="split_sizes"):
         FusedLinear1D_Col.from_native_module(nn.Linear(4, 8), split_sizes=[4, 2])

@@ -55,3 +55,20 @@ def test_shardformer_policy_matches_unsharded(rank: int, world_size: int, kind: 
     # atol 5e-5: GPT-2's key bias has a true gradient of zero (softmax ignores a shift shared by every key), so
     # Adam normalises rounding noise of ~1e-9 into steps of up to lr on both sides
     compare_state(model, reference, f"{kind} after 3 AdamW steps", rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.slow
+@distributed(world_size=4)
+def test_shardformer_policy_tp4_matches_unsharded(rank: int, world_size: int) -> None:
+    """tp 4 where the heads allow (Llama 4 heads / 4 key-value heads, GPT-2 4 heads): loss and every gradient."""
+    for kind, overrides in (("llama", {"num_key_value_heads": 4}), ("gpt2", {})):
+        model = build(kind, **overrides)
+        reference = twin(model)
+        model, _ = ShardFormer(ShardConfig()).optimize(model)
+        ids = tokens(2)
+        out = model(input_ids=ids, labels=ids)
+        ref_out = reference(input_ids=ids, labels=ids)
+        assert_close(out.loss, ref_out.loss.detach(), f"{kind} tp4 loss")
+        out.loss.backward()
+        ref_out.loss.backward()
+        compare_grads(model, reference, f"{kind} tp4")

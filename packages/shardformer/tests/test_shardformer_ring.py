@@ -38,7 +38,8 @@ def test_shardformer_ring_attention_matches_causal(
     assert_close(out, ref[:, :, pos].detach(), "output")
     (out * g[:, :, pos]).sum().backward()
     for name, local, full in (("q", q_l, q_ref), ("k", k_l, k_ref), ("v", v_l, v_ref)):
-        assert local.grad is not None and full.grad is not None
+        assert local.grad is not None
+        assert full.grad is not None
         assert_close(local.grad, full.grad[:, :, pos], f"{name} grad")
 
 

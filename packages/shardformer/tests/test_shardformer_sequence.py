@@ -54,7 +54,14 @@ def test_shardformer_sequence_parallel_matches_unsharded(
 
 
 @distributed(world_size=2)
-@pytest.mark.parametrize(("mode", "seq", "match"), [("split_gather", 7, "not divisible by 2"), ("all_to_all", 7, "not divisible by 2"), ("ring", 6, "not divisible by 4")])
+@pytest.mark.parametrize(
+    ("mode", "seq", "match"),
+    [
+        ("split_gather", 7, "not divisible by 2"),
+        ("all_to_all", 7, "not divisible by 2"),
+        ("ring", 6, "not divisible by 4"),
+    ],
+)
 def test_shardformer_sequence_length_must_divide(rank: int, world_size: int, mode: str, seq: int, match: str) -> None:
     model, _ = ShardFormer(_config(mode)).optimize(build("llama"))
     ids = tokens(0, seq)

@@ -29,7 +29,8 @@ def test_shardformer_vocab_embedding_matches_plain(rank: int, world_size: int) -
     ref = copy.deepcopy(plain)
     weight = plain.weight
     layer = VocabParallelEmbedding1D.from_native_module(plain, None, make_vocab_size_divisible_by=4)
-    assert layer.weight is weight and weight.shape == (16 // world_size, H)
+    assert layer.weight is weight
+    assert weight.shape == (16 // world_size, H)
     if rank == world_size - 1:
         assert torch.count_nonzero(weight[V - 8 :]) == 0, "padding rows are zeros"
     assert layer.state_dict()["weight"].shape == (V, H)
@@ -59,8 +60,11 @@ def test_shardformer_vocab_lm_head_matches_plain(rank: int, world_size: int, gat
     torch.manual_seed(0)
     plain = nn.Linear(H, V, bias=False)
     ref = copy.deepcopy(plain)
-    head = VocabParallelLMHead1D.from_native_module(plain, None, make_vocab_size_divisible_by=4, gather_output=gather_output)
-    assert head.weight is plain.weight and plain.weight.shape == (8, H)
+    head = VocabParallelLMHead1D.from_native_module(
+        plain, None, make_vocab_size_divisible_by=4, gather_output=gather_output
+    )
+    assert head.weight is plain.weight
+    assert plain.weight.shape == (8, H)
     assert head.state_dict()["weight"].shape == (V, H)
 
     torch.manual_seed(3)
@@ -83,7 +87,9 @@ def test_shardformer_vocab_lm_head_matches_plain(rank: int, world_size: int, gat
     assert_close(loss, loss_ref.detach(), "loss")
     loss.backward()
     loss_ref.backward()
-    assert x_in.grad is not None and x_ref.grad is not None and ref.weight.grad is not None
+    assert x_in.grad is not None
+    assert x_ref.grad is not None
+    assert ref.weight.grad is not None
     assert_close(x_in.grad, x_ref.grad, "input grad")
     assert_close(full_grad(head.weight), ref.weight.grad, "weight grad")
     if rank == world_size - 1:
@@ -107,7 +113,8 @@ def test_shardformer_cross_entropy_1d(rank: int, world_size: int, ignore_index: 
     loss = cross_entropy_1d(local, labels, ignore_index=ignore_index, vocab_size=V, mode=mode)
     assert_close(loss, expected.detach(), "loss")
     loss.backward()
-    assert local.grad is not None and ref_logits.grad is not None
+    assert local.grad is not None
+    assert ref_logits.grad is not None
     padded_grad = torch.cat([ref_logits.grad, torch.zeros(7, 3)], -1)
     assert_close(local.grad, chunk(padded_grad, -1, rank, world_size), "logit grads (zero on padding)")
 
@@ -122,7 +129,8 @@ def test_shardformer_tied_embedding_and_head_share_one_shard(rank: int, world_si
     ref_head.weight = ref_embed.weight
     p_embed = VocabParallelEmbedding1D.from_native_module(embed, make_vocab_size_divisible_by=4)
     p_head = VocabParallelLMHead1D.from_native_module(head, make_vocab_size_divisible_by=4)
-    assert p_embed.weight is p_head.weight and p_embed.weight.shape == (8, H)
+    assert p_embed.weight is p_head.weight
+    assert p_embed.weight.shape == (8, H)
     ids = _ids()
     loss = cross_entropy_1d(p_head(p_embed(ids)), ids, vocab_size=V)
     ref_loss = F.cross_entropy(ref_head(ref_embed(ids)).view(-1, V), ids.view(-1))

@@ -82,8 +82,9 @@ class ShardConfig:
         if self.fp8_communication:
             raise NotImplementedError("ShardConfig: fp8_communication is not implemented in cx-shardformer")
         if self.make_vocab_size_divisible_by < 1:
-            raise ValueError(f"ShardConfig: make_vocab_size_divisible_by must be >= 1, got "
-                             f"{self.make_vocab_size_divisible_by}")
+            raise ValueError(
+                f"ShardConfig: make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}"
+            )
         if self.enable_all_optimization:
             # ColossalAI also switches on jit fusion and sequence overlap here; cx has neither, so they stay off.
             object.__setattr__(self, "enable_fused_normalization", True)

@@ -32,7 +32,7 @@ def _addmm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out if bias is None else out + bias
 
 
-class GPT2FusedLinearConv1D_Col(_ColumnBase):
+class GPT2FusedLinearConv1D_Col(_ColumnBase):  # noqa: N801  (ColossalAI's public name)
     """Column-parallel `Conv1D` (output features split; fused parts split separately)."""
 
     _out_dim = 1
@@ -48,12 +48,21 @@ class GPT2FusedLinearConv1D_Col(_ColumnBase):
         seq_parallel_dim: int = 1,
         skip_bias_add: bool = False,
         *,
-        weight: nn.Parameter,
-        bias_: nn.Parameter | None = None,
+        weight: torch.Tensor,
+        bias_: torch.Tensor | None = None,
     ) -> None:
         super().__init__(
-            in_features, out_features, weight, bias_, process_group, gather_output, seq_parallel_mode,
-            seq_parallel_dim, skip_bias_add, split_sizes, None,
+            in_features,
+            out_features,
+            weight,
+            bias_,
+            process_group,
+            gather_output,
+            seq_parallel_mode,
+            seq_parallel_dim,
+            skip_bias_add,
+            split_sizes,
+            None,
         )
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -75,12 +84,17 @@ class GPT2FusedLinearConv1D_Col(_ColumnBase):
                 raise ValueError(f"{cls.__name__}: {out_features} output features do not split into {n_fused} parts")
             split_sizes = [out_features // n_fused] * n_fused
         return cls(
-            in_features, out_features, process_group=process_group, split_sizes=split_sizes, weight=weight,
-            bias_=bias, **kwargs,
+            in_features,
+            out_features,
+            process_group=process_group,
+            split_sizes=split_sizes,
+            weight=weight,
+            bias_=bias,
+            **kwargs,
         )
 
 
-class GPT2FusedLinearConv1D_Row(_RowBase):
+class GPT2FusedLinearConv1D_Row(_RowBase):  # noqa: N801  (ColossalAI's public name)
     """Row-parallel `Conv1D` (input features split, partial outputs summed, bias replicated)."""
 
     _in_dim = 0
@@ -95,12 +109,19 @@ class GPT2FusedLinearConv1D_Row(_RowBase):
         parallel_input: bool = True,
         skip_bias_add: bool = False,
         *,
-        weight: nn.Parameter,
-        bias_: nn.Parameter | None = None,
+        weight: torch.Tensor,
+        bias_: torch.Tensor | None = None,
     ) -> None:
         super().__init__(
-            in_features, out_features, weight, bias_, process_group, parallel_input, seq_parallel_mode,
-            seq_parallel_dim, skip_bias_add,
+            in_features,
+            out_features,
+            weight,
+            bias_,
+            process_group,
+            parallel_input,
+            seq_parallel_mode,
+            seq_parallel_dim,
+            skip_bias_add,
         )
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:

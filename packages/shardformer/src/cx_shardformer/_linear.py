@@ -65,6 +65,7 @@ def sync_grad_over(param: nn.Parameter, group: ProcessGroup | None) -> None:
     synced: list[ProcessGroup | None] = getattr(param, "cx_grad_synced", [])
     if any(g is group for g in synced) or group_size(group) == 1:
         return
+
     def hook(grad: torch.Tensor) -> torch.Tensor:
         out = grad.clone()
         all_reduce(out, group=group)
@@ -85,7 +86,7 @@ def mark_sequence_gathered(tensor: torch.Tensor, group: ProcessGroup | None) -> 
 
 def _new_linear_params(
     in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None, device: torch.device | str | None
-) -> tuple[nn.Parameter, nn.Parameter | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Full-size parameters initialised as `nn.Linear` does (same seed on every rank gives the same values)."""
     plain = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
     return plain.weight, plain.bias
@@ -100,8 +101,8 @@ class _ColumnBase(ParallelModule):
         self,
         in_features: int,
         out_features: int,
-        weight: nn.Parameter,
-        bias_: nn.Parameter | None,
+        weight: torch.Tensor,
+        bias_: torch.Tensor | None,
         process_group: ProcessGroup | None,
         gather_output: bool,
         seq_parallel_mode: str | None,
@@ -168,7 +169,7 @@ class _ColumnBase(ParallelModule):
         )
 
 
-class Linear1D_Col(_ColumnBase):
+class Linear1D_Col(_ColumnBase):  # noqa: N801  (ColossalAI's public name)
     """`nn.Linear` with its output features split over `process_group`.
 
     `gather_output=True` all-gathers the output (every rank gets the full features); otherwise each rank keeps its
@@ -187,14 +188,23 @@ class Linear1D_Col(_ColumnBase):
         seq_parallel_mode: str | None = None,
         seq_parallel_dim: int = 1,
         skip_bias_add: bool = False,
-        weight: nn.Parameter | None = None,
-        bias_: nn.Parameter | None = None,
+        weight: torch.Tensor | None = None,
+        bias_: torch.Tensor | None = None,
     ) -> None:
         if weight is None:
             weight, bias_ = _new_linear_params(in_features, out_features, bias, dtype, device)
         super().__init__(
-            in_features, out_features, weight, bias_ if bias else None, process_group, gather_output,
-            seq_parallel_mode, seq_parallel_dim, skip_bias_add, None, None,
+            in_features,
+            out_features,
+            weight,
+            bias_ if bias else None,
+            process_group,
+            gather_output,
+            seq_parallel_mode,
+            seq_parallel_dim,
+            skip_bias_add,
+            None,
+            None,
         )
 
     @classmethod
@@ -204,12 +214,17 @@ class Linear1D_Col(_ColumnBase):
         """Shard an `nn.Linear` in place (same Parameter objects) into a column-parallel layer."""
         linear = _require_linear(module, cls.__name__)
         return cls(
-            linear.in_features, linear.out_features, bias=linear.bias is not None, process_group=process_group,
-            weight=linear.weight, bias_=linear.bias, **kwargs,
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            process_group=process_group,
+            weight=linear.weight,
+            bias_=linear.bias,
+            **kwargs,
         )
 
 
-class FusedLinear1D_Col(_ColumnBase):
+class FusedLinear1D_Col(_ColumnBase):  # noqa: N801  (ColossalAI's public name)
     """A column-parallel `nn.Linear` whose output concatenates several projections (`split_sizes`, e.g. q, k, v or
     gate, up); each projection is split over the ranks separately, so the local output is [q_r, k_r, v_r]."""
 
@@ -226,16 +241,25 @@ class FusedLinear1D_Col(_ColumnBase):
         seq_parallel_mode: str | None = None,
         seq_parallel_dim: int = 1,
         skip_bias_add: bool = False,
-        weight: nn.Parameter | None = None,
-        bias_: nn.Parameter | None = None,
+        weight: torch.Tensor | None = None,
+        bias_: torch.Tensor | None = None,
     ) -> None:
         if split_sizes is None:
             raise ValueError(f"{type(self).__name__}: split_sizes (the fused projections' output sizes) is required")
         if weight is None:
             weight, bias_ = _new_linear_params(in_features, out_features, bias, dtype, device)
         super().__init__(
-            in_features, out_features, weight, bias_ if bias else None, process_group, gather_output,
-            seq_parallel_mode, seq_parallel_dim, skip_bias_add, split_sizes, None,
+            in_features,
+            out_features,
+            weight,
+            bias_ if bias else None,
+            process_group,
+            gather_output,
+            seq_parallel_mode,
+            seq_parallel_dim,
+            skip_bias_add,
+            split_sizes,
+            None,
         )
 
     @classmethod
@@ -249,8 +273,14 @@ class FusedLinear1D_Col(_ColumnBase):
         """Shard a fused `nn.Linear` in place; `split_sizes` lists the fused projections' output sizes."""
         linear = _require_linear(module, cls.__name__)
         return cls(
-            linear.in_features, linear.out_features, bias=linear.bias is not None, process_group=process_group,
-            split_sizes=split_sizes, weight=linear.weight, bias_=linear.bias, **kwargs,
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            process_group=process_group,
+            split_sizes=split_sizes,
+            weight=linear.weight,
+            bias_=linear.bias,
+            **kwargs,
         )
 
 
@@ -263,8 +293,8 @@ class _RowBase(ParallelModule):
         self,
         in_features: int,
         out_features: int,
-        weight: nn.Parameter,
-        bias_: nn.Parameter | None,
+        weight: torch.Tensor,
+        bias_: torch.Tensor | None,
         process_group: ProcessGroup | None,
         parallel_input: bool,
         seq_parallel_mode: str | None,
@@ -283,6 +313,8 @@ class _RowBase(ParallelModule):
         self.spec = make_spec(self._in_dim, (in_features,), group_size(process_group), None, name)
         self.weight = shard_parameter_(weight, self.spec, process_group)
         self.bias: nn.Parameter | None
+        if bias_ is not None and not isinstance(bias_, nn.Parameter):
+            raise TypeError(f"{name}: bias_ must be an nn.Parameter, got {type(bias_).__name__}")
         self.register_parameter("bias", bias_)
         if bias_ is not None and self._split_gather and not skip_bias_add:
             sync_grad_over(bias_, process_group)  # added to a sequence shard: its gradient is summed over ranks
@@ -308,7 +340,7 @@ class _RowBase(ParallelModule):
         )
 
 
-class Linear1D_Row(_RowBase):
+class Linear1D_Row(_RowBase):  # noqa: N801  (ColossalAI's public name)
     """`nn.Linear` with its input features split over `process_group`; partial outputs are summed (all-reduce, or
     reduce-scatter along the sequence under split_gather). `parallel_input=False` takes the full input and keeps
     this rank's slice of it."""
@@ -325,14 +357,21 @@ class Linear1D_Row(_RowBase):
         seq_parallel_dim: int = 1,
         parallel_input: bool = True,
         skip_bias_add: bool = False,
-        weight: nn.Parameter | None = None,
-        bias_: nn.Parameter | None = None,
+        weight: torch.Tensor | None = None,
+        bias_: torch.Tensor | None = None,
     ) -> None:
         if weight is None:
             weight, bias_ = _new_linear_params(in_features, out_features, bias, dtype, device)
         super().__init__(
-            in_features, out_features, weight, bias_ if bias else None, process_group, parallel_input,
-            seq_parallel_mode, seq_parallel_dim, skip_bias_add,
+            in_features,
+            out_features,
+            weight,
+            bias_ if bias else None,
+            process_group,
+            parallel_input,
+            seq_parallel_mode,
+            seq_parallel_dim,
+            skip_bias_add,
         )
 
     @classmethod
@@ -342,8 +381,13 @@ class Linear1D_Row(_RowBase):
         """Shard an `nn.Linear` in place (same Parameter objects) into a row-parallel layer."""
         linear = _require_linear(module, cls.__name__)
         return cls(
-            linear.in_features, linear.out_features, bias=linear.bias is not None, process_group=process_group,
-            weight=linear.weight, bias_=linear.bias, **kwargs,
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            process_group=process_group,
+            weight=linear.weight,
+            bias_=linear.bias,
+            **kwargs,
         )
 
 

@@ -76,5 +76,6 @@ def ring_attention(
     top = torch.stack(maxima).amax(dim=0)
     numerator = sum(torch.exp(m - top) * o for m, o in zip(maxima, outs, strict=True))
     denominator = sum(torch.exp(m - top) * s for m, s in zip(maxima, sums, strict=True))
-    assert isinstance(numerator, torch.Tensor) and isinstance(denominator, torch.Tensor)
+    assert isinstance(numerator, torch.Tensor)
+    assert isinstance(denominator, torch.Tensor)
     return numerator / denominator

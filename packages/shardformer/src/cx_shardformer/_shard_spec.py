@@ -78,17 +78,21 @@ def _local_slice(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor
     return torch.cat(pieces, dim=spec.dim).contiguous()
 
 
-def shard_parameter_(param: nn.Parameter, spec: ShardSpec, group: ProcessGroup | None) -> nn.Parameter:
+def shard_parameter_(param: torch.Tensor, spec: ShardSpec, group: ProcessGroup | None) -> nn.Parameter:
     """Replace `param`'s data by this rank's slice, keeping the same Parameter object (optimizers built before
     sharding keep pointing at it). A parameter already sharded with the same spec (a tied weight) is left alone."""
+    if not isinstance(param, nn.Parameter):
+        raise TypeError(f"only an nn.Parameter can be sharded in place, got {type(param).__name__}")
     existing = get_shard_spec(param)
     if existing is not None:
         if existing != spec:
             raise ValueError(f"parameter already sharded as {existing}, cannot re-shard it as {spec}")
         return param
     if param.shape[spec.dim] != spec.full:
-        raise ValueError(f"parameter of shape {tuple(param.shape)} has size {param.shape[spec.dim]} along "
-                         f"dimension {spec.dim}, the layer expects {spec.full}")
+        raise ValueError(
+            f"parameter of shape {tuple(param.shape)} has size {param.shape[spec.dim]} along "
+            f"dimension {spec.dim}, the layer expects {spec.full}"
+        )
     with torch.no_grad():
         param.data = _local_slice(param.data, spec, int(dist.get_rank(group)))
     setattr(param, _ATTRIBUTE, spec)

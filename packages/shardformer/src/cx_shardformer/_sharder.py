@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -86,6 +87,10 @@ class ModelSharder:
                 f"{type(self.policy).__name__}: {type(module).__name__} at {name or '<root>'!r} has no sub-module "
                 f"{replacement.suffix!r} to replace"
             )
-        build = getattr(replacement.target_module, "from_native_module", replacement.target_module)
+        build: Callable[..., object] = getattr(
+            replacement.target_module, "from_native_module", replacement.target_module
+        )
         new = build(original, process_group=self.shard_config.tensor_parallel_process_group, **replacement.kwargs)
+        if not isinstance(new, nn.Module):
+            raise TypeError(f"{replacement.target_module!r} built a {type(new).__name__}, not an nn.Module")
         set_submodule(module, replacement.suffix, new)

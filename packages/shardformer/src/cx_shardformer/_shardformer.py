@@ -19,7 +19,9 @@ class ShardFormer:
             raise TypeError(f"ShardFormer expects a ShardConfig, got {type(shard_config).__name__}")
         self.shard_config = shard_config
 
-    def optimize(self, model: nn.Module, policy: Policy | None = None) -> tuple[nn.Module, list[dict[int, nn.Parameter]]]:
+    def optimize(
+        self, model: nn.Module, policy: Policy | None = None
+    ) -> tuple[nn.Module, list[dict[int, nn.Parameter]]]:
         """Apply `policy` (or the auto-selected one) to `model`; returns the model and the parameters shared between
         pipeline stages (empty: no pipeline here). Parameters keep their identity (sharded in place)."""
         if policy is None:

@@ -42,7 +42,7 @@ class VocabParallelEmbedding1D(ParallelModule):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         process_group: ProcessGroup | None = None,
-        weight: nn.Parameter | None = None,
+        weight: torch.Tensor | None = None,
         make_vocab_size_divisible_by: int = 64,
     ) -> None:
         super().__init__()
@@ -68,8 +68,12 @@ class VocabParallelEmbedding1D(ParallelModule):
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ValueError(f"{cls.__name__}: max_norm, sparse and scale_grad_by_freq are not supported")
         return cls(
-            module.num_embeddings, module.embedding_dim, module.padding_idx, process_group=process_group,
-            weight=module.weight, **kwargs,
+            module.num_embeddings,
+            module.embedding_dim,
+            module.padding_idx,
+            process_group=process_group,
+            weight=module.weight,
+            **kwargs,
         )
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
@@ -104,8 +108,8 @@ class VocabParallelLMHead1D(_ColumnBase):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         process_group: ProcessGroup | None = None,
-        weight: nn.Parameter | None = None,
-        bias_: nn.Parameter | None = None,
+        weight: torch.Tensor | None = None,
+        bias_: torch.Tensor | None = None,
         make_vocab_size_divisible_by: int = 64,
         gather_output: bool = False,
         seq_parallel_mode: str | None = None,
@@ -117,8 +121,17 @@ class VocabParallelLMHead1D(_ColumnBase):
         world = group_size(process_group)
         padded = padded_vocab_size(out_features, make_vocab_size_divisible_by, world)
         super().__init__(
-            in_features, out_features, weight, bias_ if bias else None, process_group, gather_output,
-            seq_parallel_mode, seq_parallel_dim, False, None, padded,
+            in_features,
+            out_features,
+            weight,
+            bias_ if bias else None,
+            process_group,
+            gather_output,
+            seq_parallel_mode,
+            seq_parallel_dim,
+            False,
+            None,
+            padded,
         )
         self.num_embeddings = out_features
         self.num_embeddings_padded = padded
@@ -131,6 +144,11 @@ class VocabParallelLMHead1D(_ColumnBase):
         if not isinstance(module, nn.Linear):
             raise TypeError(f"{cls.__name__}.from_native_module expects an nn.Linear, got {type(module).__name__}")
         return cls(
-            module.in_features, module.out_features, bias=module.bias is not None, process_group=process_group,
-            weight=module.weight, bias_=module.bias, **kwargs,
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            process_group=process_group,
+            weight=module.weight,
+            bias_=module.bias,
+            **kwargs,
         )

@@ -129,7 +129,7 @@ class HFDecoderPolicy(Policy):
                         f"{type(self.model).__name__}: parallel_output=True needs a transformers model with a "
                         "settable loss_function; pass parallel_output=False"
                     )
-                self.model.loss_function = VocabParallelCausalLMLoss(config)
+                setattr(self.model, "loss_function", VocabParallelCausalLMLoss(config))  # noqa: B010  (typed as Module attr)
 
     def apply_switches(self) -> None:
         """enable_flash_attention, enable_fused_normalization and gradient_checkpoint_config."""
@@ -172,5 +172,5 @@ def enable_checkpointing(layer: nn.Module) -> None:
         raise TypeError(
             f"gradient_checkpoint_config: {type(layer).__name__} is not a transformers GradientCheckpointingLayer"
         )
-    layer.gradient_checkpointing = True
-    layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+    setattr(layer, "gradient_checkpointing", True)  # noqa: B010  (transformers' flag, not a Module attribute type)
+    setattr(layer, "_gradient_checkpointing_func", functools.partial(checkpoint, use_reentrant=False))  # noqa: B010

@@ -53,13 +53,12 @@ def check_sequence_parallelism(policy: HFDecoderPolicy) -> None:
     sp = config.sequence_parallel_size
     tp = config.tensor_parallel_size
     heads = getattr(policy.hf_config, "num_attention_heads", None)
-    if mode is SequenceParallelMode.ALL_TO_ALL and isinstance(heads, int):
-        if (heads // tp) % sp != 0:
-            raise ValueError(
-                f"{type(policy.model).__name__}: all_to_all sequence parallelism scatters the {heads // tp} attention "
-                f"heads each tensor-parallel rank holds (num_attention_heads={heads}, tp={tp}) over sp={sp} ranks; "
-                f"{heads // tp} is not divisible by {sp}"
-            )
+    if mode is SequenceParallelMode.ALL_TO_ALL and isinstance(heads, int) and (heads // tp) % sp != 0:
+        raise ValueError(
+            f"{type(policy.model).__name__}: all_to_all sequence parallelism scatters the {heads // tp} attention "
+            f"heads each tensor-parallel rank holds (num_attention_heads={heads}, tp={tp}) over sp={sp} ranks; "
+            f"{heads // tp} is not divisible by {sp}"
+        )
     if mode in _ATTENTION_NAMES and not hasattr(policy.model, "set_attn_implementation"):
         raise TypeError(
             f"{type(policy.model).__name__}: {mode.value} sequence parallelism registers a transformers attention "
@@ -90,7 +89,9 @@ class _Sequence:
     def _check_length(self, seq_len: int) -> None:
         parts = 2 * self.world if self.mode is SequenceParallelMode.RING else self.world
         if seq_len % parts != 0:
-            extra = " (ring attention's balanced zig-zag split cuts it into 2 * sp chunks)" if parts != self.world else ""
+            extra = (
+                " (ring attention's balanced zig-zag split cuts it into 2 * sp chunks)" if parts != self.world else ""
+            )
             raise ValueError(
                 f"{self.model_name}: sequence length {seq_len} is not divisible by {parts} for {self.mode.value} "
                 f"sequence parallelism over {self.world} ranks{extra}; pad the batch to a multiple of {parts}"
@@ -133,6 +134,14 @@ class _Sequence:
         return full
 
 
+_GROUP = "cx_sp_group"
+
+
+def _sp_group(module: nn.Module) -> ProcessGroup | None:
+    group: ProcessGroup | None = getattr(module, _GROUP)
+    return group
+
+
 def ulysses_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -144,7 +153,7 @@ def ulysses_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: all-to-all (sequence -> heads), SDPA on the full sequence, all-to-all back."""
-    group: ProcessGroup | None = module.cx_sp_group
+    group = _sp_group(module)
     sp = group_size(group)
     heads, kv_heads = query.shape[1], key.shape[1]
     if kv_heads % sp != 0:  # fewer key/value heads than ranks: repeat them (grouped-query attention)
@@ -178,7 +187,7 @@ def ring_attention_forward(
     if dropout > 0.0:
         raise NotImplementedError("ring sequence parallelism: attention dropout is not supported; set it to 0")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = ring_attention(query, key, value, module.cx_sp_group, scale, attention_mask)
+    out = ring_attention(query, key, value, _sp_group(module), scale, attention_mask)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -219,8 +228,8 @@ def apply_sequence_parallelism(policy: HFDecoderPolicy) -> None:
             attention = get_submodule_or_none(layer, policy.attention_name)
             if attention is None:
                 raise TypeError(f"{type(policy).__name__}: decoder layer has no {policy.attention_name!r}")
-            attention.cx_sp_group = config.sp_group
-        model.set_attn_implementation(_ATTENTION_NAMES[mode])
+            setattr(attention, _GROUP, config.sp_group)
+        getattr(model, "set_attn_implementation")(_ATTENTION_NAMES[mode])  # noqa: B009  (transformers only)
     # gathered after the final norm, before any reshape the model makes of the full sequence (GPT-2 views it)
     norm.register_forward_hook(sequence.gather_output)
     for module in [*layers, norm]:

@@ -19,7 +19,7 @@ from cx_shardformer.policies._common import HFDecoderPolicy, check_divisible
 
 __all__ = ["TPPlanPolicy"]
 
-_STYLES = {"colwise": Linear1D_Col, "rowwise": Linear1D_Row}
+_STYLES: dict[str, type[Linear1D_Col] | type[Linear1D_Row]] = {"colwise": Linear1D_Col, "rowwise": Linear1D_Row}
 
 
 def _pattern(plan_key: str) -> re.Pattern[str]:
