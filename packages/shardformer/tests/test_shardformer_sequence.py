@@ -1,20 +1,23 @@
 """Sequence parallelism at 2 ranks on tiny transformers models against the unsharded copy: split_gather (with tp 2),
-all_to_all and ring (sp 2): the loss is the full-sequence loss, logits and every gradient equal; GQA (key/value heads
-fewer than sp) under all_to_all; a sequence length that does not divide fails clearly. Skips without transformers."""
+all_to_all and ring (sp 2). The loss is the full-sequence loss, logits and every gradient equal, and two AdamW steps
+give the same weights; GQA (key/value heads fewer than sp) under all_to_all; a sequence length that does not divide
+fails clearly. Skips without transformers."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cx_mesh.testing import distributed
 from cx_shardformer import ShardConfig, ShardFormer
 from shardformer_helpers import assert_close
-from shardformer_models import VOCAB, build, compare_grads, full_logits, tokens, twin
+from shardformer_models import VOCAB, build, compare_grads, compare_state, full_logits, tokens, twin
 
 pytest.importorskip("transformers")
 
 CASES = [
     ("llama", "split_gather", {}),
+    ("llama", "split_gather+parallel_output", {}),
     ("gpt2", "split_gather", {}),
     ("llama", "all_to_all", {}),
     ("llama", "all_to_all", {"num_key_value_heads": 1}),
@@ -25,12 +28,12 @@ CASES = [
 
 
 def _config(mode: str) -> ShardConfig:
-    tp = mode == "split_gather"
+    mode, _, extra = mode.partition("+")
     return ShardConfig(
-        enable_tensor_parallelism=tp,
+        enable_tensor_parallelism=mode == "split_gather",
         enable_sequence_parallelism=True,
         sequence_parallelism_mode=mode,
-        parallel_output=False,
+        parallel_output=extra == "parallel_output",
     )
 
 
@@ -41,16 +44,27 @@ def test_shardformer_sequence_parallel_matches_unsharded(
 ) -> None:
     model = build(kind, **overrides)
     reference = twin(model)
-    model, _ = ShardFormer(_config(mode)).optimize(model)
-    ids = tokens(0)
-    out = model(input_ids=ids, labels=ids, use_cache=False)
-    ref_out = reference(input_ids=ids, labels=ids, use_cache=False)
-    assert out.logits.shape == (ids.shape[0], ids.shape[1], VOCAB), "logits cover the full sequence"
-    assert_close(out.loss, ref_out.loss.detach(), f"{kind} {mode} loss")
-    assert_close(full_logits(out.logits, False), ref_out.logits.detach(), f"{kind} {mode} logits")
-    out.loss.backward()
-    ref_out.loss.backward()
-    compare_grads(model, reference, f"{kind} {mode}")
+    config = _config(mode)
+    model, _ = ShardFormer(config).optimize(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(2):
+        ids = tokens(step)
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        ref_out = reference(input_ids=ids, labels=ids, use_cache=False)
+        logits = full_logits(out.logits, config.parallel_output)
+        assert logits.shape == (ids.shape[0], ids.shape[1], VOCAB), "logits cover the full sequence"
+        assert_close(out.loss, ref_out.loss.detach(), f"{kind} {mode} loss step {step}")
+        assert_close(logits, ref_out.logits.detach(), f"{kind} {mode} logits step {step}")
+        out.loss.backward()
+        ref_out.loss.backward()
+        if step == 0:
+            compare_grads(model, reference, f"{kind} {mode}")
+        optimizer.step()
+        ref_optimizer.step()
+    compare_state(model, reference, f"{kind} {mode} after 2 AdamW steps", rtol=1e-4, atol=5e-5)
 
 
 @distributed(world_size=2)
