@@ -38,7 +38,7 @@ __all__ = [
     "Linear1D_Col",
     "Linear1D_Row",
     "check_seq_parallel_mode",
-    "mark_sequence_gathered",
+    "mark_input_grad_reduced",
     "sync_grad_over",
 ]
 
@@ -75,13 +75,14 @@ def sync_grad_over(param: nn.Parameter, group: ProcessGroup | None) -> None:
     param.cx_grad_synced = [*synced, group]  # type: ignore[attr-defined]
 
 
-_GATHERED = "cx_sequence_gathered"
+_REDUCED = "cx_input_grad_reduced"
 
 
-def mark_sequence_gathered(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
-    """Mark a block input all-gathered along the sequence with a reduce-scatter backward over `group`: column layers
-    fed this exact tensor skip their backward all-reduce (the reduce-scatter sums their input gradients already)."""
-    setattr(tensor, _GATHERED, group)
+def mark_input_grad_reduced(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
+    """Mark a block input whose backward already sums its gradient over `group` (a block-level `copy_to_parallel`,
+    or split_gather's all-gather with its reduce-scatter backward). Column layers fed this exact tensor skip their
+    own backward all-reduce, so q, k and v (or gate and up) share one reduction instead of one each."""
+    setattr(tensor, _REDUCED, group)
 
 
 def _new_linear_params(
@@ -151,8 +152,8 @@ class _ColumnBase(ParallelModule):
     def forward(self, input_: torch.Tensor) -> Any:
         if self._split_gather:
             x = gather_forward_reduce_scatter_backward(input_, self.seq_parallel_dim, self.process_group)
-        elif hasattr(input_, _GATHERED) and getattr(input_, _GATHERED) is self.process_group:
-            x = input_  # gathered by the block's sequence-parallel hook, whose backward sums over the group
+        elif hasattr(input_, _REDUCED) and getattr(input_, _REDUCED) is self.process_group:
+            x = input_  # the block's hook already sums this input's gradient over the group
         else:
             x = copy_to_parallel(input_, self.process_group)
         out = self._matmul(x, None if self.skip_bias_add else self.bias)

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from cx_shardformer._config import ShardConfig
+from cx_shardformer._comm import copy_to_parallel
+from cx_shardformer._config import SequenceParallelMode, ShardConfig
+from cx_shardformer._linear import mark_input_grad_reduced
 from cx_shardformer._loss import cross_entropy_1d
 from cx_shardformer._policy import Policy
 from cx_shardformer._sharder import get_submodule_or_none, set_submodule
@@ -130,6 +132,31 @@ class HFDecoderPolicy(Policy):
                         "settable loss_function; pass parallel_output=False"
                     )
                 setattr(self.model, "loss_function", VocabParallelCausalLMLoss(config))  # noqa: B010  (typed as Module attr)
+
+    def share_input_reduction(self) -> None:
+        """One backward all-reduce per attention / MLP block input instead of one per column layer (q, k, v; gate,
+        up): a pre-hook applies `copy_to_parallel` to the block input and marks it for the column layers. Only
+        without split_gather, whose block-level gather does the same job."""
+        config = self.shard_config
+        if not config.enable_tensor_parallelism or config.sp_mode is SequenceParallelMode.SPLIT_GATHER:
+            return
+        group = config.tensor_parallel_process_group
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if not isinstance(hidden, torch.Tensor):
+                return args, kwargs
+            shared = copy_to_parallel(hidden, group)
+            mark_input_grad_reduced(shared, group)
+            if args:
+                return (shared, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": shared}
+
+        for layer in self.decoder_layers():
+            for child in (self.attention_name, self.mlp_name):
+                block = get_submodule_or_none(layer, child)
+                if block is not None:
+                    block.register_forward_pre_hook(hook, with_kwargs=True)
 
     def apply_switches(self) -> None:
         """enable_flash_attention, enable_fused_normalization and gradient_checkpoint_config."""

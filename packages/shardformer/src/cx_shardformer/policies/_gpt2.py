@@ -58,6 +58,7 @@ class GPT2Policy(HFDecoderPolicy):
         if self.shard_config.enable_tensor_parallelism:
             self.shard_vocab()
         apply_sequence_parallelism(self)
+        self.share_input_reduction()
         self.apply_switches()
         return self.model
 

@@ -31,7 +31,7 @@ from cx_shardformer._comm import (
     split_forward_gather_backward,
 )
 from cx_shardformer._config import SequenceParallelMode
-from cx_shardformer._linear import mark_sequence_gathered, sync_grad_over
+from cx_shardformer._linear import mark_input_grad_reduced, sync_grad_over
 from cx_shardformer._ring import ring_attention, zigzag_order, zigzag_positions
 from cx_shardformer._shard_spec import get_shard_spec
 from cx_shardformer._sharder import get_submodule_or_none
@@ -123,7 +123,7 @@ class _Sequence:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, dict[str, Any]]:
         hidden = gather_forward_reduce_scatter_backward(_hidden(args, kwargs), 1, self.group)
-        mark_sequence_gathered(hidden, self.group)
+        mark_input_grad_reduced(hidden, self.group)
         return _with_hidden(args, kwargs, hidden)
 
     def gather_output(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
