@@ -60,14 +60,16 @@ def full_logits(logits: torch.Tensor, parallel_output: bool, group: Any = None) 
     return torch.cat(pieces, -1)[..., :VOCAB]
 
 
-def compare_grads(model: nn.Module, reference: nn.Module, what: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+def compare_grads(
+    model: nn.Module, reference: nn.Module, what: str, rtol: float = 1e-5, atol: float = 1e-6, group: Any = None
+) -> None:
     ref_params = dict(reference.named_parameters())
     names = [name for name, _ in model.named_parameters()]
     assert set(names) == set(ref_params), f"{what}: parameter names differ"
     for name, param in model.named_parameters():
         ref_grad = ref_params[name].grad
         assert ref_grad is not None, f"{what}: reference {name} has no grad"
-        assert_close(full_grad(param), ref_grad, f"{what}: grad of {name}", rtol, atol)
+        assert_close(full_grad(param, group), ref_grad, f"{what}: grad of {name}", rtol, atol)
 
 
 def compare_state(model: nn.Module, reference: nn.Module, what: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cx_mesh import ProcessGroupMesh
 from cx_mesh.testing import distributed
 from cx_shardformer import ShardConfig, ShardFormer, get_shard_spec
 from cx_shardformer.policies import TPPlanPolicy
@@ -63,7 +64,8 @@ def test_shardformer_policy_matches_unsharded(rank: int, world_size: int, kind: 
 @pytest.mark.slow
 @distributed(world_size=4)
 def test_shardformer_policy_tp4_matches_unsharded(rank: int, world_size: int) -> None:
-    """tp 4 where the heads allow (Llama 4 heads / 4 key-value heads, GPT-2 4 heads): loss and every gradient."""
+    """tp 4 where the heads allow (Llama 4 heads / 4 key-value heads, GPT-2 4 heads), then tp 2 x sp 2 with
+    all_to_all and ring: loss and every gradient."""
     for kind, overrides in (("llama", {"num_key_value_heads": 4}), ("gpt2", {})):
         model = build(kind, **overrides)
         reference = twin(model)
@@ -75,3 +77,24 @@ def test_shardformer_policy_tp4_matches_unsharded(rank: int, world_size: int) ->
         out.loss.backward()
         ref_out.loss.backward()
         compare_grads(model, reference, f"{kind} tp4")
+    # tp 2 x sp 2 on a (sp, tp) mesh: 4 heads / 2 key-value heads leave 1 key-value head per tp rank, fewer than
+    # sp, so all_to_all repeats it (grouped-query attention); ring needs no head split
+    mesh = ProcessGroupMesh(2, 2, axis_names=("sp", "tp"))
+    tp_group, sp_group = mesh.get_group_along_axis("tp"), mesh.get_group_along_axis("sp")
+    for mode in ("all_to_all", "ring"):
+        model = build("llama")
+        reference = twin(model)
+        config = ShardConfig(
+            tensor_parallel_process_group=tp_group,
+            sequence_parallel_process_group=sp_group,
+            enable_sequence_parallelism=True,
+            sequence_parallelism_mode=mode,
+        )
+        model, _ = ShardFormer(config).optimize(model)
+        ids = tokens(3)
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        ref_out = reference(input_ids=ids, labels=ids, use_cache=False)
+        assert_close(out.loss, ref_out.loss.detach(), f"tp2 x sp2 {mode} loss")
+        out.loss.backward()
+        ref_out.loss.backward()
+        compare_grads(model, reference, f"tp2 x sp2 {mode}", group=tp_group)
