@@ -70,6 +70,8 @@ def test_shardformer_config_rejects_what_it_cannot_do() -> None:
         ShardConfig(enable_sequence_overlap=True)
     with pytest.raises(NotImplementedError, match="pipeline_stage_manager"):
         ShardConfig(pipeline_stage_manager=object())
+    with pytest.raises(NotImplementedError, match="extra_kwargs \\['x'\\]"):
+        ShardConfig(extra_kwargs={"x": 1})
     with pytest.raises(ValueError, match="not one of"):
         ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="zigzag")
     with pytest.raises(ValueError, match="enable_sequence_parallelism is False"):

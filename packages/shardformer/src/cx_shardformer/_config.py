@@ -79,6 +79,10 @@ class ShardConfig:
             raise NotImplementedError(
                 "ShardConfig: enable_sequence_overlap is not implemented in cx-shardformer; pass False"
             )
+        if self.extra_kwargs:
+            raise NotImplementedError(
+                f"ShardConfig: extra_kwargs {sorted(self.extra_kwargs)} are not used by any cx-shardformer policy"
+            )
         if self.fp8_communication:
             raise NotImplementedError("ShardConfig: fp8_communication is not implemented in cx-shardformer")
         if self.make_vocab_size_divisible_by < 1:

@@ -161,7 +161,8 @@ class HFDecoderPolicy(Policy):
     def apply_switches(self) -> None:
         """enable_flash_attention, enable_fused_normalization and gradient_checkpoint_config."""
         config = self.shard_config
-        if config.enable_flash_attention and not config.enable_sequence_parallelism:
+        attention_sp = config.sp_mode in (SequenceParallelMode.ALL_TO_ALL, SequenceParallelMode.RING)
+        if config.enable_flash_attention and not attention_sp:  # the SP modes install their own attention
             setter = getattr(self.model, "set_attn_implementation", None)
             if setter is None:
                 raise TypeError(f"{type(self.model).__name__}: enable_flash_attention needs set_attn_implementation")
