@@ -1,5 +1,6 @@
-"""ring_attention on 2 ranks (zig-zag split) against plain causal attention on the full sequence: outputs and the
-gradients of queries, keys and values, with grouped-query heads and with an explicit boolean mask."""
+"""ring_attention on 2 and 4 ranks (zig-zag split, fully masked halves of blocks skipped) against plain causal
+attention on the full sequence: outputs and the gradients of queries, keys and values, with grouped-query heads and
+with an explicit boolean mask."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from cx_mesh.testing import distributed
 from cx_shardformer import ring_attention, zigzag_positions
 from shardformer_helpers import assert_close
 
-B, H, S, D = 2, 4, 8, 4
+B, H, S, D = 2, 4, 16, 4
 
 
-@distributed(world_size=2)
+@distributed(world_size=(2, 4))
 @pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("explicit_mask", [False, True])
 def test_shardformer_ring_attention_matches_causal(

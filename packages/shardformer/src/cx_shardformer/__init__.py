@@ -13,7 +13,7 @@ from cx_shardformer._loss import cross_entropy_1d
 from cx_shardformer._parallel_module import ParallelModule
 from cx_shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 from cx_shardformer._ring import ring_attention, zigzag_positions
-from cx_shardformer._shard_spec import ShardSpec, get_shard_spec, unshard_tensor
+from cx_shardformer._shard_spec import ShardSpec, get_shard_spec, shard_tensor, unshard_tensor
 from cx_shardformer._shardformer import ShardFormer
 from cx_shardformer._vocab import VocabParallelEmbedding1D, VocabParallelLMHead1D
 
@@ -42,5 +42,6 @@ __all__ = [
     # sharding metadata
     "ShardSpec",
     "get_shard_spec",
+    "shard_tensor",
     "unshard_tensor",
 ]

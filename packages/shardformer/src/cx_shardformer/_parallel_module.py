@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from cx_mesh import ProcessGroup
-from cx_shardformer._shard_spec import get_shard_spec, local_from_full, unshard_tensor
+from cx_shardformer._shard_spec import get_shard_spec, shard_tensor, unshard_tensor
 
 __all__ = ["ParallelModule"]
 
@@ -58,7 +58,7 @@ class ParallelModule(nn.Module):
                     mutable[key] = param.detach()  # keeps torch's own shape check quiet; the error is recorded
                     continue
                 replaced[key] = full
-                mutable[key] = local_from_full(full.to(param.device, param.dtype), spec, self.process_group)
+                mutable[key] = shard_tensor(full.to(param.device, param.dtype), spec, self.process_group)
             super()._load_from_state_dict(
                 state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
             )

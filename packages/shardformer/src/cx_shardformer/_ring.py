@@ -34,6 +34,42 @@ def zigzag_order(seq_len: int, world: int, device: torch.device | None = None) -
     return torch.cat([zigzag_positions(seq_len, r, world, device) for r in range(world)])
 
 
+_Block = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _block(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    q_pos: torch.Tensor | None,
+    kv_pos: torch.Tensor | None,
+    mask: torch.Tensor | None,
+) -> _Block:
+    """One block's row maxima (detached: a stabiliser only), sums of exponentials and unnormalised outputs."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if mask is not None and q_pos is not None and kv_pos is not None:
+        cut = mask.index_select(-2, q_pos).index_select(-1, kv_pos)
+        scores = scores.masked_fill(~cut, float("-inf")) if cut.dtype == torch.bool else scores + cut
+    elif q_pos is not None and kv_pos is not None:
+        allowed = q_pos.unsqueeze(-1) >= kv_pos.unsqueeze(0)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    row_max = scores.detach().amax(dim=-1, keepdim=True).clamp(min=-1e30)
+    weights = torch.exp(scores - row_max)
+    return row_max, weights.sum(dim=-1, keepdim=True), torch.matmul(weights, value)
+
+
+def _pad_front(block: _Block, rows: int) -> _Block:
+    """Give `rows` leading queries an empty contribution (maximum -1e30, sum 0, output 0)."""
+    row_max, total, out = block
+    shape = (*row_max.shape[:-2], rows, 1)
+    return (
+        torch.cat([row_max.new_full(shape, -1e30), row_max], dim=-2),
+        torch.cat([total.new_zeros(shape), total], dim=-2),
+        torch.cat([out.new_zeros((*out.shape[:-2], rows, out.shape[-1])), out], dim=-2),
+    )
+
+
 def ring_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -53,24 +89,26 @@ def ring_attention(
     maxima: list[torch.Tensor] = []
     sums: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
+    half = local // 2
     k, v = key, value
     for step in range(world):
         source = (rank - step) % world
-        kv_pos = zigzag_positions(seq_len, source, world, query.device)
         k_full = k.repeat_interleave(groups, dim=1) if groups > 1 else k
         v_full = v.repeat_interleave(groups, dim=1) if groups > 1 else v
-        scores = torch.matmul(query, k_full.transpose(-1, -2)) * scaling
-        if mask is None:
-            allowed = q_pos.unsqueeze(-1) >= kv_pos.unsqueeze(0)
-            scores = scores.masked_fill(~allowed, float("-inf"))
+        if mask is not None or step == 0:
+            kv_pos = zigzag_positions(seq_len, source, world, query.device)
+            block = _block(query, k_full, v_full, scaling, q_pos, kv_pos, mask)
+        elif source < rank:
+            # the zig-zag balance: an earlier rank's first chunk precedes both local chunks and its second chunk
+            # follows both, so every query sees exactly the first half of these keys, unmasked
+            block = _block(query, k_full[:, :, :half], v_full[:, :, :half], scaling, None, None, None)
         else:
-            block = mask.index_select(-2, q_pos).index_select(-1, kv_pos)
-            scores = scores.masked_fill(~block, float("-inf")) if block.dtype == torch.bool else scores + block
-        row_max = scores.detach().amax(dim=-1, keepdim=True).clamp(min=-1e30)
-        weights = torch.exp(scores - row_max)
-        maxima.append(row_max)
-        sums.append(weights.sum(dim=-1, keepdim=True))
-        outs.append(torch.matmul(weights, v_full))
+            # a later rank's chunks both precede the local second chunk and both follow the local first chunk
+            tail = _block(query[:, :, half:], k_full, v_full, scaling, None, None, None)
+            block = _pad_front(tail, half)
+        maxima.append(block[0])
+        sums.append(block[1])
+        outs.append(block[2])
         if step + 1 < world:
             k, v = ring_shift(k, group), ring_shift(v, group)
     top = torch.stack(maxima).amax(dim=0)

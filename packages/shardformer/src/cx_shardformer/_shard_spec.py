@@ -16,7 +16,7 @@ from torch import nn
 
 from cx_mesh import ProcessGroup, all_gather_flat
 
-__all__ = ["ShardSpec", "get_shard_spec", "shard_parameter_", "unshard_tensor"]
+__all__ = ["ShardSpec", "get_shard_spec", "shard_parameter_", "shard_tensor", "unshard_tensor"]
 
 _ATTRIBUTE = "cx_shard_spec"
 
@@ -99,8 +99,9 @@ def shard_parameter_(param: torch.Tensor, spec: ShardSpec, group: ProcessGroup |
     return param
 
 
-def local_from_full(full: torch.Tensor, spec: ShardSpec, group: ProcessGroup | None) -> torch.Tensor:
-    """This rank's slice of a full-size tensor (loading a checkpoint)."""
+def shard_tensor(full: torch.Tensor, spec: ShardSpec, group: ProcessGroup | None) -> torch.Tensor:
+    """This rank's slice of a full-size tensor (loading a checkpoint; optimizer state of a sharded parameter has the
+    parameter's local shape and splits and gathers with the same spec)."""
     return _local_slice(full, spec, int(dist.get_rank(group)))
 
 
