@@ -81,3 +81,23 @@ def test_shardformer_sequence_length_must_divide(rank: int, world_size: int, mod
     ids = tokens(0, seq)
     with pytest.raises(ValueError, match=f"sequence length {seq} is {match}"):
         model(input_ids=ids, labels=ids, use_cache=False)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("mode", ["split_gather", "all_to_all", "ring"])
+def test_shardformer_sequence_parallel_with_padding_mask(rank: int, world_size: int, mode: str) -> None:
+    """A right-padded batch (attention_mask zeros, labels -100): the full-sequence mask reaches every mode."""
+    model = build("llama")
+    reference = twin(model)
+    model, _ = ShardFormer(_config(mode)).optimize(model)
+    ids = tokens(4)
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    ref_out = reference(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    assert_close(out.loss, ref_out.loss.detach(), f"{mode} padded loss")
+    assert_close(out.logits, ref_out.logits.detach(), f"{mode} padded logits")
+    out.loss.backward()
+    ref_out.loss.backward()
+    compare_grads(model, reference, f"{mode} padded")
