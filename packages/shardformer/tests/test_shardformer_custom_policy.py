@@ -23,6 +23,7 @@ from cx_shardformer import (
     ShardFormer,
     SubModuleReplacementDescription,
 )
+from cx_shardformer.policies import register_policy
 from shardformer_helpers import assert_close
 from shardformer_models import compare_grads
 
@@ -108,6 +109,18 @@ def test_shardformer_custom_policy_on_a_plain_model(rank: int, world_size: int) 
     out.square().mean().backward()
     ref_out.square().mean().backward()
     compare_grads(model, reference, "custom policy")
+
+
+@distributed(world_size=2)
+def test_shardformer_registered_policy_is_auto_selected(rank: int, world_size: int) -> None:
+    register_policy("Net", NetPolicy)
+    register_policy("Net", NetPolicy)  # the same factory again is fine
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy("Net", MissingPolicy)
+    net = Net()
+    ShardFormer(ShardConfig()).optimize(net)
+    block: Any = net.blocks[0]
+    assert type(block.mlp.up) is Linear1D_Col
 
 
 class MissingPolicy(NetPolicy):

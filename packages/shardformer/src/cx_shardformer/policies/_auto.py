@@ -11,7 +11,7 @@ from cx_shardformer.policies._gpt2 import GPT2LMHeadModelPolicy, GPT2Policy
 from cx_shardformer.policies._llama import LlamaForCausalLMPolicy, LlamaPolicy
 from cx_shardformer.policies._tp_plan import TPPlanPolicy
 
-__all__ = ["POLICIES", "get_autopolicy"]
+__all__ = ["POLICIES", "get_autopolicy", "register_policy"]
 
 # class name -> policy; names keep transformers an optional, lazily imported dependency
 POLICIES: dict[str, Callable[[], Policy]] = {
@@ -20,6 +20,15 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "GPT2Model": GPT2Policy,
     "GPT2LMHeadModel": GPT2LMHeadModelPolicy,
 }
+
+
+def register_policy(class_name: str, factory: Callable[[], Policy]) -> None:
+    """Make `ShardFormer.optimize` pick `factory()` for models of class `class_name`: a package above cx-shardformer
+    (cx-plugins' reference GPT, say) registers its policy without cx-shardformer importing it. A name that already
+    has a policy raises instead of silently replacing it."""
+    if class_name in POLICIES and POLICIES[class_name] is not factory:
+        raise ValueError(f"a policy for {class_name} is already registered ({POLICIES[class_name]!r})")
+    POLICIES[class_name] = factory
 
 
 def get_autopolicy(model: nn.Module) -> Policy:
