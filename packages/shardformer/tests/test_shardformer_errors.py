@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from torch import nn
 
+from cx_mesh import RankMismatchError
 from cx_mesh.testing import distributed
 from cx_shardformer import ShardConfig, ShardFormer
 from cx_shardformer.policies import TPPlanPolicy
@@ -61,3 +62,11 @@ def test_shardformer_without_policy_or_with_unknown_plan(rank: int, world_size: 
     model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise_rep"}
     with pytest.raises(NotImplementedError, match="styles \\['colwise_rep'\\] are not supported"):
         ShardFormer(ShardConfig()).optimize(model, TPPlanPolicy())
+
+
+@distributed(world_size=2)
+def test_shardformer_ranks_that_disagree_fail_on_every_rank(rank: int, world_size: int) -> None:
+    """A rank with another setting fails at optimize on every rank, naming the field (no hang later)."""
+    model = build("llama")
+    with pytest.raises(RankMismatchError, match="parallel_output"):
+        ShardFormer(ShardConfig(parallel_output=rank == 0)).optimize(model)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cx_mesh import ProcessGroup, all_gather_flat, all_reduce, reduce_scatter_flat
+from cx_mesh import ProcessGroup, all_gather_flat, all_reduce, named_collective, reduce_scatter_flat
 
 __all__ = [
     "all_to_all",
@@ -160,7 +160,8 @@ def _all_to_all_raw(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: P
     pieces = [p.contiguous() for p in x.chunk(world, scatter_dim)]
     send = torch.stack(pieces)  # [world, *piece]
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    with named_collective("sequence-parallel all-to-all", group):
+        dist.all_to_all_single(recv, send, group=group)
     return torch.cat(list(recv.unbind(0)), dim=gather_dim)
 
 
@@ -189,8 +190,9 @@ def _shift(x: torch.Tensor, step: int, group: ProcessGroup | None) -> torch.Tens
     send = x.contiguous()
     recv = torch.empty_like(send)
     ops = [dist.P2POp(dist.isend, send, to_rank, group), dist.P2POp(dist.irecv, recv, from_rank, group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    with named_collective("ring attention send/recv", group):
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
     return recv
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
+import torch.distributed as dist
 from torch import nn
 
+from cx_mesh import assert_same_across_ranks
 from cx_shardformer._config import ShardConfig
 from cx_shardformer._policy import Policy
 from cx_shardformer._sharder import ModelSharder
@@ -28,6 +32,24 @@ class ShardFormer:
             from cx_shardformer.policies import get_autopolicy
 
             policy = get_autopolicy(model)
+        self._check_agreement(model, policy)
         sharder = ModelSharder(model, policy, self.shard_config)
         shared = sharder.shard()
         return sharder.model, shared
+
+    def _check_agreement(self, model: nn.Module, policy: Policy) -> None:
+        """Every rank of the tensor- and sequence-parallel groups must shard the same model the same way: a rank
+        with another setting fails here, naming the field, instead of hanging in a later collective."""
+        config = self.shard_config
+        summary = {
+            "model": type(model).__name__,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "policy": type(policy).__name__,
+            **{f.name: getattr(config, f.name) for f in fields(config) if not f.name.endswith(("group", "manager"))},
+        }
+        groups = [config.tensor_parallel_process_group] if config.enable_tensor_parallelism else []
+        if config.enable_sequence_parallelism and config.sp_group is not config.tensor_parallel_process_group:
+            groups.append(config.sp_group)
+        for group in groups:
+            summary["group ranks"] = dist.get_process_group_ranks(group) if group is not None else "world"
+            assert_same_across_ranks(summary, group=group, what="ShardFormer settings")
