@@ -42,8 +42,17 @@ def build(kind: str, **overrides: Any) -> Any:
         "max_position_embeddings": 32,
         "tie_word_embeddings": False,
     }
+    if kind == "phi3":
+        settings["pad_token_id"] = 0
     settings.update(overrides)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings))
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    }
+    config_class, model_class = classes[kind]
+    return model_class(config_class(**settings))
 
 
 def tokens(step: int = 0, seq: int = SEQ) -> torch.Tensor:
