@@ -84,6 +84,11 @@ class HFDecoderPolicy(Policy):
     norm_path = ""  # the final norm (sequence parallelism gathers after it)
     attention_name = "self_attn"  # inside a decoder layer
     mlp_name = "mlp"
+    # True when every column layer in an attention / MLP block reads the block input itself (not a derived tensor)
+    # and the block has no path from input to output that bypasses its sharded layers (no residual inside): then
+    # one reduction per block input replaces one per column layer. Checked policies verify this for their model; the
+    # generic policy cannot, and keeps one all-reduce per column layer (always correct).
+    shares_block_reductions = True
 
     @property
     def tp_size(self) -> int:
@@ -138,7 +143,9 @@ class HFDecoderPolicy(Policy):
         up): a pre-hook applies `copy_to_parallel` to the block input and marks it for the column layers. Only
         without split_gather, whose block-level gather does the same job."""
         config = self.shard_config
-        if not config.enable_tensor_parallelism or config.sp_mode is SequenceParallelMode.SPLIT_GATHER:
+        if not self.shares_block_reductions or not config.enable_tensor_parallelism:
+            return
+        if config.sp_mode is SequenceParallelMode.SPLIT_GATHER:
             return
         group = config.tensor_parallel_process_group
 

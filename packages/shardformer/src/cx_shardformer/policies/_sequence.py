@@ -82,8 +82,11 @@ def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Te
 class _Sequence:
     """The hooks of one sharded model; `mode` and `group` fixed at optimize time."""
 
-    def __init__(self, mode: SequenceParallelMode, group: ProcessGroup | None, model_name: str) -> None:
+    def __init__(
+        self, mode: SequenceParallelMode, group: ProcessGroup | None, model_name: str, shared_reduction: bool
+    ) -> None:
         self.mode, self.group, self.model_name = mode, group, model_name
+        self.shared_reduction = shared_reduction
         self.world = group_size(group)
 
     def _check_length(self, seq_len: int) -> None:
@@ -122,8 +125,13 @@ class _Sequence:
     def gather_input(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, dict[str, Any]]:
-        hidden = gather_forward_reduce_scatter_backward(_hidden(args, kwargs), 1, self.group)
-        mark_input_grad_reduced(hidden, self.group)
+        if self.shared_reduction:
+            # one reduce-scatter sums the column layers' partial input gradients; they skip their all-reduce
+            hidden = gather_forward_reduce_scatter_backward(_hidden(args, kwargs), 1, self.group)
+            mark_input_grad_reduced(hidden, self.group)
+        else:
+            # the column layers all-reduce their own input gradients, so the gathered gradient is already whole
+            hidden = gather_forward_split_backward(_hidden(args, kwargs), 1, self.group)
         return _with_hidden(args, kwargs, hidden)
 
     def gather_output(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
@@ -208,7 +216,7 @@ def apply_sequence_parallelism(policy: HFDecoderPolicy) -> None:
     if mode is None:
         return
     model = policy.model
-    sequence = _Sequence(mode, config.sp_group, type(model).__name__)
+    sequence = _Sequence(mode, config.sp_group, type(model).__name__, policy.shares_block_reductions)
     layers = policy.decoder_layers()
     layers[0].register_forward_pre_hook(sequence.split, with_kwargs=True)
     norm = get_submodule_or_none(model, policy.norm_path)

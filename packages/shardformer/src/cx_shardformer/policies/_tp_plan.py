@@ -50,6 +50,7 @@ class TPPlanPolicy(HFDecoderPolicy):
     """Tensor (and sequence) parallelism from `config.base_model_tp_plan`."""
 
     lm_head_path = "lm_head"
+    shares_block_reductions = False  # unknown block structure: each column layer reduces its own input gradient
 
     def plan(self) -> dict[str, str]:
         plan = getattr(self.hf_config, "base_model_tp_plan", None)
