@@ -24,7 +24,7 @@ __all__ = [
     "group_size",
     "reduce_forward",
     "reduce_scatter_forward_gather_backward",
-    "ring_shift",
+    "shift_raw",
     "split_forward_gather_backward",
 ]
 
@@ -179,8 +179,8 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all_raw(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
-def _shift(x: torch.Tensor, step: int, group: ProcessGroup | None) -> torch.Tensor:
-    """Send `x` to the rank `step` places ahead in the group and return what the rank `step` behind sent."""
+def shift_raw(x: torch.Tensor, step: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Send `x` to the rank `step` places ahead and return what the rank `step` behind sent (no autograd)."""
     world = group_size(group)
     if world == 1:
         return x
@@ -194,17 +194,6 @@ def _shift(x: torch.Tensor, step: int, group: ProcessGroup | None) -> torch.Tens
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     return recv
-
-
-class _RingShift(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return _shift(x, 1, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _shift(grad, -1, ctx.group), None
 
 
 def copy_to_parallel(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -249,10 +238,4 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Proces
     """Split `scatter_dim` over the group and concatenate the received pieces along `gather_dim` (Ulysses)."""
     _check_divisible(x, scatter_dim, group_size(group), "all-to-all")
     out: torch.Tensor = _AllToAll.apply(x, scatter_dim, gather_dim, group)
-    return out
-
-
-def ring_shift(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Pass `x` one rank forward around the ring; the gradient travels back the other way."""
-    out: torch.Tensor = _RingShift.apply(x, group)
     return out

@@ -2,16 +2,20 @@
 
 The sequence is cut into 2*sp chunks and rank r holds chunks r and 2*sp-1-r, so every rank has the same amount of
 causal work. Each of sp steps attends the local queries to one rank's keys/values and passes those keys/values to
-the next rank (`ring_shift`: forward send/recv, backward the other way). Blocks are merged with the running
-log-sum-exp (flash-attention's online softmax), written with plain torch ops so autograd gives the backward.
+the next rank; after the first step half of every block is fully masked and skipped. Blocks merge with the running
+log-sum-exp (flash-attention's online softmax). Like flash attention, only the output and the log-sum-exp are kept
+for backward: it runs the ring again, recomputing each block's probabilities, while the key/value gradients travel
+with their keys/values and arrive home after sp shifts. Memory per rank is O(S/sp), not O(S^2/sp).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from cx_mesh import ProcessGroup
-from cx_shardformer._comm import group_rank, group_size, ring_shift
+from cx_shardformer._comm import group_rank, group_size, shift_raw
 
 __all__ = ["ring_attention", "zigzag_positions"]
 
@@ -34,40 +38,113 @@ def zigzag_order(seq_len: int, world: int, device: torch.device | None = None) -
     return torch.cat([zigzag_positions(seq_len, r, world, device) for r in range(world)])
 
 
-_Block = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_WHOLE = slice(None)
 
 
-def _block(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float,
-    q_pos: torch.Tensor | None,
-    kv_pos: torch.Tensor | None,
-    mask: torch.Tensor | None,
-) -> _Block:
-    """One block's row maxima (detached: a stabiliser only), sums of exponentials and unnormalised outputs."""
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    if mask is not None and q_pos is not None and kv_pos is not None:
-        cut = mask.index_select(-2, q_pos).index_select(-1, kv_pos)
-        scores = scores.masked_fill(~cut, float("-inf")) if cut.dtype == torch.bool else scores + cut
-    elif q_pos is not None and kv_pos is not None:
-        allowed = q_pos.unsqueeze(-1) >= kv_pos.unsqueeze(0)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    row_max = scores.detach().amax(dim=-1, keepdim=True).clamp(min=-1e30)
-    weights = torch.exp(scores - row_max)
-    return row_max, weights.sum(dim=-1, keepdim=True), torch.matmul(weights, value)
+class _Plan:
+    """Which rows (queries) and columns (keys) of step `step`'s block are computed, and how they are masked."""
+
+    def __init__(self, step: int, rank: int, world: int, local: int, mask: torch.Tensor | None, device: Any) -> None:
+        seq_len = local * world
+        source = (rank - step) % world
+        half = local // 2
+        self.rows, self.cols = _WHOLE, _WHOLE
+        self.q_pos: torch.Tensor | None = None
+        self.kv_pos: torch.Tensor | None = None
+        if mask is not None or step == 0:
+            self.q_pos = zigzag_positions(seq_len, rank, world, device)
+            self.kv_pos = zigzag_positions(seq_len, source, world, device)
+        elif source < rank:
+            # an earlier rank's first chunk precedes both local chunks and its second follows both: every query
+            # sees exactly the first half of these keys, unmasked
+            self.cols = slice(0, half)
+        else:
+            # a later rank's chunks both follow the local first chunk and precede the local second chunk
+            self.rows = slice(half, local)
+
+    def scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float, mask: torch.Tensor | None) -> torch.Tensor:
+        scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+        if self.q_pos is None or self.kv_pos is None:
+            return scores
+        if mask is not None:
+            cut = mask.index_select(-2, self.q_pos).index_select(-1, self.kv_pos)
+            return scores.masked_fill(~cut, float("-inf")) if cut.dtype == torch.bool else scores + cut
+        allowed = self.q_pos.unsqueeze(-1) >= self.kv_pos.unsqueeze(0)
+        return scores.masked_fill(~allowed, float("-inf"))
 
 
-def _pad_front(block: _Block, rows: int) -> _Block:
-    """Give `rows` leading queries an empty contribution (maximum -1e30, sum 0, output 0)."""
-    row_max, total, out = block
-    shape = (*row_max.shape[:-2], rows, 1)
-    return (
-        torch.cat([row_max.new_full(shape, -1e30), row_max], dim=-2),
-        torch.cat([total.new_zeros(shape), total], dim=-2),
-        torch.cat([out.new_zeros((*out.shape[:-2], rows, out.shape[-1])), out], dim=-2),
-    )
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    return kv.repeat_interleave(groups, dim=1) if groups > 1 else kv
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """Sum the gradient of expanded (grouped-query) heads back onto their key/value head."""
+    if groups == 1:
+        return grad
+    batch, heads, length, dim = grad.shape
+    return grad.view(batch, heads // groups, groups, length, dim).sum(dim=2)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        group: ProcessGroup | None,
+        scaling: float,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        world, rank = group_size(group), group_rank(group)
+        q, k, v = query.float(), key.float(), value.float()
+        local, groups = q.shape[2], q.shape[1] // k.shape[1]
+        row_max = q.new_full((*q.shape[:-1], 1), -1e30)
+        total = q.new_zeros((*q.shape[:-1], 1))
+        out = torch.zeros_like(q)
+        for step in range(world):
+            plan = _Plan(step, rank, world, local, mask, q.device)
+            rows, cols = plan.rows, plan.cols
+            k_block, v_block = _expand(k, groups)[:, :, cols], _expand(v, groups)[:, :, cols]
+            scores = plan.scores(q[:, :, rows], k_block, scaling, mask)
+            new_max = torch.maximum(row_max[:, :, rows], scores.amax(dim=-1, keepdim=True).clamp(min=-1e30))
+            decay = torch.exp(row_max[:, :, rows] - new_max)
+            weights = torch.exp(scores - new_max)
+            total[:, :, rows] = total[:, :, rows] * decay + weights.sum(dim=-1, keepdim=True)
+            out[:, :, rows] = out[:, :, rows] * decay + torch.matmul(weights, v_block)
+            row_max[:, :, rows] = new_max
+            if step + 1 < world:
+                k, v = shift_raw(k, 1, group), shift_raw(v, 1, group)
+        out = out / total
+        lse = row_max + torch.log(total)
+        ctx.save_for_backward(query, key, value, out, lse, mask)
+        ctx.group, ctx.scaling = group, scaling
+        return out.to(query.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
+        query, key, value, out, lse, mask = ctx.saved_tensors
+        group, scaling = ctx.group, ctx.scaling
+        world, rank = group_size(group), group_rank(group)
+        q, k, v, d_out = query.float(), key.float(), value.float(), grad_out.float()
+        local, groups = q.shape[2], q.shape[1] // k.shape[1]
+        delta = (d_out * out).sum(dim=-1, keepdim=True)
+        d_q = torch.zeros_like(q)
+        d_k, d_v = torch.zeros_like(k), torch.zeros_like(v)  # travel with k and v, home after `world` shifts
+        for step in range(world):
+            plan = _Plan(step, rank, world, local, mask, q.device)
+            rows, cols = plan.rows, plan.cols
+            k_block, v_block = _expand(k, groups)[:, :, cols], _expand(v, groups)[:, :, cols]
+            q_rows, d_rows = q[:, :, rows], d_out[:, :, rows]
+            probs = torch.exp(plan.scores(q_rows, k_block, scaling, mask) - lse[:, :, rows])
+            d_v[:, :, cols] += _fold(torch.matmul(probs.transpose(-1, -2), d_rows), groups)
+            d_scores = probs * (torch.matmul(d_rows, v_block.transpose(-1, -2)) - delta[:, :, rows])
+            d_q[:, :, rows] += torch.matmul(d_scores, k_block) * scaling
+            d_k[:, :, cols] += _fold(torch.matmul(d_scores.transpose(-1, -2), q_rows) * scaling, groups)
+            if step + 1 < world:
+                k, v = shift_raw(k, 1, group), shift_raw(v, 1, group)
+            d_k, d_v = shift_raw(d_k, 1, group), shift_raw(d_v, 1, group)
+        return d_q.to(query.dtype), d_k.to(key.dtype), d_v.to(value.dtype), None, None, None
 
 
 def ring_attention(
@@ -81,39 +158,6 @@ def ring_attention(
     """Causal attention of local zig-zag queries [B, H, S_l, D] against every rank's keys/values [B, Hkv, S_l, D]
     (grouped-query heads expanded per block). `mask` is an optional full [B, 1|H, S, S] mask (bool: True attends;
     float: added) indexed by global positions; without it the mask is causal. Returns [B, H, S_l, D]."""
-    world, rank = group_size(group), group_rank(group)
-    local = query.shape[2]
-    seq_len = local * world
-    q_pos = zigzag_positions(seq_len, rank, world, query.device)
-    groups = query.shape[1] // key.shape[1]
-    maxima: list[torch.Tensor] = []
-    sums: list[torch.Tensor] = []
-    outs: list[torch.Tensor] = []
-    half = local // 2
-    k, v = key, value
-    for step in range(world):
-        source = (rank - step) % world
-        k_full = k.repeat_interleave(groups, dim=1) if groups > 1 else k
-        v_full = v.repeat_interleave(groups, dim=1) if groups > 1 else v
-        if mask is not None or step == 0:
-            kv_pos = zigzag_positions(seq_len, source, world, query.device)
-            block = _block(query, k_full, v_full, scaling, q_pos, kv_pos, mask)
-        elif source < rank:
-            # the zig-zag balance: an earlier rank's first chunk precedes both local chunks and its second chunk
-            # follows both, so every query sees exactly the first half of these keys, unmasked
-            block = _block(query, k_full[:, :, :half], v_full[:, :, :half], scaling, None, None, None)
-        else:
-            # a later rank's chunks both precede the local second chunk and both follow the local first chunk
-            tail = _block(query[:, :, half:], k_full, v_full, scaling, None, None, None)
-            block = _pad_front(tail, half)
-        maxima.append(block[0])
-        sums.append(block[1])
-        outs.append(block[2])
-        if step + 1 < world:
-            k, v = ring_shift(k, group), ring_shift(v, group)
-    top = torch.stack(maxima).amax(dim=0)
-    numerator = sum(torch.exp(m - top) * o for m, o in zip(maxima, outs, strict=True))
-    denominator = sum(torch.exp(m - top) * s for m, s in zip(maxima, sums, strict=True))
-    assert isinstance(numerator, torch.Tensor)
-    assert isinstance(denominator, torch.Tensor)
-    return numerator / denominator
+    zigzag_positions(query.shape[2] * group_size(group), group_rank(group), group_size(group))  # checks the length
+    out: torch.Tensor = _RingAttention.apply(query, key, value, group, scaling, mask)
+    return out
