@@ -98,3 +98,22 @@ def test_shardformer_policy_tp4_matches_unsharded(rank: int, world_size: int) ->
         out.loss.backward()
         ref_out.loss.backward()
         compare_grads(model, reference, f"tp2 x sp2 {mode}", group=tp_group)
+
+
+@distributed(world_size=2)
+def test_shardformer_policy_bf16(rank: int, world_size: int) -> None:
+    """bf16 weights (cast after sharding, as a plugin does): the specs survive the cast, and loss and gradients stay
+    within bf16 rounding of the unsharded bf16 model's."""
+    model = build("llama")
+    reference = twin(model).to(torch.bfloat16)
+    model, _ = ShardFormer(ShardConfig()).optimize(model)
+    model.to(torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert get_shard_spec(model.model.layers[0].self_attn.q_proj.weight) is not None
+    ids = tokens(6)
+    out = model(input_ids=ids, labels=ids)
+    ref_out = reference(input_ids=ids, labels=ids)
+    assert_close(out.loss.float(), ref_out.loss.float().detach(), "bf16 loss", rtol=1e-2, atol=1e-2)
+    out.loss.backward()
+    ref_out.loss.backward()
+    compare_grads(model, reference, "bf16", rtol=5e-2, atol=5e-3)
