@@ -106,7 +106,7 @@ def test_shardformer_policy_bf16(rank: int, world_size: int) -> None:
     within bf16 rounding of the unsharded bf16 model's."""
     model = build("llama")
     reference = twin(model).to(torch.bfloat16)
-    model, _ = ShardFormer(ShardConfig()).optimize(model)
+    ShardFormer(ShardConfig()).optimize(model)  # in place: `model` is the sharded model
     model.to(torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert get_shard_spec(model.model.layers[0].self_attn.q_proj.weight) is not None
