@@ -1,0 +1,143 @@
+"""`ShardConfig` (ColossalAI's field names) and `GradientCheckpointConfig`: what ShardFormer should do to a model.
+
+Strings at the public edge (`sequence_parallelism_mode`) become `SequenceParallelMode` inside. The dataclass is
+frozen; `__post_init__` normalises the derived fields once (the default SP mode, what `enable_all_optimization`
+switches on) and rejects what cx does not implement, with a message saying so.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from cx_mesh import ProcessGroup
+
+__all__ = ["GradientCheckpointConfig", "SequenceParallelMode", "ShardConfig"]
+
+
+class SequenceParallelMode(enum.Enum):
+    """The three sequence-parallel modes: Megatron's split/gather on the TP group, Ulysses all-to-all and ring
+    attention on the SP group."""
+
+    SPLIT_GATHER = "split_gather"
+    ALL_TO_ALL = "all_to_all"
+    RING = "ring"
+
+
+@dataclass(frozen=True)
+class GradientCheckpointConfig:
+    """Activation checkpointing of the first `gradient_checkpointing_ratio` of a model's decoder layers."""
+
+    gradient_checkpointing_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.gradient_checkpointing_ratio <= 1.0:
+            raise ValueError(
+                f"gradient_checkpointing_ratio must be within [0, 1], got {self.gradient_checkpointing_ratio}"
+            )
+
+    def get_num_ckpt_layers(self, num_layers: int) -> int:
+        """How many of `num_layers` layers are checkpointed."""
+        return int(self.gradient_checkpointing_ratio * num_layers)
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """ColossalAI's ShardConfig. Process groups default to the whole world; sizes are read from the groups."""
+
+    tensor_parallel_process_group: ProcessGroup | None = None
+    sequence_parallel_process_group: ProcessGroup | None = None
+    pipeline_stage_manager: Any = None
+    enable_tensor_parallelism: bool = True
+    enable_all_optimization: bool = False
+    enable_fused_normalization: bool = False
+    enable_flash_attention: bool = False
+    enable_jit_fused: bool = False
+    enable_sequence_parallelism: bool = False
+    sequence_parallelism_mode: str | None = None
+    enable_sequence_overlap: bool = False
+    parallel_output: bool = True
+    make_vocab_size_divisible_by: int = 64
+    gradient_checkpoint_config: GradientCheckpointConfig | None = None
+    extra_kwargs: dict[str, Any] = field(default_factory=dict)
+    ep_group: ProcessGroup | None = None
+    moe_dp_group: ProcessGroup | None = None
+    fp8_communication: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pipeline_stage_manager is not None:
+            raise NotImplementedError(
+                "ShardConfig: pipeline_stage_manager is not supported by cx-shardformer yet (pipeline stages are "
+                "split by cx-pipeline); pass None"
+            )
+        if self.enable_jit_fused:
+            raise NotImplementedError("ShardConfig: enable_jit_fused is not implemented in cx-shardformer; pass False")
+        if self.enable_sequence_overlap:
+            raise NotImplementedError(
+                "ShardConfig: enable_sequence_overlap is not implemented in cx-shardformer; pass False"
+            )
+        if self.extra_kwargs:
+            raise NotImplementedError(
+                f"ShardConfig: extra_kwargs {sorted(self.extra_kwargs)} are not used by any cx-shardformer policy"
+            )
+        if self.fp8_communication:
+            raise NotImplementedError("ShardConfig: fp8_communication is not implemented in cx-shardformer")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(
+                f"ShardConfig: make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}"
+            )
+        if self.enable_all_optimization:
+            # ColossalAI also switches on jit fusion and sequence overlap here; cx has neither, so they stay off.
+            object.__setattr__(self, "enable_fused_normalization", True)
+            object.__setattr__(self, "enable_flash_attention", True)
+        if self.enable_sequence_parallelism:
+            mode = self.sequence_parallelism_mode or SequenceParallelMode.SPLIT_GATHER.value
+            known = [m.value for m in SequenceParallelMode]
+            if mode not in known:
+                raise ValueError(f"ShardConfig: sequence_parallelism_mode {mode!r} is not one of {known}")
+            object.__setattr__(self, "sequence_parallelism_mode", mode)
+            if mode == SequenceParallelMode.SPLIT_GATHER.value and not self.enable_tensor_parallelism:
+                raise ValueError(
+                    "ShardConfig: sequence_parallelism_mode 'split_gather' runs on the tensor-parallel group and "
+                    "needs enable_tensor_parallelism=True"
+                )
+        elif self.sequence_parallelism_mode is not None:
+            raise ValueError(
+                f"ShardConfig: sequence_parallelism_mode={self.sequence_parallelism_mode!r} given but "
+                "enable_sequence_parallelism is False"
+            )
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks in the tensor-parallel group (1 when tensor parallelism is off)."""
+        if not self.enable_tensor_parallelism:
+            return 1
+        return int(dist.get_world_size(self.tensor_parallel_process_group))
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return int(dist.get_rank(self.tensor_parallel_process_group)) if self.enable_tensor_parallelism else 0
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks in the sequence-parallel group (1 when sequence parallelism is off)."""
+        if not self.enable_sequence_parallelism:
+            return 1
+        return int(dist.get_world_size(self.sp_group))
+
+    @property
+    def sp_mode(self) -> SequenceParallelMode | None:
+        """The sequence-parallel mode as an enum, None when off."""
+        if not self.enable_sequence_parallelism or self.sequence_parallelism_mode is None:
+            return None
+        return SequenceParallelMode(self.sequence_parallelism_mode)
+
+    @property
+    def sp_group(self) -> ProcessGroup | None:
+        """Split/gather runs on the tensor-parallel group; all-to-all and ring on the sequence-parallel group."""
+        if self.sp_mode is SequenceParallelMode.SPLIT_GATHER:
+            return self.tensor_parallel_process_group
+        return self.sequence_parallel_process_group

@@ -1,0 +1,21 @@
+"""Policies: checked ones for transformers' Llama and GPT-2, the generic `base_model_tp_plan` one, and selection
+by model class."""
+
+from cx_shardformer.policies._auto import POLICIES, get_autopolicy, register_policy
+from cx_shardformer.policies._common import HFDecoderPolicy, VocabParallelCausalLMLoss
+from cx_shardformer.policies._gpt2 import GPT2LMHeadModelPolicy, GPT2Policy
+from cx_shardformer.policies._llama import LlamaForCausalLMPolicy, LlamaPolicy
+from cx_shardformer.policies._tp_plan import TPPlanPolicy
+
+__all__ = [
+    "POLICIES",
+    "GPT2LMHeadModelPolicy",
+    "GPT2Policy",
+    "HFDecoderPolicy",
+    "LlamaForCausalLMPolicy",
+    "LlamaPolicy",
+    "TPPlanPolicy",
+    "VocabParallelCausalLMLoss",
+    "get_autopolicy",
+    "register_policy",
+]

@@ -1,0 +1,72 @@
+"""Bad configurations fail at optimize time, on every rank, naming the model and the numbers: attention heads or
+key/value heads not divisible by tp, heads not divisible by sp under all_to_all, a model without a policy, and
+unsupported tp-plan styles. Skips without transformers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from torch import nn
+
+from cx_mesh import RankMismatchError
+from cx_mesh.testing import distributed
+from cx_shardformer import ShardConfig, ShardFormer
+from cx_shardformer.policies import TPPlanPolicy
+from shardformer_models import build
+
+pytest.importorskip("transformers")
+
+CASES: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
+    (
+        "llama",
+        {"num_attention_heads": 1, "num_key_value_heads": 1},
+        {},
+        "LlamaForCausalLM: num_attention_heads=1 is not divisible by the tensor parallel size 2",
+    ),
+    (
+        "llama",
+        {"num_key_value_heads": 1},
+        {},
+        "LlamaForCausalLM: num_key_value_heads=1 is not divisible by the tensor parallel size 2",
+    ),
+    ("gpt2", {"n_head": 1}, {}, "GPT2LMHeadModel: n_head=1 is not divisible by the tensor parallel size 2"),
+    (
+        "llama",
+        {"num_attention_heads": 2, "num_key_value_heads": 2},
+        {
+            "enable_tensor_parallelism": True,
+            "enable_sequence_parallelism": True,
+            "sequence_parallelism_mode": "all_to_all",
+        },
+        "scatters the 1 attention heads each tensor-parallel rank holds",
+    ),
+]
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize(("kind", "overrides", "config", "message"), CASES)
+def test_shardformer_bad_head_counts_fail_clearly(
+    rank: int, world_size: int, kind: str, overrides: dict[str, Any], config: dict[str, Any], message: str
+) -> None:
+    model = build(kind, **overrides)
+    with pytest.raises(ValueError, match=message):
+        ShardFormer(ShardConfig(**config)).optimize(model)
+
+
+@distributed(world_size=2)
+def test_shardformer_without_policy_or_with_unknown_plan(rank: int, world_size: int) -> None:
+    with pytest.raises(TypeError, match="no policy for Sequential"):
+        ShardFormer(ShardConfig()).optimize(nn.Sequential(nn.Linear(2, 2)))
+    model: Any = build("llama")
+    model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise_rep"}
+    with pytest.raises(NotImplementedError, match="styles \\['colwise_rep'\\] are not supported"):
+        ShardFormer(ShardConfig()).optimize(model, TPPlanPolicy())
+
+
+@distributed(world_size=2)
+def test_shardformer_ranks_that_disagree_fail_on_every_rank(rank: int, world_size: int) -> None:
+    """A rank with another setting fails at optimize on every rank, naming the field (no hang later)."""
+    model = build("llama")
+    with pytest.raises(RankMismatchError, match="parallel_output"):
+        ShardFormer(ShardConfig(parallel_output=rank == 0)).optimize(model)
