@@ -20,7 +20,7 @@ from torch import nn
 from cx_checkpoint._async import AsyncWriter
 from cx_checkpoint._atomic import write_file_atomic
 from cx_checkpoint._errors import CheckpointKindError, CheckpointNotFoundError
-from cx_checkpoint._json_codec import decode, encode
+from cx_checkpoint._json_codec import decode, encode, parse_json
 from cx_checkpoint._loading import LoadResult
 from cx_checkpoint._writer import megabytes_to_bytes
 
@@ -119,10 +119,7 @@ class CheckpointIO(ABC):
 
     def load_lr_scheduler(self, lr_scheduler: Stateful, checkpoint: PathLike) -> None:
         path = _existing(checkpoint)
-        try:
-            data = json.loads(path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise CheckpointKindError(f"{path}: not a cx LR scheduler checkpoint (not JSON: {error})") from error
+        data = parse_json(path.read_bytes(), str(path), CheckpointKindError, "the LR scheduler checkpoint (not JSON)")
         if not isinstance(data, dict) or data.get("format") != _SCHEDULER_FORMAT:
             raise CheckpointKindError(f"{path}: not a cx LR scheduler checkpoint (format is not {_SCHEDULER_FORMAT!r})")
         lr_scheduler.load_state_dict(decode(data["state"]))
