@@ -66,7 +66,7 @@ def test_checkpoint_load_during_concurrent_saves_sees_one_save(tmp_path: Path, w
     script.write_text(_WRITER)
     target = tmp_path / ("model.safetensors" if what == "model_single" else "ckpt")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    commits = {"model": 25, "optimizer": 15, "model_single": 10}[what]
+    commits = {"model": 15, "optimizer": 10, "model_single": 8}[what]
     writer = subprocess.Popen(
         [sys.executable, str(script), str(target), what, str(commits)],
         env=env,

@@ -45,6 +45,7 @@ from cx_checkpoint._optimizer import (
 )
 from cx_checkpoint._protocols import Region, TensorSink, TensorSource, TensorSpec, iter_source
 from cx_checkpoint._reader import CheckpointReader
+from cx_checkpoint._verify import VerifyOutcome, VerifyResult, verify_checkpoints
 from cx_checkpoint._writer import ShardWriter, WrittenShard, write_sharded
 
 __all__ = [
@@ -89,6 +90,10 @@ __all__ = [
     "require_names",
     "restore_optimizer",
     "split_optimizer",
+    # checksums
+    "VerifyOutcome",
+    "VerifyResult",
+    "verify_checkpoints",
     # errors
     "CheckpointError",
     "CheckpointIndexError",
