@@ -10,6 +10,7 @@
 The file format is specified in docs/checkpoint.md.
 """
 
+from cx_checkpoint._agree import run_and_agree
 from cx_checkpoint._checkpoint_io import DEFAULT_SIZE_PER_SHARD, CheckpointIO, Stateful
 from cx_checkpoint._errors import (
     CheckpointError,
@@ -68,6 +69,7 @@ __all__ = [
     "ShardWriter",
     "WrittenShard",
     "write_sharded",
+    "run_and_agree",
     "CheckpointReader",
     "load_into",
     # protocols

@@ -134,7 +134,7 @@ class CheckpointIO(ABC):
     def save_lr_scheduler(self, lr_scheduler: Stateful, checkpoint: PathLike) -> None:
         """Write the scheduler's state as tagged JSON to the file `checkpoint`, atomically."""
         text = json.dumps({"format": _SCHEDULER_FORMAT, "state": encode(lr_scheduler.state_dict(), "lr_scheduler")})
-        write_file_atomic(Path(checkpoint), lambda tmp: tmp.write_text(text))
+        self._run(lambda: write_file_atomic(Path(checkpoint), lambda tmp: tmp.write_text(text)), False)
 
     def load_lr_scheduler(self, lr_scheduler: Stateful, checkpoint: PathLike) -> None:
         path = _existing(checkpoint)
@@ -152,11 +152,14 @@ class CheckpointIO(ABC):
         """Run a prepared save job now, or in the background writer when `use_async`.
 
         A synchronous job first waits for the queued asynchronous ones: otherwise an earlier async save to the same
-        path would land after it (overwriting newer state with older) or have its staging removed mid-write."""
+        path would land after it (overwriting newer state with older) or have its staging removed mid-write. An
+        earlier asynchronous save that failed is raised here, before this save starts."""
         if use_async:
+            self._async.raise_finished_failures()
             self._async.submit(job)
         else:
             self._async.drain()
+            self._async.raise_finished_failures()
             job()
 
     # ---- hooks ---------------------------------------------------------------------------------------------------
