@@ -11,6 +11,7 @@ The file format is specified in docs/checkpoint.md.
 """
 
 from cx_checkpoint._agree import run_and_agree
+from cx_checkpoint._atomic import commit_directory, fsync_file, remove_stale_staging, staging_path
 from cx_checkpoint._checkpoint_io import DEFAULT_SIZE_PER_SHARD, CheckpointIO, Stateful
 from cx_checkpoint._errors import (
     CheckpointError,
@@ -70,6 +71,11 @@ __all__ = [
     "WrittenShard",
     "write_sharded",
     "run_and_agree",
+    # atomic placement (for callers that commit several checkpoints as one)
+    "commit_directory",
+    "fsync_file",
+    "remove_stale_staging",
+    "staging_path",
     "CheckpointReader",
     "load_into",
     # protocols
