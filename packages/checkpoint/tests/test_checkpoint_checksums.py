@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_helpers import assert_same_state, make_model, train
 from safetensors.torch import save_file
 
+from checkpoint_helpers import assert_same_state, make_model, train
 from cx_checkpoint import (
     CheckpointIndexError,
     ChecksumMismatchError,

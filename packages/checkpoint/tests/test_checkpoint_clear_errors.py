@@ -11,8 +11,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from checkpoint_helpers import make_model
 
+from checkpoint_helpers import make_model
 from cx_checkpoint import (
     CheckpointIndexError,
     CheckpointKindError,

@@ -83,7 +83,7 @@ def test_checkpoint_load_during_concurrent_saves_sees_one_save(tmp_path: Path, w
         while writer.poll() is None and loads < 400:  # stops by itself: the writer makes a bounded number of saves
             try:
                 versions = _loaded_versions(io, target, what)
-            except Exception as error:  # noqa: BLE001 - every failure is collected and reported below
+            except Exception as error:
                 failed.append(f"{type(error).__name__}: {error}")
             else:
                 if len(versions) != 1:

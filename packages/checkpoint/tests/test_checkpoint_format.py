@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 import json
-import zlib
 import random
 import re
+import zlib
 from pathlib import Path
 
 import pytest

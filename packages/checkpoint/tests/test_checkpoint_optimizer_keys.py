@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from checkpoint_helpers import assert_same_optimizer, assert_same_state, make_model, train
 
+from checkpoint_helpers import assert_same_optimizer, assert_same_state, make_model, train
 from cx_checkpoint import (
+    CheckpointKind,
     CheckpointKindError,
     CheckpointReader,
-    CheckpointKind,
     GeneralCheckpointIO,
     KeyMismatchError,
     ParamKey,
@@ -74,7 +75,8 @@ def test_checkpoint_position_keyed_checkpoint_refused_where_names_are_needed(tmp
     with pytest.raises(CheckpointKindError, match="keyed by parameter POSITION"):
         require_names(meta, "here")
     # a different layout (other parameter groups) cannot be matched by position
-    split = torch.optim.Adam([{"params": [model.fc1.weight]}, {"params": [model.fc1.bias]}], lr=1e-2)
+    groups: list[dict[str, Any]] = [{"params": [model.fc1.weight]}, {"params": [model.fc1.bias]}]
+    split = torch.optim.Adam(groups, lr=1e-2)
     with pytest.raises(KeyMismatchError, match="param group"):
         io.load_optimizer(split, tmp_path / "optim")
     fewer = torch.optim.Adam(list(model.parameters())[:-1], lr=1e-2)

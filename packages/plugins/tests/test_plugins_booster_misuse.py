@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from plugins_test_helpers import CONFIG, GLOBAL_BATCH, boosted, data, make_plugin
 
 from cx_checkpoint import CheckpointKindError, GeneralCheckpointIO
 from cx_mesh.testing import distributed
 from cx_plugins import Booster
 from cx_plugins.models import GPT, GPTConfig
+from plugins_test_helpers import CONFIG, GLOBAL_BATCH, boosted, data, full_state, make_plugin
 
 
 @distributed(world_size=1)
@@ -46,9 +46,12 @@ def test_plugins_load_model_not_strict_reports_skipped_keys(rank: int, world_siz
     with pytest.warns(UserWarning, match=r"0 key\(s\) of the model were not in the checkpoint.*\d+ key\(s\) of the "):
         result = booster.load_model(model, tmp_path / "two_layers.safetensors", strict=False)
     assert result.missing_keys == ()
-    assert result.unexpected_keys and all(key.startswith("blocks.1.") for key in result.unexpected_keys)
+    assert result.unexpected_keys
+    assert all(key.startswith("blocks.1.") for key in result.unexpected_keys)
     result = booster.load_model(model, tmp_path / "two_layers.safetensors", strict=False, verify=True)
-    assert torch.equal(plain.state_dict()["blocks.0.attention.qkv.weight"], smaller.state_dict()["blocks.0.attention.qkv.weight"])
+    assert torch.equal(
+        plain.state_dict()["blocks.0.attention.qkv.weight"], smaller.state_dict()["blocks.0.attention.qkv.weight"]
+    )
 
 
 @distributed(world_size=1)
@@ -75,9 +78,7 @@ def test_plugins_position_keyed_optimizer_refused_by_name_keyed_plugins(
 
 @distributed(world_size=2)
 @pytest.mark.parametrize("plugin", ["torch_ddp", "gemini", "zero2"])
-def test_plugins_bf16_nan_loss_stops_every_rank_naming_the_step(
-    rank: int, world_size: int, plugin: str
-) -> None:
+def test_plugins_bf16_nan_loss_stops_every_rank_naming_the_step(rank: int, world_size: int, plugin: str) -> None:
     if plugin == "torch_ddp":
         booster = Booster(plugin=make_plugin(plugin), mixed_precision="bf16")
     else:
@@ -98,5 +99,5 @@ def test_plugins_bf16_nan_loss_stops_every_rank_naming_the_step(
         booster.backward(loss, optimizer)
         optimizer.step()
         optimizer.zero_grad()
-    state = plain.state_dict() if plugin != "gemini" else model.ddp.state_dict(only_rank_0=False)  # type: ignore[union-attr]
+    state = full_state(model)  # gathered for Gemini (collective)
     assert all(torch.isfinite(value.float()).all() for value in state.values()), "no parameter became NaN"

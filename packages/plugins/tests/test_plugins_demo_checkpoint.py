@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from plugins_test_helpers import CONFIG, boosted, data, train
 
 from cx_checkpoint import GeneralCheckpointIO
 from cx_mesh.testing import distributed
 from cx_plugins import Booster
 from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_checkpoint
 from cx_plugins.models import GPT
+from plugins_test_helpers import CONFIG, boosted, data, train
 
 
 class _Killed(BaseException):
@@ -60,9 +60,9 @@ def test_plugins_demo_checkpoint_interrupted_between_parts_keeps_previous(
     for name, value in resumed_plain.state_dict().items():
         assert torch.equal(value, at_step_1[name]), f"{name}: the model is not the one of step {state.step}"
     assert torch.equal(resumed_optimizer.unwrap().state_dict()["state"][0]["exp_avg"], moments_1)
-    assert torch.equal(
-        resumed_optimizer.unwrap().state_dict()["state"][0]["step"], torch.tensor(1.0)
-    ), "the optimizer is not the one of step 1"
+    assert torch.equal(resumed_optimizer.unwrap().state_dict()["state"][0]["step"], torch.tensor(1.0)), (
+        "the optimizer is not the one of step 1"
+    )
 
     # the next save completes and replaces the checkpoint as a whole (the leftover staging is cleaned up)
     save_checkpoint(booster, model, optimizer, directory, TrainerState(step=2, plugin="torch_ddp", world_size=2))

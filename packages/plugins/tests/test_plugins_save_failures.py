@@ -5,17 +5,17 @@ mismatch; training then goes on and the next save is right."""
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from plugins_test_helpers import assert_matches, boosted, data, reference, train
+from torch import nn
 
-import cx_checkpoint._writer as writer_module
 from cx_checkpoint import CheckpointSaveError, GeneralCheckpointIO
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, OptimizerWrapper
-from torch import nn
+from plugins_test_helpers import assert_matches, boosted, data, reference, train
 
 
 def _bad_path(rank: int, tmp_path: Path, name: str) -> Path:
@@ -29,7 +29,9 @@ def _bad_path(rank: int, tmp_path: Path, name: str) -> Path:
 
 def _saves(booster: Booster, model: nn.Module, optimizer: OptimizerWrapper, path: Path, shard: bool) -> list[object]:
     return [
-        lambda: booster.save_model(model, path / ("m" if shard else "m.safetensors"), shard=shard, use_safetensors=True),
+        lambda: booster.save_model(
+            model, path / ("m" if shard else "m.safetensors"), shard=shard, use_safetensors=True
+        ),
         lambda: booster.save_optimizer(optimizer, path / ("o" if shard else "o.safetensors"), shard=shard),
     ]
 
@@ -55,11 +57,11 @@ def test_plugins_failed_save_raises_on_every_rank_and_training_goes_on(
             _fail_everywhere(rank, save, "Error")
 
     # a write error part-way through a sharded save (ENOSPC on the saving rank only)
-    def no_space(path: Path) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     if rank == 0:
-        monkeypatch.setattr(writer_module, "fsync_file", no_space)
+        monkeypatch.setattr(os, "fsync", no_space)
     for save in _saves(booster, model, optimizer, tmp_path / "full", shard=True):
         _fail_everywhere(rank, save, "No space left on device")
     monkeypatch.undo()
@@ -90,7 +92,9 @@ def test_plugins_failed_async_save_surfaces_on_every_rank(rank: int, world_size:
     if rank == 0:
         booster.checkpoint_io._async.drain()  # the failure has happened by now (test-only peek)
     dist.barrier()
-    _fail_everywhere(rank, lambda: booster.save_model(model, tmp_path / "next.safetensors", use_safetensors=True), "Error")
+    _fail_everywhere(
+        rank, lambda: booster.save_model(model, tmp_path / "next.safetensors", use_safetensors=True), "Error"
+    )
     assert not (tmp_path / "next.safetensors").exists()
     booster.save_model(model, tmp_path / "next.safetensors", use_safetensors=True)
     assert (tmp_path / "next.safetensors").is_file()

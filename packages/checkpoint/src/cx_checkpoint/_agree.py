@@ -17,14 +17,14 @@ def run_and_agree(step: Callable[[], object] | None, what: str, group: ProcessGr
     """Run `step` (None: nothing to do on this rank), then exchange outcomes with every rank of `group`.
 
     Collective. Any rank's `Exception` becomes a `CheckpointSaveError` with the same message on every rank, built
-    from the failing ranks' reports only (on a failing rank it is chained to the original error). Afterwards all ranks have made the same collective calls, so
-    training can go on.
+    from the failing ranks' reports only (on a failing rank it is chained to the original error). Afterwards all
+    ranks have made the same collective calls, so training can go on.
     """
     failure: Exception | None = None
     try:
         if step is not None:
             step()
-    except Exception as error:  # noqa: BLE001 - shared with the other ranks, then raised below
+    except Exception as error:
         failure = error
     report = b"" if failure is None else f"{what}: {type(failure).__name__}: {failure}".encode()
     reports = all_gather_bytes(report, group)

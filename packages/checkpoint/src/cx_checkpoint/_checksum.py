@@ -35,7 +35,9 @@ def file_checksum(fd: int, offset: int, length: int, expected: str | None = None
 
     `expected` (a recorded checksum) must name an algorithm this reader knows, else `CorruptShardError`."""
     if expected is not None and not expected.startswith(f"{CHECKSUM_ALGORITHM}:"):
-        raise CorruptShardError(f"unknown checksum algorithm in {expected!r} (this cx-checkpoint knows {CHECKSUM_ALGORITHM})")
+        raise CorruptShardError(
+            f"unknown checksum algorithm in {expected!r} (this cx-checkpoint knows {CHECKSUM_ALGORITHM})"
+        )
     crc = Crc32()
     end = offset + length
     while offset < end:

@@ -161,7 +161,9 @@ class OptimizerMeta:
             shapes = {str(k): [int(d) for d in v] for k, v in data.get("param_shapes", {}).items()}
             kind = data.get("optimizer_class")
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as error:
-            raise CheckpointError(f"{where}: malformed cx optimizer description ({type(error).__name__}: {error})") from error
+            raise CheckpointError(
+                f"{where}: malformed cx optimizer description ({type(error).__name__}: {error})"
+            ) from error
         return cls(groups, state, keyed_by, None if kind is None else str(kind), shapes)
 
 
@@ -296,12 +298,12 @@ def restore_optimizer(
 def _check_state_shapes(name: str, parameter: torch.Tensor, values: Mapping[str, Any], where: str) -> None:
     """Element-wise state (a tensor with as many dimensions as its parameter) must have the parameter's shape."""
     for key, value in values.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.dim() == parameter.dim():
-            if value.shape != parameter.shape:
-                raise TensorMismatchError(
-                    f"{where}: optimizer state {key!r} of parameter {name!r} has shape {list(value.shape)}, but the "
-                    f"parameter has shape {list(parameter.shape)}"
-                )
+        elementwise = isinstance(value, torch.Tensor) and value.dim() > 0 and value.dim() == parameter.dim()
+        if elementwise and value.shape != parameter.shape:
+            raise TensorMismatchError(
+                f"{where}: optimizer state {key!r} of parameter {name!r} has shape {list(value.shape)}, but the "
+                f"parameter has shape {list(parameter.shape)}"
+            )
 
 
 def describe_tensors(meta: OptimizerMeta) -> Mapping[str, str]:

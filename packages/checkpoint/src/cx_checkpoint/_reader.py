@@ -30,11 +30,11 @@ import torch
 from cx_checkpoint._checksum import file_checksum
 from cx_checkpoint._errors import (
     CheckpointError,
-    ChecksumMismatchError,
     CheckpointIndexError,
     CheckpointKindError,
     CheckpointNotFoundError,
     CheckpointPathError,
+    ChecksumMismatchError,
     CorruptShardError,
     MissingShardError,
 )
@@ -200,7 +200,9 @@ class CheckpointReader:
             raise
 
     @classmethod
-    def _open_index(cls, directory_path: Path, directory: int, index_name: str, kind: CheckpointKind) -> CheckpointReader:
+    def _open_index(
+        cls, directory_path: Path, directory: int, index_name: str, kind: CheckpointKind
+    ) -> CheckpointReader:
         opened: dict[str, _OpenFile] = {}
         try:
             index_path = directory_path / index_name
@@ -230,10 +232,15 @@ class CheckpointReader:
                     opened[file_name].header = header
                     _check_kind(path, header.metadata, kind)
                     all_cx = all_cx and "cx_kind" in header.metadata
-                    found = {name: (TensorSpec(shape, dtype), nbytes) for name, (dtype, shape, nbytes) in header.tensors.items()}
+                    found = {
+                        name: (TensorSpec(shape, dtype), nbytes)
+                        for name, (dtype, shape, nbytes) in header.tensors.items()
+                    }
                 elif file_name.endswith(_BIN_SUFFIXES):
                     if kind is CheckpointKind.OPTIMIZER:
-                        raise CheckpointKindError(f"{path} is a pickle file; cx optimizer checkpoints are safetensors only")
+                        raise CheckpointKindError(
+                            f"{path} is a pickle file; cx optimizer checkpoints are safetensors only"
+                        )
                     content = load_bin(path, fd)
                     bin_contents[file_name] = content
                     all_cx = False

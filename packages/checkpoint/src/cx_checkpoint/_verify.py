@@ -9,6 +9,7 @@ against the `cx_data_checksum` header entry). Staging leftovers of interrupted s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import sys
 from collections.abc import Sequence
@@ -44,10 +45,8 @@ def _candidates(folder: Path) -> list[Path]:
     indexes = [p for p in found if p.name.endswith(".index.json")]
     covered: set[Path] = set()
     for index in indexes:
-        try:
+        with contextlib.suppress(CheckpointError):  # a broken index is reported when it is verified itself
             covered.update(index.parent / name for name in CheckpointIndexFile.from_file(index).file_names())
-        except CheckpointError:
-            pass  # reported when the index itself is verified
     singles = [p for p in found if p.suffix in (".safetensors", ".bin", ".pt", ".pth") and p not in covered]
     return indexes + singles
 

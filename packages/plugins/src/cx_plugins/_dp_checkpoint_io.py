@@ -29,7 +29,6 @@ from cx_checkpoint import (
     OptimizerMeta,
     Stateful,
     file_names,
-    require_names,
     restore_optimizer,
     run_and_agree,
     split_optimizer,
@@ -110,7 +109,13 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
             scaler = self._scalers.get(optimizer)
             meta = with_scaler(meta, None if scaler is None else scaler.state_dict())
             self.save_optimizer_parts(
-                meta, tensors, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard, use_async=use_async
+                meta,
+                tensors,
+                checkpoint,
+                shard=shard,
+                prefix=prefix,
+                size_per_shard=size_per_shard,
+                use_async=use_async,
             )
 
         self._on_master(step, f"saving the optimizer to {checkpoint}")
