@@ -7,11 +7,13 @@ and edits, not deliberate tampering. The prefix names the algorithm, so a reader
 from __future__ import annotations
 
 import os
+import threading
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from cx_checkpoint._errors import CorruptShardError
 
-__all__ = ["CHECKSUM_ALGORITHM", "Crc32", "file_checksum"]
+__all__ = ["CHECKSUM_ALGORITHM", "BackgroundCrc32", "Crc32", "file_checksum"]
 
 CHECKSUM_ALGORITHM = "crc32"
 _BLOCK = 16 * 1024 * 1024
@@ -27,6 +29,51 @@ class Crc32:
         self._value = zlib.crc32(data, self._value)
 
     def hexdigest(self) -> str:
+        return f"{CHECKSUM_ALGORITHM}:{self._value:08x}"
+
+
+_HELPER: ThreadPoolExecutor | None = None
+_HELPER_LOCK = threading.Lock()
+
+
+def _helper() -> ThreadPoolExecutor:
+    global _HELPER
+    with _HELPER_LOCK:
+        if _HELPER is None:
+            _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cx-checkpoint-crc")
+        return _HELPER
+
+
+def _forget_helper_after_fork() -> None:
+    """A forked child has no copy of the helper thread: it starts its own on first use (else jobs would wait
+    forever for a thread that does not exist)."""
+    global _HELPER, _HELPER_LOCK
+    _HELPER, _HELPER_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_helper_after_fork)
+
+
+class BackgroundCrc32:
+    """A CRC-32 computed on a helper thread while the caller writes the same bytes: zlib releases the GIL, so the
+    checksum overlaps the write instead of adding a pass over the data. The caller keeps every buffer alive and
+    unchanged until `hexdigest()` returns."""
+
+    def __init__(self) -> None:
+        self._value = 0
+        self._pending: list[Future[None]] = []
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._pending.append(_helper().submit(self._add, data))  # one worker: jobs run in submission order
+
+    def _add(self, data: bytes | memoryview) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def hexdigest(self) -> str:
+        for future in self._pending:
+            future.result()
+        self._pending = []
         return f"{CHECKSUM_ALGORITHM}:{self._value:08x}"
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from cx_checkpoint._checksum import Crc32, file_checksum
+from cx_checkpoint._checksum import CHECKSUM_ALGORITHM, BackgroundCrc32, file_checksum
 from cx_checkpoint._errors import CorruptShardError, UnsafeCheckpointError
 from cx_checkpoint._json_codec import parse_json
 
@@ -106,27 +106,29 @@ def write_safetensors(
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
-    if checksum_in_header:
-        data_crc = Crc32()
-        for name in order:
-            if prepared[name].numel():
-                data_crc.update(_bytes_of(prepared[name]))
-        header["__metadata__"] = dict(sorted({**metadata, DATA_CHECKSUM_KEY: data_crc.hexdigest()}.items()))
+    placeholder = f"{CHECKSUM_ALGORITHM}:{0:08x}"
+    if checksum_in_header:  # a fixed-width placeholder, filled in once the data has been written
+        header["__metadata__"] = dict(sorted({**metadata, DATA_CHECKSUM_KEY: placeholder}.items()))
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    file_crc = Crc32()
+    crc = BackgroundCrc32()
     with path.open("wb") as handle:
         for piece in (struct.pack("<Q", len(encoded)), encoded):
             handle.write(piece)
-            file_crc.update(piece)
+            if not checksum_in_header:
+                crc.update(piece)
         for name in order:
             tensor = prepared[name]
             if tensor.numel():
                 data = _bytes_of(tensor)
+                crc.update(data)
                 handle.write(data)
-                if not checksum_in_header:
-                    file_crc.update(data)
-    return data_crc.hexdigest() if checksum_in_header else file_crc.hexdigest()
+        checksum = crc.hexdigest()
+        if checksum_in_header:
+            marker = json.dumps({DATA_CHECKSUM_KEY: placeholder}, separators=(",", ":"))[1:-1].encode()
+            handle.seek(8 + encoded.index(marker) + len(marker) - len(placeholder) - 1)
+            handle.write(checksum.encode())
+    return checksum
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

@@ -6,17 +6,18 @@ there, and (for cx-written checkpoints) `total_size` equals the bytes in the sha
 reads every file once and compares it with the checksum recorded at save time.
 
 Every file is opened at open time, relative to one open handle of the checkpoint directory, and all later reads go
-through those file descriptors: a save committed to the same path while the reader is open (a new directory swapped
+through those open files: a save committed to the same path while the reader is open (a new directory swapped
 in, the old one deleted) cannot change what the reader sees, so a load always sees exactly one save. Symbolic links
 inside the checkpoint directory that lead outside it are refused. Tensors, or rectangular regions of them, are read
-one at a time (`os.pread` of just the bytes needed), so a load never holds the whole checkpoint.
+one at a time (copied from a memory map of the open file, just the bytes needed), so a load never holds the whole
+checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
+import mmap
 import os
 import stat
 import sys
@@ -69,6 +70,13 @@ class _OpenFile:
     fd: int
     path: Path
     header: SafetensorsHeader | None  # None for .bin files
+    mapping: mmap.mmap | None = None
+    """A private, copy-on-write map of the whole file (holds the file's content even once it is deleted)."""
+
+    def map(self) -> mmap.mmap:
+        if self.mapping is None:
+            self.mapping = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
+        return self.mapping
 
 
 class CheckpointReader:
@@ -454,28 +462,9 @@ def _pread_exact(fd: int, size: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
-def _read_into(opened: _OpenFile, target: torch.Tensor, offset: int) -> None:
-    """Fill the contiguous uint8 CPU tensor `target` with the file's bytes from `offset`."""
-    view = _byte_view(target)
-    done = 0
-    while done < len(view):
-        if hasattr(os, "preadv"):
-            count = os.preadv(opened.fd, [view[done:]], offset + done)
-        else:  # pragma: no cover - systems without preadv
-            chunk = os.pread(opened.fd, len(view) - done, offset + done)
-            view[done : done + len(chunk)] = chunk
-            count = len(chunk)
-        if count <= 0:
-            raise CorruptShardError(f"{opened.path}: unexpected end of file at byte {offset + done}")
-        done += count
-
-
-def _byte_view(tensor: torch.Tensor) -> memoryview:
-    return memoryview((ctypes.c_ubyte * tensor.numel()).from_address(tensor.data_ptr())).cast("B")
-
-
 def _read_tensor(opened: _OpenFile, name: str, region: Region | None) -> torch.Tensor:
-    """Tensor `name` of a safetensors file held open, or a region of it: only the bytes spanning it are read."""
+    """Tensor `name` of a safetensors file held open, or a region of it: a copy of just the bytes spanning it, taken
+    from the file's memory map (the page cache, no intermediate buffer)."""
     if sys.byteorder != "little":  # pragma: no cover
         raise NotImplementedError("cx-checkpoint reads safetensors (little-endian) on little-endian machines only")
     header = opened.header
@@ -494,16 +483,24 @@ def _read_tensor(opened: _OpenFile, name: str, region: Region | None) -> torch.T
         return torch.empty(sizes, dtype=dtype)
     first = sum(s * st for s, st in zip(starts, strides, strict=True))
     last = sum((s + n - 1) * st for s, n, st in zip(starts, sizes, strides, strict=True))
-    span = torch.empty((last - first + 1) * itemsize, dtype=torch.uint8)
-    _read_into(opened, span, begin + first * itemsize)
-    values = span.view(dtype)
+    raw = torch.frombuffer(
+        opened.map(), dtype=torch.uint8, count=(last - first + 1) * itemsize, offset=begin + first * itemsize
+    )
+    try:
+        values = raw.view(dtype)
+    except RuntimeError:  # data not aligned for its dtype (some writers do not align): copy the bytes first
+        values = raw.clone().view(dtype)
     if region is None:
-        return values.reshape(shape)
+        return values.reshape(shape).clone()
     return torch.as_strided(values, sizes, strides).clone()
 
 
 def _close_all(files: Mapping[str, _OpenFile]) -> None:
     for opened in files.values():
+        if opened.mapping is not None:
+            with contextlib.suppress(BufferError):  # a view still alive elsewhere: the map goes with it
+                opened.mapping.close()
+            opened.mapping = None
         if opened.fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(opened.fd)
