@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -71,12 +72,27 @@ class _OpenFile:
     path: Path
     header: SafetensorsHeader | None  # None for .bin files
     mapping: mmap.mmap | None = None
-    """A private, copy-on-write map of the whole file (holds the file's content even once it is deleted)."""
+    """Where /proc is missing: a private map of the whole file, read through copies."""
+    base: torch.Tensor | None = None
+    """The whole file as a uint8 tensor over a private (copy-on-write) memory map of the open file: tensors read
+    from it are views, and the map lives as long as any of them (it holds the file's content once deleted)."""
 
-    def map(self) -> mmap.mmap:
-        if self.mapping is None:
-            self.mapping = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
-        return self.mapping
+    def map(self) -> torch.Tensor:
+        """The file's bytes as a uint8 tensor; views of it are safe to keep (`zero_copy`) where /proc exists."""
+        if self.base is None:
+            size = os.fstat(self.fd).st_size
+            proc = f"/proc/self/fd/{self.fd}"
+            if os.path.exists(proc):
+                storage = torch.UntypedStorage.from_file(proc, shared=False, nbytes=size)
+                self.base = torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage))
+            else:  # pragma: no cover - no /proc: an mmap the reader owns, so reads must copy out of it
+                self.mapping = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
+                self.base = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        return self.base
+
+    @property
+    def zero_copy(self) -> bool:
+        return self.mapping is None
 
 
 class CheckpointReader:
@@ -483,20 +499,19 @@ def _read_tensor(opened: _OpenFile, name: str, region: Region | None) -> torch.T
         return torch.empty(sizes, dtype=dtype)
     first = sum(s * st for s, st in zip(starts, strides, strict=True))
     last = sum((s + n - 1) * st for s, n, st in zip(starts, sizes, strides, strict=True))
-    raw = torch.frombuffer(
-        opened.map(), dtype=torch.uint8, count=(last - first + 1) * itemsize, offset=begin + first * itemsize
-    )
+    start = begin + first * itemsize
+    raw = opened.map()[start : start + (last - first + 1) * itemsize]
     try:
         values = raw.view(dtype)
     except RuntimeError:  # data not aligned for its dtype (some writers do not align): copy the bytes first
         values = raw.clone().view(dtype)
-    if region is None:
-        return values.reshape(shape).clone()
-    return torch.as_strided(values, sizes, strides).clone()
+    result = values.reshape(shape) if region is None else torch.as_strided(values, sizes, strides).contiguous()
+    return result if opened.zero_copy else result.clone()
 
 
 def _close_all(files: Mapping[str, _OpenFile]) -> None:
     for opened in files.values():
+        opened.base = None  # tensors read from it keep the map alive as long as they need it
         if opened.mapping is not None:
             with contextlib.suppress(BufferError):  # a view still alive elsewhere: the map goes with it
                 opened.mapping.close()
