@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save_fn
 
+import cx_checkpoint._checksum as checksum_module  # benchmark only: switch checksums off for a reference row
 from cx_checkpoint import CheckpointReader, GeneralCheckpointIO, write_sharded
 from cx_mesh.testing import spawn
 
@@ -133,6 +134,20 @@ def two_rank_main(rank: int, world_size: int, gib: float, workdir: str, repeats:
         Path(out).write_text(json.dumps({key: statistics.median(values) for key, values in times.items()}))
 
 
+def without_checksums(save: Callable[[], object]) -> Callable[[], object]:
+    """`save` with the checksum computation switched off: the reference that shows what checksums cost."""
+
+    def run() -> object:
+        original = checksum_module.BackgroundCrc32.update
+        checksum_module.BackgroundCrc32.update = lambda self, data: None  # type: ignore[method-assign]
+        try:
+            return save()
+        finally:
+            checksum_module.BackgroundCrc32.update = original  # type: ignore[method-assign]
+
+    return run
+
+
 def single_process_rows(state: dict[str, torch.Tensor], workdir: Path, repeats: int) -> list[tuple[str, float, float]]:
     """(label, median save s, median load s) for the raw disk and each single-process method.
 
@@ -196,6 +211,12 @@ def single_process_rows(state: dict[str, torch.Tensor], workdir: Path, repeats: 
             sharded,
             lambda: io.save_model(holder, sharded, shard=True, use_safetensors=True),
             lambda: io.load_model(holder, sharded, verify=True),
+        ),
+        (
+            "cx sharded safetensors, 1024 MB shards, checksums switched off (reference)",
+            sharded,
+            without_checksums(lambda: io.save_model(holder, sharded, shard=True, use_safetensors=True)),
+            lambda: io.load_model(holder, sharded),
         ),
         (
             "cx sharded safetensors, 256 MB shards",
@@ -282,6 +303,8 @@ def main() -> None:
         _, sharded_load = by["cx sharded safetensors, 1024 MB shards (save_model / load_model)"]
         _, verified_single = by["cx unsharded safetensors, load_model(verify=True)"]
         _, verified_sharded = by["cx sharded safetensors, 1024 MB shards, load_model(verify=True)"]
+        unchecked_save, _ = by["cx sharded safetensors, 1024 MB shards, checksums switched off (reference)"]
+        print(f"cx sharded save with checksums / without: {save_c / unchecked_save:.2f}x time")
         print(f"CRC-32 of the state: {crc_s:.3f} s ({gb / crc_s:.2f} GB/s) = {crc_s / cx_save:.2f} of the cx save time")
         print(f"cx unsharded load verify=True / plain: {verified_single / cx_load:.2f}x time")
         print(f"cx sharded load verify=True / plain: {verified_sharded / sharded_load:.2f}x time")

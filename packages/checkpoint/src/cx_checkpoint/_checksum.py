@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from cx_checkpoint._errors import CorruptShardError
 
-__all__ = ["CHECKSUM_ALGORITHM", "BackgroundCrc32", "Crc32", "file_checksum"]
+__all__ = ["CHECKSUM_ALGORITHM", "BackgroundCrc32", "Crc32", "checksum_of", "file_checksum"]
 
 CHECKSUM_ALGORITHM = "crc32"
 _BLOCK = 16 * 1024 * 1024
@@ -75,6 +75,22 @@ class BackgroundCrc32:
             future.result()
         self._pending = []
         return f"{CHECKSUM_ALGORITHM}:{self._value:08x}"
+
+
+def _check_algorithm(expected: str | None) -> None:
+    if expected is not None and not expected.startswith(f"{CHECKSUM_ALGORITHM}:"):
+        raise CorruptShardError(
+            f"unknown checksum algorithm in {expected!r} (this cx-checkpoint knows {CHECKSUM_ALGORITHM})"
+        )
+
+
+def checksum_of(data: bytes | memoryview, expected: str | None = None) -> str:
+    """The checksum of bytes in memory (`expected` must name a known algorithm, else `CorruptShardError`)."""
+    _check_algorithm(expected)
+    crc = Crc32()
+    for start in range(0, len(data), _BLOCK):
+        crc.update(data[start : start + _BLOCK])
+    return crc.hexdigest()
 
 
 def file_checksum(fd: int, offset: int, length: int, expected: str | None = None) -> str:
