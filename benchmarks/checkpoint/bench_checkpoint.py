@@ -5,6 +5,10 @@ fsynced right after), so all figures are durable writes; the raw disk figure is 
 `write` + `fsync`. Loads read from the page cache (the files were just written; the cache is not dropped on a shared
 machine), so they measure deserialisation and copying, not the disk. Median of `--repeats` runs, GB = 1e9 bytes.
 
+cx records a CRC-32 per shard file (a data checksum for single files) while saving, so its save figures include that
+cost; the checksum's own time over the same bytes is reported beside them, and `load_model(verify=True)` (every file
+read and checked before loading) is timed against the plain load.
+
 Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/checkpoint/bench_checkpoint.py [--gib 1.0] [--repeats 3]
 """
 
@@ -17,6 +21,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save_fn
 
+import cx_checkpoint._checksum as checksum_module  # benchmark only: switch checksums off for a reference row
 from cx_checkpoint import CheckpointReader, GeneralCheckpointIO, write_sharded
 from cx_mesh.testing import spawn
 
@@ -128,6 +134,20 @@ def two_rank_main(rank: int, world_size: int, gib: float, workdir: str, repeats:
         Path(out).write_text(json.dumps({key: statistics.median(values) for key, values in times.items()}))
 
 
+def without_checksums(save: Callable[[], object]) -> Callable[[], object]:
+    """`save` with the checksum computation switched off: the reference that shows what checksums cost."""
+
+    def run() -> object:
+        original = checksum_module.BackgroundCrc32.update
+        checksum_module.BackgroundCrc32.update = lambda self, data: None  # type: ignore[method-assign]
+        try:
+            return save()
+        finally:
+            checksum_module.BackgroundCrc32.update = original  # type: ignore[method-assign]
+
+    return run
+
+
 def single_process_rows(state: dict[str, torch.Tensor], workdir: Path, repeats: int) -> list[tuple[str, float, float]]:
     """(label, median save s, median load s) for the raw disk and each single-process method.
 
@@ -181,6 +201,24 @@ def single_process_rows(state: dict[str, torch.Tensor], workdir: Path, repeats: 
             lambda: io.load_model(holder, sharded),
         ),
         (
+            "cx unsharded safetensors, load_model(verify=True)",
+            single,
+            lambda: io.save_model(holder, single, use_safetensors=True),
+            lambda: io.load_model(holder, single, verify=True),
+        ),
+        (
+            "cx sharded safetensors, 1024 MB shards, load_model(verify=True)",
+            sharded,
+            lambda: io.save_model(holder, sharded, shard=True, use_safetensors=True),
+            lambda: io.load_model(holder, sharded, verify=True),
+        ),
+        (
+            "cx sharded safetensors, 1024 MB shards, checksums switched off (reference)",
+            sharded,
+            without_checksums(lambda: io.save_model(holder, sharded, shard=True, use_safetensors=True)),
+            lambda: io.load_model(holder, sharded),
+        ),
+        (
             "cx sharded safetensors, 256 MB shards",
             sharded256,
             lambda: io.save_model(holder, sharded256, shard=True, use_safetensors=True, size_per_shard=256),
@@ -202,6 +240,18 @@ def single_process_rows(state: dict[str, torch.Tensor], workdir: Path, repeats: 
     return [(label, statistics.median(saves[label]), statistics.median(loads[label])) for label, *_ in methods]
 
 
+def checksum_seconds(state: dict[str, torch.Tensor], repeats: int) -> float:
+    """Median time of the CRC-32 a cx save computes over the state's bytes (its whole added cost on save)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        crc = 0
+        for tensor in state.values():
+            crc = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy().data, crc)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0)
@@ -215,6 +265,7 @@ def main() -> None:
         gb = nbytes / 1e9
         repeats = args.repeats
         rows = single_process_rows(state, workdir, repeats)
+        crc_s = checksum_seconds(state, repeats)
         count = len(state)
         del state
         save_c = dict((label, s) for label, s, _ in rows)[
@@ -249,6 +300,14 @@ def main() -> None:
         print(f"cx unsharded load / safetensors load: {cx_load / st_load:.2f}x time (goal <= 1.0x)")
         print(f"cx unsharded load / DCP 2-rank load: {cx_load / dcp_load_s:.2f}x time (goal <= 1.0x)")
         print(f"cx 2-rank load / DCP 2-rank load: {two['cx2_load'] / dcp_load_s:.2f}x time")
+        _, sharded_load = by["cx sharded safetensors, 1024 MB shards (save_model / load_model)"]
+        _, verified_single = by["cx unsharded safetensors, load_model(verify=True)"]
+        _, verified_sharded = by["cx sharded safetensors, 1024 MB shards, load_model(verify=True)"]
+        unchecked_save, _ = by["cx sharded safetensors, 1024 MB shards, checksums switched off (reference)"]
+        print(f"cx sharded save with checksums / without: {save_c / unchecked_save:.2f}x time")
+        print(f"CRC-32 of the state: {crc_s:.3f} s ({gb / crc_s:.2f} GB/s) = {crc_s / cx_save:.2f} of the cx save time")
+        print(f"cx unsharded load verify=True / plain: {verified_single / cx_load:.2f}x time")
+        print(f"cx sharded load verify=True / plain: {verified_sharded / sharded_load:.2f}x time")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -6,6 +6,7 @@ import itertools
 import json
 import random
 import re
+import zlib
 from pathlib import Path
 
 import pytest
@@ -44,10 +45,12 @@ def test_checkpoint_index_matches_hugging_face_spec(tmp_path: Path) -> None:
     # transformers writes json.dumps(index, indent=2, sort_keys=True) + "\n"
     assert raw == json.dumps(data, indent=2, sort_keys=True) + "\n"
     assert set(data) == {"metadata", "weight_map"}
-    assert data["metadata"] == {"total_size": sum(t.numel() * 4 for t in tensors.values())}
+    files = sorted(set(data["weight_map"].values()))
+    # cx adds one checksum per shard file (other readers ignore extra metadata keys)
+    checksums = {f: f"crc32:{zlib.crc32((tmp_path / 'ckpt' / f).read_bytes()):08x}" for f in files}
+    assert data["metadata"] == {"total_size": sum(t.numel() * 4 for t in tensors.values()), "cx_checksums": checksums}
     assert data["weight_map"] == index.weight_map
     assert set(data["weight_map"]) == set(tensors)
-    files = sorted(set(data["weight_map"].values()))
     numbers = [SHARD_NAME.match(f) for f in files]
     assert all(numbers)
     total = len(files)

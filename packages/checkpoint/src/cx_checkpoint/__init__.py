@@ -11,6 +11,8 @@
 The file format is specified in docs/checkpoint.md.
 """
 
+from cx_checkpoint._agree import run_and_agree
+from cx_checkpoint._atomic import commit_directory, fsync_file, remove_stale_staging, staging_path
 from cx_checkpoint._checkpoint_io import DEFAULT_SIZE_PER_SHARD, CheckpointIO, Stateful
 from cx_checkpoint._dtensor import DTensorModuleSink, local_region
 from cx_checkpoint._errors import (
@@ -19,6 +21,8 @@ from cx_checkpoint._errors import (
     CheckpointKindError,
     CheckpointNotFoundError,
     CheckpointPathError,
+    CheckpointSaveError,
+    ChecksumMismatchError,
     CorruptShardError,
     KeyMismatchError,
     MissingShardError,
@@ -34,14 +38,18 @@ from cx_checkpoint._naming import CheckpointKind, FileFormat, FileNames, file_na
 from cx_checkpoint._optimizer import (
     OPTIMIZER_FORMAT,
     OptimizerMeta,
+    ParamKey,
     attach_param_names,
+    optimizer_class_name,
     optimizer_param_names,
     optimizer_tensor_name,
+    require_names,
     restore_optimizer,
     split_optimizer,
 )
 from cx_checkpoint._protocols import Region, TensorSink, TensorSource, TensorSpec, iter_source
 from cx_checkpoint._reader import CheckpointReader
+from cx_checkpoint._verify import VerifyOutcome, VerifyResult, verify_checkpoints
 from cx_checkpoint._writer import ShardWriter, WrittenShard, write_sharded
 
 __all__ = [
@@ -64,6 +72,12 @@ __all__ = [
     "ShardWriter",
     "WrittenShard",
     "write_sharded",
+    "run_and_agree",
+    # atomic placement (for callers that commit several checkpoints as one)
+    "commit_directory",
+    "fsync_file",
+    "remove_stale_staging",
+    "staging_path",
     "CheckpointReader",
     "load_into",
     # protocols
@@ -79,18 +93,27 @@ __all__ = [
     # optimizer state by name
     "OPTIMIZER_FORMAT",
     "OptimizerMeta",
+    "ParamKey",
     "attach_param_names",
+    "optimizer_class_name",
     "optimizer_param_names",
     "optimizer_tensor_name",
     "read_optimizer_meta",
+    "require_names",
     "restore_optimizer",
     "split_optimizer",
+    # checksums
+    "VerifyOutcome",
+    "VerifyResult",
+    "verify_checkpoints",
     # errors
     "CheckpointError",
     "CheckpointIndexError",
     "CheckpointKindError",
     "CheckpointNotFoundError",
     "CheckpointPathError",
+    "CheckpointSaveError",
+    "ChecksumMismatchError",
     "CorruptShardError",
     "KeyMismatchError",
     "MissingShardError",

@@ -7,10 +7,11 @@ through one background writer per `CheckpointIO`; `synchronize()` waits for them
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,8 +21,9 @@ from torch import nn
 from cx_checkpoint._async import AsyncWriter
 from cx_checkpoint._atomic import write_file_atomic
 from cx_checkpoint._errors import CheckpointKindError, CheckpointNotFoundError
-from cx_checkpoint._json_codec import decode, encode
+from cx_checkpoint._json_codec import decode, encode, parse_json
 from cx_checkpoint._loading import LoadResult
+from cx_checkpoint._reader import VERIFY_BY_DEFAULT
 from cx_checkpoint._writer import megabytes_to_bytes
 
 __all__ = ["DEFAULT_SIZE_PER_SHARD", "CheckpointIO", "Stateful"]
@@ -72,12 +74,17 @@ class CheckpointIO(ABC):
             )
         self.save_unsharded_model(model, path, gather_dtensor, use_safetensors, use_async)
 
-    def load_model(self, model: nn.Module, checkpoint: PathLike, strict: bool = True) -> LoadResult:
-        """Load weights into `model` from a file, an index file or a checkpoint directory."""
+    def load_model(
+        self, model: nn.Module, checkpoint: PathLike, strict: bool = True, *, verify: bool = False
+    ) -> LoadResult:
+        """Load weights into `model` from a file, an index file or a checkpoint directory.
+
+        `verify=True` first compares every file with the checksum recorded when it was saved."""
         path = _existing(checkpoint)
-        if path.is_dir() or path.name.endswith(".index.json"):
-            return self.load_sharded_model(model, path, strict)
-        return self.load_unsharded_model(model, path, strict)
+        with _verifying(verify):
+            if path.is_dir() or path.name.endswith(".index.json"):
+                return self.load_sharded_model(model, path, strict)
+            return self.load_unsharded_model(model, path, strict)
 
     # ---- optimizer -----------------------------------------------------------------------------------------------
     def save_optimizer(
@@ -101,28 +108,37 @@ class CheckpointIO(ABC):
             raise ValueError(f"{path}: an unsharded cx optimizer checkpoint is a .safetensors file")
         self.save_unsharded_optimizer(optimizer, path, gather_dtensor, use_async)
 
-    def load_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: PathLike, prefix: str | None = None) -> None:
-        """Load optimizer state from a `.safetensors` file, an index file or a checkpoint directory."""
+    def load_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        checkpoint: PathLike,
+        prefix: str | None = None,
+        *,
+        verify: bool = False,
+    ) -> None:
+        """Load optimizer state from a `.safetensors` file, an index file or a checkpoint directory.
+
+        `verify=True` first compares every file with the checksum recorded when it was saved."""
         path = _existing(checkpoint)
-        if path.is_dir() or path.name.endswith(".index.json"):
-            self.load_sharded_optimizer(optimizer, path, prefix)
-            return
-        if prefix is not None:
-            raise ValueError("prefix selects files inside a sharded optimizer checkpoint directory; got a single file")
-        self.load_unsharded_optimizer(optimizer, path)
+        with _verifying(verify):
+            if path.is_dir() or path.name.endswith(".index.json"):
+                self.load_sharded_optimizer(optimizer, path, prefix)
+                return
+            if prefix is not None:
+                raise ValueError(
+                    "prefix selects files inside a sharded optimizer checkpoint directory; got a single file"
+                )
+            self.load_unsharded_optimizer(optimizer, path)
 
     # ---- LR scheduler --------------------------------------------------------------------------------------------
     def save_lr_scheduler(self, lr_scheduler: Stateful, checkpoint: PathLike) -> None:
         """Write the scheduler's state as tagged JSON to the file `checkpoint`, atomically."""
         text = json.dumps({"format": _SCHEDULER_FORMAT, "state": encode(lr_scheduler.state_dict(), "lr_scheduler")})
-        write_file_atomic(Path(checkpoint), lambda tmp: tmp.write_text(text))
+        self._run(lambda: write_file_atomic(Path(checkpoint), lambda tmp: tmp.write_text(text)), False)
 
     def load_lr_scheduler(self, lr_scheduler: Stateful, checkpoint: PathLike) -> None:
         path = _existing(checkpoint)
-        try:
-            data = json.loads(path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise CheckpointKindError(f"{path}: not a cx LR scheduler checkpoint (not JSON: {error})") from error
+        data = parse_json(path.read_bytes(), str(path), CheckpointKindError, "the LR scheduler checkpoint (not JSON)")
         if not isinstance(data, dict) or data.get("format") != _SCHEDULER_FORMAT:
             raise CheckpointKindError(f"{path}: not a cx LR scheduler checkpoint (format is not {_SCHEDULER_FORMAT!r})")
         lr_scheduler.load_state_dict(decode(data["state"]))
@@ -136,11 +152,14 @@ class CheckpointIO(ABC):
         """Run a prepared save job now, or in the background writer when `use_async`.
 
         A synchronous job first waits for the queued asynchronous ones: otherwise an earlier async save to the same
-        path would land after it (overwriting newer state with older) or have its staging removed mid-write."""
+        path would land after it (overwriting newer state with older) or have its staging removed mid-write. An
+        earlier asynchronous save that failed is raised here, before this save starts."""
         if use_async:
+            self._async.raise_finished_failures()
             self._async.submit(job)
         else:
             self._async.drain()
+            self._async.raise_finished_failures()
             job()
 
     # ---- hooks ---------------------------------------------------------------------------------------------------
@@ -190,6 +209,16 @@ class CheckpointIO(ABC):
     def load_sharded_optimizer(
         self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None
     ) -> None: ...
+
+
+@contextlib.contextmanager
+def _verifying(verify: bool) -> Iterator[None]:
+    """Every `CheckpointReader.open` inside the block (also plugins' own) verifies checksums when `verify`."""
+    token = VERIFY_BY_DEFAULT.set(verify)
+    try:
+        yield
+    finally:
+        VERIFY_BY_DEFAULT.reset(token)
 
 
 def _existing(checkpoint: PathLike) -> Path:

@@ -14,6 +14,8 @@ __all__ = [
     "CheckpointKindError",
     "CheckpointNotFoundError",
     "CheckpointPathError",
+    "CheckpointSaveError",
+    "ChecksumMismatchError",
     "CorruptShardError",
     "KeyMismatchError",
     "MissingShardError",
@@ -46,6 +48,14 @@ class MissingShardError(CheckpointError):
 
 class CorruptShardError(CheckpointError):
     """A shard file is truncated, has a malformed header, or lacks tensors the index places in it."""
+
+
+class ChecksumMismatchError(CorruptShardError):
+    """A file's content differs from the checksum recorded when it was saved (bit rot, partial copy, edit)."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed on some rank; raised with the same message on every rank of a collective save."""
 
 
 class TensorMismatchError(CheckpointError):

@@ -10,17 +10,31 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import os
 import pickle
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from cx_checkpoint._checksum import CHECKSUM_ALGORITHM, BackgroundCrc32, file_checksum
 from cx_checkpoint._errors import CorruptShardError, UnsafeCheckpointError
+from cx_checkpoint._json_codec import parse_json
 
-__all__ = ["SafetensorsHeader", "alias_key", "load_bin", "read_safetensors_header", "write_bin", "write_safetensors"]
+__all__ = [
+    "DATA_CHECKSUM_KEY",
+    "SafetensorsHeader",
+    "alias_key",
+    "load_bin",
+    "read_safetensors_header",
+    "write_bin",
+    "write_safetensors",
+]
+
+DATA_CHECKSUM_KEY = "cx_data_checksum"
+"""Header metadata key of a single safetensors file: the checksum of its data section (a file cannot hold its own)."""
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 _DTYPES = {
@@ -63,8 +77,14 @@ def _standalone(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+def write_safetensors(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], *, checksum_in_header: bool = False
+) -> str:
     """Write `tensors` to a safetensors file at `path` (not yet fsynced), byte-for-byte deterministically.
+
+    Returns the checksum of the whole file, computed while writing; with `checksum_in_header` (single-file
+    checkpoints, which have no index to hold it) the data section's checksum is computed first, stored in the
+    header metadata under `DATA_CHECKSUM_KEY` and returned instead.
 
     The layout is the safetensors specification's: an 8-byte little-endian header length, a JSON header padded
     with spaces to a multiple of 8 (`__metadata__` first, keys sorted), then the tensors' bytes back to back, widest
@@ -86,15 +106,29 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
+    placeholder = f"{CHECKSUM_ALGORITHM}:{0:08x}"
+    if checksum_in_header:  # a fixed-width placeholder, filled in once the data has been written
+        header["__metadata__"] = dict(sorted({**metadata, DATA_CHECKSUM_KEY: placeholder}.items()))
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
+    crc = BackgroundCrc32()
     with path.open("wb") as handle:
-        handle.write(struct.pack("<Q", len(encoded)))
-        handle.write(encoded)
+        for piece in (struct.pack("<Q", len(encoded)), encoded):
+            handle.write(piece)
+            if not checksum_in_header:
+                crc.update(piece)
         for name in order:
             tensor = prepared[name]
             if tensor.numel():
-                handle.write(_bytes_of(tensor))
+                data = _bytes_of(tensor)
+                crc.update(data)
+                handle.write(data)
+        checksum = crc.hexdigest()
+        if checksum_in_header:
+            marker = json.dumps({DATA_CHECKSUM_KEY: placeholder}, separators=(",", ":"))[1:-1].encode()
+            handle.seek(8 + encoded.index(marker) + len(marker) - len(placeholder) - 1)
+            handle.write(checksum.encode())
+    return checksum
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -108,8 +142,9 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())).cast("B")
 
 
-def write_bin(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Write a legacy `pytorch_model.bin`-style file: `torch.save` of a plain name -> tensor dict."""
+def write_bin(path: Path, tensors: Mapping[str, torch.Tensor]) -> str:
+    """Write a legacy `pytorch_model.bin`-style file: `torch.save` of a plain name -> tensor dict; returns the
+    file's checksum (read back once: torch.save writes through its own zip writer)."""
     plain = {}
     copies: dict[int, torch.Tensor] = {}
     for name, tensor in _standalone(tensors).items():
@@ -121,6 +156,11 @@ def write_bin(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
             tensor = copies[id(tensor)]
         plain[name] = tensor
     torch.save(plain, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return file_checksum(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -129,34 +169,42 @@ class SafetensorsHeader:
 
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]]
     metadata: dict[str, str]
+    offsets: dict[str, int] = field(default_factory=dict)
+    """tensor name -> its first byte, relative to the data section."""
+    data_start: int = 0
+    """Byte offset of the data section in the file (8 + header length)."""
+    data_bytes: int = 0
 
 
-def read_safetensors_header(path: Path) -> SafetensorsHeader:
-    """Parse and check `path`'s header against the file size; `CorruptShardError` names what is wrong."""
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise CorruptShardError(
-                f"{path}: truncated safetensors file ({size} bytes, shorter than its 8-byte header length)"
-            )
-        (header_length,) = struct.unpack("<Q", prefix)
-        if header_length > min(size - 8, _MAX_HEADER_BYTES):
-            raise CorruptShardError(
-                f"{path}: header claims {header_length} bytes but the file has {size} bytes "
-                "(truncated or not safetensors)"
-            )
-        raw = handle.read(header_length)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CorruptShardError(f"{path}: safetensors header is not valid JSON: {error}") from error
+def read_safetensors_header(path: Path, fd: int | None = None) -> SafetensorsHeader:
+    """Parse and check `path`'s header (read through `fd` when given) against the file size; `CorruptShardError`
+    names what is wrong."""
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return read_safetensors_header(path, fd)
+        finally:
+            os.close(fd)
+    size = os.fstat(fd).st_size
+    prefix = os.pread(fd, 8, 0)
+    if len(prefix) < 8:
+        raise CorruptShardError(
+            f"{path}: truncated safetensors file ({size} bytes, shorter than its 8-byte header length)"
+        )
+    (header_length,) = struct.unpack("<Q", prefix)
+    if header_length > min(size - 8, _MAX_HEADER_BYTES):
+        raise CorruptShardError(
+            f"{path}: header claims {header_length} bytes but the file has {size} bytes (truncated or not safetensors)"
+        )
+    raw = os.pread(fd, header_length, 8)
+    header = parse_json(raw, str(path), CorruptShardError, "the safetensors header JSON")
     if not isinstance(header, dict):
         raise CorruptShardError(f"{path}: safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise CorruptShardError(f"{path}: safetensors __metadata__ is not a JSON object")
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+    offsets: dict[str, int] = {}
     extents: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         try:
@@ -172,6 +220,7 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
                 f"{entry['dtype']} is {nbytes} bytes but data_offsets {[begin, stop]} span {stop - begin}"
             )
         tensors[name] = (dtype, shape, nbytes)
+        offsets[name] = begin
         extents.append((begin, stop, name))
     # safetensors requires the tensors to tile the data section exactly: no gap, no overlap
     end = 0
@@ -187,18 +236,28 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
             f"{path}: file size is {size} bytes but its header describes {expected} bytes "
             f"({'truncated' if size < expected else 'trailing data'})"
         )
-    return SafetensorsHeader(tensors, {str(k): str(v) for k, v in metadata.items()})
+    metadata_text = {str(k): str(v) for k, v in metadata.items()}
+    return SafetensorsHeader(tensors, metadata_text, offsets, 8 + header_length, end)
 
 
-def load_bin(path: Path) -> dict[str, torch.Tensor]:
-    """Load a legacy `.bin` state dict with `torch.load(weights_only=True)`; refuse anything needing code."""
+def load_bin(path: Path, fd: int | None = None) -> dict[str, torch.Tensor]:
+    """Load a legacy `.bin` state dict with `torch.load(weights_only=True)`; refuse anything needing code.
+
+    With `fd`, the file held open is read (memory-mapped through /proc/self/fd where the system has it)."""
+    source: Path | str = path
+    if fd is not None:
+        source = f"/proc/self/fd/{fd}" if os.path.exists(f"/proc/self/fd/{fd}") else path
     try:
         try:
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            if fd is not None and source == path:  # no /proc: read the open file, unmapped
+                with os.fdopen(os.dup(fd), "rb") as handle:
+                    loaded = torch.load(handle, map_location="cpu", weights_only=True)
+            else:
+                loaded = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as error:
             if "mmap" not in str(error):
                 raise
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            loaded = torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         raise UnsafeCheckpointError(
             f"{path}: refused to load this pickle file: it needs arbitrary code to load (torch.load with "

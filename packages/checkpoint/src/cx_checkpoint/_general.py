@@ -45,7 +45,9 @@ class GeneralCheckpointIO(CheckpointIO):
         def job() -> None:
             if use_safetensors:
                 metadata = {"format": "pt", "cx_kind": CheckpointKind.MODEL.value}
-                write_file_atomic(checkpoint, lambda tmp: write_safetensors(tmp, state, metadata))
+                write_file_atomic(
+                    checkpoint, lambda tmp: write_safetensors(tmp, state, metadata, checksum_in_header=True)
+                )
             else:
                 write_file_atomic(checkpoint, lambda tmp: write_bin(tmp, state))
             for name, content in side.items():
@@ -131,7 +133,10 @@ class GeneralCheckpointIO(CheckpointIO):
         if not shard:
             metadata = {"format": "pt", "cx_kind": CheckpointKind.OPTIMIZER.value, "cx_optimizer": meta.to_json()}
             self._run(
-                lambda: write_file_atomic(checkpoint, lambda tmp: write_safetensors(tmp, tensors, metadata)), use_async
+                lambda: write_file_atomic(
+                    checkpoint, lambda tmp: write_safetensors(tmp, tensors, metadata, checksum_in_header=True)
+                ),
+                use_async,
             )
             return
         text = meta.to_json()
@@ -191,11 +196,12 @@ def read_optimizer_meta(reader: CheckpointReader) -> OptimizerMeta:
         return OptimizerMeta.from_json(text, str(reader.path))
     stem = reader.index_path.name.removesuffix(".safetensors.index.json")
     json_path = reader.index_path.parent / f"{stem}.json"
-    if not json_path.is_file():
+    text = reader.side_text(json_path.name)  # read with the index, from the same save
+    if text is None:
         raise CheckpointIndexError(
             f"{reader.index_path}: the optimizer description {json_path.name} is missing beside it"
         )
-    return OptimizerMeta.from_json(json_path.read_text(), str(json_path))
+    return OptimizerMeta.from_json(text, str(json_path))
 
 
 def _bytes_writer(content: bytes) -> Callable[[Path], object]:

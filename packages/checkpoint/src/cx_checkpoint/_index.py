@@ -2,19 +2,24 @@
 
 Written exactly as `transformers` writes `model.safetensors.index.json` (2-space indent, sorted keys, trailing
 newline); `total_size` is the sum of the tensors' byte sizes. Reading validates the structure and refuses file
-names that would escape the checkpoint directory.
+names that would escape the checkpoint directory. cx adds `metadata.cx_checksums` (file name -> checksum), which
+other readers ignore.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cx_checkpoint._errors import CheckpointIndexError, CheckpointNotFoundError
+from cx_checkpoint._json_codec import parse_json
 
 __all__ = ["CheckpointIndexFile"]
+
+_CHECKSUMS = "cx_checksums"
 
 
 @dataclass
@@ -23,6 +28,8 @@ class CheckpointIndexFile:
 
     weight_map: dict[str, str] = field(default_factory=dict)
     total_size: int = 0
+    checksums: dict[str, str] = field(default_factory=dict)
+    """shard file name -> its checksum (`"crc32:<hex>"`), stored as `metadata.cx_checksums`; empty when unknown."""
 
     def add(self, tensor_name: str, file_name: str, nbytes: int) -> None:
         """Record that `tensor_name` (of `nbytes` bytes) lives in `file_name`; a name may appear once."""
@@ -42,12 +49,10 @@ class CheckpointIndexFile:
         return sorted(name for name, where in self.weight_map.items() if where == file_name)
 
     def to_json(self) -> str:
-        return (
-            json.dumps(
-                {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}, indent=2, sort_keys=True
-            )
-            + "\n"
-        )
+        metadata: dict[str, object] = {"total_size": self.total_size}
+        if self.checksums:
+            metadata[_CHECKSUMS] = self.checksums
+        return json.dumps({"metadata": metadata, "weight_map": self.weight_map}, indent=2, sort_keys=True) + "\n"
 
     def write(self, path: Path) -> None:
         """Write the index to `path` (callers make it durable and atomic)."""
@@ -65,6 +70,7 @@ class CheckpointIndexFile:
                     )
                 merged.weight_map[name] = file_name
             merged.total_size += part.total_size
+            merged.checksums.update(part.checksums)
         return merged
 
     @classmethod
@@ -73,11 +79,12 @@ class CheckpointIndexFile:
         path = Path(path)
         if not path.is_file():
             raise CheckpointNotFoundError(f"index file {path} does not exist")
-        try:
-            data = json.loads(path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise CheckpointIndexError(f"index file {path} is not valid JSON: {error}") from error
-        return cls.from_mapping(data, str(path))
+        return cls.from_bytes(path.read_bytes(), str(path))
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> CheckpointIndexFile:
+        """Parse and validate an index file's content (`where` names it in errors)."""
+        return cls.from_mapping(parse_json(raw, f"index file {where}", CheckpointIndexError, "the index JSON"), where)
 
     @classmethod
     def from_mapping(cls, data: object, where: str) -> CheckpointIndexFile:
@@ -88,9 +95,11 @@ class CheckpointIndexFile:
         if not isinstance(metadata, Mapping):
             raise CheckpointIndexError(f"index {where}: 'metadata' must be an object, found {type(metadata).__name__}")
         total = metadata.get("total_size")
-        if total is not None and (not isinstance(total, int | float) or total < 0):
+        if total is not None and (
+            isinstance(total, bool) or not isinstance(total, int | float) or not 0 <= total < math.inf
+        ):
             raise CheckpointIndexError(
-                f"index {where}: metadata.total_size must be a non-negative number, found {total!r}"
+                f"index {where}: metadata.total_size must be a finite non-negative number, found {total!r}"
             )
         weight_map: dict[str, str] = {}
         for name, file_name in data["weight_map"].items():
@@ -100,7 +109,12 @@ class CheckpointIndexFile:
                     "checkpoint directory"
                 )
             weight_map[str(name)] = file_name
-        return cls(weight_map, int(total) if total is not None else -1)
+        checksums = metadata.get(_CHECKSUMS, {})
+        if not isinstance(checksums, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in checksums.items()
+        ):
+            raise CheckpointIndexError(f"index {where}: metadata.{_CHECKSUMS} must map file names to strings")
+        return cls(weight_map, int(total) if total is not None else -1, dict(checksums))
 
 
 def _is_plain_file_name(name: str) -> bool:

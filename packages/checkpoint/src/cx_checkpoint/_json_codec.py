@@ -7,11 +7,12 @@ those are written as `{"__cx__": "tuple" | "dict" | "counter", "items": [...]}`.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from typing import Any
 
-__all__ = ["decode", "encode"]
+__all__ = ["decode", "encode", "parse_json"]
 
 _TAG = "__cx__"
 
@@ -62,3 +63,18 @@ def decode(data: Any) -> Any:
 
 def _hashable(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} (not JSON)")
+
+
+def parse_json(text: str | bytes, where: str, error: type[Exception], what: str) -> Any:
+    """Parse checkpoint JSON; anything wrong with it (bad syntax or encoding, NaN/Infinity literals, nesting too deep
+    for Python) becomes `error` naming `where` and `what`, never a raw Python error."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise error(f"{where}: {what} is nested too deeply to be a checkpoint file (refused)") from None
+    except (UnicodeDecodeError, ValueError) as cause:  # json.JSONDecodeError is a ValueError
+        raise error(f"{where}: {what} is not valid JSON: {cause}") from cause

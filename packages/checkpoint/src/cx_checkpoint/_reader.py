@@ -1,42 +1,99 @@
-"""`CheckpointReader`: a verified, lazily read view of one checkpoint (single file or sharded directory).
+"""`CheckpointReader`: a verified, lazily read view of ONE save of a checkpoint (single file or sharded directory).
 
 Opening checks everything that can be checked without reading tensor data: the index parses, every file it names
 exists, each safetensors header is well formed and matches its file size, every tensor the index places in a file is
-there, and (for cx-written checkpoints) `total_size` equals the bytes in the shards. Tensors, or rectangular regions
-of them, are then read one at a time through safetensors `safe_open`, so a load never holds the whole checkpoint.
+there, and (for cx-written checkpoints) `total_size` equals the bytes in the shards. With `verify=True` it also
+reads every file once and compares it with the checksum recorded at save time.
+
+Every file is opened at open time, relative to one open handle of the checkpoint directory, and all later reads go
+through those open files: a save committed to the same path while the reader is open (a new directory swapped
+in, the old one deleted) cannot change what the reader sees, so a load always sees exactly one save. Symbolic links
+inside the checkpoint directory that lead outside it are refused. Tensors, or rectangular regions of them, are read
+one at a time (copied from a memory map of the open file, just the bytes needed), so a load never holds the whole
+checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import math
+import mmap
 import os
+import stat
+import sys
 from collections.abc import Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import torch
-from safetensors import safe_open
 
+from cx_checkpoint._checksum import checksum_of, file_checksum
 from cx_checkpoint._errors import (
+    CheckpointError,
     CheckpointIndexError,
     CheckpointKindError,
     CheckpointNotFoundError,
     CheckpointPathError,
+    ChecksumMismatchError,
     CorruptShardError,
     MissingShardError,
 )
-from cx_checkpoint._files import load_bin, read_safetensors_header
+from cx_checkpoint._files import DATA_CHECKSUM_KEY, SafetensorsHeader, load_bin, read_safetensors_header
 from cx_checkpoint._index import CheckpointIndexFile
 from cx_checkpoint._naming import CheckpointKind, FileFormat, FileNames, file_names
 from cx_checkpoint._protocols import Region, TensorSpec
 
-__all__ = ["CheckpointReader"]
+__all__ = ["VERIFY_BY_DEFAULT", "CheckpointReader"]
 
 _BIN_SUFFIXES = (".bin", ".pt", ".pth")
+_OPEN_ATTEMPTS = 50
+
+VERIFY_BY_DEFAULT: ContextVar[bool] = ContextVar("cx_checkpoint_verify", default=False)
+"""What `CheckpointReader.open(verify=None)` does; `CheckpointIO.load_*(verify=True)` sets it around a load, so
+plugins' own readers verify too."""
 
 
 def _families(kind: CheckpointKind, prefix: str | None) -> list[FileNames]:
     formats = [FileFormat.SAFETENSORS] if kind is CheckpointKind.OPTIMIZER else [FileFormat.SAFETENSORS, FileFormat.BIN]
     return [file_names(kind, fmt, prefix) for fmt in formats]
+
+
+class _Replaced(Exception):
+    """The directory being opened was replaced by a newer save while opening it: open again."""
+
+
+@dataclass
+class _OpenFile:
+    """One file of the checkpoint, held open."""
+
+    fd: int
+    path: Path
+    header: SafetensorsHeader | None  # None for .bin files
+    mapping: mmap.mmap | None = None
+    """Where /proc is missing: a private map of the whole file, read through copies."""
+    base: torch.Tensor | None = None
+    """The whole file as a uint8 tensor over a private (copy-on-write) memory map of the open file: tensors read
+    from it are views, and the map lives as long as any of them (it holds the file's content once deleted)."""
+
+    def map(self) -> torch.Tensor:
+        """The file's bytes as a uint8 tensor; views of it are safe to keep (`zero_copy`) where /proc exists."""
+        if self.base is None:
+            size = os.fstat(self.fd).st_size
+            proc = f"/proc/self/fd/{self.fd}"
+            if os.path.exists(proc):
+                storage = torch.UntypedStorage.from_file(proc, shared=False, nbytes=size)
+                self.base = torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage))
+            else:  # pragma: no cover - no /proc: an mmap the reader owns, so reads must copy out of it
+                self.mapping = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
+                self.base = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        return self.base
+
+    @property
+    def zero_copy(self) -> bool:
+        return self.mapping is None
 
 
 class CheckpointReader:
@@ -46,12 +103,13 @@ class CheckpointReader:
         self,
         path: Path,
         kind: CheckpointKind,
-        files: dict[str, Path],
+        files: dict[str, _OpenFile],
         locations: dict[str, str],
         specs: dict[str, TensorSpec],
-        metadata: dict[str, dict[str, str]],
         index_path: Path | None,
         bin_contents: dict[str, dict[str, torch.Tensor]],
+        side_texts: dict[str, str],
+        checksums: dict[str, str] | None = None,
     ) -> None:
         self.path = path
         self.kind = kind
@@ -59,9 +117,9 @@ class CheckpointReader:
         self._files = files
         self._locations = locations
         self._specs = specs
-        self._metadata = metadata
         self._bin = bin_contents
-        self._handles: dict[str, Any] = {}
+        self._side_texts = side_texts
+        self._checksums = dict(checksums or {})
 
     # ---- opening -------------------------------------------------------------------------------------------------
     @classmethod
@@ -70,114 +128,205 @@ class CheckpointReader:
         checkpoint: str | os.PathLike[str],
         kind: CheckpointKind = CheckpointKind.MODEL,
         prefix: str | None = None,
+        verify: bool | None = None,
     ) -> CheckpointReader:
-        """Open and verify: a `.safetensors` / `.bin` file, an `*.index.json`, or a checkpoint directory."""
+        """Open and check: a `.safetensors` / `.bin` file, an `*.index.json`, or a checkpoint directory.
+
+        `verify=True` also compares every file with its recorded checksum (`ChecksumMismatchError` on a difference;
+        `CheckpointIndexError` when the checkpoint has none recorded); None takes `VERIFY_BY_DEFAULT`.
+        """
         path = Path(checkpoint)
-        if not path.exists():
-            raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
-        if path.is_file():
+        check = VERIFY_BY_DEFAULT.get() if verify is None else verify
+        for _ in range(_OPEN_ATTEMPTS):
+            try:
+                reader = cls._open_once(path, kind, prefix)
+            except _Replaced:
+                continue
+            try:
+                if check:
+                    reader.verify()
+            except BaseException:
+                reader.close()
+                raise
+            return reader
+        raise CheckpointError(f"{path}: it was replaced by new saves {_OPEN_ATTEMPTS} times while opening it")
+
+    @classmethod
+    def _open_once(cls, path: Path, kind: CheckpointKind, prefix: str | None) -> CheckpointReader:
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"checkpoint {path} does not exist") from None
+        if not stat.S_ISDIR(info.st_mode):
             if path.name.endswith(".index.json"):
-                return cls._open_index(path, kind)
+                directory = _open_directory(path.parent)
+                try:
+                    return cls._open_index(path.parent, directory, path.name, kind)
+                finally:
+                    os.close(directory)
             return cls._open_single(path, kind)
-        for family in _families(kind, prefix):
-            if (path / family.index).is_file():
-                return cls._open_index(path / family.index, kind)
-        for family in _families(kind, prefix):
-            if (path / family.single).is_file():
-                return cls._open_single(path / family.single, kind)
-        other = CheckpointKind.OPTIMIZER if kind is CheckpointKind.MODEL else CheckpointKind.MODEL
-        for family in _families(other, prefix):
-            for name in (family.index, family.single):
-                if (path / name).is_file():
-                    raise CheckpointKindError(
-                        f"{path} holds a checkpoint of kind {other.value!r} ({name}), "
-                        f"not of kind {kind.value!r} as asked"
+        directory = _open_directory(path)
+        try:
+            names = set(os.listdir(directory))
+            for family in _families(kind, prefix):
+                if family.index in names:
+                    return cls._open_index(path, directory, family.index, kind)
+            for family in _families(kind, prefix):
+                if family.single in names:
+                    return cls._open_single(path / family.single, kind)
+            other = CheckpointKind.OPTIMIZER if kind is CheckpointKind.MODEL else CheckpointKind.MODEL
+            for family in _families(other, prefix):
+                for name in (family.index, family.single):
+                    if name in names:
+                        raise CheckpointKindError(
+                            f"{path} holds a checkpoint of kind {other.value!r} ({name}), "
+                            f"not of kind {kind.value!r} as asked"
+                        )
+            if prefix is None:
+                suffixes = [f"-{family.index}" for family in _families(kind, None)]
+                prefixed = sorted(n for n in names if any(n.endswith(s) for s in suffixes))
+                if len(prefixed) == 1:
+                    return cls._open_index(path, directory, prefixed[0], kind)
+                if len(prefixed) > 1:
+                    raise CheckpointIndexError(
+                        f"{path} holds several {kind.value} indexes {prefixed}: pass the index file"
                     )
-        if prefix is None:
-            suffixes = [f"-{family.index}" for family in _families(kind, None)]
-            prefixed = sorted(p.name for p in path.iterdir() if any(p.name.endswith(s) for s in suffixes))
-            if len(prefixed) == 1:
-                return cls._open_index(path / prefixed[0], kind)
-            if len(prefixed) > 1:
-                raise CheckpointIndexError(f"{path} holds several {kind.value} indexes {prefixed}: pass the index file")
-        expected = " or ".join(f"{family.index} / {family.single}" for family in _families(kind, prefix))
-        raise CheckpointIndexError(f"{path}: no {kind.value} checkpoint found there (looked for {expected})")
+            expected = " or ".join(f"{family.index} / {family.single}" for family in _families(kind, prefix))
+            raise CheckpointIndexError(f"{path}: no {kind.value} checkpoint found there (looked for {expected})")
+        finally:
+            os.close(directory)
 
     @classmethod
     def _open_single(cls, path: Path, kind: CheckpointKind) -> CheckpointReader:
-        files = {path.name: path}
-        if path.suffix == ".safetensors":
-            header = read_safetensors_header(path)
-            _check_kind(path, header.metadata, kind)
-            specs = {name: TensorSpec(shape, dtype) for name, (dtype, shape, _) in header.tensors.items()}
-            return cls(
-                path, kind, files, dict.fromkeys(specs, path.name), specs, {path.name: header.metadata}, None, {}
+        if path.suffix not in (".safetensors", *_BIN_SUFFIXES):
+            raise CheckpointPathError(f"{path}: not a checkpoint file (expected .safetensors, .bin or *.index.json)")
+        if path.suffix in _BIN_SUFFIXES and kind is CheckpointKind.OPTIMIZER:
+            raise CheckpointKindError(
+                f"{path} is a pickle file; cx optimizer checkpoints are safetensors plus JSON (no pickle)"
             )
-        if path.suffix in _BIN_SUFFIXES:
-            if kind is CheckpointKind.OPTIMIZER:
-                raise CheckpointKindError(
-                    f"{path} is a pickle file; cx optimizer checkpoints are safetensors plus JSON (no pickle)"
-                )
-            content = load_bin(path)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise _Replaced() from None  # a directory entry seen a moment ago is gone: a save replaced it
+        opened = _OpenFile(fd, path, None)
+        try:
+            if path.suffix == ".safetensors":
+                opened.header = read_safetensors_header(path, fd)
+                _check_kind(path, opened.header.metadata, kind)
+                specs = {name: TensorSpec(shape, dtype) for name, (dtype, shape, _) in opened.header.tensors.items()}
+                locations = dict.fromkeys(specs, path.name)
+                return cls(path, kind, {path.name: opened}, locations, specs, None, {}, {})
+            content = load_bin(path, fd)
             specs = {name: TensorSpec.of(t) for name, t in content.items()}
-            return cls(path, kind, files, dict.fromkeys(specs, path.name), specs, {}, None, {path.name: content})
-        raise CheckpointPathError(f"{path}: not a checkpoint file (expected .safetensors, .bin or *.index.json)")
+            locations = dict.fromkeys(specs, path.name)
+            return cls(path, kind, {path.name: opened}, locations, specs, None, {path.name: content}, {})
+        except BaseException:
+            os.close(fd)
+            raise
 
     @classmethod
-    def _open_index(cls, index_path: Path, kind: CheckpointKind) -> CheckpointReader:
-        index = CheckpointIndexFile.from_file(index_path)
-        directory = index_path.parent
-        files: dict[str, Path] = {}
-        specs: dict[str, TensorSpec] = {}
-        metadata: dict[str, dict[str, str]] = {}
-        bin_contents: dict[str, dict[str, torch.Tensor]] = {}
-        held_bytes = 0
-        all_cx = True
-        for file_name in index.file_names():
-            path = directory / file_name
-            wanted = index.tensors_in(file_name)
-            if not path.is_file():
-                raise MissingShardError(
-                    f"{index_path}: shard file {file_name} is missing (it should hold {len(wanted)} tensors, "
-                    f"e.g. {wanted[0]!r})"
-                )
-            files[file_name] = path
-            if file_name.endswith(".safetensors"):
-                header = read_safetensors_header(path)
-                _check_kind(path, header.metadata, kind)
-                metadata[file_name] = header.metadata
-                all_cx = all_cx and "cx_kind" in header.metadata
-                found = {
-                    name: (TensorSpec(shape, dtype), nbytes) for name, (dtype, shape, nbytes) in header.tensors.items()
-                }
-            elif file_name.endswith(_BIN_SUFFIXES):
-                if kind is CheckpointKind.OPTIMIZER:
-                    raise CheckpointKindError(f"{path} is a pickle file; cx optimizer checkpoints are safetensors only")
-                content = load_bin(path)
-                bin_contents[file_name] = content
-                all_cx = False
-                found = {name: (TensorSpec.of(t), t.numel() * t.element_size()) for name, t in content.items()}
-            else:
-                raise CheckpointIndexError(f"{index_path}: shard {file_name} is neither .safetensors nor .bin")
-            absent = [name for name in wanted if name not in found]
-            if absent:
-                raise CorruptShardError(
-                    f"{path}: the index {index_path.name} places {len(absent)} tensor(s) in this file that it does not "
-                    f"contain, e.g. {absent[0]!r} (found {len(found)} tensors)"
-                )
-            extra = sorted(set(found) - set(wanted))
-            if extra:
+    def _open_index(
+        cls, directory_path: Path, directory: int, index_name: str, kind: CheckpointKind
+    ) -> CheckpointReader:
+        opened: dict[str, _OpenFile] = {}
+        try:
+            index_path = directory_path / index_name
+            index_fd = _open_inside(directory_path, directory, index_name, index_path)
+            if index_fd is None:
+                raise CheckpointNotFoundError(f"index file {index_path} does not exist")
+            try:
+                index = CheckpointIndexFile.from_bytes(_read_all(index_fd), str(index_path))
+            finally:
+                os.close(index_fd)
+            specs: dict[str, TensorSpec] = {}
+            bin_contents: dict[str, dict[str, torch.Tensor]] = {}
+            held_bytes = 0
+            all_cx = True
+            for file_name in index.file_names():
+                path = directory_path / file_name
+                wanted = index.tensors_in(file_name)
+                fd = _open_inside(directory_path, directory, file_name, index_path)
+                if fd is None:
+                    raise MissingShardError(
+                        f"{index_path}: shard file {file_name} is missing (it should hold {len(wanted)} tensors, "
+                        f"e.g. {wanted[0]!r})"
+                    )
+                opened[file_name] = _OpenFile(fd, path, None)
+                if file_name.endswith(".safetensors"):
+                    header = read_safetensors_header(path, fd)
+                    opened[file_name].header = header
+                    _check_kind(path, header.metadata, kind)
+                    all_cx = all_cx and "cx_kind" in header.metadata
+                    found = {
+                        name: (TensorSpec(shape, dtype), nbytes)
+                        for name, (dtype, shape, nbytes) in header.tensors.items()
+                    }
+                elif file_name.endswith(_BIN_SUFFIXES):
+                    if kind is CheckpointKind.OPTIMIZER:
+                        raise CheckpointKindError(
+                            f"{path} is a pickle file; cx optimizer checkpoints are safetensors only"
+                        )
+                    content = load_bin(path, fd)
+                    bin_contents[file_name] = content
+                    all_cx = False
+                    found = {name: (TensorSpec.of(t), t.numel() * t.element_size()) for name, t in content.items()}
+                else:
+                    raise CheckpointIndexError(f"{index_path}: shard {file_name} is neither .safetensors nor .bin")
+                absent = [name for name in wanted if name not in found]
+                if absent:
+                    raise CorruptShardError(
+                        f"{path}: the index {index_name} places {len(absent)} tensor(s) in this file that it does "
+                        f"not contain, e.g. {absent[0]!r} (found {len(found)} tensors)"
+                    )
+                extra = sorted(set(found) - set(wanted))
+                if extra:
+                    raise CheckpointIndexError(
+                        f"{index_path}: shard {file_name} holds tensor(s) the index does not list, e.g. {extra[0]!r}"
+                    )
+                for name in wanted:
+                    specs[name], nbytes = found[name]
+                    held_bytes += nbytes
+            if all_cx and index.total_size >= 0 and index.total_size != held_bytes:
                 raise CheckpointIndexError(
-                    f"{index_path}: shard {file_name} holds tensor(s) the index does not list, e.g. {extra[0]!r}"
+                    f"{index_path}: metadata.total_size is {index.total_size} bytes but the shards hold "
+                    f"{held_bytes} bytes"
                 )
-            for name in wanted:
-                specs[name], nbytes = found[name]
-                held_bytes += nbytes
-        if all_cx and index.total_size >= 0 and index.total_size != held_bytes:
-            raise CheckpointIndexError(
-                f"{index_path}: metadata.total_size is {index.total_size} bytes but the shards hold {held_bytes} bytes"
+            side_texts = cls._side_texts_of(directory_path, directory, index_name, index_path, kind)
+            return cls(
+                directory_path,
+                kind,
+                opened,
+                dict(index.weight_map),
+                specs,
+                index_path,
+                bin_contents,
+                side_texts,
+                index.checksums,
             )
-        return cls(directory, kind, files, dict(index.weight_map), specs, metadata, index_path, bin_contents)
+        except (MissingShardError, CheckpointNotFoundError):
+            _close_all(opened)
+            if _replaced(directory_path, directory):
+                raise _Replaced() from None
+            raise
+        except BaseException:
+            _close_all(opened)
+            raise
+
+    @staticmethod
+    def _side_texts_of(
+        directory_path: Path, directory: int, index_name: str, index_path: Path, kind: CheckpointKind
+    ) -> dict[str, str]:
+        """Side files that belong to this save and are read with it (the optimizer description)."""
+        if kind is not CheckpointKind.OPTIMIZER:
+            return {}
+        name = index_name.removesuffix(".safetensors.index.json") + ".json"
+        fd = _open_inside(directory_path, directory, name, index_path)
+        if fd is None:
+            return {}
+        try:
+            return {name: _read_all(fd).decode("utf-8", errors="replace")}
+        finally:
+            os.close(fd)
 
     # ---- reading -------------------------------------------------------------------------------------------------
     @property
@@ -190,14 +339,19 @@ class CheckpointReader:
         return sorted(self._specs, key=lambda name: (self._locations[name], name))
 
     def file_of(self, name: str) -> Path:
-        return self._files[self._locations[self._known(name)]]
+        return self._files[self._locations[self._known(name)]].path
 
     def metadata_of(self, file_name: str) -> dict[str, str]:
         """The safetensors header metadata of one file of this checkpoint (empty for .bin files)."""
-        return dict(self._metadata.get(file_name, {}))
+        opened = self._files.get(file_name)
+        return dict(opened.header.metadata) if opened is not None and opened.header is not None else {}
+
+    def side_text(self, file_name: str) -> str | None:
+        """A side file read with this save (the optimizer description `optimizer.json`), or None if absent."""
+        return self._side_texts.get(file_name)
 
     def read(self, name: str, region: Region | None = None) -> torch.Tensor:
-        """Tensor `name` (a CPU tensor), or only `region` of it, read from disk."""
+        """Tensor `name` (a CPU tensor), or only `region` of it, read from the file held open."""
         spec = self._specs[self._known(name)]
         if region is not None:
             _check_region(name, region, spec.shape)
@@ -205,18 +359,48 @@ class CheckpointReader:
         if file_name in self._bin:
             tensor = self._bin[file_name][name]
             return tensor[region] if region is not None else tensor
-        handle = self._handles.get(file_name)
-        if handle is None:
-            handle = safe_open(str(self._files[file_name]), framework="pt", device="cpu")
-            self._handles[file_name] = handle
-        if region is None:
-            result: torch.Tensor = handle.get_tensor(name)
-        else:
-            result = handle.get_slice(name)[region]
-        return result
+        opened = self._files.get(file_name)
+        if opened is None or opened.header is None:
+            raise ValueError(f"{self.path}: this reader is closed")
+        return _read_tensor(opened, name, region)
+
+    def verify(self) -> None:
+        """Read every file and compare it with the checksum recorded at save time (`ChecksumMismatchError`)."""
+        where = self.index_path or self.path
+        if self.index_path is not None:
+            if not self._checksums:
+                raise CheckpointIndexError(
+                    f"{where}: no checksums are recorded in this checkpoint (written before cx recorded them, or by "
+                    "another tool): it cannot be verified"
+                )
+            for file_name, opened in sorted(self._files.items()):
+                expected = self._checksums.get(file_name)
+                if expected is None:
+                    raise CheckpointIndexError(f"{where}: no checksum recorded for {file_name}")
+                found = _mapped_checksum(opened, 0, os.fstat(opened.fd).st_size, expected)
+                if found != expected:
+                    raise ChecksumMismatchError(
+                        f"{opened.path}: checksum {found} differs from {expected} recorded at save: the file changed "
+                        "after it was written (bit rot, a partial copy, or an edit)"
+                    )
+            return
+        opened = next(iter(self._files.values()))
+        header = opened.header
+        expected = None if header is None else header.metadata.get(DATA_CHECKSUM_KEY)
+        if header is None or expected is None:
+            raise CheckpointIndexError(
+                f"{where}: no checksum is recorded in this file (a legacy .bin, or written before cx recorded them, "
+                "or by another tool): it cannot be verified"
+            )
+        found = _mapped_checksum(opened, header.data_start, header.data_bytes, expected)
+        if found != expected:
+            raise ChecksumMismatchError(
+                f"{opened.path}: checksum {found} of the tensor data differs from {expected} recorded at save: the "
+                "file changed after it was written (bit rot, a partial copy, or an edit)"
+            )
 
     def close(self) -> None:
-        self._handles.clear()
+        _close_all(self._files)
         self._bin.clear()
 
     def __enter__(self) -> CheckpointReader:
@@ -225,10 +409,133 @@ class CheckpointReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
     def _known(self, name: str) -> str:
         if name not in self._specs:
             raise KeyError(f"{self.path}: no tensor named {name!r} in this checkpoint")
         return name
+
+
+def _mapped_checksum(opened: _OpenFile, offset: int, length: int, expected: str) -> str:
+    """The checksum of a byte range of a held file, computed straight from its memory map (no copy)."""
+    if length == 0:
+        return checksum_of(b"", expected)
+    base = opened.map()
+    if base.numel() < offset + length:
+        return file_checksum(opened.fd, offset, length, expected)  # short file: reported as a mismatch
+    region = base[offset : offset + length]
+    view = memoryview((ctypes.c_ubyte * length).from_address(region.data_ptr())).cast("B")
+    return checksum_of(view, expected)
+
+
+def _open_directory(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except FileNotFoundError:
+        raise _Replaced() from None
+    except NotADirectoryError:
+        raise CheckpointPathError(f"{path} is not a directory") from None
+
+
+def _replaced(path: Path, directory: int) -> bool:
+    """Whether `path` now names another directory than the one held open (a newer save was committed)."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return True
+    held = os.fstat(directory)
+    return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+
+def _open_inside(directory_path: Path, directory: int, name: str, where: Path) -> int | None:
+    """Open `name` relative to the held directory; None when absent. A symlink leading outside is refused."""
+    try:
+        info = os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(info.st_mode):
+        root = os.path.realpath(directory_path)
+        target = os.path.realpath(directory_path / name)
+        if os.path.commonpath([root, target]) != root:
+            raise CheckpointPathError(
+                f"{where}: {name} is a symbolic link to {target}, outside the checkpoint directory {root}: refused "
+                "(a checkpoint's files must live inside it)"
+            )
+    try:
+        fd = os.open(name, os.O_RDONLY, dir_fd=directory)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointPathError(f"{where}: {name} is not a regular file")
+    return fd
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    return _pread_exact(fd, size, 0)
+
+
+def _pread_exact(fd: int, size: int, offset: int) -> bytes:
+    parts = []
+    while size > 0:
+        chunk = os.pread(fd, min(size, 1 << 30), offset)
+        if not chunk:
+            raise CorruptShardError(f"file descriptor {fd}: unexpected end of file at byte {offset}")
+        parts.append(chunk)
+        size -= len(chunk)
+        offset += len(chunk)
+    return b"".join(parts)
+
+
+def _read_tensor(opened: _OpenFile, name: str, region: Region | None) -> torch.Tensor:
+    """Tensor `name` of a safetensors file held open, or a region of it: a copy of just the bytes spanning it, taken
+    from the file's memory map (the page cache, no intermediate buffer)."""
+    if sys.byteorder != "little":  # pragma: no cover
+        raise NotImplementedError("cx-checkpoint reads safetensors (little-endian) on little-endian machines only")
+    header = opened.header
+    assert header is not None
+    dtype, shape, _ = header.tensors[name]
+    begin = header.data_start + header.offsets[name]
+    itemsize = dtype.itemsize
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    parts = list(region or ()) + [slice(None)] * (len(shape) - len(region or ()))
+    starts, sizes = [], []
+    for part, size in zip(parts, shape, strict=True):
+        start, stop, _ = part.indices(size)
+        starts.append(start)
+        sizes.append(max(0, stop - start))
+    if any(size == 0 for size in sizes):
+        return torch.empty(sizes, dtype=dtype)
+    first = sum(s * st for s, st in zip(starts, strides, strict=True))
+    last = sum((s + n - 1) * st for s, n, st in zip(starts, sizes, strides, strict=True))
+    start = begin + first * itemsize
+    raw = opened.map()[start : start + (last - first + 1) * itemsize]
+    try:
+        values = raw.view(dtype)
+    except RuntimeError:  # data not aligned for its dtype (some writers do not align): copy the bytes first
+        values = raw.clone().view(dtype)
+    result = values.reshape(shape) if region is None else torch.as_strided(values, sizes, strides).contiguous()
+    return result if opened.zero_copy else result.clone()
+
+
+def _close_all(files: Mapping[str, _OpenFile]) -> None:
+    for opened in files.values():
+        opened.base = None  # tensors read from it keep the map alive as long as they need it
+        if opened.mapping is not None:
+            with contextlib.suppress(BufferError):  # a view still alive elsewhere: the map goes with it
+                opened.mapping.close()
+            opened.mapping = None
+        if opened.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(opened.fd)
+            opened.fd = -1
+            opened.header = None
+    if isinstance(files, dict):
+        files.clear()
 
 
 def _check_kind(path: Path, metadata: Mapping[str, str], kind: CheckpointKind) -> None:

@@ -52,6 +52,8 @@ class WrittenShard:
 
     file_name: str
     tensors: tuple[tuple[str, int], ...]
+    checksum: str = ""
+    """The file's checksum (`"crc32:<hex>"`), recorded in the index."""
 
 
 class ShardWriter:
@@ -106,12 +108,12 @@ class ShardWriter:
         file_name = f"{self._prefix}{len(self._written):05d}.tmp"
         path = self._directory / file_name
         if self._format is FileFormat.SAFETENSORS:
-            write_safetensors(path, self._pending, self._metadata)
+            checksum = write_safetensors(path, self._pending, self._metadata)
         else:
-            write_bin(path, self._pending)
+            checksum = write_bin(path, self._pending)
         fsync_file(path)
         sizes = tuple((name, t.numel() * t.element_size()) for name, t in self._pending.items())
-        self._written.append(WrittenShard(file_name, sizes))
+        self._written.append(WrittenShard(file_name, sizes, checksum))
         self._pending = {}
         self._pending_bytes = 0
 
@@ -214,6 +216,8 @@ def _finish(
         final = names.shard(number, len(shards))
         for name, nbytes in shard.tensors:
             index.add(name, final, nbytes)
+        if shard.checksum:
+            index.checksums[final] = shard.checksum
         os.rename(staging / shard.file_name, staging / final)
     if extra_files is not None:
         before = set(os.listdir(staging))
@@ -264,11 +268,11 @@ def _link_or_copy(source: str, destination: str) -> str:
 
 
 def _encode_shards(shards: list[WrittenShard]) -> Any:
-    return [[shard.file_name, [list(t) for t in shard.tensors]] for shard in shards]
+    return [[shard.file_name, [list(t) for t in shard.tensors], shard.checksum] for shard in shards]
 
 
 def _decode_shards(data: Any) -> list[WrittenShard]:
-    return [WrittenShard(str(f), tuple((str(n), int(b)) for n, b in ts)) for f, ts in data]
+    return [WrittenShard(str(f), tuple((str(n), int(b)) for n, b in ts), str(c)) for f, ts, c in data]
 
 
 def _agree(

@@ -1,21 +1,30 @@
 """`Booster`: the user's entry point. It validates the plugin/precision pairing, asks the plugin to configure the
-training objects, and routes backward, no_sync and checkpointing through the plugin."""
+training objects, and routes backward, no_sync and checkpointing through the plugin.
+
+It also refuses what would otherwise go wrong quietly: boosting a module or optimizer a second time, `backward`
+with an optimizer that was never boosted, and (in bf16, which has no loss scaling to skip a bad step) a NaN or
+infinite loss, which would turn every parameter into NaN: `backward` stops with an error naming the step and ranks.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, CheckpointIO
-from cx_mesh import get_accelerator
+from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, CheckpointIO, LoadResult
+from cx_mesh import communication_device, get_accelerator
 from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
 from cx_plugins._plugin import Boosted, Plugin
 from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
@@ -23,6 +32,9 @@ from cx_plugins._settings import check_boost_settings
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 
 __all__ = ["Booster"]
+
+_BOOSTED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_BOOSTED_OPTIMIZERS: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 
 class Booster:
@@ -46,6 +58,17 @@ class Booster:
         accepted = tuple(Precision(p) for p in plugin.supported_precisions())
         self.mixed_precision = Precision.parse(mixed_precision, accepted)
         self._checkpoint_io: CheckpointIO | None = None
+        self._backward_calls: weakref.WeakKeyDictionary[OptimizerWrapper, int] = weakref.WeakKeyDictionary()
+        self._steps: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
+
+    @property
+    def training_precision(self) -> Precision:
+        """The precision the forward runs in: the plugin's own (ZeRO plugins) or the Booster's `mixed_precision`."""
+        if self.plugin.control_precision():
+            options = getattr(self.plugin, "options", None)
+            precision = getattr(options, "precision", None)
+            return precision if isinstance(precision, Precision) else Precision.FP32
+        return self.mixed_precision
 
     def boost(
         self,
@@ -56,10 +79,17 @@ class Booster:
         lr_scheduler: LRScheduler | None = None,
     ) -> Boosted:
         """Returns (model, optimizer, criterion, dataloader, lr_scheduler), each ready for distributed training."""
+        _refuse_boosted(model, optimizer)
         check_boost_settings(self.plugin, self.mixed_precision.value, optimizer)
         boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
             model, optimizer, criterion, dataloader, lr_scheduler
         )
+        if not isinstance(model, ModelWrapper):
+            _BOOSTED_MODULES.add(model)
+        if optimizer is not None:
+            _BOOSTED_OPTIMIZERS.add(optimizer)
+            if self.training_precision is Precision.BF16:
+                self._count_steps(optimizer)
         if self.mixed_precision is not Precision.FP32 and not isinstance(boosted_model, AutocastModel):
             boosted_model = AutocastModel(boosted_model, self.mixed_precision)
             if self.mixed_precision is Precision.FP16 and boosted_optimizer is not None:
@@ -71,8 +101,50 @@ class Booster:
         return boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler
 
     def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
-        """Backward through the optimizer wrapper, so loss scaling and gradient reduction happen where they must."""
+        """Backward through the optimizer wrapper, so loss scaling and gradient reduction happen where they must.
+
+        In bf16 a NaN or infinite loss on any rank stops every rank here, before the backward, with a
+        `FloatingPointError` naming the step and the ranks (cost: a one-element all-reduce per call in bf16)."""
+        if not isinstance(optimizer, OptimizerWrapper):
+            raise TypeError(
+                f"booster.backward(loss, optimizer) needs the optimizer booster.boost returned, got a "
+                f"{type(optimizer).__module__}.{type(optimizer).__qualname__}: call "
+                "`model, optimizer, *_ = booster.boost(model, optimizer)` first and use what it returns"
+            )
+        calls = self._backward_calls.get(optimizer, 0) + 1
+        self._backward_calls[optimizer] = calls
+        if self.training_precision is Precision.BF16:
+            self._check_finite_loss(loss, calls, optimizer)
         optimizer.backward(loss)
+
+    def _count_steps(self, optimizer: Optimizer) -> None:
+        self._steps[optimizer] = 0
+
+        def count(opt: Optimizer, args: Any, kwargs: Any) -> None:
+            self._steps[opt] = self._steps.get(opt, 0) + 1
+
+        optimizer.register_step_post_hook(count)
+
+    def _check_finite_loss(self, loss: torch.Tensor, calls: int, optimizer: OptimizerWrapper) -> None:
+        """bf16 has no loss scaler to skip a step: a non-finite loss anywhere stops all ranks (chosen over
+        silently skipping, since bf16 overflow means the run itself is diverging)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        device = communication_device(None) if dist.is_initialized() else loss.device
+        bad = torch.zeros(world, dtype=torch.float32, device=device)
+        bad[rank] = (~torch.isfinite(loss.detach().float())).any().to(device=device, dtype=torch.float32)
+        if world > 1:
+            dist.all_reduce(bad)
+        ranks = [r for r, flag in enumerate(bad.tolist()) if flag]
+        if ranks:
+            value = float(loss.detach().float().flatten()[0]) if rank in ranks else math.nan
+            step = self._steps.get(optimizer.unwrap(), 0) + 1
+            raise FloatingPointError(
+                f"bf16 training: the loss is not finite on rank(s) {ranks} (here: {value}) at optimizer step {step} "
+                f"(backward call {calls}); stopped before backward, which would turn every parameter into NaN. bf16 "
+                "has no loss scaling that could skip this step: lower the learning rate, clip gradients, or check "
+                "the data of this step; resume from the last checkpoint"
+            )
 
     def no_sync(
         self, model: nn.Module, optimizer: OptimizerWrapper | None = None
@@ -138,9 +210,23 @@ class Booster:
             model, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async
         )
 
-    def load_model(self, model: nn.Module, checkpoint: str | os.PathLike[str], strict: bool = True) -> None:
-        """Load a cx/HF checkpoint into `model`; with `strict`, missing or unexpected keys are errors."""
-        self.checkpoint_io.load_model(model, checkpoint, strict=strict)
+    def load_model(
+        self, model: nn.Module, checkpoint: str | os.PathLike[str], strict: bool = True, *, verify: bool = False
+    ) -> LoadResult:
+        """Load a cx/HF checkpoint into `model`; with `strict`, missing or unexpected keys are errors.
+
+        With `strict=False` the keys skipped either way are returned (`LoadResult`) and reported in a warning.
+        `verify=True` first checks every file against the checksum recorded at save."""
+        result = self.checkpoint_io.load_model(model, checkpoint, strict=strict, verify=verify)
+        if result.missing_keys or result.unexpected_keys:
+            warnings.warn(
+                f"load_model({checkpoint}, strict=False): {len(result.missing_keys)} key(s) of the model were not in "
+                f"the checkpoint (left as they were): {_shorten(result.missing_keys)}; "
+                f"{len(result.unexpected_keys)} key(s) of the checkpoint were not in the model (ignored): "
+                f"{_shorten(result.unexpected_keys)}",
+                stacklevel=2,
+            )
+        return result
 
     def save_optimizer(
         self,
@@ -158,9 +244,15 @@ class Booster:
         )
 
     def load_optimizer(
-        self, optimizer: OptimizerWrapper, checkpoint: str | os.PathLike[str], prefix: str | None = None
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str | os.PathLike[str],
+        prefix: str | None = None,
+        *,
+        verify: bool = False,
     ) -> None:
-        self.checkpoint_io.load_optimizer(optimizer.unwrap(), checkpoint, prefix)
+        """Load optimizer state; `verify=True` first checks every file against the checksum recorded at save."""
+        self.checkpoint_io.load_optimizer(optimizer.unwrap(), checkpoint, prefix, verify=verify)
 
     def save_lr_scheduler(self, lr_scheduler: LRScheduler, checkpoint: str | os.PathLike[str]) -> None:
         self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
@@ -171,3 +263,27 @@ class Booster:
     def synchronize(self) -> None:
         """Wait until every asynchronous save has reached disk (re-raising a writer's error)."""
         self.checkpoint_io.synchronize()
+
+
+def _shorten(names: tuple[str, ...], shown: int = 10) -> str:
+    text = ", ".join(names[:shown])
+    return text + (f", ... ({len(names) - shown} more)" if len(names) > shown else "") if names else "none"
+
+
+def _refuse_boosted(model: nn.Module, optimizer: Optimizer | None) -> None:
+    """Boosting twice wraps twice (or fails deep inside a plugin): say what happened instead."""
+    if isinstance(optimizer, OptimizerWrapper):
+        raise ValueError(
+            "booster.boost: the optimizer is already boosted (it is one booster.boost returned); boost the original "
+            "torch optimizer once and keep using the boosted one it returns"
+        )
+    if optimizer is not None and optimizer in _BOOSTED_OPTIMIZERS:
+        raise ValueError(
+            f"booster.boost: this {type(optimizer).__name__} was already boosted; a torch optimizer can be boosted "
+            "once: use the optimizer that first booster.boost call returned"
+        )
+    if not isinstance(model, ModelWrapper) and model in _BOOSTED_MODULES:
+        raise ValueError(
+            f"booster.boost: this {type(model).__name__} was already boosted (plugins wrap or shard it in place); "
+            "use the model booster.boost returned, or build a new module to boost it again"
+        )

@@ -1,16 +1,19 @@
 """Checkpoint IO for plugins whose every rank holds the whole model and optimizer (DDP): rank 0 writes, all read.
 
 The files are the canonical cx format (cx_checkpoint.GeneralCheckpointIO), so they load under any plugin and any
-world size. Saves end with a barrier so no rank runs ahead of a checkpoint that is still being written; asynchronous
-saves are waited for with `synchronize()`.
+world size. Every save ends with an exchange of outcomes (`run_and_agree`), which is also its barrier: no rank runs
+ahead of a checkpoint still being written, and a save that fails on one rank (bad path, full disk, I/O error, an
+earlier asynchronous save's error) raises the same `CheckpointSaveError` on every rank, after which training can go
+on. Asynchronous saves are waited for with `synchronize()`, which shares its outcome the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ from cx_checkpoint import (
     Stateful,
     file_names,
     restore_optimizer,
+    run_and_agree,
     split_optimizer,
     write_sharded,
 )
@@ -48,12 +52,19 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         self._coordinator = DistCoordinator()
         self._scalers: weakref.WeakKeyDictionary[torch.optim.Optimizer, Stateful] = weakref.WeakKeyDictionary()
 
+    def _on_master(self, step: Callable[[], object], what: str) -> None:
+        """`step` on the master rank only; every rank then raises the same error if it failed (collective)."""
+        run_and_agree(step if self._coordinator.is_master() else None, what)
+
     def save_unsharded_model(
         self, model: nn.Module, checkpoint: Path, gather_dtensor: bool, use_safetensors: bool, use_async: bool
     ) -> None:
-        if self._coordinator.is_master():
-            super().save_unsharded_model(_plain(model), checkpoint, gather_dtensor, use_safetensors, use_async)
-        self._coordinator.block_all()
+        self._on_master(
+            lambda: super(ReplicatedCheckpointIO, self).save_unsharded_model(
+                _plain(model), checkpoint, gather_dtensor, use_safetensors, use_async
+            ),
+            f"saving the model to {checkpoint}",
+        )
 
     def save_sharded_model(
         self,
@@ -65,11 +76,12 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         use_safetensors: bool,
         use_async: bool,
     ) -> None:
-        if self._coordinator.is_master():
-            super().save_sharded_model(
+        self._on_master(
+            lambda: super(ReplicatedCheckpointIO, self).save_sharded_model(
                 _plain(model), checkpoint, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async
-            )
-        self._coordinator.block_all()
+            ),
+            f"saving the model to {checkpoint}",
+        )
 
     def load_unsharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
         return super().load_unsharded_model(_plain(model), checkpoint, strict)
@@ -92,11 +104,22 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         size_per_shard: float,
         use_async: bool,
     ) -> None:
-        meta, tensors = split_optimizer(optimizer, gather_dtensor) if self._coordinator.is_master() else (None, {})
-        if meta is not None:
+
+        def step() -> None:
+            meta, tensors = split_optimizer(optimizer, gather_dtensor)
             scaler = self._scalers.get(optimizer)
             meta = with_scaler(meta, None if scaler is None else scaler.state_dict())
-        self._write_parts(meta, tensors, checkpoint, shard, prefix, size_per_shard, use_async)
+            self.save_optimizer_parts(
+                meta,
+                tensors,
+                checkpoint,
+                shard=shard,
+                prefix=prefix,
+                size_per_shard=size_per_shard,
+                use_async=use_async,
+            )
+
+        self._on_master(step, f"saving the optimizer to {checkpoint}")
 
     def _write_parts(
         self,
@@ -108,8 +131,10 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         size_per_shard: float,
         use_async: bool,
     ) -> None:
-        """The master rank writes an optimizer checkpoint from its parts (`meta` is None elsewhere); all wait."""
-        if self._coordinator.is_master():
+        """The master rank writes an optimizer checkpoint from its parts (`meta` is None elsewhere); all wait, and all
+        raise the same error if it failed."""
+
+        def step() -> None:
             assert meta is not None, "the master rank writes the optimizer description"
             self.save_optimizer_parts(
                 meta,
@@ -120,7 +145,8 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
                 size_per_shard=size_per_shard,
                 use_async=use_async,
             )
-        self._coordinator.block_all()
+
+        self._on_master(step, f"saving the optimizer to {checkpoint}")
 
     def save_unsharded_optimizer(
         self, optimizer: torch.optim.Optimizer, checkpoint: Path, gather_dtensor: bool, use_async: bool
@@ -165,14 +191,15 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         self._coordinator.block_all()
 
     def save_lr_scheduler(self, lr_scheduler: Stateful, checkpoint: str | os.PathLike[str]) -> None:
-        if self._coordinator.is_master():
-            super().save_lr_scheduler(lr_scheduler, checkpoint)
-        self._coordinator.block_all()
+        self._on_master(
+            lambda: super(ReplicatedCheckpointIO, self).save_lr_scheduler(lr_scheduler, checkpoint),
+            f"saving the LR scheduler to {checkpoint}",
+        )
 
     def synchronize(self) -> None:
-        """Wait for this rank's asynchronous writes (the master's), then for every rank."""
-        super().synchronize()
-        self._coordinator.block_all()
+        """Wait for this rank's asynchronous writes (the master's), then for every rank; an asynchronous save's
+        error is raised on every rank."""
+        run_and_agree(super().synchronize, "an asynchronous save (reported by synchronize)")
 
 
 def _plain(model: nn.Module) -> nn.Module:
@@ -186,14 +213,14 @@ def with_scaler(meta: OptimizerMeta, scaler_state: Mapping[str, Any] | None) -> 
         return meta
     groups = [dict(group) for group in meta.param_groups]
     groups[0][SCALER_KEY] = dict(scaler_state)
-    return OptimizerMeta(groups, meta.state)
+    return dataclasses.replace(meta, param_groups=groups)
 
 
 def split_scaler(meta: OptimizerMeta) -> tuple[OptimizerMeta, dict[str, Any] | None]:
     """The description without the scaler entry, and the scaler's state (None when the checkpoint has none)."""
     scaler = next((group[SCALER_KEY] for group in meta.param_groups if SCALER_KEY in group), None)
     groups = [{k: v for k, v in group.items() if k != SCALER_KEY} for group in meta.param_groups]
-    return OptimizerMeta(groups, meta.state), scaler
+    return dataclasses.replace(meta, param_groups=groups), scaler
 
 
 def states_by_name(meta: OptimizerMeta, tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
@@ -225,19 +252,35 @@ class ShardedOptimizerCheckpointIO(ReplicatedCheckpointIO, ABC):
         same gathers, in the same order) and keep nothing. `describe()` is called after the stream is consumed,
         so it may describe what the stream produced.
         """
-        if not self._coordinator.is_master():
-            drain(tensors)
-        else:
-            json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
+        json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
+        stream = iter(tensors)
+
+        def write() -> None:
+            self._async.raise_finished_failures()
             write_sharded(
                 checkpoint,
-                tensors,
+                stream,
                 kind=CheckpointKind.OPTIMIZER,
                 size_per_shard=size_per_shard,
                 prefix=prefix,
                 extra_files=lambda directory: (directory / json_name).write_text(describe().to_json()),
             )
-        self._coordinator.block_all()
+
+        self.write_from_stream(write, stream, f"saving the optimizer to {checkpoint}")
+
+    def write_from_stream(self, write: Callable[[], object], stream: Iterator[object], what: str) -> None:
+        """The master rank runs `write`, which consumes the collective `stream`; the other ranks drain it. If the
+        master fails part-way, it drains the rest too (so every rank makes the same collective calls), and every rank
+        then raises the same error."""
+
+        def master() -> None:
+            try:
+                write()
+            except BaseException:
+                drain(stream)
+                raise
+
+        run_and_agree(master if self._coordinator.is_master() else lambda: drain(stream), what)
 
     def load_unsharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
         return self._load_model(model, checkpoint, strict)

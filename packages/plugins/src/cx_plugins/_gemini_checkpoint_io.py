@@ -23,10 +23,11 @@ from cx_checkpoint import (
     hf_side_files,
     iter_source,
     load_into,
+    require_names,
     write_sharded,
     write_side_files,
 )
-from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, drain, split_scaler, states_by_name, with_scaler
+from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, split_scaler, states_by_name, with_scaler
 from cx_plugins._wrappers import ModelWrapper
 from cx_zero import GeminiDDP, GeminiOptimizer
 
@@ -94,8 +95,10 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
             super().save_sharded_model(view, checkpoint, gather_dtensor, prefix, size_per_shard, use_safetensors, True)
             return
         stream = iter_source(ddp, _bytes(size_per_shard))
-        if self._coordinator.is_master():
-            side = hf_side_files(ddp.unwrap())
+        side = hf_side_files(ddp.unwrap()) if self._coordinator.is_master() else {}
+
+        def write() -> None:
+            self._async.raise_finished_failures()
             write_sharded(
                 checkpoint,
                 stream,
@@ -105,9 +108,9 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
                 prefix=prefix,
                 extra_files=lambda directory: write_side_files(directory, side),
             )
-        else:
-            drain(stream)  # the same collectives, in the same order, as the writing rank's stream
-        self._coordinator.block_all()
+
+        # the other ranks drain the stream: the same collectives, in the same order, as the writing rank's
+        self.write_from_stream(write, stream, f"saving the model to {checkpoint}")
 
     def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
         with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
@@ -140,6 +143,7 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
 
     def _load_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
         meta, tensors = self.load_optimizer_parts(checkpoint, prefix)
+        require_names(meta, str(checkpoint))  # Gemini matches its shards to parameters by name
         meta, scaler = split_scaler(meta)
         # LowLevelZero checkpoints also carry fp32 master copies; Gemini's masters come from the model checkpoint
         state = {

@@ -24,6 +24,7 @@ from cx_checkpoint import (
     TensorSpec,
     load_into,
     optimizer_tensor_name,
+    require_names,
 )
 from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, split_scaler, states_by_name, with_scaler
 from cx_plugins._zero_wrappers import CastModel
@@ -193,4 +194,5 @@ class ZeroCheckpointIO(ShardedOptimizerCheckpointIO):
 
     def _load_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
         meta, tensors = self.load_optimizer_parts(checkpoint, prefix)
+        require_names(meta, str(checkpoint))  # ZeRO matches its shards to parameters by name
         self._zero(optimizer).load_state_dict(zero_state_from_parts(meta, tensors))

@@ -1,20 +1,23 @@
 """The demo's checkpoints: a directory with the model and optimizer (sharded, safetensors) and `trainer.json`.
 
-`trainer.json` (the step reached, the plugin and world size that wrote it) is written last, atomically, so a
-directory without it, or with an older one, never claims a state its weights do not have. Any plugin at any world
-size can resume from any other's checkpoint: the files are the canonical cx format.
+The three are committed as ONE unit: everything is written into a hidden staging sibling of the checkpoint
+directory (`.<name>.cx-staging-step<N>`), `trainer.json` (the step reached, the plugin and world size that wrote it)
+last, and only then is the staging directory swapped with the checkpoint directory in one atomic step
+(`cx_checkpoint.commit_directory`). A process killed at any point leaves the previous checkpoint whole (model,
+optimizer and step from the same step); the leftover staging directory is removed by the next save. Any plugin at
+any world size can resume from any other's checkpoint: the files are the canonical cx format.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 from torch import nn
 
+from cx_checkpoint import commit_directory, fsync_file, remove_stale_staging, run_and_agree, staging_path
 from cx_plugins._booster import Booster
 from cx_plugins._wrappers import OptimizerWrapper
 
@@ -33,17 +36,26 @@ class TrainerState:
 def save_checkpoint(
     booster: Booster, model: nn.Module, optimizer: OptimizerWrapper, directory: Path, state: TrainerState
 ) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    booster.save_model(model, directory / "model", shard=True, use_safetensors=True)
-    booster.save_optimizer(optimizer, directory / "optimizer", shard=True)
+    """Save model, optimizer and trainer state, committed together (collective: every rank calls it)."""
+    staging = staging_path(directory, f"step{state.step}")
+    master = dist.get_rank() == 0
+
+    def prepare() -> None:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(directory)  # leftovers of a save that was killed
+        staging.mkdir()
+
+    run_and_agree(prepare if master else None, f"preparing {staging}")
+    booster.save_model(model, staging / "model", shard=True, use_safetensors=True)
+    booster.save_optimizer(optimizer, staging / "optimizer", shard=True)
     booster.synchronize()
-    if dist.get_rank() == 0:
-        temporary = directory / f".{_STATE_FILE}.tmp"
-        temporary.write_text(json.dumps(asdict(state), indent=2))
-        with open(temporary, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temporary, directory / _STATE_FILE)
-    dist.barrier()
+
+    def commit() -> None:
+        (staging / _STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+        fsync_file(staging / _STATE_FILE)
+        commit_directory(staging, directory)  # model, optimizer and trainer.json become visible at once
+
+    run_and_agree(commit if master else None, f"committing the checkpoint {directory}")
 
 
 def load_checkpoint(booster: Booster, model: nn.Module, optimizer: OptimizerWrapper, directory: Path) -> TrainerState:

@@ -1,0 +1,75 @@
+"""cx-train checkpoints are atomic as a whole: model, optimizer and trainer.json are committed together, so an
+interruption between the parts leaves the previous checkpoint whole (and `--resume` resumes it consistently)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cx_checkpoint import GeneralCheckpointIO
+from cx_mesh.testing import distributed
+from cx_plugins import Booster
+from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_checkpoint
+from cx_plugins.models import GPT
+from plugins_test_helpers import CONFIG, boosted, data, train
+
+
+class _Killed(BaseException):
+    """Stands for the process dying: nothing after it runs (no cleanup on the way out either)."""
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("interrupt_at", ["after_model", "after_optimizer"])
+def test_plugins_demo_checkpoint_interrupted_between_parts_keeps_previous(
+    rank: int, world_size: int, tmp_path: Path, interrupt_at: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    booster, plain, model, optimizer = boosted("torch_ddp")
+    batches = data(2)
+    directory = tmp_path / "ckpt"
+    train(rank, world_size, booster, model, optimizer, batches[:1])
+    save_checkpoint(booster, model, optimizer, directory, TrainerState(step=1, plugin="torch_ddp", world_size=2))
+    at_step_1 = {name: value.clone() for name, value in plain.state_dict().items()}
+    moments_1 = optimizer.unwrap().state_dict()["state"][0]["exp_avg"].clone()
+
+    train(rank, world_size, booster, model, optimizer, batches[1:])
+    real_save_optimizer = Booster.save_optimizer
+
+    def interrupted_optimizer_save(self: Booster, *args: object, **kwargs: object) -> None:
+        if interrupt_at == "after_model":
+            raise _Killed()
+        real_save_optimizer(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def interrupted_synchronize(self: Booster) -> None:
+        raise _Killed()
+
+    monkeypatch.setattr(Booster, "save_optimizer", interrupted_optimizer_save)
+    monkeypatch.setattr(Booster, "synchronize", interrupted_synchronize)  # just before trainer.json
+    with pytest.raises(_Killed):
+        save_checkpoint(booster, model, optimizer, directory, TrainerState(step=2, plugin="torch_ddp", world_size=2))
+    monkeypatch.undo()
+    torch.distributed.barrier()
+
+    # what --resume would load: step 1, with the model and the optimizer of step 1
+    assert json.loads((directory / "trainer.json").read_text())["step"] == 1
+    resumed_booster, resumed_plain, resumed_model, resumed_optimizer = boosted("torch_ddp", seed=5)
+    state = load_checkpoint(resumed_booster, resumed_model, resumed_optimizer, directory)
+    assert state.step == 1
+    for name, value in resumed_plain.state_dict().items():
+        assert torch.equal(value, at_step_1[name]), f"{name}: the model is not the one of step {state.step}"
+    assert torch.equal(resumed_optimizer.unwrap().state_dict()["state"][0]["exp_avg"], moments_1)
+    assert torch.equal(resumed_optimizer.unwrap().state_dict()["state"][0]["step"], torch.tensor(1.0)), (
+        "the optimizer is not the one of step 1"
+    )
+
+    # the next save completes and replaces the checkpoint as a whole (the leftover staging is cleaned up)
+    save_checkpoint(booster, model, optimizer, directory, TrainerState(step=2, plugin="torch_ddp", world_size=2))
+    torch.distributed.barrier()
+    assert json.loads((directory / "trainer.json").read_text())["step"] == 2
+    saved = GPT(CONFIG, seed=9)
+    GeneralCheckpointIO().load_model(saved, directory / "model")
+    for name, value in saved.state_dict().items():
+        assert torch.equal(value, plain.state_dict()[name]), name
+    assert not [p.name for p in tmp_path.iterdir() if ".cx-staging-" in p.name]
