@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cx_checkpoint import GeneralCheckpointIO
 from cx_mesh import RankMismatchError
 from cx_mesh.testing import distributed, run_distributed
 from cx_plugins import Booster, LowLevelZeroPlugin
+from cx_plugins.models import GPT
 from plugins_test_helpers import CONFIG, assert_matches, assert_updates_close, boosted, data, reference, train
 
 STEPS = 4
@@ -115,3 +117,25 @@ def test_plugins_zero_streams_optimizer_state_into_many_shards(tmp_path: Path) -
     shards = sorted(p.name for p in (tmp_path / "optimizer").glob("*.safetensors"))
     assert len(shards) > 3, shards
     run_distributed(_resume_small_shards, 1, directory=str(tmp_path))
+
+
+@distributed(world_size=2)
+def test_plugins_zero_overlap_allgather_checkpoint_right_after_step_is_current(
+    rank: int, world_size: int, tmp_path: Path
+) -> None:
+    """With overlap_allgather the step's weights are still being gathered until the next forward: a save right
+    after step() must write them, and a load right after step() must not be overwritten by them."""
+    booster, _, model, optimizer = boosted("zero2", overlap_allgather=True, reduce_bucket_size_in_m=0.0001)
+    batches = data(2)
+    train(rank, world_size, booster, model, optimizer, batches)  # ends with step(): gathers still in flight
+    path = tmp_path / "model.safetensors"
+    booster.save_model(model, path, use_safetensors=True)
+    saved = GPT(CONFIG, seed=5)
+    GeneralCheckpointIO().load_model(saved, path)
+    assert_matches(saved, reference(batches), "saved right after step")
+    if rank == 0:
+        GeneralCheckpointIO().save_model(GPT(CONFIG, seed=9), tmp_path / "other.safetensors", use_safetensors=True)
+    dist.barrier()
+    train(rank, world_size, booster, model, optimizer, data(1, seed=3))  # in flight again
+    booster.load_model(model, tmp_path / "other.safetensors")
+    assert_matches(model, GPT(CONFIG, seed=9), "loaded right after step")

@@ -185,10 +185,11 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
     def save_lora_as_pretrained(
         self, model: nn.Module, checkpoint: str | os.PathLike[str], use_safetensors: bool = False
     ) -> None:
-        """The master rank writes the model's LoRA adapters in peft's folder format; every rank waits for it."""
-        if self._coordinator.is_master():
-            save_lora(_plain(model), checkpoint, use_safetensors)
-        self._coordinator.block_all()
+        """The master rank writes the model's LoRA adapters in peft's folder format; every rank waits for it, and
+        every rank raises the same error if it failed."""
+        self._on_master(
+            lambda: save_lora(_plain(model), checkpoint, use_safetensors), f"saving LoRA adapters to {checkpoint}"
+        )
 
     def save_lr_scheduler(self, lr_scheduler: Stateful, checkpoint: str | os.PathLike[str]) -> None:
         self._on_master(

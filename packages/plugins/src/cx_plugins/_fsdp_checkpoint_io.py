@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from cx_checkpoint import CheckpointKind, CheckpointReader, DTensorModuleSink, LoadResult, load_into
+from cx_checkpoint import CheckpointKind, CheckpointReader, DTensorModuleSink, LoadResult, load_into, require_names
 from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO, _plain
 from cx_plugins._zero_checkpoint_io import zero_state_from_parts, zero_state_to_parts
 
@@ -108,6 +108,7 @@ class FSDPCheckpointIO(ReplicatedCheckpointIO):
         self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None
     ) -> None:
         meta, tensors = self.load_optimizer_parts(checkpoint, prefix)
+        require_names(meta, str(checkpoint))  # torch's FSDP state dicts match parameters by name
         state = zero_state_from_parts(meta, tensors)
         options = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(self._module_of(optimizer), optimizer, state, options=options)  # collective

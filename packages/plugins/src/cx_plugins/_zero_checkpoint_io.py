@@ -116,7 +116,15 @@ class ZeroCheckpointIO(ShardedOptimizerCheckpointIO):
 
     # ---- model -------------------------------------------------------------------------------------------------
     def _view(self, model: nn.Module) -> nn.Module:
+        self._finish_gathers(model)
         return _CanonicalView(model) if isinstance(model, CastModel) else model
+
+    def _finish_gathers(self, model: nn.Module) -> None:
+        """With `overlap_allgather`, the weights a step wrote are still being gathered until the next forward:
+        finish them before a save reads the model, and before a load writes it (else they overwrite the load)."""
+        if isinstance(model, CastModel):
+            for zero in self._optimizers_of(model.unwrap()):
+                zero.synchronize_working_params()
 
     def save_unsharded_model(
         self, model: nn.Module, checkpoint: Path, gather_dtensor: bool, use_safetensors: bool, use_async: bool
@@ -140,6 +148,7 @@ class ZeroCheckpointIO(ShardedOptimizerCheckpointIO):
     def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
         if not isinstance(model, CastModel):
             return super()._load_model(model, checkpoint, strict)
+        self._finish_gathers(model)
         with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
             result = load_into(reader, _CastingSink(model), strict=strict)
         for zero in self._optimizers_of(model.unwrap()):
