@@ -35,7 +35,7 @@ from cx_checkpoint import (
     write_sharded,
 )
 from cx_mesh import DistCoordinator
-from cx_plugins._lora import save_lora
+from cx_plugins._lora import require_lora, save_lora
 from cx_plugins._wrappers import ModelWrapper
 
 __all__ = ["SCALER_KEY", "ReplicatedCheckpointIO", "ShardedOptimizerCheckpointIO", "split_scaler", "with_scaler"]
@@ -187,6 +187,7 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
     ) -> None:
         """The master rank writes the model's LoRA adapters in peft's folder format; every rank waits for it, and
         every rank raises the same error if it failed."""
+        require_lora(_plain(model))  # bad input: the same plain error on every rank, before anything is written
         self._on_master(
             lambda: save_lora(_plain(model), checkpoint, use_safetensors), f"saving LoRA adapters to {checkpoint}"
         )

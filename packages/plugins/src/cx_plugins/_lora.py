@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["apply_lora", "is_lora_model", "save_lora"]
+__all__ = ["apply_lora", "is_lora_model", "require_lora", "save_lora"]
 
 
 def _peft() -> Any:
@@ -51,13 +51,18 @@ def is_lora_model(model: nn.Module) -> bool:
     return isinstance(model, peft.PeftModel)
 
 
-def save_lora(model: nn.Module, checkpoint: str | os.PathLike[str], use_safetensors: bool) -> None:
-    """Write `model`'s adapters (a peft model holding full weights on this rank) in peft's folder format."""
+def require_lora(model: nn.Module) -> None:
+    """A clear error (on every rank that calls it) for a model without adapters."""
     if not is_lora_model(model):
         raise ValueError(
             f"save_lora_as_pretrained: {type(model).__name__} has no LoRA adapters; call booster.enable_lora before "
             "boost"
         )
+
+
+def save_lora(model: nn.Module, checkpoint: str | os.PathLike[str], use_safetensors: bool) -> None:
+    """Write `model`'s adapters (a peft model holding full weights on this rank) in peft's folder format."""
+    require_lora(model)
     if not use_safetensors:
         warnings.warn(
             "save_lora_as_pretrained: use_safetensors=False would write a pickle; cx writes safetensors, which "
