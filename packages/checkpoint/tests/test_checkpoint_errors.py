@@ -237,15 +237,41 @@ def test_checkpoint_bad_save_arguments(tmp_path: Path) -> None:
     for bad in (0, -1.0, "big", True):
         with pytest.raises(ValueError, match="positive number of MB"):
             io.save_model(model, tmp_path / "s", shard=True, size_per_shard=bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="sharded saves only"):
-        io.save_model(model, tmp_path / "m.bin", size_per_shard=10)
-    with pytest.raises(ValueError, match="prefix names the files of a sharded checkpoint"):
-        io.save_model(model, tmp_path / "m.bin", prefix="x")
     with pytest.raises(ValueError, match=r"must end in \.safetensors"):
         io.save_model(model, tmp_path / "m.bin", use_safetensors=True)
-    with pytest.raises(ValueError, match=r"\.safetensors file"):
-        io.save_optimizer(torch.optim.SGD(model.named_parameters(), lr=1.0), tmp_path / "o.bin")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.safetensors", "file"]
+
+
+def test_checkpoint_colossalai_call_forms_are_accepted(tmp_path: Path) -> None:
+    """What ColossalAI's scripts pass: sharding options with shard=False (a warning, then the unsharded save), an
+    optimizer file named like a pickle (cx's safetensors format whatever the suffix, said in a warning), and the
+    _sync_d2h / _sync_io names of synchronize()."""
+    io = GeneralCheckpointIO()
+    model = make_model(0)
+    with pytest.warns(UserWarning, match="sharded saves only"):
+        io.save_model(model, tmp_path / "m.bin", size_per_shard=10)
+    with pytest.warns(UserWarning, match="prefix='x' names the files of a sharded checkpoint"):
+        io.save_model(model, tmp_path / "n.bin", prefix="x")
+    io.save_model(model, tmp_path / "o.bin", prefix="")  # ColossalAI's default-ish empty prefix: silent
+    for name in ("m.bin", "n.bin", "o.bin"):
+        loaded = make_model(1)
+        io.load_model(loaded, tmp_path / name)
+        expected = model.state_dict()
+        assert all(torch.equal(value, expected[name]) for name, value in loaded.state_dict().items())
+    optimizer = torch.optim.Adam(model.named_parameters(), lr=0.1)
+    train(model, optimizer, 1, seed=0)
+    with pytest.warns(UserWarning, match="holds cx's format"):
+        io.save_optimizer(optimizer, tmp_path / "optim.pt", use_async=True)
+    io._sync_d2h()
+    io._sync_io()
+    assert (tmp_path / "optim.pt").read_bytes()[8:9] == b"{"  # a safetensors header, not a pickle
+    restored = torch.optim.Adam(model.named_parameters(), lr=0.5)
+    io.load_optimizer(restored, tmp_path / "optim.pt")
+    assert restored.param_groups[0]["lr"] == 0.1
+    assert all(torch.equal(restored.state[p]["exp_avg"], optimizer.state[p]["exp_avg"]) for p in model.parameters())
+    torch.save({"state": {}}, tmp_path / "pickled.pt")  # a real pickle under an optimizer name is refused unread
+    with pytest.raises(CheckpointKindError, match="is a pickle file"):
+        io.load_optimizer(restored, tmp_path / "pickled.pt")
 
 
 def test_checkpoint_optimizer_bad_inputs(tmp_path: Path) -> None:

@@ -4,6 +4,8 @@ boost, `model.state_dict(only_rank_0=...)`, `optimizer.backward_by_grad`, the Ze
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -89,3 +91,29 @@ def test_zero_master_maps_and_update_master_params(rank: int, world_size: int) -
     optimizer.step()
     for name, value in replacement.state_dict().items():  # lr 0: the step writes the masters back unchanged
         torch.testing.assert_close(model.unwrap().state_dict()[name], value, msg=name)
+
+
+@distributed(world_size=2)
+def test_checkpoint_calls_in_colossalai_argument_order(rank: int, world_size: int, tmp_path: Path) -> None:
+    booster = Booster(plugin=make_plugin("zero2"))
+    plain = GPT(CONFIG, seed=0)
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    assert optimizer is not None
+    mine = data(1)[0][rank * 2 : rank * 2 + 2]
+    booster.backward(model(mine, labels=mine), optimizer)
+    optimizer.step()
+    directory = tmp_path
+    booster.save_model(model, directory / "model", True, True, None, 1024, True)  # ColossalAI's positional order
+    booster.save_optimizer(optimizer, directory / "optimizer", True, True, None, 1024)
+    booster.checkpoint_io._sync_io()
+    plain2 = GPT(CONFIG, seed=4)
+    booster2 = Booster(plugin=make_plugin("zero2"))
+    model2, optimizer2, *_ = booster2.boost(plain2, torch.optim.AdamW(plain2.parameters(), lr=1e-2))
+    assert optimizer2 is not None
+    assert isinstance(model, ModelWrapper)
+    assert isinstance(model2, ModelWrapper)
+    booster2.load_model(model2, directory / "model", True, True, 1)  # strict, low_cpu_mem_mode, num_threads
+    booster2.load_optimizer(optimizer2, directory / "optimizer", None, True, 1)  # prefix, low_cpu_mem_mode, threads
+    for name, value in model.unwrap().state_dict().items():
+        torch.testing.assert_close(model2.unwrap().state_dict()[name], value, msg=name)
+    assert optimizer2.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()

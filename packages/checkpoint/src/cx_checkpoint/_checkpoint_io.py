@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -104,8 +105,12 @@ class CheckpointIO(ABC):
             self.save_sharded_optimizer(optimizer, path, gather_dtensor, prefix, size_per_shard, use_async)
             return
         _refuse_sharding_options(prefix, size_per_shard)
-        if path.suffix != ".safetensors":
-            raise ValueError(f"{path}: an unsharded cx optimizer checkpoint is a .safetensors file")
+        if path.suffix in (".bin", ".pt", ".pth"):
+            warnings.warn(
+                f"{path.name}: this optimizer checkpoint holds cx's format (safetensors plus JSON, no pickle) "
+                "whatever its suffix",
+                stacklevel=2,
+            )
         self.save_unsharded_optimizer(optimizer, path, gather_dtensor, use_async)
 
     def load_optimizer(
@@ -147,6 +152,14 @@ class CheckpointIO(ABC):
     def synchronize(self) -> None:
         """Wait for every asynchronous save of this CheckpointIO; re-raise the first error a writer hit."""
         self._async.synchronize()
+
+    def _sync_d2h(self) -> None:
+        """ColossalAI's name for waiting on the device-to-host copies of asynchronous saves: `synchronize()`."""
+        self.synchronize()
+
+    def _sync_io(self) -> None:
+        """ColossalAI's name for waiting on asynchronous writes: `synchronize()`."""
+        self.synchronize()
 
     def _run(self, job: Callable[[], None], use_async: bool) -> None:
         """Run a prepared save job now, or in the background writer when `use_async`.
@@ -229,9 +242,14 @@ def _existing(checkpoint: PathLike) -> Path:
 
 
 def _refuse_sharding_options(prefix: str | None, size_per_shard: float) -> None:
-    if prefix is not None:
-        raise ValueError(
-            "prefix names the files of a sharded checkpoint (shard=True); an unsharded save writes the path given"
+    """ColossalAI's scripts pass sharding options with `shard=False` too: accepted, and said to have no effect."""
+    if prefix:
+        warnings.warn(
+            f"prefix={prefix!r} names the files of a sharded checkpoint (shard=True); this unsharded save writes the "
+            "path given and ignores it",
+            stacklevel=3,
         )
     if size_per_shard != DEFAULT_SIZE_PER_SHARD:
-        raise ValueError(f"size_per_shard={size_per_shard} applies to sharded saves only (shard=True)")
+        warnings.warn(
+            f"size_per_shard={size_per_shard} applies to sharded saves only; ignored with shard=False", stacklevel=3
+        )

@@ -198,9 +198,10 @@ class CheckpointReader:
 
     @classmethod
     def _open_single(cls, path: Path, kind: CheckpointKind) -> CheckpointReader:
-        if path.suffix not in (".safetensors", *_BIN_SUFFIXES):
+        as_safetensors = path.suffix == ".safetensors" or kind is CheckpointKind.OPTIMIZER  # any optimizer file name
+        if not as_safetensors and path.suffix not in _BIN_SUFFIXES:
             raise CheckpointPathError(f"{path}: not a checkpoint file (expected .safetensors, .bin or *.index.json)")
-        if path.suffix in _BIN_SUFFIXES and kind is CheckpointKind.OPTIMIZER:
+        if kind is CheckpointKind.OPTIMIZER and _looks_pickled(path):
             raise CheckpointKindError(
                 f"{path} is a pickle file; cx optimizer checkpoints are safetensors plus JSON (no pickle)"
             )
@@ -210,7 +211,7 @@ class CheckpointReader:
             raise _Replaced() from None  # a directory entry seen a moment ago is gone: a save replaced it
         opened = _OpenFile(fd, path, None)
         try:
-            if path.suffix == ".safetensors":
+            if as_safetensors:
                 opened.header = read_safetensors_header(path, fd)
                 _check_kind(path, opened.header.metadata, kind)
                 specs = {name: TensorSpec(shape, dtype) for name, (dtype, shape, _) in opened.header.tensors.items()}
@@ -554,3 +555,13 @@ def _check_region(name: str, region: Region, shape: tuple[int, ...]) -> None:
         stop = size if part.stop is None else part.stop
         if part.step not in (None, 1) or not 0 <= start <= stop <= size:
             raise ValueError(f"region {region!r} of {name!r} is outside dimension {dim} of size {size} (or has a step)")
+
+
+def _looks_pickled(path: Path) -> bool:
+    """A torch.save file (zip archive) or a raw pickle, told by its first bytes; nothing is unpickled."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+    except OSError:
+        return False
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"

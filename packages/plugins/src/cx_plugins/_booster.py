@@ -211,9 +211,19 @@ class Booster:
         )
 
     def load_model(
-        self, model: nn.Module, checkpoint: str | os.PathLike[str], strict: bool = True, *, verify: bool = False
+        self,
+        model: nn.Module,
+        checkpoint: str | os.PathLike[str],
+        strict: bool = True,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+        *,
+        verify: bool = False,
     ) -> LoadResult:
         """Load a cx/HF checkpoint into `model`; with `strict`, missing or unexpected keys are errors.
+
+        `low_cpu_mem_mode` and `num_threads` are ColossalAI's and accepted: cx always loads tensor by tensor from a
+        memory map (low memory), in the calling thread.
 
         With `strict=False` the keys skipped either way are returned (`LoadResult`) and reported in a warning.
         `verify=True` first checks every file against the checksum recorded at save."""
@@ -248,10 +258,15 @@ class Booster:
         optimizer: OptimizerWrapper,
         checkpoint: str | os.PathLike[str],
         prefix: str | None = None,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
         *,
         verify: bool = False,
     ) -> None:
-        """Load optimizer state; `verify=True` first checks every file against the checksum recorded at save."""
+        """Load optimizer state; `verify=True` first checks every file against the checksum recorded at save.
+
+        Positional arguments follow ColossalAI's order (`prefix`, `low_cpu_mem_mode`, `num_threads`); the last two
+        are accepted and change nothing (see `load_model`)."""
         self.checkpoint_io.load_optimizer(optimizer.unwrap(), checkpoint, prefix, verify=verify)
 
     def save_lr_scheduler(self, lr_scheduler: LRScheduler, checkpoint: str | os.PathLike[str]) -> None:
