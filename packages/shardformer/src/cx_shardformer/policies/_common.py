@@ -138,6 +138,11 @@ class HFDecoderPolicy(Policy):
                     )
                 setattr(self.model, "loss_function", VocabParallelCausalLMLoss(config))  # noqa: B010  (typed as Module attr)
 
+    def reduction_sharing_blocks(self, layer: nn.Module) -> tuple[str, ...]:
+        """The blocks of one decoder layer whose column layers share one input reduction (all of them read the
+        block input, and the block is tensor-parallel as a whole). Default: attention and MLP."""
+        return (self.attention_name, self.mlp_name)
+
     def share_input_reduction(self) -> None:
         """One backward all-reduce per attention / MLP block input instead of one per column layer (q, k, v; gate,
         up): a pre-hook applies `copy_to_parallel` to the block input and marks it for the column layers. Only
@@ -160,7 +165,7 @@ class HFDecoderPolicy(Policy):
             return args, {**kwargs, "hidden_states": shared}
 
         for layer in self.decoder_layers():
-            for child in (self.attention_name, self.mlp_name):
+            for child in self.reduction_sharing_blocks(layer):
                 block = get_submodule_or_none(layer, child)
                 if block is not None:
                     block.register_forward_pre_hook(hook, with_kwargs=True)

@@ -1,0 +1,206 @@
+"""MoE policies (Mixtral, Qwen3-MoE, DeepSeek-V3; tiny configs, fp32) against the unsharded model on one process:
+tp 2 with experts whole (ep 1) and tp 2 x ep 2 on the same two ranks, then tp 2 x ep 2 on four ranks (ep over the
+data-parallel ranks, each its own batch). Logits, loss with transformers' aux loss (`output_router_logits=True`;
+DeepSeek-V3 has none in transformers), every gradient (expert gradients slice by slice), an AdamW step and the
+state-dict names. Skips without transformers."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cx_mesh import ProcessGroupMesh
+from cx_mesh.testing import distributed
+from cx_moe import get_moe_info
+from cx_shardformer import ShardConfig, ShardFormer, get_shard_spec
+from cx_shardformer.policies import MixtralForCausalLMPolicy, get_autopolicy
+from shardformer_helpers import assert_close, full_grad, full_value
+from shardformer_models import full_logits
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 50
+COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32,
+    "output_router_logits": True,
+    "router_aux_loss_coef": 0.05,
+    "tie_word_embeddings": False,
+}
+
+
+def build(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    model: nn.Module
+    if family == "mixtral":
+        config = transformers.MixtralConfig(
+            **COMMON, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0
+        )
+        model = transformers.MixtralForCausalLM(config)
+    elif family == "qwen3_moe":  # layer 0 dense (mlp_only_layers), layer 1 MoE
+        config = transformers.Qwen3MoeConfig(
+            **COMMON,
+            head_dim=8,
+            intermediate_size=16,
+            moe_intermediate_size=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+        )
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:  # layer 0 dense, layer 1 MoE with a shared expert
+        config = transformers.DeepseekV3Config(  # multi-head latent attention: as many key/value heads as heads
+            **{**COMMON, "num_key_value_heads": 4},
+            intermediate_size=16,
+            moe_intermediate_size=8,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            q_lora_rank=None,
+            kv_lora_rank=8,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=4,
+            routed_scaling_factor=2.5,
+        )
+        model = transformers.DeepseekV3ForCausalLM(config)
+    return model
+
+
+def tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(200 + seed))
+
+
+def compare_grads(model: nn.Module, reference: nn.Module, what: str, tp_group: Any = None) -> None:
+    """Every gradient: TP shards gathered to full size, expert slices against the reference's rows."""
+    ref_params = dict(reference.named_parameters())
+    assert {n for n, _ in model.named_parameters()} == set(ref_params), f"{what}: parameter names differ"
+    for name, param in model.named_parameters():
+        ref_grad = ref_params[name].grad
+        assert ref_grad is not None, f"{what}: reference {name} has no grad"
+        info = get_moe_info(param)
+        if info is not None:
+            local = info.num_experts // info.ep_size
+            ref_grad = ref_grad[info.ep_rank * local : (info.ep_rank + 1) * local]
+            assert param.grad is not None, f"{what}: {name} has no grad"
+            assert_close(param.grad, ref_grad, f"{what}: grad of expert slice {name}")
+        else:
+            assert_close(full_grad(param, tp_group), ref_grad, f"{what}: grad of {name}")
+
+
+def compare_values(model: nn.Module, reference: nn.Module, what: str) -> None:
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        expected = ref_params[name].detach()
+        info = get_moe_info(param)
+        if info is not None:
+            local = info.num_experts // info.ep_size
+            expected = expected[info.ep_rank * local : (info.ep_rank + 1) * local]
+            assert_close(param.detach(), expected, f"{what}: {name}", rtol=1e-4, atol=1e-5)
+        else:
+            assert_close(full_value(param), expected, f"{what}: {name}", rtol=1e-4, atol=1e-5)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_shardformer_moe_policy_matches_unsharded(rank: int, world_size: int, family: str, ep: int) -> None:
+    model = build(family)
+    reference = copy.deepcopy(model)
+    names = set(reference.state_dict())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built before TP: TP keeps the Parameter objects
+    config = ShardConfig(ep_group=dist.group.WORLD if ep == 2 else None)
+    model, _ = ShardFormer(config).optimize(model)
+    if ep == 2:  # expert parallelism replaces the expert Parameters: a new optimizer over the model's parameters
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    params = dict(model.named_parameters())
+    attention = "self_attn.q_proj.weight" if family != "deepseek_v3" else "self_attn.kv_b_proj.weight"
+    assert (get_shard_spec(params[f"model.layers.0.{attention}"]) is not None) == (family != "deepseek_v3")
+    assert get_shard_spec(params["model.layers.0.mlp.gate_proj.weight" if family != "mixtral" else "lm_head.weight"])
+    if family == "deepseek_v3":
+        assert get_shard_spec(params["model.layers.1.mlp.shared_experts.up_proj.weight"]) is not None
+    experts = params["model.layers.1.mlp.experts.gate_up_proj"]
+    assert experts.shape[0] == 4 // ep
+    assert (get_moe_info(experts) is not None) == (ep == 2)
+
+    ids = tokens(0)
+    out = model(input_ids=ids, labels=ids)
+    ref_out = reference(input_ids=ids, labels=ids)
+    if family != "deepseek_v3":
+        assert out.aux_loss is not None
+        assert float(out.aux_loss) > 0
+        assert_close(out.aux_loss, ref_out.aux_loss.detach(), f"{family} aux loss")
+    assert_close(out.loss, ref_out.loss.detach(), f"{family} ep{ep} loss")
+    assert_close(full_logits(out.logits, True)[..., :VOCAB], ref_out.logits.detach(), f"{family} logits")
+    out.loss.backward()
+    ref_out.loss.backward()
+    compare_grads(model, reference, f"{family} tp2 ep{ep}")
+    optimizer.step()
+    ref_optimizer.step()
+    compare_values(model, reference, f"{family} tp2 ep{ep} after an AdamW step")
+    assert set(model.state_dict()) == names, "state_dict names changed"
+
+
+@pytest.mark.slow
+@distributed(world_size=4)
+def test_shardformer_moe_tp2_ep2_four_ranks(rank: int, world_size: int) -> None:
+    """tp 2 within each data-parallel pair, ep 2 over the dp ranks (moe-dp 1): each dp rank its own batch, dense
+    gradients averaged over dp as data parallelism does; the reference trains on both batches (mean loss)."""
+    mesh = ProcessGroupMesh(2, 2, axis_names=("dp", "tp"))
+    tp_group, dp_group = mesh.get_group_along_axis("tp"), mesh.get_group_along_axis("dp")
+    dp_rank = dist.get_rank(dp_group)
+    for family in ("mixtral", "deepseek_v3"):
+        model = build(family)
+        reference = copy.deepcopy(model)
+        config = ShardConfig(tensor_parallel_process_group=tp_group, ep_group=dp_group)
+        model, _ = ShardFormer(config).optimize(model)
+        out = model(input_ids=tokens(dp_rank), labels=tokens(dp_rank))
+        ref_losses = [reference(input_ids=tokens(i), labels=tokens(i)).loss for i in range(2)]
+        ref_loss = sum(ref_losses) / 2
+        assert isinstance(ref_loss, torch.Tensor)
+        assert_close(out.loss, ref_losses[dp_rank].detach(), f"{family} 4 ranks loss")
+        out.loss.backward()
+        ref_loss.backward()
+        for param in model.parameters():  # data parallelism: dense gradients averaged over dp; experts are already
+            if get_moe_info(param) is None and param.grad is not None:
+                dist.all_reduce(param.grad, group=dp_group)
+                param.grad /= 2
+        compare_grads(model, reference, f"{family} tp2 x ep2 on 4 ranks", tp_group)
+
+
+@distributed(world_size=2)
+def test_shardformer_moe_policy_errors(rank: int, world_size: int) -> None:
+    """Unsupported options raise before the model changes: sequence parallelism, experts tensor-parallel, and an
+    ep size that does not divide the experts (checked on every rank)."""
+    assert isinstance(get_autopolicy(build("mixtral")), MixtralForCausalLMPolicy)
+    model = build("mixtral")
+    sp = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all")
+    with pytest.raises(NotImplementedError, match="sequence parallelism is not implemented for MoE"):
+        ShardFormer(sp).optimize(model)
+
+    class ExpertTP(MixtralForCausalLMPolicy):
+        expert_tensor_parallel = True
+
+    with pytest.raises(NotImplementedError, match="tensor parallelism inside experts"):
+        ShardFormer(ShardConfig()).optimize(model, ExpertTP())
+    odd = transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**COMMON, intermediate_size=8, num_local_experts=3, num_experts_per_tok=2)
+    )
+    with pytest.raises(ValueError, match="num_local_experts=3 is not divisible by the ep size 2"):
+        ShardFormer(ShardConfig(ep_group=dist.group.WORLD)).optimize(odd)
+    assert get_shard_spec(dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]) is None
