@@ -59,7 +59,7 @@ def build(family: str) -> nn.Module:
             mlp_only_layers=[0],
         )
         model = transformers.Qwen3MoeForCausalLM(config)
-    else:  # layer 0 dense, layer 1 MoE with a shared expert
+    else:  # layer 0 dense, layer 1 MoE with a shared expert; MLA with a low-rank query unless "_plain_q"
         config = transformers.DeepseekV3Config(  # multi-head latent attention: as many key/value heads as heads
             **{**COMMON, "num_key_value_heads": 4},
             intermediate_size=16,
@@ -70,7 +70,7 @@ def build(family: str) -> nn.Module:
             n_group=2,
             topk_group=1,
             n_shared_experts=1,
-            q_lora_rank=None,
+            q_lora_rank=None if family.endswith("_plain_q") else 8,
             kv_lora_rank=8,
             qk_rope_head_dim=4,
             qk_nope_head_dim=4,
@@ -129,11 +129,13 @@ def test_shardformer_moe_policy_matches_unsharded(rank: int, world_size: int, fa
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     params = dict(model.named_parameters())
-    attention = "self_attn.q_proj.weight" if family != "deepseek_v3" else "self_attn.kv_b_proj.weight"
-    assert (get_shard_spec(params[f"model.layers.0.{attention}"]) is not None) == (family != "deepseek_v3")
+    attention = "self_attn.q_proj.weight" if family != "deepseek_v3" else "self_attn.q_b_proj.weight"
+    assert get_shard_spec(params[f"model.layers.0.{attention}"]) is not None
     assert get_shard_spec(params["model.layers.0.mlp.gate_proj.weight" if family != "mixtral" else "lm_head.weight"])
     if family == "deepseek_v3":
         assert get_shard_spec(params["model.layers.1.mlp.shared_experts.up_proj.weight"]) is not None
+        assert get_shard_spec(params["model.layers.1.self_attn.kv_b_proj.weight"]) is not None
+        assert get_shard_spec(params["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]) is None  # replicated
     experts = params["model.layers.1.mlp.experts.gate_up_proj"]
     assert experts.shape[0] == 4 // ep
     assert (get_moe_info(experts) is not None) == (ep == 2)
@@ -164,7 +166,7 @@ def test_shardformer_moe_tp2_ep2_four_ranks(rank: int, world_size: int) -> None:
     mesh = ProcessGroupMesh(2, 2, axis_names=("dp", "tp"))
     tp_group, dp_group = mesh.get_group_along_axis("tp"), mesh.get_group_along_axis("dp")
     dp_rank = dist.get_rank(dp_group)
-    for family in ("mixtral", "deepseek_v3"):
+    for family in ("mixtral", "deepseek_v3_plain_q"):
         model = build(family)
         reference = copy.deepcopy(model)
         config = ShardConfig(tensor_parallel_process_group=tp_group, ep_group=dp_group)

@@ -1,21 +1,24 @@
 """Checked policies for transformers 5's MoE decoders: Mixtral, Qwen3-MoE and DeepSeek-V3.
 
-Attention is tensor-parallel as in the Llama policy (q/k/v column, o row; whole key/value heads per rank), except
-DeepSeek-V3's multi-head latent attention, which stays replicated (see `DeepseekV3Policy`). Dense MLPs (Qwen3-MoE's
-`mlp_only_layers`, DeepSeek-V3's first dense layers and its shared experts) are gate/up column, down row. The MoE
-blocks are made expert-parallel over `ShardConfig.ep_group` by cx-moe's `expert_parallelize_hf`, which keeps the
-router, routing and aux loss transformers' own and the parameter names unchanged; with no ep group (or ep size 1)
-the experts stay whole. Experts are replicated over the tensor-parallel group: every TP rank runs the same tokens
-through them, so their gradients need no TP reduction. Tensor parallelism inside experts is not implemented.
+Attention is tensor-parallel as in the Llama policy (q/k/v column, o row; whole key/value heads per rank); DeepSeek-V3's
+multi-head latent attention is split by heads too (see `DeepseekV3Policy`). Dense MLPs (Qwen3-MoE's `mlp_only_layers`,
+DeepSeek-V3's first dense layers and its shared experts) are gate/up column, down row. The MoE blocks are made
+expert-parallel over `ShardConfig.ep_group` by cx-moe's `expert_parallelize_hf`, which keeps the router, routing and
+aux loss transformers' own and the parameter names unchanged; with no ep group (or ep size 1) the experts stay whole.
+Experts are replicated over the tensor-parallel group: every TP rank runs the same tokens through them, so their
+gradients need no TP reduction. Tensor parallelism inside experts is not implemented.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
+from typing import Any
+
+import torch
 from torch import nn
 
 from cx_moe import expert_parallelize_hf
-from cx_shardformer._linear import Linear1D_Col, Linear1D_Row, sync_grad_over
+from cx_shardformer._linear import Linear1D_Col, Linear1D_Row, mark_input_grad_reduced, sync_grad_over
 from cx_shardformer._policy import ModulePolicyDescription, SubModuleReplacementDescription
 from cx_shardformer._sharder import get_submodule_or_none
 from cx_shardformer.policies._common import HFDecoderPolicy, check_divisible
@@ -33,17 +36,19 @@ __all__ = [
 
 class MoEDecoderPolicy(HFDecoderPolicy):
     """Base of the MoE decoder policies. Subclasses name the decoder layer, the dense MLP class (None: none), the
-    per-head norms inside attention (their gradients are summed over tp: each rank normalises only its heads), the
-    config field holding the expert count, and whether attention is tensor-parallel."""
+    replicated modules inside attention whose gradients are summed over tp (each rank's copy only sees its own heads'
+    gradient: per-head norms, MLA's low-rank projections), the column layers inside attention that read such a
+    replicated module's output (their input gradient is only this rank's share and is summed at the attention input
+    instead), and the config field holding the expert count."""
 
     embedding_path = "embed_tokens"
     layers_path = "layers"
     norm_path = "norm"
     decoder_layer = ""
     dense_mlp: str | None = None
-    head_norms: tuple[str, ...] = ()
+    attention_replicated: tuple[str, ...] = ()
+    attention_inner_columns: tuple[str, ...] = ()
     experts_field = ""
-    attention_tp = True
     # Tensor parallelism inside each expert (ColossalAI's moe_tp) is not implemented: set True to get a clear error.
     expert_tensor_parallel = False
 
@@ -62,9 +67,7 @@ class MoEDecoderPolicy(HFDecoderPolicy):
                 "sequence shards); pass enable_sequence_parallelism=False"
             )
         if self.shard_config.enable_tensor_parallelism:
-            if self.attention_tp:
-                check_divisible(self.model, "num_attention_heads", config.num_attention_heads, self.tp_size)
-                check_divisible(self.model, "num_key_value_heads", config.num_key_value_heads, self.tp_size)
+            self.check_attention()
             for module in self.model.modules():
                 if self.dense_mlp is not None and type(module).__name__ == self.dense_mlp:
                     size = int(getattr(module, "intermediate_size"))  # noqa: B009  (transformers' MLP attribute)
@@ -83,14 +86,7 @@ class MoEDecoderPolicy(HFDecoderPolicy):
         if not self.shard_config.enable_tensor_parallelism:
             return {}
         policy: dict[type[nn.Module] | str, ModulePolicyDescription] = {}
-        if self.attention_tp:
-            attention = [
-                SubModuleReplacementDescription("self_attn.q_proj", Linear1D_Col),
-                SubModuleReplacementDescription("self_attn.k_proj", Linear1D_Col),
-                SubModuleReplacementDescription("self_attn.v_proj", Linear1D_Col),
-                SubModuleReplacementDescription("self_attn.o_proj", Linear1D_Row),
-            ]
-            policy[self.decoder_layer] = ModulePolicyDescription(sub_module_replacement=attention)
+        policy[self.decoder_layer] = ModulePolicyDescription(sub_module_replacement=self.attention_replacements())
         if self.dense_mlp is not None:
             mlp = [
                 SubModuleReplacementDescription("gate_proj", Linear1D_Col),
@@ -100,11 +96,26 @@ class MoEDecoderPolicy(HFDecoderPolicy):
             policy[self.dense_mlp] = ModulePolicyDescription(sub_module_replacement=mlp)
         return policy
 
+    def check_attention(self) -> None:
+        """Whole query and key/value heads per rank."""
+        config = self.hf_config
+        check_divisible(self.model, "num_attention_heads", config.num_attention_heads, self.tp_size)
+        check_divisible(self.model, "num_key_value_heads", config.num_key_value_heads, self.tp_size)
+
+    def attention_replacements(self) -> list[SubModuleReplacementDescription]:
+        """q/k/v column, o row (grouped-query attention)."""
+        return [
+            SubModuleReplacementDescription("self_attn.q_proj", Linear1D_Col),
+            SubModuleReplacementDescription("self_attn.k_proj", Linear1D_Col),
+            SubModuleReplacementDescription("self_attn.v_proj", Linear1D_Col),
+            SubModuleReplacementDescription("self_attn.o_proj", Linear1D_Row),
+        ]
+
     def reduction_sharing_blocks(self, layer: nn.Module) -> tuple[str, ...]:
-        """Attention when it is tensor-parallel, the MLP only when it is dense: an MoE block is replicated over tp
+        """Attention, and the MLP only when it is dense: an MoE block is replicated over tp
         (its router and experts must not see a summed input gradient), and its shared experts' column layers reduce
         their own input gradients."""
-        blocks = (self.attention_name,) if self.attention_tp else ()
+        blocks: tuple[str, ...] = (self.attention_name,)
         mlp = get_submodule_or_none(layer, self.mlp_name)
         if mlp is not None and type(mlp).__name__ == self.dense_mlp:
             blocks = (*blocks, self.mlp_name)
@@ -113,16 +124,28 @@ class MoEDecoderPolicy(HFDecoderPolicy):
     def postprocess(self) -> nn.Module:
         if self.shard_config.enable_tensor_parallelism:
             self.shard_vocab()
-            if self.attention_tp:
-                group = self.shard_config.tensor_parallel_process_group
-                for layer in self.decoder_layers():
-                    for norm in self.head_norms:
-                        module = get_submodule_or_none(layer, f"{self.attention_name}.{norm}")
-                        for param in module.parameters() if module is not None else ():
-                            sync_grad_over(param, group)
+            self._finish_attention()
         self.share_input_reduction()
         self.apply_switches()
         return self.model
+
+
+    def _finish_attention(self) -> None:
+        group = self.shard_config.tensor_parallel_process_group
+
+        def mark_input(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if args and isinstance(args[0], torch.Tensor):
+                mark_input_grad_reduced(args[0], group)
+
+        for layer in self.decoder_layers():
+            for name in self.attention_replicated:
+                module = get_submodule_or_none(layer, f"{self.attention_name}.{name}")
+                for param in module.parameters() if module is not None else ():
+                    sync_grad_over(param, group)
+            for name in self.attention_inner_columns:
+                column = get_submodule_or_none(layer, f"{self.attention_name}.{name}")
+                if column is not None:
+                    column.register_forward_pre_hook(mark_input)
 
 
 class _CausalLM:
@@ -150,7 +173,7 @@ class Qwen3MoePolicy(MoEDecoderPolicy):
 
     decoder_layer = "Qwen3MoeDecoderLayer"
     dense_mlp = "Qwen3MoeMLP"
-    head_norms = ("q_norm", "k_norm")
+    attention_replicated = ("q_norm", "k_norm")
     experts_field = "num_experts"
 
 
@@ -159,15 +182,37 @@ class Qwen3MoeForCausalLMPolicy(_CausalLM, Qwen3MoePolicy):
 
 
 class DeepseekV3Policy(MoEDecoderPolicy):
-    """`DeepseekV3Model`: the dense first layers' MLPs and every MoE block's shared experts (`DeepseekV3MLP`)
-    tensor-parallel, routed experts expert-parallel. Multi-head latent attention stays replicated over tp: its
-    low-rank k/v projection also yields the rotary key shared by all heads, so splitting heads would leave that
-    path with partial gradients mixed into full ones; cx keeps it whole rather than risk a wrong gradient."""
+    """`DeepseekV3Model`: multi-head latent attention split by heads, the dense first layers' MLPs and every MoE
+    block's shared experts (`DeepseekV3MLP`) tensor-parallel, routed experts expert-parallel.
+
+    In MLA the per-head projections (`q_proj` or `q_b_proj`, `kv_b_proj`) are column-parallel and `o_proj` row-parallel,
+    while the low-rank projections and their norms (`q_a_proj`, `q_a_layernorm`, `kv_a_proj_with_mqa`,
+    `kv_a_layernorm`) stay replicated: `kv_a_proj_with_mqa` also yields the rotary key shared by all heads. Inside
+    the attention every gradient is therefore this rank's heads' share: the replicated parameters' gradients are
+    summed over tp, the column layers skip their own input reduction, and one all-reduce at the attention input
+    (the shared block reduction) makes the input gradient whole."""
 
     decoder_layer = "DeepseekV3DecoderLayer"
     dense_mlp = "DeepseekV3MLP"
     experts_field = "n_routed_experts"
-    attention_tp = False
+    attention_replicated = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+    attention_inner_columns = ("q_b_proj", "kv_b_proj")
+
+    def check_attention(self) -> None:
+        """MLA expands its latent keys/values to one head per query head: only the query heads must divide."""
+        config = self.hf_config
+        check_divisible(self.model, "num_attention_heads", config.num_attention_heads, self.tp_size)
+
+    def attention_replacements(self) -> list[SubModuleReplacementDescription]:
+        def column(name: str) -> SubModuleReplacementDescription:
+            return SubModuleReplacementDescription(f"self_attn.{name}", Linear1D_Col, ignore_if_not_exist=True)
+
+        return [
+            column("q_proj"),  # without q_lora_rank
+            column("q_b_proj"),  # with q_lora_rank
+            column("kv_b_proj"),
+            SubModuleReplacementDescription("self_attn.o_proj", Linear1D_Row),
+        ]
 
 
 class DeepseekV3ForCausalLMPolicy(_CausalLM, DeepseekV3Policy):
