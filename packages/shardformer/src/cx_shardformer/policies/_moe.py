@@ -11,10 +11,10 @@ gradients need no TP reduction. Tensor parallelism inside experts is not impleme
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from cx_moe import expert_parallelize_hf
@@ -128,7 +128,6 @@ class MoEDecoderPolicy(HFDecoderPolicy):
         self.share_input_reduction()
         self.apply_switches()
         return self.model
-
 
     def _finish_attention(self) -> None:
         group = self.shard_config.tensor_parallel_process_group
