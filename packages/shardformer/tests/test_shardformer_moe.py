@@ -16,7 +16,7 @@ from torch import nn
 
 from cx_mesh import ProcessGroupMesh
 from cx_mesh.testing import distributed
-from cx_moe import get_moe_info
+from cx_moe import get_moe_info, pooled_load_balancing_loss
 from cx_shardformer import ShardConfig, ShardFormer, get_shard_spec
 from cx_shardformer.policies import MixtralForCausalLMPolicy, get_autopolicy
 from shardformer_helpers import assert_close, full_grad, full_value
@@ -85,6 +85,11 @@ def tokens(seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(200 + seed))
 
 
+def _pooled_aux(router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    probs = [torch.softmax(logits, dim=-1) for logits in router_logits]
+    return pooled_load_balancing_loss(probs, [p.topk(2).indices for p in probs], 4)
+
+
 def compare_grads(model: nn.Module, reference: nn.Module, what: str, tp_group: Any = None) -> None:
     """Every gradient: TP shards gathered to full size, expert slices against the reference's rows."""
     ref_params = dict(reference.named_parameters())
@@ -143,14 +148,20 @@ def test_shardformer_moe_policy_matches_unsharded(rank: int, world_size: int, fa
     ids = tokens(0)
     out = model(input_ids=ids, labels=ids)
     ref_out = reference(input_ids=ids, labels=ids)
+    loss, ref_loss = out.loss, ref_out.loss
     if family != "deepseek_v3":
         assert out.aux_loss is not None
         assert float(out.aux_loss) > 0
         assert_close(out.aux_loss, ref_out.aux_loss.detach(), f"{family} aux loss")
-    assert_close(out.loss, ref_out.loss.detach(), f"{family} ep{ep} loss")
+    else:  # transformers adds no aux loss for DeepSeek-V3: a pooled one from the router logits, as cx-moe's tests do
+        for got, want in zip(out.router_logits, ref_out.router_logits, strict=True):
+            assert_close(got, want.detach(), f"{family} router logits")
+        loss = loss + 0.05 * _pooled_aux(out.router_logits)
+        ref_loss = ref_loss + 0.05 * _pooled_aux(ref_out.router_logits)
+    assert_close(loss, ref_loss.detach(), f"{family} ep{ep} loss")
     assert_close(full_logits(out.logits, True)[..., :VOCAB], ref_out.logits.detach(), f"{family} logits")
-    out.loss.backward()
-    ref_out.loss.backward()
+    loss.backward()
+    ref_loss.backward()
     compare_grads(model, reference, f"{family} tp2 ep{ep}")
     optimizer.step()
     ref_optimizer.step()
@@ -187,8 +198,8 @@ def test_shardformer_moe_tp2_ep2_four_ranks(rank: int, world_size: int) -> None:
 
 @distributed(world_size=2)
 def test_shardformer_moe_policy_errors(rank: int, world_size: int) -> None:
-    """Unsupported options raise before the model changes: sequence parallelism, experts tensor-parallel, and an
-    ep size that does not divide the experts (checked on every rank)."""
+    """Unsupported options raise before the model changes: sequence parallelism, experts tensor-parallel, an ep size
+    that does not divide the experts (checked on every rank), and an ep group given for a dense model."""
     assert isinstance(get_autopolicy(build("mixtral")), MixtralForCausalLMPolicy)
     model = build("mixtral")
     sp = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all")
@@ -205,4 +216,9 @@ def test_shardformer_moe_policy_errors(rank: int, world_size: int) -> None:
     )
     with pytest.raises(ValueError, match="num_local_experts=3 is not divisible by the ep size 2"):
         ShardFormer(ShardConfig(ep_group=dist.group.WORLD)).optimize(odd)
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**{k: v for k, v in COMMON.items() if "router" not in k}, intermediate_size=8)
+    )
+    with pytest.raises(ValueError, match="without expert parallelism; ep_group has 2 ranks"):
+        ShardFormer(ShardConfig(ep_group=dist.group.WORLD)).optimize(llama)  # a dense model: nothing to split
     assert get_shard_spec(dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]) is None

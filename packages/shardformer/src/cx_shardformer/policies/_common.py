@@ -8,6 +8,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -100,6 +101,15 @@ class HFDecoderPolicy(Policy):
         if config is None:
             raise TypeError(f"{type(self).__name__}: {type(self.model).__name__} has no Hugging Face config")
         return config
+
+    def reject_expert_parallelism(self) -> None:
+        """Dense policies: an ep group of more than one rank would be ignored, so it raises instead."""
+        group = self.shard_config.ep_group
+        if group is not None and dist.get_world_size(group) > 1:
+            raise ValueError(
+                f"{type(self).__name__} shards {type(self.model).__name__} without expert parallelism; ep_group has "
+                f"{dist.get_world_size(group)} ranks (pass ep_group=None, or use an MoE policy)"
+            )
 
     def decoder_layers(self) -> list[nn.Module]:
         layers = get_submodule_or_none(self.model, self.layers_path)
