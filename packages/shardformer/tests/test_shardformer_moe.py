@@ -1,8 +1,8 @@
-"""MoE policies (Mixtral, Qwen3-MoE, DeepSeek-V3; tiny configs, fp32) against the unsharded model on one process:
-tp 2 with experts whole (ep 1) and tp 2 x ep 2 on the same two ranks, then tp 2 x ep 2 on four ranks (ep over the
-data-parallel ranks, each its own batch). Logits, loss with transformers' aux loss (`output_router_logits=True`;
-DeepSeek-V3 has none in transformers), every gradient (expert gradients slice by slice), an AdamW step and the
-state-dict names. Skips without transformers."""
+"""MoE policies (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3; tiny configs, fp32) against the unsharded model on one
+process: tp 2 with experts whole (ep 1) and tp 2 x ep 2 on the same two ranks, then tp 2 x ep 2 on four ranks (ep
+over the data-parallel ranks, each its own batch). Logits, loss with the aux loss (transformers' with
+`output_router_logits=True`; a pooled one for DeepSeek-V3, which has none in transformers), every gradient (expert
+gradients slice by slice), an AdamW step and the state-dict names. Skips without transformers."""
 
 from __future__ import annotations
 
@@ -46,19 +46,21 @@ def build(family: str) -> nn.Module:
             **COMMON, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0
         )
         model = transformers.MixtralForCausalLM(config)
-    elif family == "qwen3_moe":  # layer 0 dense (mlp_only_layers), layer 1 MoE
-        config = transformers.Qwen3MoeConfig(
+    elif family in ("qwen3_moe", "qwen2_moe"):  # layer 0 dense (mlp_only_layers), layer 1 MoE
+        qwen2 = family == "qwen2_moe"  # Qwen2-MoE: q/k/v biases, a gated shared expert
+        extra: dict[str, Any] = {"shared_expert_intermediate_size": 8} if qwen2 else {"head_dim": 8}
+        config = (transformers.Qwen2MoeConfig if qwen2 else transformers.Qwen3MoeConfig)(
             **COMMON,
-            head_dim=8,
+            **extra,
             intermediate_size=16,
             moe_intermediate_size=8,
             num_experts=4,
             num_experts_per_tok=2,
-            norm_topk_prob=True,
+            norm_topk_prob=not qwen2,
             decoder_sparse_step=1,
             mlp_only_layers=[0],
         )
-        model = transformers.Qwen3MoeForCausalLM(config)
+        model = (transformers.Qwen2MoeForCausalLM if qwen2 else transformers.Qwen3MoeForCausalLM)(config)
     else:  # layer 0 dense, layer 1 MoE with a shared expert; MLA with a low-rank query unless "_plain_q"
         config = transformers.DeepseekV3Config(  # multi-head latent attention: as many key/value heads as heads
             **{**COMMON, "num_key_value_heads": 4},
@@ -121,7 +123,7 @@ def compare_values(model: nn.Module, reference: nn.Module, what: str) -> None:
 
 
 @distributed(world_size=2)
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("ep", [1, 2])
 def test_shardformer_moe_policy_matches_unsharded(rank: int, world_size: int, family: str, ep: int) -> None:
     model = build(family)
@@ -137,6 +139,9 @@ def test_shardformer_moe_policy_matches_unsharded(rank: int, world_size: int, fa
     attention = "self_attn.q_proj.weight" if family != "deepseek_v3" else "self_attn.q_b_proj.weight"
     assert get_shard_spec(params[f"model.layers.0.{attention}"]) is not None
     assert get_shard_spec(params["model.layers.0.mlp.gate_proj.weight" if family != "mixtral" else "lm_head.weight"])
+    if family == "qwen2_moe":
+        assert get_shard_spec(params["model.layers.1.mlp.shared_expert.up_proj.weight"]) is not None
+        assert get_shard_spec(params["model.layers.0.self_attn.q_proj.bias"]) is not None
     if family == "deepseek_v3":
         assert get_shard_spec(params["model.layers.1.mlp.shared_experts.up_proj.weight"]) is not None
         assert get_shard_spec(params["model.layers.1.self_attn.kv_b_proj.weight"]) is not None
@@ -199,7 +204,8 @@ def test_shardformer_moe_tp2_ep2_four_ranks(rank: int, world_size: int) -> None:
 @distributed(world_size=2)
 def test_shardformer_moe_policy_errors(rank: int, world_size: int) -> None:
     """Unsupported options raise before the model changes: sequence parallelism, experts tensor-parallel, an ep size
-    that does not divide the experts (checked on every rank), and an ep group given for a dense model."""
+    that does not divide the experts (checked on every rank), a moe-dp group without ep, and an ep group given for a
+    dense model."""
     assert isinstance(get_autopolicy(build("mixtral")), MixtralForCausalLMPolicy)
     model = build("mixtral")
     sp = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all")
@@ -216,6 +222,8 @@ def test_shardformer_moe_policy_errors(rank: int, world_size: int) -> None:
     )
     with pytest.raises(ValueError, match="num_local_experts=3 is not divisible by the ep size 2"):
         ShardFormer(ShardConfig(ep_group=dist.group.WORLD)).optimize(odd)
+    with pytest.raises(ValueError, match="moe_dp_group is used only with expert parallelism"):
+        ShardFormer(ShardConfig(moe_dp_group=dist.group.WORLD)).optimize(model)
     llama = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**{k: v for k, v in COMMON.items() if "router" not in k}, intermediate_size=8)
     )

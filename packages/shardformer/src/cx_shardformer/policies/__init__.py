@@ -11,6 +11,8 @@ from cx_shardformer.policies._moe import (
     MixtralForCausalLMPolicy,
     MixtralPolicy,
     MoEDecoderPolicy,
+    Qwen2MoeForCausalLMPolicy,
+    Qwen2MoePolicy,
     Qwen3MoeForCausalLMPolicy,
     Qwen3MoePolicy,
 )
@@ -23,6 +25,8 @@ __all__ = [
     "MixtralForCausalLMPolicy",
     "MixtralPolicy",
     "MoEDecoderPolicy",
+    "Qwen2MoeForCausalLMPolicy",
+    "Qwen2MoePolicy",
     "Qwen3MoeForCausalLMPolicy",
     "Qwen3MoePolicy",
     "GPT2LMHeadModelPolicy",

@@ -14,6 +14,8 @@ from cx_shardformer.policies._moe import (
     DeepseekV3Policy,
     MixtralForCausalLMPolicy,
     MixtralPolicy,
+    Qwen2MoeForCausalLMPolicy,
+    Qwen2MoePolicy,
     Qwen3MoeForCausalLMPolicy,
     Qwen3MoePolicy,
 )
@@ -29,6 +31,8 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "GPT2LMHeadModel": GPT2LMHeadModelPolicy,
     "MixtralModel": MixtralPolicy,
     "MixtralForCausalLM": MixtralForCausalLMPolicy,
+    "Qwen2MoeModel": Qwen2MoePolicy,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLMPolicy,
     "Qwen3MoeModel": Qwen3MoePolicy,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLMPolicy,
     "DeepseekV3Model": DeepseekV3Policy,

@@ -1,12 +1,13 @@
-"""Checked policies for transformers 5's MoE decoders: Mixtral, Qwen3-MoE and DeepSeek-V3.
+"""Checked policies for transformers 5's MoE decoders: Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3.
 
-Attention is tensor-parallel as in the Llama policy (q/k/v column, o row; whole key/value heads per rank); DeepSeek-V3's
-multi-head latent attention is split by heads too (see `DeepseekV3Policy`). Dense MLPs (Qwen3-MoE's `mlp_only_layers`,
-DeepSeek-V3's first dense layers and its shared experts) are gate/up column, down row. The MoE blocks are made
-expert-parallel over `ShardConfig.ep_group` by cx-moe's `expert_parallelize_hf`, which keeps the router, routing and
-aux loss transformers' own and the parameter names unchanged; with no ep group (or ep size 1) the experts stay whole.
-Experts are replicated over the tensor-parallel group: every TP rank runs the same tokens through them, so their
-gradients need no TP reduction. Tensor parallelism inside experts is not implemented.
+Attention is tensor-parallel as in the Llama policy (q/k/v column, o row; whole key/value heads per rank);
+DeepSeek-V3's multi-head latent attention is split by heads too (see `DeepseekV3Policy`). Dense MLPs (Qwen3-MoE's
+`mlp_only_layers`, Qwen2-MoE's and DeepSeek-V3's shared experts, DeepSeek-V3's first dense layers) are gate/up
+column, down row. The MoE blocks are made expert-parallel over `ShardConfig.ep_group` by cx-moe's
+`expert_parallelize_hf`, which keeps the router, routing and aux loss transformers' own and the parameter names
+unchanged; with no ep group (or ep size 1) the experts stay whole. Experts are replicated over the tensor-parallel
+group: every TP rank runs the same tokens through them, so their gradients need no TP reduction. Tensor parallelism
+inside experts is not implemented.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ __all__ = [
     "MixtralForCausalLMPolicy",
     "MixtralPolicy",
     "MoEDecoderPolicy",
+    "Qwen2MoeForCausalLMPolicy",
+    "Qwen2MoePolicy",
     "Qwen3MoeForCausalLMPolicy",
     "Qwen3MoePolicy",
 ]
@@ -73,6 +76,11 @@ class MoEDecoderPolicy(HFDecoderPolicy):
                     size = int(getattr(module, "intermediate_size"))  # noqa: B009  (transformers' MLP attribute)
                     check_divisible(self.model, "dense MLP intermediate_size", size, self.tp_size)
         check_divisible(self.model, self.experts_field, int(getattr(config, self.experts_field)), self.ep_size, "ep")
+        if self.ep_size == 1 and self.shard_config.moe_dp_group is not None:
+            raise ValueError(
+                f"{name}: moe_dp_group is used only with expert parallelism (an ep_group of more than one rank); "
+                "with the experts whole they are reduced with the dense parameters over the data-parallel group"
+            )
 
     def preprocess(self) -> nn.Module:
         """Experts split over the ep group first: cx-moe checks every block (and the groups, on every ep rank)
@@ -178,6 +186,20 @@ class Qwen3MoePolicy(MoEDecoderPolicy):
 
 class Qwen3MoeForCausalLMPolicy(_CausalLM, Qwen3MoePolicy):
     """`Qwen3MoeForCausalLM`."""
+
+
+class Qwen2MoePolicy(MoEDecoderPolicy):
+    """`Qwen2MoeModel`: GQA attention (q/k/v with biases) tensor-parallel, dense `Qwen2MoeMLP` layers and each MoE
+    block's `shared_expert` (also a `Qwen2MoeMLP`) gate/up column, down row; the sigmoid `shared_expert_gate`
+    stays replicated (it reads the whole block input, so its gradient is whole on every rank)."""
+
+    decoder_layer = "Qwen2MoeDecoderLayer"
+    dense_mlp = "Qwen2MoeMLP"
+    experts_field = "num_experts"
+
+
+class Qwen2MoeForCausalLMPolicy(_CausalLM, Qwen2MoePolicy):
+    """`Qwen2MoeForCausalLM`."""
 
 
 class DeepseekV3Policy(MoEDecoderPolicy):
