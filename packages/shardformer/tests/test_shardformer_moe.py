@@ -177,15 +177,17 @@ def test_shardformer_moe_policy_matches_unsharded(rank: int, world_size: int, fa
 @pytest.mark.slow
 @distributed(world_size=4)
 def test_shardformer_moe_tp2_ep2_four_ranks(rank: int, world_size: int) -> None:
-    """tp 2 within each data-parallel pair, ep 2 over the dp ranks (moe-dp 1): each dp rank its own batch, dense
-    gradients averaged over dp as data parallelism does; the reference trains on both batches (mean loss)."""
-    mesh = ProcessGroupMesh(2, 2, axis_names=("dp", "tp"))
-    tp_group, dp_group = mesh.get_group_along_axis("tp"), mesh.get_group_along_axis("dp")
+    """ColossalAI's MoE plugin mesh (moe_dp 1, ep 2, tp 2; dp = moe_dp x ep): tp 2 within each data-parallel pair,
+    ep 2 over the dp ranks, each dp rank its own batch, dense gradients averaged over dp as data parallelism does
+    (experts over moe-dp, a single rank here); the reference trains on both batches (mean loss)."""
+    mesh = ProcessGroupMesh(1, 2, 2, axis_names=("moe_dp", "ep", "tp"))
+    tp_group, dp_group = mesh.get_group_along_axis("tp"), mesh.get_group_along_axis(["moe_dp", "ep"])
+    ep_group, moe_dp_group = mesh.get_group_along_axis("ep"), mesh.get_group_along_axis("moe_dp")
     dp_rank = dist.get_rank(dp_group)
     for family in ("mixtral", "deepseek_v3_plain_q"):
         model = build(family)
         reference = copy.deepcopy(model)
-        config = ShardConfig(tensor_parallel_process_group=tp_group, ep_group=dp_group)
+        config = ShardConfig(tensor_parallel_process_group=tp_group, ep_group=ep_group, moe_dp_group=moe_dp_group)
         model, _ = ShardFormer(config).optimize(model)
         out = model(input_ids=tokens(dp_rank), labels=tokens(dp_rank))
         ref_losses = [reference(input_ids=tokens(i), labels=tokens(i)).loss for i in range(2)]
@@ -204,8 +206,7 @@ def test_shardformer_moe_tp2_ep2_four_ranks(rank: int, world_size: int) -> None:
 @distributed(world_size=2)
 def test_shardformer_moe_policy_errors(rank: int, world_size: int) -> None:
     """Unsupported options raise before the model changes: sequence parallelism, experts tensor-parallel, an ep size
-    that does not divide the experts (checked on every rank), a moe-dp group without ep, and an ep group given for a
-    dense model."""
+    that does not divide the experts (checked on every rank), and an ep group given for a dense model."""
     assert isinstance(get_autopolicy(build("mixtral")), MixtralForCausalLMPolicy)
     model = build("mixtral")
     sp = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all")
@@ -222,8 +223,6 @@ def test_shardformer_moe_policy_errors(rank: int, world_size: int) -> None:
     )
     with pytest.raises(ValueError, match="num_local_experts=3 is not divisible by the ep size 2"):
         ShardFormer(ShardConfig(ep_group=dist.group.WORLD)).optimize(odd)
-    with pytest.raises(ValueError, match="moe_dp_group is used only with expert parallelism"):
-        ShardFormer(ShardConfig(moe_dp_group=dist.group.WORLD)).optimize(model)
     llama = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**{k: v for k, v in COMMON.items() if "router" not in k}, intermediate_size=8)
     )

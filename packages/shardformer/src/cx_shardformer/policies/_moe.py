@@ -76,11 +76,6 @@ class MoEDecoderPolicy(HFDecoderPolicy):
                     size = int(getattr(module, "intermediate_size"))  # noqa: B009  (transformers' MLP attribute)
                     check_divisible(self.model, "dense MLP intermediate_size", size, self.tp_size)
         check_divisible(self.model, self.experts_field, int(getattr(config, self.experts_field)), self.ep_size, "ep")
-        if self.ep_size == 1 and self.shard_config.moe_dp_group is not None:
-            raise ValueError(
-                f"{name}: moe_dp_group is used only with expert parallelism (an ep_group of more than one rank); "
-                "with the experts whole they are reduced with the dense parameters over the data-parallel group"
-            )
 
     def preprocess(self) -> nn.Module:
         """Experts split over the ep group first: cx-moe checks every block (and the groups, on every ep rank)
