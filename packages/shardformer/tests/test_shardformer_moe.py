@@ -18,13 +18,26 @@ from cx_mesh import ProcessGroupMesh
 from cx_mesh.testing import distributed
 from cx_moe import get_moe_info, pooled_load_balancing_loss
 from cx_shardformer import ShardConfig, ShardFormer, get_shard_spec
-from cx_shardformer.policies import MixtralForCausalLMPolicy, get_autopolicy
+from cx_shardformer.policies import (
+    DeepseekV3ForCausalLMPolicy,
+    MixtralForCausalLMPolicy,
+    MoEDecoderPolicy,
+    Qwen2MoeForCausalLMPolicy,
+    Qwen3MoeForCausalLMPolicy,
+    get_autopolicy,
+)
 from shardformer_helpers import assert_close, full_grad, full_value
 from shardformer_models import full_logits
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 50
+POLICY: dict[str, type[MoEDecoderPolicy]] = {
+    "mixtral": MixtralForCausalLMPolicy,
+    "qwen2_moe": Qwen2MoeForCausalLMPolicy,
+    "qwen3_moe": Qwen3MoeForCausalLMPolicy,
+    "deepseek_v3": DeepseekV3ForCausalLMPolicy,
+}
 COMMON: dict[str, Any] = {
     "vocab_size": VOCAB,
     "hidden_size": 16,
@@ -100,13 +113,10 @@ def compare_grads(model: nn.Module, reference: nn.Module, what: str, tp_group: A
         ref_grad = ref_params[name].grad
         assert ref_grad is not None, f"{what}: reference {name} has no grad"
         info = get_moe_info(param)
-        if info is not None:
+        if info is not None:  # this rank's experts (gathered over tp when they are also tensor-parallel)
             local = info.num_experts // info.ep_size
             ref_grad = ref_grad[info.ep_rank * local : (info.ep_rank + 1) * local]
-            assert param.grad is not None, f"{what}: {name} has no grad"
-            assert_close(param.grad, ref_grad, f"{what}: grad of expert slice {name}")
-        else:
-            assert_close(full_grad(param, tp_group), ref_grad, f"{what}: grad of {name}")
+        assert_close(full_grad(param, tp_group), ref_grad, f"{what}: grad of {name}")
 
 
 def compare_values(model: nn.Module, reference: nn.Module, what: str) -> None:
@@ -117,21 +127,23 @@ def compare_values(model: nn.Module, reference: nn.Module, what: str) -> None:
         if info is not None:
             local = info.num_experts // info.ep_size
             expected = expected[info.ep_rank * local : (info.ep_rank + 1) * local]
-            assert_close(param.detach(), expected, f"{what}: {name}", rtol=1e-4, atol=1e-5)
-        else:
-            assert_close(full_value(param), expected, f"{what}: {name}", rtol=1e-4, atol=1e-5)
+        assert_close(full_value(param), expected, f"{what}: {name}", rtol=1e-4, atol=1e-5)
 
 
 @distributed(world_size=2)
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
-@pytest.mark.parametrize("ep", [1, 2])
-def test_shardformer_moe_policy_matches_unsharded(rank: int, world_size: int, family: str, ep: int) -> None:
+@pytest.mark.parametrize("mode", ["ep1", "ep2", "expert_tp"])
+def test_shardformer_moe_policy_matches_unsharded(rank: int, world_size: int, family: str, mode: str) -> None:
+    """ep1: experts whole (replicated over tp); ep2: experts split over the same two ranks; expert_tp: each expert's
+    intermediate dimension split over tp."""
     model = build(family)
     reference = copy.deepcopy(model)
     names = set(reference.state_dict())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built before TP: TP keeps the Parameter objects
+    ep = 2 if mode == "ep2" else 1
     config = ShardConfig(ep_group=dist.group.WORLD if ep == 2 else None)
-    model, _ = ShardFormer(config).optimize(model)
+    policy = POLICY[family](expert_tensor_parallel=True) if mode == "expert_tp" else None
+    model, _ = ShardFormer(config).optimize(model, policy)
     if ep == 2:  # expert parallelism replaces the expert Parameters: a new optimizer over the model's parameters
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -149,6 +161,7 @@ def test_shardformer_moe_policy_matches_unsharded(rank: int, world_size: int, fa
     experts = params["model.layers.1.mlp.experts.gate_up_proj"]
     assert experts.shape[0] == 4 // ep
     assert (get_moe_info(experts) is not None) == (ep == 2)
+    assert (get_shard_spec(experts) is not None) == (mode == "expert_tp")
 
     ids = tokens(0)
     out = model(input_ids=ids, labels=ids)
@@ -163,14 +176,14 @@ def test_shardformer_moe_policy_matches_unsharded(rank: int, world_size: int, fa
             assert_close(got, want.detach(), f"{family} router logits")
         loss = loss + 0.05 * _pooled_aux(out.router_logits)
         ref_loss = ref_loss + 0.05 * _pooled_aux(ref_out.router_logits)
-    assert_close(loss, ref_loss.detach(), f"{family} ep{ep} loss")
+    assert_close(loss, ref_loss.detach(), f"{family} {mode} loss")
     assert_close(full_logits(out.logits, True)[..., :VOCAB], ref_out.logits.detach(), f"{family} logits")
     loss.backward()
     ref_loss.backward()
-    compare_grads(model, reference, f"{family} tp2 ep{ep}")
+    compare_grads(model, reference, f"{family} tp2 {mode}")
     optimizer.step()
     ref_optimizer.step()
-    compare_values(model, reference, f"{family} tp2 ep{ep} after an AdamW step")
+    compare_values(model, reference, f"{family} tp2 {mode} after an AdamW step")
     assert set(model.state_dict()) == names, "state_dict names changed"
 
 
@@ -179,16 +192,19 @@ def test_shardformer_moe_policy_matches_unsharded(rank: int, world_size: int, fa
 def test_shardformer_moe_tp2_ep2_four_ranks(rank: int, world_size: int) -> None:
     """ColossalAI's MoE plugin mesh (moe_dp 1, ep 2, tp 2; dp = moe_dp x ep): tp 2 within each data-parallel pair,
     ep 2 over the dp ranks, each dp rank its own batch, dense gradients averaged over dp as data parallelism does
-    (experts over moe-dp, a single rank here); the reference trains on both batches (mean loss)."""
+    (experts over moe-dp, a single rank here); the reference trains on both batches (mean loss). Mixtral also with
+    its experts tensor-parallel inside each ep slice."""
     mesh = ProcessGroupMesh(1, 2, 2, axis_names=("moe_dp", "ep", "tp"))
     tp_group, dp_group = mesh.get_group_along_axis("tp"), mesh.get_group_along_axis(["moe_dp", "ep"])
     ep_group, moe_dp_group = mesh.get_group_along_axis("ep"), mesh.get_group_along_axis("moe_dp")
     dp_rank = dist.get_rank(dp_group)
-    for family in ("mixtral", "deepseek_v3_plain_q"):
+    for family, expert_tp in (("mixtral", False), ("deepseek_v3_plain_q", False), ("mixtral", True)):
         model = build(family)
         reference = copy.deepcopy(model)
         config = ShardConfig(tensor_parallel_process_group=tp_group, ep_group=ep_group, moe_dp_group=moe_dp_group)
-        model, _ = ShardFormer(config).optimize(model)
+        policy = MixtralForCausalLMPolicy(expert_tensor_parallel=True) if expert_tp else None
+        model, _ = ShardFormer(config).optimize(model, policy)
+        family = f"{family} (experts tensor-parallel)" if expert_tp else family
         out = model(input_ids=tokens(dp_rank), labels=tokens(dp_rank))
         ref_losses = [reference(input_ids=tokens(i), labels=tokens(i)).loss for i in range(2)]
         ref_loss = sum(ref_losses) / 2
@@ -205,7 +221,8 @@ def test_shardformer_moe_tp2_ep2_four_ranks(rank: int, world_size: int) -> None:
 
 @distributed(world_size=2)
 def test_shardformer_moe_policy_errors(rank: int, world_size: int) -> None:
-    """Unsupported options raise before the model changes: sequence parallelism, experts tensor-parallel, an ep size
+    """Unsupported options raise before the model changes: sequence parallelism, experts tensor-parallel over the
+    ep group itself, an ep size
     that does not divide the experts (checked on every rank), and an ep group given for a dense model."""
     assert isinstance(get_autopolicy(build("mixtral")), MixtralForCausalLMPolicy)
     model = build("mixtral")
@@ -213,11 +230,8 @@ def test_shardformer_moe_policy_errors(rank: int, world_size: int) -> None:
     with pytest.raises(NotImplementedError, match="sequence parallelism is not implemented for MoE"):
         ShardFormer(sp).optimize(model)
 
-    class ExpertTP(MixtralForCausalLMPolicy):
-        expert_tensor_parallel = True
-
-    with pytest.raises(NotImplementedError, match="tensor parallelism inside experts"):
-        ShardFormer(ShardConfig()).optimize(model, ExpertTP())
+    with pytest.raises(ValueError, match="the tp and ep groups to meet only in this rank"):
+        ShardFormer(ShardConfig(ep_group=dist.group.WORLD)).optimize(model, MixtralForCausalLMPolicy(True))
     odd = transformers.MixtralForCausalLM(
         transformers.MixtralConfig(**COMMON, intermediate_size=8, num_local_experts=3, num_experts_per_tok=2)
     )

@@ -5,9 +5,9 @@ DeepSeek-V3's multi-head latent attention is split by heads too (see `DeepseekV3
 `mlp_only_layers`, Qwen2-MoE's and DeepSeek-V3's shared experts, DeepSeek-V3's first dense layers) are gate/up
 column, down row. The MoE blocks are made expert-parallel over `ShardConfig.ep_group` by cx-moe's
 `expert_parallelize_hf`, which keeps the router, routing and aux loss transformers' own and the parameter names
-unchanged; with no ep group (or ep size 1) the experts stay whole. Experts are replicated over the tensor-parallel
-group: every TP rank runs the same tokens through them, so their gradients need no TP reduction. Tensor parallelism
-inside experts is not implemented.
+unchanged; with no ep group (or ep size 1) the experts stay whole. By default experts are replicated over the
+tensor-parallel group: every TP rank runs the same tokens through them, so their gradients need no TP reduction.
+With `expert_tensor_parallel=True` each expert's intermediate dimension is split over tp as well (`_expert_tp`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from cx_shardformer._linear import Linear1D_Col, Linear1D_Row, mark_input_grad_r
 from cx_shardformer._policy import ModulePolicyDescription, SubModuleReplacementDescription
 from cx_shardformer._sharder import get_submodule_or_none
 from cx_shardformer.policies._common import HFDecoderPolicy, check_divisible
+from cx_shardformer.policies._expert_tp import check_expert_tensor_parallel, shard_experts_tensor_parallel
 
 __all__ = [
     "DeepseekV3ForCausalLMPolicy",
@@ -52,8 +53,12 @@ class MoEDecoderPolicy(HFDecoderPolicy):
     attention_replicated: tuple[str, ...] = ()
     attention_inner_columns: tuple[str, ...] = ()
     experts_field = ""
-    # Tensor parallelism inside each expert (ColossalAI's moe_tp) is not implemented: set True to get a clear error.
-    expert_tensor_parallel = False
+
+    def __init__(self, expert_tensor_parallel: bool = False) -> None:
+        """`expert_tensor_parallel=True` also splits every expert's intermediate dimension over the TP group
+        (`_expert_tp`); by default the experts are replicated over tp."""
+        super().__init__()
+        self.expert_tensor_parallel = expert_tensor_parallel
 
     @property
     def ep_size(self) -> int:
@@ -62,8 +67,8 @@ class MoEDecoderPolicy(HFDecoderPolicy):
 
     def config_sanity_check(self) -> None:
         config, name = self.hf_config, type(self.model).__name__
-        if self.expert_tensor_parallel:
-            raise NotImplementedError(f"{name}: tensor parallelism inside experts is not implemented in cx-shardformer")
+        if self.expert_tensor_parallel and not self.shard_config.enable_tensor_parallelism:
+            raise ValueError(f"{name}: expert_tensor_parallel=True needs enable_tensor_parallelism=True")
         if self.shard_config.enable_sequence_parallelism:
             raise NotImplementedError(
                 f"{name}: sequence parallelism is not implemented for MoE policies (the MoE blocks would route "
@@ -76,6 +81,17 @@ class MoEDecoderPolicy(HFDecoderPolicy):
                     size = int(getattr(module, "intermediate_size"))  # noqa: B009  (transformers' MLP attribute)
                     check_divisible(self.model, "dense MLP intermediate_size", size, self.tp_size)
         check_divisible(self.model, self.experts_field, int(getattr(config, self.experts_field)), self.ep_size, "ep")
+        if self.expert_tensor_parallel:
+            check_expert_tensor_parallel(self.model, self.tp_size)
+            ep_group = self.shard_config.ep_group
+            if ep_group is not None and self.ep_size > 1:
+                tp_ranks = dist.get_process_group_ranks(self.shard_config.tensor_parallel_process_group or _world())
+                shared = sorted(set(tp_ranks) & set(dist.get_process_group_ranks(ep_group)))
+                if len(shared) > 1:
+                    raise ValueError(
+                        f"{name}: expert_tensor_parallel needs the tp and ep groups to meet only in this rank (the tp "
+                        f"ranks of an expert must hold the same experts); they share ranks {shared}"
+                    )
 
     def preprocess(self) -> nn.Module:
         """Experts split over the ep group first: cx-moe checks every block (and the groups, on every ep rank)
@@ -128,6 +144,8 @@ class MoEDecoderPolicy(HFDecoderPolicy):
         if self.shard_config.enable_tensor_parallelism:
             self.shard_vocab()
             self._finish_attention()
+            if self.expert_tensor_parallel:
+                shard_experts_tensor_parallel(self.model, self.shard_config.tensor_parallel_process_group)
         self.share_input_reduction()
         self.apply_switches()
         return self.model
@@ -148,6 +166,13 @@ class MoEDecoderPolicy(HFDecoderPolicy):
                 column = get_submodule_or_none(layer, f"{self.attention_name}.{name}")
                 if column is not None:
                     column.register_forward_pre_hook(mark_input)
+
+
+def _world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError("torch.distributed is not initialised")
+    return group
 
 
 class _CausalLM:
