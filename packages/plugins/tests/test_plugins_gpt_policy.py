@@ -1,4 +1,4 @@
-"""cx's reference GPT under ShardFormer at tp 2 (the policy cx-plugins registers), fp32, against the unsharded GPT
+"""cx's reference GPT under ShardFormer at tp 2 and 4 (the policy cx-plugins registers), fp32, against the unsharded GPT
 in the same process: loss, logits and every gradient equal, three AdamW steps with an optimizer built before
 sharding, and a full-size state dict with the unsharded names. Vocabulary 100 is padded (not divisible by 2 * 64)."""
 
@@ -93,3 +93,23 @@ def test_plugins_gpt_policy_errors(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="has no experts"):
         ShardFormer(ShardConfig(ep_group=dist.group.WORLD)).optimize(model)
     assert get_shard_spec(model.lm_head.weight) is None  # untouched
+
+
+@pytest.mark.slow
+@distributed(world_size=4)
+def test_plugins_gpt_policy_tp4_matches_unsharded(rank: int, world_size: int) -> None:
+    """tp 4 (one head per rank): loss and every gradient."""
+    model, reference = GPT(CONFIG, seed=0), GPT(CONFIG, seed=0)
+    ShardFormer(ShardConfig()).optimize(model)
+    assert dict(model.named_parameters())["blocks.0.attention.qkv.weight"].shape == (3 * 32 // 4, 32)
+    ids = _batch(7)
+    loss, ref_loss = model(ids, labels=ids), reference(ids, labels=ids)
+    _close(loss, ref_loss.detach(), "tp4 loss")
+    loss.backward()
+    ref_loss.backward()
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        ref_grad = ref_params[name].grad
+        assert ref_grad is not None, name
+        _close(_full(param, param.grad), ref_grad, f"tp4 grad of {name}")
