@@ -131,9 +131,9 @@ class MoEDecoderPolicy(HFDecoderPolicy):
         ]
 
     def reduction_sharing_blocks(self, layer: nn.Module) -> tuple[str, ...]:
-        """Attention, and the MLP only when it is dense: an MoE block is replicated over tp
-        (its router and experts must not see a summed input gradient), and its shared experts' column layers reduce
-        their own input gradients."""
+        """Attention, and the MLP only when it is dense: an MoE block is replicated over tp (its router and experts
+        must not see a summed input gradient), and its shared experts' column layers reduce their own input
+        gradients."""
         blocks: tuple[str, ...] = (self.attention_name,)
         mlp = get_submodule_or_none(layer, self.mlp_name)
         if mlp is not None and type(mlp).__name__ == self.dense_mlp:
@@ -151,6 +151,9 @@ class MoEDecoderPolicy(HFDecoderPolicy):
         return self.model
 
     def _finish_attention(self) -> None:
+        """Replicated modules inside attention get tp-summed gradients, and the inner column layers skip their own
+        input reduction: both rely on the one all-reduce at the attention input that `share_input_reduction` installs
+        (always, since sequence parallelism, the one case without it, is rejected for MoE policies)."""
         group = self.shard_config.tensor_parallel_process_group
 
         def mark_input(module: nn.Module, args: tuple[Any, ...]) -> None:
