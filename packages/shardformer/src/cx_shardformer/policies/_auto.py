@@ -9,6 +9,16 @@ from torch import nn
 from cx_shardformer._policy import Policy
 from cx_shardformer.policies._gpt2 import GPT2LMHeadModelPolicy, GPT2Policy
 from cx_shardformer.policies._llama import LlamaForCausalLMPolicy, LlamaPolicy
+from cx_shardformer.policies._moe import (
+    DeepseekV3ForCausalLMPolicy,
+    DeepseekV3Policy,
+    MixtralForCausalLMPolicy,
+    MixtralPolicy,
+    Qwen2MoeForCausalLMPolicy,
+    Qwen2MoePolicy,
+    Qwen3MoeForCausalLMPolicy,
+    Qwen3MoePolicy,
+)
 from cx_shardformer.policies._tp_plan import TPPlanPolicy
 
 __all__ = ["POLICIES", "get_autopolicy", "register_policy"]
@@ -19,6 +29,14 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "LlamaForCausalLM": LlamaForCausalLMPolicy,
     "GPT2Model": GPT2Policy,
     "GPT2LMHeadModel": GPT2LMHeadModelPolicy,
+    "MixtralModel": MixtralPolicy,
+    "MixtralForCausalLM": MixtralForCausalLMPolicy,
+    "Qwen2MoeModel": Qwen2MoePolicy,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLMPolicy,
+    "Qwen3MoeModel": Qwen3MoePolicy,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLMPolicy,
+    "DeepseekV3Model": DeepseekV3Policy,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLMPolicy,
 }
 
 

@@ -8,6 +8,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -101,6 +102,15 @@ class HFDecoderPolicy(Policy):
             raise TypeError(f"{type(self).__name__}: {type(self.model).__name__} has no Hugging Face config")
         return config
 
+    def reject_expert_parallelism(self) -> None:
+        """Dense policies: an ep group of more than one rank would be ignored, so it raises instead."""
+        group = self.shard_config.ep_group
+        if group is not None and dist.get_world_size(group) > 1:
+            raise ValueError(
+                f"{type(self).__name__} shards {type(self.model).__name__} without expert parallelism; ep_group has "
+                f"{dist.get_world_size(group)} ranks (pass ep_group=None, or use an MoE policy)"
+            )
+
     def decoder_layers(self) -> list[nn.Module]:
         layers = get_submodule_or_none(self.model, self.layers_path)
         if not isinstance(layers, nn.ModuleList):
@@ -138,6 +148,11 @@ class HFDecoderPolicy(Policy):
                     )
                 setattr(self.model, "loss_function", VocabParallelCausalLMLoss(config))  # noqa: B010  (typed as Module attr)
 
+    def reduction_sharing_blocks(self, layer: nn.Module) -> tuple[str, ...]:
+        """The blocks of one decoder layer whose column layers share one input reduction (all of them read the
+        block input, and the block is tensor-parallel as a whole). Default: attention and MLP."""
+        return (self.attention_name, self.mlp_name)
+
     def share_input_reduction(self) -> None:
         """One backward all-reduce per attention / MLP block input instead of one per column layer (q, k, v; gate,
         up): a pre-hook applies `copy_to_parallel` to the block input and marks it for the column layers. Only
@@ -160,7 +175,7 @@ class HFDecoderPolicy(Policy):
             return args, {**kwargs, "hidden_states": shared}
 
         for layer in self.decoder_layers():
-            for child in (self.attention_name, self.mlp_name):
+            for child in self.reduction_sharing_blocks(layer):
                 block = get_submodule_or_none(layer, child)
                 if block is not None:
                     block.register_forward_pre_hook(hook, with_kwargs=True)

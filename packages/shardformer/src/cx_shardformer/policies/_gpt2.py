@@ -28,6 +28,7 @@ class GPT2Policy(HFDecoderPolicy):
 
     def config_sanity_check(self) -> None:
         config = self.hf_config
+        self.reject_expert_parallelism()
         if getattr(config, "add_cross_attention", False):
             raise NotImplementedError(f"{type(self.model).__name__}: cross-attention GPT-2 is not supported")
         if self.shard_config.enable_tensor_parallelism:

@@ -27,6 +27,7 @@ class LlamaPolicy(HFDecoderPolicy):
 
     def config_sanity_check(self) -> None:
         config = self.hf_config
+        self.reject_expert_parallelism()
         if self.shard_config.enable_tensor_parallelism:
             check_divisible(self.model, "num_attention_heads", config.num_attention_heads, self.tp_size)
             check_divisible(self.model, "num_key_value_heads", config.num_key_value_heads, self.tp_size)

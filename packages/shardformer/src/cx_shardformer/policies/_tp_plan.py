@@ -73,6 +73,7 @@ class TPPlanPolicy(HFDecoderPolicy):
         self.norm_path = f"{prefix}norm"
 
     def config_sanity_check(self) -> None:
+        self.reject_expert_parallelism()
         unsupported = sorted({style for style in self.plan().values() if style not in _SUPPORTED})
         if unsupported and self.shard_config.enable_tensor_parallelism:
             raise NotImplementedError(
