@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
+from cx_checkpoint import GeneralCheckpointIO
 from cx_plugins import lr_scheduler as cx_lr
 
 BASE = 0.1
@@ -184,3 +186,20 @@ def test_version_is_the_installed_distributions() -> None:
     import cx_plugins
 
     assert cx_plugins.__version__ == metadata.version("cx-plugins")
+
+
+@pytest.mark.parametrize("name", sorted(CURVES))
+def test_lr_scheduler_state_survives_a_cx_checkpoint(name: str, tmp_path: Path) -> None:
+    """A scheduler's state is plain data: cx's checkpoint IO stores it as JSON and a rebuilt scheduler resumes."""
+    make, expected = CURVES[name]
+    optimizer = _optimizer()
+    scheduler = make(optimizer)
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+    GeneralCheckpointIO().save_lr_scheduler(scheduler, tmp_path / "scheduler.json")
+    resumed_optimizer = _optimizer()
+    resumed = make(resumed_optimizer)
+    GeneralCheckpointIO().load_lr_scheduler(resumed, tmp_path / "scheduler.json")
+    assert resumed.last_epoch == 5
+    assert resumed.get_last_lr() == pytest.approx([expected(5)], rel=1e-9, abs=1e-12)

@@ -1,8 +1,8 @@
 """The learning-rate curves of ColossalAI's schedulers as closed-form functions of the step.
 
 Each curve is a small frozen dataclass called with the step index (torch's `last_epoch`) and returning the learning
-rate for one parameter group whose base rate is `base`. Being plain data, a curve is saved in the scheduler's
-`state_dict` (torch's `LambdaLR` keeps a callable object's `__dict__`), so a resumed run continues the same curve.
+rate for one parameter group whose base rate is `base`. Scheduler state dicts hold only the position (plain data
+that checkpoints store as JSON); the curve is rebuilt from the constructor's arguments, as for torch's lambdas.
 """
 
 from __future__ import annotations

@@ -60,6 +60,13 @@ class _CurveLR(torch_schedulers.LambdaLR):
         curves = [make(base) for base in _base_rates(optimizer, last_epoch)]
         super().__init__(optimizer, curves, last_epoch=last_epoch)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where the schedule is (plain data, storable as JSON); the curves come from the constructor's arguments,
+        as torch does for function lambdas, so a resumed scheduler is built the same way and then loaded."""
+        state = super().state_dict()
+        state["lr_lambdas"] = [None] * len(self.lr_lambdas)
+        return state
+
 
 def _warmup(steps: int) -> Warmup | None:
     return Warmup(steps) if steps > 0 else None
