@@ -33,6 +33,7 @@ from cx_chunk._states import TensorState, check_transition
 from cx_mesh import (
     ProcessGroup,
     all_gather_flat,
+    all_reduce,
     communication_device,
     get_accelerator,
     reduce_scatter_flat,
@@ -438,7 +439,7 @@ class Chunk:
         comm = communication_device(self.group)
         if self.keep_gathered:
             reduced = buffer.to(comm)
-            dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.group)
+            all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.group)
         else:
             reduced = torch.empty(self.shard_size, dtype=self.dtype, device=comm)
             reduce_scatter_flat(reduced, buffer.to(comm), dist.ReduceOp.SUM, self.group)
@@ -575,7 +576,7 @@ class Chunk:
         """Sum over the extra data-parallel group, divide by the number of replicas, back on the compute device."""
         divisor = self.group_size
         if self.extra_dp_group is not None:
-            dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.extra_dp_group)
+            all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.extra_dp_group)
             divisor *= dist.get_world_size(self.extra_dp_group)
         return reduced.div_(divisor).to(self.compute_device)
 

@@ -27,7 +27,7 @@ from cx_chunk._manager import ChunkManager
 from cx_chunk._memstats import MemoryTracer, MemStats
 from cx_chunk._policy import PlacementPolicy, in_use
 from cx_chunk._trace import StepTrace
-from cx_mesh import communication_device
+from cx_mesh import all_reduce, communication_device
 
 __all__ = ["ChunkScheduler"]
 
@@ -135,6 +135,6 @@ class ChunkScheduler:
         figures = torch.tensor([p.non_model_bytes for p in memstats.periods], dtype=torch.int64)
         if len(figures):
             figures = figures.to(communication_device(self.manager.group))
-            dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.manager.group)
+            all_reduce(figures, op=dist.ReduceOp.MAX, group=self.manager.group)
         chunks = tuple(frozenset(self.manager.chunks_of(p.tensors)) for p in memstats.periods)
         return StepTrace(chunks, tuple(int(v) for v in figures.tolist()))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from cx_mesh import ProcessGroup
+from cx_mesh import ProcessGroup, all_reduce
 from cx_moe._router import TopKRouter
 
 __all__ = ["register_expert_bias_update", "update_expert_bias"]
@@ -37,7 +37,7 @@ def update_expert_bias(module: nn.Module, group: ProcessGroup | None = None) -> 
         return 0
     loads = torch.stack([r.expert_load for r in routers if r.expert_load is not None])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(loads, group=group)
+        all_reduce(loads, group=group)
     for router, load in zip(routers, loads, strict=True):
         assert router.expert_bias is not None
         assert router.expert_load is not None

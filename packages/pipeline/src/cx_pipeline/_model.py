@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cx_mesh import all_reduce
+
 __all__ = ["PipelineModel", "SharedParameter"]
 
 
@@ -32,7 +34,7 @@ class SharedParameter:
             return
         if self.param.grad is None:
             self.param.grad = torch.zeros_like(self.param)
-        dist.all_reduce(self.param.grad, group=self.group)
+        all_reduce(self.param.grad, group=self.group)
 
 
 class PipelineModel(nn.Module):

@@ -15,7 +15,7 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from cx_mesh import ProcessGroup, communication_device
+from cx_mesh import ProcessGroup, all_reduce, communication_device
 
 __all__ = [
     "NormType",
@@ -81,7 +81,7 @@ def reduce_norm(
         if dist.get_world_size(group) == 1:
             continue
         on_device = value.to(communication_device(group))
-        dist.all_reduce(on_device, op=op, group=group)
+        all_reduce(on_device, op=op, group=group)
         value = on_device.cpu()
     result = value[0]
     return result.sqrt() if kind is NormType.TWO else result

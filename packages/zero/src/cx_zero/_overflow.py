@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from cx_mesh import ProcessGroup, communication_device
+from cx_mesh import ProcessGroup, all_reduce, communication_device
 
 __all__ = ["any_across_groups", "has_inf_or_nan"]
 
@@ -27,6 +27,6 @@ def any_across_groups(flag: bool, groups: Sequence[ProcessGroup | None]) -> bool
         if dist.get_world_size(group) == 1:
             continue
         tensor = torch.tensor([1.0 if value else 0.0], device=communication_device(group))
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
         value = bool(tensor.item() > 0)
     return value

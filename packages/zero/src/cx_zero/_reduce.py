@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cx_mesh import ProcessGroup, communication_device, reduce_scatter_flat
+from cx_mesh import ProcessGroup, all_reduce, communication_device, reduce_scatter_flat
 from cx_zero._buckets import Bucket
 from cx_zero._options import ZeroStage
 from cx_zero._partition import ParamShard, padded_flat
@@ -116,7 +116,7 @@ class GroupReducer:
         out = item.out
         if self.extra_group is not None and dist.get_world_size(self.extra_group) > 1:
             out = out.to(communication_device(self.extra_group))
-            dist.all_reduce(out, group=self.extra_group)
+            all_reduce(out, group=self.extra_group)
         out = out.to(device=self.master_device, dtype=self.master_dtype)
         # Views into `out` are kept as they are unless `out` is a row of the whole bucket (stage 1), which must
         # not stay alive for the sake of one row.

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from cx_chunk import AutoPlacementPolicy, Chunk, ChunkManager, Residence, StepTrace
-from cx_mesh import ProcessGroup, communication_device
+from cx_mesh import ProcessGroup, all_reduce, communication_device
 from cx_zero.gemini._shards import ShardEntry
 
 __all__ = ["use_device_margin"]
@@ -25,7 +25,7 @@ __all__ = ["use_device_margin"]
 
 def _agreed_min(value: int, group: ProcessGroup | None) -> int:
     figure = torch.tensor([value], dtype=torch.int64, device=communication_device(group))
-    dist.all_reduce(figure, op=dist.ReduceOp.MIN, group=group)
+    all_reduce(figure, op=dist.ReduceOp.MIN, group=group)
     return int(figure.item())
 
 
