@@ -105,37 +105,27 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         use_async: bool,
     ) -> None:
 
-        def step() -> None:
+        def parts() -> tuple[OptimizerMeta, dict[str, torch.Tensor]]:
             meta, tensors = split_optimizer(optimizer, gather_dtensor)
             scaler = self._scalers.get(optimizer)
-            meta = with_scaler(meta, None if scaler is None else scaler.state_dict())
-            self.save_optimizer_parts(
-                meta,
-                tensors,
-                checkpoint,
-                shard=shard,
-                prefix=prefix,
-                size_per_shard=size_per_shard,
-                use_async=use_async,
-            )
+            return with_scaler(meta, None if scaler is None else scaler.state_dict()), tensors
 
-        self._on_master(step, f"saving the optimizer to {checkpoint}")
+        self._write_parts(parts, checkpoint, shard, prefix, size_per_shard, use_async)
 
     def _write_parts(
         self,
-        meta: OptimizerMeta | None,
-        tensors: dict[str, torch.Tensor],
+        parts: Callable[[], tuple[OptimizerMeta, dict[str, torch.Tensor]]],
         checkpoint: Path,
         shard: bool,
         prefix: str | None,
         size_per_shard: float,
         use_async: bool,
     ) -> None:
-        """The master rank writes an optimizer checkpoint from its parts (`meta` is None elsewhere); all wait, and all
-        raise the same error if it failed."""
+        """The master rank builds the optimizer checkpoint's parts (`parts()` runs there only) and writes them; all
+        wait, and all raise the same error if it failed."""
 
         def step() -> None:
-            assert meta is not None, "the master rank writes the optimizer description"
+            meta, tensors = parts()
             self.save_optimizer_parts(
                 meta,
                 tensors,

@@ -101,8 +101,7 @@ class FSDPCheckpointIO(ReplicatedCheckpointIO):
         use_async: bool,
     ) -> None:
         state = get_optimizer_state_dict(self._module_of(optimizer), optimizer, options=_GATHER)  # collective
-        meta, tensors = zero_state_to_parts(state) if self._coordinator.is_master() else (None, {})
-        self._write_parts(meta, tensors, checkpoint, shard, prefix, size_per_shard, use_async)
+        self._write_parts(lambda: zero_state_to_parts(state), checkpoint, shard, prefix, size_per_shard, use_async)
 
     def _load_replicated_optimizer(
         self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None

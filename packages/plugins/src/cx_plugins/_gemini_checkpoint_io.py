@@ -139,7 +139,7 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
             self._write_optimizer_stream(checkpoint, stream, lambda: meta, prefix, size_per_shard)
             return
         tensors = dict(stream)  # collective; empty except on the saving rank
-        self._write_parts(meta, tensors, checkpoint, shard, prefix, size_per_shard, use_async)
+        self._write_parts(lambda: (meta, tensors), checkpoint, shard, prefix, size_per_shard, use_async)
 
     def _load_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
         meta, tensors = self.load_optimizer_parts(checkpoint, prefix)

@@ -175,8 +175,8 @@ class ZeroCheckpointIO(ShardedOptimizerCheckpointIO):
         if shard and not use_async:
             self._stream_sharded(zero, checkpoint, prefix, size_per_shard)
             return
-        meta, tensors = zero_state_to_parts(zero.state_dict())  # collective: every rank
-        self._write_parts(meta, tensors, checkpoint, shard, prefix, size_per_shard, use_async)
+        state = zero.state_dict()  # collective: every rank
+        self._write_parts(lambda: zero_state_to_parts(state), checkpoint, shard, prefix, size_per_shard, use_async)
 
     def _stream_sharded(
         self, zero: LowLevelZeroOptimizer, checkpoint: Path, prefix: str | None, size_per_shard: float
