@@ -5,6 +5,7 @@ A subclass says which stage managers it runs with, which micro-batch counts it a
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -29,7 +30,7 @@ def _positive_or_none(name: str, value: int | None) -> None:
         raise PipelineConfigError(f"{name} must be a positive integer or None, got {value!r}")
 
 
-class PipelineSchedule:
+class PipelineSchedule(ABC):
     """Base of the schedules: splits the batch, probes the stages once, runs this rank's actions, returns the loss."""
 
     #: Whether the schedule splits each backward into input- and weight-gradient passes.
@@ -66,14 +67,16 @@ class PipelineSchedule:
         self._orders_cache: dict[tuple[int, bool], list[list[Action]]] = {}
 
     # ---- what subclasses define -----------------------------------------------------------------------------------
+    @abstractmethod
     def _check_stage_manager(self, manager: PipelineStageManager) -> None:
-        raise NotImplementedError
+        """Raise `PipelineConfigError` for a stage manager laid out for another schedule."""
 
-    def _check_microbatches(self, num_microbatches: int) -> None:
+    def _check_microbatches(self, num_microbatches: int) -> None:  # noqa: B027 (optional hook: most accept any count)
         """Raise `PipelineConfigError` for a micro-batch count this schedule cannot run."""
 
+    @abstractmethod
     def _orders(self, num_microbatches: int) -> list[list[Action]]:
-        raise NotImplementedError
+        """Every stage's action list for one step (uncached)."""
 
     # ---- shared machinery -----------------------------------------------------------------------------------------
     def orders(self, num_microbatches: int, forward_only: bool = False) -> list[list[Action]]:
