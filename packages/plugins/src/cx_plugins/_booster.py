@@ -24,7 +24,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, CheckpointIO, LoadResult
-from cx_mesh import communication_device, get_accelerator
+from cx_mesh import all_gather_flat, all_reduce, communication_device, get_accelerator
 from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
 from cx_plugins._plugin import Boosted, Plugin
 from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
@@ -104,7 +104,8 @@ class Booster:
         """Backward through the optimizer wrapper, so loss scaling and gradient reduction happen where they must.
 
         In bf16 a NaN or infinite loss on any rank stops every rank here, before the backward, with a
-        `FloatingPointError` naming the step and the ranks (cost: a one-element all-reduce per call in bf16)."""
+        `FloatingPointError` naming the step and the ranks (cost: a one-element all-reduce and a host sync per
+        call, in bf16 only)."""
         if not isinstance(optimizer, OptimizerWrapper):
             raise TypeError(
                 f"booster.backward(loss, optimizer) needs the optimizer booster.boost returned, got a "
@@ -128,14 +129,21 @@ class Booster:
     def _check_finite_loss(self, loss: torch.Tensor, calls: int, optimizer: OptimizerWrapper) -> None:
         """bf16 has no loss scaler to skip a step: a non-finite loss anywhere stops all ranks (chosen over
         silently skipping, since bf16 overflow means the run itself is diverging)."""
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        device = communication_device(None) if distributed else loss.device
+        mine = (~torch.isfinite(loss.detach().float())).any().to(device=device, dtype=torch.float32).reshape(1)
+        flag = mine.clone()
+        if distributed:
+            all_reduce(flag, op=dist.ReduceOp.MAX)  # one element per call; the ranks are named only on failure
+        ranks: list[int] = []
+        if flag.item():
+            if distributed:
+                flags = torch.empty(dist.get_world_size(), dtype=torch.float32, device=device)
+                all_gather_flat(flags, mine)
+                ranks = [r for r, bad in enumerate(flags.tolist()) if bad]
+            else:
+                ranks = [0]
         rank = dist.get_rank() if dist.is_initialized() else 0
-        device = communication_device(None) if dist.is_initialized() else loss.device
-        bad = torch.zeros(world, dtype=torch.float32, device=device)
-        bad[rank] = (~torch.isfinite(loss.detach().float())).any().to(device=device, dtype=torch.float32)
-        if world > 1:
-            dist.all_reduce(bad)
-        ranks = [r for r, flag in enumerate(bad.tolist()) if flag]
         if ranks:
             value = float(loss.detach().float().flatten()[0]) if rank in ranks else math.nan
             step = self._steps.get(optimizer.unwrap(), 0) + 1
