@@ -6,29 +6,24 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from cx_mesh.testing import free_port
+
 pytest.importorskip("transformers")
 
 FLOW = Path(__file__).parent / "colossalai_flows" / "llama_benchmark_flow.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.mark.parametrize("plugin", ["gemini", "low_level_zero"])
 def test_llama_benchmark_style_flow(plugin: str, tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), str(FLOW), plugin, str(tmp_path),
+        "--master_port", str(free_port()), str(FLOW), plugin, str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cx_mesh import ProcessGroupMesh, collective_timeout, launch, launch_from_torch
-from cx_mesh.testing import spawn
+from cx_mesh.testing import free_port, spawn
 
 _SCRIPT = textwrap.dedent(
     """
@@ -35,12 +34,6 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def test_launch_from_torch_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(_SCRIPT)
@@ -53,7 +46,7 @@ def test_launch_from_torch_under_torchrun(tmp_path: Path) -> None:
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(script),
         str(tmp_path),
     ]
@@ -96,7 +89,7 @@ def _launch_explicitly(rank: int, world_size: int, port: int) -> None:
 
 
 def test_launch_explicit_rendezvous() -> None:
-    spawn(_launch_explicitly, 2, _free_port(), init_process_group=False, timeout=60)
+    spawn(_launch_explicitly, 2, free_port(), init_process_group=False, timeout=60)
 
 
 def _launch_with_nccl_on_cpu(rank: int, world_size: int, port: int) -> None:
@@ -109,4 +102,4 @@ def _launch_with_nccl_on_cpu(rank: int, world_size: int, port: int) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without CUDA")
 def test_launch_nccl_without_cuda_falls_back_to_gloo() -> None:
-    spawn(_launch_with_nccl_on_cpu, 2, _free_port(), init_process_group=False, timeout=60)
+    spawn(_launch_with_nccl_on_cpu, 2, free_port(), init_process_group=False, timeout=60)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from cx_checkpoint import GeneralCheckpointIO
+from cx_mesh.testing import free_port
 
 _SAVER = textwrap.dedent(
     """
@@ -51,12 +51,6 @@ def _template() -> nn.Module:
     return nn.Sequential(*[nn.Linear(256, 256) for _ in range(16)])
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.mark.parametrize("plugin", ["torch_ddp", "gemini"])
 def test_plugins_kill_during_booster_save(tmp_path: Path, plugin: str) -> None:
     script = tmp_path / "saver.py"
@@ -65,7 +59,7 @@ def test_plugins_kill_during_booster_save(tmp_path: Path, plugin: str) -> None:
     io = GeneralCheckpointIO()
     for delay in (0.05, 0.13, 0.31):
         process = subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path), plugin, str(_free_port())],
+            [sys.executable, str(script), str(tmp_path), plugin, str(free_port())],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
