@@ -102,7 +102,9 @@ def test_plugins_gemini_bad_arguments(rank: int, world_size: int) -> None:
         GeminiPlugin(use_fp8=True)
     with pytest.raises(ValueError, match=r"unsupported precision 'fp8'"):
         GeminiPlugin(precision="fp8")
-    with pytest.raises(ValueError, match="not divisible by extra_dp_size"):
+    with pytest.raises(
+        ValueError, match=r"is not divisible by extra_dp_size = 3; extra_dp_size can be 1(, 2 or 4| or 2)$"
+    ):
         GeminiPlugin(extra_dp_size=3)
     with pytest.raises(RankMismatchError, match="ranks disagree on GeminiPlugin options"):
         GeminiPlugin(max_norm=1.0 if rank == 1 else 0.0)

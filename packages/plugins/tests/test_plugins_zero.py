@@ -13,6 +13,7 @@ from cx_checkpoint import GeneralCheckpointIO
 from cx_mesh import RankMismatchError
 from cx_mesh.testing import distributed, run_distributed
 from cx_plugins import Booster, LowLevelZeroPlugin
+from cx_plugins._layout import Axis
 from cx_plugins.models import GPT
 from plugins_test_helpers import CONFIG, assert_matches, assert_updates_close, boosted, data, reference, train
 
@@ -56,9 +57,8 @@ def test_plugins_zero_extra_dp_groups_are_contiguous_and_train_like_pytorch(
     plugin = booster.plugin
     assert isinstance(plugin, LowLevelZeroPlugin)
     zero_groups, extra_groups = ([0, 1], [2, 3]), ([0, 2], [1, 3])
-    assert dist.get_process_group_ranks(plugin.layout.zero_group) == list(zero_groups[rank // 2])
-    assert plugin.layout.extra_dp_group is not None
-    assert dist.get_process_group_ranks(plugin.layout.extra_dp_group) == list(extra_groups[rank % 2])
+    assert dist.get_process_group_ranks(plugin.layout.group(Axis.ZERO)) == list(zero_groups[rank // 2])
+    assert dist.get_process_group_ranks(plugin.layout.group(Axis.EXTRA_DP)) == list(extra_groups[rank % 2])
     assert plugin.data_parallel_rank_and_size() == (rank, 4)
     batches = data(STEPS)
     train(rank, world_size, booster, model, optimizer, batches)
@@ -71,7 +71,9 @@ def test_plugins_zero_bad_options(rank: int, world_size: int) -> None:
         LowLevelZeroPlugin(stage=3)
     with pytest.raises(ValueError, match=r"unsupported precision 'fp8'; accepted: 'fp16', 'bf16', 'fp32'"):
         LowLevelZeroPlugin(precision="fp8")
-    with pytest.raises(ValueError, match="not divisible by extra_dp_size"):
+    with pytest.raises(
+        ValueError, match=r"is not divisible by extra_dp_size = 3; extra_dp_size can be 1(, 2 or 4| or 2)$"
+    ):
         LowLevelZeroPlugin(extra_dp_size=3)
     with pytest.raises(ValueError, match="unsupported norm type"):
         LowLevelZeroPlugin(norm_type=1.0)

@@ -27,7 +27,7 @@ from cx_checkpoint import CheckpointIO
 from cx_chunk import MemStats
 from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._gemini_checkpoint_io import GeminiCheckpointIO
-from cx_plugins._layout import ZeroLayout
+from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._precision import Precision
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper, finite_or_raise
@@ -267,7 +267,10 @@ class GeminiPlugin(ZeroPluginBase):
             memstats=memstats,
         )
         assert_same_across_ranks(self.options.fingerprint(), what="GeminiPlugin options")
-        self.layout = ZeroLayout.build(extra_dp_size=extra_dp_size)
+        # ColossalAI's (zero, extra_dp, tp) mesh: zero groups strided across the world
+        self.layout = ParallelLayout.build(
+            [(Axis.ZERO, FILL), (Axis.EXTRA_DP, extra_dp_size), (Axis.TP, 1)], data_axes=(Axis.ZERO, Axis.EXTRA_DP)
+        )
         self._gemini_of: weakref.WeakKeyDictionary[Optimizer, GeminiOptimizer] = weakref.WeakKeyDictionary()
 
     def support_no_sync(self) -> bool:
@@ -296,8 +299,8 @@ class GeminiPlugin(ZeroPluginBase):
             ddp = GeminiDDP(
                 target,
                 **self.options.ddp,
-                zero_group=self.layout.zero_group,
-                extra_dp_group=self.layout.extra_dp_group,
+                zero_group=self.layout.group(Axis.ZERO),
+                extra_dp_group=self.layout.group_or_none(Axis.EXTRA_DP),
                 memstats=self.options.memstats,
                 verbose=self.options.verbose,
             )

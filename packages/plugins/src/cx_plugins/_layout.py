@@ -1,72 +1,165 @@
-"""`ZeroLayout`: the one object that owns a ZeRO plugin's mesh, its axes and its process groups.
+"""`ParallelLayout`: the one object that owns a plugin's mesh, its named axes and its process groups.
 
-Axes, in ColossalAI's order: `zero` (parameters/optimizer sharded), `extra_dp` (replicated data parallelism on top,
-gradients reduced over it a second time) and `tp` (tensor parallelism). Data-parallel rank and size come from here
-and nowhere else.
+Every plugin describes its parallelism as an ordered list of axes with sizes, in ColossalAI's order for that plugin:
 
-The two ZeRO plugins order the axes differently, as ColossalAI's do: Gemini's mesh is `(zero, extra_dp, tp)`
-(its zero groups are strided across the world), LowLevelZero's is `(extra_dp, zero)`, so that its zero groups are
-contiguous ranks (one node) and only the extra_dp reduction crosses nodes.
+| plugin | axes (outermost first) |
+|---|---|
+| GeminiPlugin | (zero, extra_dp, tp) |
+| LowLevelZeroPlugin | (extra_dp, zero): each zero group is a block of contiguous ranks |
+| HybridParallelPlugin | (dp, pp, tp, sp), or (pp, dp, tp, sp) with `dp_outside=False` |
+| MoeHybridParallelPlugin | (moe_dp, pp, ep, tp, sp), or (pp, moe_dp, ep, tp, sp) with `moe_dp_outside=False` |
+
+Sizes are checked before any collective, with an error that names the sizes that would work. Ranks, sizes and groups
+come from here and nowhere else: a plugin asks `layout.size(Axis.TP)`, `layout.group(Axis.DP, Axis.SP)`, and
+`layout.data_rank_and_size()` for the data sharding, never computing a rank by hand.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from cx_mesh import ProcessGroup, ProcessGroupMesh
 
-__all__ = ["ZeroLayout"]
+__all__ = ["FILL", "Axis", "LayoutError", "ParallelLayout", "resolve_sizes"]
 
-ZERO_AXIS, EXTRA_DP_AXIS, TP_AXIS = "zero", "extra_dp", "tp"
+
+class Axis(enum.Enum):
+    """The named axes a cx plugin may split the world along."""
+
+    DP = "dp"
+    PP = "pp"
+    TP = "tp"
+    SP = "sp"
+    EP = "ep"
+    MOE_DP = "moe_dp"
+    ZERO = "zero"
+    EXTRA_DP = "extra_dp"
+
+
+class LayoutError(ValueError):
+    """The requested sizes cannot split the world (raised on every rank, before any collective)."""
+
+
+FILL = -1
+"""A size to be inferred: the world divided by the product of the other sizes (at most one axis)."""
 
 
 @dataclass
-class ZeroLayout:
-    zero_size: int
-    extra_dp_size: int
-    tp_size: int
+class ParallelLayout:
+    """The mesh of one plugin: `axes` in mesh order with their `sizes`; `data_axes` are the axes whose ranks see
+    different data (the data-parallel dimension a dataloader shards over)."""
+
+    axes: tuple[Axis, ...]
+    sizes: tuple[int, ...]
+    data_axes: tuple[Axis, ...]
     mesh: ProcessGroupMesh
-    zero_group: ProcessGroup
-    extra_dp_group: ProcessGroup | None
-    tp_group: ProcessGroup | None
-    extra_dp_outer: bool = False
+    _groups: dict[tuple[Axis, ...], ProcessGroup] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, extra_dp_size: int = 1, tp_size: int = 1, extra_dp_outer: bool = False) -> ZeroLayout:
-        """Split the world into (zero, extra_dp, tp), or (extra_dp, zero, tp) with `extra_dp_outer`; a clear error
-        when the sizes do not divide it."""
-        world = dist.get_world_size()
-        for name, size in (("extra_dp_size", extra_dp_size), ("tp_size", tp_size)):
-            if size < 1:
-                raise ValueError(f"{name} must be a positive integer, got {size}")
-        if world % (extra_dp_size * tp_size):
-            raise ValueError(
-                f"the world size {world} is not divisible by extra_dp_size * tp_size = {extra_dp_size} * {tp_size}"
-            )
-        zero_size = world // (extra_dp_size * tp_size)
-        if extra_dp_outer:
-            mesh = ProcessGroupMesh(extra_dp_size, zero_size, tp_size, axis_names=(EXTRA_DP_AXIS, ZERO_AXIS, TP_AXIS))
-        else:
-            mesh = ProcessGroupMesh(zero_size, extra_dp_size, tp_size, axis_names=(ZERO_AXIS, EXTRA_DP_AXIS, TP_AXIS))
-        return cls(
-            zero_size=zero_size,
-            extra_dp_size=extra_dp_size,
-            tp_size=tp_size,
-            mesh=mesh,
-            zero_group=mesh.get_group_along_axis(ZERO_AXIS),
-            extra_dp_group=mesh.get_group_along_axis(EXTRA_DP_AXIS) if extra_dp_size > 1 else None,
-            tp_group=mesh.get_group_along_axis(TP_AXIS) if tp_size > 1 else None,
-            extra_dp_outer=extra_dp_outer,
-        )
+    def build(
+        cls, axes: Sequence[tuple[Axis, int]], data_axes: Sequence[Axis], world_size: int | None = None
+    ) -> ParallelLayout:
+        """Split the world along `axes` (outermost first); one size may be `FILL` (-1) to take what is left.
+
+        Collective only in the process groups it later creates; the size check itself is local, so a bad size
+        raises the same `LayoutError` on every rank without any communication.
+        """
+        names = [axis for axis, _ in axes]
+        if len(set(names)) != len(names):
+            raise LayoutError(f"an axis appears twice in {[a.value for a in names]}")
+        unknown = [a.value for a in data_axes if a not in names]
+        if unknown:
+            raise LayoutError(f"data axes {unknown} are not axes of the layout {[a.value for a in names]}")
+        world = dist.get_world_size() if world_size is None else world_size
+        sizes = resolve_sizes(axes, world)
+        mesh = ProcessGroupMesh(*sizes, axis_names=tuple(a.value for a in names))
+        return cls(axes=tuple(names), sizes=sizes, data_axes=tuple(data_axes), mesh=mesh)
+
+    # ---- sizes and coordinates ----------------------------------------------------------------------------
+    def size(self, *axes: Axis) -> int:
+        """The product of the sizes of `axes` (1 for an axis the layout does not have)."""
+        return math.prod(self.sizes[self.axes.index(a)] if a in self.axes else 1 for a in axes)
+
+    def rank(self, *axes: Axis) -> int:
+        """This rank's coordinate along `axes` taken together (row-major in the given order; 0 for absent axes)."""
+        index = 0
+        for axis in axes:
+            index = index * self.size(axis) + (self.mesh.coordinate(axis.value) if axis in self.axes else 0)
+        return index
 
     @property
-    def dp_size(self) -> int:
-        return self.zero_size * self.extra_dp_size
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
 
-    @property
-    def dp_rank(self) -> int:
-        """The rank among data-parallel replicas (ranks differing only in tp share it), in the mesh's own order."""
-        zero, extra = self.mesh.coordinate(ZERO_AXIS), self.mesh.coordinate(EXTRA_DP_AXIS)
-        return extra * self.zero_size + zero if self.extra_dp_outer else zero * self.extra_dp_size + extra
+    # ---- groups ---------------------------------------------------------------------------------------------
+    def group(self, *axes: Axis) -> ProcessGroup:
+        """This rank's group spanning `axes` (collective on first use, then cached); axes the layout does not have
+        are ignored, and at least one must be present."""
+        present = tuple(a for a in axes if a in self.axes)
+        if not present:
+            raise LayoutError(f"none of {[a.value for a in axes]} is an axis of {[a.value for a in self.axes]}")
+        cached = self._groups.get(present)
+        if cached is None:
+            cached = self.mesh.get_group_along_axis([self.axes.index(a) for a in present])
+            self._groups[present] = cached
+        return cached
+
+    def group_or_none(self, *axes: Axis) -> ProcessGroup | None:
+        """The group along `axes`, or None when they span one rank (no communication needed)."""
+        return self.group(*axes) if self.size(*axes) > 1 else None
+
+    def ranks(self, *axes: Axis) -> list[int]:
+        """The global ranks of this rank's group along `axes`."""
+        return self.mesh.get_ranks_in_group(self.group(*axes))
+
+    # ---- data ---------------------------------------------------------------------------------------------
+    def data_rank_and_size(self) -> tuple[int, int]:
+        """(rank, size) along the data axes, in mesh order: ranks differing only in other axes share data."""
+        ordered = tuple(a for a in self.axes if a in self.data_axes)
+        return self.rank(*ordered), self.size(*ordered)
+
+    def describe(self) -> str:
+        return " x ".join(f"{a.value}={s}" for a, s in zip(self.axes, self.sizes, strict=True))
+
+
+def resolve_sizes(axes: Sequence[tuple[Axis, int]], world: int) -> tuple[int, ...]:
+    """The sizes with `FILL` resolved; a `LayoutError` naming the sizes that would work when they do not fit."""
+    fill = [axis for axis, size in axes if size == FILL]
+    if len(fill) > 1:
+        raise LayoutError(f"at most one axis size can be inferred, got {[a.value for a in fill]}")
+    for axis, size in axes:
+        if size != FILL and (not isinstance(size, int) or size < 1):
+            raise LayoutError(f"{axis.value}_size must be a positive integer, got {size!r}")
+    fixed = [(axis, size) for axis, size in axes if size != FILL]
+    product = math.prod(size for _, size in fixed)
+    if world % product or (not fill and world != product):
+        raise LayoutError(_explain(fixed, world, exact=not fill))
+    return tuple(world // product if size == FILL else size for _, size in axes)
+
+
+def _explain(fixed: Sequence[tuple[Axis, int]], world: int, exact: bool) -> str:
+    """E.g. "the world size 8 is not divisible by tp*pp = 2*3 = 6; pp can be 1, 2 or 4 (with tp=2)"."""
+    shown = [(a, s) for a, s in fixed if s > 1] or list(fixed[:1])
+    product = math.prod(s for _, s in shown)
+    relation = "equal to" if exact else "divisible by"
+    if len(shown) == 1:
+        message = f"the world size {world} is not {relation} {shown[0][0].value}_size = {product}"
+    else:
+        names, values = "*".join(a.value for a, _ in shown), "*".join(str(s) for _, s in shown)
+        message = f"the world size {world} is not {relation} {names} = {values} = {product}"
+    if shown:
+        axis = max(shown, key=lambda item: item[1])[0]
+        others = [(a, s) for a, s in shown if a is not axis]
+        rest = math.prod(s for _, s in others)
+        if world % rest == 0:
+            left = world // rest
+            options = [d for d in range(1, left + 1) if left % d == 0 and (not exact or d == left)]
+            listed = ", ".join(str(d) for d in options[:-1]) + (" or " if len(options) > 1 else "") + str(options[-1])
+            context = f" (with {', '.join(f'{a.value}_size={s}' for a, s in others)})" if others else ""
+            message += f"; {axis.value}_size can be {listed}{context}"
+    return message

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import CheckpointIO
 from cx_mesh import assert_same_across_ranks, get_accelerator
-from cx_plugins._layout import ZeroLayout
+from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._precision import Precision
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
@@ -127,7 +127,9 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         )
         assert_same_across_ranks(self.options, what="LowLevelZeroPlugin options")
         # ColossalAI's (extra_dp, zero) mesh: each zero group is a block of contiguous ranks
-        self.layout = ZeroLayout.build(extra_dp_size=extra_dp_size, extra_dp_outer=True)
+        self.layout = ParallelLayout.build(
+            [(Axis.EXTRA_DP, extra_dp_size), (Axis.ZERO, FILL)], data_axes=(Axis.EXTRA_DP, Axis.ZERO)
+        )
         # Which ZeRO optimizer serves a user's torch optimizer, and which module each one trains (for checkpoint IO).
         self._zero_of: weakref.WeakKeyDictionary[Optimizer, LowLevelZeroOptimizer] = weakref.WeakKeyDictionary()
         self._owner_of: weakref.WeakKeyDictionary[LowLevelZeroOptimizer, weakref.ref[nn.Module]] = (
@@ -169,8 +171,8 @@ class LowLevelZeroPlugin(ZeroPluginBase):
                 overlap_communication=o.overlap_communication,
                 partition_grad=o.stage == 2,
                 cpu_offload=o.cpu_offload,
-                dp_process_group=self.layout.zero_group,
-                extra_dp_group=self.layout.extra_dp_group,
+                dp_process_group=self.layout.group(Axis.ZERO),
+                extra_dp_group=self.layout.group_or_none(Axis.EXTRA_DP),
                 master_weights=o.master_weights,
                 overlap_allgather=o.overlap_allgather,
                 module=model.unwrap(),

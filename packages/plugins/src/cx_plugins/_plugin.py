@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from cx_checkpoint import CheckpointIO
 from cx_mesh import require_initialized
-from cx_plugins._layout import ZeroLayout
+from cx_plugins._layout import ParallelLayout
 from cx_plugins._lora import apply_lora
 from cx_plugins._precision import Precision
 from cx_plugins._wrappers import OptimizerWrapper
@@ -152,10 +152,10 @@ class DPPluginBase(Plugin):
 
 
 class ZeroPluginBase(DPPluginBase):
-    """Shared by the ZeRO plugins: they own precision and device placement, and their `ZeroLayout` (built by the
+    """Shared by the ZeRO plugins: they own precision and device placement, and their `ParallelLayout` (built by the
     subclass as `self.layout`) gives the data-parallel coordinates."""
 
-    layout: ZeroLayout
+    layout: ParallelLayout
 
     def supported_devices(self) -> list[str]:
         return ["cuda", "cpu"]
@@ -170,7 +170,7 @@ class ZeroPluginBase(DPPluginBase):
         return True
 
     def data_parallel_rank_and_size(self) -> tuple[int, int]:
-        return self.layout.dp_rank, self.layout.dp_size
+        return self.layout.data_rank_and_size()
 
 
 class _WorkerSeeder:
