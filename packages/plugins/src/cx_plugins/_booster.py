@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, CheckpointIO, LoadResult
 from cx_mesh import all_gather_flat, all_reduce, communication_device, get_accelerator
 from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
+from cx_plugins._lazy_init import is_lazy, materialize
 from cx_plugins._plugin import Boosted, Plugin
 from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
 from cx_plugins._settings import check_boost_settings
@@ -81,6 +82,8 @@ class Booster:
         """Returns (model, optimizer, criterion, dataloader, lr_scheduler), each ready for distributed training."""
         _refuse_boosted(model, optimizer)
         check_boost_settings(self.plugin, self.mixed_precision.value, optimizer)
+        if is_lazy(model):  # built under LazyInitContext: real values now, before the plugin places or shards them
+            materialize(model)
         boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
             model, optimizer, criterion, dataloader, lr_scheduler
         )
