@@ -41,7 +41,8 @@ from cx_pipeline import (
     ZeroBubbleVPipeScheduler,
     simulate,
 )
-from cx_pipeline._actions import interleaved_order, one_f_one_b_order, zbv_order
+from cx_pipeline._actions import interleaved_order, one_f_one_b_order
+from cx_pipeline._zbv_order import zbv_order
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, MICRO = 8, 128, 4, 1024, 64, 4
 MICROBATCHES = (4, 8)
