@@ -32,10 +32,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from cx_mesh import ProcessGroupMesh
 from cx_mesh.testing import spawn
 from cx_pipeline import (
+    Action,
+    ActionKind,
     InterleavedSchedule,
     OneForwardOneBackwardSchedule,
     PipelineModel,
@@ -44,6 +47,7 @@ from cx_pipeline import (
     simulate,
 )
 from cx_pipeline._actions import interleaved_order, one_f_one_b_order
+from cx_pipeline._simulation import unit_cost
 from cx_pipeline._zbv_order import zbv_order
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, MICRO = 8, 128, 4, 1024, 64, 4
@@ -120,6 +124,24 @@ def _bodies(style: str, p: int, stage: int) -> tuple[list[StageBody], list[int]]
     return [StageBody(per, v == 0, v == virtual_count - 1) for v in virtuals], virtuals
 
 
+def _torch_orders(schedule: Any, world_size: int) -> list[list[Action]] | None:
+    """torch's per-rank compute actions: its multi-stage schedules run their `pipeline_order` (Schedule1F1B runs its
+    own loop, the textbook order; its `pipeline_order` is only a drawing, wrong for rank 1 in torch 2.13)."""
+    if not isinstance(schedule, PipelineScheduleMulti):
+        return None
+    order = schedule.pipeline_order
+    kinds = {"F": ActionKind.FORWARD, "B": ActionKind.BACKWARD, "I": ActionKind.BACKWARD_INPUT}
+    kinds["W"] = ActionKind.BACKWARD_WEIGHT
+    return [
+        [
+            Action(kinds[a.computation_type.value], a.stage_index, a.microbatch_index)
+            for a in order[rank]
+            if a is not None and a.computation_type.value in kinds
+        ]
+        for rank in range(world_size)
+    ]
+
+
 class Case:
     """One (schedule, stage count, micro-batch count): the same stage bodies under cx and under torch."""
 
@@ -163,6 +185,7 @@ class Case:
             torch_schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=_loss)
         first_here = 0 in virtuals
         last_here = num_virtual - 1 in virtuals
+        self.torch_orders = _torch_orders(torch_schedule, world_size)
 
         def run_cx() -> float | None:
             out = cx_schedule.forward_backward_step(cx_model, iter([batch]), cx_criterion, return_loss=True)
@@ -212,6 +235,7 @@ class Case:
             "interleaved": lambda: interleaved_order(p, 2, m),
             "zbv": lambda: zbv_order(p, m),
         }[self.style]()
+        torch_orders = self.torch_orders or orders  # torch's Schedule1F1B: the same textbook order
         ratios = (wall[0] / wall[1]).tolist()
         per_repeat = [statistics.median(ratios[i : i + STEPS]) for i in range(0, len(ratios), STEPS)]
         quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
@@ -233,6 +257,10 @@ class Case:
             "torch_bubble": bubble[1],
             "theory_1f1b": (p - 1) / (m + p - 1),
             "simulated": simulate(orders, self.num_virtual).bubble_fraction,
+            "orders": {
+                name: [[[a.kind.value, a.virtual_stage, a.microbatch] for a in o] for o in value]
+                for name, value in (("cx", orders), ("torch", torch_orders))
+            },
             "loss_cx": self.losses["cx"],
             "loss_torch": self.losses["torch"],
         }
@@ -260,12 +288,15 @@ def _worker(rank: int, world_size: int, out: str) -> None:
     results = [case.summary(rank, world_size) for case in cases]
     if rank == 0:
         for result in results:
-            print(json.dumps(result), flush=True)
+            print(json.dumps({k: v for k, v in result.items() if k != "orders"}), flush=True)
         Path(out).write_text(json.dumps(results))
 
 
 def main() -> None:
+    from bench_actions import cost_model, measure_costs  # it imports this module's model
+
     print(f"load average at the start: {os.getloadavg()}")
+    costs = measure_costs(5 if os.environ.get("CX_BENCH_SMOKE") else 30)
     rows = []
     worlds = tuple(int(w) for w in os.environ.get("CX_BENCH_WORLDS", "2,4").split(","))
     for world_size in worlds:
@@ -287,6 +318,23 @@ def main() -> None:
             f"{r['cx_cpu_ms'] / r['torch_cpu_ms']:.2f} | {r['cx_bubble']:.2f} | {r['torch_bubble']:.2f} | "
             f"{r['theory_1f1b']:.2f} | {r['simulated']:.2f} |"
         )
+    print()
+    print("Simulated bubble of each order (cx's and torch's action lists run by `cx_pipeline.simulate`): unit-time")
+    print("actions, and the per-action costs measured by bench_actions.py (ms):", json.dumps(costs))
+    print()
+    print("| stages | micro-batches | schedule | 1F1B theory | cx unit | torch unit | cx measured | torch measured | "
+          "same order |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        nv = r["stages"] * (1 if r["style"] == "1f1b" else 2)
+        cells = []
+        for cost in (unit_cost, cost_model(costs, nv)):
+            for name in ("cx", "torch"):
+                orders = [[Action(ActionKind(k), v, mb) for k, v, mb in o] for o in r["orders"][name]]
+                cells.append(f"{simulate(orders, nv, cost).bubble_fraction:.3f}")
+        same = "yes" if r["orders"]["cx"] == r["orders"]["torch"] else "no"
+        row = f"| {r['stages']} | {r['microbatches']} | {r['style']} | {r['theory_1f1b']:.3f} | {' | '.join(cells)} |"
+        print(f"{row} {same} |")
     print(f"load average at the end: {os.getloadavg()}")
     for r in rows:
         if r["loss_cx"] is not None and r["loss_torch"] is not None:
