@@ -47,12 +47,21 @@ def outgoing(action: Action, num_virtual: int, host: Callable[[int], int]) -> tu
 class StageTransport:
     """Sends and receives the activations and gradients of one rank for one step's schedule."""
 
-    def __init__(self, stage_ranks: list[int], stage: int, group: dist.ProcessGroup, enable_metadata_cache: bool):
+    def __init__(
+        self,
+        stage_ranks: list[int],
+        stage: int,
+        group: dist.ProcessGroup,
+        enable_metadata_cache: bool,
+        overlap: bool = True,
+    ) -> None:
         self._ranks = stage_ranks
         self._stage = stage
         self._group = group
         self.device = communication_device(group)
         self.enable_metadata_cache = enable_metadata_cache
+        #: Post receives ahead of need (`overlap_p2p=True`); otherwise each is posted and waited for when needed.
+        self.overlap = overlap
         self.act_meta: dict[int, TreeMeta] = {}  # destination virtual stage -> metadata of what it receives
         self._expected: dict[int, list[Message]] = {}
         self._inbox: dict[Message, Any] = {}
@@ -153,7 +162,7 @@ class StageTransport:
         receive is posted, and both match receives from one peer in the order they were posted."""
         queue = self._expected.get(stage)
         posted = self._posted.setdefault(stage, [])
-        while queue and len(posted) < RECV_WINDOW:
+        while self.overlap and queue and len(posted) < RECV_WINDOW:
             message = queue[0]
             kind, virtual, _ = message
             if kind == "act":

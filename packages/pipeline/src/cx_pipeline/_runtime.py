@@ -64,7 +64,8 @@ class StepRunner:
         each chunk's last (so each parameter is reduced once per step), or all of them when `defer_all_reductions`.
 
         Weight-gradient passes (`W`) send nothing, so moving one earlier changes no channel's message order: when the
-        next action would wait for a neighbour's message that has not arrived, a pending `W` runs first.
+        next action would wait for a neighbour's message that has not arrived, a pending `W` runs first (only with
+        overlapped p2p, where a posted receive can be polled; without, the order runs as listed).
         """
         no_sync = no_sync_context(self.optimizer)
         remaining: dict[int, int] = {}
@@ -95,7 +96,7 @@ class StepRunner:
         for index, action in enumerate(actions):
             if action in done:
                 continue
-            waiting = self._awaited(action)
+            waiting = self._awaited(action) if self.transport.overlap else None
             if waiting is not None:
                 for later in actions[index + 1 :]:
                     if self.transport.ready(*waiting):

@@ -46,12 +46,6 @@ class PipelineSchedule(ABC):
     ) -> None:
         _positive_or_none("num_microbatches", num_microbatches)
         _positive_or_none("microbatch_size", microbatch_size)
-        if not overlap_p2p:
-            raise PipelineConfigError(
-                "overlap_p2p=False is not supported: cx's pipeline runtime always sends asynchronously (isend, waited "
-                "for at the end of the step) and receives in the senders' order; waiting for each send before the "
-                "next action would deadlock 1F1B's steady state, where neighbours send to each other at once"
-            )
         if num_microbatches is None and microbatch_size is None:
             raise PipelineConfigError("give num_microbatches or microbatch_size (num_microbatches wins when both are)")
         self.stage_manager = stage_manager
@@ -61,7 +55,11 @@ class PipelineSchedule(ABC):
         self.overlap_p2p = overlap_p2p
         self._check_stage_manager(stage_manager)
         self._transport = StageTransport(
-            stage_manager.stage_ranks, stage_manager.stage, stage_manager.pp_group, enable_metadata_cache
+            stage_manager.stage_ranks,
+            stage_manager.stage,
+            stage_manager.pp_group,
+            enable_metadata_cache,
+            overlap=overlap_p2p,
         )
         self._probed: str | None = None
         self._orders_cache: dict[tuple[int, bool], list[list[Action]]] = {}

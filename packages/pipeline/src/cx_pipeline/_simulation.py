@@ -26,11 +26,13 @@ def unit_cost(action: Action) -> float:
 
 @dataclass(frozen=True)
 class SimulationResult:
-    """One simulated step: its makespan, per stage the busy time and the peak of live forward activations."""
+    """One simulated step: its makespan, per stage the busy time, the peak of live forward activations and when
+    each action started (the timeline drawn in docs/pipeline.md)."""
 
     makespan: float
     busy: tuple[float, ...]
     peak_live: tuple[int, ...]
+    starts: tuple[tuple[tuple[float, Action], ...], ...]
 
     @property
     def bubble_fraction(self) -> float:
@@ -69,6 +71,7 @@ def simulate(orders: list[list[Action]], num_virtual: int, cost: ActionCost = un
     busy = [0.0] * len(orders)
     live = [0] * len(orders)
     peak = [0] * len(orders)
+    starts: list[list[tuple[float, Action]]] = [[] for _ in orders]
     remaining = sum(len(actions) for actions in orders)
     while remaining:
         progressed = False
@@ -83,6 +86,7 @@ def simulate(orders: list[list[Action]], num_virtual: int, cost: ActionCost = un
                     start = max(start, min(done))
                 else:
                     took = cost(action)
+                    starts[stage].append((start, action))
                     finish[action] = clock[stage] = start + took
                     busy[stage] += took
                     live[stage] += _live_change(action)
@@ -96,4 +100,4 @@ def simulate(orders: list[list[Action]], num_virtual: int, cost: ActionCost = un
             stuck = {s: orders[s][position[s]] for s in range(len(orders)) if position[s] < len(orders[s])}
             raise RuntimeError(f"pipeline schedule deadlocks: stages wait on {stuck}")
     makespan = max(clock) if orders else 0.0
-    return SimulationResult(makespan, tuple(busy), tuple(peak))
+    return SimulationResult(makespan, tuple(busy), tuple(peak), tuple(tuple(s) for s in starts))
