@@ -76,6 +76,10 @@ class PipelineSchedule(ABC):
     def _orders(self, num_microbatches: int) -> list[list[Action]]:
         """Every stage's action list for one step (uncached)."""
 
+    def _weights_early(self, num_microbatches: int) -> bool:
+        """Whether a rank waiting for a message may run its pending `W`s first (with overlapped p2p)."""
+        return True
+
     # ---- shared machinery -----------------------------------------------------------------------------------------
     def orders(self, num_microbatches: int, forward_only: bool = False) -> list[list[Action]]:
         """Every stage's action list for a step of `num_microbatches` (cached)."""
@@ -170,7 +174,8 @@ class PipelineSchedule(ABC):
             shared_locally |= bool(ids & seen)
             seen |= ids
         defer = (bool(ties) or shared_locally) and no_sync_context(optimizer) is not None
-        runner.run(orders[manager.stage], defer_all_reductions=defer)
+        weights_early = self.overlap_p2p and not forward_only and self._weights_early(count)
+        runner.run(orders[manager.stage], defer_all_reductions=defer, weights_early=weights_early)
         if not forward_only:
             for tie in ties:
                 tie.all_reduce_grad()

@@ -17,7 +17,7 @@ from cx_pipeline._errors import PipelineConfigError
 from cx_pipeline._optimizer import require_split_backward
 from cx_pipeline._schedule import PipelineSchedule
 from cx_pipeline._stage_manager import PipelineStageManager
-from cx_pipeline._zbv_order import zbv_order
+from cx_pipeline._zbv_order import uses_handbuilt_order, zbv_order
 
 __all__ = ["ZeroBubbleVPipeScheduler"]
 
@@ -51,3 +51,6 @@ class ZeroBubbleVPipeScheduler(PipelineSchedule):
 
     def _orders(self, num_microbatches: int) -> list[list[Action]]:
         return zbv_order(self.stage_manager.num_stages, num_microbatches)
+
+    def _weights_early(self, num_microbatches: int) -> bool:
+        return uses_handbuilt_order(self.stage_manager.num_stages, num_microbatches)
