@@ -1,18 +1,19 @@
 """cx-pipeline schedules vs torch.distributed.pipelining's, same model and micro-batches, CPU, gloo.
 
 Run: `OMP_NUM_THREADS=1 .nox/tests/bin/python benchmarks/pipeline/bench_pipeline.py` (about 5 minutes on 2 quiet
-cores; `CX_BENCH_SMOKE=1` for a seconds-long check, `CX_BENCH_WORLDS=2` for one pipeline size, `CX_BENCH_REPEATS`
-for the repeats, default 3). For 2 and 4 stages and each schedule (1F1B, interleaved 1F1B with two chunks per
-stage, zero-bubble V), both systems run the same stage modules (a GPT-like model split by layer) in one set of
-processes, taking turns step by step (cx then torch, then torch then cx, ...), so machine noise hits both alike;
-the repeats go round every case, so a load drift spreads over all of them. Reported per case: median step time
-(forwards and backwards of every micro-batch, then a barrier; no optimizer step; the slowest rank's) of cx and
-torch, the median of their per-round ratios with its quartiles and the median of each repeat, the ratio of the
-ranks' main-thread CPU time (the per-action overhead: Python bookkeeping, p2p posting, metadata, the split
-backward's graph walk), and the bubble fraction 1 - CPU time / step time (a blocking receive sleeps and gloo sends
-on its own threads, so CPU time is the rank's own work). The theoretical 1F1B bubble is (p-1)/(m+p-1); `simulate`
-gives each schedule's bubble with unit-time actions. With 4 ranks on 2 cores, two processes share a core: the
-4-stage figures include that.
+cores; `CX_BENCH_SMOKE=1` for a seconds-long check, `CX_BENCH_WORLDS=2` for one pipeline size,
+`CX_BENCH_STYLES=zbv` for some schedules, `CX_BENCH_REPEATS` for the repeats, default 3). For 2 and 4 stages and
+each schedule (1F1B, interleaved 1F1B with two chunks per stage, zero-bubble V), both systems run the same stage
+modules (a GPT-like model split by layer) in one set of processes, taking turns step by step (cx then torch, then
+torch then cx, ...), so machine noise hits both alike; the repeats go round every case, so a load drift spreads
+over all of them. Reported per case: median step time (forwards and backwards of every micro-batch, then a
+barrier; no optimizer step; the slowest rank's) of cx and torch, the median of their per-round ratios with its
+quartiles and the median of each repeat, the ratio of the ranks' main-thread CPU time (the per-action overhead:
+Python bookkeeping, p2p posting, metadata, the split backward's graph walk), and the bubble fraction 1 - CPU time /
+step time (a blocking receive sleeps and gloo sends on its own threads, so CPU time is the rank's own work). Then
+both systems' action lists are run through `cx_pipeline.simulate` with unit costs and with the per-action costs
+`bench_actions.py` measures (the theoretical 1F1B bubble is (p-1)/(m+p-1)). With 4 ranks on 2 cores, two
+processes share a core: the 4-stage figures include that.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ LAYERS, HIDDEN, HEADS, VOCAB, SEQ, MICRO = 8, 128, 4, 1024, 64, 4
 MICROBATCHES = (4, 8)
 WARMUP, STEPS = 2, 10
 REPEATS = int(os.environ.get("CX_BENCH_REPEATS", "3"))
+STYLES = tuple(os.environ.get("CX_BENCH_STYLES", "1f1b,interleaved,zbv").split(","))
 if os.environ.get("CX_BENCH_SMOKE"):
     LAYERS, HIDDEN, VOCAB, SEQ, MICRO, MICROBATCHES, WARMUP, STEPS, REPEATS = 8, 32, 64, 8, 2, (4,), 1, 2, 2
 
@@ -274,7 +276,7 @@ def _worker(rank: int, world_size: int, out: str) -> None:
     cases = [
         Case(rank, world_size, style, m)
         for m in MICROBATCHES
-        for style in ("1f1b", "interleaved", "zbv")
+        for style in STYLES
         if not (style == "interleaved" and m % world_size)
     ]
     for case in cases:
