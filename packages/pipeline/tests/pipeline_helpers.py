@@ -139,9 +139,10 @@ def build_schedule(
     num_microbatches: int,
     layers_per_stage: list[int] | None = None,
     enable_metadata_cache: bool = True,
+    overlap_p2p: bool = True,
 ) -> tuple[PipelineStageManager, PipelineSchedule]:
     mesh = ProcessGroupMesh(world_size, axis_names=("pp",))
-    options = {"enable_metadata_cache": enable_metadata_cache}
+    options = {"enable_metadata_cache": enable_metadata_cache, "overlap_p2p": overlap_p2p}
     if style == "1f1b":
         manager = PipelineStageManager(mesh, "pp", num_layers_per_stage=layers_per_stage)
         return manager, OneForwardOneBackwardSchedule(manager, num_microbatches=num_microbatches, **options)

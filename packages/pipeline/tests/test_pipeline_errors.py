@@ -130,8 +130,6 @@ def test_schedule_and_stage_manager_must_agree(rank: int, world_size: int) -> No
         ZeroBubbleVPipeScheduler(interleaved, num_microbatch=2)
     with pytest.raises(PipelineConfigError, match="num_microbatches or microbatch_size"):
         OneForwardOneBackwardSchedule(plain)
-    with pytest.raises(PipelineConfigError, match="overlap_p2p=False is not supported"):
-        OneForwardOneBackwardSchedule(plain, num_microbatches=2, overlap_p2p=False)
     with pytest.raises(PipelineConfigError, match="use_zbv needs num_model_chunks=2"):
         PipelineStageManager(mesh, "pp", use_zbv=True, num_model_chunks=3)
     with pytest.raises(PipelineConfigError, match="needs enable_interleave=True"):

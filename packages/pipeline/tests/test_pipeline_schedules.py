@@ -32,12 +32,21 @@ def _run_against_reference(
     tied: bool = False,
     steps: int = 2,
     metadata_cache: bool = True,
+    overlap_p2p: bool = True,
+    release_other_stages: bool = False,
 ) -> None:
     torch.manual_seed(0)
     full = ToyNet(num_layers, tied=tied)
     reference = copy.deepcopy(full)
-    manager, schedule = build_schedule(style, world_size, num_microbatches, layers_per_stage, metadata_cache)
-    model = split_model(full, manager)
+    manager, schedule = build_schedule(
+        style, world_size, num_microbatches, layers_per_stage, metadata_cache, overlap_p2p
+    )
+    model = split_model(full, manager, release_other_stages=release_other_stages)
+    if release_other_stages:  # what other ranks hold has no storage here; what this rank holds is untouched
+        mine = {id(p) for p in model.parameters()}
+        assert mine
+        for name, param in full.named_parameters():
+            assert (param.device.type == "meta") != (id(param) in mine), name
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(steps):
@@ -84,6 +93,16 @@ def test_without_metadata_cache(rank: int, world_size: int, style: str) -> None:
     _run_against_reference(world_size, style, 4, 4, as_dict=True, metadata_cache=False)
 
 
+@distributed(world_size=(2, 4))
+@pytest.mark.parametrize("style", ["1f1b", "interleaved", "zbv"])
+@pytest.mark.parametrize("metadata_cache", [True, False], ids=["cached", "uncached"])
+def test_without_p2p_overlap(rank: int, world_size: int, style: str, metadata_cache: bool) -> None:
+    """overlap_p2p=False: every receive posted and waited for when its action needs it, the order run as listed."""
+    _run_against_reference(
+        world_size, style, world_size, 2 * world_size, as_dict=True, metadata_cache=metadata_cache, overlap_p2p=False
+    )
+
+
 @distributed(world_size=2)
 @pytest.mark.parametrize(
     ("style", "layers_per_stage"),
@@ -98,6 +117,16 @@ def test_explicit_uneven_layers(rank: int, world_size: int, style: str, layers_p
 def test_tied_embeddings_across_first_and_last_stage(rank: int, world_size: int, style: str) -> None:
     """The embedding on the first stage and the head on the last are one value: gradients summed, same update."""
     _run_against_reference(world_size, style, world_size, 2 * world_size, as_dict=True, tied=True, steps=3)
+
+
+@distributed(world_size=(2, 4))
+@pytest.mark.parametrize("style", ["1f1b", "interleaved", "zbv"])
+def test_release_other_stages(rank: int, world_size: int, style: str) -> None:
+    """split_model(..., release_other_stages=True) frees the other ranks' layers (meta device) and trains the same,
+    tied embedding included."""
+    _run_against_reference(
+        world_size, style, world_size, 2 * world_size, as_dict=True, tied=True, release_other_stages=True
+    )
 
 
 @distributed(world_size=2)

@@ -3,16 +3,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from cx_pipeline import PipelineConfigError, merge_microbatches, simulate, split_batch
-from cx_pipeline._actions import interleaved_order, one_f_one_b_order, zbv_order
+from cx_pipeline import Action, ActionKind, PipelineConfigError, merge_microbatches, simulate, split_batch
+from cx_pipeline._actions import interleaved_order, one_f_one_b_order
 from cx_pipeline._backward_split import backward_input
 from cx_pipeline._pytree import TreeMeta, flatten, unflatten
+from cx_pipeline._zbv_order import (
+    greedy_v_order,
+    handbuilt_v_order,
+    uses_handbuilt_order,
+    v_reference_cost,
+    zbv_order,
+)
 
 
 def test_split_and_merge_nested_batches() -> None:
@@ -67,6 +75,67 @@ def test_action_lists_are_deadlock_free(p: int, m: int) -> None:
         assert zbv.bubble_fraction < result.bubble_fraction
     if m % p == 0:
         simulate(interleaved_order(p, 2, m), 2 * p)
+
+
+def test_simulation_with_costs() -> None:
+    # 1F1B, 2 stages, 1 micro-batch, F = 1 and B = 2: F0 F1 B1 B0 run one after the other.
+    result = simulate(one_f_one_b_order(2, 1), 2, lambda a: 1.0 if a.kind is ActionKind.FORWARD else 2.0)
+    assert result.makespan == 6.0
+    assert result.busy == (3.0, 3.0)
+    assert result.bubble_fraction == pytest.approx(0.5)
+    assert result.peak_live == (1, 1)
+    backward_first = [[Action(ActionKind.BACKWARD, 0, 0), Action(ActionKind.FORWARD, 0, 0)], []]
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        simulate(backward_first, 2)
+
+
+def _benchmark_cost(num_virtual: int) -> Callable[[Action], float]:
+    """Per-action milliseconds measured on benchmarks/pipeline's model (2 layers per chunk, one thread): the first
+    virtual stage has the embedding and an empty I, the last one the head and the loss."""
+    first = {ActionKind.FORWARD: 10.0, ActionKind.BACKWARD_INPUT: 0.5, ActionKind.BACKWARD_WEIGHT: 17.0}
+    middle = {ActionKind.FORWARD: 8.4, ActionKind.BACKWARD_INPUT: 10.0, ActionKind.BACKWARD_WEIGHT: 9.0}
+    last = {ActionKind.FORWARD: 14.0, ActionKind.BACKWARD_INPUT: 17.5, ActionKind.BACKWARD_WEIGHT: 16.0}
+
+    def cost(action: Action) -> float:
+        table = first if action.virtual_stage == 0 else last if action.virtual_stage == num_virtual - 1 else middle
+        return table[action.kind]
+
+    return cost
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("build", [handbuilt_v_order, greedy_v_order, zbv_order])
+def test_v_orders_are_complete_and_valid(p: int, m: int, build: Callable[[int, int], list[list[Action]]]) -> None:
+    orders = build(p, m)
+    kinds = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+    for stage, actions in enumerate(orders):
+        expected = {Action(k, v, mb) for k in kinds for v in (stage, 2 * p - 1 - stage) for mb in range(m)}
+        assert len(actions) == len(expected)  # every F, I and W exactly once
+        assert set(actions) == expected
+        position = {a: i for i, a in enumerate(actions)}
+        for a in actions:
+            if a.kind is ActionKind.BACKWARD_WEIGHT:
+                assert position[Action(ActionKind.BACKWARD_INPUT, a.virtual_stage, a.microbatch)] < position[a]
+            if a.kind is not ActionKind.FORWARD and a.microbatch > 0:  # per virtual stage in micro-batch order
+                assert position[Action(a.kind, a.virtual_stage, a.microbatch - 1)] < position[a]
+    result = simulate(orders, 2 * p)  # raises on a deadlock: every cross-stage dependency can be met
+    assert max(result.peak_live) <= 2 * p  # 1F1B's activation memory (2p half-stage chunks)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16])
+def test_v_order_is_no_slower_than_the_greedy_one(p: int, m: int) -> None:
+    """The order cx runs never simulates slower than the greedy order it replaced, under the reference costs and
+    under the benchmark model's measured costs; with at least as many micro-batches as stages it is faster there."""
+    nv = 2 * p
+    chosen, before = zbv_order(p, m), greedy_v_order(p, m)
+    assert simulate(chosen, nv, v_reference_cost).makespan <= simulate(before, nv, v_reference_cost).makespan
+    measured = _benchmark_cost(nv)
+    if m >= p:
+        assert simulate(chosen, nv, measured).makespan < simulate(before, nv, measured).makespan
+    else:
+        assert simulate(chosen, nv, measured).makespan <= simulate(before, nv, measured).makespan
 
 
 def test_split_backward_equals_whole_backward() -> None:
@@ -131,3 +200,18 @@ def test_split_backward_groups_joined_through_a_third_source_do_not_count_twice(
     torch.testing.assert_close(input_grads[0], whole.grad)
     for param, want in zip((p, q), expected, strict=True):
         torch.testing.assert_close(param.grad, want)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16])
+def test_running_weights_early_never_hurts_the_v(p: int, m: int) -> None:
+    """The runtime runs pending W passes while waiting for a message only with the hand-built order; simulated with
+    the benchmark model's costs, that choice never makes the step longer."""
+    nv = 2 * p
+    orders, cost = zbv_order(p, m), _benchmark_cost(nv)
+    as_listed = simulate(orders, nv, cost).makespan
+    as_run = simulate(orders, nv, cost, weights_early=uses_handbuilt_order(p, m)).makespan
+    assert as_run <= as_listed
+    if p in (3, 4) and m >= 2 * p:  # it lets stage 0, which holds both ends of the V, work without a pause
+        assert as_run < as_listed
+        assert as_run == pytest.approx(max(simulate(orders, nv, cost).busy))

@@ -9,7 +9,7 @@
 - Micro-batch helpers `split_batch` / `merge_microbatches`, and the schedule simulator `simulate`.
 """
 
-from cx_pipeline._actions import Action, ActionKind, SimulationResult, simulate
+from cx_pipeline._actions import Action, ActionKind
 from cx_pipeline._errors import PipelineConfigError
 from cx_pipeline._hf import GPT2Splitter, HFDecoderSplitter
 from cx_pipeline._interleaved import InterleavedSchedule
@@ -18,6 +18,7 @@ from cx_pipeline._model import PipelineModel, SharedParameter
 from cx_pipeline._one_f_one_b import OneForwardOneBackwardSchedule
 from cx_pipeline._optimizer import PipelineOptimizer
 from cx_pipeline._schedule import PipelineSchedule
+from cx_pipeline._simulation import SimulationResult, simulate
 from cx_pipeline._splitting import PipelineSplittable, split_model
 from cx_pipeline._stage_manager import PipelineStageManager
 from cx_pipeline._zero_bubble import ZeroBubbleVPipeScheduler

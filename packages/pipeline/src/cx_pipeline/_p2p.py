@@ -26,6 +26,10 @@ from cx_pipeline._pytree import TreeMeta, flatten, unflatten
 __all__ = ["Message", "StageTransport"]
 
 Message = tuple[str, int, int]  # ("act" | "grad", destination virtual stage, micro-batch)
+Posted = tuple[Message, list[dist.Work], list[torch.Tensor], TreeMeta | None]
+#: Receives kept posted ahead of need per neighbour: two lets a neighbour's back-to-back messages (interleaved
+#: warm-up, an activation right after a gradient) both move while this rank computes.
+RECV_WINDOW = 2
 _STATUS_OK = 0
 _STATUS_ERROR = 1
 
@@ -43,18 +47,27 @@ def outgoing(action: Action, num_virtual: int, host: Callable[[int], int]) -> tu
 class StageTransport:
     """Sends and receives the activations and gradients of one rank for one step's schedule."""
 
-    def __init__(self, stage_ranks: list[int], stage: int, group: dist.ProcessGroup, enable_metadata_cache: bool):
+    def __init__(
+        self,
+        stage_ranks: list[int],
+        stage: int,
+        group: dist.ProcessGroup,
+        enable_metadata_cache: bool,
+        overlap: bool = True,
+    ) -> None:
         self._ranks = stage_ranks
         self._stage = stage
         self._group = group
         self.device = communication_device(group)
         self.enable_metadata_cache = enable_metadata_cache
+        #: Post receives ahead of need (`overlap_p2p=True`); otherwise each is posted and waited for when needed.
+        self.overlap = overlap
         self.act_meta: dict[int, TreeMeta] = {}  # destination virtual stage -> metadata of what it receives
         self._expected: dict[int, list[Message]] = {}
         self._inbox: dict[Message, Any] = {}
         self._sent_like: dict[Message, list[torch.Tensor]] = {}  # act message -> tensors whose grads come back
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
-        self._posted: dict[int, tuple[Message, list[dist.Work], list[torch.Tensor], TreeMeta | None]] = {}
+        self._posted: dict[int, list[Posted]] = {}  # per neighbour, in its sending order
 
     # ---- per-step plan --------------------------------------------------------------------------------------------
     def plan(self, orders: list[list[Action]], num_virtual: int, host: Callable[[int], int]) -> None:
@@ -114,7 +127,7 @@ class StageTransport:
 
     def end_step(self) -> None:
         self.wait_all()
-        if self._posted or any(self._expected.values()):
+        if any(self._posted.values()) or any(self._expected.values()):
             raise RuntimeError(f"stage {self._stage} ended a step with messages still expected: {self._expected}")
         self._sent_like = {}
         self._inbox = {}
@@ -144,32 +157,33 @@ class StageTransport:
         return unflatten(meta, leaves)
 
     def _post(self, stage: int) -> None:
-        """Post the receives of the next message from `stage` ahead of need (one message per neighbour), so its
-        transfer overlaps this rank's compute: gloo and NCCL move the data once the receive is posted."""
+        """Post the receives of the next messages from `stage` ahead of need (up to `RECV_WINDOW` per neighbour, in
+        its sending order), so their transfer overlaps this rank's compute: gloo and NCCL move the data once the
+        receive is posted, and both match receives from one peer in the order they were posted."""
         queue = self._expected.get(stage)
-        if stage in self._posted or not queue:
-            return
-        message = queue[0]
-        kind, virtual, _ = message
-        if kind == "act":
-            if not self.enable_metadata_cache:
-                return  # its metadata comes first, in the message itself
-            meta: TreeMeta | None = self.act_meta[virtual]
-            assert meta is not None
-            shapes = [(leaf.shape, leaf.dtype) for leaf in meta.leaves]
-        elif message in self._sent_like:
-            meta = None
-            shapes = [(tuple(t.shape), t.dtype) for t in self._sent_like[message]]
-        else:
-            return
-        queue.pop(0)
-        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
-        works = []
-        for buffer in buffers:
-            work = dist.irecv(buffer, self._ranks[stage], group=self._group)
-            assert work is not None
-            works.append(work)
-        self._posted[stage] = (message, works, buffers, meta)
+        posted = self._posted.setdefault(stage, [])
+        while self.overlap and queue and len(posted) < RECV_WINDOW:
+            message = queue[0]
+            kind, virtual, _ = message
+            if kind == "act":
+                if not self.enable_metadata_cache:
+                    return  # its metadata comes first, in the message itself
+                meta: TreeMeta | None = self.act_meta[virtual]
+                assert meta is not None
+                shapes = [(leaf.shape, leaf.dtype) for leaf in meta.leaves]
+            elif message in self._sent_like:
+                meta = None
+                shapes = [(tuple(t.shape), t.dtype) for t in self._sent_like[message]]
+            else:
+                return  # a gradient for an activation not sent yet: its shapes are not known
+            queue.pop(0)
+            buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
+            works = []
+            for buffer in buffers:
+                work = dist.irecv(buffer, self._ranks[stage], group=self._group)
+                assert work is not None
+                works.append(work)
+            posted.append((message, works, buffers, meta))
 
     def prefetch(self) -> None:
         """Post the next receive from every neighbour that has one pending (see `_post`)."""
@@ -177,9 +191,9 @@ class StageTransport:
             self._post(stage)
 
     def _take_next(self, stage: int) -> None:
-        posted = self._posted.pop(stage, None)
-        if posted is not None:
-            message, works, buffers, meta = posted
+        posted = self._posted.get(stage)
+        if posted:
+            message, works, buffers, meta = posted.pop(0)
             for work in works:
                 work.wait()
             if meta is None:
@@ -188,6 +202,7 @@ class StageTransport:
                 for buffer, leaf in zip(buffers, meta.leaves, strict=True):
                     buffer.requires_grad_(leaf.requires_grad)
                 self._inbox[message] = unflatten(meta, buffers)
+            self._post(stage)  # refill the window before the caller computes with this message
             return
         queue = self._expected.get(stage)
         if not queue:
@@ -208,10 +223,9 @@ class StageTransport:
         """Whether `message` from `stage` can be taken without waiting (already here, or its posted receive done)."""
         while message not in self._inbox:
             posted = self._posted.get(stage)
-            if posted is None or not all(work.is_completed() for work in posted[1]):
+            if not posted or not all(work.is_completed() for work in posted[0][1]):
                 return False
-            self._take_next(stage)  # arrived: keep it, and post the receive of the next one
-            self._post(stage)
+            self._take_next(stage)  # arrived: keep it (the window is refilled)
         return True
 
     def receive(self, stage: int, message: Message) -> Any:

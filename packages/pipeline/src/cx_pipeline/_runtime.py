@@ -59,12 +59,14 @@ class StepRunner:
         return self.manager.locate_virtual_stage(virtual)[0]
 
     # ---- the step ---------------------------------------------------------------------------------------------------
-    def run(self, actions: Sequence[Action], defer_all_reductions: bool) -> None:
+    def run(self, actions: Sequence[Action], defer_all_reductions: bool, weights_early: bool = True) -> None:
         """Run `actions`; with an optimizer that has `no_sync`, every gradient-producing action runs inside it except
         each chunk's last (so each parameter is reduced once per step), or all of them when `defer_all_reductions`.
 
         Weight-gradient passes (`W`) send nothing, so moving one earlier changes no channel's message order: when the
-        next action would wait for a neighbour's message that has not arrived, a pending `W` runs first.
+        next action would wait for a neighbour's message that has not arrived, a pending `W` runs first when
+        `weights_early` (the schedule's choice) and p2p is overlapped (a posted receive can be polled); otherwise the
+        order runs as listed.
         """
         no_sync = no_sync_context(self.optimizer)
         remaining: dict[int, int] = {}
@@ -95,7 +97,7 @@ class StepRunner:
         for index, action in enumerate(actions):
             if action in done:
                 continue
-            waiting = self._awaited(action)
+            waiting = self._awaited(action) if weights_early and self.transport.overlap else None
             if waiting is not None:
                 for later in actions[index + 1 :]:
                     if self.transport.ready(*waiting):

@@ -46,12 +46,6 @@ class PipelineSchedule(ABC):
     ) -> None:
         _positive_or_none("num_microbatches", num_microbatches)
         _positive_or_none("microbatch_size", microbatch_size)
-        if not overlap_p2p:
-            raise PipelineConfigError(
-                "overlap_p2p=False is not supported: cx's pipeline runtime always sends asynchronously (isend, waited "
-                "for at the end of the step) and receives in the senders' order; waiting for each send before the "
-                "next action would deadlock 1F1B's steady state, where neighbours send to each other at once"
-            )
         if num_microbatches is None and microbatch_size is None:
             raise PipelineConfigError("give num_microbatches or microbatch_size (num_microbatches wins when both are)")
         self.stage_manager = stage_manager
@@ -61,7 +55,11 @@ class PipelineSchedule(ABC):
         self.overlap_p2p = overlap_p2p
         self._check_stage_manager(stage_manager)
         self._transport = StageTransport(
-            stage_manager.stage_ranks, stage_manager.stage, stage_manager.pp_group, enable_metadata_cache
+            stage_manager.stage_ranks,
+            stage_manager.stage,
+            stage_manager.pp_group,
+            enable_metadata_cache,
+            overlap=overlap_p2p,
         )
         self._probed: str | None = None
         self._orders_cache: dict[tuple[int, bool], list[list[Action]]] = {}
@@ -77,6 +75,10 @@ class PipelineSchedule(ABC):
     @abstractmethod
     def _orders(self, num_microbatches: int) -> list[list[Action]]:
         """Every stage's action list for one step (uncached)."""
+
+    def _weights_early(self, num_microbatches: int) -> bool:
+        """Whether a rank waiting for a message may run its pending `W`s first (with overlapped p2p)."""
+        return True
 
     # ---- shared machinery -----------------------------------------------------------------------------------------
     def orders(self, num_microbatches: int, forward_only: bool = False) -> list[list[Action]]:
@@ -172,7 +174,8 @@ class PipelineSchedule(ABC):
             shared_locally |= bool(ids & seen)
             seen |= ids
         defer = (bool(ties) or shared_locally) and no_sync_context(optimizer) is not None
-        runner.run(orders[manager.stage], defer_all_reductions=defer)
+        weights_early = self.overlap_p2p and not forward_only and self._weights_early(count)
+        runner.run(orders[manager.stage], defer_all_reductions=defer, weights_early=weights_early)
         if not forward_only:
             for tie in ties:
                 tie.all_reduce_grad()

@@ -9,8 +9,10 @@ holds (tied embeddings) by identity, creating a process group over the stages th
 
 from __future__ import annotations
 
+import itertools
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
 from cx_pipeline._errors import PipelineConfigError
@@ -36,10 +38,15 @@ class PipelineSplittable(Protocol):
     def pipeline_stage_module(self, start: int, end: int, first: bool, last: bool) -> nn.Module: ...
 
 
-def split_model(model: PipelineSplittable, stage_manager: PipelineStageManager) -> PipelineModel:
+def split_model(
+    model: PipelineSplittable, stage_manager: PipelineStageManager, release_other_stages: bool = False
+) -> PipelineModel:
     """This rank's chunks of `model` under `stage_manager`'s layer distribution, with its shared parameters.
 
-    Collective (every rank of the mesh must call it): the groups for shared parameters are created here.
+    Collective (every rank of the mesh must call it): the groups for shared parameters are created here. With
+    `release_other_stages=True` the parameters and buffers that only other ranks' stages hold are replaced by meta
+    tensors in the submodules owning them, so their memory is freed at once even while the caller still holds
+    `model` (which is then usable only through the returned chunks).
     """
     if not isinstance(model, PipelineSplittable):
         raise PipelineConfigError(
@@ -70,4 +77,22 @@ def split_model(model: PipelineSplittable, stage_manager: PipelineStageManager) 
         if manager.stage in stages:
             shared.append(SharedParameter(name, param, tuple(sorted(stages)), group))
     chunks = [modules[manager.virtual_stage(chunk)] for chunk in range(manager.num_model_chunks)]
+    if release_other_stages:
+        _release(modules, chunks)
     return PipelineModel(chunks, shared)
+
+
+def _release(modules: list[nn.Module], kept: list[nn.Module]) -> None:
+    """Replace every parameter and buffer of `modules` that no module of `kept` holds by a meta tensor (same shape,
+    dtype and requires_grad, no storage) in the submodule that owns it, so the full model, whose submodules the
+    stages are, sees the replacement too. (A CPU tensor's data cannot be swapped for a meta one in place.)"""
+    keep = {id(t) for module in kept for t in itertools.chain(module.parameters(), module.buffers())}
+    for module in modules:
+        for owner in module.modules():
+            for name, param in list(owner._parameters.items()):
+                if param is not None and id(param) not in keep and param.device.type != "meta":
+                    meta = torch.empty_like(param, device="meta")
+                    owner._parameters[name] = nn.Parameter(meta, requires_grad=param.requires_grad)
+            for name, buffer in list(owner._buffers.items()):
+                if buffer is not None and id(buffer) not in keep and buffer.device.type != "meta":
+                    owner._buffers[name] = torch.empty_like(buffer, device="meta")

@@ -3,7 +3,8 @@
 Two chunks per stage in a V: chunk 0 of stage `s` is virtual stage `s`, chunk 1 is `2p - 1 - s`, so stage 0 holds
 both the first and the last virtual stage. Each backward is split into an input-gradient pass (I), which the
 previous stage waits for, and a weight-gradient pass (W), which nobody waits for and so fills the slots that would
-otherwise be bubbles. The order comes from simulating the pipeline (`_actions.zbv_order`), for any micro-batch count.
+otherwise be bubbles. The order is the zero-bubble paper's hand-built ZB-V order, or for fewer micro-batches than
+stages a greedy list schedule, whichever simulates faster (`_zbv_order`); any micro-batch count works.
 The loss lives on stage 0 (it holds the last virtual stage).
 """
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from cx_pipeline._actions import Action, zbv_order
+from cx_pipeline._actions import Action
 from cx_pipeline._errors import PipelineConfigError
 from cx_pipeline._optimizer import require_split_backward
 from cx_pipeline._schedule import PipelineSchedule
 from cx_pipeline._stage_manager import PipelineStageManager
+from cx_pipeline._zbv_order import uses_handbuilt_order, zbv_order
 
 __all__ = ["ZeroBubbleVPipeScheduler"]
 
@@ -49,3 +51,6 @@ class ZeroBubbleVPipeScheduler(PipelineSchedule):
 
     def _orders(self, num_microbatches: int) -> list[list[Action]]:
         return zbv_order(self.stage_manager.num_stages, num_microbatches)
+
+    def _weights_early(self, num_microbatches: int) -> bool:
+        return uses_handbuilt_order(self.stage_manager.num_stages, num_microbatches)
