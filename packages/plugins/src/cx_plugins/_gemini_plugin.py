@@ -65,7 +65,7 @@ _SHARDFORMER_SWITCHES = (
 @dataclass(frozen=True)
 class GeminiPluginOptions:
     """The plugin's arguments as groups: cx-zero's `GeminiOptions` and `GeminiOptimizerOptions` (taken whole by
-    `GeminiDDP.from_options` / `GeminiOptimizer.from_options`), the layout, and what is per-rank data."""
+    `GeminiDDP(options=...)` / `GeminiOptimizer(options=...)`), the layout, and what is per-rank data."""
 
     ddp: GeminiOptions
     optimizer: GeminiOptimizerOptions
@@ -248,9 +248,9 @@ class GeminiPlugin(ZeroPluginBase):
                 if self.options.ddp.chunk_init_device is not None
                 else model.to(get_accelerator().current_device())
             )
-            ddp = GeminiDDP.from_options(
+            ddp = GeminiDDP(
                 target,
-                self.options.ddp,
+                options=self.options.ddp,
                 zero_group=self.layout.group(Axis.ZERO),
                 extra_dp_group=self.layout.group_or_none(Axis.EXTRA_DP),
                 memstats=self.options.memstats,
@@ -259,8 +259,8 @@ class GeminiPlugin(ZeroPluginBase):
             boosted = GeminiModel(ddp)
         wrapped: OptimizerWrapper | None = None
         if optimizer is not None:
-            gemini = GeminiOptimizer.from_options(
-                optimizer, boosted.ddp, self.options.optimizer, verbose=self.options.verbose
+            gemini = GeminiOptimizer(
+                optimizer, boosted.ddp, verbose=self.options.verbose, options=self.options.optimizer
             )
             self._gemini_of[optimizer] = gemini
             wrapped = GeminiOptimizerWrapper(optimizer, gemini)

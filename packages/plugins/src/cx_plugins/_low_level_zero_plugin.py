@@ -35,7 +35,7 @@ __all__ = ["LowLevelZeroPlugin", "LowLevelZeroPluginOptions"]
 @dataclass(frozen=True)
 class LowLevelZeroPluginOptions:
     """The plugin's arguments as groups: the training precision, the engine's own `LowLevelZeroOptions` (taken
-    whole by `LowLevelZeroOptimizer.from_options`), and the layout."""
+    whole by `LowLevelZeroOptimizer(options=...)`), and the layout."""
 
     precision: Precision
     zero: LowLevelZeroOptions
@@ -139,12 +139,12 @@ class LowLevelZeroPlugin(ZeroPluginBase):
             model = CastModel(model.to(get_accelerator().current_device()), o.precision.dtype, o.cast_inputs)
         wrapped: OptimizerWrapper | None = None
         if optimizer is not None:
-            zero = LowLevelZeroOptimizer.from_options(
+            zero = LowLevelZeroOptimizer(
                 optimizer,
-                o.zero,
                 dp_process_group=self.layout.group(Axis.ZERO),
                 extra_dp_group=self.layout.group_or_none(Axis.EXTRA_DP),
                 module=model.unwrap(),
+                options=o.zero,
             )
             self._zero_of[optimizer] = zero
             self._owner_of[zero] = weakref.ref(model.unwrap())

@@ -4,8 +4,8 @@
   re-exported here with `GeminiOptions`, `GeminiOptimizerOptions`, `PlacementKind` and `PathMismatchError`.
 - `LowLevelZeroOptimizer`: ZeRO-1/2 (master weights, optimizer state and, with stage 2, gradients partitioned) over
   one or several data-parallel groups (dense over the full DP group, MoE experts over a smaller one).
-- Option groups, each defined once and taken whole by the engines' `from_options` (their constructors keep
-  ColossalAI's flat keywords): `LossScaleOptions`, `ClipOptions`, `LowLevelZeroOptions`, `GeminiOptions`,
+- Option groups, each defined once and taken whole by the engines (`options=`, instead of ColossalAI's flat
+  keywords, which the constructors keep): `LossScaleOptions`, `ClipOptions`, `LowLevelZeroOptions`, `GeminiOptions`,
   `GeminiOptimizerOptions`; `Precision`, the one spelling of a training precision (name or dtype, one `parse`).
 - Shared with Gemini: `DynamicGradScaler` / `ConstantGradScaler` (loss scaling), `compute_grad_norm` /
   `clip_grad_norm_` (norm over exactly the given groups), `has_inf_or_nan` / `any_across_groups` (overflow),

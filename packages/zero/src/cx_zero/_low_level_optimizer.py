@@ -36,6 +36,7 @@ from cx_zero._loss_scale import LossScaleOptions
 from cx_zero._norm import NormType, clip_coefficient, norm_or_inf
 from cx_zero._options import LowLevelZeroOptions, ZeroStage
 from cx_zero._partition import ParamShard, shard_of
+from cx_zero._pick import pick_options
 from cx_zero._reduce import GroupReducer
 from cx_zero._setup import decide_working_dtype, group_params, parameter_names, trainable_params
 from cx_zero._state_dict import sharded_optimizer_state, state_bytes, stream_full_states
@@ -51,7 +52,8 @@ class LowLevelZeroOptimizer:
 
     cx additions (keyword-only): `module` (an `nn.Module` or a name -> parameter mapping) names parameters in state
     dicts (otherwise they are keyed by their position, as strings); `norm_type` (2 or inf) for the gradient norm
-    and clipping; `tp_process_group` / `pp_process_group` join the
+    and clipping; `options` (a `LowLevelZeroOptions`, instead of the option keywords: what a plugin builds once from
+    its own arguments); `tp_process_group` / `pp_process_group` join the
     gradient-norm and overflow reductions when the model is also split by tensor or pipeline parallelism.
     """
 
@@ -84,12 +86,13 @@ class LowLevelZeroOptimizer:
         tp_process_group: ProcessGroup | None = None,
         pp_process_group: ProcessGroup | None = None,
         fp8_communication: bool = False,
+        options: LowLevelZeroOptions | None = None,
     ) -> None:
         if fp8_communication:  # ColossalAI's switch: accepted so its calls run; enabling it is a clear error
             raise NotImplementedError(
                 "LowLevelZeroOptimizer(fp8_communication=True): fp8 communication is not supported"
             )
-        options = LowLevelZeroOptions(
+        from_keywords = LowLevelZeroOptions(
             loss_scale=LossScaleOptions(
                 initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale
             ),
@@ -104,56 +107,7 @@ class LowLevelZeroOptimizer:
             master_weights=master_weights,
             overlap_allgather=overlap_allgather,
         )
-        self._setup(
-            optimizer,
-            options,
-            pg_to_param_list,
-            dp_process_group,
-            extra_dp_group,
-            module,
-            tp_process_group,
-            pp_process_group,
-        )
-
-    @classmethod
-    def from_options(
-        cls,
-        optimizer: torch.optim.Optimizer,
-        options: LowLevelZeroOptions,
-        pg_to_param_list: Mapping[ProcessGroup, list[nn.Parameter]] | None = None,
-        *,
-        dp_process_group: ProcessGroup | None = None,
-        extra_dp_group: ProcessGroup | None = None,
-        module: nn.Module | Mapping[str, torch.Tensor] | None = None,
-        tp_process_group: ProcessGroup | None = None,
-        pp_process_group: ProcessGroup | None = None,
-    ) -> LowLevelZeroOptimizer:
-        """The optimizer from an already validated options group (what a plugin builds once from its arguments);
-        the process groups and `module` are as in the constructor."""
-        self = cls.__new__(cls)
-        self._setup(
-            optimizer,
-            options,
-            pg_to_param_list,
-            dp_process_group,
-            extra_dp_group,
-            module,
-            tp_process_group,
-            pp_process_group,
-        )
-        return self
-
-    def _setup(
-        self,
-        optimizer: torch.optim.Optimizer,
-        options: LowLevelZeroOptions,
-        pg_to_param_list: Mapping[ProcessGroup, list[nn.Parameter]] | None,
-        dp_process_group: ProcessGroup | None,
-        extra_dp_group: ProcessGroup | None,
-        module: nn.Module | Mapping[str, torch.Tensor] | None,
-        tp_process_group: ProcessGroup | None,
-        pp_process_group: ProcessGroup | None,
-    ) -> None:
+        options = pick_options(options, from_keywords, LowLevelZeroOptions(), "LowLevelZeroOptimizer")
         require_initialized("LowLevelZeroOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"LowLevelZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -5,8 +5,8 @@
 - `GeminiOptimizer(optimizer, module, ...)`: steps any elementwise torch optimizer on each rank's fp32 master
   shard; fp16 dynamic loss scaling, clipping by global norm (2 and inf).
 - `GeminiOptions` (`GeminiOptions.from_arguments`: ColossalAI's GeminiDDP keywords -> the group),
-  `GeminiOptimizerOptions`, `PlacementKind`: the validated options, taken whole by `GeminiDDP.from_options` and
-  `GeminiOptimizer.from_options`; `PathMismatchError`: ranks used different parameters, or the same ones in a
+  `GeminiOptimizerOptions`, `PlacementKind`: the validated options, taken whole by `GeminiDDP(options=...)` and
+  `GeminiOptimizer(options=...)`; `PathMismatchError`: ranks used different parameters, or the same ones in a
   different order; `OpaqueOutputError`: a module output hides tensors from torch's pytree.
 See docs/gemini.md.
 """

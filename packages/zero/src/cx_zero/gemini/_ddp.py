@@ -32,6 +32,7 @@ from cx_chunk import (
     search_chunk_configuration,
 )
 from cx_mesh import ProcessGroup, communication_device, get_accelerator, get_dist_logger, require_initialized
+from cx_zero._pick import pick_options
 from cx_zero.gemini import _state
 from cx_zero.gemini._driver import GeminiDriver
 from cx_zero.gemini._gather import full_chunk
@@ -48,7 +49,8 @@ class _IncompatibleKeys(NamedTuple):
 
 
 class GeminiDDP(nn.Module):
-    """Wrap `module` for chunk-based ZeRO-3 (argument meanings in docs/gemini.md)."""
+    """Wrap `module` for chunk-based ZeRO-3 (argument meanings in docs/gemini.md). ColossalAI's option keywords, or
+    `options=` a `GeminiOptions` group built once elsewhere (GeminiPlugin does), not both."""
 
     def __init__(
         self,
@@ -78,6 +80,8 @@ class GeminiDDP(nn.Module):
         verbose: bool = False,
         scatter_after_inference: bool = True,
         fp8_communication: bool = False,
+        *,
+        options: GeminiOptions | None = None,
     ) -> None:
         require_initialized("GeminiDDP")
         if fp8_communication:
@@ -88,7 +92,7 @@ class GeminiDDP(nn.Module):
                 "are released after it as with True (results are the same; only re-gathering is saved in ColossalAI)",
                 stacklevel=2,
             )
-        options = GeminiOptions.from_arguments(
+        from_keywords = GeminiOptions.from_arguments(
             chunk_config_dict,
             chunk_init_device,
             placement_policy,
@@ -109,35 +113,7 @@ class GeminiDDP(nn.Module):
             master_weights,
             enable_async_reduce,
         )
-        self._setup(module, options, zero_group, extra_dp_group, memstats, verbose)
-
-    @classmethod
-    def from_options(
-        cls,
-        module: nn.Module,
-        options: GeminiOptions,
-        *,
-        zero_group: ProcessGroup | None = None,
-        extra_dp_group: ProcessGroup | None = None,
-        memstats: MemStats | None = None,
-        verbose: bool = False,
-    ) -> GeminiDDP:
-        """Wrap `module` with an already validated options group (what GeminiPlugin builds once from its
-        arguments); the groups, `memstats` and `verbose` are as in the constructor."""
-        require_initialized("GeminiDDP")
-        self = cls.__new__(cls)
-        self._setup(module, options, zero_group, extra_dp_group, memstats, verbose)
-        return self
-
-    def _setup(
-        self,
-        module: nn.Module,
-        options: GeminiOptions,
-        zero_group: ProcessGroup | None,
-        extra_dp_group: ProcessGroup | None,
-        memstats: MemStats | None,
-        verbose: bool,
-    ) -> None:
+        options = pick_options(options, from_keywords, GeminiOptions.from_arguments(), "GeminiDDP")
         if not isinstance(module, nn.Module):
             raise TypeError(f"GeminiDDP: module must be an nn.Module, got {type(module).__name__}")
         if isinstance(module, GeminiDDP) or getattr(module, "_cx_gemini_wrapped", False):

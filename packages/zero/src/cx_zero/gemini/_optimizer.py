@@ -28,6 +28,7 @@ from cx_zero._elementwise import require_elementwise
 from cx_zero._grad_scaler import BaseGradScaler
 from cx_zero._loss_scale import LossScaleOptions
 from cx_zero._norm import NormType, clip_coefficient, norm_or_inf
+from cx_zero._pick import pick_options
 from cx_zero.gemini._ddp import GeminiDDP
 from cx_zero.gemini._margin import use_device_margin
 from cx_zero.gemini._options import GeminiOptimizerOptions
@@ -38,7 +39,8 @@ __all__ = ["GeminiOptimizer"]
 
 
 class GeminiOptimizer:
-    """Wrap `optimizer` (built on `module.parameters()`) for a `GeminiDDP` (argument meanings in docs/gemini.md)."""
+    """Wrap `optimizer` (built on `module.parameters()`) for a `GeminiDDP` (argument meanings in docs/gemini.md).
+    ColossalAI's option keywords, or `options=` a `GeminiOptimizerOptions` group built once elsewhere, not both."""
 
     def __init__(
         self,
@@ -57,6 +59,8 @@ class GeminiOptimizer:
         tp_group: ProcessGroup | None = None,
         params_info: Any = None,
         verbose: bool = False,
+        *,
+        options: GeminiOptimizerOptions | None = None,
         **defaults: Any,
     ) -> None:
         if defaults:  # ColossalAI's signature takes and ignores them; say so instead of failing or hiding it
@@ -68,38 +72,14 @@ class GeminiOptimizer:
             raise NotImplementedError(
                 "GeminiOptimizer: params_info is not used by cx (optimizer state is keyed by parameter name); pass None"
             )
-        options = GeminiOptimizerOptions(
+        from_keywords = GeminiOptimizerOptions(
             LossScaleOptions(
                 initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale
             ),
             ClipOptions.of(max_norm, norm_type),
             gpu_margin_mem_ratio,
         )
-        self._setup(optimizer, module, options, tp_group, verbose)
-
-    @classmethod
-    def from_options(
-        cls,
-        optimizer: torch.optim.Optimizer,
-        module: GeminiDDP,
-        options: GeminiOptimizerOptions,
-        *,
-        tp_group: ProcessGroup | None = None,
-        verbose: bool = False,
-    ) -> GeminiOptimizer:
-        """The optimizer from an already validated options group (what GeminiPlugin builds once)."""
-        self = cls.__new__(cls)
-        self._setup(optimizer, module, options, tp_group, verbose)
-        return self
-
-    def _setup(
-        self,
-        optimizer: torch.optim.Optimizer,
-        module: GeminiDDP,
-        options: GeminiOptimizerOptions,
-        tp_group: ProcessGroup | None,
-        verbose: bool,
-    ) -> None:
+        options = pick_options(options, from_keywords, GeminiOptimizerOptions(), "GeminiOptimizer")
         if not isinstance(module, GeminiDDP):
             raise TypeError(f"GeminiOptimizer: module must be a GeminiDDP, got {type(module).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
