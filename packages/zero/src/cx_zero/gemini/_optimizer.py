@@ -230,7 +230,7 @@ class GeminiOptimizer:
         retain_graph: bool = False,
     ) -> None:
         """Not supported, as in ColossalAI's GeminiOptimizer: Gemini runs whole-model backward only."""
-        raise NotImplementedError("GeminiPlugin: backward_by_grad is not supported (as in ColossalAI); use backward")
+        raise NotImplementedError("GeminiOptimizer: backward_by_grad is not supported (as in ColossalAI); use backward")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad()
