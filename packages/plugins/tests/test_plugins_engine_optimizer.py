@@ -9,6 +9,7 @@ import torch
 from torch.optim import Optimizer
 
 from cx_checkpoint import Stateful
+from cx_mesh import RankMismatchError
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, EngineOptimizer, GeminiPlugin, LowLevelZeroPlugin, OptimizerEngine, TorchDDPPlugin
 from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
@@ -123,3 +124,12 @@ def test_booster_checks_checkpoint_io_by_capability(rank: int, world_size: int) 
     io = booster.checkpoint_io
     assert isinstance(io, _ScalerKeepingIO)
     assert [registered for registered, _ in io.registered] == [optimizer.unwrap()]
+
+
+@distributed(world_size=2)
+def test_plugins_gemini_ranks_agree_on_their_own_accelerator(rank: int, world_size: int) -> None:
+    """ColossalAI scripts pass `chunk_init_device=get_current_device()`: cuda:0 on rank 0, cuda:1 on rank 1. That is
+    the same option (compared by kind); a different kind is not."""
+    GeminiPlugin(chunk_init_device=torch.device("cuda", rank))  # constructing only: no device is touched
+    with pytest.raises(RankMismatchError, match="GeminiPlugin options"):
+        GeminiPlugin(chunk_init_device=torch.device("cpu" if rank else "cuda"))

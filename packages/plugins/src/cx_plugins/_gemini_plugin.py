@@ -75,8 +75,11 @@ class GeminiPluginOptions:
     memstats: MemStats | None = field(default=None, compare=False)
 
     def fingerprint(self) -> object:
-        """What all ranks must agree on (the MemStats object itself is per-rank data, compared by presence)."""
-        return (replace(self, memstats=None), self.memstats is not None)
+        """What all ranks must agree on: the MemStats object itself is per-rank data (compared by presence), and
+        `chunk_init_device` by kind (each rank names its own accelerator, cuda:0, cuda:1, ...)."""
+        device = self.ddp.chunk_init_device
+        ddp = replace(self.ddp, chunk_init_device=None if device is None else torch.device(device.type))
+        return (replace(self, ddp=ddp, memstats=None), self.memstats is not None)
 
 
 class GeminiModel(ModelWrapper):
