@@ -26,6 +26,7 @@ class LowLevelZeroOptions:
     """Every tuning knob of the optimizer, checked once at construction (the loss scale and clipping as their own
     groups, shared with Gemini)."""
 
+    # LowLevelZeroOptimizer's own (ColossalAI's) defaults, which differ from GeminiOptimizer's in two places
     loss_scale: LossScaleOptions = field(
         default_factory=lambda: LossScaleOptions(growth_interval=2000, max_scale=2**24)
     )
