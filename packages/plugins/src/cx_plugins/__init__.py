@@ -1,7 +1,8 @@
 """cx-plugins: the Booster and its plugins, with ColossalAI's names and arguments.
 
 Present: `Booster`, `Plugin`, `DPPluginBase`, `TorchDDPPlugin`, `TorchFSDPPlugin` (FSDP2), `LowLevelZeroPlugin`,
-`GeminiPlugin`, `LazyInitContext` (build a model without allocating it; materialised at boost), the wrappers,
+`GeminiPlugin`, `LazyInitContext` (build a model without allocating it; materialised at boost), the wrappers
+(`EngineOptimizer`, the one boosted optimizer over any `OptimizerEngine`),
 reference models in `cx_plugins.models`, ColossalAI's learning-rate schedulers in `cx_plugins.lr_scheduler`; every
 plugin saves and loads the canonical cx checkpoint format. `__version__` is the installed distribution's version.
 """
@@ -9,6 +10,7 @@ plugin saves and loads the canonical cx checkpoint format. `__version__` is the 
 from importlib import metadata as _metadata
 
 from cx_plugins._booster import Booster
+from cx_plugins._engine_optimizer import EngineOptimizer, OptimizerEngine
 from cx_plugins._gemini_plugin import GeminiPlugin
 from cx_plugins._lazy_init import LazyInitContext
 from cx_plugins._low_level_zero_plugin import LowLevelZeroPlugin
@@ -27,10 +29,12 @@ __all__ = [
     "__version__",
     "Booster",
     "DPPluginBase",
+    "EngineOptimizer",
     "GeminiPlugin",
     "LazyInitContext",
     "LowLevelZeroPlugin",
     "ModelWrapper",
+    "OptimizerEngine",
     "OptimizerWrapper",
     "Plugin",
     "Precision",

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, CheckpointIO, LoadResult
 from cx_mesh import all_gather_flat, all_reduce, communication_device, get_accelerator
-from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
+from cx_plugins._checkpoint_capabilities import KeepsLossScaler, SavesLora
 from cx_plugins._lazy_init import is_lazy, materialize
 from cx_plugins._plugin import Boosted, Plugin
 from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
@@ -99,7 +99,7 @@ class Booster:
                 scaled = ScaledOptimizer(boosted_optimizer.unwrap())
                 boosted_optimizer = scaled
                 io = self.checkpoint_io
-                if isinstance(io, ReplicatedCheckpointIO):  # checkpoints keep the loss scale
+                if isinstance(io, KeepsLossScaler):  # checkpoints keep the loss scale
                     io.register_loss_scaler(scaled.unwrap(), scaled.scaler)
         return boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler
 
@@ -193,7 +193,7 @@ class Booster:
         """Save the LoRA adapters of a boosted model in peft's format (loadable by `PeftModel.from_pretrained` and by
         `enable_lora(pretrained_dir=...)`); always safetensors."""
         io = self.checkpoint_io
-        if not isinstance(io, ReplicatedCheckpointIO) or not self.plugin.support_lora():
+        if not isinstance(io, SavesLora) or not self.plugin.support_lora():
             raise NotImplementedError(f"save_lora_as_pretrained: {type(self.plugin).__name__} does not support LoRA")
         io.save_lora_as_pretrained(model, checkpoint, use_safetensors)
 

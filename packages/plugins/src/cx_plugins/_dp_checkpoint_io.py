@@ -23,12 +23,16 @@ from torch import nn
 from cx_checkpoint import (
     DEFAULT_SIZE_PER_SHARD,
     CheckpointKind,
+    CheckpointReader,
     FileFormat,
     GeneralCheckpointIO,
     LoadResult,
+    ModuleSink,
     OptimizerMeta,
     Stateful,
+    TensorSink,
     file_names,
+    load_into,
     restore_optimizer,
     run_and_agree,
     split_optimizer,
@@ -56,12 +60,23 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         """`step` on the master rank only; every rank then raises the same error if it failed (collective)."""
         run_and_agree(step if self._coordinator.is_master() else None, what)
 
+    # ---- model: what a save writes and what a load fills are the two adapters a plugin's IO changes -----------
+    def _saved_model(self, model: nn.Module) -> nn.Module:
+        """The module whose `state_dict()` the master rank writes (collective where a subclass gathers): by default
+        the user's module inside the boosted one."""
+        return _plain(model)
+
+    def _model_sink(self, model: nn.Module) -> TensorSink:
+        """Where a load puts each tensor it reads (every rank): by default straight into the user's module."""
+        return ModuleSink(_plain(model))
+
     def save_unsharded_model(
         self, model: nn.Module, checkpoint: Path, gather_dtensor: bool, use_safetensors: bool, use_async: bool
     ) -> None:
+        view = self._saved_model(model)
         self._on_master(
             lambda: super(ReplicatedCheckpointIO, self).save_unsharded_model(
-                _plain(model), checkpoint, gather_dtensor, use_safetensors, use_async
+                view, checkpoint, gather_dtensor, use_safetensors, use_async
             ),
             f"saving the model to {checkpoint}",
         )
@@ -76,18 +91,24 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         use_safetensors: bool,
         use_async: bool,
     ) -> None:
+        view = self._saved_model(model)
         self._on_master(
             lambda: super(ReplicatedCheckpointIO, self).save_sharded_model(
-                _plain(model), checkpoint, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async
+                view, checkpoint, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async
             ),
             f"saving the model to {checkpoint}",
         )
 
+    def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
+        """One reader for files, index files and directories alike, into `_model_sink(model)`."""
+        with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
+            return load_into(reader, self._model_sink(model), strict=strict)
+
     def load_unsharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        return super().load_unsharded_model(_plain(model), checkpoint, strict)
+        return self._load_model(model, checkpoint, strict)
 
     def load_sharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        return super().load_sharded_model(_plain(model), checkpoint, strict)
+        return self._load_model(model, checkpoint, strict)
 
     def register_loss_scaler(self, optimizer: torch.optim.Optimizer, scaler: Stateful) -> None:
         """Save and load `scaler`'s state with `optimizer`'s (the Booster registers its fp16 GradScaler here), so an
@@ -224,11 +245,7 @@ def states_by_name(meta: OptimizerMeta, tensors: Mapping[str, torch.Tensor]) -> 
 
 
 class ShardedOptimizerCheckpointIO(ReplicatedCheckpointIO, ABC):
-    """For plugins whose optimizer state is sharded: subclasses gather it (collectively) and load it back, and may
-    change how a model is loaded (one `_load_model` for files, index files and directories alike)."""
-
-    def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        return super().load_unsharded_model(model, checkpoint, strict)  # the reader handles both layouts
+    """For plugins whose optimizer state is sharded: subclasses gather it (collectively) and load it back."""
 
     def _write_optimizer_stream(
         self,
@@ -273,12 +290,6 @@ class ShardedOptimizerCheckpointIO(ReplicatedCheckpointIO, ABC):
                 raise
 
         run_and_agree(master if self._coordinator.is_master() else lambda: drain(stream), what)
-
-    def load_unsharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        return self._load_model(model, checkpoint, strict)
-
-    def load_sharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        return self._load_model(model, checkpoint, strict)
 
     @abstractmethod
     def _save_optimizer(

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from cx_checkpoint import CheckpointKind, CheckpointReader, DTensorModuleSink, LoadResult, load_into, require_names
+from cx_checkpoint import DTensorModuleSink, TensorSink, require_names
 from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO, _plain
 from cx_plugins._zero_checkpoint_io import zero_state_from_parts, zero_state_to_parts
 
@@ -52,37 +52,12 @@ class FSDPCheckpointIO(ReplicatedCheckpointIO):
         super().__init__()
         self._owner = optimizer_owner
 
-    def _gathered(self, model: nn.Module) -> nn.Module:
+    def _saved_model(self, model: nn.Module) -> nn.Module:
         module = _plain(model)
         return _GatheredView(get_model_state_dict(module, options=_GATHER), module)  # collective
 
-    def save_unsharded_model(
-        self, model: nn.Module, checkpoint: Path, gather_dtensor: bool, use_safetensors: bool, use_async: bool
-    ) -> None:
-        super().save_unsharded_model(self._gathered(model), checkpoint, gather_dtensor, use_safetensors, use_async)
-
-    def save_sharded_model(
-        self,
-        model: nn.Module,
-        checkpoint: Path,
-        gather_dtensor: bool,
-        prefix: str | None,
-        size_per_shard: float,
-        use_safetensors: bool,
-        use_async: bool,
-    ) -> None:
-        view = self._gathered(model)
-        super().save_sharded_model(view, checkpoint, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async)
-
-    def load_unsharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        return self._load_model(model, checkpoint, strict)
-
-    def load_sharded_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        return self._load_model(model, checkpoint, strict)
-
-    def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
-            return load_into(reader, DTensorModuleSink(_plain(model)), strict=strict)
+    def _model_sink(self, model: nn.Module) -> TensorSink:
+        return DTensorModuleSink(_plain(model))  # each rank reads only its shards' regions
 
     def _module_of(self, optimizer: torch.optim.Optimizer) -> nn.Module:
         module = self._owner.get(optimizer)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,12 +26,20 @@ from torch.utils.data import DataLoader
 from cx_checkpoint import CheckpointIO
 from cx_chunk import MemStats
 from cx_mesh import assert_same_across_ranks, get_accelerator
+from cx_plugins._engine_optimizer import EngineOptimizer
 from cx_plugins._gemini_checkpoint_io import GeminiCheckpointIO
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
-from cx_plugins._precision import Precision
-from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper, finite_or_raise
-from cx_zero import GeminiDDP, GeminiOptimizer, NormType
+from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_zero import (
+    ClipOptions,
+    GeminiDDP,
+    GeminiOptimizer,
+    GeminiOptimizerOptions,
+    GeminiOptions,
+    LossScaleOptions,
+    Precision,
+)
 
 __all__ = ["GeminiPlugin"]
 
@@ -56,25 +64,22 @@ _SHARDFORMER_SWITCHES = (
 
 @dataclass(frozen=True)
 class GeminiPluginOptions:
-    """What GeminiDDP and GeminiOptimizer receive, validated once (GeminiDDP re-checks its own arguments)."""
+    """The plugin's arguments as groups: cx-zero's `GeminiOptions` and `GeminiOptimizerOptions` (taken whole by
+    `GeminiDDP(options=...)` / `GeminiOptimizer(options=...)`), the layout, and what is per-rank data."""
 
-    ddp: Mapping[str, Any]
-    optimizer: Mapping[str, Any]
+    ddp: GeminiOptions
+    optimizer: GeminiOptimizerOptions
     extra_dp_size: int
     precision: Precision
     verbose: bool
     memstats: MemStats | None = field(default=None, compare=False)
 
     def fingerprint(self) -> object:
-        """What all ranks must agree on (the MemStats object itself is per-rank data, compared by presence)."""
-        return (
-            sorted(self.ddp.items(), key=str),
-            sorted(self.optimizer.items()),
-            self.extra_dp_size,
-            self.precision,
-            self.verbose,
-            self.memstats is not None,
-        )
+        """What all ranks must agree on: the MemStats object itself is per-rank data (compared by presence), and
+        `chunk_init_device` by kind (each rank names its own accelerator, cuda:0, cuda:1, ...)."""
+        device = self.ddp.chunk_init_device
+        ddp = replace(self.ddp, chunk_init_device=None if device is None else torch.device(device.type))
+        return (replace(self, ddp=ddp, memstats=None), self.memstats is not None)
 
 
 class GeminiModel(ModelWrapper):
@@ -99,56 +104,12 @@ class GeminiModel(ModelWrapper):
         return self.ddp.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-class GeminiOptimizerWrapper(OptimizerWrapper):
+class GeminiOptimizerWrapper(EngineOptimizer):
+    """The boosted optimizer over a `GeminiOptimizer` (the engine, also `.gemini`)."""
+
     def __init__(self, optimizer: Optimizer, gemini: GeminiOptimizer) -> None:
-        super().__init__(optimizer)
+        super().__init__(optimizer, gemini)
         self.gemini = gemini
-
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        if retain_graph:
-            raise NotImplementedError("GeminiPlugin: backward(retain_graph=True) is not supported")
-        self.gemini.backward(loss)
-
-    def backward_by_grad(
-        self,
-        tensor: torch.Tensor,
-        grad: torch.Tensor,
-        inputs: Sequence[torch.Tensor] | None = None,
-        retain_graph: bool = False,
-    ) -> None:
-        raise NotImplementedError("GeminiPlugin: backward_by_grad is not supported (as in ColossalAI); use backward")
-
-    def step(self, closure: Callable[[], float] | None = None) -> None:
-        if closure is not None:
-            raise ValueError("GeminiOptimizer does not take a closure: call booster.backward, then step()")
-        self.gemini.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.gemini.zero_grad(set_to_none=set_to_none)
-
-    def clip_grad_by_norm(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> torch.Tensor:
-        """Clip by the global norm over every rank's gradient shards (unscaled); returns that norm."""
-        norm = self.gemini.clip_grad_by_norm(max_norm, norm_type)
-        fp16 = self.gemini.module.options.needs_loss_scaling  # an fp16 overflow is no error: step() skips it
-        return finite_or_raise(norm, error_if_nonfinite and not fp16)
-
-    def clip_grad_by_value(self, clip_value: float) -> None:
-        self.gemini.clip_grad_by_value(clip_value)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.gemini.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.gemini.load_state_dict(state_dict)
-
-    @property
-    def loss_scale(self) -> float:
-        return self.gemini.loss_scale
-
-    def get_grad_norm(self) -> float | None:
-        return self.gemini.get_grad_norm()
 
 
 class GeminiPlugin(ZeroPluginBase):
@@ -226,41 +187,35 @@ class GeminiPlugin(ZeroPluginBase):
                 stacklevel=2,
             )
         resolved = Precision.parse(precision, ZERO_PRECISIONS)
-        NormType.parse(norm_type)  # a clear error now rather than at boost time
         self.options = GeminiPluginOptions(
-            ddp={
-                "chunk_config_dict": chunk_config_dict,
-                "chunk_init_device": chunk_init_device,
-                "placement_policy": placement_policy,
-                "enable_gradient_accumulation": enable_gradient_accumulation,
-                "max_prefetch": max_prefetch,
-                "shard_param_frac": shard_param_frac,
-                "offload_optim_frac": offload_optim_frac,
-                "offload_param_frac": offload_param_frac,
-                "warmup_non_model_data_ratio": warmup_non_model_data_ratio,
-                "steady_cuda_cap_ratio": steady_cuda_cap_ratio,
-                "search_range_m": search_range_m,
-                "hidden_dim": hidden_dim,
-                "min_chunk_size_m": min_chunk_size_m,
-                "pin_memory": pin_memory,
-                "force_outputs_fp32": force_outputs_fp32,
-                "strict_ddp_mode": strict_ddp_mode,
-                "mixed_precision": resolved.dtype,
-                "master_weights": master_weights,
-                "enable_async_reduce": enable_async_reduce,
-            },
-            optimizer={
-                "initial_scale": initial_scale,
-                "min_scale": min_scale,
-                "growth_factor": growth_factor,
-                "backoff_factor": backoff_factor,
-                "growth_interval": growth_interval,
-                "hysteresis": hysteresis,
-                "max_scale": max_scale,
-                "max_norm": max_norm,
-                "norm_type": norm_type,
-                "gpu_margin_mem_ratio": gpu_margin_mem_ratio,
-            },
+            ddp=GeminiOptions.from_arguments(
+                chunk_config_dict=chunk_config_dict,
+                chunk_init_device=chunk_init_device,
+                placement_policy=placement_policy,
+                enable_gradient_accumulation=enable_gradient_accumulation,
+                max_prefetch=max_prefetch,
+                shard_param_frac=shard_param_frac,
+                offload_optim_frac=offload_optim_frac,
+                offload_param_frac=offload_param_frac,
+                warmup_non_model_data_ratio=warmup_non_model_data_ratio,
+                steady_cuda_cap_ratio=steady_cuda_cap_ratio,
+                search_range_m=search_range_m,
+                hidden_dim=hidden_dim,
+                min_chunk_size_m=min_chunk_size_m,
+                pin_memory=pin_memory,
+                force_outputs_fp32=force_outputs_fp32,
+                strict_ddp_mode=strict_ddp_mode,
+                mixed_precision=resolved.dtype,
+                master_weights=master_weights,
+                enable_async_reduce=enable_async_reduce,
+            ),
+            optimizer=GeminiOptimizerOptions(
+                LossScaleOptions(
+                    initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale
+                ),
+                ClipOptions.of(max_norm, norm_type, name="GeminiPlugin: max_norm"),
+                gpu_margin_mem_ratio,
+            ),
             extra_dp_size=extra_dp_size,
             precision=resolved,
             verbose=verbose,
@@ -293,12 +248,12 @@ class GeminiPlugin(ZeroPluginBase):
             # holds the whole model); GeminiDDP moves them, and the buffers, where they belong
             target = (
                 model
-                if self.options.ddp["chunk_init_device"] is not None
+                if self.options.ddp.chunk_init_device is not None
                 else model.to(get_accelerator().current_device())
             )
             ddp = GeminiDDP(
                 target,
-                **self.options.ddp,
+                options=self.options.ddp,
                 zero_group=self.layout.group(Axis.ZERO),
                 extra_dp_group=self.layout.group_or_none(Axis.EXTRA_DP),
                 memstats=self.options.memstats,
@@ -307,7 +262,9 @@ class GeminiPlugin(ZeroPluginBase):
             boosted = GeminiModel(ddp)
         wrapped: OptimizerWrapper | None = None
         if optimizer is not None:
-            gemini = GeminiOptimizer(optimizer, boosted.ddp, **self.options.optimizer, verbose=self.options.verbose)
+            gemini = GeminiOptimizer(
+                optimizer, boosted.ddp, verbose=self.options.verbose, options=self.options.optimizer
+            )
             self._gemini_of[optimizer] = gemini
             wrapped = GeminiOptimizerWrapper(optimizer, gemini)
         return boosted, wrapped, criterion, dataloader, lr_scheduler

@@ -1,7 +1,8 @@
 """`LowLevelZeroPlugin`: ZeRO-1/2 (cx_zero.LowLevelZeroOptimizer) behind the Booster, arguments as in ColossalAI.
 
-The plugin only composes: validate the options once, build the (extra_dp, zero) layout, cast the model to the
-training precision, wrap the optimizer. The algorithm lives in cx-zero.
+The plugin only composes: turn ColossalAI's flat arguments into cx-zero's option groups once, build the
+(extra_dp, zero) layout, cast the model to the training precision, wrap the optimizer. The algorithm lives in
+cx-zero.
 """
 
 from __future__ import annotations
@@ -23,45 +24,27 @@ from cx_checkpoint import CheckpointIO
 from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
-from cx_plugins._precision import Precision
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_plugins._zero_checkpoint_io import ZeroCheckpointIO
 from cx_plugins._zero_wrappers import CastModel, ZeroOptimizerWrapper
-from cx_zero import LowLevelZeroOptimizer, NormType
+from cx_zero import ClipOptions, LossScaleOptions, LowLevelZeroOptimizer, LowLevelZeroOptions, Precision, ZeroStage
 
 __all__ = ["LowLevelZeroPlugin", "LowLevelZeroPluginOptions"]
 
 
 @dataclass(frozen=True)
 class LowLevelZeroPluginOptions:
-    stage: int
+    """The plugin's arguments as groups: the training precision, the engine's own `LowLevelZeroOptions` (taken
+    whole by `LowLevelZeroOptimizer(options=...)`), and the layout."""
+
     precision: Precision
-    initial_scale: float
-    min_scale: float
-    growth_factor: float
-    backoff_factor: float
-    growth_interval: int
-    hysteresis: int
-    max_scale: float
-    max_norm: float
-    norm_type: NormType
-    reduce_bucket_size_in_m: float
-    communication_dtype: torch.dtype | None
-    overlap_communication: bool
-    overlap_allgather: bool
-    cpu_offload: bool
-    master_weights: bool
-    verbose: bool
+    zero: LowLevelZeroOptions
     cast_inputs: bool
     extra_dp_size: int
 
-    def __post_init__(self) -> None:
-        if self.stage not in (1, 2):
-            raise ValueError(f"LowLevelZeroPlugin: stage must be 1 or 2, got {self.stage!r}")
-        if self.max_norm < 0:
-            raise ValueError(f"LowLevelZeroPlugin: max_norm must be >= 0 (0 disables clipping), got {self.max_norm}")
-        if not self.reduce_bucket_size_in_m > 0 or math.isinf(self.reduce_bucket_size_in_m):
-            raise ValueError(f"reduce_bucket_size_in_m must be a positive number, got {self.reduce_bucket_size_in_m}")
+    @property
+    def stage(self) -> int:
+        return self.zero.stage.value
 
 
 class LowLevelZeroPlugin(ZeroPluginBase):
@@ -103,25 +86,26 @@ class LowLevelZeroPlugin(ZeroPluginBase):
             raise NotImplementedError(
                 "LowLevelZeroPlugin(use_fp8=True): fp8 matmuls are not supported by cx yet; pass use_fp8=False"
             )
+        if stage not in (1, 2):
+            raise ValueError(f"LowLevelZeroPlugin: stage must be 1 or 2, got {stage!r}")
+        if not reduce_bucket_size_in_m > 0 or math.isinf(reduce_bucket_size_in_m):
+            raise ValueError(f"reduce_bucket_size_in_m must be a positive number, got {reduce_bucket_size_in_m}")
         self.options = LowLevelZeroPluginOptions(
-            stage=stage,
             precision=Precision.parse(precision, ZERO_PRECISIONS),
-            initial_scale=initial_scale,
-            min_scale=min_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            max_scale=max_scale,
-            max_norm=max_norm,
-            norm_type=NormType.parse(norm_type),
-            reduce_bucket_size_in_m=reduce_bucket_size_in_m,
-            communication_dtype=communication_dtype,
-            overlap_communication=overlap_communication,
-            overlap_allgather=overlap_allgather,
-            cpu_offload=cpu_offload,
-            master_weights=master_weights,
-            verbose=verbose,
+            zero=LowLevelZeroOptions(
+                loss_scale=LossScaleOptions(
+                    initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale
+                ),
+                clipping=ClipOptions.of(max_norm, norm_type, name="LowLevelZeroPlugin: max_norm"),
+                verbose=verbose,
+                reduce_bucket_size=int(reduce_bucket_size_in_m * 1024 * 1024),
+                communication_dtype=communication_dtype,
+                overlap_communication=overlap_communication,
+                stage=ZeroStage(stage),
+                cpu_offload=cpu_offload,
+                master_weights=master_weights,
+                overlap_allgather=overlap_allgather,
+            ),
             cast_inputs=cast_inputs,
             extra_dp_size=extra_dp_size,
         )
@@ -157,26 +141,10 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         if optimizer is not None:
             zero = LowLevelZeroOptimizer(
                 optimizer,
-                initial_scale=o.initial_scale,
-                min_scale=o.min_scale,
-                growth_factor=o.growth_factor,
-                backoff_factor=o.backoff_factor,
-                growth_interval=o.growth_interval,
-                hysteresis=o.hysteresis,
-                max_scale=o.max_scale,
-                clip_grad_norm=o.max_norm,
-                verbose=o.verbose,
-                reduce_bucket_size=int(o.reduce_bucket_size_in_m * 1024 * 1024),
-                communication_dtype=o.communication_dtype,
-                overlap_communication=o.overlap_communication,
-                partition_grad=o.stage == 2,
-                cpu_offload=o.cpu_offload,
                 dp_process_group=self.layout.group(Axis.ZERO),
                 extra_dp_group=self.layout.group_or_none(Axis.EXTRA_DP),
-                master_weights=o.master_weights,
-                overlap_allgather=o.overlap_allgather,
                 module=model.unwrap(),
-                norm_type=o.norm_type.value,
+                options=o.zero,
             )
             self._zero_of[optimizer] = zero
             self._owner_of[zero] = weakref.ref(model.unwrap())

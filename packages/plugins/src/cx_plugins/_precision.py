@@ -2,11 +2,11 @@
 
 "fp16" runs the forward under autocast(float16) with dynamic loss scaling (torch's GradScaler); "bf16" runs it under
 autocast(bfloat16) with no scaling; "fp32" (or None) changes nothing. Parameters and optimizer state stay fp32.
+`Precision` itself is cx-zero's (one enum and one `parse` for names and dtypes alike), re-exported here.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -15,32 +15,9 @@ from torch import nn
 
 from cx_mesh import get_accelerator
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_zero import Precision
 
 __all__ = ["AutocastModel", "Precision", "ScaledOptimizer"]
-
-
-class Precision(enum.Enum):
-    FP32 = "fp32"
-    FP16 = "fp16"
-    BF16 = "bf16"
-
-    @classmethod
-    def parse(cls, value: str | None, accepted: tuple[Precision, ...] | None = None) -> Precision:
-        if value is None:
-            return cls.FP32
-        choices = accepted or tuple(cls)
-        try:
-            precision = cls(value)
-        except ValueError:
-            precision = None
-        if precision is None or precision not in choices:
-            names = ", ".join(repr(p.value) for p in choices)
-            raise ValueError(f"unsupported precision {value!r}; accepted: {names}")
-        return precision
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return {Precision.FP32: torch.float32, Precision.FP16: torch.float16, Precision.BF16: torch.bfloat16}[self]
 
 
 class AutocastModel(ModelWrapper):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch import nn
@@ -15,27 +14,13 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import CheckpointIO, attach_param_names
 from cx_mesh import assert_same_across_ranks, get_accelerator
+from cx_plugins._ddp_options import DDPOptions
 from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
 from cx_plugins._plugin import Boosted, DPPluginBase
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_zero import Precision
 
 __all__ = ["DDPOptions", "TorchDDPModel", "TorchDDPPlugin"]
-
-
-@dataclass(frozen=True)
-class DDPOptions:
-    """The DistributedDataParallel arguments, validated once."""
-
-    broadcast_buffers: bool = True
-    bucket_cap_mb: int = 25
-    find_unused_parameters: bool = False
-    check_reduction: bool = False
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-
-    def __post_init__(self) -> None:
-        if self.bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
 
 
 class TorchDDPModel(ModelWrapper):
@@ -43,13 +28,7 @@ class TorchDDPModel(ModelWrapper):
 
     def __init__(self, module: nn.Module, options: DDPOptions) -> None:
         device = get_accelerator().current_device()
-        module = module.to(device)
-        ddp_kwargs: dict[str, Any] = asdict(options)
-        if options.broadcast_buffers:
-            del ddp_kwargs["broadcast_buffers"]  # True is DDP's default; passing it explicitly warns on torch 2.13
-        if device.type == "cuda":
-            ddp_kwargs["device_ids"] = [device.index]
-        super().__init__(DistributedDataParallel(module, **ddp_kwargs))
+        super().__init__(DistributedDataParallel(module.to(device), **options.ddp_kwargs(device)))
 
 
 class TorchDDPPlugin(DPPluginBase):
@@ -85,7 +64,7 @@ class TorchDDPPlugin(DPPluginBase):
         return ["cuda", "cpu"]
 
     def supported_precisions(self) -> list[str]:
-        return ["fp32", "fp16", "bf16"]
+        return [p.value for p in Precision]
 
     def control_precision(self) -> bool:
         return False

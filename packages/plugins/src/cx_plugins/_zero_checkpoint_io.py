@@ -16,13 +16,11 @@ import torch
 from torch import nn
 
 from cx_checkpoint import (
-    CheckpointKind,
-    CheckpointReader,
     LoadResult,
     OptimizerMeta,
     Region,
+    TensorSink,
     TensorSpec,
-    load_into,
     optimizer_tensor_name,
     require_names,
 )
@@ -115,10 +113,6 @@ class ZeroCheckpointIO(ShardedOptimizerCheckpointIO):
         self._optimizers_of = optimizers_of
 
     # ---- model -------------------------------------------------------------------------------------------------
-    def _view(self, model: nn.Module) -> nn.Module:
-        self._finish_gathers(model)
-        return _CanonicalView(model) if isinstance(model, CastModel) else model
-
     def _finish_gathers(self, model: nn.Module) -> None:
         """With `overlap_allgather`, the weights a step wrote are still being gathered until the next forward:
         finish them before a save reads the model, and before a load writes it (else they overwrite the load)."""
@@ -126,33 +120,19 @@ class ZeroCheckpointIO(ShardedOptimizerCheckpointIO):
             for zero in self._optimizers_of(model.unwrap()):
                 zero.synchronize_working_params()
 
-    def save_unsharded_model(
-        self, model: nn.Module, checkpoint: Path, gather_dtensor: bool, use_safetensors: bool, use_async: bool
-    ) -> None:
-        super().save_unsharded_model(self._view(model), checkpoint, gather_dtensor, use_safetensors, use_async)
+    def _saved_model(self, model: nn.Module) -> nn.Module:
+        self._finish_gathers(model)
+        return _CanonicalView(model) if isinstance(model, CastModel) else super()._saved_model(model)
 
-    def save_sharded_model(
-        self,
-        model: nn.Module,
-        checkpoint: Path,
-        gather_dtensor: bool,
-        prefix: str | None,
-        size_per_shard: float,
-        use_safetensors: bool,
-        use_async: bool,
-    ) -> None:
-        super().save_sharded_model(
-            self._view(model), checkpoint, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async
-        )
+    def _model_sink(self, model: nn.Module) -> TensorSink:
+        return _CastingSink(model) if isinstance(model, CastModel) else super()._model_sink(model)
 
     def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        if not isinstance(model, CastModel):
-            return super()._load_model(model, checkpoint, strict)
         self._finish_gathers(model)
-        with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
-            result = load_into(reader, _CastingSink(model), strict=strict)
-        for zero in self._optimizers_of(model.unwrap()):
-            zero.update_master_params(model.unwrap())
+        result = super()._load_model(model, checkpoint, strict)
+        if isinstance(model, CastModel):  # the fp32 masters follow the loaded weights
+            for zero in self._optimizers_of(model.unwrap()):
+                zero.update_master_params(model.unwrap())
         return result
 
     # ---- optimizer ---------------------------------------------------------------------------------------------

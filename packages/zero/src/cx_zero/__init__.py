@@ -1,9 +1,12 @@
 """cx-zero: ZeRO data parallelism for cx.
 
 - `GeminiDDP` / `GeminiOptimizer`: chunk-based ZeRO-3 with GPU/CPU placement (cx-chunk), in `cx_zero.gemini`,
-  re-exported here with `GeminiOptions`, `PlacementKind` and `PathMismatchError`.
+  re-exported here with `GeminiOptions`, `GeminiOptimizerOptions`, `PlacementKind` and `PathMismatchError`.
 - `LowLevelZeroOptimizer`: ZeRO-1/2 (master weights, optimizer state and, with stage 2, gradients partitioned) over
   one or several data-parallel groups (dense over the full DP group, MoE experts over a smaller one).
+- Option groups, each defined once and taken whole by the engines (`options=`, instead of ColossalAI's flat
+  keywords, which the constructors keep): `LossScaleOptions`, `ClipOptions`, `LowLevelZeroOptions`, `GeminiOptions`,
+  `GeminiOptimizerOptions`; `Precision`, the one spelling of a training precision (name or dtype, one `parse`).
 - Shared with Gemini: `DynamicGradScaler` / `ConstantGradScaler` (loss scaling), `compute_grad_norm` /
   `clip_grad_norm_` (norm over exactly the given groups), `has_inf_or_nan` / `any_across_groups` (overflow),
   `HybridAdam` / `CPUAdam` / `FusedAdam` (fused Adam(W), fast on CPU shards), `require_elementwise` (which
@@ -11,19 +14,30 @@
 """
 
 from cx_zero._adam import CPUAdam, HybridAdam
+from cx_zero._clipping import ClipOptions
 from cx_zero._elementwise import ELEMENTWISE_OPTIMIZERS, require_elementwise
 from cx_zero._fused_adam import FusedAdam
 from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
+from cx_zero._loss_scale import LossScaleOptions
 from cx_zero._low_level_optimizer import LowLevelZeroOptimizer
 from cx_zero._norm import NormType, clip_coefficient, clip_grad_norm_, compute_grad_norm, local_norm_term, reduce_norm
 from cx_zero._options import LowLevelZeroOptions, ZeroStage
 from cx_zero._overflow import any_across_groups, has_inf_or_nan
-from cx_zero.gemini import GeminiDDP, GeminiOptimizer, GeminiOptions, PathMismatchError, PlacementKind
+from cx_zero._precision import Precision
+from cx_zero.gemini import (
+    GeminiDDP,
+    GeminiOptimizer,
+    GeminiOptimizerOptions,
+    GeminiOptions,
+    PathMismatchError,
+    PlacementKind,
+)
 
 __all__ = [
     # Gemini ZeRO-3
     "GeminiDDP",
     "GeminiOptimizer",
+    "GeminiOptimizerOptions",
     "GeminiOptions",
     "PathMismatchError",
     "PlacementKind",
@@ -31,6 +45,10 @@ __all__ = [
     "LowLevelZeroOptimizer",
     "LowLevelZeroOptions",
     "ZeroStage",
+    # option groups shared by the engines
+    "ClipOptions",
+    "LossScaleOptions",
+    "Precision",
     # loss scaling and overflow
     "BaseGradScaler",
     "ConstantGradScaler",

@@ -27,13 +27,16 @@ from torch import nn
 
 from cx_mesh import ProcessGroup, assert_same_across_ranks, get_dist_logger, require_initialized
 from cx_zero._buckets import plan_buckets
+from cx_zero._clipping import ClipOptions
 from cx_zero._comm import group_ranks
 from cx_zero._elementwise import require_elementwise
 from cx_zero._gather import DeferredGathers, GroupGatherer
-from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
+from cx_zero._grad_scaler import BaseGradScaler
+from cx_zero._loss_scale import LossScaleOptions
 from cx_zero._norm import NormType, clip_coefficient, norm_or_inf
 from cx_zero._options import LowLevelZeroOptions, ZeroStage
 from cx_zero._partition import ParamShard, shard_of
+from cx_zero._pick import pick_options
 from cx_zero._reduce import GroupReducer
 from cx_zero._setup import decide_working_dtype, group_params, parameter_names, trainable_params
 from cx_zero._state_dict import sharded_optimizer_state, state_bytes, stream_full_states
@@ -49,7 +52,8 @@ class LowLevelZeroOptimizer:
 
     cx additions (keyword-only): `module` (an `nn.Module` or a name -> parameter mapping) names parameters in state
     dicts (otherwise they are keyed by their position, as strings); `norm_type` (2 or inf) for the gradient norm
-    and clipping; `tp_process_group` / `pp_process_group` join the
+    and clipping; `options` (a `LowLevelZeroOptions`, instead of the option keywords: what a plugin builds once from
+    its own arguments); `tp_process_group` / `pp_process_group` join the
     gradient-norm and overflow reductions when the model is also split by tensor or pipeline parallelism.
     """
 
@@ -82,12 +86,29 @@ class LowLevelZeroOptimizer:
         tp_process_group: ProcessGroup | None = None,
         pp_process_group: ProcessGroup | None = None,
         fp8_communication: bool = False,
+        options: LowLevelZeroOptions | None = None,
     ) -> None:
-        require_initialized("LowLevelZeroOptimizer")
         if fp8_communication:  # ColossalAI's switch: accepted so its calls run; enabling it is a clear error
             raise NotImplementedError(
                 "LowLevelZeroOptimizer(fp8_communication=True): fp8 communication is not supported"
             )
+        from_keywords = LowLevelZeroOptions(
+            loss_scale=LossScaleOptions(
+                initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale
+            ),
+            clipping=ClipOptions.of(clip_grad_norm, norm_type, name="clip_grad_norm"),
+            verbose=verbose,
+            reduce_bucket_size=reduce_bucket_size,
+            communication_dtype=communication_dtype,
+            overlap_communication=overlap_communication,
+            stage=ZeroStage.TWO if partition_grad else ZeroStage.ONE,
+            cpu_offload=cpu_offload,
+            forced_dtype=forced_dtype,
+            master_weights=master_weights,
+            overlap_allgather=overlap_allgather,
+        )
+        options = pick_options(options, from_keywords, LowLevelZeroOptions(), "LowLevelZeroOptimizer")
+        require_initialized("LowLevelZeroOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"LowLevelZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         require_elementwise(optimizer, "LowLevelZeroOptimizer")
@@ -102,48 +123,17 @@ class LowLevelZeroOptimizer:
             raise ValueError(
                 "extra_dp_group is supported only with a single dp_process_group, not with pg_to_param_list"
             )
-        self.options = LowLevelZeroOptions(
-            initial_scale=initial_scale,
-            min_scale=min_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            max_scale=max_scale,
-            clip_grad_norm=clip_grad_norm,
-            norm_type=NormType.parse(norm_type),
-            verbose=verbose,
-            reduce_bucket_size=reduce_bucket_size,
-            communication_dtype=communication_dtype,
-            overlap_communication=overlap_communication,
-            stage=ZeroStage.TWO if partition_grad else ZeroStage.ONE,
-            cpu_offload=cpu_offload,
-            forced_dtype=forced_dtype,
-            master_weights=master_weights,
-            overlap_allgather=overlap_allgather,
-        )
+        self.options = options
         self.optim = optimizer
         self._logger = get_dist_logger()
 
         trainable = trainable_params(optimizer)
-        self._working_dtype = decide_working_dtype(trainable, forced_dtype)
-        self._master_dtype = torch.float32 if master_weights else self._working_dtype
+        self._working_dtype = decide_working_dtype(trainable, options.forced_dtype)
+        self._master_dtype = torch.float32 if options.master_weights else self._working_dtype
         self._fp16 = self._working_dtype == torch.float16
         # Built (and its arguments checked) before anything is changed: a failed construction must leave the
         # wrapped optimizer pointing at the model's parameters, so that it can be wrapped again.
-        self.grad_scaler: BaseGradScaler = (
-            DynamicGradScaler(
-                initial_scale=initial_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                min_scale=min_scale,
-                max_scale=max_scale,
-                hysteresis=hysteresis,
-            )
-            if self._fp16
-            else ConstantGradScaler(1.0)
-        )
+        self.grad_scaler: BaseGradScaler = options.loss_scale.scaler(dynamic=self._fp16)
         names = parameter_names(trainable, module)
         groups = group_params(trainable, pg_to_param_list, dp_process_group)
 
@@ -167,7 +157,7 @@ class LowLevelZeroOptimizer:
                 group,
                 "LowLevelZeroOptimizer options and parameter shapes",
             )
-            device = torch.device("cpu") if cpu_offload else params[0].device if params else torch.device("cpu")
+            device = torch.device("cpu") if options.cpu_offload else params[0].device if params else torch.device("cpu")
             shards = []
             for param in params:
                 master = shard_of(param.detach(), size, rank).to(device=device, dtype=self._master_dtype).clone()
@@ -175,7 +165,7 @@ class LowLevelZeroOptimizer:
                 shards.append(shard)
                 self._shard_of[id(param)] = shard
             buckets = plan_buckets(list(reversed(shards)), self.options.reduce_bucket_size)
-            comm_dtype = communication_dtype or self._working_dtype
+            comm_dtype = options.communication_dtype or self._working_dtype
             self._groups.append(group)
             self._group_shards.append(shards)
             self._reducers.append(
@@ -330,7 +320,7 @@ class LowLevelZeroOptimizer:
         self._agree_on_used()
         grads = [s.grad_shard for s in self._shards if s.grad_shard is not None]
         # One reduction answers both questions: an inf/nan anywhere makes the norm non-finite.
-        scaled_norm = norm_or_inf(grads, self.options.norm_type, self._norm_groups)
+        scaled_norm = norm_or_inf(grads, self.options.clipping.norm_type, self._norm_groups)
         overflow = self._fp16 and not math.isfinite(scaled_norm)
         scale = self.grad_scaler.scale
         self.grad_scaler.update(overflow)
@@ -343,8 +333,8 @@ class LowLevelZeroOptimizer:
         norm = scaled_norm / scale
         self._grad_norm = norm
         factor = 1.0 / scale
-        if self.options.clip_grad_norm > 0:
-            factor *= clip_coefficient(norm, self.options.clip_grad_norm)
+        if self.options.clipping.enabled:
+            factor *= clip_coefficient(norm, self.options.clipping.max_norm)
         if factor != 1.0 and grads:
             torch._foreach_mul_(grads, factor)
         for shard in self._shards:
@@ -390,7 +380,7 @@ class LowLevelZeroOptimizer:
         if not clip_value > 0 or math.isinf(clip_value):
             raise ValueError(f"clip_grad_by_value: clip_value must be a positive number, got {clip_value}")
         grads = self._reduced_grads("clip_grad_by_value")
-        if self._fp16 and not math.isfinite(norm_or_inf(grads, self.options.norm_type, self._norm_groups)):
+        if self._fp16 and not math.isfinite(norm_or_inf(grads, self.options.clipping.norm_type, self._norm_groups)):
             return
         bound = clip_value * self.grad_scaler.scale
         for grad in grads:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 
-from cx_zero._norm import NormType
+from cx_zero._clipping import ClipOptions
+from cx_zero._loss_scale import LossScaleOptions
+from cx_zero._precision import Precision
 
-__all__ = ["LowLevelZeroOptions", "ZeroStage", "SUPPORTED_DTYPES"]
-
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+__all__ = ["LowLevelZeroOptions", "ZeroStage"]
 
 
 class ZeroStage(Enum):
@@ -23,17 +23,14 @@ class ZeroStage(Enum):
 
 @dataclass(frozen=True)
 class LowLevelZeroOptions:
-    """Every tuning knob of the optimizer, checked once at construction."""
+    """Every tuning knob of the optimizer, checked once at construction (the loss scale and clipping as their own
+    groups, shared with Gemini)."""
 
-    initial_scale: float = 2**16
-    min_scale: float = 1
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 2
-    max_scale: float = 2**24
-    clip_grad_norm: float = 0.0
-    norm_type: NormType = NormType.TWO
+    # LowLevelZeroOptimizer's own (ColossalAI's) defaults, which differ from GeminiOptimizer's in two places
+    loss_scale: LossScaleOptions = field(
+        default_factory=lambda: LossScaleOptions(growth_interval=2000, max_scale=2**24)
+    )
+    clipping: ClipOptions = field(default_factory=ClipOptions)
     verbose: bool = False
     reduce_bucket_size: int = 1024 * 1024
     communication_dtype: torch.dtype | None = None
@@ -47,9 +44,7 @@ class LowLevelZeroOptions:
     def __post_init__(self) -> None:
         if self.reduce_bucket_size < 1:
             raise ValueError(f"reduce_bucket_size must be a positive number of elements, got {self.reduce_bucket_size}")
-        if not self.clip_grad_norm >= 0:  # NaN too: it would disable clipping silently
-            raise ValueError(f"clip_grad_norm must be >= 0 (0 disables clipping), got {self.clip_grad_norm}")
         for name in ("communication_dtype", "forced_dtype"):
             value = getattr(self, name)
-            if value is not None and value not in SUPPORTED_DTYPES:
-                raise ValueError(f"{name} must be one of {SUPPORTED_DTYPES} or None, got {value}")
+            if value is not None:
+                Precision.parse(value, what=name)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from cx_mesh import ProcessGroup
-from cx_zero._options import SUPPORTED_DTYPES
+from cx_zero._precision import Precision
 
 __all__ = ["decide_working_dtype", "group_params", "parameter_names", "trainable_params"]
 
@@ -41,10 +41,7 @@ def decide_working_dtype(params: list[nn.Parameter], forced_dtype: torch.dtype |
     dtypes = sorted({str(p.dtype) for p in params})
     if len(dtypes) > 1:
         raise ValueError(f"parameters have mixed dtypes {dtypes}: cast the model or pass forced_dtype")
-    dtype = params[0].dtype
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"parameter dtype {dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
-    return dtype
+    return Precision.parse(params[0].dtype, what="parameter dtype").dtype
 
 
 def parameter_names(

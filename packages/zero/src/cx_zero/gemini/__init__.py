@@ -4,20 +4,23 @@
   before each module runs (forward and backward) and released after; gradients reduce-scattered chunk by chunk.
 - `GeminiOptimizer(optimizer, module, ...)`: steps any elementwise torch optimizer on each rank's fp32 master
   shard; fp16 dynamic loss scaling, clipping by global norm (2 and inf).
-- `GeminiOptions`, `PlacementKind`: the validated options; `PathMismatchError`: ranks used different parameters,
-  or the same ones in a different order; `OpaqueOutputError`: a module output hides tensors from torch's pytree.
+- `GeminiOptions` (`GeminiOptions.from_arguments`: ColossalAI's GeminiDDP keywords -> the group),
+  `GeminiOptimizerOptions`, `PlacementKind`: the validated options, taken whole by `GeminiDDP(options=...)` and
+  `GeminiOptimizer(options=...)`; `PathMismatchError`: ranks used different parameters, or the same ones in a
+  different order; `OpaqueOutputError`: a module output hides tensors from torch's pytree.
 See docs/gemini.md.
 """
 
 from cx_zero.gemini._ddp import GeminiDDP
 from cx_zero.gemini._driver import PathMismatchError
 from cx_zero.gemini._optimizer import GeminiOptimizer
-from cx_zero.gemini._options import GeminiOptions, PlacementKind
+from cx_zero.gemini._options import GeminiOptimizerOptions, GeminiOptions, PlacementKind
 from cx_zero.gemini._outputs import OpaqueOutputError
 
 __all__ = [
     "GeminiDDP",
     "GeminiOptimizer",
+    "GeminiOptimizerOptions",
     "GeminiOptions",
     "OpaqueOutputError",
     "PathMismatchError",

@@ -32,33 +32,15 @@ from cx_chunk import (
     search_chunk_configuration,
 )
 from cx_mesh import ProcessGroup, communication_device, get_accelerator, get_dist_logger, require_initialized
+from cx_zero._pick import pick_options
 from cx_zero.gemini import _state
 from cx_zero.gemini._driver import GeminiDriver
 from cx_zero.gemini._gather import full_chunk
-from cx_zero.gemini._options import GeminiOptions, PlacementFractions, PlacementKind
+from cx_zero.gemini._options import GeminiOptions, PlacementKind
 from cx_zero.gemini._outputs import map_tensors
 from cx_zero.gemini._units import build_units, long_lived_params, parameter_names
 
-__all__ = ["GeminiDDP", "parse_chunk_config"]
-
-_CHUNK_KEYS = frozenset({"chunk_size", "keep_gathered", "separate_above"})
-
-
-def parse_chunk_config(config: Mapping[Any, Any], group_size: int) -> ChunkConfig:
-    """`{"chunk_size": n, "keep_gathered": b}` or ColossalAI's `{group_size: {...}}` form -> `ChunkConfig`."""
-    if "chunk_size" not in config and len(config) == 1 and isinstance(next(iter(config.values())), Mapping):
-        config = next(iter(config.values()))
-    unknown = set(config) - _CHUNK_KEYS
-    if unknown or "chunk_size" not in config:
-        raise ValueError(
-            f"GeminiDDP: chunk_config_dict must have 'chunk_size' and may have 'keep_gathered', 'separate_above' "
-            f"(got keys {sorted(map(str, config))})"
-        )
-    size = int(config["chunk_size"])
-    if size <= 0:
-        raise ValueError(f"GeminiDDP: chunk_config_dict chunk_size must be positive, got {size}")
-    size = -(-size // group_size) * group_size
-    return ChunkConfig(size, bool(config.get("keep_gathered", False)), config.get("separate_above"))
+__all__ = ["GeminiDDP"]
 
 
 class _IncompatibleKeys(NamedTuple):
@@ -67,7 +49,8 @@ class _IncompatibleKeys(NamedTuple):
 
 
 class GeminiDDP(nn.Module):
-    """Wrap `module` for chunk-based ZeRO-3 (argument meanings in docs/gemini.md)."""
+    """Wrap `module` for chunk-based ZeRO-3 (argument meanings in docs/gemini.md). ColossalAI's option keywords, or
+    `options=` a `GeminiOptions` group built once elsewhere (GeminiPlugin does), not both."""
 
     def __init__(
         self,
@@ -97,6 +80,8 @@ class GeminiDDP(nn.Module):
         verbose: bool = False,
         scatter_after_inference: bool = True,
         fp8_communication: bool = False,
+        *,
+        options: GeminiOptions | None = None,
     ) -> None:
         require_initialized("GeminiDDP")
         if fp8_communication:
@@ -107,41 +92,34 @@ class GeminiDDP(nn.Module):
                 "are released after it as with True (results are the same; only re-gathering is saved in ColossalAI)",
                 stacklevel=2,
             )
+        from_keywords = GeminiOptions.from_arguments(
+            chunk_config_dict,
+            chunk_init_device,
+            placement_policy,
+            enable_gradient_accumulation,
+            max_prefetch,
+            shard_param_frac,
+            offload_optim_frac,
+            offload_param_frac,
+            warmup_non_model_data_ratio,
+            steady_cuda_cap_ratio,
+            search_range_m,
+            hidden_dim,
+            min_chunk_size_m,
+            pin_memory,
+            force_outputs_fp32,
+            strict_ddp_mode,
+            mixed_precision,
+            master_weights,
+            enable_async_reduce,
+        )
+        options = pick_options(options, from_keywords, GeminiOptions.from_arguments(), "GeminiDDP")
         if not isinstance(module, nn.Module):
             raise TypeError(f"GeminiDDP: module must be an nn.Module, got {type(module).__name__}")
         if isinstance(module, GeminiDDP) or getattr(module, "_cx_gemini_wrapped", False):
             raise ValueError("GeminiDDP: this module is already wrapped by a GeminiDDP")
-        placement = PlacementKind.parse(placement_policy)
-        fractions, ignored = PlacementFractions(
-            shard_param_frac=shard_param_frac,
-            offload_optim_frac=offload_optim_frac,
-            offload_param_frac=offload_param_frac,
-            warmup_non_model_data_ratio=warmup_non_model_data_ratio,
-            steady_cuda_cap_ratio=steady_cuda_cap_ratio,
-        ).effective(placement)
-        if ignored:
-            warnings.warn(
-                f"GeminiDDP(placement_policy={placement.value!r}) ignores {', '.join(ignored)}, as ColossalAI does",
-                stacklevel=2,
-            )
-        options = GeminiOptions(
-            placement=placement,
-            mixed_precision=mixed_precision,
-            master_weights=master_weights,
-            enable_gradient_accumulation=enable_gradient_accumulation,
-            max_prefetch=max_prefetch,
-            shard_param_frac=fractions.shard_param_frac,
-            offload_optim_frac=fractions.offload_optim_frac,
-            offload_param_frac=fractions.offload_param_frac,
-            warmup_non_model_data_ratio=fractions.warmup_non_model_data_ratio,
-            steady_cuda_cap_ratio=fractions.steady_cuda_cap_ratio,
-            search_range_m=search_range_m,
-            hidden_dim=hidden_dim,
-            min_chunk_size_m=min_chunk_size_m,
-            pin_memory=pin_memory,
-            force_outputs_fp32=force_outputs_fp32,
-            strict_ddp_mode=strict_ddp_mode,
-        )
+        chunk_init_device = options.chunk_init_device
+        mixed_precision = options.mixed_precision
         super().__init__()
         self.module = module
         self.options = options
@@ -182,14 +160,12 @@ class GeminiDDP(nn.Module):
             raise ValueError("GeminiDDP: no parameter requires grad; there is nothing to train")
 
         units = build_units(module)
-        if chunk_config_dict is not None:
-            if search_range_m != 32 or min_chunk_size_m != 32 or hidden_dim is not None:
-                raise ValueError(
-                    "GeminiDDP: search_range_m, min_chunk_size_m and hidden_dim configure the chunk-size search; "
-                    "they do not apply when chunk_config_dict is given (pass one or the other)"
-                )
-            config = parse_chunk_config(chunk_config_dict, group_size)
-            if strict_ddp_mode and not config.keep_gathered:
+        if options.chunk_config is not None:
+            given = options.chunk_config
+            config = ChunkConfig(
+                -(-given.chunk_size // group_size) * group_size, given.keep_gathered, given.separate_above
+            )
+            if options.strict_ddp_mode and not config.keep_gathered:
                 config = ChunkConfig(config.chunk_size, True, config.separate_above)
             apart = [] if config.keep_gathered else long_lived_params(units, config.chunk_size)
         else:
@@ -197,9 +173,9 @@ class GeminiDDP(nn.Module):
             def search(candidates: list[nn.Parameter]) -> ChunkConfig:
                 return search_chunk_configuration(
                     candidates,
-                    search_range_m,
-                    min_chunk_size_m=min_chunk_size_m,
-                    hidden_dim=hidden_dim,
+                    options.search_range_m,
+                    min_chunk_size_m=options.min_chunk_size_m,
+                    hidden_dim=options.hidden_dim,
                     group_size=group_size,
                 ).config
 
@@ -210,7 +186,7 @@ class GeminiDDP(nn.Module):
                 stream = [p for p in trainable if id(p) not in apart_ids]
                 refined = search(stream) if stream else config
                 config = config if refined.keep_gathered else refined
-            if strict_ddp_mode:
+            if options.strict_ddp_mode:
                 config = ChunkConfig(config.chunk_size, True, config.separate_above)
                 apart = []
         self.chunk_config = config
@@ -234,7 +210,7 @@ class GeminiDDP(nn.Module):
             extra_dp_group=extra_dp_group,
             compute_device=self.compute_device,
             init_device=self.chunk_init_device,
-            pin_memory=pin_memory,
+            pin_memory=options.pin_memory,
         )
         for p in params:
             p.data = p.data.to(self.chunk_init_device, mixed_precision)
@@ -260,7 +236,7 @@ class GeminiDDP(nn.Module):
         else:
             policy = AutoPlacementPolicy(options.warmup_non_model_data_ratio, options.steady_cuda_cap_ratio)
         self.policy = policy
-        self.scheduler = ChunkScheduler(self.manager, policy, max_prefetch=max_prefetch, memstats=memstats)
+        self.scheduler = ChunkScheduler(self.manager, policy, max_prefetch=options.max_prefetch, memstats=memstats)
         for chunk in self.manager.chunks("param"):
             self.manager.grad_chunk(chunk, policy.optimizer_residence(chunk))
 
@@ -271,8 +247,8 @@ class GeminiDDP(nn.Module):
             units,
             self.param_names,
             check_groups=check_groups,
-            eager_reduce=enable_async_reduce,
-            allow_accumulation=enable_gradient_accumulation,
+            eager_reduce=options.enable_async_reduce,
+            allow_accumulation=options.enable_gradient_accumulation,
         )
         self.driver.install()
         module._cx_gemini_wrapped = True  # type: ignore[assignment]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,11 +23,15 @@ from torch import nn
 from cx_checkpoint import OptimizerMeta, TensorSpec, optimizer_tensor_name
 from cx_chunk import AutoPlacementPolicy, Chunk, Residence
 from cx_mesh import ProcessGroup, get_dist_logger
+from cx_zero._clipping import ClipOptions
 from cx_zero._elementwise import require_elementwise
-from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
+from cx_zero._grad_scaler import BaseGradScaler
+from cx_zero._loss_scale import LossScaleOptions
 from cx_zero._norm import NormType, clip_coefficient, norm_or_inf
+from cx_zero._pick import pick_options
 from cx_zero.gemini._ddp import GeminiDDP
 from cx_zero.gemini._margin import use_device_margin
+from cx_zero.gemini._options import GeminiOptimizerOptions
 from cx_zero.gemini._shards import ShardEntry, full_states, own_part
 from cx_zero.gemini._state import is_saver
 
@@ -35,7 +39,8 @@ __all__ = ["GeminiOptimizer"]
 
 
 class GeminiOptimizer:
-    """Wrap `optimizer` (built on `module.parameters()`) for a `GeminiDDP` (argument meanings in docs/gemini.md)."""
+    """Wrap `optimizer` (built on `module.parameters()`) for a `GeminiDDP` (argument meanings in docs/gemini.md).
+    ColossalAI's option keywords, or `options=` a `GeminiOptimizerOptions` group built once elsewhere, not both."""
 
     def __init__(
         self,
@@ -54,6 +59,8 @@ class GeminiOptimizer:
         tp_group: ProcessGroup | None = None,
         params_info: Any = None,
         verbose: bool = False,
+        *,
+        options: GeminiOptimizerOptions | None = None,
         **defaults: Any,
     ) -> None:
         if defaults:  # ColossalAI's signature takes and ignores them; say so instead of failing or hiding it
@@ -61,41 +68,41 @@ class GeminiOptimizer:
                 f"GeminiOptimizer ignores {sorted(defaults)}: hyper-parameters come from the wrapped optimizer",
                 stacklevel=2,
             )
+        if params_info is not None:
+            raise NotImplementedError(
+                "GeminiOptimizer: params_info is not used by cx (optimizer state is keyed by parameter name); pass None"
+            )
+        from_keywords = GeminiOptimizerOptions(
+            LossScaleOptions(
+                initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale
+            ),
+            ClipOptions.of(max_norm, norm_type),
+            gpu_margin_mem_ratio,
+        )
+        options = pick_options(options, from_keywords, GeminiOptimizerOptions(), "GeminiOptimizer")
         if not isinstance(module, GeminiDDP):
             raise TypeError(f"GeminiOptimizer: module must be a GeminiDDP, got {type(module).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"GeminiOptimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
         require_elementwise(optimizer, "GeminiOptimizer")
-        if not 0.0 <= gpu_margin_mem_ratio <= 1.0:
-            raise ValueError(f"GeminiOptimizer: gpu_margin_mem_ratio must be in [0, 1], got {gpu_margin_mem_ratio}")
-        if gpu_margin_mem_ratio > 0 and not isinstance(module.policy, AutoPlacementPolicy):
+        if options.gpu_margin_mem_ratio > 0 and not isinstance(module.policy, AutoPlacementPolicy):
             raise ValueError(
-                f"GeminiOptimizer: gpu_margin_mem_ratio={gpu_margin_mem_ratio} applies to placement_policy='auto' "
-                "only (static placement keeps optimizer data where offload_optim_frac says); pass 0.0"
+                f"GeminiOptimizer: gpu_margin_mem_ratio={options.gpu_margin_mem_ratio} applies to "
+                "placement_policy='auto' only (static placement keeps optimizer data where offload_optim_frac says); "
+                "pass 0.0"
             )
-        if params_info is not None:
-            raise NotImplementedError(
-                "GeminiOptimizer: params_info is not used by cx (optimizer state is keyed by parameter name); pass None"
-            )
-        if max_norm < 0 or math.isnan(max_norm):
-            raise ValueError(f"GeminiOptimizer: max_norm must be >= 0 (0 disables clipping), got {max_norm}")
-        self.norm_type = NormType.parse(norm_type)
+        self.options = options
+        self.norm_type = options.clipping.norm_type
         self.optim = optimizer
         self.module = module
         self.manager = module.manager
-        self.max_norm = float(max_norm)
+        self.max_norm = options.clipping.max_norm
         self.tp_group = tp_group
-        self.scaler: BaseGradScaler
-        if module.options.needs_loss_scaling:
-            self.scaler = DynamicGradScaler(
-                initial_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis
-            )
-        else:
-            self.scaler = ConstantGradScaler(1.0)
+        self.scaler = options.loss_scale.scaler(dynamic=module.options.needs_loss_scaling)
         self._norm: float | None = None
         self._entries: list[ShardEntry] = []
         self._scalars_on_device: dict[int, bool] | None = None
-        self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
+        self.gpu_margin_mem_ratio = options.gpu_margin_mem_ratio
         self.device_optimizer_chunks: list[Chunk] | None = None  # chosen after the first step when the ratio > 0
         self._by_name: dict[str, ShardEntry] = {}
         self._build(optimizer)  # checks every parameter before changing the optimizer
@@ -202,10 +209,28 @@ class GeminiOptimizer:
         """The current loss scale (1.0 unless mixed_precision is float16)."""
         return self.scaler.scale
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Scale the loss (fp16) and run GeminiDDP's backward."""
+    @property
+    def grad_scaler(self) -> BaseGradScaler:
+        """The loss scaler (also `scaler`): dynamic for fp16, the constant 1.0 otherwise."""
+        return self.scaler
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Scale the loss (fp16) and run GeminiDDP's backward (chunks are released as it goes, so the graph cannot
+        be kept: `retain_graph=True` raises)."""
+        if retain_graph:
+            raise NotImplementedError("GeminiOptimizer: backward(retain_graph=True) is not supported")
         scale = self.scaler.scale
         self.module.backward(loss * scale if scale != 1.0 else loss)
+
+    def backward_by_grad(
+        self,
+        tensor: torch.Tensor,
+        grad: torch.Tensor,
+        inputs: Sequence[torch.Tensor] | None = None,
+        retain_graph: bool = False,
+    ) -> None:
+        """Not supported, as in ColossalAI's GeminiOptimizer: Gemini runs whole-model backward only."""
+        raise NotImplementedError("GeminiOptimizer: backward_by_grad is not supported (as in ColossalAI); use backward")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad()

@@ -1,19 +1,29 @@
-"""Validated GeminiDDP options: the constructor's loose arguments become one frozen dataclass with enums.
+"""Validated Gemini options: GeminiDDP's and GeminiOptimizer's loose arguments as frozen dataclasses with enums.
 
-Validation happens here, once, so every bad argument fails before any chunk is built, with a message listing what is
-accepted (ColossalAI asserts or silently ignores several of these).
+`GeminiOptions.from_arguments` is the one place ColossalAI's flat GeminiDDP keywords become the group (GeminiDDP's
+constructor and GeminiPlugin both call it); `GeminiOptimizerOptions` groups the optimizer's loss scaling, clipping
+and device margin. Validation happens here, once, so every bad argument fails before any chunk is built, with a
+message listing what is accepted (ColossalAI asserts or silently ignores several of these).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["GeminiOptions", "PlacementKind", "SUPPORTED_PRECISIONS", "PlacementFractions"]
+from cx_chunk import ChunkConfig
+from cx_zero._clipping import ClipOptions
+from cx_zero._loss_scale import LossScaleOptions
+from cx_zero._precision import Precision
 
-SUPPORTED_PRECISIONS = (torch.float32, torch.float16, torch.bfloat16)
+__all__ = ["GeminiOptimizerOptions", "GeminiOptions", "PlacementFractions", "PlacementKind", "read_chunk_config"]
+
+_CHUNK_KEYS = frozenset({"chunk_size", "keep_gathered", "separate_above"})
 
 
 class PlacementKind(enum.Enum):
@@ -101,13 +111,21 @@ class GeminiOptions:
     pin_memory: bool
     force_outputs_fp32: bool
     strict_ddp_mode: bool
+    chunk_config: ChunkConfig | None = None
+    """ColossalAI's `chunk_config_dict`, read (the chunk size is rounded up to the zero group's size at wrap time);
+    None: the chunk size is searched."""
+    chunk_init_device: torch.device | None = None
+    enable_async_reduce: bool = True
 
     def __post_init__(self) -> None:
-        if self.mixed_precision not in SUPPORTED_PRECISIONS:
-            accepted = ", ".join(str(d) for d in SUPPORTED_PRECISIONS)
+        if self.chunk_config is not None and (
+            self.search_range_m != 32 or self.min_chunk_size_m != 32 or self.hidden_dim is not None
+        ):
             raise ValueError(
-                f"GeminiDDP: mixed_precision={self.mixed_precision} is not supported; accepted: {accepted}"
+                "GeminiDDP: search_range_m, min_chunk_size_m and hidden_dim configure the chunk-size search; "
+                "they do not apply when chunk_config_dict is given (pass one or the other)"
             )
+        Precision.parse(self.mixed_precision, what="GeminiDDP: mixed_precision")
         if self.max_prefetch < 0:
             raise ValueError(f"GeminiDDP: max_prefetch must be >= 0, got {self.max_prefetch}")
         for name in (
@@ -150,6 +168,67 @@ class GeminiOptions:
                 "GeminiDDP: strict_ddp_mode=True (every chunk kept gathered) needs placement_policy='static'"
             )
 
+    @classmethod
+    def from_arguments(
+        cls,
+        chunk_config_dict: Mapping[Any, Any] | None = None,
+        chunk_init_device: torch.device | None = None,
+        placement_policy: str | PlacementKind = "static",
+        enable_gradient_accumulation: bool = False,
+        max_prefetch: int = 0,
+        shard_param_frac: float = 1.0,
+        offload_optim_frac: float = 0.0,
+        offload_param_frac: float = 0.0,
+        warmup_non_model_data_ratio: float = 0.8,
+        steady_cuda_cap_ratio: float = 0.9,
+        search_range_m: float = 32,
+        hidden_dim: int | None = None,
+        min_chunk_size_m: float = 32,
+        pin_memory: bool = False,
+        force_outputs_fp32: bool = False,
+        strict_ddp_mode: bool = False,
+        mixed_precision: torch.dtype = torch.float16,
+        master_weights: bool = True,
+        enable_async_reduce: bool = True,
+    ) -> GeminiOptions:
+        """ColossalAI's GeminiDDP keywords (its names and defaults) as the validated group. Placement knobs the
+        chosen policy does not read are reset to their defaults with one warning naming them, as ColossalAI ignores
+        them."""
+        placement = PlacementKind.parse(placement_policy)
+        fractions, ignored = PlacementFractions(
+            shard_param_frac=shard_param_frac,
+            offload_optim_frac=offload_optim_frac,
+            offload_param_frac=offload_param_frac,
+            warmup_non_model_data_ratio=warmup_non_model_data_ratio,
+            steady_cuda_cap_ratio=steady_cuda_cap_ratio,
+        ).effective(placement)
+        if ignored:
+            warnings.warn(
+                f"GeminiDDP(placement_policy={placement.value!r}) ignores {', '.join(ignored)}, as ColossalAI does",
+                stacklevel=3,
+            )
+        return cls(
+            placement=placement,
+            mixed_precision=mixed_precision,
+            master_weights=master_weights,
+            enable_gradient_accumulation=enable_gradient_accumulation,
+            max_prefetch=max_prefetch,
+            search_range_m=search_range_m,
+            hidden_dim=hidden_dim,
+            min_chunk_size_m=min_chunk_size_m,
+            pin_memory=pin_memory,
+            force_outputs_fp32=force_outputs_fp32,
+            strict_ddp_mode=strict_ddp_mode,
+            chunk_config=None if chunk_config_dict is None else read_chunk_config(chunk_config_dict),
+            chunk_init_device=None if chunk_init_device is None else torch.device(chunk_init_device),
+            enable_async_reduce=enable_async_reduce,
+            **fractions.__dict__,
+        )
+
+    @property
+    def precision(self) -> Precision:
+        return Precision.parse(self.mixed_precision)
+
     @property
     def needs_master(self) -> bool:
         """A separate fp32 master copy exists only for low-precision parameters with master_weights=True."""
@@ -157,4 +236,36 @@ class GeminiOptions:
 
     @property
     def needs_loss_scaling(self) -> bool:
-        return self.mixed_precision == torch.float16
+        return self.precision.needs_loss_scaling
+
+
+def read_chunk_config(config: Mapping[Any, Any]) -> ChunkConfig:
+    """`{"chunk_size": n, "keep_gathered": b}` or ColossalAI's `{group_size: {...}}` form -> `ChunkConfig`."""
+    if "chunk_size" not in config and len(config) == 1 and isinstance(next(iter(config.values())), Mapping):
+        config = next(iter(config.values()))
+    unknown = set(config) - _CHUNK_KEYS
+    if unknown or "chunk_size" not in config:
+        raise ValueError(
+            f"GeminiDDP: chunk_config_dict must have 'chunk_size' and may have 'keep_gathered', 'separate_above' "
+            f"(got keys {sorted(map(str, config))})"
+        )
+    size = int(config["chunk_size"])
+    if size <= 0:
+        raise ValueError(f"GeminiDDP: chunk_config_dict chunk_size must be positive, got {size}")
+    return ChunkConfig(size, bool(config.get("keep_gathered", False)), config.get("separate_above"))
+
+
+@dataclass(frozen=True)
+class GeminiOptimizerOptions:
+    """GeminiOptimizer's settings: fp16 loss scaling, clipping by global norm, and (auto placement) the share of
+    free device memory optimizer chunks may use."""
+
+    loss_scale: LossScaleOptions = field(default_factory=LossScaleOptions)
+    clipping: ClipOptions = field(default_factory=ClipOptions)
+    gpu_margin_mem_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.gpu_margin_mem_ratio <= 1.0:
+            raise ValueError(
+                f"GeminiOptimizer: gpu_margin_mem_ratio must be in [0, 1], got {self.gpu_margin_mem_ratio}"
+            )
