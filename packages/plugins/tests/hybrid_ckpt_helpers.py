@@ -37,17 +37,17 @@ def build(kind: str, seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     if kind == "gpt2":
-        config = transformers.GPT2Config(
+        gpt2 = transformers.GPT2Config(
             vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
-        model = transformers.GPT2LMHeadModel(config)
+        model: Any = transformers.GPT2LMHeadModel(gpt2)
     else:
-        config = transformers.LlamaConfig(
+        llama = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
         )  # fmt: skip
-        model = transformers.LlamaForCausalLM(config)
+        model = transformers.LlamaForCausalLM(llama)
     model.config.use_cache = False
     return model
 
@@ -99,8 +99,7 @@ class StagedModel(nn.Module):
         assert self.schedule is not None
         self.schedule.forward_backward_step(
             self.pipeline, iter([{"input_ids": batch, "labels": batch}]), lambda out, _: out.loss, return_loss=True
-        )
-        self.pipeline.sync_shared_params_grads()
+        )  # the schedule also sums the tied parameters' gradients over their stages
 
 
 class TorchFace:
@@ -134,7 +133,9 @@ class TorchFace:
             position[n]: {k: v for k, v in entries.items() if k != "master_weight"}
             for n, entries in state_dict["state"].items()
         }
-        self.optim.load_state_dict({"state": state, "param_groups": [{**group, "params": list(range(len(self.names)))}]})
+        self.optim.load_state_dict(
+            {"state": state, "param_groups": [{**group, "params": list(range(len(self.names)))}]}
+        )
 
 
 class ZeroFace:
@@ -188,13 +189,32 @@ def train(view: StagedModel, face: Any, steps: torch.Tensor) -> None:
 
 
 def reference(kind: str, steps: torch.Tensor) -> nn.Module:
+    return reference_with_optimizer(kind, steps)[0]
+
+
+def reference_with_optimizer(kind: str, steps: torch.Tensor) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The uninterrupted single-process run (AdamW built from named parameters, so its state is by name)."""
     model = build(kind)
-    optim = torch.optim.AdamW(model.parameters(), lr=LR)
+    optim = torch.optim.AdamW(model.named_parameters(), lr=LR)
     for batch in steps:
         model(input_ids=batch, labels=batch).loss.backward()
         optim.step()
         optim.zero_grad()
-    return model
+    return model, optim
+
+
+def assert_same_state(actual: torch.optim.Optimizer, expected: torch.optim.Optimizer, what: str) -> None:
+    """AdamW's moments by parameter name (Adam's update hides a wrong gradient scale: its moments do not)."""
+    mine, theirs = actual.state_dict(), expected.state_dict()
+    names = mine["param_groups"][0]["param_names"]
+    assert names == theirs["param_groups"][0]["param_names"], what
+    assert len(mine["state"]) == len(names), what
+    for position, name in enumerate(names):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(
+                mine["state"][position][key], theirs["state"][position][key], rtol=RTOL, atol=1e-7,
+                msg=f"{what}: {name}.{key}",
+            )  # fmt: skip
 
 
 def full_params(view: StagedModel) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,12 +19,14 @@ from hybrid_ckpt_helpers import (
     LR,
     as_optimizer,
     assert_matches,
+    assert_same_state,
     batches,
     build,
     compose,
     full_params,
     paths,
     reference,
+    reference_with_optimizer,
     train,
 )
 
@@ -43,7 +46,9 @@ def _save(rank: int, world_size: int, kind: str, tp: int, pp: int, optimizer: st
     dist.barrier()
 
 
-def _resume(rank: int, world_size: int, kind: str, tp: int, pp: int, optimizer: str, directory: str, shard: bool) -> None:
+def _resume(
+    rank: int, world_size: int, kind: str, tp: int, pp: int, optimizer: str, directory: str, shard: bool
+) -> None:
     view, face, io = compose(kind, tp, pp, optimizer, seed=1)  # another init: only the checkpoint can fix it
     model_path, optimizer_path = paths(directory, shard)
     io.load_model(view, model_path)
@@ -58,12 +63,13 @@ def _check_plain(kind: str, directory: str, shard: bool) -> None:
     """A single process: transformers loads the weights; GeneralCheckpointIO loads weights and optimizer into a plain
     model and AdamW, which continue to the uninterrupted run."""
     model_path, optimizer_path = paths(directory, shard)
-    expected = reference(kind, batches(BEFORE))
+    expected, expected_optimizer = reference_with_optimizer(kind, batches(BEFORE))
     if shard:
         assert (model_path / "config.json").is_file()
         index = json.loads((model_path / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1  # several shards (written by several ranks)
-        loaded = type(expected).from_pretrained(model_path)
+        model_class: Any = type(expected)
+        loaded = model_class.from_pretrained(model_path)
         assert_matches(dict(loaded.named_parameters()), expected, f"{kind} from_pretrained")
     plain = build(kind, seed=1)
     optim = torch.optim.AdamW(plain.named_parameters(), lr=LR)
@@ -71,6 +77,7 @@ def _check_plain(kind: str, directory: str, shard: bool) -> None:
     io.load_model(plain, model_path)
     io.load_optimizer(optim, optimizer_path)
     assert_matches(dict(plain.named_parameters()), expected, f"{kind} loaded by GeneralCheckpointIO")
+    assert_same_state(optim, expected_optimizer, f"{kind} optimizer state loaded by GeneralCheckpointIO")
     for batch in batches(BEFORE + AFTER)[BEFORE:]:
         plain(input_ids=batch, labels=batch).loss.backward()
         optim.step()

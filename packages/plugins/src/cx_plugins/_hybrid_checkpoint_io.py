@@ -41,7 +41,6 @@ from cx_checkpoint import (
     optimizer_tensor_name,
     read_optimizer_meta,
     require_names,
-    run_and_agree,
     write_sharded,
     write_side_files,
 )
@@ -426,4 +425,3 @@ def _merge_descriptions(mine: OptimizerMeta | None, order: list[str]) -> Optimiz
     for meta in metas:
         state.update(meta.state)
     return OptimizerMeta(groups, state)
-
