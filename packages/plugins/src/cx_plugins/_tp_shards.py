@@ -64,7 +64,8 @@ class TensorParallelShards:
         for name, param in module.named_parameters(remove_duplicate=False):
             spec = get_shard_spec(param)
             if spec is not None:
-                shape = tuple(local_shapes[name]) if local_shapes is not None else tuple(param.shape)
+                known = local_shapes.get(name) if local_shapes is not None else None
+                shape = tuple(known) if known is not None else tuple(param.shape)
                 split[name] = SplitParam(spec, shape)
         return cls(split, group)
 
