@@ -151,3 +151,19 @@ def test_gemini_tp_switches(rank: int, world_size: int) -> None:
     with pytest.raises(NotImplementedError, match="jit"):
         Booster(plugin=GeminiPlugin(precision="fp32", tp_size=2, enable_jit_fused=True)).boost(build("llama"))
     dist.barrier()
+
+
+@distributed(world_size=2)
+def test_gemini_tp2_with_sequence_parallelism(rank: int, world_size: int) -> None:
+    """enable_sequence_parallelism at tp 2 (split_gather): the same norms and parameters as the single process."""
+    plugin = GeminiPlugin(
+        precision="fp32", tp_size=2, max_norm=MAX_NORM, chunk_config_dict={"chunk_size": 1024},
+        enable_sequence_parallelism=True,
+    )  # fmt: skip
+    booster = Booster(plugin=plugin)
+    plain = build("llama")
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=LR))
+    norms = _train(booster, plugin, model, optimizer, 0, 2)
+    assert norms == pytest.approx(_reference(2)[1], rel=1e-4)
+    _assert_matches(plugin, model, 2, "gemini tp2 + sequence parallelism")
+    dist.barrier()

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cx_checkpoint import GeneralCheckpointIO
+from cx_checkpoint import CheckpointError, GeneralCheckpointIO
 from cx_mesh.testing import run_distributed
 from hybrid_ckpt_helpers import (
     LR,
@@ -108,3 +108,32 @@ def test_gpt2_tied_tp2_pp2(tmp_path: Path) -> None:
     run_distributed(_save, 4, kind="gpt2", tp=2, pp=2, optimizer="torch", directory=directory)
     _check_plain("gpt2", directory, True)
     run_distributed(_resume, 2, kind="gpt2", tp=2, pp=1, optimizer="torch", directory=directory, shard=True)
+
+
+def test_dp2_tp2_writes_each_tensor_once(tmp_path: Path) -> None:
+    """dp replicas stay out of the save: at dp2 x tp2 (ZeRO-2 over dp) the files are the single-process ones."""
+    directory = str(tmp_path)
+    run_distributed(_save, 4, kind="llama", tp=2, pp=1, optimizer="zero", directory=directory)
+    _check_plain("llama", directory, True)
+
+
+def _bad_inputs(rank: int, world_size: int, directory: str) -> None:
+    view, _, io = compose("llama", 2, 1, "torch")
+    with pytest.raises(TypeError, match="ParallelModelView"):
+        io.save_model(view.module, Path(directory, "m"), shard=True)
+    with pytest.raises(NotImplementedError, match="use_async"):
+        io.save_model(view, Path(directory, "m"), shard=True, use_async=True)
+    with pytest.raises(ValueError, match="not boosted by this plugin"):
+        io.save_optimizer(torch.optim.SGD(view.module.parameters(), lr=0.1), Path(directory, "o"), shard=True)
+    Path(directory, "file").write_text("x")
+    with pytest.raises(CheckpointError, match=r"is a file|failed on rank"):
+        io.save_model(view, Path(directory, "file"), shard=True)  # every rank raises, none waits
+    other, _, other_io = compose("gpt2", 2, 1, "torch")
+    other_io.save_model(other, Path(directory, "gpt2"), shard=True, use_safetensors=True)
+    with pytest.raises(CheckpointError, match=r"tensor names differ|failed on rank"):
+        io.load_model(view, Path(directory, "gpt2"))  # a GPT-2 checkpoint into a Llama: refused everywhere
+    dist.barrier()
+
+
+def test_bad_inputs_raise_on_every_rank(tmp_path: Path) -> None:
+    run_distributed(_bad_inputs, 2, directory=str(tmp_path))
