@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cx_checkpoint import CheckpointError, GeneralCheckpointIO
+from cx_checkpoint import CheckpointError, CheckpointKind, CheckpointReader, GeneralCheckpointIO
 from cx_mesh.testing import run_distributed
+from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
 from hybrid_ckpt_helpers import (
     LR,
     as_optimizer,
@@ -137,3 +138,30 @@ def _bad_inputs(rank: int, world_size: int, directory: str) -> None:
 
 def test_bad_inputs_raise_on_every_rank(tmp_path: Path) -> None:
     run_distributed(_bad_inputs, 2, directory=str(tmp_path))
+
+
+def _mixed_precision(rank: int, world_size: int, directory: str) -> None:
+    """A module cast to bf16 for training (as the hybrid plugin's mixed precision does) saves in the model's fp32
+    with `model_dtype` (so fp32 models and the other plugins load it) and loads back into bf16."""
+    view, face, _ = compose("llama", 2, 1, "torch")
+    train(view, face, batches(1))
+    view.module.to(torch.bfloat16)
+    io = HybridCheckpointIO(lambda _: None, model_dtype=torch.float32)
+    io.save_model(view, Path(directory, "bf16"), shard=True, use_safetensors=True)
+    trained = full_params(view)
+    with CheckpointReader.open(Path(directory, "bf16"), CheckpointKind.MODEL) as reader:
+        for name, value in trained.items():
+            stored = reader.read(name)
+            assert stored.dtype == torch.float32, name
+            torch.testing.assert_close(stored, value.float(), rtol=0, atol=0)
+    fresh, _, _ = compose("llama", 2, 1, "torch", seed=1)
+    fresh.module.to(torch.bfloat16)
+    io.load_model(fresh, Path(directory, "bf16"))
+    for name, value in full_params(fresh).items():
+        assert value.dtype == torch.bfloat16
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=0)
+    dist.barrier()
+
+
+def test_mixed_precision_saves_the_model_dtype(tmp_path: Path) -> None:
+    run_distributed(_mixed_precision, 2, directory=str(tmp_path))

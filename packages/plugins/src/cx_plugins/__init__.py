@@ -1,7 +1,8 @@
 """cx-plugins: the Booster and its plugins, with ColossalAI's names and arguments.
 
 Present: `Booster`, `Plugin`, `DPPluginBase`, `TorchDDPPlugin`, `TorchFSDPPlugin` (FSDP2), `LowLevelZeroPlugin`,
-`GeminiPlugin`, the wrappers,
+`GeminiPlugin` (with tensor parallelism), the wrappers, `HybridCheckpointIO` with the faces it reads
+(`ParallelModelView`, `ParallelOptimizerView`) for models split by tensor and pipeline parallelism,
 reference models in `cx_plugins.models`, ColossalAI's learning-rate schedulers in `cx_plugins.lr_scheduler`; every
 plugin saves and loads the canonical cx checkpoint format. `__version__` is the installed distribution's version.
 """
@@ -10,7 +11,9 @@ from importlib import metadata as _metadata
 
 from cx_plugins._booster import Booster
 from cx_plugins._gemini_plugin import GeminiPlugin
+from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
 from cx_plugins._low_level_zero_plugin import LowLevelZeroPlugin
+from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
 from cx_plugins._plugin import DPPluginBase, Plugin
 from cx_plugins._precision import Precision
 from cx_plugins._torch_ddp_plugin import TorchDDPPlugin
@@ -27,9 +30,12 @@ __all__ = [
     "Booster",
     "DPPluginBase",
     "GeminiPlugin",
+    "HybridCheckpointIO",
     "LowLevelZeroPlugin",
     "ModelWrapper",
     "OptimizerWrapper",
+    "ParallelModelView",
+    "ParallelOptimizerView",
     "Plugin",
     "Precision",
     "TorchDDPPlugin",

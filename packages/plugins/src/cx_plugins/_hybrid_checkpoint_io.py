@@ -74,7 +74,8 @@ class _StateView(nn.Module):
 class _StageSink:
     """`TensorSink` over the tensors one pipeline stage holds, in their local (TP-sharded) shapes."""
 
-    def __init__(self, view: ParallelModelView) -> None:
+    def __init__(self, view: ParallelModelView, model_dtype: torch.dtype | None) -> None:
+        self._dtype = model_dtype
         module = view.unwrap()
         held = view.held_parameter_names()
         buffers = view.held_buffer_names()
@@ -88,14 +89,14 @@ class _StageSink:
                 self._targets[name] = buffer
 
     def expected_tensors(self) -> dict[str, TensorSpec]:
-        return {name: TensorSpec.of(tensor) for name, tensor in self._targets.items()}
+        return {name: TensorSpec(tuple(t.shape), _stored_dtype(t, self._dtype)) for name, t in self._targets.items()}
 
     def owned_region(self, name: str) -> Region | None:
         return None
 
     def receive(self, name: str, tensor: torch.Tensor) -> None:
         with torch.no_grad():
-            self._targets[name].copy_(tensor)
+            self._targets[name].copy_(tensor)  # cast back to the training dtype
 
 
 def _world() -> ProcessGroup:
@@ -127,17 +128,21 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
     """Checkpoints of a `ParallelModelView` (TP shards, pipeline stages, dp replicas) and its by-name optimizer.
 
     `model_of(optimizer)` finds the model an optimizer was boosted with (its names, stages and TP specs);
-    `after_model_load(view)` refreshes what depends on the weights (fp32 master copies) after a model load.
+    `after_model_load(view)` refreshes what depends on the weights (fp32 master copies) after a model load;
+    `model_dtype`: the dtype the user's model had before a mixed-precision cast (floating tensors are saved in it and
+    cast back on load, as the ZeRO plugins do), None to save the dtype the module holds.
     """
 
     def __init__(
         self,
         model_of: Callable[[torch.optim.Optimizer], ParallelModelView | None],
         after_model_load: Callable[[ParallelModelView], None] | None = None,
+        model_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self._model_of = model_of
         self._after_model_load = after_model_load
+        self._model_dtype = model_dtype
 
     # ---- helpers ------------------------------------------------------------------------------------------
     @staticmethod
@@ -172,7 +177,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
     def _model_stream(self, view: ParallelModelView) -> Iterator[tuple[str, torch.Tensor]]:
         plan = StagePlan.build(view)  # collective over the pipeline group: before the writer starts
         tp = self._tp(view)
-        return _stage_tensors(plan, tp)
+        return _stage_tensors(plan, tp, self._model_dtype)
 
     def _write_model(
         self,
@@ -243,7 +248,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
 
         def load() -> None:
             with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
-                result = load_into(reader, tp.sink(_StageSink(view)), strict=False)
+                result = load_into(reader, tp.sink(_StageSink(view, self._model_dtype)), strict=False)
                 unexpected = sorted(set(reader.specs) - known)
             if strict and (result.missing_keys or unexpected):
                 raise KeyMismatchError(
@@ -373,7 +378,14 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         face.load_state_dict_by_name(loaded[0])
 
 
-def _stage_tensors(plan: StagePlan, tp: TensorParallelShards) -> Iterator[tuple[str, torch.Tensor]]:
+def _stored_dtype(tensor: torch.Tensor, model_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a model tensor has in the checkpoint: the model's own for floating tensors when given."""
+    return model_dtype if model_dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
+def _stage_tensors(
+    plan: StagePlan, tp: TensorParallelShards, model_dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's stream: the TP gathers of its stage's tensors (on every rank of the writing TP group), yielded
     by the writer under every name of each tensor (copies, since writers refuse shared storage)."""
     if not plan.gathers:
@@ -383,7 +395,7 @@ def _stage_tensors(plan: StagePlan, tp: TensorParallelShards) -> Iterator[tuple[
             full = tp.gather(name, tensor.detach())
             if not plan.writes:
                 continue
-            on_cpu = full.detach().to("cpu", copy=True).contiguous()
+            on_cpu = full.detach().to("cpu", _stored_dtype(full, model_dtype), copy=True).contiguous()
             for number, alias in enumerate(names):
                 yield alias, on_cpu if number == 0 else on_cpu.clone()
 
