@@ -12,12 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cx_checkpoint import GeneralCheckpointIO
 from cx_mesh.testing import distributed, run_distributed
 from cx_plugins import Booster, GeminiPlugin, LowLevelZeroPlugin
 from cx_plugins._gemini_plugin import GeminiModel
 from cx_plugins._layout import Axis
 from cx_plugins._tp_shards import TensorParallelShards
-from hybrid_ckpt_helpers import BATCH, LR, RTOL, build
+from hybrid_ckpt_helpers import BATCH, LR, RTOL, assert_same_state, batches, build, reference_with_optimizer
+from hybrid_ckpt_helpers import assert_matches as assert_same_params
 
 transformers = pytest.importorskip("transformers")
 
@@ -167,3 +169,38 @@ def test_gemini_tp2_with_sequence_parallelism(rank: int, world_size: int) -> Non
     assert norms == pytest.approx(_reference(2)[1], rel=1e-4)
     _assert_matches(plugin, model, 2, "gemini tp2 + sequence parallelism")
     dist.barrier()
+
+
+def _gpt2_save(rank: int, world_size: int, directory: str) -> None:
+    plugin = GeminiPlugin(precision="fp32", tp_size=2, chunk_config_dict={"chunk_size": 1024})
+    booster = Booster(plugin=plugin)
+    plain = build("gpt2")
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=LR))
+    assert optimizer is not None
+    data_rank, data_size = plugin.layout.data_rank_and_size()
+    per_rank = BATCH // data_size
+    for batch in batches(2):
+        mine = batch[data_rank * per_rank : (data_rank + 1) * per_rank]
+        booster.backward(model(input_ids=mine, labels=mine).loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+    booster.save_model(model, Path(directory, "model"), shard=True, use_safetensors=True, size_per_shard=0.002)
+    booster.save_optimizer(optimizer, Path(directory, "optimizer"), shard=True, size_per_shard=0.002)
+    dist.barrier()
+
+
+def test_gemini_tp2_gpt2_tied_checkpoint_is_the_single_process_state(tmp_path: Path) -> None:
+    """GPT-2's tied, vocabulary-padded embedding under Gemini tp2 x zero2: the checkpoint holds the single-process
+    weights (both tied names, padding stripped) and Adam moments, loadable by transformers and GeneralCheckpointIO."""
+    run_distributed(_gpt2_save, 4, directory=str(tmp_path))
+    expected, expected_optimizer = reference_with_optimizer("gpt2", batches(2))
+    model_class: Any = type(expected)
+    loaded = model_class.from_pretrained(Path(tmp_path, "model"))
+    assert_same_params(dict(loaded.named_parameters()), expected, "gemini tp2 gpt2 from_pretrained")
+    plain = build("gpt2", seed=1)
+    optimizer = torch.optim.AdamW(plain.named_parameters(), lr=LR)
+    io = GeneralCheckpointIO()
+    io.load_model(plain, Path(tmp_path, "model"))
+    io.load_optimizer(optimizer, Path(tmp_path, "optimizer"))
+    assert_same_params(dict(plain.named_parameters()), expected, "gemini tp2 gpt2 weights")
+    assert_same_state(optimizer, expected_optimizer, "gemini tp2 gpt2 optimizer")
