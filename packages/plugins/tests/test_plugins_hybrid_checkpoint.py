@@ -124,6 +124,8 @@ def _bad_inputs(rank: int, world_size: int, directory: str) -> None:
         io.save_model(view.module, Path(directory, "m"), shard=True)
     with pytest.raises(NotImplementedError, match="use_async"):
         io.save_model(view, Path(directory, "m"), shard=True, use_async=True)
+    with pytest.raises(NotImplementedError, match="save_lora_as_pretrained"):
+        io.save_lora_as_pretrained(view, Path(directory, "lora"))
     with pytest.raises(ValueError, match="not boosted by this plugin"):
         io.save_optimizer(torch.optim.SGD(view.module.parameters(), lr=0.1), Path(directory, "o"), shard=True)
     Path(directory, "file").write_text("x")

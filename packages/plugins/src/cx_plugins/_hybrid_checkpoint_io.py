@@ -15,6 +15,7 @@ layout load them. Optimizer state is by parameter name (`state.<param>.<key>`), 
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -262,6 +263,14 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         if self._after_model_load is not None:
             self._after_model_load(view)
         return results[0]
+
+    def save_lora_as_pretrained(
+        self, model: nn.Module, checkpoint: str | os.PathLike[str], use_safetensors: bool = False
+    ) -> None:
+        """Refused: the master rank alone would write its own TP shards and stage as if they were the model."""
+        raise NotImplementedError(
+            "HybridCheckpointIO: save_lora_as_pretrained with tensor or pipeline parallelism is not supported yet"
+        )
 
     # ---- optimizer ----------------------------------------------------------------------------------------
     def _pair(self, optimizer: torch.optim.Optimizer) -> tuple[ParallelModelView, ParallelOptimizerView]:
