@@ -15,6 +15,7 @@ from torch import nn
 from cx_pipeline import (
     GPT2Splitter,
     HFDecoderSplitter,
+    InterleavedSchedule,
     OneForwardOneBackwardSchedule,
     PipelineModel,
     PipelineStageManager,
@@ -33,6 +34,7 @@ RTOL, ATOL = 1e-4, LR / 100
 
 
 def build(kind: str, seed: int = 0) -> Any:
+    """A tiny model: "gpt2", "llama" (2 layers) or "llama4" (4 layers, for two chunks per pipeline stage)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -44,7 +46,8 @@ def build(kind: str, seed: int = 0) -> Any:
         model: Any = transformers.GPT2LMHeadModel(gpt2)
     else:
         llama = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4 if kind == "llama4" else 2,
+            num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
         )  # fmt: skip
         model = transformers.LlamaForCausalLM(llama)
@@ -65,14 +68,21 @@ class StagedModel(nn.Module):
         self.module = hf
         self.layout = layout
         self.pipeline: PipelineModel | None = None
-        self.schedule: OneForwardOneBackwardSchedule | None = None
+        self.schedule: OneForwardOneBackwardSchedule | InterleavedSchedule | None = None
         if layout.size(Axis.TP) > 1:
             ShardFormer(ShardConfig(tensor_parallel_process_group=layout.group(Axis.TP))).optimize(hf)
         if layout.size(Axis.PP) > 1:
-            manager = PipelineStageManager(layout.mesh, Axis.PP.value)
+            chunks = 2 if kind == "llama4" else 1  # interleaved: each rank holds two non-adjacent chunks
+            manager = PipelineStageManager(
+                layout.mesh, Axis.PP.value, enable_interleave=chunks > 1, num_model_chunks=chunks
+            )
             splitter = GPT2Splitter(hf) if kind == "gpt2" else HFDecoderSplitter(hf)
             self.pipeline = split_model(splitter, manager)
-            self.schedule = OneForwardOneBackwardSchedule(manager, num_microbatches=2)
+            self.schedule = (
+                InterleavedSchedule(manager, num_model_chunks=chunks, num_microbatch=2)
+                if chunks > 1
+                else OneForwardOneBackwardSchedule(manager, num_microbatches=2)
+            )
         held = list(self.pipeline.parameters()) if self.pipeline is not None else list(hf.parameters())
         ids = {id(p) for p in held}
         self._held = frozenset(n for n, p in hf.named_parameters() if id(p) in ids)

@@ -111,6 +111,14 @@ def test_gpt2_tied_tp2_pp2(tmp_path: Path) -> None:
     run_distributed(_resume, 2, kind="gpt2", tp=2, pp=1, optimizer="torch", directory=directory, shard=True)
 
 
+def test_interleaved_pp2_checkpoint(tmp_path: Path) -> None:
+    """Two non-adjacent chunks per rank (interleaved schedule, 4 layers over 2 ranks): each rank writes both."""
+    directory = str(tmp_path)
+    run_distributed(_save, 2, kind="llama4", tp=1, pp=2, optimizer="torch", directory=directory)
+    _check_plain("llama4", directory, True)
+    run_distributed(_resume, 2, kind="llama4", tp=2, pp=1, optimizer="zero", directory=directory, shard=True)
+
+
 def test_dp2_tp2_writes_each_tensor_once(tmp_path: Path) -> None:
     """dp replicas stay out of the save: at dp2 x tp2 (ZeRO-2 over dp) the files are the single-process ones."""
     directory = str(tmp_path)
