@@ -69,10 +69,6 @@ class TensorParallelShards:
                 split[name] = SplitParam(spec, shape)
         return cls(split, group)
 
-    @property
-    def active(self) -> bool:
-        return bool(self.split)
-
     def _split_of(self, name: str, shape: tuple[int, ...], full: bool) -> SplitParam | None:
         """The split of the parameter a tensor named `name` belongs to, when the tensor is shaped like that
         parameter's local (or, with `full`, full) tensor; None when it passes through unchanged."""
@@ -90,17 +86,6 @@ class TensorParallelShards:
         if split is None:
             return tensor
         return unshard_tensor(tensor, split.spec, self.group)
-
-    def gather_state(self, state: Mapping[str, dict[str, Any]], order: list[str]) -> dict[str, dict[str, Any]]:
-        """Optimizer state by parameter name (`order`: the names in the same order on every TP rank)."""
-        out: dict[str, dict[str, Any]] = {}
-        for name in order:
-            entries = state[name]
-            out[name] = {
-                key: self.gather(f"{_STATE_PREFIX}{name}.{key}", value) if isinstance(value, torch.Tensor) else value
-                for key, value in sorted(entries.items())
-            }
-        return out
 
     def source(self, inner: TensorSource) -> TensorSource:
         """`inner`'s stream with every TP shard gathered. Every rank of the TP group must iterate it, in step,
