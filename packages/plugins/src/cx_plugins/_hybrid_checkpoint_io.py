@@ -4,7 +4,7 @@ Composition over cx-checkpoint's streaming writer and lazy reader:
 - `TensorParallelShards` ("this tensor is a TP shard"): shards are gathered over the TP group on save (vocabulary
   padding stripped) and cut again on load;
 - `StagePlan` ("this stage owns these parameters", "one writer per tensor"): each pipeline stage streams only the
-  tensors it holds, its TP rank 0 writes them, the data-parallel replicas stay out;
+  tensors it holds, its TP ranks take turns writing them, the data-parallel replicas stay out;
 - every rank calls `write_sharded` with its own tensors: the stages write their shard files in parallel into one
   staging directory, rank 0 merges one index (and the optimizer description) and commits atomically, and an error on
   any rank is raised on every rank. No rank ever holds more than its stage's tensors, one at a time.
@@ -329,13 +329,14 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
                 else {"value": value}
                 for key, value in state[name].items()
             }
-            for name in order
+            for index, name in enumerate(order)
+            if plan.writes(index)
         }
         groups = [
             {**{k: v for k, v in group.items() if k != "params"}, "param_names": [str(n) for n in group["params"]]}
             for group in state_dict.get("param_groups", [])
         ]
-        mine = OptimizerMeta(groups, described) if plan.writes else None
+        mine = OptimizerMeta(groups, described) if plan.gathers else None
         meta = _merge_descriptions(mine, list(dict(view.unwrap().named_parameters())))
         meta = with_scaler(meta, state_dict.get("grad_scaler"))
         json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
@@ -395,16 +396,16 @@ def _stored_dtype(tensor: torch.Tensor, model_dtype: torch.dtype | None) -> torc
 def _stage_tensors(
     plan: StagePlan, tp: TensorParallelShards, model_dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's stream: the TP gathers of its stage's tensors (on every rank of the writing TP group), yielded
-    by the writer under every name of each tensor (copies, since writers refuse shared storage)."""
+    """This rank's stream: the TP gathers of its stage's tensors (on every rank of the writing TP group), each
+    yielded by its writer under every name of the tensor (copies, since writers refuse shared storage)."""
     if not plan.gathers:
         return
     with torch.no_grad():
-        for name, tensor, names in plan.entries:
+        for index, (name, tensor, names) in enumerate(plan.entries):
             full = tp.gather(name, tensor.detach())
-            if not plan.writes:
+            if not plan.writes(index):
                 continue
-            on_cpu = full.detach().to("cpu", _stored_dtype(full, model_dtype), copy=True).contiguous()
+            on_cpu = full.detach().to("cpu", _stored_dtype(full, model_dtype)).contiguous()  # written before return
             for number, alias in enumerate(names):
                 yield alias, on_cpu if number == 0 else on_cpu.clone()
 
@@ -414,14 +415,14 @@ def _state_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if not plan.gathers:
         return
-    for name in order:
+    for index, name in enumerate(order):
         for key, value in sorted(state[name].items()):
             if not isinstance(value, torch.Tensor):
                 continue
             tensor_name = optimizer_tensor_name(name, key)
             full = tp.gather(tensor_name, value.detach())
-            if plan.writes:
-                yield tensor_name, full.detach().to("cpu", copy=True).contiguous()
+            if plan.writes(index):
+                yield tensor_name, full.detach().to("cpu").contiguous()
 
 
 def _merge_descriptions(mine: OptimizerMeta | None, order: list[str]) -> OptimizerMeta:

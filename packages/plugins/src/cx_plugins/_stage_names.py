@@ -3,8 +3,10 @@ pipeline stages and replicated over data-parallel ranks.
 
 Each pipeline stage writes only the parameters and buffers it holds; a tensor held by several stages (a tied
 embedding / head) is written by the first of them. Within a stage, the ranks of one TP group gather the shards
-(every one of them takes part) and its TP rank 0 writes; every other replica (data-parallel, sequence-parallel
-ranks) stays out. Tied parameters are written under each of their names, as the module's `state_dict()` has them.
+(every one of them takes part, and each ends up with the full tensor) and they take turns writing them (tensor i of
+the stage by TP rank i mod tp), so the write bandwidth is spread; every other replica (data-parallel,
+sequence-parallel ranks) stays out. Tied parameters are written under each of their names, as the module's
+`state_dict()` has them.
 """
 
 from __future__ import annotations
@@ -51,11 +53,16 @@ def module_tensor_names(module: nn.Module) -> set[str]:
 @dataclass(frozen=True)
 class StagePlan:
     """What this rank does in a save: `entries` (canonical name, tensor, names written) in an order shared by the
-    TP group; `gathers`: this rank takes part in the TP gathers; `writes`: it writes what it gathers."""
+    TP group; `gathers`: this rank takes part in the TP gathers; it writes entry i when `writes(i)`."""
 
     entries: tuple[tuple[str, torch.Tensor, tuple[str, ...]], ...]
     gathers: bool
-    writes: bool
+    tp_rank: int
+    tp_size: int
+
+    def writes(self, index: int) -> bool:
+        """Whether this rank writes the `index`-th tensor of its stage (the TP ranks take turns)."""
+        return self.gathers and index % self.tp_size == self.tp_rank
 
     @classmethod
     def build(cls, view: ParallelModelView) -> StagePlan:
@@ -76,7 +83,7 @@ class StagePlan:
                 entries.append((name, buffer, (name,)))
         replica_axes = [a for a in layout.axes if a not in (Axis.PP, Axis.TP)]
         gathers = layout.rank(*replica_axes) == 0
-        return cls(tuple(entries), gathers, gathers and layout.rank(Axis.TP) == 0)
+        return cls(tuple(entries), gathers, layout.rank(Axis.TP), layout.size(Axis.TP))
 
 
 def _first_holder(layout: ParallelLayout, held: list[str]) -> set[str]:
