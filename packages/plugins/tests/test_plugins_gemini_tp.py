@@ -186,6 +186,10 @@ def _gpt2_save(rank: int, world_size: int, directory: str) -> None:
         optimizer.zero_grad()
     booster.save_model(model, Path(directory, "model"), shard=True, use_safetensors=True, size_per_shard=0.002)
     booster.save_optimizer(optimizer, Path(directory, "optimizer"), shard=True, size_per_shard=0.002)
+    # single files written in the background: the TP gathers happen before the save returns
+    booster.save_model(model, Path(directory, "model.safetensors"), use_safetensors=True, use_async=True)
+    booster.save_optimizer(optimizer, Path(directory, "optimizer.safetensors"), use_async=True)
+    booster.synchronize()
     dist.barrier()
 
 
@@ -197,10 +201,11 @@ def test_gemini_tp2_gpt2_tied_checkpoint_is_the_single_process_state(tmp_path: P
     model_class: Any = type(expected)
     loaded = model_class.from_pretrained(Path(tmp_path, "model"))
     assert_same_params(dict(loaded.named_parameters()), expected, "gemini tp2 gpt2 from_pretrained")
-    plain = build("gpt2", seed=1)
-    optimizer = torch.optim.AdamW(plain.named_parameters(), lr=LR)
-    io = GeneralCheckpointIO()
-    io.load_model(plain, Path(tmp_path, "model"))
-    io.load_optimizer(optimizer, Path(tmp_path, "optimizer"))
-    assert_same_params(dict(plain.named_parameters()), expected, "gemini tp2 gpt2 weights")
-    assert_same_state(optimizer, expected_optimizer, "gemini tp2 gpt2 optimizer")
+    for model_file, optimizer_file in (("model", "optimizer"), ("model.safetensors", "optimizer.safetensors")):
+        plain = build("gpt2", seed=1)
+        optimizer = torch.optim.AdamW(plain.named_parameters(), lr=LR)
+        io = GeneralCheckpointIO()
+        io.load_model(plain, Path(tmp_path, model_file))
+        io.load_optimizer(optimizer, Path(tmp_path, optimizer_file))
+        assert_same_params(dict(plain.named_parameters()), expected, f"gemini tp2 gpt2 weights ({model_file})")
+        assert_same_state(optimizer, expected_optimizer, f"gemini tp2 gpt2 optimizer ({optimizer_file})")
