@@ -141,8 +141,11 @@ def _bad_inputs(rank: int, world_size: int, directory: str) -> None:
         io.save_model(view, Path(directory, "file"), shard=True)  # every rank raises, none waits
     other, _, other_io = compose("gpt2", 2, 1, "torch")
     other_io.save_model(other, Path(directory, "gpt2"), shard=True, use_safetensors=True)
+    before = full_params(view)
     with pytest.raises(CheckpointError, match=r"tensor names differ|failed on rank"):
         io.load_model(view, Path(directory, "gpt2"))  # a GPT-2 checkpoint into a Llama: refused everywhere
+    for name, value in full_params(view).items():
+        assert torch.equal(value, before[name]), f"a refused load changed {name}"
     dist.barrier()
 
 

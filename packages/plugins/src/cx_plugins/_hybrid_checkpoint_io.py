@@ -121,10 +121,6 @@ def _agree_load(step: Callable[[], None], what: str) -> None:
         raise CheckpointError(f"{what} failed on rank(s) {[r for r, _ in failed]}: {detail}")
 
 
-def _bytes(size_per_shard: float) -> int:
-    return max(1, int(size_per_shard * 1024 * 1024))
-
-
 class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
     """Checkpoints of a `ParallelModelView` (TP shards, pipeline stages, dp replicas) and its by-name optimizer.
 
@@ -248,16 +244,18 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         results: list[LoadResult] = []
 
         def load() -> None:
+            sink = tp.sink(_StageSink(view, self._model_dtype))
             with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
-                result = load_into(reader, tp.sink(_StageSink(view, self._model_dtype)), strict=False)
+                # names checked against the whole model (other stages' names are expected, not loaded here) before
+                # anything is copied, so a refused load leaves the model untouched
+                missing = sorted(set(sink.expected_tensors()) - set(reader.specs))
                 unexpected = sorted(set(reader.specs) - known)
-            if strict and (result.missing_keys or unexpected):
-                raise KeyMismatchError(
-                    f"{checkpoint}: tensor names differ from the model's (strict=True)",
-                    list(result.missing_keys),
-                    unexpected,
-                )
-            results.append(LoadResult(result.missing_keys, tuple(unexpected)))
+                if strict and (missing or unexpected):
+                    raise KeyMismatchError(
+                        f"{checkpoint}: tensor names differ from the model's (strict=True)", missing, unexpected
+                    )
+                load_into(reader, sink, strict=False)
+            results.append(LoadResult(tuple(missing), tuple(unexpected)))
 
         _agree_load(load, f"loading the model from {checkpoint}")
         if self._after_model_load is not None:
