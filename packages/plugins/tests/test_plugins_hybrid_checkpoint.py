@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -15,8 +15,11 @@ import torch.distributed as dist
 
 from cx_checkpoint import CheckpointError, CheckpointKind, CheckpointReader, GeneralCheckpointIO
 from cx_mesh.testing import run_distributed
+from cx_plugins import Booster, GeminiPlugin
+from cx_plugins._gemini_plugin import GeminiModel
 from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
 from hybrid_ckpt_helpers import (
+    BATCH,
     LR,
     as_optimizer,
     assert_matches,
@@ -86,6 +89,30 @@ def _check_plain(kind: str, directory: str, shard: bool) -> None:
     assert_matches(dict(plain.named_parameters()), reference(kind, batches(BEFORE + AFTER)), f"{kind} plain resume")
 
 
+def _resume_in_gemini(rank: int, world_size: int, directory: str) -> None:
+    """The hybrid checkpoint in another plugin: GeminiPlugin (ZeRO-3 over 2 ranks) continues to the reference."""
+    plugin = GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 1024})
+    booster = Booster(plugin=plugin)
+    plain = build("llama", seed=1)
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=LR))
+    assert optimizer is not None
+    model_path, optimizer_path = paths(directory, True)
+    booster.load_model(model, model_path)
+    booster.load_optimizer(optimizer, optimizer_path)
+    data_rank, data_size = plugin.layout.data_rank_and_size()
+    per_rank = BATCH // data_size
+    data = batches(BEFORE + AFTER)
+    for batch in data[BEFORE:]:
+        mine = batch[data_rank * per_rank : (data_rank + 1) * per_rank]
+        booster.backward(model(input_ids=mine, labels=mine).loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = cast(GeminiModel, model).ddp.state_dict(only_rank_0=False)
+    expected = reference("llama", data)
+    assert_matches({n: state[n] for n, _ in expected.named_parameters()}, expected, "hybrid checkpoint in Gemini")
+    dist.barrier()
+
+
 def test_tp2_checkpoint_loads_everywhere(tmp_path: Path) -> None:
     directory = str(tmp_path)
     run_distributed(_save, 2, kind="llama", tp=2, pp=1, optimizer="zero", directory=directory)
@@ -93,6 +120,7 @@ def test_tp2_checkpoint_loads_everywhere(tmp_path: Path) -> None:
         _check_plain("llama", directory, shard)
     run_distributed(_resume, 2, kind="llama", tp=1, pp=1, optimizer="zero", directory=directory, shard=True)
     run_distributed(_resume, 2, kind="llama", tp=2, pp=1, optimizer="torch", directory=directory, shard=False)
+    run_distributed(_resume_in_gemini, 2, directory=directory)
 
 
 def test_tp2_pp2_checkpoint_loads_everywhere(tmp_path: Path) -> None:
