@@ -168,6 +168,25 @@ def test_checkpoint_parallel_write_failure_is_raised_everywhere(rank: int, world
     assert not list(tmp_path.iterdir())  # staging removed
 
 
+def _gathering_stream(rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stream that all-reduces before each tensor (as a tensor-parallel gather does); rank 0 repeats a name at the
+    second tensor, so its writer fails while rank 1 is still gathering."""
+    for number in range(4):
+        value = torch.full((2,), float(number))
+        dist.all_reduce(value)
+        yield ("again" if rank == 0 and number < 2 else f"t{rank}-{number}"), value
+
+
+@distributed(world_size=2)
+def test_checkpoint_parallel_write_failure_mid_collective_stream(rank: int, world_size: int, tmp_path: Path) -> None:
+    """The failing writer consumes the rest of its stream, so both ranks make the same collective calls and both
+    raise instead of waiting for each other."""
+    with pytest.raises((ValueError, CheckpointError), match="'again' was given twice"):
+        write_sharded(tmp_path / "ckpt", _gathering_stream(rank), group=dist.group.WORLD)
+    dist.barrier()
+    assert not list(tmp_path.iterdir())
+
+
 @distributed(world_size=2)
 def test_checkpoint_parallel_duplicate_names_refused(rank: int, world_size: int, tmp_path: Path) -> None:
     with pytest.raises((ValueError, CheckpointError), match="'same' is written twice"):

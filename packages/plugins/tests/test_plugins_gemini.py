@@ -94,10 +94,8 @@ def test_plugins_gemini_shardformer_switches_with_tp_size_1_warn_once_and_change
 
 @distributed(world_size=2)
 def test_plugins_gemini_bad_arguments(rank: int, world_size: int) -> None:
-    with pytest.raises(NotImplementedError, match=r"tp_size=2.*cx-shardformer"):
-        GeminiPlugin(tp_size=2)
-    with pytest.raises(NotImplementedError, match=r"tp_size=2.*cx-shardformer"):
-        GeminiPlugin(tp_size=2, enable_flash_attention=True)
+    with pytest.raises(ValueError, match=r"is not divisible by tp_size = 3; tp_size can be 1(, 2 or 4| or 2)$"):
+        GeminiPlugin(tp_size=3)
     with pytest.raises(NotImplementedError, match="fp8"):
         GeminiPlugin(use_fp8=True)
     with pytest.raises(ValueError, match=r"unsupported precision 'fp8'"):

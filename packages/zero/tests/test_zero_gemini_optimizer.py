@@ -181,10 +181,13 @@ _SINGLE_GROUPS: list[object] = []
 
 
 @distributed(world_size=2)
-@pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_zero_gemini_optimizer_clipping_over_tp_group(rank: int, world_size: int, norm_type: float) -> None:
+@pytest.mark.parametrize(("norm_type", "split_only_weights"), [(2.0, False), (math.inf, False), (2.0, True)])
+def test_zero_gemini_optimizer_clipping_over_tp_group(
+    rank: int, world_size: int, norm_type: float, split_only_weights: bool
+) -> None:
     """Each rank holds a different 'tensor-parallel' half (zero group of one, tp_group = both ranks): the clipping
-    norm must cover both halves, as torch's clip_grad_norm_ over the union of their parameters."""
+    norm must cover both halves, as torch's clip_grad_norm_ over the union of their parameters. With
+    `tp_split_params` naming only the weights, every other parameter counts as a TP replica: once, from TP rank 0."""
     if not _SINGLE_GROUPS:
         _SINGLE_GROUPS.extend(dist.new_group([r]) for r in range(world_size))
     sgd = OPTIMIZERS["sgd"]
@@ -195,8 +198,15 @@ def test_zero_gemini_optimizer_clipping_over_tp_group(rank: int, world_size: int
         mixed_precision=torch.float32,
         zero_group=_SINGLE_GROUPS[rank],  # type: ignore[arg-type]
     )
+    names = [name for name, _ in make_gpt(seed=rank).named_parameters()]
+    split = [name for name in names if name.endswith("weight")] if split_only_weights else None
     optimizer = GeminiOptimizer(
-        sgd(list(ddp.parameters())), ddp, max_norm=0.05, norm_type=norm_type, tp_group=dist.group.WORLD
+        sgd(list(ddp.parameters())),
+        ddp,
+        max_norm=0.05,
+        norm_type=norm_type,
+        tp_group=dist.group.WORLD,
+        tp_split_params=split,
     )
     for step in range(2):
         x, y = batch(step, 1)
@@ -204,7 +214,13 @@ def test_zero_gemini_optimizer_clipping_over_tp_group(rank: int, world_size: int
         optimizer.backward(lm_loss(ddp(x), y))
         optimizer.step()
         grads = [ref.grads(step) for ref in references]
-        flat = [g for gs in grads for g in gs if g is not None]
+        counted = [
+            g
+            for r, gs in enumerate(grads)
+            for name, g in zip(names, gs, strict=True)
+            if g is not None and (split is None or r == 0 or name in split)
+        ]
+        flat = counted
         total = float(torch.nn.utils.get_total_norm(flat, norm_type))
         coefficient = min(1.0, 0.05 / (total + 1e-6))
         for ref, gs in zip(references, grads, strict=True):

@@ -177,7 +177,15 @@ def write_sharded(
                 metadata=metadata,
                 part_prefix=f"rank{rank:05d}-part-",
             )
-            writer.extend(tensors)
+            stream = iter(tensors)
+            try:
+                writer.extend(stream)
+            except BaseException:
+                # the stream may gather across ranks (tensor-parallel shards): consume the rest so every rank
+                # makes the same collective calls before the failure is shared at the status exchange
+                for _ in stream:
+                    pass
+                raise
             return writer.close()
 
         written = _agree(group, write_mine, encode=_encode_shards, decode=_decode_shards)

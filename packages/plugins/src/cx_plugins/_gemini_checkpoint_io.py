@@ -8,7 +8,7 @@ rank reads each full tensor lazily and keeps its part. The loss scaler's state r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +17,11 @@ from torch import nn
 
 from cx_checkpoint import (
     CheckpointKind,
-    CheckpointReader,
     FileFormat,
-    LoadResult,
+    TensorSink,
+    TensorSource,
     hf_side_files,
     iter_source,
-    load_into,
     require_names,
     write_sharded,
     write_side_files,
@@ -60,6 +59,25 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
         super().__init__()
         self._gemini_of = gemini_of
 
+    # ---- what is saved and loaded (subclasses adapt it: tensor-parallel shards) ------------------------------
+    def _full_model_state(self, ddp: GeminiDDP) -> dict[str, torch.Tensor]:
+        return ddp.state_dict(only_rank_0=True)  # collective; full CPU tensors on the saving rank only
+
+    def _model_source(self, ddp: GeminiDDP) -> TensorSource:
+        return ddp
+
+    def _ddp_sink(self, ddp: GeminiDDP) -> TensorSink:
+        return ddp
+
+    def _model_sink(self, model: nn.Module) -> TensorSink:
+        return self._ddp_sink(self._ddp(model))
+
+    def _optimizer_source(self, gemini: GeminiOptimizer) -> TensorSource:
+        return gemini
+
+    def _local_states(self, gemini: GeminiOptimizer, states: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+        return dict(states)
+
     # ---- model -------------------------------------------------------------------------------------------------
     @staticmethod
     def _ddp(model: nn.Module) -> GeminiDDP:
@@ -72,7 +90,7 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
         self, model: nn.Module, checkpoint: Path, gather_dtensor: bool, use_safetensors: bool, use_async: bool
     ) -> None:
         ddp = self._ddp(model)
-        state = ddp.state_dict(only_rank_0=True)  # collective; full CPU tensors on the saving rank only
+        state = self._full_model_state(ddp)
         # the replicated path: the master rank writes, every rank waits for it
         super().save_unsharded_model(
             _StateView(state, ddp.unwrap()), checkpoint, gather_dtensor, use_safetensors, use_async
@@ -90,11 +108,11 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
     ) -> None:
         ddp = self._ddp(model)
         if use_async:  # the writer thread cannot take part in collectives: gather now, write in the background
-            state = ddp.state_dict(only_rank_0=True)
+            state = self._full_model_state(ddp)
             view = _StateView(state, ddp.unwrap())
             super().save_sharded_model(view, checkpoint, gather_dtensor, prefix, size_per_shard, use_safetensors, True)
             return
-        stream = iter_source(ddp, _bytes(size_per_shard))
+        stream = iter_source(self._model_source(ddp), _bytes(size_per_shard))
         side = hf_side_files(ddp.unwrap()) if self._coordinator.is_master() else {}
 
         def write() -> None:
@@ -111,10 +129,6 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
 
         # the other ranks drain the stream: the same collectives, in the same order, as the writing rank's
         self.write_from_stream(write, stream, f"saving the model to {checkpoint}")
-
-    def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
-        with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
-            return load_into(reader, self._ddp(model), strict=strict)
 
     # ---- optimizer ---------------------------------------------------------------------------------------------
     def _gemini(self, optimizer: torch.optim.Optimizer) -> GeminiOptimizer:
@@ -134,7 +148,7 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
     ) -> None:
         gemini = self._gemini(optimizer)
         meta = with_scaler(gemini.checkpoint_meta(), gemini.scaler.state_dict())  # collective
-        stream = iter_source(gemini, _bytes(size_per_shard))
+        stream = iter_source(self._optimizer_source(gemini), _bytes(size_per_shard))
         if shard and not use_async:  # straight from the owners' stream into shard files
             self._write_optimizer_stream(checkpoint, stream, lambda: meta, prefix, size_per_shard)
             return
@@ -151,6 +165,6 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
             for name, entries in states_by_name(meta, tensors).items()
         }
         gemini = self._gemini(optimizer)
-        gemini.load_state_dict({"state": state, "param_groups": meta.param_groups})
+        gemini.load_state_dict({"state": self._local_states(gemini, state), "param_groups": meta.param_groups})
         if scaler is not None:
             gemini.scaler.load_state_dict(scaler)

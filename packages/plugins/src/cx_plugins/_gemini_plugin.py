@@ -1,11 +1,12 @@
 """`GeminiPlugin`: chunk-based ZeRO-3 (cx_zero.GeminiDDP + GeminiOptimizer) behind the Booster.
 
-Every constructor argument of ColossalAI's GeminiPlugin is accepted and honoured. Those that need pieces cx has not
-built yet (tensor parallelism, fp8) raise `NotImplementedError` naming what is missing when given a non-default
-value. The ShardFormer switches only act with tensor parallelism, in ColossalAI too: with `tp_size=1` they are
-accepted with one warning naming them (ColossalAI's own examples pass `enable_fused_normalization=True`), and
-have no effect. Unlike ColossalAI, `enable_async_reduce` does not quietly turn `pin_memory` on, and `precision`
-also accepts "fp32".
+Every constructor argument of ColossalAI's GeminiPlugin is accepted and honoured; fp8 raises `NotImplementedError`
+when enabled. With `tp_size > 1` the mesh is (zero, extra_dp, tp): ShardFormer splits the model over the tp group
+first (the enable_* switches honoured), then Gemini shards it over the zero group; clipping takes the global norm over
+both, and checkpoints gather the TP shards into the canonical format. The ShardFormer switches only act with tensor
+parallelism, in ColossalAI too: with `tp_size=1` they are accepted with one warning naming them (ColossalAI's own
+examples pass `enable_fused_normalization=True`), and have no effect. Unlike ColossalAI, `enable_async_reduce` does
+not quietly turn `pin_memory` on, and `precision` also accepts "fp32".
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from cx_chunk import MemStats
 from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._engine_optimizer import EngineOptimizer
 from cx_plugins._gemini_checkpoint_io import GeminiCheckpointIO
+from cx_plugins._gemini_tp import shard_for_gemini, tp_split_names
+from cx_plugins._gemini_tp_checkpoint_io import GeminiTPCheckpointIO
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
+from cx_plugins._shardformer_options import ShardFormerOptions
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_zero import (
     ClipOptions,
@@ -44,12 +48,10 @@ from cx_zero import (
 __all__ = ["GeminiPlugin"]
 
 _NOT_BUILT = {
-    "tp_size": "tensor parallelism (and the ShardFormer switches that come with it) needs cx-shardformer, which is "
-    "not built yet",
     "use_fp8": "fp8 matmuls are not supported by cx yet",
     "fp8_communication": "fp8 communication is not supported by cx yet",
 }
-_DEFAULTS: dict[str, object] = {"tp_size": 1, "use_fp8": False, "fp8_communication": False}
+_DEFAULTS: dict[str, object] = {"use_fp8": False, "fp8_communication": False}
 # ShardFormer switches: ColossalAI's GeminiPlugin runs ShardFormer only when tp_size > 1, so with tp_size=1 they do
 # nothing there either
 _SHARDFORMER_SWITCHES = (
@@ -160,7 +162,7 @@ class GeminiPlugin(ZeroPluginBase):
         fp8_communication: bool = False,
     ) -> None:
         super().__init__()
-        given = {"tp_size": tp_size, "use_fp8": use_fp8, "fp8_communication": fp8_communication}
+        given = {"use_fp8": use_fp8, "fp8_communication": fp8_communication}
         for name, value in given.items():
             if value != _DEFAULTS[name]:
                 raise NotImplementedError(f"GeminiPlugin({name}={value!r}): {_NOT_BUILT[name]}")
@@ -179,7 +181,7 @@ class GeminiPlugin(ZeroPluginBase):
             )
         )
         on = [name for name, value in switches.items() if value]
-        if on:
+        if on and tp_size == 1:
             warnings.warn(
                 f"GeminiPlugin: {', '.join(f'{name}=True' for name in on)} ignored: ShardFormer optimizations apply "
                 "only with tensor parallelism (tp_size > 1), in ColossalAI too, and tp_size=1 here",
@@ -221,10 +223,24 @@ class GeminiPlugin(ZeroPluginBase):
             verbose=verbose,
             memstats=memstats,
         )
-        assert_same_across_ranks(self.options.fingerprint(), what="GeminiPlugin options")
+        # ShardFormer runs only with tensor parallelism (ColossalAI: sequence parallelism off at tp_size 1)
+        self.shardformer = (
+            ShardFormerOptions(
+                enable_all_optimization=enable_all_optimization,
+                enable_fused_normalization=enable_fused_normalization,
+                enable_flash_attention=enable_flash_attention,
+                enable_sequence_parallelism=enable_sequence_parallelism,
+                enable_jit_fused=enable_jit_fused,
+                enable_sequence_overlap=enable_sequence_overlap,
+            )
+            if tp_size > 1
+            else None
+        )
+        assert_same_across_ranks((self.options.fingerprint(), tp_size, self.shardformer), what="GeminiPlugin options")
         # ColossalAI's (zero, extra_dp, tp) mesh: zero groups strided across the world
         self.layout = ParallelLayout.build(
-            [(Axis.ZERO, FILL), (Axis.EXTRA_DP, extra_dp_size), (Axis.TP, 1)], data_axes=(Axis.ZERO, Axis.EXTRA_DP)
+            [(Axis.ZERO, FILL), (Axis.EXTRA_DP, extra_dp_size), (Axis.TP, tp_size)],
+            data_axes=(Axis.ZERO, Axis.EXTRA_DP),
         )
         self._gemini_of: weakref.WeakKeyDictionary[Optimizer, GeminiOptimizer] = weakref.WeakKeyDictionary()
 
@@ -244,6 +260,8 @@ class GeminiPlugin(ZeroPluginBase):
         elif isinstance(model, ModelWrapper):
             raise ValueError("GeminiPlugin: the model was already boosted by another plugin")
         else:
+            if self.shardformer is not None:  # tensor parallelism first, in place: Gemini then chunks the TP shards
+                shard_for_gemini(model, self.shardformer, self.layout)
             # with chunk_init_device the parameters go straight to that device (the CPU: the accelerator never
             # holds the whole model); GeminiDDP moves them, and the buffers, where they belong
             target = (
@@ -263,13 +281,20 @@ class GeminiPlugin(ZeroPluginBase):
         wrapped: OptimizerWrapper | None = None
         if optimizer is not None:
             gemini = GeminiOptimizer(
-                optimizer, boosted.ddp, verbose=self.options.verbose, options=self.options.optimizer
+                optimizer,
+                boosted.ddp,
+                verbose=self.options.verbose,
+                options=self.options.optimizer,
+                tp_group=self.layout.group_or_none(Axis.TP),
+                tp_split_params=tp_split_names(boosted.unwrap()) if self.shardformer is not None else None,
             )
             self._gemini_of[optimizer] = gemini
             wrapped = GeminiOptimizerWrapper(optimizer, gemini)
         return boosted, wrapped, criterion, dataloader, lr_scheduler
 
     def get_checkpoint_io(self) -> CheckpointIO:
+        if self.layout.size(Axis.TP) > 1:
+            return GeminiTPCheckpointIO(self._gemini_of.get, self.layout.group(Axis.TP))
         return GeminiCheckpointIO(self._gemini_of.get)
 
     def no_sync(

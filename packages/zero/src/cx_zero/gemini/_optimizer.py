@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +61,7 @@ class GeminiOptimizer:
         verbose: bool = False,
         *,
         options: GeminiOptimizerOptions | None = None,
+        tp_split_params: Collection[str] | None = None,
         **defaults: Any,
     ) -> None:
         if defaults:  # ColossalAI's signature takes and ignores them; say so instead of failing or hiding it
@@ -98,6 +99,8 @@ class GeminiOptimizer:
         self.manager = module.manager
         self.max_norm = options.clipping.max_norm
         self.tp_group = tp_group
+        # names of the parameters split over tp_group; the others are replicated there and count once in the norm
+        self.tp_split_params = None if tp_split_params is None else frozenset(tp_split_params)
         self.scaler = options.loss_scale.scaler(dynamic=module.options.needs_loss_scaling)
         self._norm: float | None = None
         self._entries: list[ShardEntry] = []
@@ -260,7 +263,13 @@ class GeminiOptimizer:
         """Global norm over the zero group (and tp_group); replicated (keep_gathered) slices count once; +inf when
         any gradient anywhere is inf or nan (the fp16 overflow flag: replicated slices are equal on every rank)."""
         zero_rank = dist.get_rank(self.module.zero_group)
-        held = [g for e, g in grads if not (e.chunk.keep_gathered and zero_rank != 0 and e.chunk.group_size > 1)]
+        counted = [
+            (e, g) for e, g in grads if not (e.chunk.keep_gathered and zero_rank != 0 and e.chunk.group_size > 1)
+        ]
+        if self.tp_group is not None and self.tp_split_params is not None and dist.get_rank(self.tp_group) != 0:
+            # a TP-replicated parameter's gradient is the same on every TP rank: TP rank 0 counts it
+            counted = [(e, g) for e, g in counted if e.name in self.tp_split_params]
+        held = [g for _, g in counted]
         if self.norm_type is NormType.INF:
             held = [g for _, g in grads]
         groups = [self.module.zero_group] + ([self.tp_group] if self.tp_group is not None else [])

@@ -1,0 +1,447 @@
+"""Checkpoint IO for models split by tensor and pipeline parallelism, in the canonical cx format.
+
+Composition over cx-checkpoint's streaming writer and lazy reader:
+- `TensorParallelShards` ("this tensor is a TP shard"): shards are gathered over the TP group on save (vocabulary
+  padding stripped) and cut again on load;
+- `StagePlan` ("this stage owns these parameters", "one writer per tensor"): each pipeline stage streams only the
+  tensors it holds, its TP ranks take turns writing them, the data-parallel replicas stay out;
+- every rank calls `write_sharded` with its own tensors: the stages write their shard files in parallel into one
+  staging directory, rank 0 merges one index (and the optimizer description) and commits atomically, and an error on
+  any rank is raised on every rank. No rank ever holds more than its stage's tensors, one at a time.
+The files are what `GeneralCheckpointIO` writes for the unsharded model: full tensors under the model's own (Hugging
+Face) names, `config.json` beside them, so `from_pretrained`, every cx plugin and this IO at any tp / pp / dp
+layout load them. Optimizer state is by parameter name (`state.<param>.<key>`), gathered the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cx_checkpoint import (
+    CheckpointError,
+    CheckpointKind,
+    CheckpointReader,
+    FileFormat,
+    GeneralCheckpointIO,
+    KeyMismatchError,
+    LoadResult,
+    OptimizerMeta,
+    Region,
+    TensorSpec,
+    file_names,
+    hf_side_files,
+    load_into,
+    optimizer_tensor_name,
+    read_optimizer_meta,
+    require_names,
+    write_sharded,
+    write_side_files,
+)
+from cx_mesh import ProcessGroup, all_gather_bytes
+from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, split_scaler, with_scaler
+from cx_plugins._layout import Axis
+from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
+from cx_plugins._stage_names import StagePlan, module_tensor_names, persistent_buffers
+from cx_plugins._tp_shards import TensorParallelShards
+
+__all__ = ["HybridCheckpointIO"]
+
+
+class _StateView(nn.Module):
+    """A module whose state_dict is a given dict and whose config is the model's (for the single-file writer)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], owner: nn.Module) -> None:
+        super().__init__()
+        self._state = state
+        self._owner = [owner]  # a list, so the owner is not registered as a submodule
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return self._state
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("config", "generation_config"):
+            return getattr(self._owner[0], name)
+        return super().__getattr__(name)
+
+
+class _StageSink:
+    """`TensorSink` over the tensors one pipeline stage holds, in their local (TP-sharded) shapes."""
+
+    def __init__(self, view: ParallelModelView, model_dtype: torch.dtype | None) -> None:
+        self._dtype = model_dtype
+        module = view.unwrap()
+        held = view.held_parameter_names()
+        buffers = view.held_buffer_names()
+        first: dict[int, str] = {}
+        self._targets: dict[str, torch.Tensor] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if first.setdefault(id(param), name) in held:
+                self._targets[name] = param
+        for name, buffer in persistent_buffers(module):
+            if name in buffers:
+                self._targets[name] = buffer
+
+    def expected_tensors(self) -> dict[str, TensorSpec]:
+        return {name: TensorSpec(tuple(t.shape), _stored_dtype(t, self._dtype)) for name, t in self._targets.items()}
+
+    def owned_region(self, name: str) -> Region | None:
+        return None
+
+    def receive(self, name: str, tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._targets[name].copy_(tensor)  # cast back to the training dtype
+
+
+def _world() -> ProcessGroup:
+    return cast(ProcessGroup, dist.group.WORLD)
+
+
+def _agree_load(step: Callable[[], None], what: str) -> None:
+    """Run one rank's part of a load, then raise on every rank if any rank failed (a rank that went on training
+    alone would leave the others waiting in a collective)."""
+    failure: Exception | None = None
+    try:
+        step()
+    except Exception as error:
+        failure = error
+    report = b"" if failure is None else f"{type(failure).__name__}: {failure}".encode()
+    failed = [(r, m.decode(errors="replace")) for r, m in enumerate(all_gather_bytes(report, _world())) if m]
+    if failure is not None:
+        raise failure
+    if failed:
+        detail = "; ".join(f"rank {r}: {message}" for r, message in failed)
+        raise CheckpointError(f"{what} failed on rank(s) {[r for r, _ in failed]}: {detail}")
+
+
+class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
+    """Checkpoints of a `ParallelModelView` (TP shards, pipeline stages, dp replicas) and its by-name optimizer.
+
+    `model_of(optimizer)` finds the model an optimizer was boosted with (its names, stages and TP specs);
+    `after_model_load(view)` refreshes what depends on the weights (fp32 master copies) after a model load;
+    `model_dtype`: the dtype the user's model had before a mixed-precision cast (floating tensors are saved in it and
+    cast back on load, as the ZeRO plugins do), None to save the dtype the module holds.
+    """
+
+    def __init__(
+        self,
+        model_of: Callable[[torch.optim.Optimizer], ParallelModelView | None],
+        after_model_load: Callable[[ParallelModelView], None] | None = None,
+        model_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self._model_of = model_of
+        self._after_model_load = after_model_load
+        self._model_dtype = model_dtype
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _view(model: nn.Module) -> ParallelModelView:
+        if not isinstance(model, ParallelModelView):
+            raise TypeError(
+                f"HybridCheckpointIO needs the model booster.boost returned (a ParallelModelView), got "
+                f"{type(model).__name__}"
+            )
+        layout = model.layout
+        if layout.size(Axis.EP) > 1:
+            raise NotImplementedError("HybridCheckpointIO: expert-parallel checkpoints (ep_size > 1) are not built yet")
+        return model
+
+    @staticmethod
+    def _refuse_async(use_async: bool, what: str) -> None:
+        if use_async:
+            raise NotImplementedError(
+                f"HybridCheckpointIO: use_async=True is not supported for {what} yet (the TP / pipeline gathers are "
+                "collective and the writer thread cannot take part in them); save with use_async=False"
+            )
+
+    def _tp(self, view: ParallelModelView) -> TensorParallelShards:
+        return TensorParallelShards.of_module(view.unwrap(), view.layout.group_or_none(Axis.TP))
+
+    @staticmethod
+    def _parts_dir(checkpoint: Path) -> Path:
+        """Where a single-file save first gathers its sharded parts (a hidden sibling, removed afterwards)."""
+        return checkpoint.parent / f".{checkpoint.name}.cx-parts"
+
+    # ---- model --------------------------------------------------------------------------------------------
+    def _model_stream(self, view: ParallelModelView) -> Iterator[tuple[str, torch.Tensor]]:
+        plan = StagePlan.build(view)  # collective over the pipeline group: before the writer starts
+        tp = self._tp(view)
+        return _stage_tensors(plan, tp, self._model_dtype)
+
+    def _write_model(
+        self,
+        view: ParallelModelView,
+        directory: Path,
+        prefix: str | None,
+        size_per_shard: float,
+        use_safetensors: bool,
+    ) -> None:
+        stream = self._model_stream(view)
+        side = hf_side_files(view.unwrap())
+        write_sharded(
+            directory,
+            stream,
+            kind=CheckpointKind.MODEL,
+            file_format=FileFormat.SAFETENSORS if use_safetensors else FileFormat.BIN,
+            size_per_shard=size_per_shard,
+            prefix=prefix,
+            group=_world(),
+            extra_files=lambda staging: write_side_files(staging, side),
+        )
+
+    def save_sharded_model(
+        self,
+        model: nn.Module,
+        checkpoint: Path,
+        gather_dtensor: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_safetensors: bool,
+        use_async: bool,
+    ) -> None:
+        view = self._view(model)
+        self._refuse_async(use_async, "the model")
+        self._write_model(view, checkpoint, prefix, size_per_shard, use_safetensors)
+
+    def save_unsharded_model(
+        self, model: nn.Module, checkpoint: Path, gather_dtensor: bool, use_safetensors: bool, use_async: bool
+    ) -> None:
+        """One file needs every tensor on one rank: the stages first write their parts in parallel (as a sharded
+        save), then the master rank reads them into the single file and removes the parts."""
+        view = self._view(model)
+        self._refuse_async(use_async, "the model")
+        parts = self._parts_dir(checkpoint)
+        self._write_model(view, parts, None, 1024, True)
+        owner = view.unwrap()
+
+        def merge() -> None:
+            try:
+                with CheckpointReader.open(parts, CheckpointKind.MODEL) as reader:
+                    state = {name: reader.read(name).clone() for name in reader.names()}
+                # GeneralCheckpointIO's writer itself: this already runs on the master only
+                GeneralCheckpointIO.save_unsharded_model(
+                    self, _StateView(state, owner), checkpoint, gather_dtensor, use_safetensors, False
+                )
+            finally:
+                shutil.rmtree(parts, ignore_errors=True)
+
+        self._on_master(merge, f"saving the model to {checkpoint}")
+
+    def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
+        if not isinstance(model, ParallelModelView):
+            return super()._load_model(model, checkpoint, strict)
+        view = self._view(model)
+        tp = self._tp(view)
+        known = module_tensor_names(view.unwrap())
+        results: list[LoadResult] = []
+
+        def load() -> None:
+            sink = tp.sink(_StageSink(view, self._model_dtype))
+            with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
+                # names checked against the whole model (other stages' names are expected, not loaded here) before
+                # anything is copied, so a refused load leaves the model untouched
+                missing = sorted(set(sink.expected_tensors()) - set(reader.specs))
+                unexpected = sorted(set(reader.specs) - known)
+                if strict and (missing or unexpected):
+                    raise KeyMismatchError(
+                        f"{checkpoint}: tensor names differ from the model's (strict=True)", missing, unexpected
+                    )
+                load_into(reader, sink, strict=False)
+            results.append(LoadResult(tuple(missing), tuple(unexpected)))
+
+        _agree_load(load, f"loading the model from {checkpoint}")
+        if self._after_model_load is not None:
+            self._after_model_load(view)
+        return results[0]
+
+    def save_lora_as_pretrained(
+        self, model: nn.Module, checkpoint: str | os.PathLike[str], use_safetensors: bool = False
+    ) -> None:
+        """Refused: the master rank alone would write its own TP shards and stage as if they were the model."""
+        raise NotImplementedError(
+            "HybridCheckpointIO: save_lora_as_pretrained with tensor or pipeline parallelism is not supported yet"
+        )
+
+    # ---- optimizer ----------------------------------------------------------------------------------------
+    def _pair(self, optimizer: torch.optim.Optimizer) -> tuple[ParallelModelView, ParallelOptimizerView]:
+        view = self._model_of(optimizer)
+        if view is None or not isinstance(optimizer, ParallelOptimizerView):
+            raise ValueError(
+                "HybridCheckpointIO: this optimizer was not boosted by this plugin (it needs state_dict_by_name and "
+                "its model): pass the optimizer booster.boost returned"
+            )
+        return self._view(cast(nn.Module, view)), optimizer
+
+    def _save_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        checkpoint: Path,
+        shard: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_async: bool,
+    ) -> None:
+        view, face = self._pair(optimizer)
+        self._refuse_async(use_async, "the optimizer")
+        if shard:
+            self._write_optimizer(view, face, checkpoint, prefix, size_per_shard)
+            return
+        parts = self._parts_dir(checkpoint)
+        self._write_optimizer(view, face, parts, None, 1024)
+
+        def merge() -> None:
+            try:
+                meta, tensors = self.load_optimizer_parts(parts)
+                tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+                self.save_optimizer_parts(meta, tensors, checkpoint, shard=False)
+            finally:
+                shutil.rmtree(parts, ignore_errors=True)
+
+        self._on_master(merge, f"saving the optimizer to {checkpoint}")
+
+    def _write_optimizer(
+        self,
+        view: ParallelModelView,
+        face: ParallelOptimizerView,
+        directory: Path,
+        prefix: str | None,
+        size_per_shard: float,
+    ) -> None:
+        state_dict = face.state_dict_by_name()  # collective over the data-parallel group
+        plan = StagePlan.build(view)
+        tp = self._tp(view)
+        state: dict[str, dict[str, Any]] = state_dict.get("state", {})
+        order = [name for name, _, _ in plan.entries if name in state]
+        described = {
+            name: {
+                key: {"tensor": optimizer_tensor_name(name, key)}
+                if isinstance(value, torch.Tensor)
+                else {"value": value}
+                for key, value in state[name].items()
+            }
+            for index, name in enumerate(order)
+            if plan.writes(index)
+        }
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "param_names": [str(n) for n in group["params"]]}
+            for group in state_dict.get("param_groups", [])
+        ]
+        mine = OptimizerMeta(groups, described) if plan.gathers else None
+        meta = _merge_descriptions(mine, list(dict(view.unwrap().named_parameters())))
+        meta = with_scaler(meta, state_dict.get("grad_scaler"))
+        json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
+        text = meta.to_json()
+        write_sharded(
+            directory,
+            _state_tensors(plan, tp, state, order),
+            kind=CheckpointKind.OPTIMIZER,
+            size_per_shard=size_per_shard,
+            prefix=prefix,
+            group=_world(),
+            extra_files=lambda staging: (staging / json_name).write_text(text),
+        )
+
+    def _load_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
+        view, face = self._pair(optimizer)
+        tp = self._tp(view)
+        held = view.held_parameter_names()
+        loaded: list[dict[str, Any]] = []
+
+        def read() -> None:
+            with CheckpointReader.open(checkpoint, CheckpointKind.OPTIMIZER, prefix) as reader:
+                meta = read_optimizer_meta(reader)
+                require_names(meta, str(checkpoint))  # stages and TP shards are matched by name
+                meta, scaler = split_scaler(meta)
+                state: dict[str, dict[str, Any]] = {}
+                for name, entries in meta.state.items():
+                    if name not in held:
+                        continue
+                    state[name] = {
+                        key: tp.scatter(entry["tensor"], reader.read(entry["tensor"]))
+                        if "tensor" in entry
+                        else entry["value"]
+                        for key, entry in entries.items()
+                    }
+            groups = [
+                {
+                    **{k: v for k, v in group.items() if k != "param_names"},
+                    "params": [n for n in group["param_names"] if n in held],
+                }
+                for group in meta.param_groups
+            ]
+            result: dict[str, Any] = {"state": state, "param_groups": groups}
+            if scaler is not None:
+                result["grad_scaler"] = scaler
+            loaded.append(result)
+
+        _agree_load(read, f"reading the optimizer from {checkpoint}")
+        face.load_state_dict_by_name(loaded[0])
+
+
+def _stored_dtype(tensor: torch.Tensor, model_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a model tensor has in the checkpoint: the model's own for floating tensors when given."""
+    return model_dtype if model_dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
+def _stage_tensors(
+    plan: StagePlan, tp: TensorParallelShards, model_dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's stream: the TP gathers of its stage's tensors (on every rank of the writing TP group), each
+    yielded by its writer under every name of the tensor (copies, since writers refuse shared storage)."""
+    if not plan.gathers:
+        return
+    with torch.no_grad():
+        for index, (name, tensor, names) in enumerate(plan.entries):
+            full = tp.gather(name, tensor.detach())
+            if not plan.writes(index):
+                continue
+            on_cpu = full.detach().to("cpu", _stored_dtype(full, model_dtype)).contiguous()  # written before return
+            for number, alias in enumerate(names):
+                yield alias, on_cpu if number == 0 else on_cpu.clone()
+
+
+def _state_tensors(
+    plan: StagePlan, tp: TensorParallelShards, state: dict[str, dict[str, Any]], order: list[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    if not plan.gathers:
+        return
+    for index, name in enumerate(order):
+        for key, value in sorted(state[name].items()):
+            if not isinstance(value, torch.Tensor):
+                continue
+            tensor_name = optimizer_tensor_name(name, key)
+            full = tp.gather(tensor_name, value.detach())
+            if plan.writes(index):
+                yield tensor_name, full.detach().to("cpu").contiguous()
+
+
+def _merge_descriptions(mine: OptimizerMeta | None, order: list[str]) -> OptimizerMeta:
+    """Every writing stage's description merged into one (collective over the world): the states of all stages,
+    and each param group holding the names of every stage (in the model's parameter order)."""
+    payload = b"" if mine is None else mine.to_json().encode()
+    metas = [OptimizerMeta.from_json(raw.decode(), "a stage's optimizer description") for raw in
+             all_gather_bytes(payload, _world()) if raw]  # fmt: skip
+    if not metas:
+        raise CheckpointError("no rank described its optimizer state")
+    counts = {len(m.param_groups) for m in metas}
+    if len(counts) != 1:
+        raise ValueError(f"the pipeline stages' optimizers have different numbers of param groups: {sorted(counts)}")
+    position = {name: i for i, name in enumerate(order)}
+    groups: list[dict[str, Any]] = []
+    for number in range(counts.pop()):
+        names = {n for m in metas for n in m.param_groups[number]["param_names"]}
+        hyper = {k: v for k, v in metas[0].param_groups[number].items() if k != "param_names"}
+        ordered = sorted(names, key=lambda n: (position.get(n, len(position)), n))
+        groups.append({**hyper, "param_names": ordered})
+    state: dict[str, dict[str, dict[str, Any]]] = {}
+    for meta in metas:
+        state.update(meta.state)
+    return OptimizerMeta(groups, state)
