@@ -1,7 +1,7 @@
 """cx-plugins: the Booster and its plugins, with ColossalAI's names and arguments.
 
 Present: `Booster`, `Plugin`, `DPPluginBase`, `TorchDDPPlugin`, `TorchFSDPPlugin` (FSDP2), `LowLevelZeroPlugin`,
-`GeminiPlugin`, the wrappers,
+`GeminiPlugin`, `HybridParallelPlugin` (tp/pp/sp + DDP-like or ZeRO-1/2), the wrappers,
 reference models in `cx_plugins.models`, ColossalAI's learning-rate schedulers in `cx_plugins.lr_scheduler`; every
 plugin saves and loads the canonical cx checkpoint format. `__version__` is the installed distribution's version.
 """
@@ -10,6 +10,8 @@ from importlib import metadata as _metadata
 
 from cx_plugins._booster import Booster
 from cx_plugins._gemini_plugin import GeminiPlugin
+from cx_plugins._hybrid_model import HybridParallelModule
+from cx_plugins._hybrid_plugin import HybridParallelPlugin
 from cx_plugins._low_level_zero_plugin import LowLevelZeroPlugin
 from cx_plugins._plugin import DPPluginBase, Plugin
 from cx_plugins._precision import Precision
@@ -27,6 +29,8 @@ __all__ = [
     "Booster",
     "DPPluginBase",
     "GeminiPlugin",
+    "HybridParallelModule",
+    "HybridParallelPlugin",
     "LowLevelZeroPlugin",
     "ModelWrapper",
     "OptimizerWrapper",
