@@ -97,7 +97,7 @@ class HybridParallelOptimizer(OptimizerWrapper):
         self._fp16 = dtype == torch.float16
         self.max_norm = max_norm
         self._dp_group = dp_group
-        self._norm_groups = list(norm_groups)
+        self._norm_groups = [g for g in norm_groups if g is not None]  # None would mean the world
         self._weights = dict(norm_weights)
         self._bucket_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
         self._reduced = False

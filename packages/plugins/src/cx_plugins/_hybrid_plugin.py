@@ -320,6 +320,7 @@ class HybridParallelPlugin(ZeroPluginBase):
             module=model.unwrap(),
             tp_process_group=self.layout.group_or_none(Axis.TP),
             pp_process_group=self.layout.group_or_none(Axis.PP),
+            grad_norm_weights=self._norm_weights(model, held),
         )
         return HybridZeroOptimizer(optimizer, zero)
 
