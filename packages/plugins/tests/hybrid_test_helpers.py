@@ -78,7 +78,8 @@ def train_and_compare(
     reference = copy.deepcopy(model)
     booster = Booster(plugin=plugin)
     boosted, optimizer, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
-    assert isinstance(boosted, HybridParallelModule) and optimizer is not None
+    assert isinstance(boosted, HybridParallelModule)
+    assert optimizer is not None
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
     dp_rank, dp_size = plugin.data_parallel_rank_and_size()
     share = BATCH // dp_size
@@ -131,6 +132,8 @@ def compare_parameters(
             continue
         spec = get_shard_spec(param)
         full = unshard_tensor(param.detach(), spec, tp_group) if spec is not None else param.detach()
-        torch.testing.assert_close(
-            full.float(), expected[name].detach(), rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
-        )
+        torch.testing.assert_close(full.float(), expected[name].detach(), rtol=rtol, atol=atol, msg=_named(name))
+
+
+def _named(name: str) -> Callable[[str], str]:
+    return lambda message: f"{name}: {message}"

@@ -23,7 +23,12 @@ def test_plugins_hybrid_tp2(rank: int, world_size: int, zero_stage: int) -> None
 
 @distributed(world_size=2)
 @pytest.mark.parametrize(
-    "style", [{"pp_style": "1f1b"}, {"pp_style": "interleaved", "num_model_chunks": 2}, {"pp_style": "zbv", "num_model_chunks": 2}],
+    "style",
+    [
+        {"pp_style": "1f1b"},
+        {"pp_style": "interleaved", "num_model_chunks": 2},
+        {"pp_style": "zbv", "num_model_chunks": 2},
+    ],
     ids=["1f1b", "interleaved", "zbv"],
 )
 @pytest.mark.parametrize("zero_stage", [0, 1])
@@ -54,8 +59,12 @@ def test_plugins_hybrid_tp2_pp2(rank: int, world_size: int) -> None:
 
 
 @distributed(world_size=2)
-@pytest.mark.parametrize("layout", [{"tp_size": 2, "pp_size": 1}, {"tp_size": 1, "pp_size": 2, "num_microbatches": 2}], ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout", [{"tp_size": 2, "pp_size": 1}, {"tp_size": 1, "pp_size": 2, "num_microbatches": 2}], ids=["tp2", "pp2"]
+)
 @pytest.mark.parametrize("zero_stage", [0, 1])
-def test_plugins_hybrid_clip_matches_single_process(rank: int, world_size: int, layout: dict[str, Any], zero_stage: int) -> None:
+def test_plugins_hybrid_clip_matches_single_process(
+    rank: int, world_size: int, layout: dict[str, Any], zero_stage: int
+) -> None:
     """clip_grad_by_norm returns and applies the single-process norm (tp-replicated and tied parameters once)."""
     train_and_compare(HybridParallelPlugin(precision="fp32", zero_stage=zero_stage, **layout), steps=3, clip=0.05)

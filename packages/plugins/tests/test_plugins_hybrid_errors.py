@@ -43,11 +43,17 @@ BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception], str]] = [
         "unknown sequence_parallelism_mode",
     ),
     (
-        {"tp_size": 1, "pp_size": 2, "num_microbatches": 2, "sp_size": 1, "enable_sequence_parallelism": True,
-         "sequence_parallelism_mode": "all_to_all"},
+        {
+            "tp_size": 1,
+            "pp_size": 2,
+            "num_microbatches": 2,
+            "sp_size": 1,
+            "enable_sequence_parallelism": True,
+            "sequence_parallelism_mode": "all_to_all",
+        },
         NotImplementedError,
         "sequence parallelism together with pipeline parallelism",
-    ),  # fmt: skip
+    ),
     ({"tp_size": 1, "pp_size": 1, "cpu_offload": True}, ValueError, "cpu_offload"),
     ({"tp_size": 1, "pp_size": 1, "max_norm": -1.0}, ValueError, "max_norm must be >= 0"),
 ]
@@ -73,7 +79,7 @@ def test_plugins_hybrid_misuse(rank: int, world_size: int) -> None:
     from hybrid_test_helpers import batch, llama
 
     plain = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32")
-    with pytest.raises(NotImplementedError, match="lands with the checkpoint IO|checkpoint IO"):
+    with pytest.raises(NotImplementedError, match="lands with the checkpoint IO"):
         plain.get_checkpoint_io()
     booster = Booster(plugin=plain)
     model, optimizer, *_ = booster.boost(llama(), None)
@@ -86,7 +92,7 @@ def test_plugins_hybrid_misuse(rank: int, world_size: int) -> None:
     booster = Booster(plugin=piped)
     net = llama()
     model, optimizer, *_ = booster.boost(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    with pytest.raises(RuntimeError, match="booster.execute_pipeline"):
+    with pytest.raises(RuntimeError, match=r"booster\.execute_pipeline"):
         model(**batch(0))
     with pytest.raises(PipelineConfigError, match="3"):  # 8 samples do not split into 3 micro-batches
         booster.execute_pipeline(iter([batch(0)]), model, lambda out, _: out.loss, optimizer)

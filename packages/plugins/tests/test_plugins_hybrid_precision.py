@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from cx_mesh.testing import distributed
-from cx_plugins import Booster, HybridParallelPlugin
+from cx_plugins import Booster, HybridParallelModule, HybridParallelPlugin
+from cx_plugins._hybrid_optimizer import HybridParallelOptimizer, HybridZeroOptimizer
 from hybrid_test_helpers import batch, llama, train_and_compare
 
 pytest.importorskip("transformers")
@@ -46,6 +47,7 @@ def test_plugins_hybrid_fp16_overflow_skips_everywhere(rank: int, world_size: in
     model = llama()
     boosted, optimizer, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert optimizer is not None
+    assert isinstance(boosted, HybridParallelModule)
     held = [p for n, p in boosted.unwrap().named_parameters() if n in boosted.held_parameter_names()]
     before = [p.detach().clone() for p in held]
     if rank == 0:  # an inf reaches stage 0's gradients only
@@ -55,6 +57,7 @@ def test_plugins_hybrid_fp16_overflow_skips_everywhere(rank: int, world_size: in
         hook.remove()
     optimizer.step()
     optimizer.zero_grad()
+    assert isinstance(optimizer, HybridParallelOptimizer | HybridZeroOptimizer)
     assert optimizer.loss_scale == 2**7, "every rank backs off its loss scale"
     for old, param in zip(before, held, strict=True):
         torch.testing.assert_close(param.detach(), old, rtol=0, atol=0)  # the step was skipped on both stages

@@ -40,5 +40,6 @@ def test_plugins_hybrid_tp2_sp2_all_to_all(rank: int, world_size: int) -> None:
         tp_size=2, pp_size=1, sp_size=2, precision="fp32", enable_sequence_parallelism=True,
         sequence_parallelism_mode="all_to_all",
     )  # fmt: skip
-    assert plugin.dp_size == 1 and plugin.sp_size == 2
+    assert plugin.dp_size == 1
+    assert plugin.sp_size == 2
     train_and_compare(plugin)

@@ -17,8 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cx_pipeline import GPT2Splitter, HFDecoderSplitter, PipelineModel, PipelineSplittable, split_model
-from cx_pipeline import PipelineStageManager
+from cx_pipeline import (
+    GPT2Splitter,
+    HFDecoderSplitter,
+    PipelineModel,
+    PipelineSplittable,
+    PipelineStageManager,
+    split_model,
+)
 from cx_plugins._layout import ParallelLayout
 from cx_plugins._wrappers import ModelWrapper
 from cx_shardformer import Policy, ShardConfig, ShardFormer
@@ -37,7 +43,9 @@ class HybridParallelModule(ModelWrapper):
         self.__dict__["pipeline"] = pipeline  # not a submodule: its parameters are the module's own
         self._held = held
         persistent = set(module.state_dict(keep_vars=True))
-        held_buffers = {id(b) for chunk in (pipeline.chunks if pipeline is not None else [module]) for b in chunk.buffers()}
+        held_buffers = {
+            id(b) for chunk in (pipeline.chunks if pipeline is not None else [module]) for b in chunk.buffers()
+        }
         self._held_buffers = frozenset(
             name for name, buffer in module.named_buffers() if name in persistent and id(buffer) in held_buffers
         )

@@ -269,7 +269,10 @@ class HybridParallelOptimizer(OptimizerWrapper):
         state: dict[str, dict[str, Any]] = {}
         for param in self._working:
             master = self._master_of[id(param)]
-            entry = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in self.optim.state.get(master, {}).items()}
+            entry = {
+                k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in self.optim.state.get(master, {}).items()
+            }
             if self._mixed:
                 entry[_MASTER_KEY] = master.detach().clone()
             if entry:

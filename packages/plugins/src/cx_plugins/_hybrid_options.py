@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -250,4 +249,3 @@ def parse_pipeline_style(value: str) -> PipelineStyle:
         raise ValueError(
             f"HybridParallelPlugin: unknown pp_style {value!r}; accepted: {[s.value for s in PipelineStyle]}"
         ) from None
-

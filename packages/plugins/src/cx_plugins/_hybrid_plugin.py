@@ -226,7 +226,9 @@ class HybridParallelPlugin(ZeroPluginBase):
         sp_group = self.layout.group(Axis.SP) if o.sp_mode.on_sp_axis else tp_group
         switches = o.shardformer
         if o.sp_mode is not SequenceParallelism.NONE:
-            switches = ShardFormerOptions(**{**switches.__dict__, "sequence_parallelism_mode": o.sp_mode.shardformer_mode})
+            switches = ShardFormerOptions(
+                **{**switches.__dict__, "sequence_parallelism_mode": o.sp_mode.shardformer_mode}
+            )
         return switches.shard_config(tp_group, sp_group, enable_tensor_parallelism=o.tp_size > 1)
 
     # ---- Booster interface ----------------------------------------------------------------------------------------
@@ -356,7 +358,8 @@ class HybridParallelPlugin(ZeroPluginBase):
 
     def get_checkpoint_io(self) -> CheckpointIO:
         raise NotImplementedError(
-            "HybridParallelPlugin checkpoints land with the checkpoint IO that gathers tp/pp shards (issue 15); "
+            "HybridParallelPlugin: saving and loading lands with the checkpoint IO that gathers tp/pp shards "
+            "(issue 15); "
             "until then the optimizer's state_dict_by_name() and the model's held_parameter_names() are available"
         )
 
@@ -369,7 +372,9 @@ def _refuse_unsupported(options: HybridParallelOptions) -> None:
             "yet; use pp_size=1 or enable_sequence_parallelism=False"
         )
     if options.zero.cpu_offload and options.zero.stage == 0:
-        raise ValueError("HybridParallelPlugin: cpu_offload offloads ZeRO's optimizer state: it needs zero_stage 1 or 2")
+        raise ValueError(
+            "HybridParallelPlugin: cpu_offload offloads ZeRO's optimizer state: it needs zero_stage 1 or 2"
+        )
 
 
 def _pipeline(layout: ParallelLayout, o: PipelineOptions) -> tuple[PipelineStageManager, PipelineSchedule]:
