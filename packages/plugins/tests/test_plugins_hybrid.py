@@ -7,10 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from cx_mesh.testing import distributed
-from cx_plugins import HybridParallelPlugin
-from hybrid_test_helpers import train_and_compare
+from cx_plugins import Booster, HybridParallelPlugin
+from cx_plugins._layout import Axis
+from hybrid_test_helpers import batch, llama, train_and_compare
 
 pytest.importorskip("transformers")
 
@@ -46,15 +49,16 @@ def test_plugins_hybrid_zero_dp2(rank: int, world_size: int, zero_stage: int) ->
 
 
 @distributed(world_size=4)
-@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
 def test_plugins_hybrid_dp2_pp2(rank: int, world_size: int, zero_stage: int) -> None:
     plugin = HybridParallelPlugin(tp_size=1, pp_size=2, precision="fp32", zero_stage=zero_stage, num_microbatches=2)
     train_and_compare(plugin)
 
 
 @distributed(world_size=4)
-def test_plugins_hybrid_tp2_pp2(rank: int, world_size: int) -> None:
-    plugin = HybridParallelPlugin(tp_size=2, pp_size=2, precision="fp32", num_microbatches=2)
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_plugins_hybrid_tp2_pp2(rank: int, world_size: int, zero_stage: int) -> None:
+    plugin = HybridParallelPlugin(tp_size=2, pp_size=2, precision="fp32", num_microbatches=2, zero_stage=zero_stage)
     train_and_compare(plugin)
 
 
@@ -68,3 +72,96 @@ def test_plugins_hybrid_clip_matches_single_process(
 ) -> None:
     """clip_grad_by_norm returns and applies the single-process norm (tp-replicated and tied parameters once)."""
     train_and_compare(HybridParallelPlugin(precision="fp32", zero_stage=zero_stage, **layout), steps=3, clip=0.05)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"tp_size": 2, "pp_size": 1, "parallel_output": False},
+        {"tp_size": 2, "pp_size": 1, "enable_all_optimization": True},
+        {"tp_size": 2, "pp_size": 1, "gradient_checkpoint_config": "half"},
+        {"tp_size": 2, "pp_size": 1, "custom_policy": "llama"},
+        {"tp_size": 1, "pp_size": 2, "microbatch_size": 2, "num_layers_per_stage": [1, 3]},
+        {"tp_size": 1, "pp_size": 2, "num_microbatches": 4, "enable_metadata_cache": False},
+    ],
+    ids=["gathered_output", "all_optimization", "checkpointing", "custom_policy", "microbatch_size", "no_cache"],
+)
+def test_plugins_hybrid_variants(rank: int, world_size: int, variant: dict[str, Any]) -> None:
+    """ShardFormer switches and pipeline options pass through and keep training equal to one process."""
+    from cx_shardformer import GradientCheckpointConfig
+    from cx_shardformer.policies import LlamaForCausalLMPolicy
+
+    options = dict(variant)
+    if options.get("gradient_checkpoint_config") == "half":
+        options["gradient_checkpoint_config"] = GradientCheckpointConfig(gradient_checkpointing_ratio=0.5)
+    if options.get("custom_policy") == "llama":
+        options["custom_policy"] = LlamaForCausalLMPolicy()
+    train_and_compare(HybridParallelPlugin(precision="fp32", **options), steps=3)
+
+
+@distributed(world_size=4)
+def test_plugins_hybrid_pp_outside_dp(rank: int, world_size: int) -> None:
+    """dp_outside=False puts pp outermost: stage ranks {0, 1} / {2, 3}, dp groups {0, 1} and {2, 3}."""
+    plugin = HybridParallelPlugin(
+        tp_size=1, pp_size=2, precision="fp32", num_microbatches=2, dp_outside=False, zero_stage=1
+    )
+    assert plugin.layout.ranks(Axis.DP) == ([0, 1] if rank < 2 else [2, 3])
+    train_and_compare(plugin, steps=3)
+
+
+@distributed(world_size=4)
+def test_plugins_hybrid_dataloader_shards_by_dp_only(rank: int, world_size: int) -> None:
+    """tp ranks of one replica read the same samples; the two dp replicas read disjoint halves."""
+    plugin = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32")
+    loader = plugin.prepare_dataloader(list(range(16)), batch_size=4, shuffle=True, seed=3)
+    mine = torch.cat([torch.as_tensor(b) for b in loader])
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    tp_peer = rank ^ 1  # (dp, pp, tp) layout: ranks 2k and 2k+1 differ only in tp
+    assert torch.equal(gathered[tp_peer], mine)
+    other_replica = gathered[(rank + 2) % 4]
+    assert not set(mine.tolist()) & set(other_replica.tolist())
+    assert sorted(mine.tolist() + other_replica.tolist()) == list(range(16))
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_plugins_hybrid_optimizer_state_by_name(rank: int, world_size: int, zero_stage: int, precision: str) -> None:
+    """state_dict_by_name (keyed by the model's own names, this stage's parameters, fp32 masters in mixed precision)
+    loaded into a fresh boosted copy continues exactly like the original."""
+    plugin = HybridParallelPlugin(tp_size=1, pp_size=2, precision=precision, zero_stage=zero_stage, num_microbatches=2)
+    booster = Booster(plugin=plugin)
+
+    def boosted() -> tuple[Any, Any]:
+        net = llama()
+        model, optimizer, *_ = booster.boost(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        return model, optimizer
+
+    def step(model: Any, optimizer: Any, index: int) -> None:
+        booster.execute_pipeline(iter([batch(index)]), model, lambda out, _: out.loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = boosted()
+    step(model, optimizer, 0)
+    state = optimizer.state_dict_by_name()
+    held = model.held_parameter_names()
+    assert set(state["state"]) == held
+    assert all("exp_avg" in entry for entry in state["state"].values())
+    assert ("master_weight" in next(iter(state["state"].values()))) == (precision == "bf16")
+    copy_model, copy_optimizer = boosted()
+    with torch.no_grad():
+        source = dict(model.unwrap().named_parameters())
+        for name, param in copy_model.unwrap().named_parameters():
+            if name in held:
+                param.copy_(source[name])
+    copy_optimizer.update_master_params(copy_model)  # ColossalAI's call after loading weights into the model
+    copy_optimizer.load_state_dict_by_name(state)
+    step(model, optimizer, 1)
+    step(copy_model, copy_optimizer, 1)
+    source = dict(model.unwrap().named_parameters())
+    for name, param in copy_model.unwrap().named_parameters():
+        if name in held:
+            torch.testing.assert_close(param, source[name], rtol=0, atol=0, msg=name)

@@ -54,6 +54,8 @@ BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception], str]] = [
         NotImplementedError,
         "sequence parallelism together with pipeline parallelism",
     ),
+    ({"tp_size": 2, "pp_size": 1, "enable_jit_fused": True}, NotImplementedError, "enable_jit_fused"),
+    ({"tp_size": 2, "pp_size": 1, "enable_sequence_overlap": True}, NotImplementedError, "enable_sequence_overlap"),
     ({"tp_size": 1, "pp_size": 1, "cpu_offload": True}, ValueError, "cpu_offload"),
     ({"tp_size": 1, "pp_size": 1, "max_norm": -1.0}, ValueError, "max_norm must be >= 0"),
 ]

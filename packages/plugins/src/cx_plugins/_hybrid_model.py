@@ -129,11 +129,15 @@ def _splitter(model: nn.Module) -> PipelineSplittable:
     )
 
 
-def broadcast_states(module: nn.Module, held: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
-    """Start every data-parallel replica from the first one's parameters and buffers (as torch DDP does)."""
+def broadcast_states(
+    module: nn.Module, held: list[nn.Parameter], group: dist.ProcessGroup | None, buffers: bool
+) -> None:
+    """Start every data-parallel replica from the first one's parameters (and buffers) as torch DDP does."""
     if group is None or dist.get_world_size(group) == 1:
         return
     with torch.no_grad():
-        tensors = [p.data for p in held] + [b for b in module.buffers() if b.device.type != "meta"]
+        tensors = [p.data for p in held]
+        if buffers:
+            tensors += [b for b in module.buffers() if b.device.type != "meta"]
         for tensor in tensors:
             dist.broadcast(tensor, group=group, group_src=0)

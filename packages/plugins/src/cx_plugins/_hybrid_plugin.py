@@ -9,6 +9,7 @@ rank: the layout owns every group.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -184,6 +185,7 @@ class HybridParallelPlugin(ZeroPluginBase):
                 "once per step without DDP, so they change nothing",
                 stacklevel=2,
             )
+        self.shard_config = self._shard_config()  # built (and validated by ShardConfig) before any model is seen
         self.stage_manager: PipelineStageManager | None = None
         self.schedule: PipelineSchedule | None = None
         if pp_size > 1:
@@ -251,14 +253,14 @@ class HybridParallelPlugin(ZeroPluginBase):
         o = self.options
         composed = compose_model(
             model,
-            self._shard_config(),
+            self.shard_config,
             self.custom_policy,
             self.stage_manager,
             o.precision.dtype,
             get_accelerator().current_device(),
         )
         grad_group = self._gradient_group()
-        broadcast_states(composed.module, composed.held, grad_group)
+        broadcast_states(composed.module, composed.held, grad_group, buffers=o.ddp.broadcast_buffers)
         held_names = frozenset(composed.names[id(p)] for p in composed.held)
         boosted = HybridParallelModule(composed.module, self.layout, composed.pipeline, held_names)
         wrapped: OptimizerWrapper | None = None
