@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import TensorDataset
 
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, HybridParallelPlugin
@@ -114,8 +115,8 @@ def test_plugins_hybrid_pp_outside_dp(rank: int, world_size: int) -> None:
 def test_plugins_hybrid_dataloader_shards_by_dp_only(rank: int, world_size: int) -> None:
     """tp ranks of one replica read the same samples; the two dp replicas read disjoint halves."""
     plugin = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32")
-    loader = plugin.prepare_dataloader(list(range(16)), batch_size=4, shuffle=True, seed=3)
-    mine = torch.cat([torch.as_tensor(b) for b in loader])
+    loader = plugin.prepare_dataloader(TensorDataset(torch.arange(16)), batch_size=4, shuffle=True, seed=3)
+    mine = torch.cat([b[0] for b in loader])
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine)
     tp_peer = rank ^ 1  # (dp, pp, tp) layout: ranks 2k and 2k+1 differ only in tp

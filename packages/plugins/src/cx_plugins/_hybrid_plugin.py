@@ -228,9 +228,7 @@ class HybridParallelPlugin(ZeroPluginBase):
         sp_group = self.layout.group(Axis.SP) if o.sp_mode.on_sp_axis else tp_group
         switches = o.shardformer
         if o.sp_mode is not SequenceParallelism.NONE:
-            switches = ShardFormerOptions(
-                **{**switches.__dict__, "sequence_parallelism_mode": o.sp_mode.shardformer_mode}
-            )
+            switches = dataclasses.replace(switches, sequence_parallelism_mode=o.sp_mode.shardformer_mode)
         return switches.shard_config(tp_group, sp_group, enable_tensor_parallelism=o.tp_size > 1)
 
     # ---- Booster interface ----------------------------------------------------------------------------------------
