@@ -42,7 +42,7 @@ class HybridParallelModule(ModelWrapper):
         self.layout = layout
         self.__dict__["pipeline"] = pipeline  # not a submodule: its parameters are the module's own
         self._held = held
-        persistent = set(module.state_dict(keep_vars=True))
+        persistent = _persistent_buffer_names(module)  # not state_dict(): a collective over tp for sharded layers
         held_buffers = {
             id(b) for chunk in (pipeline.chunks if pipeline is not None else [module]) for b in chunk.buffers()
         }
@@ -67,6 +67,16 @@ class HybridParallelModule(ModelWrapper):
     def held_buffer_names(self) -> frozenset[str]:
         """The same for persistent buffers."""
         return self._held_buffers
+
+
+def _persistent_buffer_names(module: nn.Module) -> set[str]:
+    names = set()
+    for prefix, sub in module.named_modules():
+        skipped = getattr(sub, "_non_persistent_buffers_set", set())
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and name not in skipped:
+                names.add(f"{prefix}.{name}" if prefix else name)
+    return names
 
 
 @dataclass
