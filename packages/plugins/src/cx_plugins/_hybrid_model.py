@@ -72,7 +72,7 @@ class HybridParallelModule(ModelWrapper):
 def _persistent_buffer_names(module: nn.Module) -> set[str]:
     names = set()
     for prefix, sub in module.named_modules():
-        skipped = getattr(sub, "_non_persistent_buffers_set", set())
+        skipped: set[str] = getattr(sub, "_non_persistent_buffers_set", set())
         for name, buffer in sub.named_buffers(recurse=False):
             if buffer is not None and name not in skipped:
                 names.add(f"{prefix}.{name}" if prefix else name)
