@@ -57,6 +57,7 @@ BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"tp_size": 2, "pp_size": 1, "enable_jit_fused": True}, NotImplementedError, "enable_jit_fused"),
     ({"tp_size": 2, "pp_size": 1, "enable_sequence_overlap": True}, NotImplementedError, "enable_sequence_overlap"),
     ({"tp_size": 1, "pp_size": 1, "cpu_offload": True}, ValueError, "cpu_offload"),
+    ({"tp_size": 1, "pp_size": 1, "ddp_bucket_cap_mb": 0}, ValueError, "ddp_bucket_cap_mb must be a positive"),
     ({"tp_size": 1, "pp_size": 1, "max_norm": -1.0}, ValueError, "max_norm must be >= 0"),
 ]
 

@@ -165,6 +165,9 @@ class HybridParallelOptions:
             raise ValueError(f"HybridParallelPlugin: zero_stage must be 0, 1 or 2, got {zero_stage!r}")
         if not max_norm >= 0 or math.isinf(max_norm):
             raise ValueError(f"HybridParallelPlugin: max_norm must be >= 0 (0 disables clipping), got {max_norm}")
+        for name, size in (("ddp_bucket_cap_mb", ddp.bucket_cap_mb), ("zero_bucket_size_in_m", zero.bucket_size_in_m)):
+            if not size > 0 or math.isinf(size):
+                raise ValueError(f"HybridParallelPlugin: {name} must be a positive number, got {size!r}")
         mode, sp = _sequence_parallelism(enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size)
         _check_pipeline(pipeline, pp_size)
         return cls(
