@@ -1,6 +1,6 @@
-"""HybridParallelPlugin in fp16 and bf16 (fp32 master weights) against single-process fp32 training, with tolerances
-for the low precision, and fp16 loss scaling consistent across ranks: an overflow on one pipeline stage skips the
-step on every rank and backs every rank's loss scale off alike."""
+"""HybridParallelPlugin in fp16 and bf16 (fp32 master weights) against single-process fp32 training (tp 2, pp 2,
+dp 2), with tolerances for the low precision, and fp16 loss scaling consistent across ranks: an overflow on one
+pipeline stage skips the step on every rank and backs every rank's loss scale off alike."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ TOLERANCE = {"fp16": 5e-3, "bf16": 3e-2}
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize(
     "sizes",
-    [{"tp_size": 2, "pp_size": 1}, {"tp_size": 1, "pp_size": 2, "num_microbatches": 2}],
-    ids=["tp2", "pp2"],
+    [{"tp_size": 2, "pp_size": 1}, {"tp_size": 1, "pp_size": 2, "num_microbatches": 2}, {"tp_size": 1, "pp_size": 1}],
+    ids=["tp2", "pp2", "dp2"],
 )
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_plugins_hybrid_low_precision(
