@@ -55,7 +55,6 @@ def _model() -> Any:
         num_key_value_heads=KV_HEADS,
         max_position_embeddings=SEQ,
         tie_word_embeddings=False,
-        attn_implementation="sdpa",
         use_cache=False,
     )
     return transformers.LlamaForCausalLM(config)
