@@ -214,14 +214,10 @@ def test_plugins_hybrid_pipeline_outputs(rank: int, world_size: int) -> None:
         assert result["loss"] is None
 
 
-@distributed(world_size=2)
-@pytest.mark.parametrize("tp_size", [1, 2])
-def test_plugins_hybrid_reference_gpt(rank: int, world_size: int, tp_size: int) -> None:
-    """cx's own reference GPT (not a transformers model): dp 2 without ShardFormer, tp 2 with its registered policy."""
+def _reference_gpt_run(plugin: HybridParallelPlugin) -> None:
     from cx_plugins.models import GPT, GPTConfig
 
-    config = GPTConfig(vocab_size=64, max_positions=8, hidden_size=32, num_layers=2, num_heads=4)
-    plugin = HybridParallelPlugin(tp_size=tp_size, pp_size=1, precision="fp32")
+    config = GPTConfig(vocab_size=64, max_positions=8, hidden_size=32, num_layers=4, num_heads=4)
     booster = Booster(plugin=plugin)
     net, reference = GPT(config, seed=0), GPT(config, seed=0)
     model, optimizer, *_ = booster.boost(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -232,7 +228,11 @@ def test_plugins_hybrid_reference_gpt(rank: int, world_size: int, tp_size: int) 
         ids = batch(step)["input_ids"]
         share = ids.shape[0] // dp_size
         mine = ids[dp_rank * share : (dp_rank + 1) * share]
-        booster.backward(model(mine, labels=mine), optimizer)
+        if plugin.pp_size > 1:
+            data = {"input_ids": mine, "labels": mine}
+            booster.execute_pipeline(iter([data]), model, lambda loss, _: loss, optimizer)
+        else:
+            booster.backward(model(mine, labels=mine), optimizer)
         optimizer.step()
         optimizer.zero_grad()
         reference(ids, labels=ids).backward()
@@ -240,3 +240,20 @@ def test_plugins_hybrid_reference_gpt(rank: int, world_size: int, tp_size: int) 
         ref_optimizer.zero_grad()
     assert isinstance(model, HybridParallelModule)
     compare_parameters(model, reference, plugin, rtol=1e-4, atol=1e-5)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize(
+    "sizes",
+    [{"tp_size": 1, "pp_size": 1}, {"tp_size": 2, "pp_size": 1}, {"tp_size": 1, "pp_size": 2, "num_microbatches": 2}],
+    ids=["dp2", "tp2", "pp2"],
+)
+def test_plugins_hybrid_reference_gpt(rank: int, world_size: int, sizes: dict[str, Any]) -> None:
+    """cx's own reference GPT (not a transformers model, tied embedding): dp 2 without ShardFormer, tp 2 with its
+    registered policy, pp 2 through its PipelineSplittable methods."""
+    _reference_gpt_run(HybridParallelPlugin(precision="fp32", **sizes))
+
+
+@distributed(world_size=4)
+def test_plugins_hybrid_reference_gpt_tp2_pp2(rank: int, world_size: int) -> None:
+    _reference_gpt_run(HybridParallelPlugin(tp_size=2, pp_size=2, num_microbatches=2, precision="fp32", zero_stage=1))
