@@ -91,6 +91,12 @@ def test_plugins_hybrid_misuse(rank: int, world_size: int) -> None:
     with pytest.raises(NotImplementedError, match="execute_pipeline needs a plugin with pipeline parallelism"):
         Booster(plugin=TorchDDPPlugin()).execute_pipeline(iter([]), model, None)
 
+    stranger = torch.nn.Parameter(torch.zeros(2))
+    net = llama()
+    with pytest.raises(ValueError, match="not the model's"):
+        Booster(plugin=plain).boost(net, torch.optim.SGD([*net.parameters(), stranger], lr=0.1))
+    assert plain.sp_group is plain.tp_group
+
     piped = HybridParallelPlugin(tp_size=1, pp_size=2, precision="fp32", num_microbatches=3)
     booster = Booster(plugin=piped)
     net = llama()

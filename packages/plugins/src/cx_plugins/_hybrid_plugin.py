@@ -212,6 +212,24 @@ class HybridParallelPlugin(ZeroPluginBase):
     def enable_pipeline_parallelism(self) -> bool:
         return self.pp_size > 1
 
+    # ColossalAI's group attributes (its examples read e.g. plugin.dp_group); the layout owns them
+    @property
+    def dp_group(self) -> ProcessGroup:
+        return self.layout.group(Axis.DP)
+
+    @property
+    def tp_group(self) -> ProcessGroup:
+        return self.layout.group(Axis.TP)
+
+    @property
+    def pp_group(self) -> ProcessGroup:
+        return self.layout.group(Axis.PP)
+
+    @property
+    def sp_group(self) -> ProcessGroup:
+        """The group the sequence is split over: the tp group for split_gather / ring, else the sp axis."""
+        return self.layout.group(Axis.SP) if self.options.sp_mode.on_sp_axis else self.layout.group(Axis.TP)
+
     def _gradient_group(self) -> ProcessGroup | None:
         """The group gradients are averaged over: dp, or dp x sp under Ulysses (as ColossalAI; equal results)."""
         if self.options.sp_mode.on_sp_axis:
@@ -257,6 +275,8 @@ class HybridParallelPlugin(ZeroPluginBase):
             o.precision.dtype,
             get_accelerator().current_device(),
         )
+        if optimizer is not None:
+            _require_model_parameters(optimizer, composed.names)
         grad_group = self._gradient_group()
         broadcast_states(composed.module, composed.held, grad_group, buffers=o.ddp.broadcast_buffers)
         held_names = frozenset(composed.names[id(p)] for p in composed.held)
@@ -361,6 +381,18 @@ class HybridParallelPlugin(ZeroPluginBase):
             "HybridParallelPlugin: saving and loading lands with the checkpoint IO that gathers tp/pp shards "
             "(issue 15); "
             "until then the optimizer's state_dict_by_name() and the model's held_parameter_names() are available"
+        )
+
+
+def _require_model_parameters(optimizer: Optimizer, names: dict[int, str]) -> None:
+    """Every parameter the optimizer trains must be the model's (other stages' ones are dropped, so a stranger
+    would be dropped silently too)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    strangers = [i for i, p in enumerate(params) if id(p) not in names]
+    if strangers:
+        raise ValueError(
+            f"HybridParallelPlugin: the optimizer holds parameters (positions {strangers[:10]}) that are not the "
+            "model's; build it from model.parameters() before booster.boost"
         )
 
 
