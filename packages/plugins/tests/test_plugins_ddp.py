@@ -145,4 +145,4 @@ def test_plugins_bad_input_is_reported(rank: int, world_size: int) -> None:
     with pytest.raises(RankMismatchError, match="ranks disagree on TorchDDPPlugin options"):
         TorchDDPPlugin(static_graph=rank == 1)
     with pytest.raises(NotImplementedError, match="needs a plugin with pipeline parallelism"):
-        Booster(plugin=TorchDDPPlugin()).execute_pipeline()
+        Booster(plugin=TorchDDPPlugin()).execute_pipeline(iter([]), torch.nn.Linear(1, 1), None)

@@ -81,3 +81,26 @@ def test_plugins_demo_refuses_an_incomplete_checkpoint(tmp_path: Path, capsys: p
     with pytest.raises(SystemExit):
         parse_options(["--resume", str(tmp_path)])
     assert "not a complete cx-train checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_plugins_demo_hybrid_trains(layout: list[str]) -> None:
+    """`cx-train --plugin hybrid` with tensor or pipeline parallelism (the pipeline's loss is reported from its last
+    stage): the loss falls."""
+    output = _cx_train("--plugin", "hybrid", "--steps", "60", *layout)
+    assert "plugin=hybrid" in output
+    assert "step 60/60" in output
+    start, end = _loss_change(output)
+    assert end < start - 0.5, f"loss did not fall enough: {start} -> {end}"
+
+
+def test_plugins_demo_hybrid_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, message in (
+        (["--tp", "2"], "--tp/--pp need --plugin hybrid"),
+        (["--plugin", "hybrid", "--tp", "3"], "--nproc 2 is not divisible by --tp 3 x --pp 1"),
+        (["--plugin", "hybrid", "--pp", "2", "--num-layers", "1"], "fewer than the --pp 2 stages"),
+        (["--plugin", "hybrid", "--save", "somewhere"], "checkpoint IO has not landed yet"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_options(argv)
+        assert message in capsys.readouterr().err

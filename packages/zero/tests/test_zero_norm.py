@@ -90,3 +90,15 @@ def test_zero_norm_or_inf_sees_one_ranks_inf(rank: int, world_size: int, bad: fl
 
     grads = [torch.tensor([bad, 1.0]) if rank == 0 else torch.ones(2)]
     assert norm_or_inf(grads, norm_type, [None]) == math.inf
+
+
+def test_zero_local_norm_term_weights() -> None:
+    """Weights multiply each tensor's sum of squares (a tensor replicated over k ranks counts 1/k per rank) and leave
+    the inf-norm alone; one weight per tensor is required."""
+    from cx_zero import local_norm_term
+
+    tensors = [torch.tensor([3.0, 4.0]), torch.tensor([1.0]), torch.zeros(0)]
+    assert float(local_norm_term(tensors, 2.0, [0.5, 2.0, 7.0])) == pytest.approx(25 * 0.5 + 1 * 2.0)
+    assert float(local_norm_term(tensors, "inf", [0.5, 2.0, 7.0])) == 4.0
+    with pytest.raises(ValueError, match="2 weights for 3 tensors"):
+        local_norm_term(tensors, 2.0, [1.0, 1.0])

@@ -1,10 +1,10 @@
 """cx-plugins: the Booster and its plugins, with ColossalAI's names and arguments.
 
 Present: `Booster`, `Plugin`, `DPPluginBase`, `TorchDDPPlugin`, `TorchFSDPPlugin` (FSDP2), `LowLevelZeroPlugin`,
-`GeminiPlugin` (with tensor parallelism), `LazyInitContext` (build a model without allocating it; materialised at
-boost), the wrappers (`EngineOptimizer`, the one boosted optimizer over any `OptimizerEngine`), `HybridCheckpointIO`
-with the faces it reads (`ParallelModelView`, `ParallelOptimizerView`) for models split by tensor and pipeline
-parallelism,
+`GeminiPlugin` (with tensor parallelism), `HybridParallelPlugin` (tp/pp/sp + DDP-like or ZeRO-1/2), `LazyInitContext`
+(build a model without allocating it; materialised at boost), the wrappers (`EngineOptimizer`, the one boosted
+optimizer over any `OptimizerEngine`), `HybridCheckpointIO` with the faces it reads (`ParallelModelView`,
+`ParallelOptimizerView`) for models split by tensor and pipeline parallelism,
 reference models in `cx_plugins.models`, ColossalAI's learning-rate schedulers in `cx_plugins.lr_scheduler`; every
 plugin saves and loads the canonical cx checkpoint format. `__version__` is the installed distribution's version.
 """
@@ -15,6 +15,8 @@ from cx_plugins._booster import Booster
 from cx_plugins._engine_optimizer import EngineOptimizer, OptimizerEngine
 from cx_plugins._gemini_plugin import GeminiPlugin
 from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
+from cx_plugins._hybrid_model import HybridParallelModule
+from cx_plugins._hybrid_plugin import HybridParallelPlugin
 from cx_plugins._lazy_init import LazyInitContext
 from cx_plugins._low_level_zero_plugin import LowLevelZeroPlugin
 from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
@@ -37,6 +39,8 @@ __all__ = [
     "GeminiPlugin",
     "HybridCheckpointIO",
     "LazyInitContext",
+    "HybridParallelModule",
+    "HybridParallelPlugin",
     "LowLevelZeroPlugin",
     "ModelWrapper",
     "OptimizerEngine",

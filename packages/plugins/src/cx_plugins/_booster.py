@@ -163,13 +163,26 @@ class Booster:
         """Gradient accumulation without communication, where the plugin supports it (else the plugin says why)."""
         return self.plugin.no_sync(model, optimizer)
 
-    def execute_pipeline(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.plugin.supports_pipeline():
+    def execute_pipeline(
+        self,
+        data_iter: Any,
+        model: nn.Module,
+        criterion: Callable[[Any, Any], torch.Tensor] | None,
+        optimizer: OptimizerWrapper | None = None,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]:
+        """One pipeline step (every micro-batch's forward and backward) over the next batch of `data_iter`:
+        {"loss": mean over micro-batches on the rank holding the last stage (None elsewhere), "outputs": ...}.
+        Then `optimizer.step()` as usual. Only plugins with pipeline parallelism run it."""
+        run = getattr(self.plugin, "execute_pipeline", None)
+        if not self.plugin.supports_pipeline() or run is None:
             raise NotImplementedError(
                 f"execute_pipeline needs a plugin with pipeline parallelism; {type(self.plugin).__name__} has none "
-                "(the HybridParallel plugins that provide it are not built yet)"
+                "here (HybridParallelPlugin with pp_size > 1 has): call model(...) and booster.backward instead"
             )
-        raise NotImplementedError("no cx plugin implements pipeline execution yet")
+        result: dict[str, Any] = run(data_iter, model, criterion, optimizer, return_loss, return_outputs)
+        return result
 
     def enable_lora(
         self,

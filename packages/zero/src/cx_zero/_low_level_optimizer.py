@@ -54,7 +54,9 @@ class LowLevelZeroOptimizer:
     dicts (otherwise they are keyed by their position, as strings); `norm_type` (2 or inf) for the gradient norm
     and clipping; `options` (a `LowLevelZeroOptions`, instead of the option keywords: what a plugin builds once from
     its own arguments); `tp_process_group` / `pp_process_group` join the
-    gradient-norm and overflow reductions when the model is also split by tensor or pipeline parallelism.
+    gradient-norm and overflow reductions when the model is also split by tensor or pipeline parallelism;
+    `grad_norm_weights` (id(param) -> weight, default 1) weighs a parameter's squared norm so that one replicated
+    over k ranks of those groups (a tp-replicated norm weight, an embedding tied over k stages) counts once (1/k).
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class LowLevelZeroOptimizer:
         pp_process_group: ProcessGroup | None = None,
         fp8_communication: bool = False,
         options: LowLevelZeroOptions | None = None,
+        grad_norm_weights: Mapping[int, float] | None = None,
     ) -> None:
         if fp8_communication:  # ColossalAI's switch: accepted so its calls run; enabling it is a clear error
             raise NotImplementedError(
@@ -176,6 +179,8 @@ class LowLevelZeroOptimizer:
         self._spanning_index = self._spanning_group_index()
         spanning = self._groups[self._spanning_index]
         self._norm_groups = [spanning] + [g for g in (tp_process_group, pp_process_group) if g is not None]
+        weights = grad_norm_weights or {}
+        self._norm_weight = {id(s): float(weights.get(id(s.working), 1.0)) for s in self._shards}
 
         for param_group in optimizer.param_groups:
             param_group["params"] = [self._shard_of[id(p)].master for p in param_group["params"] if p.requires_grad]
@@ -318,9 +323,9 @@ class LowLevelZeroOptimizer:
             )
         self.synchronize_working_params()
         self._agree_on_used()
-        grads = [s.grad_shard for s in self._shards if s.grad_shard is not None]
+        grads, weights = self._grads_and_weights()
         # One reduction answers both questions: an inf/nan anywhere makes the norm non-finite.
-        scaled_norm = norm_or_inf(grads, self.options.clipping.norm_type, self._norm_groups)
+        scaled_norm = norm_or_inf(grads, self.options.clipping.norm_type, self._norm_groups, weights)
         overflow = self._fp16 and not math.isfinite(scaled_norm)
         scale = self.grad_scaler.scale
         self.grad_scaler.update(overflow)
@@ -367,7 +372,8 @@ class LowLevelZeroOptimizer:
         if not max_norm > 0 or math.isinf(max_norm):
             raise ValueError(f"clip_grad_by_norm: max_norm must be a positive number, got {max_norm}")
         grads = self._reduced_grads("clip_grad_by_norm")
-        norm = norm_or_inf(grads, NormType.parse(norm_type), self._norm_groups) / self.grad_scaler.scale
+        weights = [self._norm_weight[id(s)] for s in self._shards if s.grad_shard is not None]
+        norm = norm_or_inf(grads, NormType.parse(norm_type), self._norm_groups, weights) / self.grad_scaler.scale
         coefficient = clip_coefficient(norm, max_norm)
         if math.isfinite(norm) and coefficient < 1.0 and grads:
             torch._foreach_mul_(grads, coefficient)
@@ -385,6 +391,10 @@ class LowLevelZeroOptimizer:
         bound = clip_value * self.grad_scaler.scale
         for grad in grads:
             grad.clamp_(-bound, bound)
+
+    def _grads_and_weights(self) -> tuple[list[torch.Tensor], list[float]]:
+        held = [s for s in self._shards if s.grad_shard is not None]
+        return [s.grad_shard for s in held if s.grad_shard is not None], [self._norm_weight[id(s)] for s in held]
 
     def _agree_on_used(self) -> None:
         """A parameter takes part in the step when any rank of its group produced a gradient for it (the flags

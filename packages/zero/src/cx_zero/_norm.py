@@ -53,21 +53,38 @@ class NormType(Enum):
         raise ValueError(f"unsupported norm type {value!r}: expected 2 or inf")
 
 
-def local_norm_term(tensors: Iterable[torch.Tensor], norm_type: float | str | NormType = 2.0) -> torch.Tensor:
-    """This rank's float32 contribution: sum of squares (2-norm) or max |x| (inf-norm); 0 for no tensors."""
+def local_norm_term(
+    tensors: Iterable[torch.Tensor],
+    norm_type: float | str | NormType = 2.0,
+    weights: Sequence[float] | None = None,
+) -> torch.Tensor:
+    """This rank's float32 contribution: sum of squares (2-norm) or max |x| (inf-norm); 0 for no tensors.
+
+    `weights` (one per tensor) multiply each tensor's sum of squares: a tensor replicated over k ranks of a group
+    the term is summed over counts once with weight 1/k. They do not affect the inf-norm."""
     kind = NormType.parse(norm_type)
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
+    items = list(tensors)
+    factors = [1.0] * len(items) if weights is None else list(weights)
+    if len(factors) != len(items):
+        raise ValueError(f"local_norm_term: {len(factors)} weights for {len(items)} tensors")
+    by_device: dict[torch.device, list[tuple[torch.Tensor, float]]] = {}
+    for t, w in zip(items, factors, strict=True):
         if t.numel() > 0:
-            by_device.setdefault(t.device, []).append(t.detach())
+            by_device.setdefault(t.device, []).append((t.detach(), w))
     if not by_device:
         return torch.zeros((), dtype=torch.float32)
     order = 2.0 if kind is NormType.TWO else float("inf")
     # Computed in fp32 (an fp16 tensor's norm easily exceeds 65504); one host transfer per device.
     norms = torch.cat(
-        [torch.stack(torch._foreach_norm(items, order, dtype=torch.float32)).cpu() for items in by_device.values()]
+        [
+            torch.stack(torch._foreach_norm([t for t, _ in pairs], order, dtype=torch.float32)).cpu()
+            for pairs in by_device.values()
+        ]
     )
-    return norms.pow(2).sum() if kind is NormType.TWO else norms.max()
+    if kind is NormType.INF:
+        return norms.max()
+    scale = torch.tensor([w for pairs in by_device.values() for _, w in pairs], dtype=torch.float32)
+    return (norms.pow(2) * scale).sum()
 
 
 def reduce_norm(
@@ -88,7 +105,10 @@ def reduce_norm(
 
 
 def norm_or_inf(
-    grads: Iterable[torch.Tensor], norm_type: float | str | NormType, groups: Sequence[ProcessGroup | None]
+    grads: Iterable[torch.Tensor],
+    norm_type: float | str | NormType,
+    groups: Sequence[ProcessGroup | None],
+    weights: Sequence[float] | None = None,
 ) -> float:
     """The global norm in one reduction, +inf when any gradient on any rank holds an inf or a nan.
 
@@ -97,7 +117,7 @@ def norm_or_inf(
     false) while +inf always wins, so every rank reads the same answer.
     """
     # posinf too: nan_to_num otherwise turns +inf into the largest finite float, and one rank's inf is then missed
-    term = torch.nan_to_num(local_norm_term(grads, norm_type), nan=math.inf, posinf=math.inf)
+    term = torch.nan_to_num(local_norm_term(grads, norm_type, weights), nan=math.inf, posinf=math.inf)
     return float(reduce_norm(term, norm_type, groups))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 __all__ = ["PLUGINS", "DemoOptions", "parse_options"]
 
-PLUGINS = ("gemini", "low_level_zero", "torch_ddp")
+PLUGINS = ("gemini", "low_level_zero", "torch_ddp", "hybrid")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -29,6 +29,8 @@ class DemoOptions:
     save: Path | None
     save_every: int
     resume: Path | None
+    tp: int = 1
+    pp: int = 1
 
 
 def _positive(text: str) -> int:
@@ -66,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save", type=Path, default=None, help="checkpoint directory (written at the end)")
     parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (needs --save)")
     parser.add_argument("--resume", type=Path, default=None, help="continue from a cx-train checkpoint directory")
+    parser.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size (--plugin hybrid)")
+    parser.add_argument("--pp", type=_positive, default=1, help="pipeline stages (--plugin hybrid)")
     return parser
 
 
@@ -78,6 +82,15 @@ def parse_options(argv: Sequence[str] | None = None) -> DemoOptions:
         parser.error("--save-every needs --save DIR and a non-negative step count")
     if args.resume is not None and not (args.resume / "trainer.json").is_file():
         parser.error(f"--resume {args.resume}: not a complete cx-train checkpoint (no trainer.json)")
+    if (args.tp > 1 or args.pp > 1) and args.plugin != "hybrid":
+        parser.error(f"--tp/--pp need --plugin hybrid (got --plugin {args.plugin})")
+    if args.plugin == "hybrid":
+        if args.nproc % (args.tp * args.pp):
+            parser.error(f"--nproc {args.nproc} is not divisible by --tp {args.tp} x --pp {args.pp}")
+        if args.num_layers < args.pp:
+            parser.error(f"--num-layers {args.num_layers} is fewer than the --pp {args.pp} stages")
+        if args.save is not None or args.resume is not None:
+            parser.error("--save/--resume with --plugin hybrid: its checkpoint IO has not landed yet")
     return DemoOptions(
         plugin=args.plugin,
         nproc=args.nproc,
@@ -93,4 +106,6 @@ def parse_options(argv: Sequence[str] | None = None) -> DemoOptions:
         save=args.save,
         save_every=args.save_every,
         resume=args.resume,
+        tp=args.tp,
+        pp=args.pp,
     )

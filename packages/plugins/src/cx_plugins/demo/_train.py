@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -11,8 +12,9 @@ import torch.distributed as dist
 from cx_mesh import all_gather_flat, get_accelerator, launch_from_torch
 from cx_plugins._booster import Booster
 from cx_plugins._gemini_plugin import GeminiPlugin
+from cx_plugins._hybrid_plugin import HybridParallelPlugin
 from cx_plugins._low_level_zero_plugin import LowLevelZeroPlugin
-from cx_plugins._plugin import Plugin
+from cx_plugins._plugin import DPPluginBase, Plugin
 from cx_plugins._torch_ddp_plugin import TorchDDPPlugin
 from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_checkpoint
 from cx_plugins.demo._data import TokenWindows
@@ -30,6 +32,12 @@ def _plugin_and_precision(options: DemoOptions) -> tuple[Plugin, str | None]:
         return GeminiPlugin(precision=options.precision, search_range_m=1, min_chunk_size_m=0.05, hidden_dim=64), None
     if options.plugin == "low_level_zero":
         return LowLevelZeroPlugin(stage=2, precision=options.precision), None
+    if options.plugin == "hybrid":
+        microbatches = math.gcd(options.batch_size, 2 * options.pp) if options.pp > 1 else None
+        plugin = HybridParallelPlugin(
+            tp_size=options.tp, pp_size=options.pp, precision=options.precision, num_microbatches=microbatches
+        )
+        return plugin, None
     raise ValueError(f"unknown plugin {options.plugin!r}")
 
 
@@ -73,6 +81,7 @@ def train(options: DemoOptions) -> list[float]:
         step = load_checkpoint(booster, boosted, boosted_optimizer, options.resume).step
         if rank == 0:
             print(f"cx-train: resumed from {options.resume} at step {step}", flush=True)
+    data_parallel_size = plugin.data_parallel_rank_and_size()[1] if isinstance(plugin, DPPluginBase) else world
     epoch, skip = divmod(step, len(loader))
     started, tokens = time.perf_counter(), 0
     while step < options.steps:
@@ -83,14 +92,17 @@ def train(options: DemoOptions) -> list[float]:
             if index < skip:  # resuming mid-epoch: the batches before the checkpoint were already trained on
                 continue
             batch = batch.to(device)
-            loss = boosted(batch, labels=batch)
-            booster.backward(loss, boosted_optimizer)
+            loss: torch.Tensor | None
+            if plugin.supports_pipeline():  # the loss exists on the last stage only
+                data = {"input_ids": batch, "labels": batch}
+                loss = booster.execute_pipeline(iter([data]), boosted, _loss_is_output, boosted_optimizer)["loss"]
+            else:
+                loss = boosted(batch, labels=batch)
+                booster.backward(loss, boosted_optimizer)
             boosted_optimizer.step()
             boosted_optimizer.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / world)
-            tokens += batch.numel() * world
+            losses.append(_mean_over_holders(loss, device))
+            tokens += batch.numel() * data_parallel_size
             step += 1
             if step % options.log_every == 0 or step == options.steps:
                 _report(step, options.steps, losses, tokens / (time.perf_counter() - started), _memory_per_rank())
@@ -105,6 +117,17 @@ def train(options: DemoOptions) -> list[float]:
                 break
         epoch, skip = epoch + 1, 0
     return losses
+
+
+def _loss_is_output(loss: torch.Tensor, _micro_batch: object) -> torch.Tensor:
+    return loss  # the reference GPT's last stage returns its loss
+
+
+def _mean_over_holders(loss: torch.Tensor | None, device: torch.device) -> float:
+    """The mean loss over the ranks that hold one (all ranks, or the last pipeline stage's)."""
+    value = torch.tensor([0.0 if loss is None else float(loss.detach()), 0.0 if loss is None else 1.0], device=device)
+    dist.all_reduce(value)
+    return float(value[0] / value[1])
 
 
 def _report(step: int, total: int, losses: list[float], tokens_per_second: float, memory: list[int]) -> None:

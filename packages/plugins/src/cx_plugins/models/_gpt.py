@@ -2,7 +2,8 @@
 
 Sized by `GPTConfig`; the defaults make a ~1M-parameter model that trains in seconds on a CPU. Its forward mirrors
 Hugging Face causal LMs: `model(input_ids, labels=None)` returns logits, or the mean next-token loss when labels
-are given, so plugins are exercised the way transformers models use them.
+are given, so plugins are exercised the way transformers models use them. It also implements cx-pipeline's
+`PipelineSplittable` (its blocks are the pipeline's layers), so HybridParallelPlugin can split it into stages.
 """
 
 from __future__ import annotations
@@ -110,6 +111,50 @@ class GPT(nn.Module):
         logits: torch.Tensor = self.lm_head(self.final_norm(hidden))
         if labels is None:
             return logits
+        return self.loss(logits, labels)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (tensor parallelism swaps in its vocabulary-parallel version)."""
         return F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
         )
+
+    # ---- cx_pipeline.PipelineSplittable: the blocks are the layers a pipeline distributes ---------------------------
+    def pipeline_num_layers(self) -> int:
+        return self.config.num_layers
+
+    def pipeline_stage_module(self, start: int, end: int, first: bool, last: bool) -> nn.Module:
+        return _GPTStage(self, start, end, first, last)
+
+
+class _GPTStage(nn.Module):
+    """Blocks [start, end) of a GPT, with the embeddings when `first` and the final norm, head and loss when `last`
+    (the model's own submodules). Called as `stage(input_ids, labels, hidden_states=...)`; a stage that is not the
+    last returns `{"hidden_states": ...}`, the last the loss (logits without labels)."""
+
+    def __init__(self, gpt: GPT, start: int, end: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed_tokens = gpt.embed_tokens if first else None
+        self.embed_positions = gpt.embed_positions if first else None
+        self.blocks = nn.ModuleList(list(gpt.blocks)[start:end])
+        self.final_norm = gpt.final_norm if last else None
+        self.lm_head = gpt.lm_head if last else None
+        self.__dict__["gpt"] = gpt  # for its loss; not a submodule (the stage holds only its own layers)
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        if self.embed_tokens is not None and self.embed_positions is not None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            hidden = self.embed_tokens(input_ids) + self.embed_positions(positions)
+        elif hidden_states is not None:
+            hidden = hidden_states
+        else:
+            raise ValueError("a GPT stage after the first needs the previous stage's hidden_states")
+        for block in self.blocks:
+            hidden = block(hidden)
+        if self.final_norm is None or self.lm_head is None:
+            return {"hidden_states": hidden}
+        logits: torch.Tensor = self.lm_head(self.final_norm(hidden))
+        gpt: GPT = self.__dict__["gpt"]
+        return logits if labels is None else gpt.loss(logits, labels)

@@ -121,11 +121,8 @@ class GPTPolicy(Policy):
         if shard.parallel_output:
             vocab_size = model.config.vocab_size
 
-            def forward(self: GPT, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-                logits = GPT.forward(self, input_ids)  # the model's own forward, without labels
-                if labels is None:
-                    return logits
+            def loss(self: GPT, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                 return cross_entropy_1d(logits[:, :-1], labels[:, 1:], -100, group, vocab_size)
 
-            setattr(model, "forward", forward.__get__(model))  # noqa: B010  (instance override)
+            setattr(model, "loss", loss.__get__(model))  # noqa: B010  (instance override, also used by stages)
         return model

@@ -1,0 +1,222 @@
+"""cx HybridParallelPlugin vs torch's own machinery, tiny HF Llama, 2 processes, CPU, gloo.
+
+Run: `OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .nox/tests/bin/python benchmarks/hybrid/bench_hybrid.py`
+(`CX_BENCH_SMOKE=1` for a seconds-long check). Every system holds its own copy of the same model (transformers
+LlamaForCausalLM from a config, fp32, torch AdamW) and they take turns step by step, so machine noise hits all alike;
+a step is forward + loss + backward + AdamW + barrier, each ratio the median of per-round ratios. Systems:
+- one process: rank 0 trains the unsplit model while rank 1 waits at the barrier;
+- DTensor TP: `parallelize_module` with the config's `base_model_tp_plan`, the LM head `ColwiseParallel` with
+  replicated output;
+- cx tp 2: `HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32")` through the Booster;
+- torch pipelining pp 2: `Schedule1F1B` over two `PipelineStage`s (embedding + first half of the layers; second half +
+  norm + head), `n_microbatches=4`;
+- cx pp 2: `HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=4, precision="fp32")` and
+  `booster.execute_pipeline`.
+Memory: parameter bytes each rank holds (meta tensors of other stages excluded) against the analytical share.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from cx_mesh.testing import spawn
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, INTER, VOCAB, SEQ, BATCH, MICRO = 4, 256, 8, 4, 688, 4096, 128, 8, 4
+WARMUP, STEPS = 2, 10
+if os.environ.get("CX_BENCH_SMOKE"):
+    LAYERS, HIDDEN, INTER, VOCAB, SEQ, BATCH, STEPS = 2, 32, 64, 128, 16, 4, 2
+
+Step = Callable[[torch.Tensor], None]
+
+
+def _model() -> Any:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _held_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.device.type != "meta")
+
+
+def _single(rank: int) -> tuple[Step, int]:
+    model = _model() if rank == 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if model is not None else None
+
+    def step(ids: torch.Tensor) -> None:
+        if model is not None and optimizer is not None:
+            optimizer.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+
+    return step, _held_bytes(model) if model is not None else 0
+
+
+def _dtensor() -> tuple[Step, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan: dict[str, Any] = {f"model.{key}": styles[style]() for key, style in model.config.base_model_tp_plan.items()}
+    plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(model, mesh, plan)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(ids: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    local = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in model.parameters())
+    return step, local
+
+
+def _cx(**options: Any) -> tuple[Step, int]:
+    from cx_plugins import Booster, HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(precision="fp32", **options)
+    booster = Booster(plugin=plugin)
+    net = _model()
+    model, optimizer, *_ = booster.boost(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
+    assert optimizer is not None
+
+    def step(ids: torch.Tensor) -> None:
+        batch = {"input_ids": ids, "labels": ids}
+        if plugin.pp_size > 1:
+            booster.execute_pipeline(iter([batch]), model, lambda out, _: out.loss, optimizer)
+        else:
+            booster.backward(model(**batch).loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, _held_bytes(model)
+
+
+class _TorchStage(nn.Module):
+    """Half of the Llama for torch.distributed.pipelining: positional tensor in, tensor out."""
+
+    def __init__(self, model: Any, first: bool) -> None:
+        super().__init__()
+        half = LAYERS // 2
+        self.first = first
+        self.embed = model.model.embed_tokens if first else None
+        self.layers = nn.ModuleList(model.model.layers[:half] if first else model.model.layers[half:])
+        self.rotary = model.model.rotary_emb
+        self.norm = None if first else model.model.norm
+        self.head = None if first else model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x) if self.embed is not None else x
+        positions = torch.arange(hidden.shape[1]).unsqueeze(0)
+        embeddings = self.rotary(hidden, positions)
+        for layer in self.layers:
+            hidden = layer(hidden, position_ids=positions, position_embeddings=embeddings)
+        if self.norm is not None and self.head is not None:
+            out: torch.Tensor = self.head(self.norm(hidden))
+            return out
+        return hidden
+
+
+def _torch_pipeline(rank: int) -> tuple[Step, int]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stage_module = _TorchStage(_model(), first=rank == 0)
+    stage = PipelineStage(stage_module, rank, 2, torch.device("cpu"))
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())
+
+    schedule = Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=loss_fn)
+    optimizer = torch.optim.AdamW(stage_module.parameters(), lr=1e-4)
+
+    def step(ids: torch.Tensor) -> None:
+        if rank == 0:
+            schedule.step(ids)
+        else:
+            schedule.step(target=ids)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, _held_bytes(stage_module)
+
+
+def _worker(rank: int, world_size: int, out: str) -> None:
+    torch.set_num_threads(1)
+    built = {
+        "one process": _single(rank),
+        "DTensor TP": _dtensor(),
+        "cx tp 2": _cx(tp_size=2, pp_size=1),
+        "torch pipelining pp 2 (1F1B)": _torch_pipeline(rank),
+        "cx pp 2 (1F1B)": _cx(tp_size=1, pp_size=2, num_microbatches=MICRO),
+    }
+    systems = {name: step for name, (step, _) in built.items()}
+    held = {name: size for name, (_, size) in built.items()}
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for index in range(WARMUP + STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(index))
+        for name, step in systems.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(ids)
+            dist.barrier()
+            if index >= WARMUP:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    sizes = [torch.zeros(len(held), dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor(list(held.values()), dtype=torch.float64))
+    if rank == 0:
+        pairs = (("cx tp 2", "DTensor TP"), ("cx pp 2 (1F1B)", "torch pipelining pp 2 (1F1B)"))
+        ratios = {
+            f"{name} / {base}": statistics.median(a / b for a, b in zip(times[name], times[base], strict=True))
+            for name, base in pairs + tuple((name, "one process") for name in systems if name != "one process")
+        }
+        memory = {name: [float(s[i]) / 2**20 for s in sizes] for i, name in enumerate(held)}
+        result = {"ms": {n: statistics.median(v) for n, v in times.items()}, "ratios": ratios, "param_mib": memory}
+        Path(out).write_text(json.dumps(result))
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "result.json")
+        spawn(_worker, 2, path, timeout=1200)
+        result = json.loads(Path(path).read_text())
+    print(f"Llama {LAYERS} layers, hidden {HIDDEN}, heads {HEADS}/{KV_HEADS}, vocab {VOCAB}, seq {SEQ}, batch {BATCH}")
+    for name, ms in result["ms"].items():
+        print(f"{name:32s} {ms:8.1f} ms")
+    for label, ratio in result["ratios"].items():
+        print(f"ratio {label}: {ratio:.2f}")
+    full = result["param_mib"]["one process"][0]
+    for name, per_rank in result["param_mib"].items():
+        print(f"parameters held {name:32s} " + " ".join(f"{m:7.2f} MiB" for m in per_rank) + f" (full {full:.2f})")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

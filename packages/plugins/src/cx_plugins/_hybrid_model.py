@@ -1,0 +1,153 @@
+"""`HybridParallelModule`: the model HybridParallelPlugin hands back, and the composition that builds it.
+
+`compose_model` runs, in order: ShardFormer (tensor/sequence parallelism, in place: parameter names and objects are
+kept), the pipeline split (this rank's stage chunks; `PipelineModel`), the cast to the training precision of what
+this rank runs, and the release of the parameters of other stages (swapped for meta tensors of the same shape under
+the same names, so `named_parameters()` still lists the whole model and checkpoint IO skips what is not held).
+The module implements the face checkpoint IO reads (`unwrap`, `layout`, `held_parameter_names`,
+`held_buffer_names`; /work/brief/contract.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cx_pipeline import (
+    GPT2Splitter,
+    HFDecoderSplitter,
+    PipelineModel,
+    PipelineSplittable,
+    PipelineStageManager,
+    split_model,
+)
+from cx_plugins._layout import ParallelLayout
+from cx_plugins._wrappers import ModelWrapper
+from cx_shardformer import Policy, ShardConfig, ShardFormer
+
+__all__ = ["ComposedModel", "HybridParallelModule", "compose_model"]
+
+
+class HybridParallelModule(ModelWrapper):
+    """The user's module after ShardFormer (and, with pp > 1, this rank's stage chunks in `pipeline`)."""
+
+    def __init__(
+        self, module: nn.Module, layout: ParallelLayout, pipeline: PipelineModel | None, held: frozenset[str]
+    ) -> None:
+        super().__init__(module)
+        self.layout = layout
+        self.__dict__["pipeline"] = pipeline  # not a submodule: its parameters are the module's own
+        self._held = held
+        persistent = _persistent_buffer_names(module)  # not state_dict(): a collective over tp for sharded layers
+        held_buffers = {
+            id(b) for chunk in (pipeline.chunks if pipeline is not None else [module]) for b in chunk.buffers()
+        }
+        self._held_buffers = frozenset(
+            name for name, buffer in module.named_buffers() if name in persistent and id(buffer) in held_buffers
+        )
+
+    pipeline: PipelineModel | None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            raise RuntimeError(
+                "this model is split into pipeline stages (pp_size > 1): run it with "
+                "booster.execute_pipeline(data_iter, model, criterion, optimizer), not model(...)"
+            )
+        return self.module(*args, **kwargs)
+
+    def held_parameter_names(self) -> frozenset[str]:
+        """Names (in `unwrap().named_parameters()`) whose values this rank holds: its pipeline stage(s)' ones."""
+        return self._held
+
+    def held_buffer_names(self) -> frozenset[str]:
+        """The same for persistent buffers."""
+        return self._held_buffers
+
+
+def _persistent_buffer_names(module: nn.Module) -> set[str]:
+    names = set()
+    for prefix, sub in module.named_modules():
+        skipped: set[str] = getattr(sub, "_non_persistent_buffers_set", set())
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and name not in skipped:
+                names.add(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+@dataclass
+class ComposedModel:
+    module: nn.Module
+    pipeline: PipelineModel | None
+    held: list[nn.Parameter]
+    names: dict[int, str]
+
+
+def compose_model(
+    model: nn.Module,
+    shard_config: ShardConfig | None,
+    policy: Policy | None,
+    stage_manager: PipelineStageManager | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> ComposedModel:
+    """ShardFormer, pipeline split, cast, release of other stages' parameters (module docs)."""
+    if shard_config is not None:
+        model, _ = ShardFormer(shard_config).optimize(model, policy=policy)
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        names.setdefault(id(param), name)
+    if stage_manager is None:
+        model.to(device=device, dtype=dtype)
+        return ComposedModel(model, None, list({id(p): p for p in model.parameters()}.values()), names)
+    pipeline = split_model(_splitter(model), stage_manager)
+    held = list({id(p): p for p in pipeline.parameters()}.values())
+    held_ids = {id(p) for p in held}
+    for param in list({id(p): p for p in model.parameters()}.values()):
+        if id(param) not in held_ids:
+            _release(param)
+    for chunk in pipeline.chunks:
+        chunk.to(device=device, dtype=dtype)
+    return ComposedModel(model, pipeline, held, names)
+
+
+def _release(param: nn.Parameter) -> None:
+    """Free another stage's parameter, keeping its object, name and shape (a meta tensor takes its place)."""
+    attributes = dict(param.__dict__)
+    placeholder = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), param.requires_grad)
+    torch.utils.swap_tensors(param, placeholder)
+    param.__dict__.update(attributes)  # e.g. the ShardSpec of a tensor-parallel shard
+
+
+def _splitter(model: nn.Module) -> PipelineSplittable:
+    """How to cut `model` into stages: its own protocol, GPT-2's splitter, or the Llama-style decoder splitter."""
+    if isinstance(model, PipelineSplittable):
+        return model
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type == "gpt2":
+        return GPT2Splitter(model)
+    if model_type is not None:
+        return HFDecoderSplitter(model)  # refuses decoder types it cannot split, naming the supported ones
+    raise TypeError(
+        f"HybridParallelPlugin(pp_size > 1) cannot split a {type(model).__name__} into stages: give it "
+        "pipeline_num_layers() and pipeline_stage_module(start, end, first, last) (cx_pipeline.PipelineSplittable), "
+        "or use a transformers decoder"
+    )
+
+
+def broadcast_states(
+    module: nn.Module, held: list[nn.Parameter], group: dist.ProcessGroup | None, buffers: bool
+) -> None:
+    """Start every data-parallel replica from the first one's parameters (and buffers) as torch DDP does."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    with torch.no_grad():
+        tensors = [p.data for p in held]
+        if buffers:
+            tensors += [b for b in module.buffers() if b.device.type != "meta"]
+        for tensor in tensors:
+            dist.broadcast(tensor, group=group, group_src=0)

@@ -1,0 +1,254 @@
+"""HybridParallelPlugin's options as typed frozen groups, built once from ColossalAI's flat keyword arguments.
+
+`HybridParallelOptions.from_kwargs(...)` is the one place the 47 flat arguments are read; everything after it (the
+layout, the model composition, the optimizers) takes a group. Each check raises on every rank before any collective
+(every rank runs the same local validation), naming the argument and the values that would work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cx_plugins._plugin import ZERO_PRECISIONS
+from cx_plugins._precision import Precision
+from cx_plugins._shardformer_options import ShardFormerOptions
+
+__all__ = [
+    "DDPOptions",
+    "HybridParallelOptions",
+    "LossScaleOptions",
+    "PipelineOptions",
+    "PipelineStyle",
+    "SequenceParallelism",
+    "ZeroOptions",
+]
+
+
+class PipelineStyle(enum.Enum):
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZBV = "zbv"
+
+
+class SequenceParallelism(enum.Enum):
+    """ColossalAI's sequence-parallel modes and where they run.
+
+    `split_gather` and `ring` (Megatron's sequence split, gathered for each column/row pair; ColossalAI's `ring`
+    moves the same data with ring send/recv, cx with all-gather/reduce-scatter) use the tensor-parallel group;
+    `all_to_all` (Ulysses) and `ring_attn` (ring attention) use the sp axis."""
+
+    NONE = "none"
+    SPLIT_GATHER = "split_gather"
+    RING = "ring"
+    ALL_TO_ALL = "all_to_all"
+    RING_ATTN = "ring_attn"
+
+    @property
+    def on_sp_axis(self) -> bool:
+        return self in (SequenceParallelism.ALL_TO_ALL, SequenceParallelism.RING_ATTN)
+
+    @property
+    def shardformer_mode(self) -> str | None:
+        """cx-shardformer's name for the mode (its `ring` is ring attention)."""
+        return {
+            SequenceParallelism.NONE: None,
+            SequenceParallelism.SPLIT_GATHER: "split_gather",
+            SequenceParallelism.RING: "split_gather",
+            SequenceParallelism.ALL_TO_ALL: "all_to_all",
+            SequenceParallelism.RING_ATTN: "ring",
+        }[self]
+
+
+@dataclass(frozen=True)
+class LossScaleOptions:
+    """Dynamic loss scaling (used with fp16 only)."""
+
+    initial_scale: float = 2**16
+    min_scale: float = 1
+    growth_factor: float = 2
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    max_scale: float = 2**32
+
+
+@dataclass(frozen=True)
+class DDPOptions:
+    """ColossalAI's torch-DDP arguments for zero_stage 0. cx reduces the gradients of zero_stage 0 once per step with
+    coalesced all-reduces of `bucket_cap_mb` (module docs of `_hybrid_optimizer.py` say why not torch DDP);
+    `broadcast_buffers` broadcasts buffers from the first data-parallel rank at boost. The rest are torch DDP's
+    performance hints with nothing to act on in that design."""
+
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+    def hints_given(self) -> list[str]:
+        """The DDP performance hints set to a non-default value (they change nothing in cx)."""
+        hints = ("find_unused_parameters", "check_reduction", "gradient_as_bucket_view", "static_graph")
+        return [name for name in hints if getattr(self, name)]
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    """What cx_zero.LowLevelZeroOptimizer receives for zero_stage 1 and 2."""
+
+    stage: int = 0
+    bucket_size_in_m: float = 12
+    cpu_offload: bool = False
+    communication_dtype: torch.dtype | None = None
+    overlap_communication: bool = True
+    overlap_allgather: bool = False
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The pipeline schedule: style, micro-batching, chunks and layer distribution."""
+
+    style: PipelineStyle = PipelineStyle.ONE_F_ONE_B
+    num_microbatches: int | None = None
+    microbatch_size: int | None = None
+    num_model_chunks: int = 1
+    num_layers_per_stage: tuple[int, ...] | None = None
+    enable_metadata_cache: bool = True
+    overlap_p2p: bool = True
+
+
+@dataclass(frozen=True)
+class HybridParallelOptions:
+    """Everything HybridParallelPlugin was given, validated (custom_policy, an object, is kept by the plugin)."""
+
+    tp_size: int
+    pp_size: int
+    sp_size: int
+    sp_mode: SequenceParallelism
+    precision: Precision
+    max_norm: float
+    dp_outside: bool
+    shardformer: ShardFormerOptions
+    loss_scale: LossScaleOptions
+    ddp: DDPOptions
+    zero: ZeroOptions
+    pipeline: PipelineOptions
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        tp_size: int,
+        pp_size: int,
+        sp_size: int | None,
+        precision: str,
+        zero_stage: int,
+        sequence_parallelism_mode: str | None,
+        enable_sequence_parallelism: bool,
+        max_norm: float,
+        dp_outside: bool,
+        shardformer: ShardFormerOptions,
+        loss_scale: LossScaleOptions,
+        ddp: DDPOptions,
+        zero: ZeroOptions,
+        pipeline: PipelineOptions,
+    ) -> HybridParallelOptions:
+        for name, value in (("tp_size", tp_size), ("pp_size", pp_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"HybridParallelPlugin: {name} must be a positive integer, got {value!r}")
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"HybridParallelPlugin: zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        if not max_norm >= 0 or math.isinf(max_norm):
+            raise ValueError(f"HybridParallelPlugin: max_norm must be >= 0 (0 disables clipping), got {max_norm}")
+        for name, size in (("ddp_bucket_cap_mb", ddp.bucket_cap_mb), ("zero_bucket_size_in_m", zero.bucket_size_in_m)):
+            if not size > 0 or math.isinf(size):
+                raise ValueError(f"HybridParallelPlugin: {name} must be a positive number, got {size!r}")
+        mode, sp = _sequence_parallelism(enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size)
+        _check_pipeline(pipeline, pp_size)
+        return cls(
+            tp_size=tp_size,
+            pp_size=pp_size,
+            sp_size=sp,
+            sp_mode=mode,
+            precision=Precision.parse(precision, ZERO_PRECISIONS),
+            max_norm=float(max_norm),
+            dp_outside=dp_outside,
+            shardformer=shardformer,
+            loss_scale=loss_scale,
+            ddp=ddp,
+            zero=dataclasses.replace(zero, stage=zero_stage),
+            pipeline=pipeline,
+        )
+
+
+def _sequence_parallelism(
+    enabled: bool, mode: str | None, sp_size: int | None, tp_size: int
+) -> tuple[SequenceParallelism, int]:
+    if not enabled:
+        if mode is not None:
+            raise ValueError(
+                f"HybridParallelPlugin: sequence_parallelism_mode={mode!r} needs enable_sequence_parallelism=True"
+            )
+        if sp_size not in (None, 1):
+            raise ValueError(
+                f"HybridParallelPlugin: sp_size={sp_size} needs enable_sequence_parallelism=True (and the "
+                "all_to_all or ring_attn mode)"
+            )
+        return SequenceParallelism.NONE, 1
+    names = [m.value for m in SequenceParallelism if m is not SequenceParallelism.NONE]
+    try:
+        chosen = SequenceParallelism(mode or "split_gather")
+    except ValueError:
+        chosen = SequenceParallelism.NONE
+    if chosen is SequenceParallelism.NONE:
+        raise ValueError(f"HybridParallelPlugin: unknown sequence_parallelism_mode {mode!r}; accepted: {names}")
+    if not chosen.on_sp_axis:
+        if tp_size < 2:
+            raise ValueError(
+                f"HybridParallelPlugin: sequence_parallelism_mode={chosen.value!r} splits the sequence over the "
+                "tensor-parallel group and needs tp_size > 1 (or use 'all_to_all' / 'ring_attn' with sp_size)"
+            )
+        if sp_size not in (None, 1):
+            raise ValueError(
+                f"HybridParallelPlugin: sequence_parallelism_mode={chosen.value!r} runs on the tensor-parallel group; "
+                f"sp_size must be 1 or None, got {sp_size}"
+            )
+        return chosen, 1
+    sp = 1 if sp_size is None else sp_size
+    if not isinstance(sp, int) or sp < 1:
+        raise ValueError(f"HybridParallelPlugin: sp_size must be a positive integer, got {sp_size!r}")
+    return chosen, sp
+
+
+def _check_pipeline(pipeline: PipelineOptions, pp_size: int) -> None:
+    style, chunks = pipeline.style, pipeline.num_model_chunks
+    if pp_size == 1:
+        return
+    if pipeline.num_microbatches is None and pipeline.microbatch_size is None:
+        raise ValueError(
+            "HybridParallelPlugin: pipeline parallelism (pp_size > 1) needs num_microbatches or microbatch_size"
+        )
+    for name in ("num_microbatches", "microbatch_size"):
+        value = getattr(pipeline, name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"HybridParallelPlugin: {name} must be a positive integer, got {value!r}")
+    if style is PipelineStyle.ONE_F_ONE_B and chunks != 1:
+        raise ValueError(f"HybridParallelPlugin: pp_style='1f1b' holds one chunk per stage; num_model_chunks={chunks}")
+    if style is PipelineStyle.INTERLEAVED and chunks < 2:
+        raise ValueError(f"HybridParallelPlugin: pp_style='interleaved' needs num_model_chunks >= 2, got {chunks}")
+    if style is PipelineStyle.ZBV and chunks != 2:
+        raise ValueError(f"HybridParallelPlugin: pp_style='zbv' needs num_model_chunks=2 (the V), got {chunks}")
+
+
+def parse_pipeline_style(value: str) -> PipelineStyle:
+    try:
+        return PipelineStyle(value)
+    except ValueError:
+        raise ValueError(
+            f"HybridParallelPlugin: unknown pp_style {value!r}; accepted: {[s.value for s in PipelineStyle]}"
+        ) from None

@@ -1,0 +1,119 @@
+"""Each bad HybridParallelPlugin configuration raises its clear error on every rank (no hang, no deep traceback)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from cx_mesh import RankMismatchError
+from cx_mesh.testing import distributed
+from cx_pipeline import PipelineConfigError
+from cx_plugins import Booster, HybridParallelPlugin, TorchDDPPlugin
+from cx_plugins._layout import LayoutError
+
+BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception], str]] = [
+    ({"tp_size": 3, "pp_size": 1}, LayoutError, "the world size 2 is not divisible by tp_size = 3"),
+    ({"tp_size": 1, "pp_size": 2}, ValueError, "needs num_microbatches or microbatch_size"),
+    ({"tp_size": 1, "pp_size": 1, "zero_stage": 3}, ValueError, "zero_stage must be 0, 1 or 2"),
+    ({"tp_size": 1, "pp_size": 1, "precision": "fp8"}, ValueError, "unsupported precision 'fp8'"),
+    ({"tp_size": 1, "pp_size": 1, "fp8_communication": True}, NotImplementedError, "fp8_communication=True"),
+    ({"tp_size": 1, "pp_size": 1, "use_fp8": True}, NotImplementedError, "use_fp8=True"),
+    ({"tp_size": 1, "pp_size": 1, "inner_ring_size": 2}, NotImplementedError, "double-ring attention"),
+    ({"tp_size": 1, "pp_size": 1, "overlap_p2p": False}, NotImplementedError, "overlap_p2p=False"),
+    ({"tp_size": 1, "pp_size": 2, "num_microbatches": 2, "pp_style": "gpipe"}, ValueError, "unknown pp_style"),
+    (
+        {"tp_size": 1, "pp_size": 2, "num_microbatches": 2, "pp_style": "interleaved"},
+        ValueError,
+        "needs num_model_chunks >= 2",
+    ),
+    ({"tp_size": 1, "pp_size": 2, "num_microbatches": 2, "pp_style": "zbv"}, ValueError, "needs num_model_chunks=2"),
+    (
+        {"tp_size": 2, "pp_size": 1, "sp_size": 2, "enable_sequence_parallelism": True},
+        ValueError,
+        "runs on the tensor-parallel group; sp_size must be 1",
+    ),
+    ({"tp_size": 1, "pp_size": 1, "sequence_parallelism_mode": "all_to_all"}, ValueError, "needs enable_sequence"),
+    ({"tp_size": 1, "pp_size": 1, "enable_sequence_parallelism": True}, ValueError, "needs tp_size > 1"),
+    (
+        {"tp_size": 1, "pp_size": 1, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "zigzag"},
+        ValueError,
+        "unknown sequence_parallelism_mode",
+    ),
+    (
+        {
+            "tp_size": 1,
+            "pp_size": 2,
+            "num_microbatches": 2,
+            "sp_size": 1,
+            "enable_sequence_parallelism": True,
+            "sequence_parallelism_mode": "all_to_all",
+        },
+        NotImplementedError,
+        "sequence parallelism together with pipeline parallelism",
+    ),
+    ({"tp_size": 2, "pp_size": 1, "enable_jit_fused": True}, NotImplementedError, "enable_jit_fused"),
+    ({"tp_size": 2, "pp_size": 1, "enable_sequence_overlap": True}, NotImplementedError, "enable_sequence_overlap"),
+    ({"tp_size": 1, "pp_size": 1, "cpu_offload": True}, ValueError, "cpu_offload"),
+    ({"tp_size": 1, "pp_size": 1, "ddp_bucket_cap_mb": 0}, ValueError, "ddp_bucket_cap_mb must be a positive"),
+    ({"tp_size": 1, "pp_size": 1, "max_norm": -1.0}, ValueError, "max_norm must be >= 0"),
+]
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("case", range(len(BAD_OPTIONS)))
+def test_plugins_hybrid_bad_options(rank: int, world_size: int, case: int) -> None:
+    options, error, message = BAD_OPTIONS[case]
+    with pytest.raises(error, match=re.escape(message)):
+        HybridParallelPlugin(**options)
+
+
+@distributed(world_size=2)
+def test_plugins_hybrid_ranks_disagree(rank: int, world_size: int) -> None:
+    with pytest.raises(RankMismatchError, match="max_norm"):
+        HybridParallelPlugin(tp_size=2, pp_size=1, max_norm=float(rank))
+
+
+@distributed(world_size=2)
+def test_plugins_hybrid_misuse(rank: int, world_size: int) -> None:
+    pytest.importorskip("transformers")
+    from hybrid_test_helpers import batch, llama
+
+    plain = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32")
+    with pytest.raises(NotImplementedError, match="lands with the checkpoint IO"):
+        plain.get_checkpoint_io()
+    booster = Booster(plugin=plain)
+    model, optimizer, *_ = booster.boost(llama(), None)
+    with pytest.raises(NotImplementedError, match="execute_pipeline needs a plugin with pipeline parallelism"):
+        booster.execute_pipeline(iter([batch(0)]), model, lambda out, _: out.loss)
+    with pytest.raises(NotImplementedError, match="execute_pipeline needs a plugin with pipeline parallelism"):
+        Booster(plugin=TorchDDPPlugin()).execute_pipeline(iter([]), model, None)
+
+    stranger = torch.nn.Parameter(torch.zeros(2))
+    net = llama()
+    with pytest.raises(ValueError, match="not the model's"):
+        Booster(plugin=plain).boost(net, torch.optim.SGD([*net.parameters(), stranger], lr=0.1))
+    assert plain.sp_group is plain.tp_group
+
+    piped = HybridParallelPlugin(tp_size=1, pp_size=2, precision="fp32", num_microbatches=3)
+    booster = Booster(plugin=piped)
+    net = llama()
+    model, optimizer, *_ = booster.boost(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match=r"booster\.execute_pipeline"):
+        model(**batch(0))
+    with pytest.raises(PipelineConfigError, match="3"):  # 8 samples do not split into 3 micro-batches
+        booster.execute_pipeline(iter([batch(0)]), model, lambda out, _: out.loss, optimizer)
+
+
+@distributed(world_size=2)
+def test_plugins_hybrid_heads_not_divisible(rank: int, world_size: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=24, intermediate_size=48, num_attention_heads=3, num_key_value_heads=1,
+        num_hidden_layers=2, use_cache=False,
+    )  # fmt: skip
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32"))
+    with pytest.raises(ValueError, match="not divisible by the tensor parallel size 2"):
+        booster.boost(transformers.LlamaForCausalLM(config))
