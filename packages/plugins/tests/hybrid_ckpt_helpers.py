@@ -23,7 +23,7 @@ from cx_pipeline import (
 )
 from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
 from cx_plugins._layout import FILL, Axis, ParallelLayout
-from cx_plugins._parallel_view import ParallelModelView
+from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
 from cx_plugins._stage_names import persistent_buffers
 from cx_shardformer import ShardConfig, ShardFormer, get_shard_spec, unshard_tensor
 from cx_zero import LowLevelZeroOptimizer
@@ -183,7 +183,10 @@ def compose(kind: str, tp: int, pp: int, optimizer: str, seed: int = 0) -> tuple
         if isinstance(face, ZeroFace):
             face.zero.update_master_params(loaded.unwrap())
 
-    io = HybridCheckpointIO(lambda opt: view if opt is face else None, after_model_load=after_load)
+    def parts_of(opt: object) -> tuple[ParallelModelView, ParallelOptimizerView] | None:
+        return (view, cast(ParallelOptimizerView, face)) if opt is face else None
+
+    io = HybridCheckpointIO(parts_of, after_model_load=after_load)
     return view, face, io
 
 

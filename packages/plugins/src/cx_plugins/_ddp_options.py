@@ -29,6 +29,12 @@ class DDPOptions:
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
 
+    def hints_given(self) -> list[str]:
+        """The DDP performance hints set to a non-default value (for a plugin that reduces gradients itself, where
+        they change nothing)."""
+        hints = ("find_unused_parameters", "check_reduction", "gradient_as_bucket_view", "static_graph")
+        return [name for name in hints if getattr(self, name)]
+
     def ddp_kwargs(self, device: torch.device) -> dict[str, Any]:
         """Keyword arguments for `DistributedDataParallel` on `device` (process group not included)."""
         kwargs: dict[str, Any] = asdict(self)

@@ -124,22 +124,28 @@ def _agree_load(step: Callable[[], None], what: str) -> None:
 class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
     """Checkpoints of a `ParallelModelView` (TP shards, pipeline stages, dp replicas) and its by-name optimizer.
 
-    `model_of(optimizer)` finds the model an optimizer was boosted with (its names, stages and TP specs);
+    `parts_of(optimizer)` finds the model an optimizer was boosted with (its names, stages and TP specs) and the
+    optimizer's by-name face, None for an optimizer this IO does not know;
     `after_model_load(view)` refreshes what depends on the weights (fp32 master copies) after a model load;
     `model_dtype`: the dtype the user's model had before a mixed-precision cast (floating tensors are saved in it and
-    cast back on load, as the ZeRO plugins do), None to save the dtype the module holds.
+    cast back on load, as the ZeRO plugins do), or a function giving it for a model; None saves the dtype the module
+    holds.
     """
 
     def __init__(
         self,
-        model_of: Callable[[torch.optim.Optimizer], ParallelModelView | None],
+        parts_of: Callable[[torch.optim.Optimizer], tuple[ParallelModelView, ParallelOptimizerView] | None],
         after_model_load: Callable[[ParallelModelView], None] | None = None,
-        model_dtype: torch.dtype | None = None,
+        model_dtype: torch.dtype | Callable[[ParallelModelView], torch.dtype | None] | None = None,
     ) -> None:
         super().__init__()
-        self._model_of = model_of
+        self._parts_of = parts_of
         self._after_model_load = after_model_load
         self._model_dtype = model_dtype
+
+    def _dtype(self, view: ParallelModelView) -> torch.dtype | None:
+        dtype = self._model_dtype
+        return dtype if dtype is None or isinstance(dtype, torch.dtype) else dtype(view)
 
     # ---- helpers ------------------------------------------------------------------------------------------
     @staticmethod
@@ -174,7 +180,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
     def _model_stream(self, view: ParallelModelView) -> Iterator[tuple[str, torch.Tensor]]:
         plan = StagePlan.build(view)  # collective over the pipeline group: before the writer starts
         tp = self._tp(view)
-        return _stage_tensors(plan, tp, self._model_dtype)
+        return _stage_tensors(plan, tp, self._dtype(view))
 
     def _write_model(
         self,
@@ -244,7 +250,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         results: list[LoadResult] = []
 
         def load() -> None:
-            sink = tp.sink(_StageSink(view, self._model_dtype))
+            sink = tp.sink(_StageSink(view, self._dtype(view)))
             with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
                 # names checked against the whole model (other stages' names are expected, not loaded here) before
                 # anything is copied, so a refused load leaves the model untouched
@@ -272,13 +278,14 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
 
     # ---- optimizer ----------------------------------------------------------------------------------------
     def _pair(self, optimizer: torch.optim.Optimizer) -> tuple[ParallelModelView, ParallelOptimizerView]:
-        view = self._model_of(optimizer)
-        if view is None or not isinstance(optimizer, ParallelOptimizerView):
+        parts = self._parts_of(optimizer)
+        if parts is None:
             raise ValueError(
                 "HybridCheckpointIO: this optimizer was not boosted by this plugin (it needs state_dict_by_name and "
                 "its model): pass the optimizer booster.boost returned"
             )
-        return self._view(cast(nn.Module, view)), optimizer
+        view, face = parts
+        return self._view(cast(nn.Module, view)), face
 
     def _save_optimizer(
         self,

@@ -31,10 +31,9 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from cx_mesh import ProcessGroup, all_reduce
-from cx_plugins._hybrid_options import LossScaleOptions
 from cx_plugins._wrappers import OptimizerWrapper, finite_or_raise
 from cx_plugins._zero_wrappers import ZeroOptimizerWrapper
-from cx_zero import BaseGradScaler, ConstantGradScaler, DynamicGradScaler, NormType, clip_coefficient, reduce_norm
+from cx_zero import BaseGradScaler, LossScaleOptions, NormType, clip_coefficient, reduce_norm
 
 __all__ = ["HybridParallelOptimizer", "HybridZeroOptimizer", "weighted_norm_term"]
 
@@ -91,9 +90,7 @@ class HybridParallelOptimizer(OptimizerWrapper):
                 self._master_of[id(param)] = master
                 chosen.append(master)
             group["params"] = chosen
-        self.grad_scaler: BaseGradScaler = (
-            DynamicGradScaler(**loss_scale.__dict__) if dtype == torch.float16 else ConstantGradScaler(1.0)
-        )
+        self.grad_scaler: BaseGradScaler = loss_scale.scaler(dynamic=dtype == torch.float16)
         self._fp16 = dtype == torch.float16
         self.max_norm = max_norm
         self._dp_group = dp_group

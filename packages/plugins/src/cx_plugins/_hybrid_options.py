@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from cx_plugins._ddp_options import DDPOptions
 from cx_plugins._plugin import ZERO_PRECISIONS
 from cx_plugins._precision import Precision
 from cx_plugins._shardformer_options import ShardFormerOptions
+from cx_zero import LossScaleOptions
 
 __all__ = [
-    "DDPOptions",
     "HybridParallelOptions",
-    "LossScaleOptions",
     "PipelineOptions",
     "PipelineStyle",
     "SequenceParallelism",
@@ -62,39 +62,6 @@ class SequenceParallelism(enum.Enum):
             SequenceParallelism.ALL_TO_ALL: "all_to_all",
             SequenceParallelism.RING_ATTN: "ring",
         }[self]
-
-
-@dataclass(frozen=True)
-class LossScaleOptions:
-    """Dynamic loss scaling (used with fp16 only)."""
-
-    initial_scale: float = 2**16
-    min_scale: float = 1
-    growth_factor: float = 2
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    hysteresis: int = 2
-    max_scale: float = 2**32
-
-
-@dataclass(frozen=True)
-class DDPOptions:
-    """ColossalAI's torch-DDP arguments for zero_stage 0. cx reduces the gradients of zero_stage 0 once per step with
-    coalesced all-reduces of `bucket_cap_mb` (module docs of `_hybrid_optimizer.py` say why not torch DDP);
-    `broadcast_buffers` broadcasts buffers from the first data-parallel rank at boost. The rest are torch DDP's
-    performance hints with nothing to act on in that design."""
-
-    broadcast_buffers: bool = True
-    bucket_cap_mb: int = 25
-    find_unused_parameters: bool = False
-    check_reduction: bool = False
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-
-    def hints_given(self) -> list[str]:
-        """The DDP performance hints set to a non-default value (they change nothing in cx)."""
-        hints = ("find_unused_parameters", "check_reduction", "gradient_as_bucket_view", "static_graph")
-        return [name for name in hints if getattr(self, name)]
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -29,12 +30,12 @@ from cx_pipeline import (
     PipelineStageManager,
     ZeroBubbleVPipeScheduler,
 )
+from cx_plugins._ddp_options import DDPOptions
+from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
 from cx_plugins._hybrid_model import HybridParallelModule, broadcast_states, compose_model
 from cx_plugins._hybrid_optimizer import HybridParallelOptimizer, HybridZeroOptimizer
 from cx_plugins._hybrid_options import (
-    DDPOptions,
     HybridParallelOptions,
-    LossScaleOptions,
     PipelineOptions,
     PipelineStyle,
     SequenceParallelism,
@@ -42,11 +43,12 @@ from cx_plugins._hybrid_options import (
     parse_pipeline_style,
 )
 from cx_plugins._layout import FILL, Axis, ParallelLayout
+from cx_plugins._parallel_view import ParallelModelView
 from cx_plugins._plugin import Boosted, ZeroPluginBase
 from cx_plugins._shardformer_options import ShardFormerOptions
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig, get_shard_spec
-from cx_zero import LowLevelZeroOptimizer
+from cx_zero import ClipOptions, LossScaleOptions, LowLevelZeroOptimizer, LowLevelZeroOptions, ZeroStage
 
 __all__ = ["HybridParallelPlugin"]
 
@@ -190,6 +192,11 @@ class HybridParallelPlugin(ZeroPluginBase):
         self.schedule: PipelineSchedule | None = None
         if pp_size > 1:
             self.stage_manager, self.schedule = _pipeline(self.layout, options.pipeline)
+        # what checkpoint IO needs: each boosted optimizer's model and by-name face, each model's own dtype
+        self._parts: weakref.WeakKeyDictionary[Optimizer, tuple[HybridParallelModule, _HybridOptimizer]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._dtype_of: weakref.WeakKeyDictionary[nn.Module, torch.dtype] = weakref.WeakKeyDictionary()
 
     # ---- sizes and groups -----------------------------------------------------------------------------------------
     @property
@@ -267,6 +274,7 @@ class HybridParallelPlugin(ZeroPluginBase):
         if isinstance(model, ModelWrapper):
             raise ValueError("HybridParallelPlugin.configure: the model is already boosted")
         o = self.options
+        original_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
         composed = compose_model(
             model,
             self.shard_config,
@@ -298,6 +306,9 @@ class HybridParallelPlugin(ZeroPluginBase):
                 )
             else:
                 wrapped = self._zero_optimizer(optimizer, boosted, composed.held, grad_group)
+            self._parts[optimizer] = (boosted, wrapped)
+        if original_dtype is not None:
+            self._dtype_of[boosted] = original_dtype
         return boosted, wrapped, criterion, dataloader, lr_scheduler
 
     def _norm_weights(self, model: HybridParallelModule, held: list[nn.Parameter]) -> dict[int, float]:
@@ -324,21 +335,17 @@ class HybridParallelPlugin(ZeroPluginBase):
             group["params"] = [p for p in group["params"] if id(p) in held_ids]
         zero = LowLevelZeroOptimizer(
             optimizer,
-            initial_scale=o.loss_scale.initial_scale,
-            min_scale=o.loss_scale.min_scale,
-            growth_factor=o.loss_scale.growth_factor,
-            backoff_factor=o.loss_scale.backoff_factor,
-            growth_interval=o.loss_scale.growth_interval,
-            hysteresis=o.loss_scale.hysteresis,
-            max_scale=o.loss_scale.max_scale,
-            clip_grad_norm=o.max_norm,
-            reduce_bucket_size=int(o.zero.bucket_size_in_m * 1024 * 1024),
-            communication_dtype=o.zero.communication_dtype,
-            overlap_communication=o.zero.overlap_communication,
-            partition_grad=o.zero.stage == 2,
-            cpu_offload=o.zero.cpu_offload,
             dp_process_group=grad_group or self.layout.group(Axis.DP),  # None would mean the world to cx_zero
-            overlap_allgather=o.zero.overlap_allgather,
+            options=LowLevelZeroOptions(
+                loss_scale=o.loss_scale,
+                clipping=ClipOptions(max_norm=o.max_norm),
+                reduce_bucket_size=int(o.zero.bucket_size_in_m * 1024 * 1024),
+                communication_dtype=o.zero.communication_dtype,
+                overlap_communication=o.zero.overlap_communication,
+                stage=ZeroStage.TWO if o.zero.stage == 2 else ZeroStage.ONE,
+                cpu_offload=o.zero.cpu_offload,
+                overlap_allgather=o.zero.overlap_allgather,
+            ),
             module=model.unwrap(),
             tp_process_group=self.layout.group_or_none(Axis.TP),
             pp_process_group=self.layout.group_or_none(Axis.PP),
@@ -377,11 +384,22 @@ class HybridParallelPlugin(ZeroPluginBase):
         return contextlib.nullcontext()
 
     def get_checkpoint_io(self) -> CheckpointIO:
-        raise NotImplementedError(
-            "HybridParallelPlugin: saving and loading lands with the checkpoint IO that gathers tp/pp shards "
-            "(issue 15); "
-            "until then the optimizer's state_dict_by_name() and the model's held_parameter_names() are available"
+        """The canonical cx format: TP shards and pipeline stages gathered by `HybridCheckpointIO`, floating tensors
+        saved in the model's own dtype; a model load refreshes the fp32 master weights of its optimizers."""
+        return HybridCheckpointIO(
+            self._parts.get, after_model_load=self._refresh_masters, model_dtype=self._saved_dtype
         )
+
+    def _refresh_masters(self, view: ParallelModelView) -> None:
+        for module, optimizer in list(self._parts.values()):
+            if module is view:
+                optimizer.update_master_params(module)
+
+    def _saved_dtype(self, view: ParallelModelView) -> torch.dtype | None:
+        return self._dtype_of.get(cast(nn.Module, view))
+
+
+_HybridOptimizer = HybridParallelOptimizer | HybridZeroOptimizer
 
 
 def _require_model_parameters(optimizer: Optimizer, names: dict[int, str]) -> None:
