@@ -31,6 +31,7 @@ class TrainerState:
     step: int
     plugin: str
     world_size: int
+    model: str = "gpt"  # --model of the run that wrote it (checkpoints from before --model existed are the GPT's)
 
 
 def save_checkpoint(
