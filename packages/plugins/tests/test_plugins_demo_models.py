@@ -4,6 +4,7 @@ process starts. Skipped when transformers is not installed."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -140,6 +141,14 @@ def test_plugins_demo_models_refuses_bad_models(tmp_path: Path, capsys: pytest.C
         ["--model", folder, "--hidden-size", "64"], capsys
     )
     assert "at most 64 positions; use --seq-len 63" in _refused(["--model", folder, "--seq-len", "64"], capsys)
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    state = {"step": 3, "plugin": "gemini", "world_size": 2, "model": "llama", "hidden_size": 32, "num_layers": 2}
+    (checkpoint / "trainer.json").write_text(json.dumps(state))
+    resume = ["--resume", str(checkpoint)]
+    assert "the checkpoint is of --model llama, not gpt2" in _refused([*resume, "--model", "gpt2"], capsys)
+    assert "has --hidden-size 32, not 128" in _refused([*resume, "--model", "llama"], capsys)
+    assert parse_options([*resume, "--model", "llama", "--hidden-size", "32"]).resume == checkpoint
     assert "multiple of 8 for --model llama" in _refused(["--model", "llama", "--hidden-size", "36"], capsys)
 
 

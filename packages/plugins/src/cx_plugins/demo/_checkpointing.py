@@ -32,6 +32,8 @@ class TrainerState:
     plugin: str
     world_size: int
     model: str = "gpt"  # --model of the run that wrote it (checkpoints from before --model existed are the GPT's)
+    hidden_size: int | None = None  # the built-in models' sizes (None for a model folder, which has its own)
+    num_layers: int | None = None
 
 
 def save_checkpoint(

@@ -204,13 +204,18 @@ def _model_problem(options: DemoOptions, described: DemoModel) -> str | None:
     return None
 
 
-def _resume_problem(resume: Path, model: str) -> str | None:
+def _resume_problem(resume: Path, args: argparse.Namespace) -> str | None:
     state = resume / "trainer.json"
     if not state.is_file():
         return f"--resume {resume}: not a complete cx-train checkpoint (no trainer.json)"
-    trained = json.loads(state.read_text()).get("model", GPT_MODEL)
-    if trained != model and (trained in MODEL_CHOICES or model in MODEL_CHOICES):
-        return f"--resume {resume}: the checkpoint is of --model {trained}, not {model}; pass --model {trained}"
+    saved = json.loads(state.read_text())
+    trained = saved.get("model", GPT_MODEL)
+    if trained != args.model and (trained in MODEL_CHOICES or args.model in MODEL_CHOICES):
+        return f"--resume {resume}: the checkpoint is of --model {trained}, not {args.model}; pass --model {trained}"
+    for name, default in (("hidden_size", _DEFAULT_HIDDEN), ("num_layers", _DEFAULT_LAYERS)):
+        wanted, given = saved.get(name), getattr(args, name) or default
+        if wanted is not None and wanted != given:
+            return f"--resume {resume}: the checkpoint's model has {_flag(name)} {wanted}, not {given}; pass it"
     return None
 
 
@@ -224,7 +229,7 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
     if args.save_every < 0 or (args.save_every and args.save is None):
         parser.error("--save-every needs --save DIR and a non-negative step count")
     if args.resume is not None:
-        problem = _resume_problem(args.resume, args.model)
+        problem = _resume_problem(args.resume, args)
         if problem is not None:
             parser.error(problem)
     options = DemoOptions(

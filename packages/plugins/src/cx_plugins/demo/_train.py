@@ -102,7 +102,8 @@ def run(options: DemoOptions) -> list[float]:
             if options.save is not None and (
                 step == options.steps or (options.save_every and step % options.save_every == 0)
             ):
-                state = TrainerState(step=step, plugin=options.plugin, world_size=world, model=options.model)
+                sizes = (None, None) if options.model_spec.is_folder else (options.hidden_size, options.num_layers)
+                state = TrainerState(step, options.plugin, world, options.model, *sizes)
                 save_checkpoint(booster, boosted, boosted_optimizer, options.save, state)
                 if rank == 0:
                     print(f"cx-train: saved step {step} to {options.save}", flush=True)
