@@ -83,23 +83,26 @@ def test_plugins_demo_refuses_an_incomplete_checkpoint(tmp_path: Path, capsys: p
     assert "not a complete cx-train checkpoint" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
-def test_plugins_demo_hybrid_trains(layout: list[str]) -> None:
-    """`cx-train --plugin hybrid` with tensor or pipeline parallelism (the pipeline's loss is reported from its last
-    stage): the loss falls."""
-    output = _cx_train("--plugin", "hybrid", "--steps", "60", *layout)
-    assert "plugin=hybrid" in output
-    assert "step 60/60" in output
-    start, end = _loss_change(output)
+def test_plugins_demo_hybrid_trains_saves_and_resumes_at_another_layout(tmp_path: Path) -> None:
+    """`cx-train --plugin hybrid` at tp 2 saves a checkpoint (TP shards gathered); pipeline parallelism at pp 2 (its
+    loss reported from the last stage) resumes from it and keeps training; the loss falls."""
+    first = _cx_train("--plugin", "hybrid", "--steps", "60", "--tp", "2", "--save", str(tmp_path / "ckpt"))
+    assert "plugin=hybrid" in first
+    assert "step 60/60" in first
+    start, end = _loss_change(first)
     assert end < start - 0.5, f"loss did not fall enough: {start} -> {end}"
+    resumed = _cx_train("--plugin", "hybrid", "--steps", "80", "--pp", "2", "--resume", str(tmp_path / "ckpt"))
+    assert "at step 60" in resumed
+    assert "step 80/80" in resumed
+    resumed_start, _ = _loss_change(resumed)
+    assert resumed_start < start - 0.5, "the resumed run must start from the trained weights, not from scratch"
 
 
 def test_plugins_demo_hybrid_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, message in (
-        (["--tp", "2"], "--tp/--pp need --plugin hybrid"),
-        (["--plugin", "hybrid", "--tp", "3"], "--nproc 2 is not divisible by --tp 3 x --pp 1"),
-        (["--plugin", "hybrid", "--pp", "2", "--num-layers", "1"], "fewer than the --pp 2 stages"),
-        (["--plugin", "hybrid", "--save", "somewhere"], "checkpoint IO has not landed yet"),
+        (["--tp", "2"], "--tp applies to --plugin hybrid or moe_hybrid only"),
+        (["--plugin", "hybrid", "--tp", "3"], "2 processes do not split into tp 3 x pp 1 x sp 1 = 3"),
+        (["--plugin", "hybrid", "--pp", "2", "--num-layers", "1"], "layers do not split into 2 stages"),
     ):
         with pytest.raises(SystemExit):
             parse_options(argv)

@@ -31,6 +31,9 @@ class TrainerState:
     step: int
     plugin: str
     world_size: int
+    model: str = "gpt"  # --model of the run that wrote it (checkpoints from before --model existed are the GPT's)
+    hidden_size: int | None = None  # the built-in models' sizes (None for a model folder, which has its own)
+    num_layers: int | None = None
 
 
 def save_checkpoint(

@@ -17,7 +17,7 @@ __all__ = ["main"]
 def _run_rank(argv: Sequence[str]) -> int:
     from cx_plugins.demo._train import train
 
-    options = parse_options(argv)
+    options = parse_options(argv, world_size=int(os.environ["WORLD_SIZE"]))  # the layout of the real world
     losses = train(options)
     if dist.get_rank() == 0 and len(losses) >= 20:
         first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10

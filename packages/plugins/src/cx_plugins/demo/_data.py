@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Protocol
 
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["CharTokenizer", "GrammarText", "TokenWindows"]
+__all__ = ["CharTokenizer", "GrammarText", "TextEncoder", "TokenWindows"]
 
 _SUBJECTS = {
     "singular": ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird", "the teacher"],
@@ -51,6 +52,15 @@ class GrammarText:
         return "".join(parts)[:n_chars]
 
 
+class TextEncoder(Protocol):
+    """What the demo needs of a tokenizer: its vocabulary size and text -> a 1-D tensor of token ids."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> torch.Tensor: ...
+
+
 class CharTokenizer:
     """Characters to ids over a fixed alphabet (every character the grammar can produce)."""
 
@@ -76,12 +86,18 @@ class CharTokenizer:
 
 
 class TokenWindows(Dataset[torch.Tensor]):
-    """Non-overlapping windows of `length` token ids over the generated text."""
+    """Non-overlapping windows of `length` token ids over the generated text, tokenised by `tokenizer` (by default
+    the character alphabet; a model folder's own tokenizer packs several characters into a token, so more text is
+    generated until the windows are full)."""
 
-    def __init__(self, n_windows: int, length: int, seed: int = 0) -> None:
-        self.tokenizer = CharTokenizer()
-        ids = self.tokenizer.encode(GrammarText(seed).generate(n_windows * length))
-        self._windows = ids.view(n_windows, length)
+    def __init__(self, n_windows: int, length: int, seed: int = 0, tokenizer: TextEncoder | None = None) -> None:
+        self.tokenizer: TextEncoder = CharTokenizer() if tokenizer is None else tokenizer
+        needed, chars = n_windows * length, n_windows * length
+        ids = self.tokenizer.encode(GrammarText(seed).generate(chars))
+        while ids.numel() < needed:
+            chars *= 2
+            ids = self.tokenizer.encode(GrammarText(seed).generate(chars))
+        self._windows = ids[:needed].view(n_windows, length)
 
     def __len__(self) -> int:
         return self._windows.shape[0]

@@ -2,43 +2,23 @@
 
 from __future__ import annotations
 
-import math
-import sys
-import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from cx_mesh import all_gather_flat, get_accelerator, launch_from_torch
 from cx_plugins._booster import Booster
-from cx_plugins._gemini_plugin import GeminiPlugin
-from cx_plugins._hybrid_plugin import HybridParallelPlugin
-from cx_plugins._low_level_zero_plugin import LowLevelZeroPlugin
-from cx_plugins._plugin import DPPluginBase, Plugin
-from cx_plugins._torch_ddp_plugin import TorchDDPPlugin
+from cx_plugins._wrappers import OptimizerWrapper
 from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_checkpoint
 from cx_plugins.demo._data import TokenWindows
+from cx_plugins.demo._models import build_model, describe_model
 from cx_plugins.demo._options import DemoOptions
-from cx_plugins.models import GPT, GPTConfig
+from cx_plugins.demo._plugins import make_plugin
+from cx_plugins.demo._progress import Progress, StepOutput, forward_step
 
-__all__ = ["train"]
-
-
-def _plugin_and_precision(options: DemoOptions) -> tuple[Plugin, str | None]:
-    if options.plugin == "torch_ddp":
-        return TorchDDPPlugin(), None if options.precision == "fp32" else options.precision
-    if options.plugin == "gemini":
-        # The demo model is small: small chunks, so that its parameters really are sharded over the ranks.
-        return GeminiPlugin(precision=options.precision, search_range_m=1, min_chunk_size_m=0.05, hidden_dim=64), None
-    if options.plugin == "low_level_zero":
-        return LowLevelZeroPlugin(stage=2, precision=options.precision), None
-    if options.plugin == "hybrid":
-        microbatches = math.gcd(options.batch_size, 2 * options.pp) if options.pp > 1 else None
-        plugin = HybridParallelPlugin(
-            tp_size=options.tp, pp_size=options.pp, precision=options.precision, num_microbatches=microbatches
-        )
-        return plugin, None
-    raise ValueError(f"unknown plugin {options.plugin!r}")
+__all__ = ["run", "train"]
 
 
 def _memory_per_rank() -> list[int]:
@@ -48,42 +28,57 @@ def _memory_per_rank() -> list[int]:
     return [int(v) for v in everyone]
 
 
+def _pipeline_step(
+    booster: Booster, model: torch.nn.Module, optimizer: OptimizerWrapper, batch: torch.Tensor
+) -> StepOutput:
+    """One step through the plugin's pipeline schedule (ColossalAI's `execute_pipeline`); the loss is on the last
+    stage only, and router logits stay inside the schedule, so there are no expert counts here."""
+    criterion: Callable[[Any, Any], torch.Tensor] = lambda outputs, inputs: getattr(outputs, "loss", outputs)  # noqa: E731
+    inputs: Iterator[dict[str, torch.Tensor]] = iter([{"input_ids": batch, "labels": batch}])
+    result = booster.execute_pipeline(inputs, model, criterion, optimizer, return_loss=True)
+    loss = result.get("loss") if isinstance(result, dict) else None
+    return StepOutput(loss, None, None)
+
+
 def train(options: DemoOptions) -> list[float]:
-    """Run the demo on this rank (torch.distributed from torchrun's environment); returns rank 0's losses."""
+    """Run the demo on this rank (torch.distributed from torchrun's environment); returns the step losses."""
     launch_from_torch(seed=options.seed)
+    return run(options)
+
+
+def run(options: DemoOptions) -> list[float]:
+    """The demo on this rank of an initialised process group; returns the step losses (mean over the ranks)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    dataset = TokenWindows(n_windows=max(512, options.batch_size * world * 16), length=options.seq_len + 1)
-    config = GPTConfig(
-        vocab_size=dataset.tokenizer.vocab_size,
-        max_positions=options.seq_len + 1,
-        hidden_size=options.hidden_size,
-        num_layers=options.num_layers,
-        num_heads=4,
+    described = describe_model(options.model_spec)
+    dataset = TokenWindows(
+        n_windows=max(512, options.batch_size * world * 16),
+        length=options.seq_len + 1,
+        tokenizer=described.tokenizer,
     )
-    plugin, mixed_precision = _plugin_and_precision(options)
+    plugin, mixed_precision = make_plugin(options)
     booster = Booster(mixed_precision=mixed_precision, plugin=plugin)
-    model = GPT(config, seed=options.seed)
+    model = build_model(described, seed=options.seed)
     parameters = sum(p.numel() for p in model.parameters())  # before boosting: Gemini shards them away
+    model_name = type(model).__name__  # before boosting: FSDP2 renames the class
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=0.0)
     loader = plugin.prepare_dataloader(dataset, batch_size=options.batch_size, shuffle=True, seed=options.seed)
     boosted, boosted_optimizer, *_ = booster.boost(model, optimizer)
     assert boosted_optimizer is not None
     if rank == 0:
         print(
-            f"cx-train: plugin={options.plugin} ranks={world} precision={options.precision} "
-            f"params={parameters / 1e6:.2f}M steps={options.steps}",
+            f"cx-train: model={options.model} ({model_name}) plugin={options.plugin} ranks={world} "
+            f"precision={options.precision} params={parameters / 1e6:.2f}M steps={options.steps}",
             flush=True,
         )
-    losses: list[float] = []
     device = get_accelerator().current_device()
     step = 0
     if options.resume is not None:
         step = load_checkpoint(booster, boosted, boosted_optimizer, options.resume).step
         if rank == 0:
             print(f"cx-train: resumed from {options.resume} at step {step}", flush=True)
-    data_parallel_size = plugin.data_parallel_rank_and_size()[1] if isinstance(plugin, DPPluginBase) else world
+    progress = Progress(options.steps, device)
+    data_parallel = options.data_parallel_size(world)
     epoch, skip = divmod(step, len(loader))
-    started, tokens = time.perf_counter(), 0
     while step < options.steps:
         sampler = getattr(loader, "sampler", None)
         if sampler is not None and hasattr(sampler, "set_epoch"):
@@ -92,51 +87,27 @@ def train(options: DemoOptions) -> list[float]:
             if index < skip:  # resuming mid-epoch: the batches before the checkpoint were already trained on
                 continue
             batch = batch.to(device)
-            loss: torch.Tensor | None
-            if plugin.supports_pipeline():  # the loss exists on the last stage only
-                data = {"input_ids": batch, "labels": batch}
-                loss = booster.execute_pipeline(iter([data]), boosted, _loss_is_output, boosted_optimizer)["loss"]
+            if options.pp > 1:
+                output = _pipeline_step(booster, boosted, boosted_optimizer, batch)
             else:
-                loss = boosted(batch, labels=batch)
-                booster.backward(loss, boosted_optimizer)
+                output = forward_step(boosted, batch, described)
+                assert output.loss is not None
+                booster.backward(output.loss, boosted_optimizer)
             boosted_optimizer.step()
             boosted_optimizer.zero_grad()
-            losses.append(_mean_over_holders(loss, device))
-            tokens += batch.numel() * data_parallel_size
+            progress.record(output, tokens=batch.numel() * data_parallel)
             step += 1
             if step % options.log_every == 0 or step == options.steps:
-                _report(step, options.steps, losses, tokens / (time.perf_counter() - started), _memory_per_rank())
+                progress.report(step, _memory_per_rank())
             if options.save is not None and (
                 step == options.steps or (options.save_every and step % options.save_every == 0)
             ):
-                state = TrainerState(step=step, plugin=options.plugin, world_size=world)
+                sizes = (None, None) if options.model_spec.is_folder else (options.hidden_size, options.num_layers)
+                state = TrainerState(step, options.plugin, world, options.model, *sizes)
                 save_checkpoint(booster, boosted, boosted_optimizer, options.save, state)
                 if rank == 0:
                     print(f"cx-train: saved step {step} to {options.save}", flush=True)
             if step >= options.steps:
                 break
         epoch, skip = epoch + 1, 0
-    return losses
-
-
-def _loss_is_output(loss: torch.Tensor, _micro_batch: object) -> torch.Tensor:
-    return loss  # the reference GPT's last stage returns its loss
-
-
-def _mean_over_holders(loss: torch.Tensor | None, device: torch.device) -> float:
-    """The mean loss over the ranks that hold one (all ranks, or the last pipeline stage's)."""
-    value = torch.tensor([0.0 if loss is None else float(loss.detach()), 0.0 if loss is None else 1.0], device=device)
-    dist.all_reduce(value)
-    return float(value[0] / value[1])
-
-
-def _report(step: int, total: int, losses: list[float], tokens_per_second: float, memory: list[int]) -> None:
-    if dist.get_rank() != 0:
-        return
-    width = 24
-    filled = int(width * step / total)
-    recent = sum(losses[-10:]) / len(losses[-10:])
-    memory_text = " ".join(f"r{r}:{m / 2**20:.0f}MiB" for r, m in enumerate(memory))
-    line = f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{total} loss {recent:.3f} "
-    line += f"tok/s {tokens_per_second:,.0f} mem {memory_text}"
-    print(line, file=sys.stdout, flush=True)
+    return progress.losses

@@ -1,0 +1,232 @@
+"""The demo's models: cx's reference GPT, a tiny transformers architecture built from a preset config (no download),
+or a local transformers model folder (`from_pretrained` on that path only, its tokenizer when it has one).
+
+transformers is imported only for the last two, so the default demo needs nothing beyond cx. Every question the
+training loop asks of an HF model (its loss, whether it routes tokens to experts) goes through the config or the
+model's standard outputs: there is no model-specific code past the preset configs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from cx_plugins.demo._data import CharTokenizer, TextEncoder
+from cx_plugins.models import GPT, GPTConfig
+
+__all__ = [
+    "GPT_MODEL",
+    "MODEL_CHOICES",
+    "PRESETS",
+    "DemoModel",
+    "ModelError",
+    "ModelSpec",
+    "build_model",
+    "describe_model",
+]
+
+GPT_MODEL = "gpt"
+PRESETS = ("gpt2", "llama", "mixtral", "qwen3_moe", "deepseek_v3")
+MODEL_CHOICES = (GPT_MODEL, *PRESETS)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_EXPERT_COUNT_NAMES = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+class ModelError(ValueError):
+    """A `--model` that cannot be used, with a message meant for the command line."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What `--model` names plus the sizes the built-in models take from the other flags."""
+
+    model: str
+    hidden_size: int
+    num_layers: int
+    seq_len: int
+
+    @property
+    def is_folder(self) -> bool:
+        return self.model not in MODEL_CHOICES
+
+    @property
+    def is_hf(self) -> bool:
+        return self.model != GPT_MODEL
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """A described (not yet built) model: its HF config (None for the GPT), the text encoder, its shape facts."""
+
+    spec: ModelSpec
+    config: Any
+    tokenizer: TextEncoder
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    num_experts: int  # 0 for a dense model
+    top_k: int
+
+
+def _transformers(spec: ModelSpec) -> ModuleType:
+    try:
+        import transformers
+    except ImportError:
+        raise ModelError(
+            f"--model {spec.model} needs Hugging Face transformers, which is not installed: "
+            "pip install 'cx-plugins[hf]' (or pip install 'transformers>=5')"
+        ) from None
+    return transformers
+
+
+def _preset_config(spec: ModelSpec, vocab_size: int) -> Any:
+    """A tiny but real config of the preset architecture: 4 attention heads, 4 experts with top-2 routing."""
+    transformers = _transformers(spec)
+    hidden, layers, positions = spec.hidden_size, spec.num_layers, spec.seq_len + 1
+    head_dim = hidden // 4
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        max_position_embeddings=positions,
+        intermediate_size=2 * hidden,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=None,
+    )
+    experts: dict[str, Any] = dict(num_experts_per_tok=2)
+    if spec.model == "gpt2":
+        no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2Config(
+            vocab_size=vocab_size, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=4,
+            use_cache=False, bos_token_id=0, eos_token_id=0, **no_dropout,
+        )  # fmt: skip
+    if spec.model == "llama":
+        return transformers.LlamaConfig(**common, num_key_value_heads=2)
+    if spec.model == "mixtral":
+        return transformers.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4, **experts)
+    if spec.model == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common, num_key_value_heads=2, head_dim=head_dim, num_experts=4, moe_intermediate_size=hidden, **experts
+        )
+    if spec.model == "deepseek_v3":  # one dense layer first, then MoE layers with a shared expert
+        return transformers.DeepseekV3Config(
+            **common, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=hidden,
+            first_k_dense_replace=min(1, layers - 1), n_group=1, topk_group=1, q_lora_rank=None,
+            kv_lora_rank=hidden // 2, qk_rope_head_dim=head_dim, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
+            **experts,
+        )  # fmt: skip
+    raise ModelError(f"--model {spec.model}: not a preset ({', '.join(PRESETS)})")
+
+
+class _HFTokenizer:
+    """A model folder's own tokenizer, as the demo's `TextEncoder`."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    def encode(self, text: str) -> torch.Tensor:
+        ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.long)
+
+
+def _folder_config(spec: ModelSpec) -> tuple[Any, TextEncoder]:
+    folder = Path(spec.model)
+    if not folder.is_dir():
+        raise ModelError(
+            f"--model {spec.model}: neither a built-in model ({', '.join(MODEL_CHOICES)}) nor a model folder"
+        )
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"--model {folder}: no config.json there; a transformers model folder needs one")
+    transformers = _transformers(spec)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (ValueError, OSError, KeyError) as error:
+        raise ModelError(f"--model {folder}: transformers cannot read its config.json: {error}") from None
+    tokenizer: TextEncoder = CharTokenizer()
+    if any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        try:
+            tokenizer = _HFTokenizer(transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+        except (ValueError, OSError, KeyError) as error:
+            raise ModelError(f"--model {folder}: transformers cannot load its tokenizer: {error}") from None
+    return config, tokenizer
+
+
+def _first_int(config: Any, names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return default
+
+
+def describe_model(spec: ModelSpec) -> DemoModel:
+    """Resolve `--model` to a config and a tokenizer and check they fit the data (raises `ModelError`)."""
+    if not spec.is_hf:
+        config = None
+        tokenizer: TextEncoder = CharTokenizer()
+        return DemoModel(spec, None, tokenizer, spec.num_layers, 4, 4, 0, 0)
+    if spec.is_folder:
+        config, tokenizer = _folder_config(spec)
+    else:
+        tokenizer = CharTokenizer()
+        config = _preset_config(spec, tokenizer.vocab_size)
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < tokenizer.vocab_size:
+        source = "its tokenizer" if isinstance(tokenizer, _HFTokenizer) else "the demo's character encoding"
+        raise ModelError(
+            f"--model {spec.model}: the model's vocab_size {vocab} is smaller than the {tokenizer.vocab_size} "
+            f"token ids {source} produces; token ids past the embedding would fail"
+        )
+    positions = _first_int(config, ("max_position_embeddings", "n_positions"), 0)
+    if positions and positions < spec.seq_len + 1:
+        raise ModelError(
+            f"--seq-len {spec.seq_len}: the model takes at most {positions} positions; use --seq-len {positions - 1}"
+            " or less"
+        )
+    heads = _first_int(config, ("num_attention_heads",), 1)
+    return DemoModel(
+        spec=spec,
+        config=config,
+        tokenizer=tokenizer,
+        num_layers=_first_int(config, ("num_hidden_layers",), 1),
+        num_heads=heads,
+        num_kv_heads=_first_int(config, ("num_key_value_heads",), heads),
+        num_experts=_first_int(config, _EXPERT_COUNT_NAMES, 0),
+        top_k=_first_int(config, ("num_experts_per_tok",), 1),
+    )
+
+
+def build_model(described: DemoModel, seed: int) -> nn.Module:
+    """The model itself: seeded fresh weights for the GPT and the presets, the folder's weights (fp32) otherwise."""
+    spec = described.spec
+    if not spec.is_hf:
+        gpt_config = GPTConfig(
+            vocab_size=described.tokenizer.vocab_size,
+            max_positions=spec.seq_len + 1,
+            hidden_size=spec.hidden_size,
+            num_layers=spec.num_layers,
+            num_heads=4,
+        )
+        return GPT(gpt_config, seed=seed)
+    transformers = _transformers(spec)
+    if spec.is_folder:
+        model: nn.Module = transformers.AutoModelForCausalLM.from_pretrained(
+            spec.model, local_files_only=True, dtype=torch.float32
+        )
+        return model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # the same fresh weights on every rank and every run with this seed
+        model = transformers.AutoModelForCausalLM.from_config(described.config)
+    return model

@@ -1,0 +1,103 @@
+"""One training step's numbers and the progress line rank 0 prints.
+
+The loss comes from the model's own forward (`model(input_ids=..., labels=...).loss` for transformers models, which
+already includes `router_aux_loss_coef * aux_loss` for MoE models). For a model with experts the step also asks for
+`output_router_logits=True` and counts, per MoE layer, the tokens each expert receives (the top-k of the router
+logits: exact for softmax and plain sigmoid routers). Ranks are combined with ONE all-reduce per step.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cx_plugins.demo._models import DemoModel
+
+__all__ = ["Progress", "StepOutput", "expert_counts", "forward_step"]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    loss: torch.Tensor | None  # None on pipeline stages that do not compute it
+    aux: torch.Tensor | None  # the MoE load-balancing loss (unscaled), when the model reports one
+    expert_counts: torch.Tensor | None  # [MoE layers, experts]: tokens routed to each expert this step
+
+
+def expert_counts(router_logits: Sequence[torch.Tensor], top_k: int) -> torch.Tensor:
+    """Tokens per expert in each layer, from router logits `[tokens, experts]` per layer."""
+    counts = []
+    for logits in router_logits:
+        chosen = logits.detach().topk(top_k, dim=-1).indices.flatten()
+        counts.append(torch.bincount(chosen, minlength=logits.shape[-1]))
+    return torch.stack(counts).to(torch.float64)
+
+
+def forward_step(model: nn.Module, batch: torch.Tensor, described: DemoModel) -> StepOutput:
+    """The loss of next-token prediction on `batch` (and the MoE numbers when the model has experts)."""
+    if not described.spec.is_hf:
+        return StepOutput(model(batch, labels=batch), None, None)
+    moe = described.num_experts > 0
+    outputs = model(input_ids=batch, labels=batch, **({"output_router_logits": True} if moe else {}))
+    router = getattr(outputs, "router_logits", None)
+    counts = expert_counts(router, described.top_k) if moe and router else None
+    return StepOutput(outputs.loss, getattr(outputs, "aux_loss", None), counts)
+
+
+class Progress:
+    """Losses averaged over the ranks that computed one; aux loss and expert counts summed between lines."""
+
+    def __init__(self, total_steps: int, device: torch.device) -> None:
+        self.total_steps = total_steps
+        self.losses: list[float] = []
+        self._device = device
+        self._aux: list[float] = []
+        self._counts: torch.Tensor | None = None
+        self._tokens = 0
+        self._started = time.perf_counter()
+
+    def record(self, output: StepOutput, tokens: int) -> None:
+        """Add one step (collective: every rank calls it with the same kinds of numbers)."""
+        parts = []
+        for value in (output.loss, output.aux):
+            present = value is not None
+            number = value.detach().to(torch.float64).reshape(1) if value is not None else torch.zeros(1)
+            parts += [number.to(self._device), torch.tensor([float(present)], device=self._device)]
+        if output.expert_counts is not None:
+            parts.append(output.expert_counts.to(self._device, torch.float64).flatten())
+        packed = torch.cat([p.to(torch.float64) for p in parts])
+        dist.all_reduce(packed)
+        loss_sum, loss_ranks, aux_sum, aux_ranks = (float(v) for v in packed[:4])
+        self.losses.append(loss_sum / max(loss_ranks, 1.0))
+        if aux_ranks:
+            self._aux.append(aux_sum / aux_ranks)
+        if output.expert_counts is not None:
+            counts = packed[4:].view(output.expert_counts.shape).cpu()
+            self._counts = counts if self._counts is None else self._counts + counts
+        self._tokens += tokens
+
+    def line(self, step: int, memory: Sequence[int]) -> str:
+        """The progress line for `step`; starts a new window for the MoE numbers."""
+        width = 24
+        filled = int(width * step / self.total_steps)
+        recent = sum(self.losses[-10:]) / max(len(self.losses[-10:]), 1)
+        text = f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total_steps} loss {recent:.3f} "
+        if self._aux:
+            text += f"aux {sum(self._aux) / len(self._aux):.3f} "
+        if self._counts is not None:  # the worst layer's busiest expert against the mean expert
+            balance = (self._counts.max(dim=1).values / self._counts.mean(dim=1).clamp_min(1e-9)).max()
+            text += f"experts max/mean {float(balance):.2f} "
+        self._aux, self._counts = [], None
+        tokens_per_second = self._tokens / (time.perf_counter() - self._started)
+        memory_text = " ".join(f"r{r}:{m / 2**20:.0f}MiB" for r, m in enumerate(memory))
+        return text + f"tok/s {tokens_per_second:,.0f} mem {memory_text}"
+
+    def report(self, step: int, memory: Sequence[int]) -> None:
+        text = self.line(step, memory)
+        if dist.get_rank() == 0:
+            print(text, file=sys.stdout, flush=True)

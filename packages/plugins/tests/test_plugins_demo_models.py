@@ -1,0 +1,210 @@
+"""`cx-train --model`: every transformers preset trains under a cx plugin exactly as under DDP, a local model folder
+(with its own tokenizer) trains, checkpoints and resumes exactly, and bad models/flags are refused before any
+process starts. Skipped when transformers is not installed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cx_plugins
+from cx_mesh.testing import distributed
+from cx_plugins.demo import DemoOptions, GrammarText, parse_options
+from cx_plugins.demo._models import ModelSpec, describe_model
+from cx_plugins.demo._plugins import hybrid_arguments
+from cx_plugins.demo._progress import expert_counts
+from cx_plugins.demo._train import run
+
+transformers = pytest.importorskip("transformers")
+
+TINY = ["--steps", "5", "--batch-size", "2", "--seq-len", "16", "--lr", "1e-2"]
+SMALL = ["--hidden-size", "32"]  # for the built-in models (a folder brings its own size)
+RTOL = 1e-4
+
+
+def _options(*flags: str) -> DemoOptions:
+    return parse_options([*TINY, "--log-every", "100", *flags])
+
+
+def _assert_same_losses(losses: list[float], expected: list[float], what: str) -> None:
+    assert len(losses) == len(expected), what
+    for step, (got, want) in enumerate(zip(losses, expected, strict=True)):
+        assert math.isfinite(got), f"{what}: step {step} loss {got}"
+        assert abs(got - want) <= RTOL * abs(want), f"{what}: step {step} loss {got} != {want}"
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize(
+    ("model", "plugin"),
+    [
+        ("gpt2", "gemini"),
+        ("llama", "low_level_zero"),
+        ("mixtral", "gemini"),
+        ("qwen3_moe", "torch_fsdp"),
+        ("deepseek_v3", "low_level_zero"),
+    ],
+)
+def test_plugins_demo_models_preset_trains_as_under_ddp(rank: int, world_size: int, model: str, plugin: str) -> None:
+    reference = run(_options(*SMALL, "--model", model, "--plugin", "torch_ddp"))  # same seed: weights and batches
+    losses = run(_options(*SMALL, "--model", model, "--plugin", plugin))
+    _assert_same_losses(losses, reference, f"{model} under {plugin}")
+    assert losses[-1] < losses[0], f"{model}: the loss did not fall over 5 steps: {losses}"
+
+
+def _model_folder(folder: Path, vocab_size: int = 96, with_tokenizer: bool = True) -> None:
+    """A tiny Llama saved with save_pretrained, and a BPE tokenizer trained on the demo's grammar."""
+    from tokenizers import Tokenizer, models, trainers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
+    if with_tokenizer:
+        tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+        trainer = trainers.BpeTrainer(vocab_size=80, special_tokens=["[UNK]"])
+        tokenizer.train_from_iterator([GrammarText(0).generate(5000)], trainer)
+        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+        fast.save_pretrained(str(folder))
+
+
+@distributed(world_size=2)
+def test_plugins_demo_models_folder_trains_saves_and_resumes_exactly(
+    rank: int, world_size: int, tmp_path: Path
+) -> None:
+    source, checkpoint = tmp_path / "llama", tmp_path / "ckpt"
+    if rank == 0:
+        _model_folder(source)
+    dist.barrier()
+    described = describe_model(ModelSpec(str(source), 0, 0, 16))
+    assert described.tokenizer.vocab_size == 80, "the folder's own tokenizer must be used"
+
+    straight = run(_options("--model", str(source), "--plugin", "torch_ddp", "--steps", "6"))
+    first = run(_options("--model", str(source), "--plugin", "gemini", "--steps", "3", "--save", str(checkpoint)))
+    rest = run(_options("--model", str(source), "--plugin", "torch_ddp", "--steps", "6", "--resume", str(checkpoint)))
+    _assert_same_losses(first + rest, straight, "3 steps under Gemini + 3 resumed under DDP vs 6 under DDP")
+
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(checkpoint / "model"), local_files_only=True, output_loading_info=True
+    )
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    assert not info["missing_keys"], info
+    assert not info["unexpected_keys"], info
+    original = transformers.AutoModelForCausalLM.from_pretrained(str(source), local_files_only=True)
+    trained = dict(loaded.named_parameters())
+    assert any(not torch.equal(p, trained[n]) for n, p in original.named_parameters()), "the weights did not train"
+
+
+def test_plugins_demo_models_expert_counts() -> None:
+    layer0 = torch.tensor([[5.0, 1.0, 0.0], [0.0, 5.0, 1.0], [4.0, 0.0, 3.0]])  # top-2: {0,1} {1,2} {0,2}
+    layer1 = torch.tensor([[1.0, 0.0, 0.0], [2.0, 0.0, 1.0], [0.0, 3.0, 0.0]])  # top-1: 0, 0, 1
+    assert torch.equal(expert_counts([layer0], 2), torch.tensor([[2.0, 2.0, 2.0]], dtype=torch.float64))
+    assert torch.equal(expert_counts([layer1], 1), torch.tensor([[2.0, 1.0, 0.0]], dtype=torch.float64))
+
+
+class _FakePlugin:
+    """Stands in for a hybrid plugin this checkout lacks, so the layout checks behind the availability one run."""
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as caught:
+        parse_options(argv)
+    assert caught.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_plugins_demo_models_refuses_bad_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--model nope: neither a built-in model" in _refused(["--model", "nope"], capsys)
+    (tmp_path / "empty").mkdir()
+    assert "no config.json there" in _refused(["--model", str(tmp_path / "empty")], capsys)
+    _model_folder(tmp_path / "small_vocab", vocab_size=16, with_tokenizer=False)
+    error = _refused(["--model", str(tmp_path / "small_vocab")], capsys)
+    assert "vocab_size 16 is smaller than the" in error
+    assert "character encoding" in error
+    _model_folder(tmp_path / "tokenizer_too_big", vocab_size=64)  # its tokenizer has 80 ids
+    assert "vocab_size 64 is smaller than the 80 token ids its tokenizer" in _refused(
+        ["--model", str(tmp_path / "tokenizer_too_big")], capsys
+    )
+    _model_folder(tmp_path / "fine")
+    folder = str(tmp_path / "fine")
+    assert "--hidden-size applies to the built-in models" in _refused(
+        ["--model", folder, "--hidden-size", "64"], capsys
+    )
+    assert "at most 64 positions; use --seq-len 63" in _refused(["--model", folder, "--seq-len", "64"], capsys)
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    state = {"step": 3, "plugin": "gemini", "world_size": 2, "model": "llama", "hidden_size": 32, "num_layers": 2}
+    (checkpoint / "trainer.json").write_text(json.dumps(state))
+    resume = ["--resume", str(checkpoint)]
+    assert "the checkpoint is of --model llama, not gpt2" in _refused([*resume, "--model", "gpt2"], capsys)
+    assert "has --hidden-size 32, not 128" in _refused([*resume, "--model", "llama"], capsys)
+    assert parse_options([*resume, "--model", "llama", "--hidden-size", "32"]).resume == checkpoint
+    assert "multiple of 8 for --model llama" in _refused(["--model", "llama", "--hidden-size", "36"], capsys)
+
+
+def test_plugins_demo_models_parallel_flags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delattr(cx_plugins, "HybridParallelPlugin", raising=False)
+    monkeypatch.delattr(cx_plugins, "MoeHybridParallelPlugin", raising=False)
+    assert "HybridParallelPlugin is not available yet" in _refused(["--plugin", "hybrid"], capsys)
+    error = _refused(["--plugin", "moe_hybrid", "--model", "mixtral", "--ep", "2"], capsys)
+    assert "MoeHybridParallelPlugin is not available yet" in error
+    assert "--tp applies to --plugin hybrid or moe_hybrid only (not gemini)" in _refused(["--tp", "2"], capsys)
+    assert "--zero applies to --plugin hybrid" in _refused(["--plugin", "torch_ddp", "--zero", "1"], capsys)
+
+    monkeypatch.setattr(cx_plugins, "HybridParallelPlugin", _FakePlugin, raising=False)
+    monkeypatch.setattr(cx_plugins, "MoeHybridParallelPlugin", _FakePlugin, raising=False)
+    hybrid = ["--plugin", "hybrid"]
+    assert "--ep (expert parallelism) applies to --plugin moe_hybrid only" in _refused([*hybrid, "--ep", "2"], capsys)
+    assert "--microbatches needs --pp 2 or more" in _refused([*hybrid, "--microbatches", "2"], capsys)
+    error = _refused([*hybrid, "--tp", "2", "--nproc", "3"], capsys)
+    assert "3 processes do not split into tp 2 x pp 1 x sp 1 = 2: use --nproc 2, 4, 6" in error
+    error = _refused([*hybrid, "--pp", "2", "--microbatches", "3", "--nproc", "2"], capsys)
+    assert "--batch-size 8 does not split into 3 micro-batches: use --microbatches 1, 2, 4, 8" in error
+    assert "2 layers do not split into 4 stages" in _refused([*hybrid, "--pp", "4", "--nproc", "4"], capsys)
+    assert "tp x sp must be one of 1, 2" in _refused([*hybrid, "--model", "llama", "--tp", "4", "--nproc", "4"], capsys)
+    assert "--seq-len 64 must be a multiple of --sp 3" in _refused([*hybrid, "--sp", "3", "--nproc", "3"], capsys)
+    moe = ["--plugin", "moe_hybrid"]
+    assert "needs a model with experts" in _refused([*moe, "--model", "llama"], capsys)
+    error = _refused([*moe, "--model", "mixtral", "--ep", "3", "--nproc", "6", "--tp", "2"], capsys)
+    assert "--ep 3 must divide the model's 4 experts: use --ep 1, 2, 4" in error
+    error = _refused([*moe, "--model", "mixtral", "--ep", "4", "--nproc", "4", "--tp", "2"], capsys)
+    assert "--ep 4 must divide the data-parallel size 2 (processes / (tp*pp*sp)): use --ep 1, 2" in error
+
+    options = parse_options([*moe, "--model", "mixtral", "--nproc", "8", "--tp", "2", "--pp", "2", "--ep", "2"])
+    assert hybrid_arguments(replace(options, zero=1)) == {
+        "tp_size": 2, "pp_size": 2, "ep_size": 2, "zero_stage": 1, "precision": "fp32", "pp_style": "1f1b",
+        "num_model_chunks": 1, "num_microbatches": 2,
+    }  # fmt: skip
+    options = parse_options([*hybrid, "--nproc", "2", "--sp", "2"])
+    assert hybrid_arguments(options)["sp_size"] == 2
+    assert hybrid_arguments(options)["sequence_parallelism_mode"] == "all_to_all"
+
+
+def test_plugins_demo_models_mixtral_end_to_end(tmp_path: Path) -> None:
+    """The command line itself: the MoE numbers on the progress line, and a checkpoint Mixtral loads."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1"}
+    flags = [*TINY, *SMALL, "--model", "mixtral", "--log-every", "5", "--save", str(tmp_path / "ckpt")]
+    result = subprocess.run(
+        [sys.executable, "-m", "cx_plugins.demo", *flags], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "model=mixtral (MixtralForCausalLM) plugin=gemini ranks=2" in result.stdout
+    assert " aux " in result.stdout, result.stdout
+    assert "experts max/mean " in result.stdout, result.stdout
+    _, info = transformers.MixtralForCausalLM.from_pretrained(
+        str(tmp_path / "ckpt" / "model"), local_files_only=True, output_loading_info=True
+    )
+    assert not info["missing_keys"], info
+    assert not info["unexpected_keys"], info
