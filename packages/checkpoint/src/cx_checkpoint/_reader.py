@@ -293,6 +293,9 @@ class CheckpointReader:
                     f"{held_bytes} bytes"
                 )
             side_texts = cls._side_texts_of(directory_path, directory, index_name, index_path, kind)
+            if kind is CheckpointKind.OPTIMIZER and not side_texts and _replaced(directory_path, directory):
+                # the description was deleted with the old save between opening the shards and reading it
+                raise _Replaced()
             return cls(
                 directory_path,
                 kind,
