@@ -11,7 +11,11 @@ a step is forward + loss + backward + AdamW + barrier, each ratio the median of 
 - torch pipelining pp 2: `Schedule1F1B` over two `PipelineStage`s (embedding + first half of the layers; second half +
   norm + head), `n_microbatches=4`;
 - cx pp 2: `HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=4, precision="fp32")` and
-  `booster.execute_pipeline`.
+  `booster.execute_pipeline`;
+- on 4 processes, torch-native tp 2 x pp 2: the same two pipeline stages, each tensor-parallel over its tp submesh of
+  a (pp, tp) `DeviceMesh` with the config's `base_model_tp_plan` (the head colwise, replicated output), against cx
+  `HybridParallelPlugin(tp_size=2, pp_size=2, num_microbatches=4)`. 4 processes on a 2-core machine oversubscribe
+  it: that ratio says more about scheduling than about either system.
 Memory: parameter bytes each rank holds (meta tensors of other stages excluded) against the analytical share.
 """
 
@@ -145,11 +149,29 @@ class _TorchStage(nn.Module):
         return hidden
 
 
-def _torch_pipeline(rank: int) -> tuple[Step, int]:
+def _tensor_parallel_stage(stage_module: _TorchStage, tp_mesh: Any) -> None:
+    """DTensor TP on one pipeline stage: the config's plan for its layers, the head colwise with replicated output."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan: dict[str, Any] = {key: styles[style]() for key, style in _model().config.base_model_tp_plan.items()}
+    if stage_module.head is not None:
+        plan["head"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(stage_module, tp_mesh, plan)
+
+
+def _torch_pipeline(
+    rank: int, tp_mesh: Any = None, pp_group: Any = None, pp_rank: int | None = None
+) -> tuple[Step, int]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    stage_module = _TorchStage(_model(), first=rank == 0)
-    stage = PipelineStage(stage_module, rank, 2, torch.device("cpu"))
+    stage_index = rank if pp_rank is None else pp_rank
+    stage_module = _TorchStage(_model(), first=stage_index == 0)
+    if tp_mesh is not None:
+        _tensor_parallel_stage(stage_module, tp_mesh)
+    stage = PipelineStage(stage_module, stage_index, 2, torch.device("cpu"), group=pp_group)
+    rank = stage_index
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())
@@ -165,7 +187,8 @@ def _torch_pipeline(rank: int) -> tuple[Step, int]:
         optimizer.step()
         optimizer.zero_grad()
 
-    return step, _held_bytes(stage_module)
+    local = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in stage_module.parameters())
+    return step, local
 
 
 def _worker(rank: int, world_size: int, out: str) -> None:
@@ -179,16 +202,7 @@ def _worker(rank: int, world_size: int, out: str) -> None:
     }
     systems = {name: step for name, (step, _) in built.items()}
     held = {name: size for name, (_, size) in built.items()}
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    for index in range(WARMUP + STEPS):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(index))
-        for name, step in systems.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step(ids)
-            dist.barrier()
-            if index >= WARMUP:
-                times[name].append((time.perf_counter() - start) * 1e3)
+    times = _time(systems)
     sizes = [torch.zeros(len(held), dtype=torch.float64) for _ in range(world_size)]
     dist.all_gather(sizes, torch.tensor(list(held.values()), dtype=torch.float64))
     if rank == 0:
@@ -202,11 +216,59 @@ def _worker(rank: int, world_size: int, out: str) -> None:
         Path(out).write_text(json.dumps(result))
 
 
+def _time(systems: dict[str, Step]) -> dict[str, list[float]]:
+    """Step times in ms, the systems taking turns step by step (machine noise hits all alike)."""
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for index in range(WARMUP + STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(index))
+        for name, step in systems.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(ids)
+            dist.barrier()
+            if index >= WARMUP:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _worker_4(rank: int, world_size: int, out: str) -> None:
+    """tp 2 x pp 2 on 4 processes: torch's DTensor TP inside torch pipelining stages vs cx."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    built = {
+        "torch tp 2 x pp 2": _torch_pipeline(
+            rank, tp_mesh=mesh["tp"], pp_group=mesh["pp"].get_group(), pp_rank=mesh["pp"].get_local_rank()
+        ),
+        "cx tp 2 x pp 2": _cx(tp_size=2, pp_size=2, num_microbatches=MICRO),
+    }
+    times = _time({name: step for name, (step, _) in built.items()})
+    sizes = [torch.zeros(len(built), dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([size for _, size in built.values()], dtype=torch.float64))
+    if rank == 0:
+        ratio = statistics.median(
+            a / b for a, b in zip(times["cx tp 2 x pp 2"], times["torch tp 2 x pp 2"], strict=True)
+        )
+        memory = {name: [float(s[i]) / 2**20 for s in sizes] for i, name in enumerate(built)}
+        result = {
+            "ms": {n: statistics.median(v) for n, v in times.items()},
+            "ratios": {"cx tp 2 x pp 2 / torch tp 2 x pp 2": ratio},
+            "param_mib": memory,
+        }
+        Path(out).write_text(json.dumps(result))
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "result.json")
+        path, path_4 = str(Path(tmp) / "result.json"), str(Path(tmp) / "result_4.json")
         spawn(_worker, 2, path, timeout=1200)
+        spawn(_worker_4, 4, path_4, timeout=1200)
         result = json.loads(Path(path).read_text())
+        four = json.loads(Path(path_4).read_text())
+        for key in ("ms", "ratios"):
+            result[key].update(four[key])
+        result["param_mib_4"] = four["param_mib"]
     print(f"Llama {LAYERS} layers, hidden {HIDDEN}, heads {HEADS}/{KV_HEADS}, vocab {VOCAB}, seq {SEQ}, batch {BATCH}")
     for name, ms in result["ms"].items():
         print(f"{name:32s} {ms:8.1f} ms")
@@ -215,6 +277,9 @@ def main() -> None:
     full = result["param_mib"]["one process"][0]
     for name, per_rank in result["param_mib"].items():
         print(f"parameters held {name:32s} " + " ".join(f"{m:7.2f} MiB" for m in per_rank) + f" (full {full:.2f})")
+    for name, per_rank in result["param_mib_4"].items():
+        line = " ".join(f"{m:7.2f} MiB" for m in per_rank)
+        print(f"parameters held {name:32s} {line} (analytical share full / 4 = {full / 4:.2f})")
     sys.stdout.flush()
 
 
