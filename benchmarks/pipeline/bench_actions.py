@@ -10,6 +10,7 @@ cx and torch alternate action by action and the medians over many repeats are re
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -59,9 +60,9 @@ def _measure_position(position: str, repeats: int) -> dict[str, float]:
 
     for step in range(repeats + 3):
         x = fresh_input()
-        out, took = _timed(lambda x=x: forward(x))
+        out, took = _timed(functools.partial(forward, x))
         grad = torch.ones_like(out) if last else torch.randn_like(out)
-        _, whole = _timed(lambda out=out, grad=grad: torch.autograd.backward([out], [grad]))
+        _, whole = _timed(functools.partial(torch.autograd.backward, [out], [grad]))
         # torch's split needs an input that requires grad: it does not apply to the first virtual stage
         systems = ["cx"] if first else ["cx", "torch"] if step % 2 == 0 else ["torch", "cx"]
         timings = {system: split(system, grad) for system in systems}

@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ from cx_pipeline._simulation import unit_cost
 from cx_pipeline._zbv_order import uses_handbuilt_order, zbv_order
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, MICRO = 8, 128, 4, 1024, 64, 4
-MICROBATCHES = (4, 8)
+MICROBATCHES: tuple[int, ...] = (4, 8)
 WARMUP, STEPS = 2, 10
 REPEATS = int(os.environ.get("CX_BENCH_REPEATS", "3"))
 STYLES = tuple(os.environ.get("CX_BENCH_STYLES", "1f1b,interleaved,zbv").split(","))
@@ -138,7 +138,7 @@ def _torch_orders(schedule: Any, world_size: int) -> list[list[Action]] | None:
         [
             Action(kinds[a.computation_type.value], a.stage_index, a.microbatch_index)
             for a in order[rank]
-            if a is not None and a.computation_type.value in kinds
+            if a is not None and a.computation_type.value in kinds and a.microbatch_index is not None
         ]
         for rank in range(world_size)
     ]
@@ -182,9 +182,9 @@ class Case:
         if style == "1f1b":
             torch_schedule: Any = Schedule1F1B(stages[0], m, loss_fn=_loss)
         elif style == "interleaved":
-            torch_schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=_loss)
+            torch_schedule = ScheduleInterleaved1F1B(cast(Any, stages), m, loss_fn=_loss)
         else:
-            torch_schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=_loss)
+            torch_schedule = ScheduleZBVZeroBubble(cast(Any, stages), m, loss_fn=_loss)
         first_here = 0 in virtuals
         last_here = num_virtual - 1 in virtuals
         self.torch_orders = _torch_orders(torch_schedule, world_size)
@@ -287,7 +287,8 @@ def _worker(rank: int, world_size: int, out: str) -> None:
         for case in cases:
             for _ in range(STEPS):
                 case.round(measure=True)
-    results = [case.summary(rank, world_size) for case in cases]
+    summaries = [case.summary(rank, world_size) for case in cases]
+    results = [result for result in summaries if result is not None]
     if rank == 0:
         for result in results:
             print(json.dumps({k: v for k, v in result.items() if k != "orders"}), flush=True)

@@ -35,7 +35,7 @@ def run_ranks(rank: int, world_size: int, out_path: str) -> None:
     base = GPT()
     systems: dict[str, tuple[torch.nn.Module, LowLevelZeroOptimizer]] = {}
     for overlap in (False, True):
-        model = GPT()
+        model: torch.nn.Module = GPT()
         model.load_state_dict(base.state_dict())
         inner = HybridAdam(model.parameters(), lr=1e-4, weight_decay=0.01)
         zero = LowLevelZeroOptimizer(inner, partition_grad=True, overlap_communication=True, overlap_allgather=overlap)
