@@ -104,12 +104,13 @@ def package_tests(session: nox.Session, package: str) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict (configured in the root pyproject.toml) on every package's sources and tests."""
+    """mypy --strict (configured in the root pyproject.toml) on every package's sources and tests, the integration
+    tests, the tools and the benchmarks."""
     _install_all(session)
     session.install(*CONSTRAINTS, "mypy>=1.10")
     for package in PACKAGES:
         session.run("mypy", f"packages/{package}/src", f"packages/{package}/tests")
-    session.run("mypy", "tests", "tools")
+    session.run("mypy", "tests", "tools", "benchmarks")
 
 
 @nox.session
