@@ -1,8 +1,9 @@
 """MoeHybridParallelPlugin (fp32) against single-process training of a tiny HF Mixtral with the aux loss on
-(`output_router_logits=True`): ep 2 on two ranks (moe_dp 1) at zero_stage 0, 1 and 2, with and without clipping by the
-global norm, and with frozen experts. Data-parallel semantics: each rank trains on its own rows, the reference on the
-mean of the ranks' losses (each with its own aux loss). Losses every step and every parameter after five steps
-within 1e-4 relative, expert slices gathered over ep by name. Then each configuration the plugin refuses."""
+(`output_router_logits=True`): ep 2 on two ranks (moe_dp 1) at zero_stage 0, 1 and 2, moe_dp 2 x ep 2 on four, with
+and without clipping by the global norm, and with frozen experts. Data-parallel semantics: each rank trains on its own
+rows, the reference on the mean of the ranks' losses (each with its own aux loss). Losses every step and every
+parameter after five steps within 1e-4 relative, expert slices gathered over ep by name. Then each configuration the
+plugin refuses."""
 
 from __future__ import annotations
 
@@ -119,6 +120,17 @@ def test_plugins_moe_hybrid_frozen_experts(rank: int, world_size: int, zero_stag
     """No trainable expert parameter (ColossalAI #6237 raises here): the dense part trains, the experts stay."""
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
     train_and_compare(plugin, freeze_experts=True)
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize(("zero_stage", "moe_dp_outside"), [(0, True), (2, False)])
+def test_plugins_moe_hybrid_moe_dp2_ep2(rank: int, world_size: int, zero_stage: int, moe_dp_outside: bool) -> None:
+    """moe_dp 2 x ep 2: expert slices averaged over moe_dp, dense parameters over all four data-parallel ranks."""
+    plugin = MoeHybridParallelPlugin(
+        tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage, moe_dp_outside=moe_dp_outside
+    )
+    assert (plugin.ep_size, plugin.moe_dp_size, plugin.dp_size) == (2, 2, 4)
+    train_and_compare(plugin, clip=0.05 if zero_stage == 0 else 0.0)
 
 
 @pytest.mark.parametrize(
