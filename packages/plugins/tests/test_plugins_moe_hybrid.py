@@ -1,9 +1,9 @@
 """MoeHybridParallelPlugin (fp32) against single-process training of a tiny HF Mixtral with the aux loss on
-(`output_router_logits=True`): ep 2 on two ranks (moe_dp 1) at zero_stage 0, 1 and 2, moe_dp 2 x ep 2 on four, with
-and without clipping by the global norm, and with frozen experts. Data-parallel semantics: each rank trains on its own
-rows, the reference on the mean of the ranks' losses (each with its own aux loss). Losses every step and every
-parameter after five steps within 1e-4 relative, expert slices gathered over ep by name. Then each configuration the
-plugin refuses."""
+(`output_router_logits=True`): ep 2 on two ranks (moe_dp 1) at zero_stage 0, 1 and 2, moe_dp 2 x ep 2 and
+tp 2 x ep 2 on four, with and without clipping by the global norm, and with frozen experts. Data-parallel semantics:
+each rank trains on its own rows, the reference on the mean of the ranks' losses (each with its own aux loss). Losses
+every step and every parameter after five steps within 1e-4 relative, TP shards and expert slices gathered by name.
+Then each configuration the plugin refuses."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from cx_mesh.testing import distributed
 from cx_moe import get_moe_info
 from cx_plugins import Booster, HybridParallelModule, MoeHybridParallelPlugin
 from cx_plugins._layout import LayoutError
+from cx_shardformer import get_shard_spec, unshard_tensor
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,6 +88,9 @@ def compare_parameters(boosted: HybridParallelModule, reference: nn.Module, plug
     expected = dict(reference.named_parameters())
     for name, param in boosted.unwrap().named_parameters():
         full = param.detach()
+        spec = get_shard_spec(param)
+        if spec is not None:
+            full = unshard_tensor(full, spec, plugin.tp_group)
         if get_moe_info(param) is not None:
             pieces = [torch.empty_like(full) for _ in range(plugin.ep_size)]
             dist.all_gather(pieces, full.contiguous(), group=plugin.ep_group)
@@ -131,6 +135,15 @@ def test_plugins_moe_hybrid_moe_dp2_ep2(rank: int, world_size: int, zero_stage: 
     )
     assert (plugin.ep_size, plugin.moe_dp_size, plugin.dp_size) == (2, 2, 4)
     train_and_compare(plugin, clip=0.05 if zero_stage == 0 else 0.0)
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_plugins_moe_hybrid_tp2_ep2(rank: int, world_size: int, zero_stage: int) -> None:
+    """tp 2 x ep 2: attention split over tp (experts whole within each tp pair), experts over the ep pair."""
+    plugin = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
+    assert (plugin.tp_size, plugin.ep_size, plugin.dp_size) == (2, 2, 2)
+    train_and_compare(plugin, clip=0.05)
 
 
 @pytest.mark.parametrize(
