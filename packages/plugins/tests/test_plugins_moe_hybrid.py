@@ -1,9 +1,9 @@
 """MoeHybridParallelPlugin (fp32) against single-process training of a tiny HF Mixtral with the aux loss on
 (`output_router_logits=True`): ep 2 on two ranks (moe_dp 1) at zero_stage 0, 1 and 2, moe_dp 2 x ep 2 and
-tp 2 x ep 2 on four, with and without clipping by the global norm, and with frozen experts. Data-parallel semantics:
-each rank trains on its own rows, the reference on the mean of the ranks' losses (each with its own aux loss). Losses
-every step and every parameter after five steps within 1e-4 relative, TP shards and expert slices gathered by name.
-Then each configuration the plugin refuses."""
+tp 2 x ep 2 on four, with and without clipping by the global norm, with frozen experts and with experts no token
+reaches. Data-parallel semantics: each rank trains on its own rows, the reference on the mean of the ranks' losses
+(each with its own aux loss). Losses every step and every parameter after five steps within 1e-4 relative, TP shards
+and expert slices gathered by name. Then each configuration the plugin refuses."""
 
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ transformers = pytest.importorskip("transformers")
 VOCAB, ROWS, LENGTH, LR, STEPS = 50, 4, 8, 0.1, 5
 
 
-def mixtral() -> nn.Module:
+def mixtral(top_k: int = 2) -> nn.Module:
     torch.manual_seed(0)
     config = transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+        num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=top_k,
         output_router_logits=True, router_aux_loss_coef=0.05, router_jitter_noise=0.0, tie_word_embeddings=False,
         use_cache=False,
     )  # fmt: skip
@@ -43,8 +43,27 @@ def rows(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (ROWS, LENGTH), generator=torch.Generator().manual_seed(100 + step))
 
 
-def train_and_compare(plugin: MoeHybridParallelPlugin, clip: float = 0.0, freeze_experts: bool = False) -> None:
-    model = mixtral()
+def unrouted_mixtral() -> nn.Module:
+    """Top-1 routing to experts 0 or 1 only (frozen router: logits (a, -a, 0, 0)): ep rank 1's experts 2 and 3
+    never receive a token."""
+    model = mixtral(top_k=1)
+    gates = [p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")]
+    assert len(gates) == 2
+    for weight in gates:
+        with torch.no_grad():
+            weight[1].copy_(-weight[0])
+            weight[2:].zero_()
+        weight.requires_grad_(False)
+    return model
+
+
+def train_and_compare(
+    plugin: MoeHybridParallelPlugin,
+    clip: float = 0.0,
+    freeze_experts: bool = False,
+    model_fn: Callable[[], nn.Module] = mixtral,
+) -> None:
+    model = model_fn()
     if freeze_experts:
         for name, param in model.named_parameters():
             if ".experts." in name:
@@ -144,6 +163,17 @@ def test_plugins_moe_hybrid_tp2_ep2(rank: int, world_size: int, zero_stage: int)
     plugin = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
     assert (plugin.tp_size, plugin.ep_size, plugin.dp_size) == (2, 2, 2)
     train_and_compare(plugin, clip=0.05)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_plugins_moe_hybrid_unrouted_experts(rank: int, world_size: int, zero_stage: int) -> None:
+    """Experts that no token reaches (ColossalAI downgrades ZeRO-2 to ZeRO-1 because they hang it): same result."""
+    with torch.no_grad():
+        logits = unrouted_mixtral()(input_ids=rows(0), labels=rows(0)).router_logits
+    assert all(int(layer.argmax(-1).max()) <= 1 for layer in logits), "experts 2 and 3 must get no token"
+    plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
+    train_and_compare(plugin, model_fn=unrouted_mixtral)
 
 
 @pytest.mark.parametrize(
