@@ -1,9 +1,10 @@
-"""MoeHybridParallelPlugin (fp32) against single-process training of a tiny HF Mixtral with the aux loss on
+"""MoeHybridParallelPlugin against single-process fp32 training of a tiny HF Mixtral with the aux loss on
 (`output_router_logits=True`): ep 2 on two ranks (moe_dp 1) at zero_stage 0, 1 and 2, moe_dp 2 x ep 2 and
 tp 2 x ep 2 on four, with and without clipping by the global norm, with frozen experts and with experts no token
-reaches. Data-parallel semantics: each rank trains on its own rows, the reference on the mean of the ranks' losses
-(each with its own aux loss). Losses every step and every parameter after five steps within 1e-4 relative, TP shards
-and expert slices gathered by name. Then each configuration the plugin refuses."""
+reaches; fp16 and bf16 within their tolerances. Data-parallel semantics: each rank trains on its own rows, the
+reference on the mean of the ranks' losses (each with its own aux loss). Losses every step and every parameter after
+five steps (fp32: within 1e-4 relative), TP shards and expert slices gathered by name. Then each configuration the
+plugin refuses."""
 
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ def train_and_compare(
     clip: float = 0.0,
     freeze_experts: bool = False,
     model_fn: Callable[[], nn.Module] = mixtral,
+    steps: int = STEPS,
+    tol: float = 1e-4,
 ) -> None:
     model = model_fn()
     if freeze_experts:
@@ -80,7 +83,7 @@ def train_and_compare(
     dp_rank, dp_size = plugin.data_parallel_rank_and_size()
     share = ROWS // dp_size
     losses, expected = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         ids = rows(step)
         mine = ids[dp_rank * share : (dp_rank + 1) * share]
         loss = boosted(input_ids=mine, labels=mine).loss
@@ -98,11 +101,13 @@ def train_and_compare(
         ref_optimizer.zero_grad()
         losses.append(float(loss))
         expected.append(float(pieces[dp_rank]))
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-5)
-    compare_parameters(boosted, reference, plugin)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=tol, atol=tol / 10)
+    compare_parameters(boosted, reference, plugin, tol)
 
 
-def compare_parameters(boosted: HybridParallelModule, reference: nn.Module, plugin: MoeHybridParallelPlugin) -> None:
+def compare_parameters(
+    boosted: HybridParallelModule, reference: nn.Module, plugin: MoeHybridParallelPlugin, tol: float
+) -> None:
     """Every parameter by name; an expert slice gathered over the ep group along the expert dimension first."""
     expected = dict(reference.named_parameters())
     for name, param in boosted.unwrap().named_parameters():
@@ -114,7 +119,7 @@ def compare_parameters(boosted: HybridParallelModule, reference: nn.Module, plug
             pieces = [torch.empty_like(full) for _ in range(plugin.ep_size)]
             dist.all_gather(pieces, full.contiguous(), group=plugin.ep_group)
             full = torch.cat(pieces, dim=0)
-        torch.testing.assert_close(full, expected[name].detach(), rtol=1e-4, atol=1e-5, msg=_named(name))
+        torch.testing.assert_close(full.float(), expected[name].detach(), rtol=tol, atol=tol / 10, msg=_named(name))
 
 
 def _named(name: str) -> Callable[[str], str]:
@@ -174,6 +179,19 @@ def test_plugins_moe_hybrid_unrouted_experts(rank: int, world_size: int, zero_st
     assert all(int(layer.argmax(-1).max()) <= 1 for layer in logits), "experts 2 and 3 must get no token"
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
     train_and_compare(plugin, model_fn=unrouted_mixtral)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize(("precision", "tol"), [("fp16", 5e-3), ("bf16", 3e-2)])
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_plugins_moe_hybrid_low_precision(
+    rank: int, world_size: int, precision: str, tol: float, zero_stage: int
+) -> None:
+    """fp16 / bf16 with fp32 master weights against fp32 training on one process, within the precision's tolerance."""
+    plugin = MoeHybridParallelPlugin(
+        tp_size=1, pp_size=1, ep_size=2, precision=precision, zero_stage=zero_stage, initial_scale=2**8
+    )
+    train_and_compare(plugin, steps=3, tol=tol)
 
 
 @pytest.mark.parametrize(
