@@ -1,7 +1,8 @@
 """cx-plugins: the Booster and its plugins, with ColossalAI's names and arguments.
 
 Present: `Booster`, `Plugin`, `DPPluginBase`, `TorchDDPPlugin`, `TorchFSDPPlugin` (FSDP2), `LowLevelZeroPlugin`,
-`GeminiPlugin` (with tensor parallelism), `HybridParallelPlugin` (tp/pp/sp + DDP-like or ZeRO-1/2), `LazyInitContext`
+`GeminiPlugin` (with tensor parallelism), `HybridParallelPlugin` (tp/pp/sp + DDP-like or ZeRO-1/2),
+`MoeHybridParallelPlugin` (experts over ep on top of it), `LazyInitContext`
 (build a model without allocating it; materialised at boost), the wrappers (`EngineOptimizer`, the one boosted
 optimizer over any `OptimizerEngine`), `HybridCheckpointIO` with the faces it reads (`ParallelModelView`,
 `ParallelOptimizerView`) for models split by tensor and pipeline parallelism,
@@ -19,6 +20,7 @@ from cx_plugins._hybrid_model import HybridParallelModule
 from cx_plugins._hybrid_plugin import HybridParallelPlugin
 from cx_plugins._lazy_init import LazyInitContext
 from cx_plugins._low_level_zero_plugin import LowLevelZeroPlugin
+from cx_plugins._moe_hybrid_plugin import MoeHybridParallelPlugin
 from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
 from cx_plugins._plugin import DPPluginBase, Plugin
 from cx_plugins._precision import Precision
@@ -42,6 +44,7 @@ __all__ = [
     "HybridParallelModule",
     "HybridParallelPlugin",
     "LowLevelZeroPlugin",
+    "MoeHybridParallelPlugin",
     "ModelWrapper",
     "OptimizerEngine",
     "OptimizerWrapper",

@@ -68,6 +68,7 @@ class HybridParallelOptimizer(OptimizerWrapper):
         norm_groups: Sequence[ProcessGroup | None],
         norm_weights: Mapping[int, float],
         bucket_cap_mb: float,
+        reduce_groups: Mapping[int, ProcessGroup | None] | None = None,
     ) -> None:
         super().__init__(optimizer)
         if optimizer.state:
@@ -94,6 +95,7 @@ class HybridParallelOptimizer(OptimizerWrapper):
         self._fp16 = dtype == torch.float16
         self.max_norm = max_norm
         self._dp_group = dp_group
+        self._reduce_groups = dict(reduce_groups or {})  # id -> another group to average over (MoE experts: moe_dp)
         self._norm_groups = [g for g in norm_groups if g is not None]  # None would mean the world
         self._weights = dict(norm_weights)
         self._bucket_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
@@ -130,18 +132,30 @@ class HybridParallelOptimizer(OptimizerWrapper):
 
     # ---- the once-per-step reduction -----------------------------------------------------------------------------
     def _reduce(self) -> None:
-        """Average the held gradients over the data-parallel group (once per step)."""
+        """Average the held gradients over their group (once per step): the data-parallel group, or the one
+        `reduce_groups` names for a parameter. Groups are visited in the order of their first parameter, the same on
+        every rank."""
         if self._reduced:
             return
         self._reduced = True
-        group = self._dp_group
-        if group is None or dist.get_world_size(group) == 1:
-            return
-        device = self._working[0].device if self._working else torch.device("cpu")
-        used = torch.tensor([p.grad is not None for p in self._working], dtype=torch.float32, device=device)
+        by_group: dict[int, tuple[ProcessGroup | None, list[nn.Parameter]]] = {id(self._dp_group): (self._dp_group, [])}
+        for param in self._working:
+            group = self._reduce_groups.get(id(param), self._dp_group)
+            by_group.setdefault(id(group), (group, []))[1].append(param)
+        for group, params in by_group.values():
+            if group is not None and dist.get_world_size(group) > 1:
+                self._average(params, group)
+
+    def _average(self, params: list[nn.Parameter], group: ProcessGroup) -> None:
+        """Average `params`' gradients over `group`; a gradient missing here but present elsewhere counts as 0
+        (e.g. an expert no token reached on this rank)."""
+        if not params:
+            return  # the same on every rank of the group: the same model
+        device = params[0].device
+        used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=device)
         all_reduce(used, op=dist.ReduceOp.MAX, group=group)
         grads: list[torch.Tensor] = []
-        for param, anywhere in zip(self._working, used.tolist(), strict=True):
+        for param, anywhere in zip(params, used.tolist(), strict=True):
             if anywhere and param.grad is None:
                 param.grad = torch.zeros_like(param)
             if anywhere and param.grad is not None:

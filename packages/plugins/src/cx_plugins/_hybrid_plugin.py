@@ -32,7 +32,7 @@ from cx_pipeline import (
 )
 from cx_plugins._ddp_options import DDPOptions
 from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
-from cx_plugins._hybrid_model import HybridParallelModule, broadcast_states, compose_model
+from cx_plugins._hybrid_model import ComposedModel, HybridParallelModule, broadcast_states, compose_model
 from cx_plugins._hybrid_optimizer import HybridParallelOptimizer, HybridZeroOptimizer
 from cx_plugins._hybrid_options import (
     HybridParallelOptions,
@@ -176,10 +176,7 @@ class HybridParallelPlugin(ZeroPluginBase):
         assert_same_across_ranks(
             (options, type(custom_policy).__name__ if custom_policy else None), what="HybridParallelPlugin options"
         )
-        pp_first = [(Axis.PP, pp_size), (Axis.DP, FILL)] if not dp_outside else [(Axis.DP, FILL), (Axis.PP, pp_size)]
-        self.layout = ParallelLayout.build(
-            [*pp_first, (Axis.TP, tp_size), (Axis.SP, options.sp_size)], data_axes=(Axis.DP,)
-        )
+        self.layout = self._build_layout(options)
         hints = options.ddp.hints_given()
         if hints and options.zero.stage == 0:
             warnings.warn(
@@ -197,6 +194,12 @@ class HybridParallelPlugin(ZeroPluginBase):
             weakref.WeakKeyDictionary()
         )
         self._dtype_of: weakref.WeakKeyDictionary[nn.Module, torch.dtype] = weakref.WeakKeyDictionary()
+
+    def _build_layout(self, options: HybridParallelOptions) -> ParallelLayout:
+        """(dp, pp, tp, sp), or (pp, dp, tp, sp) without dp_outside; subclasses add axes (MoE: moe_dp and ep)."""
+        pp, dp = (Axis.PP, options.pp_size), (Axis.DP, FILL)
+        outer = [dp, pp] if options.dp_outside else [pp, dp]
+        return ParallelLayout.build([*outer, (Axis.TP, options.tp_size), (Axis.SP, options.sp_size)], (Axis.DP,))
 
     # ---- sizes and groups -----------------------------------------------------------------------------------------
     @property
@@ -275,6 +278,7 @@ class HybridParallelPlugin(ZeroPluginBase):
             raise ValueError("HybridParallelPlugin.configure: the model is already boosted")
         o = self.options
         original_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        before = {id(p): name for name, p in model.named_parameters()}  # to follow parameters ShardFormer replaces
         composed = compose_model(
             model,
             self.shard_config,
@@ -284,9 +288,10 @@ class HybridParallelPlugin(ZeroPluginBase):
             get_accelerator().current_device(),
         )
         if optimizer is not None:
+            _repoint_replaced(optimizer, before, composed.module)
             _require_model_parameters(optimizer, composed.names)
         grad_group = self._gradient_group()
-        broadcast_states(composed.module, composed.held, grad_group, buffers=o.ddp.broadcast_buffers)
+        self._broadcast_states(composed, grad_group)
         held_names = frozenset(composed.names[id(p)] for p in composed.held)
         boosted = HybridParallelModule(composed.module, self.layout, composed.pipeline, held_names)
         wrapped: OptimizerWrapper | None = None
@@ -300,9 +305,10 @@ class HybridParallelPlugin(ZeroPluginBase):
                     loss_scale=o.loss_scale,
                     max_norm=o.max_norm,
                     dp_group=grad_group,
-                    norm_groups=[self.layout.group_or_none(Axis.TP), self.layout.group_or_none(Axis.PP)],
-                    norm_weights=self._norm_weights(boosted, composed.held),
+                    norm_groups=self._unsharded_norm_groups(),
+                    norm_weights=self._unsharded_norm_weights(boosted, composed.held),
                     bucket_cap_mb=o.ddp.bucket_cap_mb,
+                    reduce_groups=self._reduce_groups(composed.held),
                 )
             else:
                 wrapped = self._zero_optimizer(optimizer, boosted, composed.held, grad_group)
@@ -310,6 +316,27 @@ class HybridParallelPlugin(ZeroPluginBase):
         if original_dtype is not None:
             self._dtype_of[boosted] = original_dtype
         return boosted, wrapped, criterion, dataloader, lr_scheduler
+
+    # ---- hooks a subclass (MoeHybridParallelPlugin) overrides -------------------------------------------------
+    def _broadcast_states(self, composed: ComposedModel, grad_group: ProcessGroup | None) -> None:
+        """Start every data-parallel replica from the first one's parameters (and buffers)."""
+        broadcast_states(composed.module, composed.held, grad_group, buffers=self.options.ddp.broadcast_buffers)
+
+    def _reduce_groups(self, held: list[nn.Parameter]) -> dict[int, ProcessGroup | None] | None:
+        """zero_stage 0: parameters (by id) averaged over another group than the data-parallel one (None: none)."""
+        return None
+
+    def _zero_param_groups(self, optimizer: Optimizer) -> dict[ProcessGroup, list[nn.Parameter]] | None:
+        """zero_stage 1/2: cx_zero's pg_to_param_list (None: every parameter over the data-parallel group)."""
+        return None
+
+    def _unsharded_norm_groups(self) -> list[ProcessGroup | None]:
+        """zero_stage 0: the groups a rank's (dp-averaged) norm term is summed over."""
+        return [self.layout.group_or_none(Axis.TP), self.layout.group_or_none(Axis.PP)]
+
+    def _unsharded_norm_weights(self, model: HybridParallelModule, held: list[nn.Parameter]) -> dict[int, float]:
+        """zero_stage 0: each parameter's weight in the norm term summed over `_unsharded_norm_groups`."""
+        return self._norm_weights(model, held)
 
     def _norm_weights(self, model: HybridParallelModule, held: list[nn.Parameter]) -> dict[int, float]:
         """Each element of the model counted once in the global norm: 1/tp for a tp-replicated parameter, 1/k for a
@@ -333,9 +360,11 @@ class HybridParallelPlugin(ZeroPluginBase):
         held_ids = {id(p) for p in held}
         for group in optimizer.param_groups:  # other stages' parameters are not this rank's to train
             group["params"] = [p for p in group["params"] if id(p) in held_ids]
+        by_group = self._zero_param_groups(optimizer)
         zero = LowLevelZeroOptimizer(
             optimizer,
-            dp_process_group=grad_group or self.layout.group(Axis.DP),  # None would mean the world to cx_zero
+            dp_process_group=None if by_group is not None else grad_group or self.dp_group,  # None: the world
+            pg_to_param_list=by_group,
             options=LowLevelZeroOptions(
                 loss_scale=o.loss_scale,
                 clipping=ClipOptions(max_norm=o.max_norm),
@@ -400,6 +429,17 @@ class HybridParallelPlugin(ZeroPluginBase):
 
 
 _HybridOptimizer = HybridParallelOptimizer | HybridZeroOptimizer
+
+
+def _repoint_replaced(optimizer: Optimizer, before: dict[int, str], module: nn.Module) -> None:
+    """Point the optimizer at the parameters that replaced its own under the same name (e.g. ShardFormer's MoE
+    policies put this rank's expert slice in place of the full stack), so one built before boost keeps working."""
+    now = dict(module.named_parameters(remove_duplicate=False))
+    live = {id(p) for p in now.values()}
+    for group in optimizer.param_groups:
+        group["params"] = [
+            now[before[id(p)]] if id(p) not in live and before.get(id(p)) in now else p for p in group["params"]
+        ]
 
 
 def _require_model_parameters(optimizer: Optimizer, names: dict[int, str]) -> None:

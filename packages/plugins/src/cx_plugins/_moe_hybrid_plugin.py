@@ -1,0 +1,261 @@
+"""`MoeHybridParallelPlugin`: HybridParallelPlugin with the experts of MoE blocks split over an expert-parallel axis.
+
+The mesh is (moe_dp, pp, ep, tp, sp), or (pp, moe_dp, ep, tp, sp) with `moe_dp_outside=False`. The data-parallel
+dimension is moe_dp x ep (every rank of it sees its own batch): dense parameters are averaged over it as in
+HybridParallelPlugin, while each expert slice lives on one ep rank of it and is averaged over moe_dp only (cx-moe's
+dispatch already summed it over the ep group's batches, scaled by 1/ep). Everything else (ShardFormer, the casts, the
+fp32-master optimizer, ZeRO-1/2) is the base plugin's, steered through its small hooks: which group reduces which
+parameter, how the gradient norm counts an expert slice, how replicas start equal.
+
+This first version trains with pp_size 1 and without sequence parallelism; what it cannot honour raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from cx_mesh import ProcessGroup, assert_same_across_ranks
+from cx_moe import is_moe_tensor
+from cx_plugins._hybrid_model import ComposedModel, HybridParallelModule, broadcast_states
+from cx_plugins._hybrid_options import HybridParallelOptions
+from cx_plugins._hybrid_plugin import HybridParallelPlugin
+from cx_plugins._layout import FILL, Axis, ParallelLayout
+from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig
+
+__all__ = ["MoeHybridParallelPlugin"]
+
+_NAME = "MoeHybridParallelPlugin"
+
+
+class MoeHybridParallelPlugin(HybridParallelPlugin):
+    """ColossalAI's MoeHybridParallelPlugin (training): experts over ep, dense parameters data-parallel over
+    moe_dp x ep, expert slices over moe_dp; zero_stage 0, 1 and 2 (no silent downgrade of ZeRO-2). docs/plugins.md."""
+
+    def __init__(
+        self,
+        tp_size: int,
+        pp_size: int,
+        ep_size: int,
+        sp_size: int | None = None,
+        precision: str = "fp16",
+        zero_stage: int = 0,
+        enable_all_optimization: bool = False,
+        enable_fused_normalization: bool = False,
+        enable_flash_attention: bool = False,
+        enable_jit_fused: bool = False,
+        enable_sequence_parallelism: bool = False,
+        sequence_parallelism_mode: str | None = None,
+        enable_sequence_overlap: bool = False,
+        parallel_output: bool = True,
+        num_microbatches: int | None = None,
+        microbatch_size: int | None = None,
+        initial_scale: float = 2**16,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        max_norm: float = 0,
+        broadcast_buffers: bool = True,
+        ddp_bucket_cap_mb: int = 25,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        zero_bucket_size_in_m: int = 12,
+        cpu_offload: bool = False,
+        communication_dtype: torch.dtype | None = None,
+        overlap_communication: bool = False,
+        custom_policy: Policy | None = None,
+        pp_style: str = "1f1b",
+        num_model_chunks: int = 1,
+        num_layers_per_stage: Sequence[int] | None = None,
+        gradient_checkpoint_config: GradientCheckpointConfig | None = None,
+        enable_metadata_cache: bool = True,
+        make_vocab_size_divisible_by: int = 64,
+        moe_dp_outside: bool = True,
+        overlap_p2p: bool = True,
+        overlap_allgather: bool = False,
+        fp8_communication: bool = False,
+        use_fp8: bool = False,
+    ) -> None:
+        _refuse_unsupported(
+            pp_size=pp_size,
+            sp_size=sp_size,
+            enable_sequence_parallelism=enable_sequence_parallelism,
+            sequence_parallelism_mode=sequence_parallelism_mode,
+            enable_sequence_overlap=enable_sequence_overlap,
+            fp8_communication=fp8_communication,
+            use_fp8=use_fp8,
+        )
+        if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
+            raise ValueError(f"{_NAME}: ep_size must be a positive integer, got {ep_size!r}")
+        assert_same_across_ranks((ep_size, moe_dp_outside), what=f"{_NAME} ep_size and moe_dp_outside")
+        self._ep_size = ep_size
+        super().__init__(
+            tp_size=tp_size,
+            pp_size=pp_size,
+            sp_size=sp_size,
+            precision=precision,
+            zero_stage=zero_stage,
+            enable_all_optimization=enable_all_optimization,
+            enable_fused_normalization=enable_fused_normalization,
+            enable_flash_attention=enable_flash_attention,
+            enable_jit_fused=enable_jit_fused,
+            enable_sequence_parallelism=enable_sequence_parallelism,
+            sequence_parallelism_mode=sequence_parallelism_mode,
+            enable_sequence_overlap=enable_sequence_overlap,
+            parallel_output=parallel_output,
+            num_microbatches=num_microbatches,
+            microbatch_size=microbatch_size,
+            initial_scale=initial_scale,
+            min_scale=min_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            max_scale=max_scale,
+            max_norm=max_norm,
+            broadcast_buffers=broadcast_buffers,
+            ddp_bucket_cap_mb=ddp_bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            check_reduction=check_reduction,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            zero_bucket_size_in_m=zero_bucket_size_in_m,
+            cpu_offload=cpu_offload,
+            communication_dtype=communication_dtype,
+            overlap_communication=overlap_communication,
+            custom_policy=custom_policy,
+            pp_style=pp_style,
+            num_model_chunks=num_model_chunks,
+            num_layers_per_stage=num_layers_per_stage,
+            gradient_checkpoint_config=gradient_checkpoint_config,
+            enable_metadata_cache=enable_metadata_cache,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            dp_outside=moe_dp_outside,
+            overlap_p2p=overlap_p2p,
+            overlap_allgather=overlap_allgather,
+        )
+
+    # ---- layout ---------------------------------------------------------------------------------------------------
+    def _build_layout(self, options: HybridParallelOptions) -> ParallelLayout:
+        """(moe_dp, pp, ep, tp, sp) or (pp, moe_dp, ep, tp, sp); the data axes are moe_dp and ep."""
+        pp, moe_dp = (Axis.PP, options.pp_size), (Axis.MOE_DP, FILL)
+        outer = [moe_dp, pp] if options.dp_outside else [pp, moe_dp]
+        axes = [*outer, (Axis.EP, self._ep_size), (Axis.TP, options.tp_size), (Axis.SP, options.sp_size)]
+        return ParallelLayout.build(axes, data_axes=(Axis.MOE_DP, Axis.EP))
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.size(Axis.EP)
+
+    @property
+    def moe_dp_size(self) -> int:
+        return self.layout.size(Axis.MOE_DP)
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel size of dense parameters: moe_dp x ep."""
+        return self.layout.size(Axis.MOE_DP, Axis.EP)
+
+    @property
+    def dp_group(self) -> ProcessGroup:
+        """The group dense gradients are averaged over: moe_dp x ep."""
+        return self.layout.group(Axis.MOE_DP, Axis.EP)
+
+    @property
+    def ep_group(self) -> ProcessGroup:
+        return self.layout.group(Axis.EP)
+
+    @property
+    def moe_dp_group(self) -> ProcessGroup:
+        """The group an expert slice's gradient is averaged over (the ranks holding the same experts)."""
+        return self.layout.group(Axis.MOE_DP)
+
+    def _gradient_group(self) -> ProcessGroup | None:
+        return self.layout.group_or_none(Axis.MOE_DP, Axis.EP)
+
+    def _shard_config(self) -> ShardConfig | None:
+        """The base plugin's ShardConfig plus the ep and moe_dp groups (the MoE policies split experts over ep)."""
+        if self._ep_size == 1:
+            return super()._shard_config()
+        tp_group = self.layout.group(Axis.TP)
+        return self.options.shardformer.shard_config(
+            tp_group,
+            tp_group,
+            enable_tensor_parallelism=self.options.tp_size > 1,
+            ep_group=self.layout.group(Axis.EP),
+            moe_dp_group=self.layout.group(Axis.MOE_DP),
+        )
+
+    # ---- the base plugin's hooks --------------------------------------------------------------------------------
+    def _broadcast_states(self, composed: ComposedModel, grad_group: ProcessGroup | None) -> None:
+        """Dense parameters and buffers start from the first dp replica, each expert slice from the first rank of
+        its moe_dp group (the ep ranks hold different experts)."""
+        experts = [p for p in composed.held if is_moe_tensor(p)]
+        dense = [p for p in composed.held if not is_moe_tensor(p)]
+        broadcast_states(composed.module, dense, grad_group, buffers=self.options.ddp.broadcast_buffers)
+        broadcast_states(composed.module, experts, self.layout.group_or_none(Axis.MOE_DP), buffers=False)
+
+    def _reduce_groups(self, held: list[nn.Parameter]) -> dict[int, ProcessGroup | None] | None:
+        moe_dp = self.layout.group_or_none(Axis.MOE_DP)
+        return {id(p): moe_dp for p in held if is_moe_tensor(p)}
+
+    def _zero_param_groups(self, optimizer: Optimizer) -> dict[ProcessGroup, list[nn.Parameter]] | None:
+        """{dp group: dense parameters, moe_dp group: expert slices}; either list may be empty (frozen experts,
+        adapters only)."""
+        if self._ep_size == 1:
+            return None
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return {
+            self.dp_group: [p for p in params if not is_moe_tensor(p)],
+            self.moe_dp_group: [p for p in params if is_moe_tensor(p)],
+        }
+
+    def _unsharded_norm_groups(self) -> list[ProcessGroup | None]:
+        """zero_stage 0: the norm term is also summed over ep, where the expert slices differ."""
+        return [*super()._unsharded_norm_groups(), self.layout.group_or_none(Axis.EP)]
+
+    def _unsharded_norm_weights(self, model: HybridParallelModule, held: list[nn.Parameter]) -> dict[int, float]:
+        """Dense gradients are equal over ep after the dp average: weight 1/ep so the sum over ep counts them once."""
+        weights = super()._unsharded_norm_weights(model, held)
+        ep = self._ep_size
+        return {id(p): weights[id(p)] if is_moe_tensor(p) else weights[id(p)] / ep for p in held}
+
+
+def _refuse_unsupported(
+    *,
+    pp_size: int,
+    sp_size: int | None,
+    enable_sequence_parallelism: bool,
+    sequence_parallelism_mode: str | None,
+    enable_sequence_overlap: bool,
+    fp8_communication: bool,
+    use_fp8: bool,
+) -> None:
+    """What this first version cannot honour, refused by name before any group is built."""
+    if fp8_communication or use_fp8:
+        which = "fp8_communication" if fp8_communication else "use_fp8"
+        raise NotImplementedError(f"{_NAME}({which}=True): fp8 is not supported by cx yet")
+    if pp_size != 1:
+        raise NotImplementedError(
+            f"{_NAME}(pp_size={pp_size}): pipeline parallelism with experts is not supported by cx yet (the router "
+            "logits of every stage must reach the last one for the aux loss); use pp_size=1"
+        )
+    if enable_sequence_parallelism or (sp_size is not None and sp_size != 1) or sequence_parallelism_mode:
+        raise NotImplementedError(
+            f"{_NAME}: sequence parallelism with experts is not supported by cx yet (the MoE blocks would route "
+            f"sequence shards; got enable_sequence_parallelism={enable_sequence_parallelism}, sp_size={sp_size}, "
+            f"sequence_parallelism_mode={sequence_parallelism_mode!r}); leave them off"
+        )
+    if enable_sequence_overlap:
+        raise NotImplementedError(
+            f"{_NAME}(enable_sequence_overlap=True): it overlaps sequence-parallel communication, which this plugin "
+            "does not support yet; leave it False"
+        )
