@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -208,3 +209,20 @@ def test_plugins_demo_models_mixtral_end_to_end(tmp_path: Path) -> None:
     )
     assert not info["missing_keys"], info
     assert not info["unexpected_keys"], info
+
+
+def test_plugins_demo_models_moe_hybrid_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    """`cx-train --model mixtral --plugin moe_hybrid --ep 2`: experts split over two processes, the MoE numbers on the
+    progress line, the loss falls; a checkpoint is refused up front (MoE checkpoints are not built yet)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1"}
+    flags = ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2", "--steps", "30", "--log-every", "10"]
+    result = subprocess.run(
+        [sys.executable, "-m", "cx_plugins.demo", *flags], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "plugin=moe_hybrid ranks=2" in result.stdout
+    assert " aux " in result.stdout, result.stdout
+    losses = re.search(r"cx-train: loss ([0-9.]+) -> ([0-9.]+)", result.stdout)
+    assert losses is not None, result.stdout
+    assert float(losses.group(2)) < float(losses.group(1)) - 0.5
+    assert "MoE checkpoints" in _refused([*flags, "--save", "somewhere"], capsys)
