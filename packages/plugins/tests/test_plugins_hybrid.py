@@ -86,8 +86,17 @@ def test_plugins_hybrid_clip_matches_single_process(
         {"tp_size": 2, "pp_size": 1, "custom_policy": "llama"},
         {"tp_size": 1, "pp_size": 2, "microbatch_size": 2, "num_layers_per_stage": [1, 3]},
         {"tp_size": 1, "pp_size": 2, "num_microbatches": 4, "enable_metadata_cache": False},
+        {"tp_size": 1, "pp_size": 2, "num_microbatches": 4, "overlap_p2p": False},
     ],
-    ids=["gathered_output", "all_optimization", "checkpointing", "custom_policy", "microbatch_size", "no_cache"],
+    ids=[
+        "gathered_output",
+        "all_optimization",
+        "checkpointing",
+        "custom_policy",
+        "microbatch_size",
+        "no_cache",
+        "no_p2p_overlap",
+    ],
 )
 def test_plugins_hybrid_variants(rank: int, world_size: int, variant: dict[str, Any]) -> None:
     """ShardFormer switches and pipeline options pass through and keep training equal to one process."""

@@ -22,7 +22,6 @@ BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"tp_size": 1, "pp_size": 1, "fp8_communication": True}, NotImplementedError, "fp8_communication=True"),
     ({"tp_size": 1, "pp_size": 1, "use_fp8": True}, NotImplementedError, "use_fp8=True"),
     ({"tp_size": 1, "pp_size": 1, "inner_ring_size": 2}, NotImplementedError, "double-ring attention"),
-    ({"tp_size": 1, "pp_size": 1, "overlap_p2p": False}, NotImplementedError, "overlap_p2p=False"),
     ({"tp_size": 1, "pp_size": 2, "num_microbatches": 2, "pp_style": "gpipe"}, ValueError, "unknown pp_style"),
     (
         {"tp_size": 1, "pp_size": 2, "num_microbatches": 2, "pp_style": "interleaved"},

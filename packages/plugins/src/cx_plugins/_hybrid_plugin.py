@@ -114,11 +114,6 @@ class HybridParallelPlugin(ZeroPluginBase):
                 f"HybridParallelPlugin(inner_ring_size={inner_ring_size}): double-ring attention is not supported by "
                 "cx; leave inner_ring_size=None (ring_attn runs one ring over the sp group)"
             )
-        if not overlap_p2p:
-            raise NotImplementedError(
-                "HybridParallelPlugin(overlap_p2p=False): cx's pipeline runtime always sends asynchronously "
-                "(waiting for each send deadlocks 1F1B's steady state); leave overlap_p2p=True"
-            )
         shardformer = ShardFormerOptions(
             enable_all_optimization=enable_all_optimization,
             enable_fused_normalization=enable_fused_normalization,
