@@ -11,12 +11,12 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
@@ -25,16 +25,12 @@ from torch.distributed.tensor import DTensor
 
 from cx_mesh.testing import run_distributed
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared tiny models
+from bench_models import tiny_llama
+
 
 def _model(hidden: int, layers: int, vocab: int) -> Any:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(layers=layers, hidden=hidden, intermediate=hidden * 8 // 3 // 64 * 64, vocab=vocab, seq=64)
 
 
 def _dtensor_tp(model: nn.Module, world: int) -> nn.Module:

@@ -32,6 +32,9 @@ import torch.distributed as dist
 
 from cx_mesh.testing import spawn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared tiny models
+from bench_models import tiny_llama
+
 LAYERS, HIDDEN, HEADS, KV_HEADS, INTER, VOCAB, SEQ, BATCH = 4, 256, 8, 4, 688, 4096, 128, 8
 WARMUP, STEPS = 2, 10
 if os.environ.get("CX_BENCH_SMOKE"):
@@ -41,21 +44,7 @@ Step = Callable[[torch.Tensor], None]
 
 
 def _model() -> Any:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = "sdpa"  # transformers 5's default too; stated so the benchmark says what it runs
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(layers=LAYERS, hidden=HIDDEN, intermediate=INTER, vocab=VOCAB, seq=SEQ, kv_heads=KV_HEADS)
 
 
 def _trainer(model: Any) -> Step:
