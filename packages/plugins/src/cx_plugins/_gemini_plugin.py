@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -34,6 +33,7 @@ from cx_plugins._gemini_tp_checkpoint_io import GeminiTPCheckpointIO
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._shardformer_options import ShardFormerOptions
+from cx_plugins._weak_lookup import WeakLookup
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_zero import (
     ClipOptions,
@@ -242,7 +242,7 @@ class GeminiPlugin(ZeroPluginBase):
             [(Axis.ZERO, FILL), (Axis.EXTRA_DP, extra_dp_size), (Axis.TP, tp_size)],
             data_axes=(Axis.ZERO, Axis.EXTRA_DP),
         )
-        self._gemini_of: weakref.WeakKeyDictionary[Optimizer, GeminiOptimizer] = weakref.WeakKeyDictionary()
+        self._gemini_of: WeakLookup[Optimizer, GeminiOptimizer] = WeakLookup()
 
     def support_no_sync(self) -> bool:
         return False

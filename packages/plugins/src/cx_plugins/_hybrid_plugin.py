@@ -46,6 +46,7 @@ from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._parallel_view import ParallelModelView
 from cx_plugins._plugin import Boosted, ZeroPluginBase
 from cx_plugins._shardformer_options import ShardFormerOptions
+from cx_plugins._weak_lookup import WeakLookup
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig, get_shard_spec
 from cx_zero import ClipOptions, LossScaleOptions, LowLevelZeroOptimizer, LowLevelZeroOptions, ZeroStage
@@ -185,9 +186,8 @@ class HybridParallelPlugin(ZeroPluginBase):
         if pp_size > 1:
             self.stage_manager, self.schedule = _pipeline(self.layout, options.pipeline)
         # what checkpoint IO needs: each boosted optimizer's model and by-name face, each model's own dtype
-        self._parts: weakref.WeakKeyDictionary[Optimizer, tuple[HybridParallelModule, _HybridOptimizer]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._module_of: WeakLookup[Optimizer, HybridParallelModule] = WeakLookup()
+        self._wrapper_of: WeakLookup[Optimizer, _HybridOptimizer] = WeakLookup()
         self._dtype_of: weakref.WeakKeyDictionary[nn.Module, torch.dtype] = weakref.WeakKeyDictionary()
 
     def _build_layout(self, options: HybridParallelOptions) -> ParallelLayout:
@@ -307,7 +307,8 @@ class HybridParallelPlugin(ZeroPluginBase):
                 )
             else:
                 wrapped = self._zero_optimizer(optimizer, boosted, composed.held, grad_group)
-            self._parts[optimizer] = (boosted, wrapped)
+            self._module_of[optimizer] = boosted
+            self._wrapper_of[optimizer] = wrapped
         if original_dtype is not None:
             self._dtype_of[boosted] = original_dtype
         return boosted, wrapped, criterion, dataloader, lr_scheduler
@@ -410,14 +411,18 @@ class HybridParallelPlugin(ZeroPluginBase):
     def get_checkpoint_io(self) -> CheckpointIO:
         """The canonical cx format: TP shards and pipeline stages gathered by `HybridCheckpointIO`, floating tensors
         saved in the model's own dtype; a model load refreshes the fp32 master weights of its optimizers."""
-        return HybridCheckpointIO(
-            self._parts.get, after_model_load=self._refresh_masters, model_dtype=self._saved_dtype
-        )
+        return HybridCheckpointIO(self._parts_of, after_model_load=self._refresh_masters, model_dtype=self._saved_dtype)
 
     def _refresh_masters(self, view: ParallelModelView) -> None:
-        for module, optimizer in list(self._parts.values()):
-            if module is view:
-                optimizer.update_master_params(module)
+        for optimizer, module in self._module_of.items():
+            wrapped = self._wrapper_of.get(optimizer)
+            if module is view and wrapped is not None:
+                wrapped.update_master_params(module)
+
+    def _parts_of(self, optimizer: Optimizer) -> tuple[HybridParallelModule, _HybridOptimizer] | None:
+        """The boosted model and optimizer wrapper built around `optimizer`, while the user holds them."""
+        module, wrapped = self._module_of.get(optimizer), self._wrapper_of.get(optimizer)
+        return None if module is None or wrapped is None else (module, wrapped)
 
     def _saved_dtype(self, view: ParallelModelView) -> torch.dtype | None:
         return self._dtype_of.get(cast(nn.Module, view))

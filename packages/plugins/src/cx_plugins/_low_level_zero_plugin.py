@@ -24,6 +24,7 @@ from cx_checkpoint import CheckpointIO
 from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
+from cx_plugins._weak_lookup import WeakLookup
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_plugins._zero_checkpoint_io import ZeroCheckpointIO
 from cx_plugins._zero_wrappers import CastModel, ZeroOptimizerWrapper
@@ -115,7 +116,7 @@ class LowLevelZeroPlugin(ZeroPluginBase):
             [(Axis.EXTRA_DP, extra_dp_size), (Axis.ZERO, FILL)], data_axes=(Axis.EXTRA_DP, Axis.ZERO)
         )
         # Which ZeRO optimizer serves a user's torch optimizer, and which module each one trains (for checkpoint IO).
-        self._zero_of: weakref.WeakKeyDictionary[Optimizer, LowLevelZeroOptimizer] = weakref.WeakKeyDictionary()
+        self._zero_of: WeakLookup[Optimizer, LowLevelZeroOptimizer] = WeakLookup()
         self._owner_of: weakref.WeakKeyDictionary[LowLevelZeroOptimizer, weakref.ref[nn.Module]] = (
             weakref.WeakKeyDictionary()
         )

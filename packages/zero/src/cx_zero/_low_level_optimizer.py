@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -212,24 +213,34 @@ class LowLevelZeroOptimizer:
         return spanning[0]
 
     def _grad_hook(self, shard: ParamShard) -> Any:
+        """The parameter's post-accumulate hook. It holds this optimizer weakly: a tensor hook lives in C++, where
+        Python's garbage collector cannot see it, so a strong reference would keep the optimizer, its state and
+        the model alive after the user dropped them."""
+        owner = weakref.ref(self)
+
         def hook(_param: torch.Tensor) -> None:
-            if not self._in_backward:
-                raise RuntimeError(
-                    "a parameter managed by LowLevelZeroOptimizer received a gradient outside optimizer.backward(): "
-                    "call optimizer.backward(loss) or optimizer.backward_by_grad(tensor, grad) instead of "
-                    "loss.backward(), so that gradients are reduced"
-                )
-            shard.used = True
-            if self._require_grad_sync:
-                # Stage 2 reduces during backward even without overlap_communication, so that the full-size
-                # gradients are released bucket by bucket instead of piling up until the end of backward. Only the
-                # spanning group launches early: the other groups' buckets go at the end of backward, after it, so
-                # every rank issues collectives on different groups in one global order (NCCL needs that).
-                eager = self.options.overlap_communication or self.options.stage is ZeroStage.TWO
-                eager = eager and shard.group_index == self._spanning_index
-                self._reducers[shard.group_index].mark_ready(shard, launch=eager)
+            optimizer = owner()
+            if optimizer is not None:
+                optimizer._on_grad(shard)
 
         return hook
+
+    def _on_grad(self, shard: ParamShard) -> None:
+        if not self._in_backward:
+            raise RuntimeError(
+                "a parameter managed by LowLevelZeroOptimizer received a gradient outside optimizer.backward(): "
+                "call optimizer.backward(loss) or optimizer.backward_by_grad(tensor, grad) instead of "
+                "loss.backward(), so that gradients are reduced"
+            )
+        shard.used = True
+        if self._require_grad_sync:
+            # Stage 2 reduces during backward even without overlap_communication, so that the full-size
+            # gradients are released bucket by bucket instead of piling up until the end of backward. Only the
+            # spanning group launches early: the other groups' buckets go at the end of backward, after it, so
+            # every rank issues collectives on different groups in one global order (NCCL needs that).
+            eager = self.options.overlap_communication or self.options.stage is ZeroStage.TWO
+            eager = eager and shard.group_index == self._spanning_index
+            self._reducers[shard.group_index].mark_ready(shard, launch=eager)
 
     # ---- properties -------------------------------------------------------------------------------------------
     @property

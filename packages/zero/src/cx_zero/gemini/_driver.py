@@ -16,6 +16,7 @@ same way), then reduces the chunks whose parameters were partly unused (missing 
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,8 +138,17 @@ class GeminiDriver:
         for unit in self.units:
             self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
             self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        # held weakly: a tensor hook lives in C++, out of the garbage collector's sight, and a bound method would keep
+        # this driver, its chunks and the model alive after the user dropped them
+        owner = weakref.WeakMethod(self._post_accumulate)
+
+        def post_accumulate(param: torch.Tensor) -> None:
+            method = owner()
+            if method is not None:
+                method(param)
+
         for p in self._unique(self.trainable):
-            self._handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
+            self._handles.append(p.register_post_accumulate_grad_hook(post_accumulate))
 
     def remove(self) -> None:
         for handle in self._handles:
