@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 import cx_plugins._lazy_init as lazy_init
+from cx_chunk import ChunkManager
 from cx_mesh.testing import distributed
-from cx_plugins import Booster, GeminiPlugin, LazyInitContext, LowLevelZeroPlugin, TorchDDPPlugin
+from cx_plugins import Booster, GeminiPlugin, LazyInitContext, LowLevelZeroPlugin, ModelWrapper, TorchDDPPlugin
+from cx_plugins._gemini_plugin import GeminiModel
 from cx_plugins._lazy_init import is_lazy
 
 _CHUNK = 4096  # elements: the model below needs several chunks
@@ -61,15 +63,16 @@ def test_gemini_materialises_a_lazy_model_one_parameter_at_a_time(rank: int, wor
     with context:
         lazy = _Stack()
     optimizer = torch.optim.Adam(lazy.parameters(), lr=1e-2)
-    booster = Booster(plugin=GeminiPlugin(precision=precision, chunk_config_dict={"chunk_size": _CHUNK, "keep_gathered": False}))
-    boosted, boosted_optimizer, *_ = booster.boost(lazy, optimizer)
+    plugin = GeminiPlugin(precision=precision, chunk_config_dict={"chunk_size": _CHUNK, "keep_gathered": False})
+    boosted, *_ = Booster(plugin=plugin).boost(lazy, optimizer)
+    assert isinstance(boosted, GeminiModel)
     largest, whole = _sizes(eager)
     # the replay never held more than the largest parameter's bytes at once (the model is 10x that)
     assert context.stats.wanted_bytes >= whole
     assert context.stats.peak_bytes <= largest
     assert context.stats.peak_bytes * 8 < whole
     # chunks: built one at a time from the shapes, each full buffer dropped at close; this rank keeps its part
-    manager = boosted.ddp.manager
+    manager: ChunkManager = boosted.ddp.manager
     chunks = manager.chunks()
     assert len(chunks) >= 3
     assert sum(c.shard_nbytes for c in chunks) * world_size == sum(c.nbytes for c in chunks)
@@ -92,7 +95,7 @@ def test_materialising_in_place_holds_the_model_plus_one_parameter() -> None:
     with context:
         lazy = _Stack()
     LazyInitContext.materialize(lazy)
-    largest, whole = _sizes(eager)
+    largest = _sizes(eager)[0]
     assert context.stats.peak_bytes <= largest
     assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in lazy.parameters())
     for (name, a), (_, b) in zip(eager.state_dict().items(), lazy.state_dict().items(), strict=True):
@@ -148,5 +151,7 @@ def test_plugins_holding_full_parameters_get_the_lazy_model_materialised(
     optimizer = torch.optim.SGD(lazy.parameters(), lr=0.1)
     boosted, *_ = Booster(plugin=plugin).boost(lazy, optimizer)
     assert context.stats.peak_bytes <= _sizes(eager)[0]
+    assert isinstance(boosted, ModelWrapper)
+    state = boosted.unwrap().state_dict()
     for name, value in eager.state_dict().items():
-        torch.testing.assert_close(boosted.unwrap().state_dict()[name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)

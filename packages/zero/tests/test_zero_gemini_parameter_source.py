@@ -49,7 +49,8 @@ def test_meta_parameters_are_filled_from_the_source(rank: int, world_size: int) 
     before = [id(p) for p in lazy.parameters()]
     ddp = GeminiDDP(lazy, mixed_precision=torch.float32, chunk_config_dict={"chunk_size": 128}, parameter_source=source)
     assert [id(p) for p in lazy.parameters()] == before  # the same parameter objects
-    assert all(not p.is_meta for p in lazy.parameters()) and all(not b.is_meta for b in lazy.buffers())
+    assert all(not p.is_meta for p in lazy.parameters())
+    assert all(not b.is_meta for b in lazy.buffers())
     state = ddp.state_dict(only_rank_0=False)
     for name, value in twin.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
@@ -68,6 +69,7 @@ def test_meta_parameters_are_filled_from_the_source(rank: int, world_size: int) 
 )
 def test_bad_sources_get_clear_errors(rank: int, world_size: int, fault: str, message: str) -> None:
     twin, lazy = _model(), _model("meta")
-    source = None if fault == "none" else _FromTwin(lazy, twin, skip=0 if fault == "skip" else None, twice=fault == "twice")
+    skip = 0 if fault == "skip" else None
+    source = None if fault == "none" else _FromTwin(lazy, twin, skip=skip, twice=fault == "twice")
     with pytest.raises(ValueError, match=message):
         GeminiDDP(lazy, mixed_precision=torch.float32, parameter_source=source)

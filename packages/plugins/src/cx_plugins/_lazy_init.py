@@ -176,7 +176,9 @@ class LazyModel:
         for tape, tensors in self._groups.values():
             device = tape.default_device or torch.device("cpu")
 
-            def take(index: int, value: torch.Tensor, tensors: list[torch.Tensor] = tensors) -> None:
+            def take(
+                index: int, value: torch.Tensor, tensors: list[torch.Tensor] = tensors, device: torch.device = device
+            ) -> None:
                 tensor = tensors[index]
                 uses = self._uses[id(tensor)]
                 if receive is not None and isinstance(tensor, nn.Parameter):
