@@ -17,9 +17,19 @@ from torch import nn
 import cx_plugins._lazy_init as lazy_init
 from cx_chunk import ChunkManager
 from cx_mesh.testing import distributed
-from cx_plugins import Booster, GeminiPlugin, LazyInitContext, LowLevelZeroPlugin, ModelWrapper, TorchDDPPlugin
+from cx_plugins import (
+    Booster,
+    GeminiPlugin,
+    HybridParallelPlugin,
+    LazyInitContext,
+    LowLevelZeroPlugin,
+    ModelWrapper,
+    TorchDDPPlugin,
+)
 from cx_plugins._gemini_plugin import GeminiModel
+from cx_plugins._layout import Axis
 from cx_plugins._lazy_init import is_lazy
+from cx_shardformer import get_shard_spec, shard_tensor
 
 _CHUNK = 4096  # elements: the model below needs several chunks
 
@@ -155,3 +165,74 @@ def test_plugins_holding_full_parameters_get_the_lazy_model_materialised(
     state = boosted.unwrap().state_dict()
     for name, value in eager.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
+
+
+def _llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=32, num_hidden_layers=2, use_cache=False, tie_word_embeddings=False,
+    )  # fmt: skip
+    model: nn.Module = transformers.LlamaForCausalLM(config)
+    return model
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("plugin_name", ["hybrid", "gemini"])
+def test_tensor_parallel_plugins_cut_each_lazy_parameter_to_its_slice(
+    rank: int, world_size: int, plugin_name: str
+) -> None:
+    torch.manual_seed(5)
+    eager = _llama()
+    torch.manual_seed(5)
+    context = LazyInitContext()
+    with context:
+        lazy = _llama()
+    plugin: HybridParallelPlugin | GeminiPlugin = (
+        HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32")
+        if plugin_name == "hybrid"
+        else GeminiPlugin(tp_size=2, precision="fp32")
+    )
+    optimizer = torch.optim.SGD(lazy.parameters(), lr=0.1)
+    boosted, *_ = Booster(plugin=plugin).boost(lazy, optimizer)
+    # ShardFormer sharded the meta model; each full value existed only until it was cut to this rank's slice
+    assert context.stats.peak_bytes <= _sizes(eager)[0]
+    split = [name for name, p in lazy.named_parameters() if get_shard_spec(p) is not None]
+    assert split
+    # this rank holds exactly the eager values' slices: in place (hybrid), in its chunks (gemini, gathered here)
+    local = dict(lazy.named_parameters())
+    held = (
+        boosted.state_dict(only_rank_0=False)  # type: ignore[call-arg]
+        if isinstance(boosted, GeminiModel)
+        else {name: p.detach() for name, p in local.items()}
+    )
+    for name, value in eager.named_parameters():
+        spec = get_shard_spec(local[name])
+        group = plugin.layout.group(Axis.TP)
+        expected = value.detach() if spec is None else shard_tensor(value.detach(), spec, group)
+        torch.testing.assert_close(held[name], expected, rtol=0, atol=0, msg=name)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        boosted.eval()
+        eager.eval()
+        loss = boosted(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(loss, eager(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+
+
+@distributed(world_size=2)
+def test_pipeline_stages_materialise_only_their_own_parameters(rank: int, world_size: int) -> None:
+    torch.manual_seed(5)
+    eager = _llama()
+    torch.manual_seed(5)
+    context = LazyInitContext()
+    with context:
+        lazy = _llama()
+    plugin = HybridParallelPlugin(tp_size=1, pp_size=2, precision="fp32", num_microbatches=2)
+    Booster(plugin=plugin).boost(lazy, torch.optim.SGD(lazy.parameters(), lr=0.1))
+    assert context.stats.peak_bytes <= _sizes(eager)[0]
+    local = dict(lazy.named_parameters())
+    made = [name for name, p in local.items() if not p.is_meta]
+    assert made
+    assert len(made) < len(local)  # the other stage's parameters were never materialised here
+    for name in made:
+        torch.testing.assert_close(local[name].detach(), eager.get_parameter(name).detach(), rtol=0, atol=0, msg=name)

@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from cx_plugins._lazy_tape import MetaFactories, OpTape, RecordingMode, ReplayStats, TensorRef
 
-__all__ = ["LazyInitContext", "LazyModel", "is_lazy", "materialize"]
+__all__ = ["LazyInitContext", "LazyModel", "install_parameter", "is_lazy", "materialize"]
 
 # the tape of every module built under a context and not materialised yet: weak keys, so a model that is dropped
 # unmaterialised takes its tape with it; materialising a model removes its modules' entries
@@ -194,6 +194,11 @@ class LazyModel:
             tape.stream(torch.device("cpu"), [self._refs[id(t)] for t in tensors], take, tape.stats)
         for owner in self.module.modules():  # materialised: these modules no longer keep the tape alive
             _TAPE_OF.pop(owner, None)
+
+
+def install_parameter(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Swap `value` (a materialised value, or this rank's slice of it) into `param` in place, on `value`'s device."""
+    _install(param, _owned(value, value.device), "parameter")
 
 
 def _owned(value: torch.Tensor, device: torch.device) -> torch.Tensor:
