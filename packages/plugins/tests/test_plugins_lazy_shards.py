@@ -202,7 +202,7 @@ def test_tensor_parallel_plugins_cut_each_lazy_parameter_to_its_slice(
     # this rank holds exactly the eager values' slices: in place (hybrid), in its chunks (gemini, gathered here)
     local = dict(lazy.named_parameters())
     held = (
-        boosted.state_dict(only_rank_0=False)  # type: ignore[call-arg]
+        boosted.state_dict(only_rank_0=False)
         if isinstance(boosted, GeminiModel)
         else {name: p.detach() for name, p in local.items()}
     )
