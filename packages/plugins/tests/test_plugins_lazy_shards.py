@@ -177,19 +177,30 @@ def _llama() -> nn.Module:
     return model
 
 
+def _gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model: nn.Module = transformers.GPT2LMHeadModel(config)  # tied embeddings, fused qkv in Conv1D
+    return model
+
+
 @distributed(world_size=2)
-@pytest.mark.parametrize("plugin_name", ["hybrid", "gemini"])
+@pytest.mark.parametrize(("plugin_name", "model_name"), [("hybrid", "llama"), ("hybrid", "gpt2"), ("gemini", "llama")])
 def test_tensor_parallel_plugins_cut_each_lazy_parameter_to_its_slice(
-    rank: int, world_size: int, plugin_name: str
+    rank: int, world_size: int, plugin_name: str, model_name: str
 ) -> None:
+    build = _llama if model_name == "llama" else _gpt2
     torch.manual_seed(5)
-    eager = _llama()
+    eager = build()
     torch.manual_seed(5)
     context = LazyInitContext()
     with context:
-        lazy = _llama()
+        lazy = build()
     plugin: HybridParallelPlugin | GeminiPlugin = (
-        HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32")
+        HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", enable_all_optimization=model_name == "gpt2")
         if plugin_name == "hybrid"
         else GeminiPlugin(tp_size=2, precision="fp32")
     )
