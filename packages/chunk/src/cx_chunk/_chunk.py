@@ -86,12 +86,16 @@ class _Reduction:
 
 
 def _swap_in(tensor: torch.Tensor, view: torch.Tensor) -> None:
-    """Make a meta `tensor` (a parameter built lazily) a real one pointing at `view`, in place: the same Python
-    object (optimizers and modules that hold it stay valid), same class and `requires_grad`."""
+    """Make a meta `tensor` (a parameter built lazily) a real one on `view`'s device, in place: the same Python
+    object (optimizers and modules that hold it stay valid), same class and `requires_grad`. It gets an empty tensor
+    of its own (the caller then points `.data` at its slot, as for any tensor): a tensor made from `view` itself
+    would share the chunk buffer's version counter, and every gather would then look like an in-place change of
+    the parameter to autograd."""
+    empty = torch.empty(0, dtype=view.dtype, device=view.device)
     fresh = (
-        nn.Parameter(view, requires_grad=tensor.requires_grad)
+        nn.Parameter(empty, requires_grad=tensor.requires_grad)
         if isinstance(tensor, nn.Parameter)
-        else view.detach().requires_grad_(tensor.requires_grad)
+        else empty.requires_grad_(tensor.requires_grad)
     )
     fresh.__dict__.update(tensor.__dict__)  # attributes set on the parameter (swap_tensors swaps them too)
     try:
