@@ -7,7 +7,10 @@ the parameters keep a use count of one and can later be swapped in place (optimi
 
 Replay runs the ops in recorded order on the CPU from the random state the context started with, so random
 initialisations draw exactly the numbers an eager construction on the CPU would have drawn: a lazily built model
-materialises to the same values as `Model()` built normally after the same seed.
+materialises to the same values as `Model()` built normally after the same seed. It streams (`OpTape.stream`): a
+plan made in one pass over the tape says after which op each storage is last used, and which ops overwrite a
+storage whole (a second initialisation), so every tensor is handed over or dropped as early as possible and the
+replay holds only what construction itself holds at once (`ReplayStats` records it).
 """
 
 from __future__ import annotations
