@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from cx_chunk._errors import ChunkError, ChunkFullError
 from cx_chunk._layout import MemoryUsage, Residence, ShardView, TensorSlot
@@ -82,6 +83,28 @@ class _Reduction:
     reduced: torch.Tensor
     target: Chunk
     scratch_numel: int  # what the collective allocates besides (see cx_mesh.reduce_scatter_scratch_numel)
+
+
+def _swap_in(tensor: torch.Tensor, view: torch.Tensor) -> None:
+    """Make a meta `tensor` (a parameter built lazily) a real one on `view`'s device, in place: the same Python
+    object (optimizers and modules that hold it stay valid), same class and `requires_grad`. It gets an empty tensor
+    of its own (the caller then points `.data` at its slot, as for any tensor): a tensor made from `view` itself
+    would share the chunk buffer's version counter, and every gather would then look like an in-place change of
+    the parameter to autograd."""
+    empty = torch.empty(0, dtype=view.dtype, device=view.device)
+    fresh = (
+        nn.Parameter(empty, requires_grad=tensor.requires_grad)
+        if isinstance(tensor, nn.Parameter)
+        else empty.requires_grad_(tensor.requires_grad)
+    )
+    fresh.__dict__.update(tensor.__dict__)  # attributes set on the parameter (swap_tensors swaps them too)
+    try:
+        torch.utils.swap_tensors(tensor, fresh)
+    except RuntimeError as error:
+        raise ChunkError(
+            "a tensor on the meta device could not be placed in its chunk in place because something still holds a "
+            "view of it; release views of lazily built parameters first"
+        ) from error
 
 
 class Chunk:
@@ -183,7 +206,8 @@ class Chunk:
         return not self.is_closed and self.utilized_size + numel <= self.chunk_size
 
     def append(self, tensor: torch.Tensor, name: str | None = None) -> TensorSlot:
-        """Copy `tensor` into the next free slot and re-point its data there; returns the slot."""
+        """Copy `tensor` into the next free slot and re-point its data there; returns the slot. A tensor on the meta
+        device has no values to copy: its slot holds zeros until written (`write`, or the own slice)."""
         if self.is_closed:
             raise ChunkError(f"chunk {self.chunk_id} is closed: no tensor can be appended")
         if tensor.dtype != self.dtype:
@@ -200,12 +224,16 @@ class Chunk:
         slot = TensorSlot(
             name or f"tensor{len(self._order)}", tensor.shape, self.utilized_size, self.utilized_size + numel
         )
-        self._buffer[slot.begin : slot.end].copy_(tensor.detach().reshape(-1))
+        if not tensor.is_meta:  # a meta tensor (built lazily) has no values yet: its owner writes them later
+            self._buffer[slot.begin : slot.end].copy_(tensor.detach().reshape(-1))
+        view = self._buffer[slot.begin : slot.end].view(slot.shape)
+        if tensor.is_meta:  # `.data` cannot leave the meta device: swap the tensor itself (its identity is kept)
+            _swap_in(tensor, view)
         entry = _Entry(tensor, slot, TensorState.HOLD)
         self._entries[id(tensor)] = entry
         self._order.append(entry)
         self.utilized_size += numel
-        tensor.data = self._buffer[slot.begin : slot.end].view(slot.shape)
+        tensor.data = view
         return slot
 
     def close(self) -> None:

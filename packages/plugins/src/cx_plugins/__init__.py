@@ -3,7 +3,8 @@
 Present: `Booster`, `Plugin`, `DPPluginBase`, `TorchDDPPlugin`, `TorchFSDPPlugin` (FSDP2), `LowLevelZeroPlugin`,
 `GeminiPlugin` (with tensor parallelism), `HybridParallelPlugin` (tp/pp/sp + DDP-like or ZeRO-1/2),
 `MoeHybridParallelPlugin` (experts over ep on top of it), `LazyInitContext`
-(build a model without allocating it; materialised at boost), the wrappers (`EngineOptimizer`, the one boosted
+(build a model without allocating it; materialised at boost straight into Gemini chunks and
+tensor-parallel slices), the wrappers (`EngineOptimizer`, the one boosted
 optimizer over any `OptimizerEngine`), `HybridCheckpointIO` with the faces it reads (`ParallelModelView`,
 `ParallelOptimizerView`) for models split by tensor and pipeline parallelism,
 reference models in `cx_plugins.models`, ColossalAI's learning-rate schedulers in `cx_plugins.lr_scheduler`; every

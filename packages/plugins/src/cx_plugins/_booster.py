@@ -82,8 +82,8 @@ class Booster:
         """Returns (model, optimizer, criterion, dataloader, lr_scheduler), each ready for distributed training."""
         _refuse_boosted(model, optimizer)
         check_boost_settings(self.plugin, self.mixed_precision.value, optimizer)
-        if is_lazy(model):  # built under LazyInitContext: real values now, before the plugin places or shards them
-            materialize(model)
+        if is_lazy(model) and not self.plugin.materialises_lazy_models():
+            materialize(model)  # built under LazyInitContext: real values now, before the plugin places or shards them
         boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
             model, optimizer, criterion, dataloader, lr_scheduler
         )

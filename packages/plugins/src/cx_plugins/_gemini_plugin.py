@@ -31,6 +31,8 @@ from cx_plugins._gemini_checkpoint_io import GeminiCheckpointIO
 from cx_plugins._gemini_tp import shard_for_gemini, tp_split_names
 from cx_plugins._gemini_tp_checkpoint_io import GeminiTPCheckpointIO
 from cx_plugins._layout import FILL, Axis, ParallelLayout
+from cx_plugins._lazy_init import LazyModel, is_lazy
+from cx_plugins._lazy_tp import SlicedSource
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._shardformer_options import ShardFormerOptions
 from cx_plugins._weak_lookup import WeakLookup
@@ -247,6 +249,11 @@ class GeminiPlugin(ZeroPluginBase):
     def support_no_sync(self) -> bool:
         return False
 
+    def materialises_lazy_models(self) -> bool:
+        """A lazily built model goes straight into the chunks, parameter by parameter (with tp_size > 1 ShardFormer
+        shards it on the meta device first and each value is cut to this rank's slice before it is chunked)."""
+        return True
+
     def configure(
         self,
         model: nn.Module,
@@ -260,13 +267,16 @@ class GeminiPlugin(ZeroPluginBase):
         elif isinstance(model, ModelWrapper):
             raise ValueError("GeminiPlugin: the model was already boosted by another plugin")
         else:
+            lazy = LazyModel(model) if is_lazy(model) else None  # captured before ShardFormer re-points anything
             if self.shardformer is not None:  # tensor parallelism first, in place: Gemini then chunks the TP shards
                 shard_for_gemini(model, self.shardformer, self.layout)
-            # with chunk_init_device the parameters go straight to that device (the CPU: the accelerator never
-            # holds the whole model); GeminiDDP moves them, and the buffers, where they belong
+            # a lazily built model is materialised into the chunks one parameter at a time (no rank holds it
+            # whole); with chunk_init_device the parameters go straight to that device (the CPU: the accelerator
+            # never holds the whole model); GeminiDDP moves them, and the buffers, where they belong
+            source = None if lazy is None else SlicedSource(lazy, self.layout.group_or_none(Axis.TP))
             target = (
                 model
-                if self.options.ddp.chunk_init_device is not None
+                if self.options.ddp.chunk_init_device is not None or source is not None
                 else model.to(get_accelerator().current_device())
             )
             ddp = GeminiDDP(
@@ -276,6 +286,7 @@ class GeminiPlugin(ZeroPluginBase):
                 extra_dp_group=self.layout.group_or_none(Axis.EXTRA_DP),
                 memstats=self.options.memstats,
                 verbose=self.options.verbose,
+                parameter_source=source,
             )
             boosted = GeminiModel(ddp)
         wrapped: OptimizerWrapper | None = None

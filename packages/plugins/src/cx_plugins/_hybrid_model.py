@@ -26,6 +26,8 @@ from cx_pipeline import (
     split_model,
 )
 from cx_plugins._layout import ParallelLayout
+from cx_plugins._lazy_init import LazyModel
+from cx_plugins._lazy_tp import materialise_sliced
 from cx_plugins._wrappers import ModelWrapper
 from cx_shardformer import Policy, ShardConfig, ShardFormer
 
@@ -94,14 +96,20 @@ def compose_model(
     stage_manager: PipelineStageManager | None,
     dtype: torch.dtype,
     device: torch.device,
+    lazy: LazyModel | None = None,
 ) -> ComposedModel:
-    """ShardFormer, pipeline split, cast, release of other stages' parameters (module docs)."""
+    """ShardFormer, pipeline split, cast, release of other stages' parameters (module docs). A model built under
+    `LazyInitContext` (`lazy`) is sharded and split while still on the meta device, then materialised one parameter
+    at a time, each cut at once to this rank's tensor-parallel slice; other stages' parameters are never made."""
     if shard_config is not None:
         model, _ = ShardFormer(shard_config).optimize(model, policy=policy)
+    tp_group = shard_config.tensor_parallel_process_group if shard_config is not None else None
     names: dict[int, str] = {}
     for name, param in model.named_parameters():
         names.setdefault(id(param), name)
     if stage_manager is None:
+        if lazy is not None:
+            materialise_sliced(model, lazy, tp_group)
         model.to(device=device, dtype=dtype)
         return ComposedModel(model, None, list({id(p): p for p in model.parameters()}.values()), names)
     pipeline = split_model(_splitter(model), stage_manager)
@@ -110,6 +118,8 @@ def compose_model(
     for param in list({id(p): p for p in model.parameters()}.values()):
         if id(param) not in held_ids:
             _release(param)
+    if lazy is not None:
+        materialise_sliced(model, lazy, tp_group, held_ids)
     for chunk in pipeline.chunks:
         chunk.to(device=device, dtype=dtype)
     return ComposedModel(model, pipeline, held, names)

@@ -43,6 +43,7 @@ from cx_plugins._hybrid_options import (
     parse_pipeline_style,
 )
 from cx_plugins._layout import FILL, Axis, ParallelLayout
+from cx_plugins._lazy_init import LazyModel, is_lazy
 from cx_plugins._parallel_view import ParallelModelView
 from cx_plugins._plugin import Boosted, ZeroPluginBase
 from cx_plugins._shardformer_options import ShardFormerOptions
@@ -261,6 +262,11 @@ class HybridParallelPlugin(ZeroPluginBase):
     def supports_pipeline(self) -> bool:
         return self.pp_size > 1
 
+    def materialises_lazy_models(self) -> bool:
+        """A lazily built model is sharded on the meta device and materialised parameter by parameter, each cut at
+        once to this rank's tensor-parallel slice (other pipeline stages' parameters are never made)."""
+        return True
+
     def configure(
         self,
         model: nn.Module,
@@ -281,6 +287,7 @@ class HybridParallelPlugin(ZeroPluginBase):
             self.stage_manager,
             o.precision.dtype,
             get_accelerator().current_device(),
+            LazyModel(model) if is_lazy(model) else None,
         )
         if optimizer is not None:
             _repoint_replaced(optimizer, before, composed.module)

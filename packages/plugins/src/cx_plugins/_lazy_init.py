@@ -3,34 +3,53 @@
     with LazyInitContext():
         model = transformers.LlamaForCausalLM(config)    # parameters on the meta device, no memory
     optimizer = HybridAdam(model.parameters())            # fine: the same Parameter objects get their values
-    model, optimizer, *_ = booster.boost(model, optimizer)  # materialised here, then sharded by the plugin
+    model, optimizer, *_ = booster.boost(model, optimizer)  # materialised here, into the plugin's shards
 
 Materialising replays the recorded construction on the CPU (see `_lazy_tape.py`), so the values are exactly those
-of an eager construction after the same seed (ColossalAI's lazy tensors do not promise that). Parameters are
-swapped in place (`torch.utils.swap_tensors`): the user's references and an optimizer built before `boost` stay
-valid; tied parameters stay tied. The whole model is materialised once in host memory before the plugin shards it;
-accelerator memory only ever holds what the plugin places there.
+of an eager construction after the same seed (ColossalAI's lazy tensors do not promise that). The replay streams:
+each tensor is handed over as soon as construction is done with it and then dropped, so the replay itself holds
+only what construction keeps alive at once (a parameter or two), never the whole model. `GeminiPlugin` takes each
+parameter straight into its chunk slot (this rank's part kept, the rest dropped: `GeminiDDP(parameter_source=...)`);
+the other plugins hold every parameter in full on each rank anyway and get the model materialised in place first
+(`torch.utils.swap_tensors`: the user's references and an optimizer built before `boost` stay valid; tied
+parameters stay tied). The context's `stats` say how many bytes the last replay held at once.
+
+A model's tape lives only as long as the model's modules are lazy: it is kept in a weak map from module to tape,
+entries dropped when the model is materialised or garbage-collected; that map also makes `is_lazy` O(1) for the root.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+from torch.utils.hooks import RemovableHandle
 
-from cx_plugins._lazy_tape import MetaFactories, OpTape, RecordingMode, TensorRef, storage_key
+from cx_plugins._lazy_tape import MetaFactories, OpTape, RecordingMode, ReplayStats, TensorRef
 
-__all__ = ["LazyInitContext", "is_lazy", "materialize"]
+__all__ = ["LazyInitContext", "LazyModel", "install_parameter", "is_lazy", "materialize"]
 
-_LIVE: list[OpTape] = []  # every context's tape (a model holds no reference to its tape; meta storages are free)
+# the tape of every module built under a context and not materialised yet: weak keys, so a model that is dropped
+# unmaterialised takes its tape with it; materialising a model removes its modules' entries
+_TAPE_OF: weakref.WeakKeyDictionary[nn.Module, OpTape] = weakref.WeakKeyDictionary()
+_TAPES: weakref.WeakSet[OpTape] = weakref.WeakSet()  # the tapes still alive (for modules wrapped after the context)
 
 
 class LazyInitContext:
     """Inside, modules are built on the meta device and their construction is recorded; `materialize(module)` (or
-    `booster.boost`) gives them their real values. `default_device`: where materialised tensors go (CPU if None)."""
+    `booster.boost`) gives them their real values. `default_device`: where materialised tensors go (CPU if None).
+    `stats`: bytes held at once by the last replay of this context's tape (`peak_bytes`) and the bytes of the
+    tensors it materialised (`wanted_bytes`)."""
 
     def __init__(self, tensor_cls: Any = None, default_device: torch.device | str | int | None = None) -> None:
         if tensor_cls is not None:
@@ -38,17 +57,29 @@ class LazyInitContext:
                 "LazyInitContext(tensor_cls=...): cx records construction with its own op tape; pass no tensor_cls"
             )
         self.default_device = None if default_device is None else torch.device(default_device)
+        self.stats = ReplayStats()
         self._tape: OpTape | None = None
         self._stack: list[Any] = []
+        self._hooks: list[RemovableHandle] = []
+        self._built: list[nn.Module] = []
 
     def __enter__(self) -> LazyInitContext:
         if self._tape is not None:
             raise RuntimeError("LazyInitContext is not re-entrant: use one context per `with` block")
-        self._tape = OpTape(rng_state=torch.get_rng_state(), default_device=self.default_device)
+        self._tape = OpTape(rng_state=torch.get_rng_state(), default_device=self.default_device, stats=self.stats)
         factories, recording = MetaFactories(), RecordingMode(self._tape)
         factories.__enter__()
         recording.__enter__()
         self._stack = [recording, factories]
+
+        def seen(module: nn.Module, name: str, value: Any) -> None:
+            self._built.append(module)
+
+        self._hooks = [
+            register_module_parameter_registration_hook(seen),
+            register_module_buffer_registration_hook(seen),
+            register_module_module_registration_hook(seen),
+        ]
         return self
 
     def __exit__(
@@ -56,7 +87,9 @@ class LazyInitContext:
     ) -> None:
         for manager in self._stack:
             manager.__exit__(kind, error, trace)
-        self._stack = []
+        for hook in self._hooks:
+            hook.remove()
+        built, self._built, self._stack, self._hooks = self._built, [], [], []
         tape, self._tape = self._tape, None
         if error is not None:
             error.add_note(
@@ -66,7 +99,9 @@ class LazyInitContext:
             )
             return
         if tape is not None:
-            _LIVE.append(tape)
+            _TAPES.add(tape)
+            for module in built:
+                _TAPE_OF[module] = tape
 
     @staticmethod
     def materialize(module: nn.Module, verbose: bool = False) -> nn.Module:
@@ -89,49 +124,94 @@ def _lazy_tensors(module: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Ten
 
 
 def is_lazy(module: nn.Module) -> bool:
-    """Whether `module` has tensors recorded by a LazyInitContext and not materialised yet."""
-    return any(_tape_of(tensor) is not None for _, _, tensor, _ in _lazy_tensors(module))
-
-
-def _tape_of(tensor: torch.Tensor) -> OpTape | None:
-    key = storage_key(tensor)
-    return next((tape for tape in _LIVE if key in tape.produced), None)
+    """Whether `module` was built under a LazyInitContext and is not materialised yet. O(1): a lookup of the root
+    in the weak module-to-tape map; a root built outside the context around lazy children is recognised by its
+    first tensor."""
+    if module in _TAPE_OF:
+        return True
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return first is not None and first.device.type == "meta" and any(tape.knows(first) for tape in list(_TAPES))
 
 
 def materialize(module: nn.Module) -> nn.Module:
     """Replay the construction of `module`'s lazy tensors and put the real values in place."""
-    entries = list(_lazy_tensors(module))
-    if not entries:
-        return module
-    tapes = {id(tape): tape for tape in (_tape_of(tensor) for _, _, tensor, _ in entries) if tape is not None}
-    unknown = [f"{type(owner).__name__}.{name}" for owner, name, tensor, _ in entries if _tape_of(tensor) is None]
-    if unknown:
-        raise ValueError(
-            f"tensors on the meta device that no LazyInitContext recorded cannot be materialised: {unknown[:5]}"
-        )
-    counterparts: dict[int, Callable[[TensorRef], torch.Tensor]] = {}
-    for tape in tapes.values():
-        counterparts[id(tape)] = _on(tape.replay(torch.device("cpu")), tape.default_device or torch.device("cpu"))
-    swapped: dict[int, torch.Tensor] = {}
-    for owner, name, tensor, kind in entries:
-        done = swapped.get(id(tensor))
-        if done is None:
-            value = counterparts[id(_tape_of(tensor))](TensorRef.of(tensor))
-            done = _install(tensor, value, kind)
-            swapped[id(tensor)] = done
-        if kind == "buffer":
-            owner._buffers[name] = done
-        elif kind == "attribute":
-            setattr(owner, name, done)
+    LazyModel(module).stream()
     return module
 
 
-def _on(counterpart: Callable[[TensorRef], torch.Tensor], device: torch.device) -> Callable[[TensorRef], torch.Tensor]:
-    def value(ref: TensorRef) -> torch.Tensor:
-        # a tensor of its own (a view of a shared construction buffer is copied out), on the target device
-        return counterpart(ref).detach().to(device, copy=True).contiguous()
+class LazyModel:
+    """A lazily built module's meta tensors, captured before anything else touches them, and their replay.
 
-    return value
+    `stream(receive)` is cx-zero's `ParameterSource`: each parameter's full value goes to `receive(parameter,
+    value)` one at a time (GeminiDDP copies its part into a chunk), or, without `receive`, is swapped into the
+    parameter in place. Buffers and tensor attributes are always put in place."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        entries = list(_lazy_tensors(module))
+        tapes = {id(t): t for t in (_TAPE_OF.get(m) for m in module.modules()) if t is not None}
+        candidates = list(tapes.values()) + [t for t in list(_TAPES) if id(t) not in tapes]
+        self._groups: dict[int, tuple[OpTape, list[torch.Tensor]]] = {}  # tape id -> (tape, distinct tensors)
+        self._uses: dict[int, list[tuple[nn.Module, str, str]]] = {}  # tensor id -> where it is installed
+        self._refs: dict[int, TensorRef] = {}
+        unknown = []
+        for owner, name, tensor, kind in entries:
+            if id(tensor) not in self._uses:
+                tape = next((t for t in candidates if t.knows(tensor)), None)
+                if tape is None:
+                    unknown.append(f"{type(owner).__name__}.{name}")
+                    continue
+                self._groups.setdefault(id(tape), (tape, []))[1].append(tensor)
+                self._refs[id(tensor)] = TensorRef.of(tensor)
+                self._uses[id(tensor)] = []
+            self._uses[id(tensor)].append((owner, name, kind))
+        if unknown:
+            raise ValueError(
+                f"tensors on the meta device that no LazyInitContext recorded cannot be materialised: {unknown[:5]}"
+            )
+
+    def stream(self, receive: Callable[[nn.Parameter, torch.Tensor], None] | None = None) -> None:
+        """Replay each tape once; every tensor is handed over (or installed) as soon as construction is done with
+        it, so at most what construction itself held at once is alive (see `OpTape.stream`)."""
+        for tape, tensors in self._groups.values():
+            device = tape.default_device or torch.device("cpu")
+
+            def take(
+                index: int, value: torch.Tensor, tensors: list[torch.Tensor] = tensors, device: torch.device = device
+            ) -> None:
+                tensor = tensors[index]
+                uses = self._uses[id(tensor)]
+                if receive is not None and isinstance(tensor, nn.Parameter):
+                    receive(tensor, value)
+                    return
+                done = _install(tensor, _owned(value, device), uses[0][2])
+                for owner, name, kind in uses:
+                    if kind == "buffer":
+                        owner._buffers[name] = done
+                    elif kind == "attribute":
+                        setattr(owner, name, done)
+
+            tape.stream(torch.device("cpu"), [self._refs[id(t)] for t in tensors], take, tape.stats)
+        for owner in self.module.modules():  # materialised: these modules no longer keep the tape alive
+            _TAPE_OF.pop(owner, None)
+
+
+def install_parameter(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Swap `value` (a materialised value, or this rank's slice of it) into `param` in place, on `value`'s device."""
+    _install(param, _owned(value, value.device), "parameter")
+
+
+def _owned(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`value` as a tensor of its own on `device`: taken as it is when it already is one (the replay has dropped
+    it), copied out when it is a view of a larger construction buffer (which it would otherwise keep alive)."""
+    whole = (
+        value.storage_offset() == 0
+        and value.is_contiguous()
+        and value.untyped_storage().nbytes() == value.numel() * value.element_size()
+    )
+    if whole and value.device == device:
+        return value.detach()
+    return value.detach().to(device, copy=True).contiguous()
 
 
 def _install(tensor: torch.Tensor, value: torch.Tensor, kind: str) -> torch.Tensor:
@@ -141,6 +221,7 @@ def _install(tensor: torch.Tensor, value: torch.Tensor, kind: str) -> torch.Tens
         return value
     assert isinstance(tensor, nn.Parameter)
     fresh = nn.Parameter(value, requires_grad=tensor.requires_grad)
+    fresh.__dict__.update(tensor.__dict__)  # attributes set on the parameter (swap_tensors swaps them too)
     try:
         torch.utils.swap_tensors(tensor, fresh)
     except RuntimeError as error:

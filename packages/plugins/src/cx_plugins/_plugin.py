@@ -70,6 +70,12 @@ class Plugin(ABC):
     def supports_pipeline(self) -> bool:
         return False
 
+    def materialises_lazy_models(self) -> bool:
+        """Whether `configure` takes a model built under `LazyInitContext` as it is and materialises it straight
+        into its shards; otherwise the Booster materialises it in full first (ranks that hold every parameter in
+        full need the whole model anyway)."""
+        return False
+
     def support_lora(self) -> bool:
         """Whether `enable_lora` works with this plugin (plugins whose ranks hold full weights say yes)."""
         return False

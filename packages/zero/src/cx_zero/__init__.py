@@ -29,6 +29,7 @@ from cx_zero.gemini import (
     GeminiOptimizer,
     GeminiOptimizerOptions,
     GeminiOptions,
+    ParameterSource,
     PathMismatchError,
     PlacementKind,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "GeminiOptimizer",
     "GeminiOptimizerOptions",
     "GeminiOptions",
+    "ParameterSource",
     "PathMismatchError",
     "PlacementKind",
     # ZeRO-1/2

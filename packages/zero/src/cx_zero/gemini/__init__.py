@@ -8,6 +8,8 @@
   `GeminiOptimizerOptions`, `PlacementKind`: the validated options, taken whole by `GeminiDDP(options=...)` and
   `GeminiOptimizer(options=...)`; `PathMismatchError`: ranks used different parameters, or the same ones in a
   different order; `OpaqueOutputError`: a module output hides tensors from torch's pytree.
+- `ParameterSource`: how `GeminiDDP(module, parameter_source=...)` takes a module whose parameters are on the meta
+  device (never allocated): each full value is streamed into its chunk slot, this rank's part kept.
 See docs/gemini.md.
 """
 
@@ -16,6 +18,7 @@ from cx_zero.gemini._driver import PathMismatchError
 from cx_zero.gemini._optimizer import GeminiOptimizer
 from cx_zero.gemini._options import GeminiOptimizerOptions, GeminiOptions, PlacementKind
 from cx_zero.gemini._outputs import OpaqueOutputError
+from cx_zero.gemini._source import ParameterSource
 
 __all__ = [
     "GeminiDDP",
@@ -23,6 +26,7 @@ __all__ = [
     "GeminiOptimizerOptions",
     "GeminiOptions",
     "OpaqueOutputError",
+    "ParameterSource",
     "PathMismatchError",
     "PlacementKind",
 ]

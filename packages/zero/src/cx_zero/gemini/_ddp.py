@@ -38,6 +38,7 @@ from cx_zero.gemini._driver import GeminiDriver
 from cx_zero.gemini._gather import full_chunk
 from cx_zero.gemini._options import GeminiOptions, PlacementKind
 from cx_zero.gemini._outputs import map_tensors
+from cx_zero.gemini._source import ParameterSource
 from cx_zero.gemini._units import build_units, long_lived_params, parameter_names
 
 __all__ = ["GeminiDDP"]
@@ -82,6 +83,7 @@ class GeminiDDP(nn.Module):
         fp8_communication: bool = False,
         *,
         options: GeminiOptions | None = None,
+        parameter_source: ParameterSource | None = None,
     ) -> None:
         require_initialized("GeminiDDP")
         if fp8_communication:
@@ -156,6 +158,13 @@ class GeminiDDP(nn.Module):
         self.original_dtypes: dict[int, torch.dtype] = {id(p): p.dtype for p in params}
         trainable = [p for p in params if p.requires_grad]
         frozen = [p for p in params if not p.requires_grad]
+        lazy = {id(p) for p in params if p.is_meta}
+        if lazy and parameter_source is None:
+            raise ValueError(
+                f"GeminiDDP: parameters on the meta device ({[self.param_names[i] for i in list(lazy)[:3]]}, ...) "
+                "have no values: build the model under cx_plugins.LazyInitContext and boost it (or pass "
+                "parameter_source=), or materialise it first"
+            )
         if not trainable:
             raise ValueError("GeminiDDP: no parameter requires grad; there is nothing to train")
 
@@ -192,18 +201,10 @@ class GeminiDDP(nn.Module):
         self.chunk_config = config
 
         originals = (
-            {id(p): p.detach().to("cpu", torch.float32, copy=True) for p in trainable} if (options.needs_master) else {}
+            {id(p): p.detach().to("cpu", torch.float32, copy=True) for p in trainable if id(p) not in lazy}
+            if options.needs_master
+            else {}
         )
-        # floating buffers compute in the parameters' dtype (an fp32 buffer would promote bf16 activations to fp32
-        # and the next low-precision layer would refuse them); state dicts give them back in their own dtype
-        self.buffer_dtypes: dict[int, torch.dtype] = {}
-        for buffer_owner in module.modules():
-            for name, buf in buffer_owner.named_buffers(recurse=False):
-                if buf is not None:
-                    dtype = mixed_precision if buf.is_floating_point() else buf.dtype
-                    moved = buf.to(self.compute_device, dtype)
-                    self.buffer_dtypes[id(moved)] = buf.dtype
-                    setattr(buffer_owner, name, moved)
         self.manager = ChunkManager(
             config,
             group=zero_group,
@@ -212,8 +213,8 @@ class GeminiDDP(nn.Module):
             init_device=self.chunk_init_device,
             pin_memory=options.pin_memory,
         )
-        for p in params:
-            p.data = p.data.to(self.chunk_init_device, mixed_precision)
+        for p in params:  # a meta parameter stays there until its chunk slot receives its value
+            p.data = p.data.to(p.device if id(p) in lazy else self.chunk_init_device, mixed_precision)
         for group_name, wanted in (("param", True), ("frozen", False)):
             together = [p for p in apart if p.requires_grad is wanted]
             if together:
@@ -227,6 +228,20 @@ class GeminiDDP(nn.Module):
             self.manager.create_master_chunks("param", torch.float32)
             self._load_master_values(originals)
         del originals
+        if parameter_source is not None:
+            self._receive_lazy(parameter_source, lazy)
+        # floating buffers compute in the parameters' dtype (an fp32 buffer would promote bf16 activations to fp32
+        # and the next low-precision layer would refuse them); state dicts give them back in their own dtype
+        self.buffer_dtypes: dict[int, torch.dtype] = {}
+        for buffer_owner in module.modules():
+            for name, buf in buffer_owner.named_buffers(recurse=False):
+                if buf is not None:
+                    if buf.is_meta:
+                        raise ValueError(f"GeminiDDP: buffer {name!r} is still on the meta device after materialising")
+                    dtype = mixed_precision if buf.is_floating_point() else buf.dtype
+                    moved = buf.to(self.compute_device, dtype)
+                    self.buffer_dtypes[id(moved)] = buf.dtype
+                    setattr(buffer_owner, name, moved)
         self._sync_replicas()
         policy: PlacementPolicy
         if options.placement is PlacementKind.STATIC:
@@ -380,6 +395,25 @@ class GeminiDDP(nn.Module):
                 if chunk.paired is not None:
                     tensors.append(self.manager.master_chunk(chunk).shard_tensor())
         return tensors
+
+    def _receive_lazy(self, source: ParameterSource, lazy: set[int]) -> None:
+        """Take the meta parameters' values from `source` one at a time, each straight into this rank's part of its
+        chunk and master chunk: a full parameter exists only while it is being copied (never the whole model)."""
+        received: set[int] = set()
+
+        def receive(param: nn.Parameter, value: torch.Tensor) -> None:
+            name = self.param_names.get(id(param), tuple(param.shape))
+            if id(param) not in lazy or id(param) in received:
+                raise ValueError(f"GeminiDDP: the parameter source gave {name!r} a value it does not need (again)")
+            if tuple(value.shape) != tuple(self.manager.get_chunk(param).slot(param).shape):
+                raise ValueError(f"GeminiDDP: the parameter source gave {name!r} a value of shape {tuple(value.shape)}")
+            received.add(id(param))
+            _state.write_parameter(self, param, value.detach())
+
+        source.stream(receive)
+        missing = [self.param_names[i] for i in lazy - received]
+        if missing:
+            raise ValueError(f"GeminiDDP: the parameter source gave no value to {missing[:5]}")
 
     def _load_master_values(self, values: Mapping[int, torch.Tensor]) -> None:
         """Write fp32 values (by parameter id, full tensors) into this rank's part of the master chunks."""

@@ -21,7 +21,7 @@ from cx_chunk import Chunk
 if TYPE_CHECKING:
     from cx_zero.gemini._ddp import GeminiDDP
 
-__all__ = ["expected", "is_saver", "load_full", "state_dict_shard", "write_own_slices"]
+__all__ = ["expected", "is_saver", "load_full", "state_dict_shard", "write_own_slices", "write_parameter"]
 
 
 def is_saver(ddp: GeminiDDP) -> bool:
@@ -109,6 +109,11 @@ def load_full(ddp: GeminiDDP, state_dict: Mapping[str, torch.Tensor], strict: bo
     for chunk in ddp.manager.chunks():
         _write_chunk(ddp, chunk, values)
     return missing, unexpected
+
+
+def write_parameter(ddp: GeminiDDP, param: torch.Tensor, value: torch.Tensor) -> None:
+    """Write one full parameter value into this rank's part of its chunk (and master chunk)."""
+    _write_chunk(ddp, ddp.manager.get_chunk(param), {id(param): value})
 
 
 def _write_chunk(ddp: GeminiDDP, chunk: Chunk, values: Mapping[int, torch.Tensor]) -> None:
