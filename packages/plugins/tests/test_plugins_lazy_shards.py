@@ -187,6 +187,50 @@ def test_plugins_holding_full_parameters_get_the_lazy_model_materialised(
         torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
 
 
+@distributed(world_size=2)
+@pytest.mark.parametrize("sync_module_states", [False, True])
+def test_fsdp_cuts_each_lazy_parameter_into_its_shard(rank: int, world_size: int, sync_module_states: bool) -> None:
+    """TorchFSDPPlugin shards the meta model and fills each rank's FSDP2 shard from the replay, one parameter at a
+    time: the shards hold the eager values exactly and training matches one process."""
+    from torch.distributed.tensor import DTensor
+
+    from cx_plugins import TorchFSDPPlugin
+
+    torch.manual_seed(5)
+    eager = _Stack()
+    torch.manual_seed(5)
+    context = LazyInitContext()
+    with context:
+        lazy = _Stack()
+    optimizer = torch.optim.Adam(lazy.parameters(), lr=1e-2)
+    originals = list(lazy.parameters())
+    booster = Booster(plugin=TorchFSDPPlugin(sync_module_states=sync_module_states))
+    boosted, boosted_optimizer, *_ = booster.boost(lazy, optimizer)
+    assert boosted_optimizer is not None
+    # the full-size parameters were never made: FSDP replaced them while still on the meta device
+    assert all(p.is_meta for p in originals)
+    assert context.stats.peak_bytes <= _sizes(eager)[0]
+    assert not is_lazy(lazy)
+    assert isinstance(boosted, ModelWrapper)
+    module = boosted.unwrap()
+    held = sum(p.to_local().numel() for p in module.parameters() if isinstance(p, DTensor))
+    assert held < sum(p.numel() for p in eager.parameters())  # this rank holds its shards only
+    reference = torch.optim.Adam(eager.parameters(), lr=1e-2)
+    for step in range(3):
+        full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in module.state_dict().items()}
+        for name, value in eager.state_dict().items():
+            tolerance = 0.0 if step == 0 else 1e-5
+            torch.testing.assert_close(full[name], value, rtol=tolerance, atol=tolerance, msg=f"step {step} {name}")
+        ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(step))
+        loss = boosted(ids[rank * 2 : rank * 2 + 2]).logsumexp(dim=-1).mean()
+        booster.backward(loss, boosted_optimizer)
+        boosted_optimizer.step()
+        boosted_optimizer.zero_grad()
+        eager(ids).logsumexp(dim=-1).mean().backward()
+        reference.step()
+        reference.zero_grad()
+
+
 def _llama() -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(

@@ -62,8 +62,8 @@ class FSDPOptions:
             raise NotImplementedError("TorchFSDPPlugin(fp8_communication=True): fp8 communication is not supported")
         if param_init_fn is not None:
             raise NotImplementedError(
-                "TorchFSDPPlugin(param_init_fn=...): deferred initialisation is not supported yet; build the model "
-                "on a real device"
+                "TorchFSDPPlugin(param_init_fn=...): FSDP1's deferred initialisation is not supported; build the "
+                "model under cx_plugins.LazyInitContext instead (it is sharded before it is materialised)"
             )
         _check_prefetch(backward_prefetch)
         return cls(

@@ -32,6 +32,8 @@ from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._fsdp_checkpoint_io import FSDPCheckpointIO
 from cx_plugins._fsdp_options import FSDPOptions
 from cx_plugins._fsdp_wrap import cast_buffers, repoint_optimizer, shard_module, sync_module_states
+from cx_plugins._lazy_fsdp import materialise_into_fsdp_shards
+from cx_plugins._lazy_init import LazyModel, is_lazy
 from cx_plugins._plugin import Boosted, DPPluginBase
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 
@@ -99,6 +101,10 @@ class TorchFSDPPlugin(DPPluginBase):
     def support_no_sync(self) -> bool:
         return True
 
+    def materialises_lazy_models(self) -> bool:
+        """A lazily built model is sharded on the meta device and each parameter cut into this rank's shard."""
+        return True
+
     def data_parallel_rank_and_size(self) -> tuple[int, int]:
         group = self.options.process_group
         return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (self.rank, self.world_size)
@@ -113,11 +119,19 @@ class TorchFSDPPlugin(DPPluginBase):
     ) -> Boosted:
         if not isinstance(model, ModelWrapper):
             names = {parameter: name for name, parameter in model.named_parameters()}
-            model = model.to(get_accelerator().current_device())
-            if self.options.sync_module_states:
-                sync_module_states(model, self.options.process_group)
-            cast_buffers(model, self.options.buffer_dtype)
-            shard_module(model, self.options)
+            device = get_accelerator().current_device()
+            if is_lazy(model):  # sharded on the meta device, then each parameter cut into this rank's shard
+                lazy = LazyModel(model)
+                shard_module(model, self.options)
+                sync = self.options.process_group if self.options.sync_module_states else False
+                materialise_into_fsdp_shards(model, lazy, names, torch.device(device), sync)
+                cast_buffers(model, self.options.buffer_dtype)
+            else:
+                model = model.to(device)
+                if self.options.sync_module_states:
+                    sync_module_states(model, self.options.process_group)
+                cast_buffers(model, self.options.buffer_dtype)
+                shard_module(model, self.options)
             if optimizer is not None:
                 repoint_optimizer(optimizer, names, model)
             model = TorchFSDPModel(model)
