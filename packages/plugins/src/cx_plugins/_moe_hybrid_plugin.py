@@ -243,11 +243,6 @@ def _refuse_unsupported(
     if fp8_communication or use_fp8:
         which = "fp8_communication" if fp8_communication else "use_fp8"
         raise NotImplementedError(f"{_NAME}({which}=True): fp8 is not supported by cx yet")
-    if pp_size != 1:
-        raise NotImplementedError(
-            f"{_NAME}(pp_size={pp_size}): pipeline parallelism with experts is not supported by cx yet (the router "
-            "logits of every stage must reach the last one for the aux loss); use pp_size=1"
-        )
     if enable_sequence_parallelism or (sp_size is not None and sp_size != 1) or sequence_parallelism_mode:
         raise NotImplementedError(
             f"{_NAME}: sequence parallelism with experts is not supported by cx yet (the MoE blocks would route "
