@@ -50,3 +50,16 @@ def test_plugins_moe_hybrid_ep2_pp2_unrouted(rank: int, world_size: int) -> None
         logits = build()(input_ids=rows(0), labels=rows(0)).router_logits
     assert len(logits) == 4 and all(int(layer.argmax(-1).max()) <= 1 for layer in logits), "experts 2, 3 get none"
     train_and_compare(plugin, model_fn=build, microbatches=2)
+
+
+@distributed(world_size=2)
+def test_plugins_moe_hybrid_pp_bad_sizes(rank: int, world_size: int) -> None:
+    """Sizes that do not fit the world name the ones that would (on every rank, before any group is built)."""
+    from cx_plugins._layout import LayoutError
+
+    with pytest.raises(LayoutError, match=r"not divisible by pp\*ep = 2\*2 = 4; pp_size can be 1 \(with ep_size=2\)"):
+        MoeHybridParallelPlugin(tp_size=1, pp_size=2, ep_size=2, num_microbatches=2)
+    with pytest.raises(LayoutError, match=r"not divisible by pp_size = 3; pp_size can be 1 or 2"):
+        MoeHybridParallelPlugin(tp_size=1, pp_size=3, ep_size=1, num_microbatches=2)
+    with pytest.raises(ValueError, match="needs num_microbatches or microbatch_size"):
+        MoeHybridParallelPlugin(tp_size=1, pp_size=2, ep_size=1)

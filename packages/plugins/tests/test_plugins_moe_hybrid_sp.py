@@ -47,3 +47,26 @@ def test_plugins_moe_hybrid_ep2_sp2_all_to_all(rank: int, world_size: int, zero_
     )  # fmt: skip
     assert (plugin.ep_size, plugin.sp_size, plugin.dp_size) == (2, 2, 2)
     train_and_compare(plugin, clip=0.05)
+
+
+@distributed(world_size=2)
+def test_plugins_moe_hybrid_sp_bad_configurations(rank: int, world_size: int) -> None:
+    """Sizes that do not fit name the ones that would; what cx does not support yet says so, on every rank."""
+    from cx_plugins import Booster
+    from cx_plugins._layout import LayoutError
+    from cx_shardformer.policies import MixtralForCausalLMPolicy
+
+    sequence = {"enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all"}
+    with pytest.raises(LayoutError, match=r"not divisible by ep\*sp = 2\*2 = 4; ep_size can be 1 \(with sp_size=2\)"):
+        MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, sp_size=2, **sequence)
+    with pytest.raises(NotImplementedError, match="sequence parallelism together with pipeline parallelism"):
+        MoeHybridParallelPlugin(tp_size=1, pp_size=2, ep_size=1, num_microbatches=2, **sequence)
+    with pytest.raises(NotImplementedError, match="enable_sequence_overlap"):
+        MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=1, enable_sequence_parallelism=True,
+                                enable_sequence_overlap=True)  # fmt: skip
+    plugin = MoeHybridParallelPlugin(
+        tp_size=2, pp_size=1, ep_size=1, precision="fp32", enable_sequence_parallelism=True,
+        sequence_parallelism_mode="split_gather", custom_policy=MixtralForCausalLMPolicy(expert_tensor_parallel=True),
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="split_gather .* expert_tensor_parallel=True"):
+        Booster(plugin=plugin).boost(mixtral())
