@@ -44,11 +44,12 @@ def qwen3_moe(layers: int = 2) -> nn.Module:
     import transformers
 
     torch.manual_seed(0)
+    shape: dict[str, Any] = {"head_dim": 4}  # a keyword transformers' stubs do not list
     config = transformers.Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=32, num_experts=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, num_experts=4,
         num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05, mlp_only_layers=[1],
-        decoder_sparse_step=1, tie_word_embeddings=False, use_cache=False,
+        decoder_sparse_step=1, tie_word_embeddings=False, use_cache=False, **shape,
     )  # fmt: skip
     model: nn.Module = transformers.Qwen3MoeForCausalLM(config)
     return model
@@ -128,7 +129,8 @@ def train_and_compare(
             losses.append(float(loss))
             mine_pieces = ref_losses[dp_rank * microbatches : (dp_rank + 1) * microbatches]
             expected.append(float(torch.stack(mine_pieces).mean()))
-    if plugin.pp_size > 1 and plugin.stage_manager is not None and plugin.stage_manager.is_last_stage(ignore_chunk=True):
+    manager = plugin.stage_manager
+    if manager is not None and manager.is_last_stage(ignore_chunk=True):
         assert losses, "the last stage returns the loss"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=tol, atol=tol / 10)
     compare_parameters(boosted, reference, plugin, tol)

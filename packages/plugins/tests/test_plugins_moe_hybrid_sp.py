@@ -56,7 +56,7 @@ def test_plugins_moe_hybrid_sp_bad_configurations(rank: int, world_size: int) ->
     from cx_plugins._layout import LayoutError
     from cx_shardformer.policies import MixtralForCausalLMPolicy
 
-    sequence = {"enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all"}
+    sequence: dict[str, Any] = {"enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all"}
     with pytest.raises(LayoutError, match=r"not divisible by ep\*sp = 2\*2 = 4; ep_size can be 1 \(with sp_size=2\)"):
         MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, sp_size=2, **sequence)
     with pytest.raises(NotImplementedError, match="sequence parallelism together with pipeline parallelism"):
@@ -68,5 +68,5 @@ def test_plugins_moe_hybrid_sp_bad_configurations(rank: int, world_size: int) ->
         tp_size=2, pp_size=1, ep_size=1, precision="fp32", enable_sequence_parallelism=True,
         sequence_parallelism_mode="split_gather", custom_policy=MixtralForCausalLMPolicy(expert_tensor_parallel=True),
     )  # fmt: skip
-    with pytest.raises(NotImplementedError, match="split_gather .* expert_tensor_parallel=True"):
+    with pytest.raises(NotImplementedError, match=r"split_gather .* expert_tensor_parallel=True"):
         Booster(plugin=plugin).boost(mixtral())

@@ -227,9 +227,9 @@ def test_shardformer_moe_policy_errors(rank: int, world_size: int) -> None:
     assert isinstance(get_autopolicy(build("mixtral")), MixtralForCausalLMPolicy)
     model = build("mixtral")
     split_gather = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
-    with pytest.raises(NotImplementedError, match="split_gather .* shared experts .* use all_to_all or ring_attn"):
+    with pytest.raises(NotImplementedError, match=r"split_gather .* shared experts .* use all_to_all or ring_attn"):
         ShardFormer(split_gather).optimize(build("qwen2_moe"))
-    with pytest.raises(NotImplementedError, match="split_gather .* expert_tensor_parallel=True"):
+    with pytest.raises(NotImplementedError, match=r"split_gather .* expert_tensor_parallel=True"):
         ShardFormer(split_gather).optimize(model, MixtralForCausalLMPolicy(expert_tensor_parallel=True))
 
     with pytest.raises(ValueError, match="the tp and ep groups to meet only in this rank"):

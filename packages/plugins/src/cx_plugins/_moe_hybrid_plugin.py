@@ -17,9 +17,8 @@ with all_to_all / ring_attn (the sp axis) dense gradients are averaged over moe_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 from torch import nn
