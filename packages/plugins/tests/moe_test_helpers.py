@@ -161,3 +161,36 @@ def compare_parameters(
 
 def _named(name: str) -> Callable[[str], str]:
     return lambda message: f"{name}: {message}"
+
+
+def qwen2_moe() -> nn.Module:
+    """Qwen2-MoE: q/k/v biases, a gated shared expert inside each MoE block; layer 1 dense."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, num_experts=4,
+        num_experts_per_tok=2, shared_expert_intermediate_size=8, output_router_logits=True,
+        router_aux_loss_coef=0.05, mlp_only_layers=[1], decoder_sparse_step=1, tie_word_embeddings=False,
+        use_cache=False,
+    )  # fmt: skip
+    model: nn.Module = transformers.Qwen2MoeForCausalLM(config)
+    return model
+
+
+def deepseek_v3() -> nn.Module:
+    """DeepSeek-V3: layer 0 dense, layer 1 MoE with a shared expert; multi-head latent attention (value heads of
+    another width than query/key heads)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, q_lora_rank=8,
+        kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, routed_scaling_factor=2.5,
+        tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    model: nn.Module = transformers.DeepseekV3ForCausalLM(config)
+    return model

@@ -13,7 +13,7 @@ import pytest
 
 from cx_mesh.testing import distributed
 from cx_plugins import MoeHybridParallelPlugin
-from moe_test_helpers import mixtral, qwen3_moe, train_and_compare
+from moe_test_helpers import deepseek_v3, mixtral, qwen2_moe, qwen3_moe, train_and_compare
 
 pytest.importorskip("transformers")
 
@@ -36,6 +36,20 @@ def test_plugins_moe_hybrid_sequence_parallel(
         pp_size=1, ep_size=1, precision="fp32", zero_stage=zero_stage, enable_sequence_parallelism=True, **sizes
     )
     train_and_compare(plugin, model_fn=mixtral if model == "mixtral" else qwen3_moe, clip=0.05)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize(
+    ("model", "mode"), [("qwen2_moe", "all_to_all"), ("qwen2_moe", "ring_attn"), ("deepseek_v3", "all_to_all")]
+)
+def test_plugins_moe_hybrid_sp2_shared_experts(rank: int, world_size: int, model: str, mode: str) -> None:
+    """Qwen2-MoE (gated shared expert) and DeepSeek-V3 (shared experts, latent attention) on the sp axis. (DeepSeek-V3
+    with ring_attn is refused: its value heads are narrower than its query/key heads.)"""
+    plugin = MoeHybridParallelPlugin(
+        tp_size=1, pp_size=1, ep_size=1, sp_size=2, precision="fp32", enable_sequence_parallelism=True,
+        sequence_parallelism_mode=mode,
+    )  # fmt: skip
+    train_and_compare(plugin, model_fn=qwen2_moe if model == "qwen2_moe" else deepseek_v3)
 
 
 @distributed(world_size=4)
@@ -70,3 +84,9 @@ def test_plugins_moe_hybrid_sp_bad_configurations(rank: int, world_size: int) ->
     )  # fmt: skip
     with pytest.raises(NotImplementedError, match=r"split_gather .* expert_tensor_parallel=True"):
         Booster(plugin=plugin).boost(mixtral())
+    ring = MoeHybridParallelPlugin(
+        tp_size=1, pp_size=1, ep_size=1, sp_size=2, enable_sequence_parallelism=True,
+        sequence_parallelism_mode="ring_attn",
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match=r"value heads as wide as query/key heads.*use all_to_all"):
+        Booster(plugin=ring).boost(deepseek_v3())

@@ -279,6 +279,17 @@ class DeepseekV3Policy(MoEDecoderPolicy):
     attention_inner_columns = ("q_b_proj", "kv_b_proj")
     split_gather_refusal = "its shared experts are tensor-parallel layers inside the MoE blocks, which route shards"
 
+    def config_sanity_check(self) -> None:
+        super().config_sanity_check()
+        config = self.hf_config
+        qk_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
+        if self.shard_config.sp_mode is SequenceParallelMode.RING and int(config.v_head_dim) != qk_dim:
+            raise NotImplementedError(
+                f"{type(self.model).__name__}: ring attention sequence parallelism needs value heads as wide as "
+                f"query/key heads, and latent attention has v_head_dim={config.v_head_dim} vs {qk_dim}; use "
+                "all_to_all"
+            )
+
     def check_attention(self) -> None:
         """MLA expands its latent keys/values to one head per query head: only the query heads must divide."""
         config = self.hf_config
