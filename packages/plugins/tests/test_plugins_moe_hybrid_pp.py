@@ -27,6 +27,17 @@ def test_plugins_moe_hybrid_pp2(rank: int, world_size: int, model: str, zero_sta
     train_and_compare(plugin, model_fn=mixtral if model == "mixtral" else qwen3_moe, microbatches=2)
 
 
+@distributed(world_size=2)
+def test_plugins_moe_hybrid_pp2_zbv(rank: int, world_size: int) -> None:
+    """The zero-bubble V schedule (backward split into input and weight gradients) with router logits between the
+    four chunks of two stages."""
+    plugin = MoeHybridParallelPlugin(
+        tp_size=1, pp_size=2, ep_size=1, precision="fp32", zero_stage=1, num_microbatches=2, pp_style="zbv",
+        num_model_chunks=2,
+    )  # fmt: skip
+    train_and_compare(plugin, model_fn=lambda: mixtral(layers=4), microbatches=2)
+
+
 @distributed(world_size=4)
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_plugins_moe_hybrid_ep2_pp2(rank: int, world_size: int, zero_stage: int) -> None:
