@@ -1,9 +1,9 @@
-"""MoeHybridParallelPlugin with sequence parallelism against single-process fp32 training of tiny HF Mixtral and
-Qwen3-MoE models with the aux loss on: all_to_all and ring_attn on the sp axis (sp 2), split_gather / ring on the
-tensor-parallel group (tp 2), and ep 2 x sp 2 all_to_all on 4 ranks (dense gradients averaged over ep x sp). Each
-rank routes the tokens of its sequence shard; the aux loss still pools every token (router logits gathered over
-the sequence-parallel group), so losses and parameters match one process. Reference semantics in
-moe_test_helpers.py."""
+"""MoeHybridParallelPlugin with sequence parallelism against single-process fp32 training of tiny HF MoE models
+with the aux loss on: all_to_all and ring_attn on the sp axis (sp 2), split_gather / ring on the tensor-parallel
+group (tp 2), and on 4 ranks ep 2 x sp 2 all_to_all (dense gradients averaged over ep x sp) and ep 2 x tp 2
+split_gather; Qwen2-MoE and DeepSeek-V3 (shared experts) on the sp axis. Each rank routes the tokens of its sequence
+shard; the aux loss still pools every token (router logits gathered over the sequence-parallel group), so losses
+and parameters match one process. Reference semantics in moe_test_helpers.py. Then the refused configurations."""
 
 from __future__ import annotations
 
@@ -53,13 +53,21 @@ def test_plugins_moe_hybrid_sp2_shared_experts(rank: int, world_size: int, model
 
 
 @distributed(world_size=4)
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_plugins_moe_hybrid_ep2_sp2_all_to_all(rank: int, world_size: int, zero_stage: int) -> None:
+@pytest.mark.parametrize(
+    ("sizes", "zero_stage"),
+    [
+        ({"tp_size": 1, "sp_size": 2, "sequence_parallelism_mode": "all_to_all"}, 0),
+        ({"tp_size": 1, "sp_size": 2, "sequence_parallelism_mode": "all_to_all"}, 2),
+        ({"tp_size": 2, "sequence_parallelism_mode": "split_gather"}, 1),
+    ],
+    ids=["all_to_all-zero0", "all_to_all-zero2", "split_gather-zero1"],
+)
+def test_plugins_moe_hybrid_ep2_sp2(rank: int, world_size: int, sizes: dict[str, Any], zero_stage: int) -> None:
+    """ep 2 x sp 2: each rank routes its shard through the ep all-to-all with the ep peer holding the same shard."""
     plugin = MoeHybridParallelPlugin(
-        tp_size=1, pp_size=1, ep_size=2, sp_size=2, precision="fp32", zero_stage=zero_stage,
-        enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all",
-    )  # fmt: skip
-    assert (plugin.ep_size, plugin.sp_size, plugin.dp_size) == (2, 2, 2)
+        pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage, enable_sequence_parallelism=True, **sizes
+    )
+    assert (plugin.ep_size, plugin.dp_size) == (2, 2)
     train_and_compare(plugin, clip=0.05)
 
 
