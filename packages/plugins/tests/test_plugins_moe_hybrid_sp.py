@@ -3,17 +3,20 @@ with the aux loss on: all_to_all and ring_attn on the sp axis (sp 2), split_gath
 group (tp 2), and on 4 ranks ep 2 x sp 2 all_to_all (dense gradients averaged over ep x sp) and ep 2 x tp 2
 split_gather; Qwen2-MoE and DeepSeek-V3 (shared experts) on the sp axis. Each rank routes the tokens of its sequence
 shard; the aux loss still pools every token (router logits gathered over the sequence-parallel group), so losses
-and parameters match one process. Reference semantics in moe_test_helpers.py. Then the refused configurations."""
+and parameters match one process (and, with a padding mask, the aux loss weights the right rows). Reference
+semantics in moe_test_helpers.py. Then the refused configurations."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
+import torch
 
 from cx_mesh.testing import distributed
-from cx_plugins import MoeHybridParallelPlugin
-from moe_test_helpers import deepseek_v3, mixtral, qwen2_moe, qwen3_moe, train_and_compare
+from cx_plugins import Booster, MoeHybridParallelPlugin
+from moe_test_helpers import deepseek_v3, mixtral, qwen2_moe, qwen3_moe, rows, train_and_compare
 
 pytest.importorskip("transformers")
 
@@ -74,7 +77,6 @@ def test_plugins_moe_hybrid_ep2_sp2(rank: int, world_size: int, sizes: dict[str,
 @distributed(world_size=2)
 def test_plugins_moe_hybrid_sp_bad_configurations(rank: int, world_size: int) -> None:
     """Sizes that do not fit name the ones that would; what cx does not support yet says so, on every rank."""
-    from cx_plugins import Booster
     from cx_plugins._layout import LayoutError
     from cx_shardformer.policies import MixtralForCausalLMPolicy
 
@@ -98,3 +100,26 @@ def test_plugins_moe_hybrid_sp_bad_configurations(rank: int, world_size: int) ->
     )  # fmt: skip
     with pytest.raises(NotImplementedError, match=r"value heads as wide as query/key heads.*use all_to_all"):
         Booster(plugin=ring).boost(deepseek_v3())
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("mode", ["all_to_all", "ring_attn"])
+def test_plugins_moe_hybrid_sp_padding_mask(rank: int, world_size: int, mode: str) -> None:
+    """With an attention mask the aux loss weights each token's router row by its mask entry (flattened batch-major):
+    the gathered router logits must come back in the original token order (ring attention's zig-zag undone)."""
+    model = mixtral()
+    reference = copy.deepcopy(model)
+    plugin = MoeHybridParallelPlugin(
+        tp_size=1, pp_size=1, ep_size=1, sp_size=2, precision="fp32", enable_sequence_parallelism=True,
+        sequence_parallelism_mode=mode,
+    )  # fmt: skip
+    boosted, *_ = Booster(plugin=plugin).boost(model)
+    ids = rows(0)
+    mask = torch.ones_like(ids)
+    mask[0, 5:] = 0  # right padding in row 0, a shorter one in row 2
+    mask[2, 7:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    out = boosted(input_ids=ids, attention_mask=mask, labels=labels)
+    expected = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(out.aux_loss, expected.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
