@@ -7,7 +7,9 @@ forward hook, placed before transformers' own, replaces the recorded logits of t
 the whole sequence's [B * S, E]: gathered over the sequence-parallel group along the sequence (back in the original
 token order after ring attention's zig-zag split), batch-major as the attention mask is flattened. Every rank then
 computes the same full aux loss, and the gather's backward keeps this rank's slice of its gradient, so the router's
-gradient is this shard's share, summed over the group like every replicated parameter's.
+gradient is this shard's share, summed over the group like every replicated parameter's. The gather runs on every
+forward (the router cannot tell whether transformers records its output); it moves [B * S, E] fp32 per MoE layer,
+small next to the hidden states.
 """
 
 from __future__ import annotations
