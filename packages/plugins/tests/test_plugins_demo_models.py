@@ -183,6 +183,11 @@ def test_plugins_demo_models_parallel_flags(
     error = _refused([*moe, "--model", "mixtral", "--ep", "4", "--nproc", "4", "--tp", "2"], capsys)
     assert "--ep 4 must divide the data-parallel size 2 (processes / (tp*pp*sp)): use --ep 1, 2" in error
 
+    error = _refused([*moe, "--model", "deepseek_v3", "--pp", "2", "--nproc", "2"], capsys)
+    assert "--pp with a DeepSeek-V3 model is not supported by cx yet" in error
+    options = parse_options([*moe, "--model", "qwen3_moe", "--nproc", "4", "--sp", "2", "--ep", "2"])
+    assert hybrid_arguments(options)["sp_size"] == 2
+    assert hybrid_arguments(options)["ep_size"] == 2
     options = parse_options([*moe, "--model", "mixtral", "--nproc", "8", "--tp", "2", "--pp", "2", "--ep", "2"])
     assert hybrid_arguments(replace(options, zero=1)) == {
         "tp_size": 2, "pp_size": 2, "ep_size": 2, "zero_stage": 1, "precision": "fp32", "pp_style": "1f1b",

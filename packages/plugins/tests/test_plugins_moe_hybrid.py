@@ -213,9 +213,6 @@ def test_plugins_moe_hybrid_low_precision(
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"pp_size": 2}, "pipeline parallelism with experts"),
-        ({"enable_sequence_parallelism": True}, "sequence parallelism with experts"),
-        ({"sp_size": 2}, "sequence parallelism with experts"),
         ({"enable_sequence_overlap": True}, "enable_sequence_overlap"),
         ({"fp8_communication": True}, "fp8"),
         ({"use_fp8": True}, "fp8"),

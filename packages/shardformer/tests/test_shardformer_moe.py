@@ -221,14 +221,16 @@ def test_shardformer_moe_tp2_ep2_four_ranks(rank: int, world_size: int) -> None:
 
 @distributed(world_size=2)
 def test_shardformer_moe_policy_errors(rank: int, world_size: int) -> None:
-    """Unsupported options raise before the model changes: sequence parallelism, experts tensor-parallel over the
-    ep group itself, an ep size
+    """Unsupported options raise before the model changes: split_gather sequence parallelism with shared experts
+    inside the MoE blocks or with experts split over tp, experts tensor-parallel over the ep group itself, an ep size
     that does not divide the experts (checked on every rank), and an ep group given for a dense model."""
     assert isinstance(get_autopolicy(build("mixtral")), MixtralForCausalLMPolicy)
     model = build("mixtral")
-    sp = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all")
-    with pytest.raises(NotImplementedError, match="sequence parallelism is not implemented for MoE"):
-        ShardFormer(sp).optimize(model)
+    split_gather = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
+    with pytest.raises(NotImplementedError, match=r"split_gather .* shared experts .* use all_to_all or ring_attn"):
+        ShardFormer(split_gather).optimize(build("qwen2_moe"))
+    with pytest.raises(NotImplementedError, match=r"split_gather .* expert_tensor_parallel=True"):
+        ShardFormer(split_gather).optimize(model, MixtralForCausalLMPolicy(expert_tensor_parallel=True))
 
     with pytest.raises(ValueError, match="the tp and ep groups to meet only in this rank"):
         ShardFormer(ShardConfig(ep_group=dist.group.WORLD)).optimize(model, MixtralForCausalLMPolicy(True))

@@ -341,6 +341,10 @@ class HybridParallelPlugin(ZeroPluginBase):
         """zero_stage 0: each parameter's weight in the norm term summed over `_unsharded_norm_groups`."""
         return self._norm_weights(model, held)
 
+    def _zero_norm_weights(self, model: HybridParallelModule, held: list[nn.Parameter]) -> dict[int, float]:
+        """zero_stage 1/2: each parameter's weight in the norm ZeRO sums over its spanning group, tp and pp."""
+        return self._norm_weights(model, held)
+
     def _norm_weights(self, model: HybridParallelModule, held: list[nn.Parameter]) -> dict[int, float]:
         """Each element of the model counted once in the global norm: 1/tp for a tp-replicated parameter, 1/k for a
         parameter tied over k pipeline stages."""
@@ -381,7 +385,7 @@ class HybridParallelPlugin(ZeroPluginBase):
             module=model.unwrap(),
             tp_process_group=self.layout.group_or_none(Axis.TP),
             pp_process_group=self.layout.group_or_none(Axis.PP),
-            grad_norm_weights=self._norm_weights(model, held),
+            grad_norm_weights=self._zero_norm_weights(model, held),
         )
         return HybridZeroOptimizer(optimizer, zero)
 

@@ -7,11 +7,17 @@ dispatch already summed it over the ep group's batches, scaled by 1/ep). Everyth
 fp32-master optimizer, ZeRO-1/2) is the base plugin's, steered through its small hooks: which group reduces which
 parameter, how the gradient norm counts an expert slice, how replicas start equal.
 
-This first version trains with pp_size 1 and without sequence parallelism; what it cannot honour raises.
+Pipeline parallelism: every stage's router logits travel to the last stage with the hidden states (cx-pipeline's
+transformers splitter), so the aux loss pools all layers of a micro-batch as transformers' does. Sequence
+parallelism: each rank routes the tokens of its sequence shard; router and expert gradients are summed over the
+sequence-parallel group and the router logits gathered over it for the aux loss (cx-shardformer's MoE policies);
+with all_to_all / ring_attn (the sp axis) dense gradients are averaged over moe_dp x ep x sp. What it cannot honour
+(fp8, enable_sequence_overlap, sequence and pipeline parallelism together as in the base plugin) raises.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -85,10 +91,6 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         use_fp8: bool = False,
     ) -> None:
         _refuse_unsupported(
-            pp_size=pp_size,
-            sp_size=sp_size,
-            enable_sequence_parallelism=enable_sequence_parallelism,
-            sequence_parallelism_mode=sequence_parallelism_mode,
             enable_sequence_overlap=enable_sequence_overlap,
             fp8_communication=fp8_communication,
             use_fp8=use_fp8,
@@ -183,20 +185,33 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         """The group an expert slice's gradient is averaged over (the ranks holding the same experts)."""
         return self.layout.group(Axis.MOE_DP)
 
+    def _dense_axes(self) -> tuple[Axis, ...]:
+        """The axes dense gradients are averaged over: moe_dp x ep, x sp under all_to_all / ring_attn (there every
+        sp rank already holds the full-sequence gradient, so the average over sp changes nothing, as ColossalAI)."""
+        if self.options.sp_mode.on_sp_axis:
+            return (Axis.MOE_DP, Axis.EP, Axis.SP)
+        return (Axis.MOE_DP, Axis.EP)
+
+    def _expert_axes(self) -> tuple[Axis, ...]:
+        """The axes an expert slice is replicated over: moe_dp (averaged), and sp on the sp axis (equal there)."""
+        return (Axis.MOE_DP, Axis.SP) if self.options.sp_mode.on_sp_axis else (Axis.MOE_DP,)
+
     def _gradient_group(self) -> ProcessGroup | None:
-        return self.layout.group_or_none(Axis.MOE_DP, Axis.EP)
+        return self.layout.group_or_none(*self._dense_axes())
 
     def _shard_config(self) -> ShardConfig | None:
-        """The base plugin's ShardConfig plus the ep and moe_dp groups (the MoE policies split experts over ep)."""
+        """The base plugin's ShardConfig (tensor and sequence parallelism) plus the ep and moe_dp groups (the MoE
+        policies split experts over ep)."""
+        config = super()._shard_config()
         if self._ep_size == 1:
-            return super()._shard_config()
-        tp_group = self.layout.group(Axis.TP)
-        return self.options.shardformer.shard_config(
-            tp_group,
-            tp_group,
-            enable_tensor_parallelism=self.options.tp_size > 1,
-            ep_group=self.layout.group(Axis.EP),
-            moe_dp_group=self.layout.group(Axis.MOE_DP),
+            return config
+        if config is None:
+            tp_group = self.layout.group(Axis.TP)
+            config = self.options.shardformer.shard_config(
+                tp_group, tp_group, enable_tensor_parallelism=self.options.tp_size > 1
+            )
+        return dataclasses.replace(
+            config, ep_group=self.layout.group(Axis.EP), moe_dp_group=self.layout.group(Axis.MOE_DP)
         )
 
     # ---- the base plugin's hooks --------------------------------------------------------------------------------
@@ -206,7 +221,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         experts = [p for p in composed.held if is_moe_tensor(p)]
         dense = [p for p in composed.held if not is_moe_tensor(p)]
         broadcast_states(composed.module, dense, grad_group, buffers=self.options.ddp.broadcast_buffers)
-        broadcast_states(composed.module, experts, self.layout.group_or_none(Axis.MOE_DP), buffers=False)
+        broadcast_states(composed.module, experts, self.layout.group_or_none(*self._expert_axes()), buffers=False)
 
     def _reduce_groups(self, held: list[nn.Parameter]) -> dict[int, ProcessGroup | None] | None:
         moe_dp = self.layout.group_or_none(Axis.MOE_DP)
@@ -219,9 +234,19 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
             return None
         params = [p for group in optimizer.param_groups for p in group["params"]]
         return {
-            self.dp_group: [p for p in params if not is_moe_tensor(p)],
+            self.layout.group(*self._dense_axes()): [p for p in params if not is_moe_tensor(p)],
             self.moe_dp_group: [p for p in params if is_moe_tensor(p)],
         }
+
+    def _zero_norm_weights(self, model: HybridParallelModule, held: list[nn.Parameter]) -> dict[int, float]:
+        """ZeRO sums the norm over the dense group; under all_to_all / ring_attn that spans sp, over which expert
+        slices (partitioned over moe_dp only) are replicated: weight 1/sp so each counts once."""
+        weights = super()._zero_norm_weights(model, held)
+        sp = self.layout.size(Axis.SP)
+        if self._ep_size == 1 or sp == 1 or not self.options.sp_mode.on_sp_axis:
+            return weights
+        experts = {id(p) for p in held if is_moe_tensor(p)}
+        return {key: value / sp if key in experts else value for key, value in weights.items()}
 
     def _unsharded_norm_groups(self) -> list[ProcessGroup | None]:
         """zero_stage 0: the norm term is also summed over ep, where the expert slices differ."""
@@ -234,33 +259,13 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         return {id(p): weights[id(p)] if is_moe_tensor(p) else weights[id(p)] / ep for p in held}
 
 
-def _refuse_unsupported(
-    *,
-    pp_size: int,
-    sp_size: int | None,
-    enable_sequence_parallelism: bool,
-    sequence_parallelism_mode: str | None,
-    enable_sequence_overlap: bool,
-    fp8_communication: bool,
-    use_fp8: bool,
-) -> None:
-    """What this first version cannot honour, refused by name before any group is built."""
+def _refuse_unsupported(*, enable_sequence_overlap: bool, fp8_communication: bool, use_fp8: bool) -> None:
+    """What cx cannot honour yet, refused by name before any group is built."""
     if fp8_communication or use_fp8:
         which = "fp8_communication" if fp8_communication else "use_fp8"
         raise NotImplementedError(f"{_NAME}({which}=True): fp8 is not supported by cx yet")
-    if pp_size != 1:
-        raise NotImplementedError(
-            f"{_NAME}(pp_size={pp_size}): pipeline parallelism with experts is not supported by cx yet (the router "
-            "logits of every stage must reach the last one for the aux loss); use pp_size=1"
-        )
-    if enable_sequence_parallelism or (sp_size is not None and sp_size != 1) or sequence_parallelism_mode:
-        raise NotImplementedError(
-            f"{_NAME}: sequence parallelism with experts is not supported by cx yet (the MoE blocks would route "
-            f"sequence shards; got enable_sequence_parallelism={enable_sequence_parallelism}, sp_size={sp_size}, "
-            f"sequence_parallelism_mode={sequence_parallelism_mode!r}); leave them off"
-        )
     if enable_sequence_overlap:
         raise NotImplementedError(
-            f"{_NAME}(enable_sequence_overlap=True): it overlaps sequence-parallel communication, which this plugin "
-            "does not support yet; leave it False"
+            f"{_NAME}(enable_sequence_overlap=True): overlapping sequence-parallel communication with compute is "
+            "not supported by cx yet; leave it False"
         )

@@ -61,9 +61,11 @@ def check_seq_parallel_mode(mode: str | None, layer: str) -> bool:
 
 def sync_grad_over(param: nn.Parameter, group: ProcessGroup | None) -> None:
     """Sum `param`'s gradient over `group` as it is produced: a replicated parameter applied to one sequence shard
-    (a norm, a row layer's bias under split_gather) gets only its shard's share otherwise. Registered once."""
+    (a norm, a row layer's bias under split_gather) gets only its shard's share otherwise. Registered once, and only
+    on a parameter that requires a gradient (a frozen one, e.g. a frozen router or a base weight under LoRA, gets
+    none to sum)."""
     synced: list[ProcessGroup | None] = getattr(param, "cx_grad_synced", [])
-    if any(g is group for g in synced) or group_size(group) == 1:
+    if any(g is group for g in synced) or group_size(group) == 1 or not param.requires_grad:
         return
 
     def hook(grad: torch.Tensor) -> torch.Tensor:

@@ -101,7 +101,8 @@ def _preset_config(spec: ModelSpec, vocab_size: int) -> Any:
         eos_token_id=0,
         pad_token_id=None,
     )
-    experts: dict[str, Any] = dict(num_experts_per_tok=2)
+    # the aux loss on by default, so that a pipeline (which reads the config, not a forward argument) trains with it
+    experts: dict[str, Any] = dict(num_experts_per_tok=2, output_router_logits=True)
     if spec.model == "gpt2":
         no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2Config(

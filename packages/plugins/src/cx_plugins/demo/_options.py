@@ -196,6 +196,12 @@ def _model_problem(options: DemoOptions, described: DemoModel) -> str | None:
             f"the model's {described.num_heads} attention / {described.num_kv_heads} key-value heads do not split "
             f"over tp {options.tp} x sp {options.sp}: tp x sp must be one of {_divisors(heads)}"
         )
+    model_type = getattr(described.config, "model_type", None)
+    if model_type == "deepseek_v3" and options.pp > 1:
+        return (
+            "--pp with a DeepSeek-V3 model is not supported by cx yet (cx-pipeline cannot split it into stages); "
+            "use --model mixtral or qwen3_moe, or --pp 1"
+        )
     if options.plugin == "moe_hybrid" and not described.num_experts:
         return f"--plugin moe_hybrid needs a model with experts (mixtral, qwen3_moe, deepseek_v3), not {options.model}"
     if described.num_experts and described.num_experts % options.ep:

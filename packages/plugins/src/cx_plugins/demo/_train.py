@@ -50,9 +50,11 @@ def run(options: DemoOptions) -> list[float]:
     """The demo on this rank of an initialised process group; returns the step losses (mean over the ranks)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     described = describe_model(options.model_spec)
+    # the model shifts the labels itself, so a window is --seq-len + 1 tokens; under sequence parallelism the window
+    # is the sequence that splits into --sp equal shards, so it is --seq-len tokens (validated as a multiple of --sp)
     dataset = TokenWindows(
         n_windows=max(512, options.batch_size * world * 16),
-        length=options.seq_len + 1,
+        length=options.seq_len + (1 if options.sp == 1 else 0),
         tokenizer=described.tokenizer,
     )
     plugin, mixed_precision = make_plugin(options)

@@ -153,6 +153,11 @@ class HFDecoderPolicy(Policy):
         block input, and the block is tensor-parallel as a whole). Default: attention and MLP."""
         return (self.attention_name, self.mlp_name)
 
+    def sequence_gathered_blocks(self, layer: nn.Module) -> tuple[str, ...]:
+        """split_gather: the blocks of one decoder layer whose input is all-gathered along the sequence (their
+        column/row layers work on the full sequence). Default: attention and MLP."""
+        return (self.attention_name, self.mlp_name)
+
     def share_input_reduction(self) -> None:
         """One backward all-reduce per attention / MLP block input instead of one per column layer (q, k, v; gate,
         up): a pre-hook applies `copy_to_parallel` to the block input and marks it for the column layers. Only

@@ -8,6 +8,11 @@ column, down row. The MoE blocks are made expert-parallel over `ShardConfig.ep_g
 unchanged; with no ep group (or ep size 1) the experts stay whole. By default experts are replicated over the
 tensor-parallel group: every TP rank runs the same tokens through them, so their gradients need no TP reduction.
 With `expert_tensor_parallel=True` each expert's intermediate dimension is split over tp as well (`_expert_tp`).
+
+Sequence parallelism (`_sequence`) splits the sequence before the first layer as for dense models; an MoE block
+routes the tokens of its rank's shard (under split_gather it is not gathered, unlike attention and dense MLPs), its
+router and expert gradients are summed over the sequence-parallel group, and the router logits the aux loss reads are
+gathered over that group (`_moe_sequence`), so the loss pools every token as on one process.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ import torch.distributed as dist
 from torch import nn
 
 from cx_moe import expert_parallelize_hf
+from cx_shardformer._config import SequenceParallelMode
 from cx_shardformer._linear import Linear1D_Col, Linear1D_Row, mark_input_grad_reduced, sync_grad_over
 from cx_shardformer._policy import ModulePolicyDescription, SubModuleReplacementDescription
 from cx_shardformer._sharder import get_submodule_or_none
 from cx_shardformer.policies._common import HFDecoderPolicy, check_divisible
 from cx_shardformer.policies._expert_tp import check_expert_tensor_parallel, shard_experts_tensor_parallel
+from cx_shardformer.policies._moe_sequence import gather_router_logits
+from cx_shardformer.policies._sequence import apply_sequence_parallelism, check_sequence_parallelism
 
 __all__ = [
     "DeepseekV3ForCausalLMPolicy",
@@ -53,6 +61,8 @@ class MoEDecoderPolicy(HFDecoderPolicy):
     attention_replicated: tuple[str, ...] = ()
     attention_inner_columns: tuple[str, ...] = ()
     experts_field = ""
+    # why split_gather sequence parallelism cannot be used (None: it can)
+    split_gather_refusal: str | None = None
 
     def __init__(self, expert_tensor_parallel: bool = False) -> None:
         """`expert_tensor_parallel=True` also splits every expert's intermediate dimension over the TP group
@@ -69,11 +79,9 @@ class MoEDecoderPolicy(HFDecoderPolicy):
         config, name = self.hf_config, type(self.model).__name__
         if self.expert_tensor_parallel and not self.shard_config.enable_tensor_parallelism:
             raise ValueError(f"{name}: expert_tensor_parallel=True needs enable_tensor_parallelism=True")
-        if self.shard_config.enable_sequence_parallelism:
-            raise NotImplementedError(
-                f"{name}: sequence parallelism is not implemented for MoE policies (the MoE blocks would route "
-                "sequence shards); pass enable_sequence_parallelism=False"
-            )
+        if self.shard_config.sp_mode is SequenceParallelMode.SPLIT_GATHER:
+            self.check_split_gather()
+        check_sequence_parallelism(self)
         if self.shard_config.enable_tensor_parallelism:
             self.check_attention()
             for module in self.model.modules():
@@ -93,6 +101,22 @@ class MoEDecoderPolicy(HFDecoderPolicy):
                         f"ranks of an expert must hold the same experts); they share ranks {shared}"
                     )
 
+    def check_split_gather(self) -> None:
+        """split_gather gathers attention and dense-MLP inputs but not MoE blocks: experts split over tp (which need
+        every token of the sequence) and tensor-parallel layers inside MoE blocks (shared experts) are refused."""
+        name = type(self.model).__name__
+        if self.split_gather_refusal is not None:
+            raise NotImplementedError(
+                f"{name}: split_gather sequence parallelism is not supported by cx for this model "
+                f"({self.split_gather_refusal}); use all_to_all or ring_attn on the sp axis"
+            )
+        if self.expert_tensor_parallel:
+            raise NotImplementedError(
+                f"{name}: split_gather sequence parallelism with expert_tensor_parallel=True is not supported by cx "
+                "(each rank routes its own sequence shard, so tp ranks cannot share an expert's intermediate "
+                "dimension); use expert_tensor_parallel=False or all_to_all on the sp axis"
+            )
+
     def preprocess(self) -> nn.Module:
         """Experts split over the ep group first: cx-moe checks every block (and the groups, on every ep rank)
         before changing any, so a bad layout fails before tensor parallelism has touched the model."""
@@ -110,7 +134,7 @@ class MoEDecoderPolicy(HFDecoderPolicy):
             mlp = [
                 SubModuleReplacementDescription("gate_proj", Linear1D_Col),
                 SubModuleReplacementDescription("up_proj", Linear1D_Col),
-                SubModuleReplacementDescription("down_proj", Linear1D_Row),
+                SubModuleReplacementDescription("down_proj", Linear1D_Row, kwargs=self.row_kwargs()),
             ]
             policy[self.dense_mlp] = ModulePolicyDescription(sub_module_replacement=mlp)
         return policy
@@ -121,14 +145,23 @@ class MoEDecoderPolicy(HFDecoderPolicy):
         check_divisible(self.model, "num_attention_heads", config.num_attention_heads, self.tp_size)
         check_divisible(self.model, "num_key_value_heads", config.num_key_value_heads, self.tp_size)
 
+    def row_kwargs(self) -> dict[str, Any]:
+        """Row layers reduce-scatter their output along the sequence under split_gather."""
+        split_gather = self.shard_config.sp_mode is SequenceParallelMode.SPLIT_GATHER
+        return {"seq_parallel_mode": "split_gather"} if split_gather else {}
+
     def attention_replacements(self) -> list[SubModuleReplacementDescription]:
         """q/k/v column, o row (grouped-query attention)."""
         return [
             SubModuleReplacementDescription("self_attn.q_proj", Linear1D_Col),
             SubModuleReplacementDescription("self_attn.k_proj", Linear1D_Col),
             SubModuleReplacementDescription("self_attn.v_proj", Linear1D_Col),
-            SubModuleReplacementDescription("self_attn.o_proj", Linear1D_Row),
+            SubModuleReplacementDescription("self_attn.o_proj", Linear1D_Row, kwargs=self.row_kwargs()),
         ]
+
+    def sequence_gathered_blocks(self, layer: nn.Module) -> tuple[str, ...]:
+        """split_gather: attention and dense MLPs work on the gathered sequence; an MoE block routes its shard."""
+        return self.reduction_sharing_blocks(layer)
 
     def reduction_sharing_blocks(self, layer: nn.Module) -> tuple[str, ...]:
         """Attention, and the MLP only when it is dense: an MoE block is replicated over tp (its router and experts
@@ -146,6 +179,8 @@ class MoEDecoderPolicy(HFDecoderPolicy):
             self._finish_attention()
             if self.expert_tensor_parallel:
                 shard_experts_tensor_parallel(self.model, self.shard_config.tensor_parallel_process_group)
+        apply_sequence_parallelism(self)
+        gather_router_logits(self)
         self.share_input_reduction()
         self.apply_switches()
         return self.model
@@ -153,7 +188,7 @@ class MoEDecoderPolicy(HFDecoderPolicy):
     def _finish_attention(self) -> None:
         """Replicated modules inside attention get tp-summed gradients, and the inner column layers skip their own
         input reduction: both rely on the one all-reduce at the attention input that `share_input_reduction` installs
-        (always, since sequence parallelism, the one case without it, is rejected for MoE policies)."""
+        (or, under split_gather, the reduce-scatter backward of the attention input's gather)."""
         group = self.shard_config.tensor_parallel_process_group
 
         def mark_input(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -219,6 +254,7 @@ class Qwen2MoePolicy(MoEDecoderPolicy):
     decoder_layer = "Qwen2MoeDecoderLayer"
     dense_mlp = "Qwen2MoeMLP"
     experts_field = "num_experts"
+    split_gather_refusal = "its shared experts are tensor-parallel layers inside the MoE blocks, which route shards"
 
 
 class Qwen2MoeForCausalLMPolicy(_CausalLM, Qwen2MoePolicy):
@@ -241,6 +277,18 @@ class DeepseekV3Policy(MoEDecoderPolicy):
     experts_field = "n_routed_experts"
     attention_replicated = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
     attention_inner_columns = ("q_b_proj", "kv_b_proj")
+    split_gather_refusal = "its shared experts are tensor-parallel layers inside the MoE blocks, which route shards"
+
+    def config_sanity_check(self) -> None:
+        super().config_sanity_check()
+        config = self.hf_config
+        qk_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
+        if self.shard_config.sp_mode is SequenceParallelMode.RING and int(config.v_head_dim) != qk_dim:
+            raise NotImplementedError(
+                f"{type(self.model).__name__}: ring attention sequence parallelism needs value heads as wide as "
+                f"query/key heads, and latent attention has v_head_dim={config.v_head_dim} vs {qk_dim}; use "
+                "all_to_all"
+            )
 
     def check_attention(self) -> None:
         """MLA expands its latent keys/values to one head per query head: only the query heads must divide."""

@@ -224,7 +224,7 @@ def apply_sequence_parallelism(policy: HFDecoderPolicy) -> None:
         raise TypeError(f"{type(policy).__name__}: no final norm at {policy.norm_path!r}")
     if mode is SequenceParallelMode.SPLIT_GATHER:
         for layer in layers:
-            for child in (policy.attention_name, policy.mlp_name):
+            for child in policy.sequence_gathered_blocks(layer):
                 block = get_submodule_or_none(layer, child)
                 if block is None:
                     raise TypeError(f"{type(policy).__name__}: decoder layer has no {child!r}")
