@@ -19,7 +19,8 @@ of the per-round ratios. Systems:
   summed over the ep ranks' batches) so both train the same model.
 - cx ep2 zero0 / zero1 / zero2: `MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=0, 1 or 2,
   precision="fp32")` through the Booster (zero 1 and 2 are the issue's comparison; zero 0 shows what the ZeRO
-  machinery costs on top).
+  machinery costs on top), and zero 1 / 2 again with `zero_bucket_size_in_m=1` instead of the default 12 (buckets
+  of 4 MB instead of 48 MB: below glibc's mmap threshold, so they are not fresh pages every step).
 Two configurations: "dense-heavy" (4 small experts, big vocabulary: experts are a small share of the parameters) and
 "expert-heavy" (16 experts of intermediate 1024: experts are almost all of them).
 
@@ -162,10 +163,12 @@ def _matches(name: str, pattern: str) -> bool:
     return len(parts) == len(wanted) and all(w in ("*", p) for p, w in zip(parts, wanted, strict=True))
 
 
-def _cx(shape: Shape, zero_stage: int) -> System:
+def _cx(shape: Shape, zero_stage: int, bucket_m: int = 12) -> System:
     from cx_plugins import Booster, MoeHybridParallelPlugin
 
-    plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=EP, zero_stage=zero_stage, precision="fp32")
+    plugin = MoeHybridParallelPlugin(
+        tp_size=1, pp_size=1, ep_size=EP, zero_stage=zero_stage, precision="fp32", zero_bucket_size_in_m=bucket_m
+    )
     booster = Booster(plugin=plugin)
     net = _model(shape)
     model, optimizer, *_ = booster.boost(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
@@ -222,6 +225,8 @@ def _build(shape: Shape, rank: int) -> tuple[dict[str, System], dict[str, dict[s
         "cx ep2 zero0": lambda: _cx(shape, 0),
         "cx ep2 zero1": lambda: _cx(shape, 1),
         "cx ep2 zero2": lambda: _cx(shape, 2),
+        "cx ep2 zero1 bucket 1M": lambda: _cx(shape, 1, bucket_m=1),
+        "cx ep2 zero2 bucket 1M": lambda: _cx(shape, 2, bucket_m=1),
     }
     systems: dict[str, System] = {}
     memory: dict[str, dict[str, int]] = {}
