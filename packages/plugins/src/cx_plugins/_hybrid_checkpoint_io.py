@@ -3,14 +3,16 @@
 Composition over cx-checkpoint's streaming writer and lazy reader:
 - `TensorParallelShards` ("this tensor is a TP shard"): shards are gathered over the TP group on save (vocabulary
   padding stripped) and cut again on load;
+- `ExpertParallelShards` ("this tensor is an expert slice", over the TP adapter): expert stacks split over an ep
+  group are gathered along the expert dimension after the TP gather, and cut again on load;
 - `StagePlan` ("this stage owns these parameters", "one writer per tensor"): each pipeline stage streams only the
-  tensors it holds, its TP ranks take turns writing them, the data-parallel replicas stay out;
+  tensors it holds, its ep x tp ranks take turns writing them, the data-parallel replicas stay out;
 - every rank calls `write_sharded` with its own tensors: the stages write their shard files in parallel into one
   staging directory, rank 0 merges one index (and the optimizer description) and commits atomically, and an error on
   any rank is raised on every rank. No rank ever holds more than its stage's tensors, one at a time.
 The files are what `GeneralCheckpointIO` writes for the unsharded model: full tensors under the model's own (Hugging
 Face) names, `config.json` beside them, so `from_pretrained`, every cx plugin and this IO at any tp / pp / dp
-layout load them. Optimizer state is by parameter name (`state.<param>.<key>`), gathered the same way.
+layout (any ep size included) load them. Optimizer state is by parameter name (`state.<param>.<key>`), gathered the same way.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from cx_checkpoint import (
 )
 from cx_mesh import ProcessGroup, all_gather_bytes
 from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, split_scaler, with_scaler
+from cx_plugins._expert_shards import ExpertParallelShards
 from cx_plugins._layout import Axis
 from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
 from cx_plugins._stage_names import StagePlan, module_tensor_names, persistent_buffers
@@ -155,9 +158,6 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
                 f"HybridCheckpointIO needs the model booster.boost returned (a ParallelModelView), got "
                 f"{type(model).__name__}"
             )
-        layout = model.layout
-        if layout.size(Axis.EP) > 1:
-            raise NotImplementedError("HybridCheckpointIO: expert-parallel checkpoints (ep_size > 1) are not built yet")
         return model
 
     @staticmethod
@@ -168,8 +168,12 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
                 "collective and the writer thread cannot take part in them); save with use_async=False"
             )
 
-    def _tp(self, view: ParallelModelView) -> TensorParallelShards:
-        return TensorParallelShards.of_module(view.unwrap(), view.layout.group_or_none(Axis.TP))
+    def _tp(self, view: ParallelModelView) -> ExpertParallelShards:
+        """TP shards and expert slices of the model (the expert part is empty without expert parallelism)."""
+        module = view.unwrap()
+        return ExpertParallelShards.of_module(
+            module, TensorParallelShards.of_module(module, view.layout.group_or_none(Axis.TP))
+        )
 
     @staticmethod
     def _parts_dir(checkpoint: Path) -> Path:
@@ -399,9 +403,9 @@ def _stored_dtype(tensor: torch.Tensor, model_dtype: torch.dtype | None) -> torc
 
 
 def _stage_tensors(
-    plan: StagePlan, tp: TensorParallelShards, model_dtype: torch.dtype | None
+    plan: StagePlan, tp: ExpertParallelShards, model_dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's stream: the TP gathers of its stage's tensors (on every rank of the writing TP group), each
+    """This rank's stream: the TP / ep gathers of its stage's tensors (on every rank of the writing ep x tp block), each
     yielded by its writer under every name of the tensor (copies, since writers refuse shared storage)."""
     if not plan.gathers:
         return
@@ -416,7 +420,7 @@ def _stage_tensors(
 
 
 def _state_tensors(
-    plan: StagePlan, tp: TensorParallelShards, state: dict[str, dict[str, Any]], order: list[str]
+    plan: StagePlan, tp: ExpertParallelShards, state: dict[str, dict[str, Any]], order: list[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if not plan.gathers:
         return

@@ -1,0 +1,271 @@
+"""MoeHybridParallelPlugin checkpoints: expert slices gathered over ep (and tp) into transformers 5's fused names and
+full shapes, optimizer state by name, loads that reshard.
+
+Each test trains tiny HF Mixtral / Qwen3-MoE models (fp32, aux loss on, AdamW so the optimizer state matters) in
+phases: a phase loads the previous phase's checkpoint (into a model whose weights were halved, so only the checkpoint
+can bring them back), trains some steps under one plugin and saves. The reference is one uninterrupted
+single-process run computed in the same test with the same data-parallel semantics per step (each rank's rows with
+their own aux loss, the mean of the ranks' losses), so a resumed run must match it: rank 0's loss every step
+(1e-4 relative) and, through `from_pretrained` of every saved folder, every parameter (1e-4 relative, lr / 100
+absolute: Adam's normalised update turns reduction-order noise into up to ~lr/100), and the saved Adam moments by
+name. Then the clear errors: a checkpoint of another expert count, an optimizer checkpoint of another model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cx_checkpoint import CheckpointKind, CheckpointReader, optimizer_tensor_name
+from cx_mesh.testing import distributed, run_distributed
+from cx_moe import get_moe_info
+from cx_plugins import (
+    Booster,
+    GeminiPlugin,
+    LowLevelZeroPlugin,
+    MoeHybridParallelPlugin,
+    Plugin,
+    TorchDDPPlugin,
+)
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, ROWS, LENGTH, LR = 50, 4, 8, 1e-2
+RTOL, ATOL = 1e-4, LR / 100
+
+
+def mixtral(experts: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_local_experts=experts, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.05, router_jitter_noise=0.0, tie_word_embeddings=False,
+        use_cache=False,
+    )  # fmt: skip
+    model: nn.Module = transformers.MixtralForCausalLM(config)
+    return model
+
+
+def qwen3_moe() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=32, num_experts=4,
+        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05, tie_word_embeddings=False,
+        use_cache=False,
+    )  # fmt: skip
+    model: nn.Module = transformers.Qwen3MoeForCausalLM(config)
+    return model
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"mixtral": mixtral, "qwen3_moe": qwen3_moe}
+LOADERS: dict[str, Any] = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def _moe(ep: int, zero: int, tp: int = 1, **options: Any) -> Callable[[], Plugin]:
+    return lambda: MoeHybridParallelPlugin(
+        tp_size=tp, pp_size=1, ep_size=ep, precision="fp32", zero_stage=zero, **options
+    )
+
+
+PLUGINS: dict[str, Callable[[], Plugin]] = {
+    "ep2_zero0": _moe(2, 0),
+    "ep2_zero1": _moe(2, 1),
+    "ep2_zero2": _moe(2, 2),
+    "ep1_zero0": _moe(1, 0),
+    "ep1_zero2": _moe(1, 2),
+    "moe_dp2_ep2_zero1": _moe(2, 1),  # on four ranks
+    "tp2_ep2_zero0": _moe(2, 0, tp=2),  # on four ranks
+    "gemini": lambda: GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 1024}),
+    "low_level_zero": lambda: LowLevelZeroPlugin(stage=2, precision="fp32"),
+    "torch_ddp": lambda: TorchDDPPlugin(),
+}
+
+
+def rows(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (ROWS, LENGTH), generator=torch.Generator().manual_seed(100 + step))
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Train steps [start, stop) under `plugin` on `world` ranks, after loading the checkpoint at `start` (when
+    start > 0), then save (model and optimizer) at `stop`."""
+
+    plugin: str
+    start: int
+    stop: int
+    world: int = 2
+
+
+def _folder(directory: str, step: int) -> Path:
+    return Path(directory, f"step{step}")
+
+
+def _run_phase(rank: int, world_size: int, model: str, phase: Phase, directory: str) -> None:
+    plugin = PLUGINS[phase.plugin]()
+    module = MODELS[model]()
+    if phase.start > 0:
+        with torch.no_grad():  # another starting point: only the checkpoint can bring it back
+            for param in module.parameters():
+                param.mul_(0.5)
+    booster = Booster(plugin=plugin)
+    boosted, optimizer, *_ = booster.boost(module, torch.optim.AdamW(module.parameters(), lr=LR))
+    assert optimizer is not None
+    if isinstance(plugin, MoeHybridParallelPlugin) and plugin.ep_size > 1:
+        split = [n for n, p in boosted.unwrap().named_parameters() if get_moe_info(p) is not None]
+        assert len(split) == 4, f"the experts of both layers are split over ep: {split}"
+    if phase.start > 0:
+        source = _folder(directory, phase.start)
+        booster.load_model(boosted, source / "model")
+        booster.load_optimizer(optimizer, source / "optimizer")
+    dp_rank, dp_size = plugin.data_parallel_rank_and_size()
+    share = ROWS // dp_size
+    losses = []
+    for step in range(phase.start, phase.stop):
+        mine = rows(step)[dp_rank * share : (dp_rank + 1) * share]
+        loss = boosted(input_ids=mine, labels=mine).loss
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    target = _folder(directory, phase.stop)
+    booster.save_model(boosted, target / "model", shard=True)
+    booster.save_optimizer(optimizer, target / "optimizer", shard=True)
+    if rank == 0:
+        (target / "losses.json").write_text(json.dumps({"dp": dp_size, "losses": losses}))
+    dist.barrier()
+
+
+def _dp_size(phase: Phase) -> int:
+    """The data-parallel size of a phase (every plugin here splits the rows over all ranks but tp)."""
+    return phase.world // 2 if phase.plugin.startswith("tp2") else phase.world
+
+
+def reference(model: str, phases: list[Phase]) -> tuple[dict[int, dict[str, Any]], list[float]]:
+    """The uninterrupted run: per step, the mean of the dp pieces' losses (each with its own aux loss) of that
+    step's phase. Returns the snapshots (parameters, Adam state by name) at each phase's end and rank 0's losses."""
+    module = MODELS[model]()
+    optimizer = torch.optim.AdamW(module.named_parameters(), lr=LR)
+    snapshots: dict[int, dict[str, Any]] = {}
+    losses = []
+    for phase in phases:
+        dp = _dp_size(phase)
+        share = ROWS // dp
+        for step in range(phase.start, phase.stop):
+            ids = rows(step)
+            pieces = [module(input_ids=ids[r * share : (r + 1) * share], labels=ids[r * share : (r + 1) * share]).loss
+                      for r in range(dp)]  # fmt: skip
+            sum(pieces).div(dp).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(pieces[0].detach()))
+        names = [n for n, _ in module.named_parameters()]
+        state = optimizer.state_dict()["state"]
+        snapshots[phase.stop] = {
+            "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+            "state": {names[i]: {k: v.clone() for k, v in entry.items()} for i, entry in state.items()},
+        }
+    return snapshots, losses
+
+
+def check_saved(model: str, folder: Path, expected: dict[str, Any]) -> None:
+    """`from_pretrained` of the saved model folder against the reference parameters, and the saved Adam moments
+    (full expert stacks by name) against the reference optimizer's."""
+    loaded, info = getattr(transformers, LOADERS[model]).from_pretrained(
+        folder / "model", local_files_only=True, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    params = dict(loaded.named_parameters())
+    assert sorted(params) == sorted(expected["params"])
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(params[name].detach(), value, rtol=RTOL, atol=ATOL, msg=f"{folder}: {name}")
+    fused = [n for n in params if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
+    assert len(fused) == 4 and all(params[n].shape[0] == 4 for n in fused), "full expert stacks under HF names"
+    with CheckpointReader.open(folder / "optimizer", CheckpointKind.OPTIMIZER) as reader:
+        for name, entries in expected["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                saved = reader.read(optimizer_tensor_name(name, key))
+                torch.testing.assert_close(
+                    saved, entries[key], rtol=RTOL, atol=1e-7, msg=f"{folder}: state of {name}.{key}"
+                )
+
+
+def run_phases(model: str, phases: list[Phase], directory: Path) -> None:
+    for phase in phases:
+        run_distributed(_run_phase, phase.world, model=model, phase=phase, directory=str(directory))
+    snapshots, losses = reference(model, phases)
+    got: list[float] = []
+    for phase in phases:
+        record = json.loads((_folder(str(directory), phase.stop) / "losses.json").read_text())
+        assert record["dp"] == _dp_size(phase), phase
+        got += record["losses"]
+        check_saved(model, _folder(str(directory), phase.stop), snapshots[phase.stop])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(losses), rtol=RTOL, atol=RTOL / 10)
+
+
+# ---- saving: from_pretrained equality -------------------------------------------------------------------------------
+@pytest.mark.parametrize(("model", "plugin"), [("mixtral", "ep2_zero0"), ("mixtral", "ep2_zero1"), ("qwen3_moe", "ep2_zero2")])
+def test_plugins_moe_checkpoint_ep2_saves_hf_folder(tmp_path: Path, model: str, plugin: str) -> None:
+    """ep 2 at zero 0/1/2: the saved folder loads with transformers' class and equals the single-process model,
+    the optimizer holds the full fp32 Adam moments by name."""
+    run_phases(model, [Phase(plugin, 0, 2)], tmp_path)
+
+
+# ---- resharding and resuming ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("model", "saver", "loader"),
+    [
+        ("mixtral", "ep2_zero1", "ep1_zero2"),
+        ("mixtral", "ep1_zero0", "ep2_zero2"),
+        ("qwen3_moe", "ep2_zero2", "ep1_zero0"),
+        ("mixtral", "low_level_zero", "ep2_zero0"),
+        ("mixtral", "ep2_zero0", "torch_ddp"),
+    ],
+)
+def test_plugins_moe_checkpoint_resume_across_layouts(tmp_path: Path, model: str, saver: str, loader: str) -> None:
+    """Saved at one ep size (or by another plugin), resumed at another: training continues as uninterrupted."""
+    run_phases(model, [Phase(saver, 0, 2), Phase(loader, 2, 4)], tmp_path)
+
+
+def test_plugins_moe_checkpoint_ep2_ep1_gemini(tmp_path: Path) -> None:
+    """The issue's chain: ep 2 -> ep 1 -> GeminiPlugin, two steps each."""
+    run_phases("mixtral", [Phase("ep2_zero2", 0, 2), Phase("ep1_zero0", 2, 4), Phase("gemini", 4, 6)], tmp_path)
+
+
+def test_plugins_moe_checkpoint_four_ranks(tmp_path: Path) -> None:
+    """moe_dp 2 x ep 2 (ZeRO-1: expert slices sharded over moe_dp, dense over all four) saves; tp 2 x ep 2 resumes."""
+    run_phases("mixtral", [Phase("moe_dp2_ep2_zero1", 0, 2, world=4), Phase("tp2_ep2_zero0", 2, 4, world=4)], tmp_path)
+
+
+# ---- clear errors ---------------------------------------------------------------------------------------------------
+@distributed(world_size=2)
+def test_plugins_moe_checkpoint_mismatch_is_named(rank: int, world_size: int, tmp_path: Path) -> None:
+    """A checkpoint of a model with another expert count loads into neither the model nor the optimizer: an error
+    naming the expert tensor, on every rank (no hang)."""
+    folder = tmp_path / "eight"
+    booster = Booster(plugin=_moe(2, 1)())
+    eight = mixtral(experts=8)
+    boosted, optimizer, *_ = booster.boost(eight, torch.optim.AdamW(eight.parameters(), lr=LR))
+    assert optimizer is not None
+    booster.backward(boosted(input_ids=rows(0)[:2], labels=rows(0)[:2]).loss, optimizer)
+    optimizer.step()
+    booster.save_model(boosted, folder / "model", shard=True)
+    booster.save_optimizer(optimizer, folder / "optimizer", shard=True)
+
+    other = Booster(plugin=_moe(2, 1)())
+    four = mixtral(experts=4)
+    boosted4, optimizer4, *_ = other.boost(four, torch.optim.AdamW(four.parameters(), lr=LR))
+    assert optimizer4 is not None
+    with pytest.raises(Exception, match=r"mlp\.experts\.(gate_up_proj|down_proj)"):
+        other.load_model(boosted4, folder / "model")
+    with pytest.raises(Exception, match=r"mlp\.experts\.(gate_up_proj|down_proj)|shape"):
+        other.load_optimizer(optimizer4, folder / "optimizer")
+    dist.barrier()
