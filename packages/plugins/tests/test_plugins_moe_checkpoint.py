@@ -14,6 +14,9 @@ name. Then the clear errors: a checkpoint of another expert count, an optimizer 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cx_checkpoint import CheckpointKind, CheckpointReader, optimizer_tensor_name
+from cx_checkpoint import CheckpointKind, CheckpointReader, TensorMismatchError, optimizer_tensor_name
 from cx_mesh.testing import distributed, run_distributed
 from cx_moe import get_moe_info
 from cx_plugins import (
@@ -137,7 +140,7 @@ def _run_phase(rank: int, world_size: int, model: str, phase: Phase, directory: 
         optimizer.zero_grad()
         losses.append(float(loss))
     target = _folder(directory, phase.stop)
-    booster.save_model(boosted, target / "model", shard=True)
+    booster.save_model(boosted, target / "model", shard=True, use_safetensors=True)
     booster.save_optimizer(optimizer, target / "optimizer", shard=True)
     if rank == 0:
         (target / "losses.json").write_text(json.dumps({"dp": dp_size, "losses": losses}))
@@ -177,8 +180,9 @@ def reference(model: str, phases: list[Phase]) -> tuple[dict[int, dict[str, Any]
 
 
 def check_saved(model: str, folder: Path, expected: dict[str, Any]) -> None:
-    """`from_pretrained` of the saved model folder against the reference parameters, and the saved Adam moments
-    (full expert stacks by name) against the reference optimizer's."""
+    """`from_pretrained` of the saved model folder (sharded safetensors + index) against the reference parameters,
+    and the saved Adam moments (full expert stacks by name) against the reference optimizer's."""
+    assert (folder / "model" / "model.safetensors.index.json").is_file(), sorted((folder / "model").iterdir())
     loaded, info = getattr(transformers, LOADERS[model]).from_pretrained(
         folder / "model", local_files_only=True, output_loading_info=True
     )
@@ -257,15 +261,56 @@ def test_plugins_moe_checkpoint_mismatch_is_named(rank: int, world_size: int, tm
     assert optimizer is not None
     booster.backward(boosted(input_ids=rows(0)[:2], labels=rows(0)[:2]).loss, optimizer)
     optimizer.step()
-    booster.save_model(boosted, folder / "model", shard=True)
+    booster.save_model(boosted, folder / "model", shard=True, use_safetensors=True)
     booster.save_optimizer(optimizer, folder / "optimizer", shard=True)
 
-    other = Booster(plugin=_moe(2, 1)())
+    other = Booster(plugin=_moe(2, 0)())  # zero 0: the torch optimizer itself would not check shapes
     four = mixtral(experts=4)
     boosted4, optimizer4, *_ = other.boost(four, torch.optim.AdamW(four.parameters(), lr=LR))
     assert optimizer4 is not None
-    with pytest.raises(Exception, match=r"mlp\.experts\.(gate_up_proj|down_proj)"):
+    with pytest.raises(TensorMismatchError, match=r"mlp\.experts\.gate_up_proj") as model_error:
         other.load_model(boosted4, folder / "model")
-    with pytest.raises(Exception, match=r"mlp\.experts\.(gate_up_proj|down_proj)|shape"):
+    with pytest.raises(ValueError, match=r"mlp\.") as optimizer_error:
         other.load_optimizer(optimizer4, folder / "optimizer")
+    assert "is [8, 16, 16] float32 in the checkpoint but the model expects [4, 16, 16]" in str(model_error.value)
+    assert "does not fit the parameter" in str(optimizer_error.value)
     dist.barrier()
+
+
+# ---- cx-train ------------------------------------------------------------------------------------------------------
+DEMO = ["--batch-size", "2", "--seq-len", "16", "--lr", "1e-2", "--hidden-size", "32", "--log-every", "100"]
+MOE_DEMO = ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2"]
+
+
+@distributed(world_size=2)
+def test_plugins_moe_checkpoint_demo_resumes_exactly(rank: int, world_size: int, tmp_path: Path) -> None:
+    """`cx-train --plugin moe_hybrid --ep 2`: 2 steps saved + 2 resumed give the losses of 4 straight steps."""
+    from cx_plugins.demo import parse_options
+    from cx_plugins.demo._train import run
+
+    checkpoint = str(tmp_path / "ckpt")
+    straight = run(parse_options([*DEMO, *MOE_DEMO, "--steps", "4"]))
+    first = run(parse_options([*DEMO, *MOE_DEMO, "--steps", "2", "--save", checkpoint]))
+    rest = run(parse_options([*DEMO, *MOE_DEMO, "--steps", "4", "--resume", checkpoint]))
+    assert len(first) == 2 and len(rest) == 2
+    torch.testing.assert_close(torch.tensor(first + rest), torch.tensor(straight), rtol=RTOL, atol=RTOL / 10)
+
+
+def test_plugins_moe_checkpoint_demo_command_line(tmp_path: Path) -> None:
+    """The command line itself: `--save` and then `--resume` with --ep 2 (refused before MoE checkpoints existed);
+    the saved model folder loads with MixtralForCausalLM."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1"}
+    checkpoint = tmp_path / "ckpt"
+
+    def cx_train(*flags: str) -> str:
+        command = [sys.executable, "-m", "cx_plugins.demo", *DEMO, *MOE_DEMO, *flags]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        return result.stdout
+
+    assert f"saved step 2 to {checkpoint}" in cx_train("--steps", "2", "--save", str(checkpoint))
+    assert f"resumed from {checkpoint} at step 2" in cx_train("--steps", "3", "--resume", str(checkpoint))
+    _, info = transformers.MixtralForCausalLM.from_pretrained(
+        str(checkpoint / "model"), local_files_only=True, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info

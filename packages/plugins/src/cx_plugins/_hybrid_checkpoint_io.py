@@ -364,6 +364,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         view, face = self._pair(optimizer)
         tp = self._tp(view)
         held = view.held_parameter_names()
+        shapes = {name: tuple(p.shape) for name, p in view.unwrap().named_parameters() if name in held}
         loaded: list[dict[str, Any]] = []
 
         def read() -> None:
@@ -381,6 +382,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
                         else entry["value"]
                         for key, entry in entries.items()
                     }
+                    _check_state_shapes(name, state[name], shapes[name], checkpoint)
             groups = [
                 {
                     **{k: v for k, v in group.items() if k != "param_names"},
@@ -395,6 +397,18 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
 
         _agree_load(read, f"reading the optimizer from {checkpoint}")
         face.load_state_dict_by_name(loaded[0])
+
+
+def _check_state_shapes(name: str, entries: dict[str, Any], shape: tuple[int, ...], checkpoint: Path) -> None:
+    """A state tensor shaped like a parameter (same rank) must be shaped like this one's local slice once cut: a
+    checkpoint of another model (another expert count, hidden size) is refused by name here rather than deep inside
+    the optimizer's step. Factored states of lower rank (Adafactor's) pass."""
+    for key, value in entries.items():
+        if isinstance(value, torch.Tensor) and value.dim() == len(shape) and tuple(value.shape) != shape:
+            raise ValueError(
+                f"{checkpoint}: optimizer state {key!r} of {name} does not fit the parameter (after the tp / ep cut "
+                f"it is {tuple(value.shape)}, the parameter's slice here is {shape}): a checkpoint of another model?"
+            )
 
 
 def _stored_dtype(tensor: torch.Tensor, model_dtype: torch.dtype | None) -> torch.dtype:
