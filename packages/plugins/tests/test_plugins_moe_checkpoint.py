@@ -33,6 +33,7 @@ from cx_moe import get_moe_info
 from cx_plugins import (
     Booster,
     GeminiPlugin,
+    HybridParallelModule,
     LowLevelZeroPlugin,
     MoeHybridParallelPlugin,
     Plugin,
@@ -123,13 +124,14 @@ def _run_phase(rank: int, world_size: int, model: str, phase: Phase, directory: 
     boosted, optimizer, *_ = booster.boost(module, torch.optim.AdamW(module.parameters(), lr=LR))
     assert optimizer is not None
     if isinstance(plugin, MoeHybridParallelPlugin) and plugin.ep_size > 1:
+        assert isinstance(boosted, HybridParallelModule)
         split = [n for n, p in boosted.unwrap().named_parameters() if get_moe_info(p) is not None]
         assert len(split) == 4, f"the experts of both layers are split over ep: {split}"
     if phase.start > 0:
         source = _folder(directory, phase.start)
         booster.load_model(boosted, source / "model")
         booster.load_optimizer(optimizer, source / "optimizer")
-    dp_rank, dp_size = plugin.data_parallel_rank_and_size()
+    dp_rank, dp_size = plugin.data_parallel_rank_and_size()  # type: ignore[attr-defined]
     share = ROWS // dp_size
     losses = []
     for step in range(phase.start, phase.stop):
@@ -186,13 +188,15 @@ def check_saved(model: str, folder: Path, expected: dict[str, Any]) -> None:
     loaded, info = getattr(transformers, LOADERS[model]).from_pretrained(
         folder / "model", local_files_only=True, output_loading_info=True
     )
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert not info.get(kind), info
     params = dict(loaded.named_parameters())
     assert sorted(params) == sorted(expected["params"])
     for name, value in expected["params"].items():
         torch.testing.assert_close(params[name].detach(), value, rtol=RTOL, atol=ATOL, msg=f"{folder}: {name}")
     fused = [n for n in params if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
-    assert len(fused) == 4 and all(params[n].shape[0] == 4 for n in fused), "full expert stacks under HF names"
+    assert len(fused) == 4, fused
+    assert all(params[n].shape[0] == 4 for n in fused), "full expert stacks under the HF names"
     with CheckpointReader.open(folder / "optimizer", CheckpointKind.OPTIMIZER) as reader:
         for name, entries in expected["state"].items():
             for key in ("exp_avg", "exp_avg_sq"):
@@ -216,7 +220,9 @@ def run_phases(model: str, phases: list[Phase], directory: Path) -> None:
 
 
 # ---- saving: from_pretrained equality -------------------------------------------------------------------------------
-@pytest.mark.parametrize(("model", "plugin"), [("mixtral", "ep2_zero0"), ("mixtral", "ep2_zero1"), ("qwen3_moe", "ep2_zero2")])
+@pytest.mark.parametrize(
+    ("model", "plugin"), [("mixtral", "ep2_zero0"), ("mixtral", "ep2_zero1"), ("qwen3_moe", "ep2_zero2")]
+)
 def test_plugins_moe_checkpoint_ep2_saves_hf_folder(tmp_path: Path, model: str, plugin: str) -> None:
     """ep 2 at zero 0/1/2: the saved folder loads with transformers' class and equals the single-process model,
     the optimizer holds the full fp32 Adam moments by name."""
@@ -292,7 +298,7 @@ def test_plugins_moe_checkpoint_demo_resumes_exactly(rank: int, world_size: int,
     straight = run(parse_options([*DEMO, *MOE_DEMO, "--steps", "4"]))
     first = run(parse_options([*DEMO, *MOE_DEMO, "--steps", "2", "--save", checkpoint]))
     rest = run(parse_options([*DEMO, *MOE_DEMO, "--steps", "4", "--resume", checkpoint]))
-    assert len(first) == 2 and len(rest) == 2
+    assert (len(first), len(rest)) == (2, 2)
     torch.testing.assert_close(torch.tensor(first + rest), torch.tensor(straight), rtol=RTOL, atol=RTOL / 10)
 
 
@@ -313,4 +319,5 @@ def test_plugins_moe_checkpoint_demo_command_line(tmp_path: Path) -> None:
     _, info = transformers.MixtralForCausalLM.from_pretrained(
         str(checkpoint / "model"), local_files_only=True, output_loading_info=True
     )
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info["missing_keys"], info
+    assert not info["unexpected_keys"], info

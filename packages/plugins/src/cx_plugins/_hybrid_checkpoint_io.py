@@ -11,8 +11,8 @@ Composition over cx-checkpoint's streaming writer and lazy reader:
   staging directory, rank 0 merges one index (and the optimizer description) and commits atomically, and an error on
   any rank is raised on every rank. No rank ever holds more than its stage's tensors, one at a time.
 The files are what `GeneralCheckpointIO` writes for the unsharded model: full tensors under the model's own (Hugging
-Face) names, `config.json` beside them, so `from_pretrained`, every cx plugin and this IO at any tp / pp / dp
-layout (any ep size included) load them. Optimizer state is by parameter name (`state.<param>.<key>`), gathered the same way.
+Face) names, `config.json` beside them, so `from_pretrained`, every cx plugin and this IO at any tp / pp / dp / ep
+layout load them. Optimizer state is by parameter name (`state.<param>.<key>`), gathered the same way.
 """
 
 from __future__ import annotations

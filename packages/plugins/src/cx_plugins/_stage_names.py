@@ -5,8 +5,8 @@ Each pipeline stage writes only the parameters and buffers it holds; a tensor he
 embedding / head) is written by the first of them. Within a stage, the ranks of one ep x tp block gather the shards
 (every one of them takes part in the TP gathers and, for expert slices, the ep gathers, and each ends up with the
 full tensor) and they take turns writing them (tensor i of the stage by the block's rank i mod ep*tp), so the write
-bandwidth is spread; every other replica (data-parallel, moe-dp, sequence-parallel ranks) stays out. Tied parameters are written under each of their names, as the module's
-`state_dict()` has them.
+bandwidth is spread; every other replica (data-parallel, moe-dp, sequence-parallel ranks) stays out. Tied
+parameters are written under each of their names, as the module's `state_dict()` has them.
 """
 
 from __future__ import annotations
