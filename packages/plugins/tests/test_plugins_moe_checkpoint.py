@@ -39,6 +39,8 @@ from cx_plugins import (
     Plugin,
     TorchDDPPlugin,
 )
+from cx_shardformer import get_shard_spec
+from cx_shardformer.policies import MixtralForCausalLMPolicy
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,6 +82,13 @@ def _moe(ep: int, zero: int, tp: int = 1, **options: Any) -> Callable[[], Plugin
     )
 
 
+def _expert_tp() -> Plugin:
+    policy = MixtralForCausalLMPolicy(expert_tensor_parallel=True)
+    return MoeHybridParallelPlugin(
+        tp_size=2, pp_size=1, ep_size=2, precision="fp32", zero_stage=2, custom_policy=policy
+    )
+
+
 PLUGINS: dict[str, Callable[[], Plugin]] = {
     "ep2_zero0": _moe(2, 0),
     "ep2_zero1": _moe(2, 1),
@@ -88,6 +97,7 @@ PLUGINS: dict[str, Callable[[], Plugin]] = {
     "ep1_zero2": _moe(1, 2),
     "moe_dp2_ep2_zero1": _moe(2, 1),  # on four ranks
     "tp2_ep2_zero0": _moe(2, 0, tp=2),  # on four ranks
+    "tp2_ep2_expert_tp_zero2": _expert_tp,  # on four ranks: experts split over tp as well
     "gemini": lambda: GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 1024}),
     "low_level_zero": lambda: LowLevelZeroPlugin(stage=2, precision="fp32"),
     "torch_ddp": lambda: TorchDDPPlugin(),
@@ -127,6 +137,8 @@ def _run_phase(rank: int, world_size: int, model: str, phase: Phase, directory: 
         assert isinstance(boosted, HybridParallelModule)
         split = [n for n, p in boosted.unwrap().named_parameters() if get_moe_info(p) is not None]
         assert len(split) == 4, f"the experts of both layers are split over ep: {split}"
+        over_tp = [n for n, p in boosted.unwrap().named_parameters() if n in split and get_shard_spec(p) is not None]
+        assert len(over_tp) == (4 if "expert_tp" in phase.plugin else 0), over_tp
     if phase.start > 0:
         source = _folder(directory, phase.start)
         booster.load_model(boosted, source / "model")
@@ -253,6 +265,12 @@ def test_plugins_moe_checkpoint_ep2_ep1_gemini(tmp_path: Path) -> None:
 def test_plugins_moe_checkpoint_four_ranks(tmp_path: Path) -> None:
     """moe_dp 2 x ep 2 (ZeRO-1: expert slices sharded over moe_dp, dense over all four) saves; tp 2 x ep 2 resumes."""
     run_phases("mixtral", [Phase("moe_dp2_ep2_zero1", 0, 2, world=4), Phase("tp2_ep2_zero0", 2, 4, world=4)], tmp_path)
+
+
+def test_plugins_moe_checkpoint_expert_tensor_parallel(tmp_path: Path) -> None:
+    """Experts split over tp as well as ep (`expert_tensor_parallel=True`): gathered over tp, then ep; resumed at ep 2
+    on two ranks."""
+    run_phases("mixtral", [Phase("tp2_ep2_expert_tp_zero2", 0, 2, world=4), Phase("ep2_zero0", 2, 4)], tmp_path)
 
 
 # ---- clear errors ---------------------------------------------------------------------------------------------------
