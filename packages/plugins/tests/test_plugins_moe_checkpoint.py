@@ -8,7 +8,8 @@ single-process run computed in the same test with the same data-parallel semanti
 their own aux loss, the mean of the ranks' losses), so a resumed run must match it: rank 0's loss every step
 (1e-4 relative) and, through `from_pretrained` of every saved folder, every parameter (1e-4 relative, lr / 100
 absolute: Adam's normalised update turns reduction-order noise into up to ~lr/100), and the saved Adam moments by
-name. Then the clear errors: a checkpoint of another expert count, an optimizer checkpoint of another model.
+name. bf16 with fp32 masters round-trips bit for bit across ep sizes. Then the clear errors: a checkpoint of another
+expert count refused by name for the model and the optimizer. Last, `cx-train --plugin moe_hybrid --ep 2`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 
 from cx_checkpoint import CheckpointKind, CheckpointReader, TensorMismatchError, optimizer_tensor_name
@@ -339,3 +341,60 @@ def test_plugins_moe_checkpoint_demo_command_line(tmp_path: Path) -> None:
     )
     assert not info["missing_keys"], info
     assert not info["unexpected_keys"], info
+
+
+# ---- mixed precision: fp32 masters round-trip ----------------------------------------------------------------------
+def _round_trip_phase(rank: int, world_size: int, ep: int, zero: int, source: str | None, target: str) -> None:
+    """bf16 at `ep` / `zero`: train two steps (or load `source`), then save the model (sharded and one file) and the
+    optimizer to `target`."""
+    plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=ep, precision="bf16", zero_stage=zero)
+    module = mixtral()
+    booster = Booster(plugin=plugin)
+    boosted, optimizer, *_ = booster.boost(module, torch.optim.AdamW(module.parameters(), lr=LR))
+    assert optimizer is not None
+    if source is None:
+        dp_rank, dp_size = plugin.data_parallel_rank_and_size()
+        share = ROWS // dp_size
+        for step in range(2):
+            mine = rows(step)[dp_rank * share : (dp_rank + 1) * share]
+            booster.backward(boosted(input_ids=mine, labels=mine).loss, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+    else:
+        booster.load_model(boosted, Path(source, "model"))
+        booster.load_optimizer(optimizer, Path(source, "optimizer"))
+    booster.save_model(boosted, Path(target, "model"), shard=True, use_safetensors=True)
+    booster.save_model(boosted, Path(target, "single", "model.safetensors"), shard=False, use_safetensors=True)
+    booster.save_optimizer(optimizer, Path(target, "optimizer"), shard=True)
+    dist.barrier()
+
+
+def _tensors(folder: Path, kind: CheckpointKind) -> dict[str, torch.Tensor]:
+    with CheckpointReader.open(folder, kind) as reader:
+        return {name: reader.read(name).clone() for name in reader.names()}
+
+
+def test_plugins_moe_checkpoint_bf16_masters_round_trip(tmp_path: Path) -> None:
+    """bf16 with fp32 masters: saved at ep 2 (ZeRO-1), loaded at ep 1 (zero 0) and saved again, every tensor of the
+    model and of the optimizer (the fp32 `master_weight` of each full expert stack included) comes back bit for bit;
+    the one-file save holds the same tensors as the sharded one."""
+    first, second = tmp_path / "ep2", tmp_path / "ep1"
+    run_distributed(_round_trip_phase, 2, ep=2, zero=1, source=None, target=str(first))
+    run_distributed(_round_trip_phase, 2, ep=1, zero=0, source=str(first), target=str(second))
+    for folder in (first, second):
+        sharded = _tensors(folder / "model", CheckpointKind.MODEL)
+        single = load_file(str(folder / "single" / "model.safetensors"))
+        assert sorted(single) == sorted(sharded)
+        for name, tensor in sharded.items():
+            assert torch.equal(single[name], tensor), name
+    model1, model2 = _tensors(first / "model", CheckpointKind.MODEL), _tensors(second / "model", CheckpointKind.MODEL)
+    assert model1["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 16, 16)
+    assert model1["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.float32, "saved in the model's own dtype"
+    optim1 = _tensors(first / "optimizer", CheckpointKind.OPTIMIZER)
+    optim2 = _tensors(second / "optimizer", CheckpointKind.OPTIMIZER)
+    master = optim1[optimizer_tensor_name("model.layers.1.mlp.experts.down_proj", "master_weight")]
+    assert (master.shape, master.dtype) == ((4, 16, 8), torch.float32)
+    for saved, again in ((model1, model2), (optim1, optim2)):
+        assert sorted(saved) == sorted(again)
+        for name, tensor in saved.items():
+            assert torch.equal(again[name], tensor), name
