@@ -252,6 +252,7 @@ def test_plugins_moe_checkpoint_ep2_saves_hf_folder(tmp_path: Path, model: str, 
         ("qwen3_moe", "ep2_zero2", "ep1_zero0"),
         ("mixtral", "low_level_zero", "ep2_zero0"),
         ("mixtral", "ep2_zero0", "torch_ddp"),
+        ("mixtral", "ep2_zero1", "low_level_zero"),
     ],
 )
 def test_plugins_moe_checkpoint_resume_across_layouts(tmp_path: Path, model: str, saver: str, loader: str) -> None:
