@@ -8,8 +8,8 @@ single-process run computed in the same test with the same data-parallel semanti
 their own aux loss, the mean of the ranks' losses), so a resumed run must match it: rank 0's loss every step
 (1e-4 relative) and, through `from_pretrained` of every saved folder, every parameter (1e-4 relative, lr / 100
 absolute: Adam's normalised update turns reduction-order noise into up to ~lr/100), and the saved Adam moments by
-name. bf16 with fp32 masters round-trips bit for bit across ep sizes. Then the clear errors: a checkpoint of another
-expert count refused by name for the model and the optimizer. Last, `cx-train --plugin moe_hybrid --ep 2`.
+name. bf16 / fp16 with fp32 masters round-trip bit for bit across ep sizes. Then the clear errors: a checkpoint of
+another expert count refused by name for the model and the optimizer. Last, `cx-train --plugin moe_hybrid --ep 2`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,13 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 
-from cx_checkpoint import CheckpointKind, CheckpointReader, TensorMismatchError, optimizer_tensor_name
+from cx_checkpoint import (
+    CheckpointKind,
+    CheckpointReader,
+    TensorMismatchError,
+    optimizer_tensor_name,
+    read_optimizer_meta,
+)
 from cx_mesh.testing import distributed, run_distributed
 from cx_moe import get_moe_info
 from cx_plugins import (
@@ -345,10 +351,12 @@ def test_plugins_moe_checkpoint_demo_command_line(tmp_path: Path) -> None:
 
 
 # ---- mixed precision: fp32 masters round-trip ----------------------------------------------------------------------
-def _round_trip_phase(rank: int, world_size: int, ep: int, zero: int, source: str | None, target: str) -> None:
-    """bf16 at `ep` / `zero`: train two steps (or load `source`), then save the model (sharded and one file) and the
-    optimizer to `target`."""
-    plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=ep, precision="bf16", zero_stage=zero)
+def _round_trip_phase(
+    rank: int, world_size: int, precision: str, ep: int, zero: int, source: str | None, target: str
+) -> None:
+    """`precision` at `ep` / `zero`: train two steps (or load `source`), then save the model (sharded and one file)
+    and the optimizer to `target`."""
+    plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=ep, precision=precision, zero_stage=zero)
     module = mixtral()
     booster = Booster(plugin=plugin)
     boosted, optimizer, *_ = booster.boost(module, torch.optim.AdamW(module.parameters(), lr=LR))
@@ -375,13 +383,14 @@ def _tensors(folder: Path, kind: CheckpointKind) -> dict[str, torch.Tensor]:
         return {name: reader.read(name).clone() for name in reader.names()}
 
 
-def test_plugins_moe_checkpoint_bf16_masters_round_trip(tmp_path: Path) -> None:
-    """bf16 with fp32 masters: saved at ep 2 (ZeRO-1), loaded at ep 1 (zero 0) and saved again, every tensor of the
-    model and of the optimizer (the fp32 `master_weight` of each full expert stack included) comes back bit for bit;
-    the one-file save holds the same tensors as the sharded one."""
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_plugins_moe_checkpoint_mixed_precision_round_trip(tmp_path: Path, precision: str) -> None:
+    """bf16 / fp16 with fp32 masters: saved at ep 2 (ZeRO-1), loaded at ep 1 (zero 0) and saved again, every tensor
+    of the model and of the optimizer (the fp32 `master_weight` of each full expert stack included) and the param
+    groups with the loss scaler come back bit for bit; the one-file save holds the same tensors as the sharded one."""
     first, second = tmp_path / "ep2", tmp_path / "ep1"
-    run_distributed(_round_trip_phase, 2, ep=2, zero=1, source=None, target=str(first))
-    run_distributed(_round_trip_phase, 2, ep=1, zero=0, source=str(first), target=str(second))
+    run_distributed(_round_trip_phase, 2, precision=precision, ep=2, zero=1, source=None, target=str(first))
+    run_distributed(_round_trip_phase, 2, precision=precision, ep=1, zero=0, source=str(first), target=str(second))
     for folder in (first, second):
         sharded = _tensors(folder / "model", CheckpointKind.MODEL)
         single = load_file(str(folder / "single" / "model.safetensors"))
@@ -395,6 +404,11 @@ def test_plugins_moe_checkpoint_bf16_masters_round_trip(tmp_path: Path) -> None:
     optim2 = _tensors(second / "optimizer", CheckpointKind.OPTIMIZER)
     master = optim1[optimizer_tensor_name("model.layers.1.mlp.experts.down_proj", "master_weight")]
     assert (master.shape, master.dtype) == ((4, 16, 8), torch.float32)
+    groups = []
+    for folder in (first, second):
+        with CheckpointReader.open(folder / "optimizer", CheckpointKind.OPTIMIZER) as reader:
+            groups.append(read_optimizer_meta(reader).param_groups)
+    assert groups[0] == groups[1]
     for saved, again in ((model1, model2), (optim1, optim2)):
         assert sorted(saved) == sorted(again)
         for name, tensor in saved.items():
