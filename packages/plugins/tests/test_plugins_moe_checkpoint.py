@@ -104,6 +104,7 @@ PLUGINS: dict[str, Callable[[], Plugin]] = {
     "ep1_zero0": _moe(1, 0),
     "ep1_zero2": _moe(1, 2),
     "moe_dp2_ep2_zero1": _moe(2, 1),  # on four ranks
+    "moe_dp2_inside_ep2_zero2": _moe(2, 2, moe_dp_outside=False),  # on four ranks: (pp, moe_dp, ep, tp, sp)
     "tp2_ep2_zero0": _moe(2, 0, tp=2),  # on four ranks
     "tp2_ep2_expert_tp_zero2": _expert_tp,  # on four ranks: experts split over tp as well
     "gemini": lambda: GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 1024}),
@@ -272,8 +273,14 @@ def test_plugins_moe_checkpoint_ep2_ep1_gemini(tmp_path: Path) -> None:
 
 
 def test_plugins_moe_checkpoint_four_ranks(tmp_path: Path) -> None:
-    """moe_dp 2 x ep 2 (ZeRO-1: expert slices sharded over moe_dp, dense over all four) saves; tp 2 x ep 2 resumes."""
-    run_phases("mixtral", [Phase("moe_dp2_ep2_zero1", 0, 2, world=4), Phase("tp2_ep2_zero0", 2, 4, world=4)], tmp_path)
+    """moe_dp 2 x ep 2 (ZeRO-1: expert slices sharded over moe_dp, dense over all four) saves; tp 2 x ep 2 resumes
+    and saves; moe_dp 2 x ep 2 with moe_dp inside (ZeRO-2) resumes."""
+    phases = [
+        Phase("moe_dp2_ep2_zero1", 0, 2, world=4),
+        Phase("tp2_ep2_zero0", 2, 4, world=4),
+        Phase("moe_dp2_inside_ep2_zero2", 4, 6, world=4),
+    ]
+    run_phases("mixtral", phases, tmp_path)
 
 
 def test_plugins_moe_checkpoint_expert_tensor_parallel(tmp_path: Path) -> None:
