@@ -1,9 +1,9 @@
 """MoeHybridParallelPlugin checkpoints: expert slices gathered over ep (and tp) into transformers 5's fused names and
 full shapes, optimizer state by name, loads that reshard.
 
-Each test trains tiny HF Mixtral / Qwen3-MoE models (fp32, aux loss on, AdamW so the optimizer state matters) in
-phases: a phase loads the previous phase's checkpoint (into a model whose weights were halved, so only the checkpoint
-can bring them back), trains some steps under one plugin and saves. The reference is one uninterrupted
+Each test trains tiny HF Mixtral / Qwen3-MoE / DeepSeek-V3 models (fp32, aux loss on, AdamW so the optimizer state
+matters) in phases: a phase loads the previous phase's checkpoint (into a model whose weights were halved, so only
+the checkpoint can bring them back), trains some steps under one plugin and saves. The reference is one uninterrupted
 single-process run computed in the same test with the same data-parallel semantics per step (each rank's rows with
 their own aux loss, the mean of the ranks' losses), so a resumed run must match it: rank 0's loss every step
 (1e-4 relative) and, through `from_pretrained` of every saved folder, every parameter (1e-4 relative, lr / 100
@@ -80,8 +80,27 @@ def qwen3_moe() -> nn.Module:
     return model
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"mixtral": mixtral, "qwen3_moe": qwen3_moe}
-LOADERS: dict[str, Any] = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+def deepseek_v3() -> nn.Module:
+    """A dense first layer, then MoE layers with a shared expert and the sigmoid router's correction bias buffer."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None,
+        kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, tie_word_embeddings=False,
+        use_cache=False,
+    )  # fmt: skip
+    model: nn.Module = transformers.DeepseekV3ForCausalLM(config)
+    return model
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3}
+LOADERS: dict[str, Any] = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+_FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 def _moe(ep: int, zero: int, tp: int = 1, **options: Any) -> Callable[[], Plugin]:
@@ -145,9 +164,10 @@ def _run_phase(rank: int, world_size: int, model: str, phase: Phase, directory: 
     if isinstance(plugin, MoeHybridParallelPlugin) and plugin.ep_size > 1:
         assert isinstance(boosted, HybridParallelModule)
         split = [n for n, p in boosted.unwrap().named_parameters() if get_moe_info(p) is not None]
-        assert len(split) == 4, f"the experts of both layers are split over ep: {split}"
+        fused = [n for n, _ in boosted.unwrap().named_parameters() if n.endswith(_FUSED)]
+        assert split == fused, f"the experts of every MoE layer are split over ep: {split}"
         over_tp = [n for n, p in boosted.unwrap().named_parameters() if n in split and get_shard_spec(p) is not None]
-        assert len(over_tp) == (4 if "expert_tp" in phase.plugin else 0), over_tp
+        assert over_tp == (split if "expert_tp" in phase.plugin else []), over_tp
     if phase.start > 0:
         source = _folder(directory, phase.start)
         booster.load_model(boosted, source / "model")
@@ -215,8 +235,8 @@ def check_saved(model: str, folder: Path, expected: dict[str, Any]) -> None:
     assert sorted(params) == sorted(expected["params"])
     for name, value in expected["params"].items():
         torch.testing.assert_close(params[name].detach(), value, rtol=RTOL, atol=ATOL, msg=f"{folder}: {name}")
-    fused = [n for n in params if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
-    assert len(fused) == 4, fused
+    fused = [n for n in params if n.endswith(_FUSED)]
+    assert fused, "the experts are saved under transformers' fused names"
     assert all(params[n].shape[0] == 4 for n in fused), "full expert stacks under the HF names"
     with CheckpointReader.open(folder / "optimizer", CheckpointKind.OPTIMIZER) as reader:
         for name, entries in expected["state"].items():
@@ -242,7 +262,8 @@ def run_phases(model: str, phases: list[Phase], directory: Path) -> None:
 
 # ---- saving: from_pretrained equality -------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("model", "plugin"), [("mixtral", "ep2_zero0"), ("mixtral", "ep2_zero1"), ("qwen3_moe", "ep2_zero2")]
+    ("model", "plugin"),
+    [("mixtral", "ep2_zero0"), ("mixtral", "ep2_zero1"), ("qwen3_moe", "ep2_zero2"), ("deepseek_v3", "ep2_zero1")],
 )
 def test_plugins_moe_checkpoint_ep2_saves_hf_folder(tmp_path: Path, model: str, plugin: str) -> None:
     """ep 2 at zero 0/1/2: the saved folder loads with transformers' class and equals the single-process model,
