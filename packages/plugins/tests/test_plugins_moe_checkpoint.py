@@ -9,7 +9,8 @@ their own aux loss, the mean of the ranks' losses), so a resumed run must match 
 (1e-4 relative) and, through `from_pretrained` of every saved folder, every parameter (1e-4 relative, lr / 100
 absolute: Adam's normalised update turns reduction-order noise into up to ~lr/100), and the saved Adam moments by
 name. bf16 / fp16 with fp32 masters round-trip bit for bit across ep sizes. Then the clear errors: a checkpoint of
-another expert count refused by name for the model and the optimizer. Last, `cx-train --plugin moe_hybrid --ep 2`.
+another expert count refused by name for the model and the optimizer; `cx-train --plugin moe_hybrid --ep 2`; and
+pipeline stages x experts on a test-local composition (the plugin does not run pp > 1 with experts yet).
 """
 
 from __future__ import annotations

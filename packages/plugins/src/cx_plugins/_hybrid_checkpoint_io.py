@@ -125,7 +125,8 @@ def _agree_load(step: Callable[[], None], what: str) -> None:
 
 
 class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
-    """Checkpoints of a `ParallelModelView` (TP shards, pipeline stages, dp replicas) and its by-name optimizer.
+    """Checkpoints of a `ParallelModelView` (TP shards, expert slices over ep, pipeline stages, dp replicas) and its
+    by-name optimizer.
 
     `parts_of(optimizer)` finds the model an optimizer was boosted with (its names, stages and TP specs) and the
     optimizer's by-name face, None for an optimizer this IO does not know;
