@@ -49,6 +49,7 @@ from cx_plugins import (
     TorchDDPPlugin,
 )
 from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
+from cx_plugins._hybrid_optimizer import HybridParallelOptimizer
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
 from cx_shardformer import ShardConfig, ShardFormer, get_shard_spec
@@ -338,6 +339,26 @@ def test_plugins_moe_checkpoint_mismatch_is_named(rank: int, world_size: int, tm
     assert "is [8, 16, 16] float32 in the checkpoint but the model expects [4, 16, 16]" in str(model_error.value)
     assert "does not fit the parameter" in str(optimizer_error.value)
     dist.barrier()
+
+
+@distributed(world_size=2)
+def test_plugins_moe_checkpoint_unequal_state_is_named(rank: int, world_size: int, tmp_path: Path) -> None:
+    """An ep rank whose optimizer lacks an expert slice's state cannot pair its gathers with the other's: the save
+    is refused by name on every rank before any gather (no hang, no file)."""
+    booster = Booster(plugin=_moe(2, 0)())
+    module = mixtral()
+    boosted, optimizer, *_ = booster.boost(module, torch.optim.AdamW(module.parameters(), lr=LR))
+    assert isinstance(optimizer, HybridParallelOptimizer)
+    assert isinstance(boosted, HybridParallelModule)
+    booster.backward(boosted(input_ids=rows(0)[:2], labels=rows(0)[:2]).loss, optimizer)
+    optimizer.step()
+    if rank == 1:
+        working = dict(boosted.unwrap().named_parameters())["model.layers.0.mlp.experts.down_proj"]
+        optimizer.optim.state.pop(optimizer.get_working_to_master_map()[id(working)])
+    with pytest.raises(Exception, match=r"first difference at model\.layers\.0\.mlp\.experts\.down_proj"):
+        booster.save_optimizer(optimizer, tmp_path / "optimizer", shard=True)
+    dist.barrier()
+    assert not (tmp_path / "optimizer").exists()
 
 
 # ---- cx-train ------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ layout load them. Optimizer state is by parameter name (`state.<param>.<key>`), 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -332,6 +333,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         tp = self._tp(view)
         state: dict[str, dict[str, Any]] = state_dict.get("state", {})
         order = [name for name, _, _ in plan.entries if name in state]
+        _require_same_entries(view.layout.rank(Axis.PP), state, order, plan.gathers)
         described = {
             name: {
                 key: {"tensor": optimizer_tensor_name(name, key)}
@@ -398,6 +400,35 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
 
         _agree_load(read, f"reading the optimizer from {checkpoint}")
         face.load_state_dict_by_name(loaded[0])
+
+
+def _require_same_entries(stage: int, state: dict[str, dict[str, Any]], order: list[str], gathers: bool) -> None:
+    """The ranks gathering one stage's optimizer state over tp and ep must hold the same entries in the same order
+    (each gather pairs them tensor by tensor): checked first (collective over the world), so that a difference is an
+    error naming the first differing parameter on every rank, never a gather of mismatched tensors or a hang."""
+    entries = [[name, sorted(k for k, v in state[name].items() if isinstance(v, torch.Tensor))] for name in order]
+    payload = json.dumps({"stage": stage, "entries": entries}).encode() if gathers else b""
+    first: dict[int, list[Any]] = {}
+    for rank, raw in enumerate(all_gather_bytes(payload, _world())):
+        if not raw:
+            continue
+        theirs = json.loads(raw)
+        mine = first.setdefault(theirs["stage"], theirs["entries"])
+        if theirs["entries"] != mine:
+            differing = _first_difference(mine, theirs["entries"])
+            raise CheckpointError(
+                f"saving the optimizer: rank {rank} holds other optimizer state entries than its stage's first writer "
+                f"(first difference at {differing}); the tp / ep ranks of a stage must step the same parameters"
+            )
+
+
+def _first_difference(mine: list[Any], theirs: list[Any]) -> str:
+    """The parameter name where two [name, keys] lists first differ."""
+    for a, b in zip(mine, theirs, strict=False):
+        if a != b:
+            return str(a[0])
+    longer = mine if len(mine) > len(theirs) else theirs
+    return str(longer[min(len(mine), len(theirs))][0])
 
 
 def _check_state_shapes(name: str, entries: dict[str, Any], shape: tuple[int, ...], checkpoint: Path) -> None:
