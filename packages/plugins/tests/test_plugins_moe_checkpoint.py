@@ -47,6 +47,7 @@ from cx_plugins import (
     MoeHybridParallelPlugin,
     Plugin,
     TorchDDPPlugin,
+    TorchFSDPPlugin,
 )
 from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
 from cx_plugins._hybrid_optimizer import HybridParallelOptimizer
@@ -136,6 +137,7 @@ PLUGINS: dict[str, Callable[[], Plugin]] = {
     "gemini": lambda: GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 1024}),
     "low_level_zero": lambda: LowLevelZeroPlugin(stage=2, precision="fp32"),
     "torch_ddp": lambda: TorchDDPPlugin(),
+    "torch_fsdp": lambda: TorchFSDPPlugin(),
 }
 
 
@@ -288,6 +290,7 @@ def test_plugins_moe_checkpoint_ep2_saves_hf_folder(tmp_path: Path, model: str, 
         ("mixtral", "low_level_zero", "ep2_zero0"),
         ("mixtral", "ep2_zero0", "torch_ddp"),
         ("mixtral", "ep2_zero1", "low_level_zero"),
+        ("mixtral", "ep2_zero2", "torch_fsdp"),
     ],
 )
 def test_plugins_moe_checkpoint_resume_across_layouts(tmp_path: Path, model: str, saver: str, loader: str) -> None:
