@@ -371,7 +371,8 @@ MOE_DEMO = ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2"]
 
 @distributed(world_size=2)
 def test_plugins_moe_checkpoint_demo_resumes_exactly(rank: int, world_size: int, tmp_path: Path) -> None:
-    """`cx-train --plugin moe_hybrid --ep 2`: 2 steps saved + 2 resumed give the losses of 4 straight steps."""
+    """`cx-train --plugin moe_hybrid --ep 2`: 2 steps saved + 2 resumed give the losses of 4 straight steps, resumed
+    at ep 2, at ep 1 and under GeminiPlugin (the same two data-parallel ranks each time)."""
     from cx_plugins.demo import parse_options
     from cx_plugins.demo._train import run
 
@@ -379,8 +380,13 @@ def test_plugins_moe_checkpoint_demo_resumes_exactly(rank: int, world_size: int,
     straight = run(parse_options([*DEMO, *MOE_DEMO, "--steps", "4"]))
     first = run(parse_options([*DEMO, *MOE_DEMO, "--steps", "2", "--save", checkpoint]))
     rest = run(parse_options([*DEMO, *MOE_DEMO, "--steps", "4", "--resume", checkpoint]))
-    assert (len(first), len(rest)) == (2, 2)
-    torch.testing.assert_close(torch.tensor(first + rest), torch.tensor(straight), rtol=RTOL, atol=RTOL / 10)
+    ep1 = ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "1"]
+    rest_ep1 = run(parse_options([*DEMO, *ep1, "--steps", "4", "--resume", checkpoint]))
+    gemini = ["--model", "mixtral", "--plugin", "gemini"]
+    rest_gemini = run(parse_options([*DEMO, *gemini, "--steps", "4", "--resume", checkpoint]))
+    for resumed in (rest, rest_ep1, rest_gemini):
+        assert (len(first), len(resumed)) == (2, 2)
+        torch.testing.assert_close(torch.tensor(first + resumed), torch.tensor(straight), rtol=RTOL, atol=RTOL / 10)
 
 
 def test_plugins_moe_checkpoint_demo_command_line(tmp_path: Path) -> None:
