@@ -435,6 +435,7 @@ def _round_trip_phase(
     booster.save_model(boosted, Path(target, "model"), shard=True, use_safetensors=True)
     booster.save_model(boosted, Path(target, "single", "model.safetensors"), shard=False, use_safetensors=True)
     booster.save_optimizer(optimizer, Path(target, "optimizer"), shard=True)
+    booster.save_optimizer(optimizer, Path(target, "single", "optimizer.safetensors"), shard=False)
     dist.barrier()
 
 
@@ -447,13 +448,19 @@ def _tensors(folder: Path, kind: CheckpointKind) -> dict[str, torch.Tensor]:
 def test_plugins_moe_checkpoint_mixed_precision_round_trip(tmp_path: Path, precision: str) -> None:
     """bf16 / fp16 with fp32 masters: saved at ep 2 (ZeRO-1), loaded at ep 1 (zero 0) and saved again, every tensor
     of the model and of the optimizer (the fp32 `master_weight` of each full expert stack included) and the param
-    groups with the loss scaler come back bit for bit; the one-file save holds the same tensors as the sharded one."""
+    groups with the loss scaler come back bit for bit; the one-file saves (model, optimizer) hold the
+    same tensors as the sharded ones."""
     first, second = tmp_path / "ep2", tmp_path / "ep1"
     run_distributed(_round_trip_phase, 2, precision=precision, ep=2, zero=1, source=None, target=str(first))
     run_distributed(_round_trip_phase, 2, precision=precision, ep=1, zero=0, source=str(first), target=str(second))
     for folder in (first, second):
         sharded = _tensors(folder / "model", CheckpointKind.MODEL)
         single = load_file(str(folder / "single" / "model.safetensors"))
+        assert sorted(single) == sorted(sharded)
+        for name, tensor in sharded.items():
+            assert torch.equal(single[name], tensor), name
+        sharded = _tensors(folder / "optimizer", CheckpointKind.OPTIMIZER)
+        single = _tensors(folder / "single" / "optimizer.safetensors", CheckpointKind.OPTIMIZER)
         assert sorted(single) == sorted(sharded)
         for name, tensor in sharded.items():
             assert torch.equal(single[name], tensor), name
