@@ -3,18 +3,21 @@
 Composition over cx-checkpoint's streaming writer and lazy reader:
 - `TensorParallelShards` ("this tensor is a TP shard"): shards are gathered over the TP group on save (vocabulary
   padding stripped) and cut again on load;
+- `ExpertParallelShards` ("this tensor is an expert slice", over the TP adapter): expert stacks split over an ep
+  group are gathered along the expert dimension after the TP gather, and cut again on load;
 - `StagePlan` ("this stage owns these parameters", "one writer per tensor"): each pipeline stage streams only the
-  tensors it holds, its TP ranks take turns writing them, the data-parallel replicas stay out;
+  tensors it holds, its ep x tp ranks take turns writing them, the data-parallel replicas stay out;
 - every rank calls `write_sharded` with its own tensors: the stages write their shard files in parallel into one
   staging directory, rank 0 merges one index (and the optimizer description) and commits atomically, and an error on
   any rank is raised on every rank. No rank ever holds more than its stage's tensors, one at a time.
 The files are what `GeneralCheckpointIO` writes for the unsharded model: full tensors under the model's own (Hugging
-Face) names, `config.json` beside them, so `from_pretrained`, every cx plugin and this IO at any tp / pp / dp
+Face) names, `config.json` beside them, so `from_pretrained`, every cx plugin and this IO at any tp / pp / dp / ep
 layout load them. Optimizer state is by parameter name (`state.<param>.<key>`), gathered the same way.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -47,6 +50,7 @@ from cx_checkpoint import (
 )
 from cx_mesh import ProcessGroup, all_gather_bytes
 from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, split_scaler, with_scaler
+from cx_plugins._expert_shards import ExpertParallelShards
 from cx_plugins._layout import Axis
 from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
 from cx_plugins._stage_names import StagePlan, module_tensor_names, persistent_buffers
@@ -122,7 +126,8 @@ def _agree_load(step: Callable[[], None], what: str) -> None:
 
 
 class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
-    """Checkpoints of a `ParallelModelView` (TP shards, pipeline stages, dp replicas) and its by-name optimizer.
+    """Checkpoints of a `ParallelModelView` (TP shards, expert slices over ep, pipeline stages, dp replicas) and its
+    by-name optimizer.
 
     `parts_of(optimizer)` finds the model an optimizer was boosted with (its names, stages and TP specs) and the
     optimizer's by-name face, None for an optimizer this IO does not know;
@@ -155,9 +160,6 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
                 f"HybridCheckpointIO needs the model booster.boost returned (a ParallelModelView), got "
                 f"{type(model).__name__}"
             )
-        layout = model.layout
-        if layout.size(Axis.EP) > 1:
-            raise NotImplementedError("HybridCheckpointIO: expert-parallel checkpoints (ep_size > 1) are not built yet")
         return model
 
     @staticmethod
@@ -168,8 +170,12 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
                 "collective and the writer thread cannot take part in them); save with use_async=False"
             )
 
-    def _tp(self, view: ParallelModelView) -> TensorParallelShards:
-        return TensorParallelShards.of_module(view.unwrap(), view.layout.group_or_none(Axis.TP))
+    def _tp(self, view: ParallelModelView) -> ExpertParallelShards:
+        """TP shards and expert slices of the model (the expert part is empty without expert parallelism)."""
+        module = view.unwrap()
+        return ExpertParallelShards.of_module(
+            module, TensorParallelShards.of_module(module, view.layout.group_or_none(Axis.TP))
+        )
 
     @staticmethod
     def _parts_dir(checkpoint: Path) -> Path:
@@ -327,6 +333,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         tp = self._tp(view)
         state: dict[str, dict[str, Any]] = state_dict.get("state", {})
         order = [name for name, _, _ in plan.entries if name in state]
+        _require_same_entries(view.layout.rank(Axis.PP), state, order, plan.gathers)
         described = {
             name: {
                 key: {"tensor": optimizer_tensor_name(name, key)}
@@ -360,6 +367,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         view, face = self._pair(optimizer)
         tp = self._tp(view)
         held = view.held_parameter_names()
+        shapes = {name: tuple(p.shape) for name, p in view.unwrap().named_parameters() if name in held}
         loaded: list[dict[str, Any]] = []
 
         def read() -> None:
@@ -377,6 +385,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
                         else entry["value"]
                         for key, entry in entries.items()
                     }
+                    _check_state_shapes(name, state[name], shapes[name], checkpoint)
             groups = [
                 {
                     **{k: v for k, v in group.items() if k != "param_names"},
@@ -393,15 +402,56 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         face.load_state_dict_by_name(loaded[0])
 
 
+def _require_same_entries(stage: int, state: dict[str, dict[str, Any]], order: list[str], gathers: bool) -> None:
+    """The ranks gathering one stage's optimizer state over tp and ep must hold the same entries in the same order
+    (each gather pairs them tensor by tensor): checked first (collective over the world), so that a difference is an
+    error naming the first differing parameter on every rank, never a gather of mismatched tensors or a hang."""
+    entries = [[name, sorted(k for k, v in state[name].items() if isinstance(v, torch.Tensor))] for name in order]
+    payload = json.dumps({"stage": stage, "entries": entries}).encode() if gathers else b""
+    first: dict[int, list[Any]] = {}
+    for rank, raw in enumerate(all_gather_bytes(payload, _world())):
+        if not raw:
+            continue
+        theirs = json.loads(raw)
+        mine = first.setdefault(theirs["stage"], theirs["entries"])
+        if theirs["entries"] != mine:
+            differing = _first_difference(mine, theirs["entries"])
+            raise CheckpointError(
+                f"saving the optimizer: rank {rank} holds other optimizer state entries than its stage's first writer "
+                f"(first difference at {differing}); the tp / ep ranks of a stage must step the same parameters"
+            )
+
+
+def _first_difference(mine: list[Any], theirs: list[Any]) -> str:
+    """The parameter name where two [name, keys] lists first differ."""
+    for a, b in zip(mine, theirs, strict=False):
+        if a != b:
+            return str(a[0])
+    longer = mine if len(mine) > len(theirs) else theirs
+    return str(longer[min(len(mine), len(theirs))][0])
+
+
+def _check_state_shapes(name: str, entries: dict[str, Any], shape: tuple[int, ...], checkpoint: Path) -> None:
+    """A state tensor shaped like a parameter (same rank) must be shaped like this one's local slice once cut: a
+    checkpoint of another model (another expert count, hidden size) is refused by name here rather than deep inside
+    the optimizer's step. Factored states of lower rank (Adafactor's) pass."""
+    for key, value in entries.items():
+        if isinstance(value, torch.Tensor) and value.dim() == len(shape) and tuple(value.shape) != shape:
+            raise ValueError(
+                f"{checkpoint}: optimizer state {key!r} of {name} does not fit the parameter (after the tp / ep cut "
+                f"it is {tuple(value.shape)}, the parameter's slice here is {shape}): a checkpoint of another model?"
+            )
+
+
 def _stored_dtype(tensor: torch.Tensor, model_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a model tensor has in the checkpoint: the model's own for floating tensors when given."""
     return model_dtype if model_dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
 def _stage_tensors(
-    plan: StagePlan, tp: TensorParallelShards, model_dtype: torch.dtype | None
+    plan: StagePlan, tp: ExpertParallelShards, model_dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's stream: the TP gathers of its stage's tensors (on every rank of the writing TP group), each
+    """This rank's stream: the TP / ep gathers of its stage's tensors (on every rank of the writing ep x tp block), each
     yielded by its writer under every name of the tensor (copies, since writers refuse shared storage)."""
     if not plan.gathers:
         return
@@ -416,7 +466,7 @@ def _stage_tensors(
 
 
 def _state_tensors(
-    plan: StagePlan, tp: TensorParallelShards, state: dict[str, dict[str, Any]], order: list[str]
+    plan: StagePlan, tp: ExpertParallelShards, state: dict[str, dict[str, Any]], order: list[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if not plan.gathers:
         return

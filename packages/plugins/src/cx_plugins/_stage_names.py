@@ -2,11 +2,11 @@
 pipeline stages and replicated over data-parallel ranks.
 
 Each pipeline stage writes only the parameters and buffers it holds; a tensor held by several stages (a tied
-embedding / head) is written by the first of them. Within a stage, the ranks of one TP group gather the shards
-(every one of them takes part, and each ends up with the full tensor) and they take turns writing them (tensor i of
-the stage by TP rank i mod tp), so the write bandwidth is spread; every other replica (data-parallel,
-sequence-parallel ranks) stays out. Tied parameters are written under each of their names, as the module's
-`state_dict()` has them.
+embedding / head) is written by the first of them. Within a stage, the ranks of one ep x tp block gather the shards
+(every one of them takes part in the TP gathers and, for expert slices, the ep gathers, and each ends up with the
+full tensor) and they take turns writing them (tensor i of the stage by the block's rank i mod ep*tp), so the write
+bandwidth is spread; every other replica (data-parallel, moe-dp, sequence-parallel ranks) stays out. Tied
+parameters are written under each of their names, as the module's `state_dict()` has them.
 """
 
 from __future__ import annotations
@@ -53,16 +53,16 @@ def module_tensor_names(module: nn.Module) -> set[str]:
 @dataclass(frozen=True)
 class StagePlan:
     """What this rank does in a save: `entries` (canonical name, tensor, names written) in an order shared by the
-    TP group; `gathers`: this rank takes part in the TP gathers; it writes entry i when `writes(i)`."""
+    ep x tp block; `gathers`: this rank takes part in the TP / ep gathers; it writes entry i when `writes(i)`."""
 
     entries: tuple[tuple[str, torch.Tensor, tuple[str, ...]], ...]
     gathers: bool
-    tp_rank: int
-    tp_size: int
+    turn: int
+    turns: int
 
     def writes(self, index: int) -> bool:
-        """Whether this rank writes the `index`-th tensor of its stage (the TP ranks take turns)."""
-        return self.gathers and index % self.tp_size == self.tp_rank
+        """Whether this rank writes the `index`-th tensor of its stage (the ep x tp ranks take turns)."""
+        return self.gathers and index % self.turns == self.turn
 
     @classmethod
     def build(cls, view: ParallelModelView) -> StagePlan:
@@ -81,9 +81,9 @@ class StagePlan:
         for name, buffer in persistent_buffers(module):
             if name in held_buffers and name in mine:
                 entries.append((name, buffer, (name,)))
-        replica_axes = [a for a in layout.axes if a not in (Axis.PP, Axis.TP)]
+        replica_axes = [a for a in layout.axes if a not in (Axis.PP, Axis.EP, Axis.TP)]
         gathers = layout.rank(*replica_axes) == 0
-        return cls(tuple(entries), gathers, layout.rank(Axis.TP), layout.size(Axis.TP))
+        return cls(tuple(entries), gathers, layout.rank(Axis.EP, Axis.TP), layout.size(Axis.EP, Axis.TP))
 
 
 def _first_holder(layout: ParallelLayout, held: list[str]) -> set[str]:

@@ -263,9 +263,6 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         pp_style=args.pp_style or PP_STYLES[0],
     )
     missing = plugin_missing(options.plugin)
-    if missing is None and options.plugin == "moe_hybrid" and options.ep > 1 and (options.save or options.resume):
-        missing = "--save/--resume with --plugin moe_hybrid --ep 2 or more: MoE checkpoints (experts gathered over ep) "
-        missing += "are not built yet; train without them, or use --ep 1"
     problem = missing or _layout_problem(options, options.nproc if world_size is None else world_size)
     if problem is not None:
         parser.error(problem)
