@@ -117,6 +117,13 @@ def _moe(ep: int, zero: int, tp: int = 1, **options: Any) -> Callable[[], Plugin
     )
 
 
+def _pipelined(ep: int, zero: int) -> Callable[[], Plugin]:
+    """pp 2, one micro-batch per step (so a step's loss is the reference's per-piece loss, aux loss included)."""
+    return lambda: MoeHybridParallelPlugin(
+        tp_size=1, pp_size=2, ep_size=ep, precision="fp32", zero_stage=zero, num_microbatches=1
+    )
+
+
 def _expert_tp() -> Plugin:
     policy = MixtralForCausalLMPolicy(expert_tensor_parallel=True)
     return MoeHybridParallelPlugin(
@@ -134,6 +141,8 @@ PLUGINS: dict[str, Callable[[], Plugin]] = {
     "moe_dp2_inside_ep2_zero2": _moe(2, 2, moe_dp_outside=False),  # on four ranks: (pp, moe_dp, ep, tp, sp)
     "tp2_ep2_zero0": _moe(2, 0, tp=2),  # on four ranks
     "tp2_ep2_expert_tp_zero2": _expert_tp,  # on four ranks: experts split over tp as well
+    "pp2_zero0": _pipelined(1, 0),
+    "pp2_ep2_zero1": _pipelined(2, 1),  # on four ranks
     "gemini": lambda: GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 1024}),
     "low_level_zero": lambda: LowLevelZeroPlugin(stage=2, precision="fp32"),
     "torch_ddp": lambda: TorchDDPPlugin(),
@@ -184,24 +193,36 @@ def _run_phase(rank: int, world_size: int, model: str, phase: Phase, directory: 
     dp_rank, dp_size = plugin.data_parallel_rank_and_size()  # type: ignore[attr-defined]
     share = ROWS // dp_size
     losses = []
+    pipelined = isinstance(plugin, MoeHybridParallelPlugin) and plugin.pp_size > 1
     for step in range(phase.start, phase.stop):
         mine = rows(step)[dp_rank * share : (dp_rank + 1) * share]
-        loss = boosted(input_ids=mine, labels=mine).loss
-        booster.backward(loss, optimizer)
+        loss: torch.Tensor | None
+        if pipelined:  # the last stage has the loss
+            batch = iter([{"input_ids": mine, "labels": mine}])
+            loss = booster.execute_pipeline(batch, boosted, _model_loss, optimizer, return_loss=True)["loss"]
+        else:
+            loss = boosted(input_ids=mine, labels=mine).loss
+            booster.backward(loss, optimizer)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        if loss is not None:
+            losses.append(float(loss))
     target = _folder(directory, phase.stop)
     booster.save_model(boosted, target / "model", shard=True, use_safetensors=True)
     booster.save_optimizer(optimizer, target / "optimizer", shard=True)
-    if rank == 0:
+    if (rank == 0 and not pipelined) or (pipelined and dp_rank == 0 and losses):
         (target / "losses.json").write_text(json.dumps({"dp": dp_size, "losses": losses}))
     dist.barrier()
 
 
+def _model_loss(outputs: Any, _micro_batch: Any) -> torch.Tensor:
+    loss: torch.Tensor = outputs.loss
+    return loss
+
+
 def _dp_size(phase: Phase) -> int:
-    """The data-parallel size of a phase (every plugin here splits the rows over all ranks but tp)."""
-    return phase.world // 2 if phase.plugin.startswith("tp2") else phase.world
+    """The data-parallel size of a phase (every plugin here splits the rows over all ranks but tp and pp)."""
+    return phase.world // 2 if phase.plugin.startswith(("tp2", "pp2")) else phase.world
 
 
 def reference(model: str, phases: list[Phase]) -> tuple[dict[int, dict[str, Any]], list[float]]:
@@ -296,6 +317,18 @@ def test_plugins_moe_checkpoint_ep2_saves_hf_folder(tmp_path: Path, model: str, 
 def test_plugins_moe_checkpoint_resume_across_layouts(tmp_path: Path, model: str, saver: str, loader: str) -> None:
     """Saved at one ep size (or by another plugin), resumed at another: training continues as uninterrupted."""
     run_phases(model, [Phase(saver, 0, 2), Phase(loader, 2, 4)], tmp_path)
+
+
+def test_plugins_moe_checkpoint_pipeline_resumes_across_layouts(tmp_path: Path) -> None:
+    """Pipeline stages with experts: ep 2 -> pp 2 (ep 1) -> pp 2 x ep 2 (four ranks, ZeRO-1) -> ep 2, each phase's
+    folder equal to one process's model and Adam state, the losses those of the uninterrupted run."""
+    phases = [
+        Phase("ep2_zero2", 0, 2),
+        Phase("pp2_zero0", 2, 4),
+        Phase("pp2_ep2_zero1", 4, 6, world=4),
+        Phase("ep2_zero0", 6, 8),
+    ]
+    run_phases("mixtral", phases, tmp_path)
 
 
 def test_plugins_moe_checkpoint_ep2_ep1_gemini(tmp_path: Path) -> None:
