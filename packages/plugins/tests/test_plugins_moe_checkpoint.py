@@ -10,7 +10,7 @@ their own aux loss, the mean of the ranks' losses), so a resumed run must match 
 absolute: Adam's normalised update turns reduction-order noise into up to ~lr/100), and the saved Adam moments by
 name. bf16 / fp16 with fp32 masters round-trip bit for bit across ep sizes. Then the clear errors: a checkpoint of
 another expert count refused by name for the model and the optimizer; `cx-train --plugin moe_hybrid --ep 2`; and
-pipeline stages x experts on a test-local composition (the plugin does not run pp > 1 with experts yet).
+pipeline stages x experts, through the plugin and on a test-local composition.
 """
 
 from __future__ import annotations
@@ -515,7 +515,7 @@ def test_plugins_moe_checkpoint_mixed_precision_round_trip(tmp_path: Path, preci
             assert torch.equal(again[name], tensor), name
 
 
-# ---- pipeline stages x experts (a test-local composition: the plugin itself refuses pp > 1 with experts so far) ----
+# ---- pipeline stages x experts on a test-local composition (ShardFormer, split_model and AdamW by hand) ------------
 def _staged(layout: ParallelLayout, scale: float) -> tuple[StagedModel, TorchFace, HybridCheckpointIO]:
     """Mixtral made expert-parallel by ShardFormer over the layout's ep group, then split into its pipeline stages,
     with AdamW over the stage's parameters stepped once with gradient = the full parameter's value (so every expert's
