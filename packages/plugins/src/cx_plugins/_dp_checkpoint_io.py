@@ -42,7 +42,14 @@ from cx_mesh import DistCoordinator
 from cx_plugins._lora import require_lora, save_lora
 from cx_plugins._wrappers import ModelWrapper
 
-__all__ = ["SCALER_KEY", "ReplicatedCheckpointIO", "ShardedOptimizerCheckpointIO", "split_scaler", "with_scaler"]
+__all__ = [
+    "SCALER_KEY",
+    "ReplicatedCheckpointIO",
+    "ShardedOptimizerCheckpointIO",
+    "StateView",
+    "split_scaler",
+    "with_scaler",
+]
 
 SCALER_KEY = "cx_grad_scaler"
 """Where a loss scaler's state rides in a cx optimizer description: a key of param group 0 (plain JSON data)."""
@@ -332,3 +339,21 @@ def drain(stream: Iterable[object]) -> None:
     """Consume a collective stream on a rank that keeps nothing of it."""
     for _ in stream:
         pass
+
+
+class StateView(nn.Module):
+    """A module whose state_dict is a given dict (full tensors a plugin gathered) and whose config is the model's:
+    what the single-file writer takes, so a gathered state is written like the model's own."""
+
+    def __init__(self, state: dict[str, torch.Tensor], owner: nn.Module) -> None:
+        super().__init__()
+        self._state = state
+        self._owner = [owner]  # a list, so the owner is not registered as a submodule
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return self._state
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("config", "generation_config"):
+            return getattr(self._owner[0], name)
+        return super().__getattr__(name)

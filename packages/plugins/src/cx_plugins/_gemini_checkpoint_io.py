@@ -26,28 +26,17 @@ from cx_checkpoint import (
     write_sharded,
     write_side_files,
 )
-from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, split_scaler, states_by_name, with_scaler
+from cx_plugins._dp_checkpoint_io import (
+    ShardedOptimizerCheckpointIO,
+    StateView,
+    split_scaler,
+    states_by_name,
+    with_scaler,
+)
 from cx_plugins._wrappers import ModelWrapper
 from cx_zero import GeminiDDP, GeminiOptimizer
 
 __all__ = ["GeminiCheckpointIO"]
-
-
-class _StateView(nn.Module):
-    """A module whose state_dict is a given dict (the gathered full tensors) and whose config is the model's."""
-
-    def __init__(self, state: dict[str, torch.Tensor], owner: nn.Module) -> None:
-        super().__init__()
-        self._state = state
-        self._owner = [owner]  # a list, so the owner is not registered as a submodule
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return self._state
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("config", "generation_config"):
-            return getattr(self._owner[0], name)
-        return super().__getattr__(name)
 
 
 def _bytes(size_per_shard_mb: float) -> int:
@@ -93,7 +82,7 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
         state = self._full_model_state(ddp)
         # the replicated path: the master rank writes, every rank waits for it
         super().save_unsharded_model(
-            _StateView(state, ddp.unwrap()), checkpoint, gather_dtensor, use_safetensors, use_async
+            StateView(state, ddp.unwrap()), checkpoint, gather_dtensor, use_safetensors, use_async
         )
 
     def save_sharded_model(
@@ -109,7 +98,7 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
         ddp = self._ddp(model)
         if use_async:  # the writer thread cannot take part in collectives: gather now, write in the background
             state = self._full_model_state(ddp)
-            view = _StateView(state, ddp.unwrap())
+            view = StateView(state, ddp.unwrap())
             super().save_sharded_model(view, checkpoint, gather_dtensor, prefix, size_per_shard, use_safetensors, True)
             return
         stream = iter_source(self._model_source(ddp), _bytes(size_per_shard))

@@ -49,7 +49,7 @@ from cx_checkpoint import (
     write_side_files,
 )
 from cx_mesh import ProcessGroup, all_gather_bytes
-from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, split_scaler, with_scaler
+from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, StateView, split_scaler, with_scaler
 from cx_plugins._expert_shards import ExpertParallelShards
 from cx_plugins._layout import Axis
 from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
@@ -57,23 +57,6 @@ from cx_plugins._stage_names import StagePlan, module_tensor_names, persistent_b
 from cx_plugins._tp_shards import TensorParallelShards
 
 __all__ = ["HybridCheckpointIO"]
-
-
-class _StateView(nn.Module):
-    """A module whose state_dict is a given dict and whose config is the model's (for the single-file writer)."""
-
-    def __init__(self, state: dict[str, torch.Tensor], owner: nn.Module) -> None:
-        super().__init__()
-        self._state = state
-        self._owner = [owner]  # a list, so the owner is not registered as a submodule
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return self._state
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("config", "generation_config"):
-            return getattr(self._owner[0], name)
-        return super().__getattr__(name)
 
 
 class _StageSink:
@@ -240,7 +223,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
                     state = {name: reader.read(name).clone() for name in reader.names()}
                 # GeneralCheckpointIO's writer itself: this already runs on the master only
                 GeneralCheckpointIO.save_unsharded_model(
-                    self, _StateView(state, owner), checkpoint, gather_dtensor, use_safetensors, False
+                    self, StateView(state, owner), checkpoint, gather_dtensor, use_safetensors, False
                 )
             finally:
                 shutil.rmtree(parts, ignore_errors=True)
