@@ -2,7 +2,7 @@
 Qwen3-MoE models with the aux loss on: pp 2 alone (ep 1, 2 ranks) and ep 2 x pp 2 (4 ranks). The last stage's aux
 loss pools the router logits of every layer of the micro-batch (earlier stages send theirs with the hidden states),
 as transformers' does; experts that no token reaches do not hang the pipeline. Reference semantics in
-moe_test_helpers.py."""
+moe_hybrid_test_helpers.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from cx_mesh.testing import distributed
 from cx_plugins import MoeHybridParallelPlugin
-from moe_test_helpers import mixtral, qwen3_moe, rows, train_and_compare, unrouted
+from moe_hybrid_test_helpers import mixtral, qwen3_moe, rows, train_and_compare, unrouted
 
 pytest.importorskip("transformers")
 

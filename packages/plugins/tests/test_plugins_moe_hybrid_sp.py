@@ -4,7 +4,7 @@ group (tp 2), and on 4 ranks ep 2 x sp 2 all_to_all (dense gradients averaged ov
 split_gather; Qwen2-MoE and DeepSeek-V3 (shared experts) on the sp axis. Each rank routes the tokens of its sequence
 shard; the aux loss still pools every token (router logits gathered over the sequence-parallel group), so losses
 and parameters match one process (and, with a padding mask, the aux loss weights the right rows). Reference
-semantics in moe_test_helpers.py. Then the refused configurations."""
+semantics in moe_hybrid_test_helpers.py. Then the refused configurations."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, MoeHybridParallelPlugin
-from moe_test_helpers import deepseek_v3, mixtral, qwen2_moe, qwen3_moe, rows, train_and_compare, unrouted
+from moe_hybrid_test_helpers import deepseek_v3, mixtral, qwen2_moe, qwen3_moe, rows, train_and_compare, unrouted
 
 pytest.importorskip("transformers")
 
