@@ -294,6 +294,60 @@ def test_tensor_parallel_plugins_cut_each_lazy_parameter_to_its_slice(
         torch.testing.assert_close(loss, eager(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
 
 
+def _mixtral() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32, use_cache=False,
+        output_router_logits=True, tie_word_embeddings=False,
+    )  # fmt: skip
+    model: nn.Module = transformers.MixtralForCausalLM(config)
+    return model
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_expert_parallel_plugin_cuts_each_lazy_expert_stack_to_its_experts(rank: int, world_size: int, tp: int) -> None:
+    """MoeHybridParallelPlugin: cx-moe narrows each meta expert stack in place to this rank's experts (and TP its
+    other layers), then each full stack from the replay is cut to those experts before the next one is made."""
+    from cx_moe import get_moe_info
+    from cx_plugins import MoeHybridParallelPlugin
+
+    torch.manual_seed(5)
+    eager = _mixtral()
+    torch.manual_seed(5)
+    context = LazyInitContext()
+    with context:
+        lazy = _mixtral()
+    ep = world_size // tp
+    plugin = MoeHybridParallelPlugin(tp_size=tp, pp_size=1, ep_size=ep, precision="fp32")
+    optimizer = torch.optim.SGD(lazy.parameters(), lr=0.1)
+    originals = dict(lazy.named_parameters())
+    boosted, *_ = Booster(plugin=plugin).boost(lazy, optimizer)
+    assert context.stats.peak_bytes <= _sizes(eager)[0]
+    local = dict(lazy.named_parameters())
+    # the parameters the user built are the ones that train, and none ever held more than this rank's part
+    assert all(local[name] is param for name, param in originals.items())
+    experts = [name for name, p in local.items() if get_moe_info(p) is not None]
+    assert len(experts) == 4 if ep > 1 else not experts  # gate_up_proj and down_proj of both layers
+    for name, value in eager.named_parameters():
+        expected = value.detach()
+        info = get_moe_info(local[name])
+        if info is not None:
+            share = info.num_experts // info.ep_size
+            expected = expected[info.ep_rank * share : (info.ep_rank + 1) * share]
+        spec = get_shard_spec(local[name])
+        if spec is not None:
+            expected = shard_tensor(expected, spec, plugin.layout.group(Axis.TP))
+        torch.testing.assert_close(local[name].detach(), expected, rtol=0, atol=0, msg=name)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        boosted.eval()
+        eager.eval()
+        loss = boosted(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(loss, eager(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+
+
 @distributed(world_size=2)
 def test_pipeline_stages_materialise_only_their_own_parameters(rank: int, world_size: int) -> None:
     torch.manual_seed(5)

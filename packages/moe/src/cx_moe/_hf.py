@@ -155,6 +155,10 @@ def expert_parallelize_hf(
         info = MoeParamInfo(ep_group, moe_dp_group, ep_rank, ep_size, count)
         for param_name in ("gate_up_proj", "down_proj"):
             full: nn.Parameter = getattr(experts, param_name)
+            if full.is_meta:  # built lazily: narrowed in place (no memory), so its value can still be filled later
+                full.data = full.data[rows]
+                set_moe_tensor_info(full, info)
+                continue
             piece = nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad)
             set_moe_tensor_info(piece, info)
             setattr(experts, param_name, piece)

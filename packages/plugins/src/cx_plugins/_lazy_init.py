@@ -10,7 +10,9 @@ of an eager construction after the same seed (ColossalAI's lazy tensors do not p
 each tensor is handed over as soon as construction is done with it and then dropped, so the replay itself holds
 only what construction keeps alive at once (a parameter or two), never the whole model. `GeminiPlugin` takes each
 parameter straight into its chunk slot (this rank's part kept, the rest dropped: `GeminiDDP(parameter_source=...)`);
-the other plugins hold every parameter in full on each rank anyway and get the model materialised in place first
+the tensor-parallel, expert-parallel and FSDP plugins cut each one to this rank's slice as it arrives
+(`_lazy_tp.py`, `_lazy_fsdp.py`); DDP and LowLevelZero hold every parameter in full on each rank anyway and get the
+model materialised in place first
 (`torch.utils.swap_tensors`: the user's references and an optimizer built before `boost` stay valid; tied
 parameters stay tied). The context's `stats` say how many bytes the last replay held at once.
 

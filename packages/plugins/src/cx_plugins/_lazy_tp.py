@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from cx_mesh import ProcessGroup
+from cx_moe import get_moe_info
 from cx_plugins._lazy_init import LazyModel, install_parameter
 from cx_shardformer import get_shard_spec, shard_tensor
 
@@ -31,10 +32,21 @@ class SlicedSource:
 
     def stream(self, receive: Callable[[nn.Parameter, torch.Tensor], None]) -> None:
         def sliced(param: nn.Parameter, value: torch.Tensor) -> None:
+            value = _experts_of_this_rank(param, value)
             spec = get_shard_spec(param)
             receive(param, value if spec is None else shard_tensor(value, spec, self.group))
 
         self.lazy.stream(sliced)
+
+
+def _experts_of_this_rank(param: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
+    """An expert stack split over ep (cx-moe narrowed the meta parameter in place) takes this rank's experts
+    first; a tensor-parallel split of the experts (`expert_tensor_parallel`) then applies to that slice."""
+    info = get_moe_info(param)
+    if info is None or info.ep_size == 1 or value.shape[0] != info.num_experts:
+        return value
+    local = info.num_experts // info.ep_size
+    return value[info.ep_rank * local : (info.ep_rank + 1) * local]
 
 
 def materialise_sliced(

@@ -146,11 +146,6 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         )
 
     # ---- layout ---------------------------------------------------------------------------------------------------
-    def materialises_lazy_models(self) -> bool:
-        """Expert parallelism keeps only this rank's experts by building new expert tensors, which a construction
-        replay cannot fill: the Booster materialises a lazily built MoE model in full first."""
-        return False
-
     def _build_layout(self, options: HybridParallelOptions) -> ParallelLayout:
         """(moe_dp, pp, ep, tp, sp) or (pp, moe_dp, ep, tp, sp); the data axes are moe_dp and ep."""
         pp, moe_dp = (Axis.PP, options.pp_size), (Axis.MOE_DP, FILL)
