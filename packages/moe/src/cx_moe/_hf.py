@@ -129,7 +129,8 @@ def expert_parallelize_hf(
 ) -> list[str]:
     """Make every MoE block of a transformers 5 model expert-parallel over `ep_group`, in place; returns the
     converted blocks' names. Each rank keeps experts [r * E/ep, (r + 1) * E/ep) of every block under the original
-    parameter names, marked with `ep_group` / `moe_dp_group` (see `moe_param_groups`). Raises
+    parameter names, marked with `ep_group` / `moe_dp_group` (see `moe_param_groups`). A stack still on the meta
+    device (built lazily) is narrowed in place instead, keeping its identity so its value can be filled later. Raises
     `UnknownMoeBlockError` for a block cx does not know, and `ValueError` when the model has no MoE block or the
     experts do not split over the group."""
     blocks: list[tuple[str, nn.Module]] = []
