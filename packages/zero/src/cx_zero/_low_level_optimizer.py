@@ -6,6 +6,8 @@ padded and split over it (see `_partition`); the wrapped optimizer steps only th
 are reduced in fixed buckets (`_buckets`, `_reduce`) at the end of `backward` (or during it with
 `overlap_communication` or stage 2), the step runs on the shards, and the updated shards are all-gathered back into
 the working parameters (`_gather`), optionally finished lazily before the next forward (`overlap_allgather`).
+A group with a single replica skips all of that (`_local`): its gradients are used where they are, and in fp32 (no
+offload) its masters are the working parameters themselves.
 
 Global decisions (inf/nan overflow and the gradient norm, one reduction of the summed squares) are reduced over the
 group that spans all the others (the dense DP group when experts use a sub-group) and over the TP/PP groups when
@@ -33,6 +35,7 @@ from cx_zero._comm import group_ranks
 from cx_zero._elementwise import require_elementwise
 from cx_zero._gather import DeferredGathers, GroupGatherer
 from cx_zero._grad_scaler import BaseGradScaler
+from cx_zero._local import LocalGatherer, LocalReducer, is_alias, local_master
 from cx_zero._loss_scale import LossScaleOptions
 from cx_zero._norm import NormType, clip_coefficient, norm_or_inf
 from cx_zero._options import LowLevelZeroOptions, ZeroStage
@@ -145,8 +148,8 @@ class LowLevelZeroOptimizer:
         self._shard_of: dict[int, ParamShard] = {}
         self._groups: list[ProcessGroup | None] = []
         self._group_shards: list[list[ParamShard]] = []
-        self._reducers: list[GroupReducer] = []
-        self._gatherers: list[GroupGatherer] = []
+        self._reducers: list[GroupReducer | LocalReducer] = []
+        self._gatherers: list[GroupGatherer | LocalGatherer] = []
         position = {id(p): i for i, p in enumerate(trainable)}
         for group in [g for g, _ in groups] + [extra_dp_group]:
             if group is not None and dist.get_rank(group) < 0:
@@ -162,16 +165,23 @@ class LowLevelZeroOptimizer:
                 "LowLevelZeroOptimizer options and parameter shapes",
             )
             device = torch.device("cpu") if options.cpu_offload else params[0].device if params else torch.device("cpu")
+            # one replica of this group's partition: nothing to reduce or gather (see `_local`)
+            single = size == 1 and (extra_dp_group is None or dist.get_world_size(extra_dp_group) == 1)
+            alias = single and not options.cpu_offload
             shards = []
             for param in params:
-                master = shard_of(param.detach(), size, rank).to(device=device, dtype=self._master_dtype).clone()
+                master = local_master(param, self._master_dtype, device, alias, size, rank)
                 shard = ParamShard(position[id(param)], names[id(param)], param, master, group_index, size, rank)
                 shards.append(shard)
                 self._shard_of[id(param)] = shard
-            buckets = plan_buckets(list(reversed(shards)), self.options.reduce_bucket_size)
             comm_dtype = options.communication_dtype or self._working_dtype
             self._groups.append(group)
             self._group_shards.append(shards)
+            if single:
+                self._reducers.append(LocalReducer(shards, comm_dtype, self._master_dtype, device))
+                self._gatherers.append(LocalGatherer(shards))
+                continue
+            buckets = plan_buckets(list(reversed(shards)), self.options.reduce_bucket_size)
             self._reducers.append(
                 GroupReducer(group, buckets, self.options.stage, comm_dtype, self._master_dtype, device, extra_dp_group)
             )
@@ -463,7 +473,7 @@ class LowLevelZeroOptimizer:
         with torch.no_grad():
             for param in model.parameters():
                 shard = self._shard_of.get(id(param))
-                if shard is not None:
+                if shard is not None and not is_alias(shard):  # a master that is the parameter is up to date
                     piece = shard_of(param.detach(), shard.group_size, shard.group_rank)
                     shard.master.copy_(piece.to(device=shard.master.device, dtype=shard.master.dtype))
 
@@ -523,7 +533,8 @@ class LowLevelZeroOptimizer:
             self.grad_scaler.load_state_dict(dict(state_dict["grad_scaler"]))
 
     def local_state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for master shards and optimizer state (for memory accounting)."""
-        masters = sum(s.master.numel() * s.master.element_size() for s in self._shards)
+        """Bytes this rank holds for master shards and optimizer state (for memory accounting); a master that is the
+        working parameter itself (one replica, same dtype) holds none of its own."""
+        masters = sum(s.master.numel() * s.master.element_size() for s in self._shards if not is_alias(s))
         state = sum(state_bytes(dict(v)) for v in self.optim.state.values())
         return {"master": masters, "optimizer_state": state}
