@@ -61,12 +61,13 @@ def unrouted(model_fn: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 
     def build() -> nn.Module:
         model = model_fn()
-        for name, weight in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                with torch.no_grad():
-                    weight[1].copy_(-weight[0])
-                    weight[2:].zero_()
-                weight.requires_grad_(False)
+        gates = [weight for name, weight in model.named_parameters() if name.endswith("mlp.gate.weight")]
+        assert gates, "the model has routers to freeze"
+        for weight in gates:
+            with torch.no_grad():
+                weight[1].copy_(-weight[0])
+                weight[2:].zero_()
+            weight.requires_grad_(False)
         return model
 
     return build
@@ -88,15 +89,27 @@ def train_and_compare(
     microbatches: int = 1,
     clip: float = 0.0,
     tol: float = 1e-4,
+    freeze_experts: bool = False,
 ) -> HybridParallelModule:
-    """Train `steps` steps with the plugin and a single-process copy; assert losses and held parameters match."""
+    """Train `steps` steps with the plugin and a single-process copy; assert losses and held parameters match.
+    `freeze_experts`: the expert stacks do not train (only the dense parameters and routers do)."""
     model = model_fn()
+    if freeze_experts:
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                param.requires_grad_(False)
     reference = copy.deepcopy(model)
     booster = Booster(plugin=plugin)
     optimizer_in = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
     boosted, optimizer, *_ = booster.boost(model, optimizer_in)
     assert isinstance(boosted, HybridParallelModule)
     assert optimizer is not None
+    if plugin.ep_size > 1:  # every expert stack this rank holds is split over ep
+        held = [(n, p) for n, p in boosted.unwrap().named_parameters() if n in boosted.held_parameter_names()]
+        stacks = [n for n, _ in held if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+        split = [n for n, p in held if get_moe_info(p) is not None]
+        assert stacks, "this rank holds expert stacks"
+        assert split == stacks, f"the experts of every MoE layer are split over ep: {split} vs {stacks}"
     ref_optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=LR, momentum=0.9)
     dp_rank, dp_size = plugin.data_parallel_rank_and_size()
     share = ROWS // dp_size

@@ -8,123 +8,26 @@ plugin refuses."""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
+import functools
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from cx_mesh.testing import distributed
-from cx_moe import get_moe_info
-from cx_plugins import Booster, HybridParallelModule, MoeHybridParallelPlugin
+from cx_plugins import MoeHybridParallelPlugin
 from cx_plugins._layout import LayoutError
-from cx_shardformer import get_shard_spec, unshard_tensor
+from moe_hybrid_test_helpers import mixtral, rows, train_and_compare, unrouted
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, ROWS, LENGTH, LR, STEPS = 50, 4, 8, 0.1, 5
-
-
-def mixtral(top_k: int = 2) -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=top_k,
-        output_router_logits=True, router_aux_loss_coef=0.05, router_jitter_noise=0.0, tie_word_embeddings=False,
-        use_cache=False,
-    )  # fmt: skip
-    model: nn.Module = transformers.MixtralForCausalLM(config)
-    return model
-
-
-def rows(step: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (ROWS, LENGTH), generator=torch.Generator().manual_seed(100 + step))
+STEPS = 5
 
 
 def unrouted_mixtral() -> nn.Module:
-    """Top-1 routing to experts 0 or 1 only (frozen router: logits (a, -a, 0, 0)): ep rank 1's experts 2 and 3
-    never receive a token."""
-    model = mixtral(top_k=1)
-    gates = [p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")]
-    assert len(gates) == 2
-    for weight in gates:
-        with torch.no_grad():
-            weight[1].copy_(-weight[0])
-            weight[2:].zero_()
-        weight.requires_grad_(False)
-    return model
-
-
-def train_and_compare(
-    plugin: MoeHybridParallelPlugin,
-    clip: float = 0.0,
-    freeze_experts: bool = False,
-    model_fn: Callable[[], nn.Module] = mixtral,
-    steps: int = STEPS,
-    tol: float = 1e-4,
-) -> tuple[Booster, HybridParallelModule]:
-    model = model_fn()
-    if freeze_experts:
-        for name, param in model.named_parameters():
-            if ".experts." in name:
-                param.requires_grad_(False)
-    reference = copy.deepcopy(model)
-    booster = Booster(plugin=plugin)
-    optimizer_in = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
-    boosted, optimizer, *_ = booster.boost(model, optimizer_in)
-    assert isinstance(boosted, HybridParallelModule)
-    assert optimizer is not None
-    experts = [n for n, p in boosted.unwrap().named_parameters() if get_moe_info(p) is not None]
-    assert len(experts) == 4, f"the experts of both layers are split over ep: {experts}"
-    ref_optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=LR, momentum=0.9)
-    dp_rank, dp_size = plugin.data_parallel_rank_and_size()
-    share = ROWS // dp_size
-    losses, expected = [], []
-    for step in range(steps):
-        ids = rows(step)
-        mine = ids[dp_rank * share : (dp_rank + 1) * share]
-        loss = boosted(input_ids=mine, labels=mine).loss
-        booster.backward(loss, optimizer)
-        if clip > 0:
-            optimizer.clip_grad_by_norm(clip)
-        optimizer.step()
-        optimizer.zero_grad()
-        pieces = [reference(input_ids=ids[r * share : (r + 1) * share], labels=ids[r * share : (r + 1) * share]).loss
-                  for r in range(dp_size)]  # fmt: skip
-        sum(pieces).div(dp_size).backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
-        losses.append(float(loss))
-        expected.append(float(pieces[dp_rank]))
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=tol, atol=tol / 10)
-    compare_parameters(boosted, reference, plugin, tol)
-    return booster, boosted
-
-
-def compare_parameters(
-    boosted: HybridParallelModule, reference: nn.Module, plugin: MoeHybridParallelPlugin, tol: float
-) -> None:
-    """Every parameter by name; an expert slice gathered over the ep group along the expert dimension first."""
-    expected = dict(reference.named_parameters())
-    for name, param in boosted.unwrap().named_parameters():
-        full = param.detach()
-        spec = get_shard_spec(param)
-        if spec is not None:
-            full = unshard_tensor(full, spec, plugin.tp_group)
-        if get_moe_info(param) is not None:
-            pieces = [torch.empty_like(full) for _ in range(plugin.ep_size)]
-            dist.all_gather(pieces, full.contiguous(), group=plugin.ep_group)
-            full = torch.cat(pieces, dim=0)
-        torch.testing.assert_close(full.float(), expected[name].detach(), rtol=tol, atol=tol / 10, msg=_named(name))
-
-
-def _named(name: str) -> Callable[[str], str]:
-    return lambda message: f"{name}: {message}"
+    """Top-1 routing to experts 0 or 1 only (frozen routers): ep rank 1's experts 2 and 3 never receive a token."""
+    return unrouted(functools.partial(mixtral, top_k=1))()
 
 
 @distributed(world_size=2)
@@ -132,7 +35,7 @@ def _named(name: str) -> Callable[[str], str]:
 def test_plugins_moe_hybrid_ep2(rank: int, world_size: int, zero_stage: int) -> None:
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
     assert (plugin.ep_size, plugin.moe_dp_size, plugin.dp_size) == (2, 1, 2)
-    train_and_compare(plugin)  # checkpoints: test_plugins_moe_checkpoint.py
+    train_and_compare(plugin, steps=STEPS)  # checkpoints: test_plugins_moe_checkpoint.py
 
 
 @distributed(world_size=2)
@@ -142,7 +45,7 @@ def test_plugins_moe_hybrid_ep2_overlap(rank: int, world_size: int, zero_stage: 
     plugin = MoeHybridParallelPlugin(
         tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage, overlap_communication=True
     )
-    train_and_compare(plugin, model_fn=unrouted_mixtral)
+    train_and_compare(plugin, model_fn=unrouted_mixtral, steps=STEPS)
 
 
 @distributed(world_size=2)
@@ -150,7 +53,7 @@ def test_plugins_moe_hybrid_ep2_overlap(rank: int, world_size: int, zero_stage: 
 def test_plugins_moe_hybrid_ep2_clipped(rank: int, world_size: int, zero_stage: int) -> None:
     """The global norm counts each expert slice once and each dense gradient once (not once per ep rank)."""
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
-    train_and_compare(plugin, clip=0.05)
+    train_and_compare(plugin, clip=0.05, steps=STEPS)
 
 
 @distributed(world_size=2)
@@ -158,7 +61,7 @@ def test_plugins_moe_hybrid_ep2_clipped(rank: int, world_size: int, zero_stage: 
 def test_plugins_moe_hybrid_frozen_experts(rank: int, world_size: int, zero_stage: int) -> None:
     """No trainable expert parameter (ColossalAI #6237 raises here): the dense part trains, the experts stay."""
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
-    train_and_compare(plugin, freeze_experts=True)
+    train_and_compare(plugin, freeze_experts=True, steps=STEPS)
 
 
 @distributed(world_size=4)
@@ -169,7 +72,7 @@ def test_plugins_moe_hybrid_moe_dp2_ep2(rank: int, world_size: int, zero_stage: 
         tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage, moe_dp_outside=moe_dp_outside
     )
     assert (plugin.ep_size, plugin.moe_dp_size, plugin.dp_size) == (2, 2, 4)
-    train_and_compare(plugin, clip=0.05 if zero_stage == 0 else 0.0)
+    train_and_compare(plugin, clip=0.05 if zero_stage == 0 else 0.0, steps=STEPS)
 
 
 @distributed(world_size=4)
@@ -178,7 +81,7 @@ def test_plugins_moe_hybrid_tp2_ep2(rank: int, world_size: int, zero_stage: int)
     """tp 2 x ep 2: attention split over tp (experts whole within each tp pair), experts over the ep pair."""
     plugin = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
     assert (plugin.tp_size, plugin.ep_size, plugin.dp_size) == (2, 2, 2)
-    train_and_compare(plugin, clip=0.05)
+    train_and_compare(plugin, clip=0.05, steps=STEPS)
 
 
 @distributed(world_size=2)
@@ -189,7 +92,7 @@ def test_plugins_moe_hybrid_unrouted_experts(rank: int, world_size: int, zero_st
         logits = unrouted_mixtral()(input_ids=rows(0), labels=rows(0)).router_logits
     assert all(int(layer.argmax(-1).max()) <= 1 for layer in logits), "experts 2 and 3 must get no token"
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
-    train_and_compare(plugin, model_fn=unrouted_mixtral)
+    train_and_compare(plugin, model_fn=unrouted_mixtral, steps=STEPS)
 
 
 @distributed(world_size=2)

@@ -1,5 +1,5 @@
 """MoeHybridParallelPlugin on a tiny HF Qwen3-MoE (fp32, aux loss on, `output_router_logits=True`) against
-single-process training with the same data-parallel semantics, through test_plugins_moe_hybrid.py's
+single-process training with the same data-parallel semantics, through moe_hybrid_test_helpers.py's
 `train_and_compare` (losses every step, every parameter after five steps within 1e-4 relative): ep 2 at zero_stage
 0, 1 and 2, tp 2 x ep 2 and moe_dp 2 x ep 2 on four ranks, and experts no token reaches at zero_stage 2. Qwen3-MoE
 differs from Mixtral where the plugin could go wrong: per-head q/k RMSNorms (replicated over tp, gradients summed),
@@ -14,7 +14,7 @@ from torch import nn
 
 from cx_mesh.testing import distributed
 from cx_plugins import MoeHybridParallelPlugin
-from test_plugins_moe_hybrid import VOCAB, rows, train_and_compare
+from moe_hybrid_test_helpers import VOCAB, rows, train_and_compare, unrouted
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,17 +33,8 @@ def qwen3_moe(top_k: int = 2) -> nn.Module:
 
 
 def unrouted_qwen3_moe() -> nn.Module:
-    """Top-1 routing to experts 0 or 1 only (frozen router rows (w, -w, 0, 0)): ep rank 1's experts 2 and 3 never
-    receive a token."""
-    model = qwen3_moe(top_k=1)
-    gates = [p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")]
-    assert len(gates) == 2
-    for weight in gates:
-        with torch.no_grad():
-            weight[1].copy_(-weight[0])
-            weight[2:].zero_()
-        weight.requires_grad_(False)
-    return model
+    """Top-1 routing to experts 0 or 1 only (frozen routers): ep rank 1's experts 2 and 3 never receive a token."""
+    return unrouted(lambda: qwen3_moe(top_k=1))()
 
 
 def test_qwen3_moe_preset_is_what_the_tests_mean() -> None:
@@ -64,7 +55,7 @@ def test_qwen3_moe_preset_is_what_the_tests_mean() -> None:
 def test_plugins_moe_hybrid_qwen3_ep2(rank: int, world_size: int, zero_stage: int) -> None:
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
     assert (plugin.ep_size, plugin.moe_dp_size, plugin.dp_size) == (2, 1, 2)
-    train_and_compare(plugin, model_fn=qwen3_moe)
+    train_and_compare(plugin, model_fn=qwen3_moe, steps=5)
 
 
 @distributed(world_size=4)
@@ -72,7 +63,7 @@ def test_plugins_moe_hybrid_qwen3_tp2_ep2(rank: int, world_size: int) -> None:
     """tp 2 x ep 2: attention (with its q/k norms) and the dense MLP split over tp, experts over the ep pair."""
     plugin = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=2, precision="fp32", zero_stage=1)
     assert (plugin.tp_size, plugin.ep_size, plugin.dp_size) == (2, 2, 2)
-    train_and_compare(plugin, model_fn=qwen3_moe, clip=0.05)
+    train_and_compare(plugin, model_fn=qwen3_moe, clip=0.05, steps=5)
 
 
 @distributed(world_size=4)
@@ -80,7 +71,7 @@ def test_plugins_moe_hybrid_qwen3_moe_dp2_ep2(rank: int, world_size: int) -> Non
     """moe_dp 2 x ep 2 at zero 2: expert slices averaged over moe_dp, dense parameters over all four ranks."""
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=2)
     assert (plugin.ep_size, plugin.moe_dp_size, plugin.dp_size) == (2, 2, 4)
-    train_and_compare(plugin, model_fn=qwen3_moe)
+    train_and_compare(plugin, model_fn=qwen3_moe, steps=5)
 
 
 @distributed(world_size=2)
@@ -90,4 +81,4 @@ def test_plugins_moe_hybrid_qwen3_unrouted_experts(rank: int, world_size: int) -
         logits = unrouted_qwen3_moe()(input_ids=rows(0), labels=rows(0)).router_logits
     assert all(int(layer.argmax(-1).max()) <= 1 for layer in logits), "experts 2 and 3 must get no token"
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=2)
-    train_and_compare(plugin, model_fn=unrouted_qwen3_moe)
+    train_and_compare(plugin, model_fn=unrouted_qwen3_moe, steps=5)
