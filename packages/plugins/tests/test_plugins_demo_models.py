@@ -4,6 +4,8 @@ process starts. Skipped when transformers is not installed."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -230,3 +232,32 @@ def test_plugins_demo_models_moe_hybrid_end_to_end() -> None:
     losses = re.search(r"cx-train: loss ([0-9.]+) -> ([0-9.]+)", result.stdout)
     assert losses is not None, result.stdout
     assert float(losses.group(2)) < float(losses.group(1)) - 0.5
+
+
+_LINE = re.compile(r"step \d+/\d+ loss ([0-9.]+) aux ([0-9.]+) experts max/mean ([0-9.]+) ")
+
+
+def _progress_numbers(*flags: str) -> list[tuple[float, ...]]:
+    """(loss, aux, experts max/mean) of every progress line rank 0 prints (empty on the other ranks)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run(_options(*flags))
+    return [tuple(float(v) for v in m.groups()) for m in _LINE.finditer(printed.getvalue())]
+
+
+@distributed(world_size=2)
+def test_plugins_demo_models_moe_numbers_under_pipeline_and_sequence_parallelism(rank: int, world_size: int) -> None:
+    """`--pp` reports the aux loss and expert balance from the last stage, and `--sp` trains on the same windows:
+    both print the numbers of tensor parallelism (dp 1 everywhere, so the same batches; windows of 16 tokens)."""
+    base = [*SMALL, "--model", "mixtral", "--plugin", "moe_hybrid", "--log-every", "1", "--steps", "3"]
+    reference = _progress_numbers(*base, "--tp", "2", "--seq-len", "15")
+    # one micro-batch: the aux loss is not linear in the batch, so more micro-batches would change the loss itself
+    piped = _progress_numbers(*base, "--pp", "2", "--microbatches", "1", "--seq-len", "15")
+    sequenced = _progress_numbers(*base, "--sp", "2", "--seq-len", "16")
+    if rank != 0:
+        return
+    assert len(reference) == 3, "tensor parallelism printed no MoE numbers"
+    for name, numbers in (("--pp 2", piped), ("--sp 2", sequenced)):
+        assert len(numbers) == len(reference), f"{name}: {numbers}"
+        for step, (got, want) in enumerate(zip(numbers, reference, strict=True)):
+            assert all(abs(g - w) <= 2e-3 for g, w in zip(got, want, strict=True)), f"{name} step {step}: {got} {want}"

@@ -3,7 +3,8 @@
 The loss comes from the model's own forward (`model(input_ids=..., labels=...).loss` for transformers models, which
 already includes `router_aux_loss_coef * aux_loss` for MoE models). For a model with experts the step also asks for
 `output_router_logits=True` and counts, per MoE layer, the tokens each expert receives (the top-k of the router
-logits: exact for softmax and plain sigmoid routers). Ranks are combined with ONE all-reduce per step.
+logits: exact for softmax and plain sigmoid routers). Ranks are combined with ONE all-reduce per step; under a
+pipeline only the last stage has the MoE numbers, so a second, two-number all-reduce first agrees on their shape.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def forward_step(model: nn.Module, batch: torch.Tensor, described: DemoModel) ->
 class Progress:
     """Losses averaged over the ranks that computed one; aux loss and expert counts summed between lines."""
 
-    def __init__(self, total_steps: int, device: torch.device) -> None:
+    def __init__(self, total_steps: int, device: torch.device, stages_differ: bool = False) -> None:
         self.total_steps = total_steps
+        self._stages_differ = stages_differ  # pipeline: expert counts only on the last stage
         self.losses: list[float] = []
         self._device = device
         self._aux: list[float] = []
@@ -63,23 +65,33 @@ class Progress:
 
     def record(self, output: StepOutput, tokens: int) -> None:
         """Add one step (collective: every rank calls it with the same kinds of numbers)."""
+        counts = self._agreed_counts(output.expert_counts) if self._stages_differ else output.expert_counts
         parts = []
         for value in (output.loss, output.aux):
             present = value is not None
             number = value.detach().to(torch.float64).reshape(1) if value is not None else torch.zeros(1)
             parts += [number.to(self._device), torch.tensor([float(present)], device=self._device)]
-        if output.expert_counts is not None:
-            parts.append(output.expert_counts.to(self._device, torch.float64).flatten())
+        if counts is not None:
+            parts.append(counts.to(self._device, torch.float64).flatten())
         packed = torch.cat([p.to(torch.float64) for p in parts])
         dist.all_reduce(packed)
         loss_sum, loss_ranks, aux_sum, aux_ranks = (float(v) for v in packed[:4])
         self.losses.append(loss_sum / max(loss_ranks, 1.0))
         if aux_ranks:
             self._aux.append(aux_sum / aux_ranks)
-        if output.expert_counts is not None:
-            counts = packed[4:].view(output.expert_counts.shape).cpu()
-            self._counts = counts if self._counts is None else self._counts + counts
+        if counts is not None:
+            summed = packed[4:].view(counts.shape).cpu()
+            self._counts = summed if self._counts is None else self._counts + summed
         self._tokens += tokens
+
+    def _agreed_counts(self, counts: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's counts, or zeros of the shape the ranks holding counts have (None when no rank has any)."""
+        shape = torch.tensor(counts.shape if counts is not None else (0, 0), dtype=torch.int64, device=self._device)
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX)
+        layers, experts = (int(v) for v in shape)
+        if counts is not None or layers == 0:
+            return counts
+        return torch.zeros(layers, experts, dtype=torch.float64)
 
     def line(self, step: int, memory: Sequence[int]) -> str:
         """The progress line for `step`; starts a new window for the MoE numbers."""

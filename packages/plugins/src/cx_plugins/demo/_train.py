@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -13,10 +13,10 @@ from cx_plugins._booster import Booster
 from cx_plugins._wrappers import OptimizerWrapper
 from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_checkpoint
 from cx_plugins.demo._data import TokenWindows
-from cx_plugins.demo._models import build_model, describe_model
+from cx_plugins.demo._models import DemoModel, build_model, describe_model
 from cx_plugins.demo._options import DemoOptions
 from cx_plugins.demo._plugins import make_plugin
-from cx_plugins.demo._progress import Progress, StepOutput, forward_step
+from cx_plugins.demo._progress import Progress, StepOutput, expert_counts, forward_step
 
 __all__ = ["run", "train"]
 
@@ -29,15 +29,27 @@ def _memory_per_rank() -> list[int]:
 
 
 def _pipeline_step(
-    booster: Booster, model: torch.nn.Module, optimizer: OptimizerWrapper, batch: torch.Tensor
+    booster: Booster, model: torch.nn.Module, optimizer: OptimizerWrapper, batch: torch.Tensor, described: DemoModel
 ) -> StepOutput:
-    """One step through the plugin's pipeline schedule (ColossalAI's `execute_pipeline`); the loss is on the last
-    stage only, and router logits stay inside the schedule, so there are no expert counts here."""
-    criterion: Callable[[Any, Any], torch.Tensor] = lambda outputs, inputs: getattr(outputs, "loss", outputs)  # noqa: E731
+    """One step through the plugin's pipeline schedule (ColossalAI's `execute_pipeline`). The loss is on the last
+    stage only; so are the MoE numbers, which the criterion reads off each micro-batch's outputs there (the router
+    logits of every layer travel to the last stage for the aux loss)."""
+    aux: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
+
+    def criterion(outputs: Any, inputs: Any) -> torch.Tensor:
+        if getattr(outputs, "aux_loss", None) is not None:
+            aux.append(outputs.aux_loss.detach())
+        if described.num_experts > 0 and getattr(outputs, "router_logits", None):
+            counts.append(expert_counts(outputs.router_logits, described.top_k))
+        return cast(torch.Tensor, getattr(outputs, "loss", outputs))
+
     inputs: Iterator[dict[str, torch.Tensor]] = iter([{"input_ids": batch, "labels": batch}])
     result = booster.execute_pipeline(inputs, model, criterion, optimizer, return_loss=True)
     loss = result.get("loss") if isinstance(result, dict) else None
-    return StepOutput(loss, None, None)
+    return StepOutput(
+        loss, torch.stack(aux).mean() if aux else None, torch.stack(counts).sum(dim=0) if counts else None
+    )
 
 
 def train(options: DemoOptions) -> list[float]:
@@ -78,7 +90,7 @@ def run(options: DemoOptions) -> list[float]:
         step = load_checkpoint(booster, boosted, boosted_optimizer, options.resume).step
         if rank == 0:
             print(f"cx-train: resumed from {options.resume} at step {step}", flush=True)
-    progress = Progress(options.steps, device)
+    progress = Progress(options.steps, device, stages_differ=options.pp > 1)
     data_parallel = options.data_parallel_size(world)
     epoch, skip = divmod(step, len(loader))
     while step < options.steps:
@@ -90,7 +102,7 @@ def run(options: DemoOptions) -> list[float]:
                 continue
             batch = batch.to(device)
             if options.pp > 1:
-                output = _pipeline_step(booster, boosted, boosted_optimizer, batch)
+                output = _pipeline_step(booster, boosted, boosted_optimizer, batch, described)
             else:
                 output = forward_step(boosted, batch, described)
                 assert output.loss is not None
