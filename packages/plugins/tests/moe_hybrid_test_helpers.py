@@ -86,7 +86,6 @@ def train_and_compare(
     plugin: MoeHybridParallelPlugin,
     model_fn: Callable[[], nn.Module] = mixtral,
     steps: int = 3,
-    microbatches: int = 1,
     clip: float = 0.0,
     tol: float = 1e-4,
     freeze_experts: bool = False,
@@ -113,6 +112,7 @@ def train_and_compare(
     ref_optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=LR, momentum=0.9)
     dp_rank, dp_size = plugin.data_parallel_rank_and_size()
     share = ROWS // dp_size
+    microbatches = _microbatches(plugin, share)
     piece = share // microbatches
     losses, expected = [], []
     for step in range(steps):
@@ -149,6 +149,17 @@ def train_and_compare(
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=tol, atol=tol / 10)
     compare_parameters(boosted, reference, plugin, tol)
     return boosted
+
+
+def _microbatches(plugin: MoeHybridParallelPlugin, share: int) -> int:
+    """Micro-batches per dp rank and step, as the plugin cuts them (the reference must cut its rows the same way)."""
+    if plugin.pp_size == 1:
+        return 1
+    pipeline = plugin.options.pipeline
+    if pipeline.num_microbatches is not None:
+        return pipeline.num_microbatches
+    assert pipeline.microbatch_size is not None
+    return share // pipeline.microbatch_size
 
 
 def compare_parameters(

@@ -41,18 +41,6 @@ BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception], str]] = [
         ValueError,
         "unknown sequence_parallelism_mode",
     ),
-    (
-        {
-            "tp_size": 1,
-            "pp_size": 2,
-            "num_microbatches": 2,
-            "sp_size": 1,
-            "enable_sequence_parallelism": True,
-            "sequence_parallelism_mode": "all_to_all",
-        },
-        NotImplementedError,
-        "sequence parallelism together with pipeline parallelism",
-    ),
     ({"tp_size": 2, "pp_size": 1, "enable_jit_fused": True}, NotImplementedError, "enable_jit_fused"),
     ({"tp_size": 2, "pp_size": 1, "enable_sequence_overlap": True}, NotImplementedError, "enable_sequence_overlap"),
     ({"tp_size": 1, "pp_size": 1, "cpu_offload": True}, ValueError, "cpu_offload"),

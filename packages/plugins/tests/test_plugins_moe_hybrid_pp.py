@@ -24,7 +24,7 @@ def test_plugins_moe_hybrid_pp2(rank: int, world_size: int, model: str, zero_sta
         tp_size=1, pp_size=2, ep_size=1, precision="fp32", zero_stage=zero_stage, num_microbatches=2
     )
     assert (plugin.pp_size, plugin.ep_size, plugin.dp_size) == (2, 1, 1)
-    train_and_compare(plugin, model_fn=mixtral if model == "mixtral" else qwen3_moe, microbatches=2)
+    train_and_compare(plugin, model_fn=mixtral if model == "mixtral" else qwen3_moe)
 
 
 @distributed(world_size=2)
@@ -35,7 +35,7 @@ def test_plugins_moe_hybrid_pp2_zbv(rank: int, world_size: int) -> None:
         tp_size=1, pp_size=2, ep_size=1, precision="fp32", zero_stage=1, num_microbatches=2, pp_style="zbv",
         num_model_chunks=2,
     )  # fmt: skip
-    train_and_compare(plugin, model_fn=lambda: mixtral(layers=4), microbatches=2)
+    train_and_compare(plugin, model_fn=lambda: mixtral(layers=4))
 
 
 @distributed(world_size=4)
@@ -46,7 +46,7 @@ def test_plugins_moe_hybrid_ep2_pp2(rank: int, world_size: int, zero_stage: int)
         tp_size=1, pp_size=2, ep_size=2, precision="fp32", zero_stage=zero_stage, num_microbatches=2
     )
     assert (plugin.pp_size, plugin.ep_size, plugin.moe_dp_size, plugin.dp_size) == (2, 2, 1, 2)
-    train_and_compare(plugin, microbatches=2, clip=0.05 if zero_stage == 0 else 0.0)
+    train_and_compare(plugin, clip=0.05 if zero_stage == 0 else 0.0)
 
 
 @distributed(world_size=4)
@@ -61,7 +61,7 @@ def test_plugins_moe_hybrid_ep2_pp2_unrouted(rank: int, world_size: int) -> None
         logits = build()(input_ids=rows(0), labels=rows(0)).router_logits
     assert len(logits) == 4
     assert all(int(layer.argmax(-1).max()) <= 1 for layer in logits), "experts 2 and 3 must get no token"
-    train_and_compare(plugin, model_fn=build, microbatches=2)
+    train_and_compare(plugin, model_fn=build)
 
 
 @distributed(world_size=2)

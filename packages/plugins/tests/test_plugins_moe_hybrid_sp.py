@@ -1,10 +1,10 @@
 """MoeHybridParallelPlugin with sequence parallelism against single-process fp32 training of tiny HF MoE models
 with the aux loss on: all_to_all and ring_attn on the sp axis (sp 2), split_gather / ring on the tensor-parallel
-group (tp 2), and on 4 ranks ep 2 x sp 2 all_to_all (dense gradients averaged over ep x sp) and ep 2 x tp 2
-split_gather; Qwen2-MoE and DeepSeek-V3 (shared experts) on the sp axis. Each rank routes the tokens of its sequence
-shard; the aux loss still pools every token (router logits gathered over the sequence-parallel group), so losses
-and parameters match one process (and, with a padding mask, the aux loss weights the right rows). Reference
-semantics in moe_hybrid_test_helpers.py. Then the refused configurations."""
+group (tp 2), and on 4 ranks ep 2 x sp 2 all_to_all (dense gradients averaged over ep x sp), ep 2 x tp 2
+split_gather and sp x pp 2; Qwen2-MoE and DeepSeek-V3 (shared experts) on the sp axis. Each rank routes the tokens
+of its sequence shard; the aux loss still pools every token (router logits gathered over the sequence-parallel
+group), so losses and parameters match one process (and, with a padding mask, the aux loss weights the right rows).
+Reference semantics in moe_hybrid_test_helpers.py. Then the refused configurations."""
 
 from __future__ import annotations
 
@@ -78,6 +78,27 @@ def test_plugins_moe_hybrid_ep2_sp2(
     train_and_compare(plugin, model_fn=model_fn, clip=0.05)
 
 
+@distributed(world_size=4)
+@pytest.mark.parametrize(
+    ("model", "sizes"),
+    [
+        ("mixtral", {"tp_size": 1, "sp_size": 2, "sequence_parallelism_mode": "all_to_all"}),
+        ("qwen3_moe", {"tp_size": 2, "sequence_parallelism_mode": "split_gather"}),
+    ],
+    ids=["all_to_all-mixtral", "split_gather-qwen3_moe"],
+)
+def test_plugins_moe_hybrid_sequence_parallel_with_pipeline(
+    rank: int, world_size: int, model: str, sizes: dict[str, Any]
+) -> None:
+    """sp x pp 2: stages pass sequence shards on; every layer's router logits, gathered over the sequence-parallel
+    group, travel to the last stage, whose aux loss pools all tokens of the micro-batch as one process's does."""
+    plugin = MoeHybridParallelPlugin(
+        pp_size=2, ep_size=1, num_microbatches=2, precision="fp32", zero_stage=1, enable_sequence_parallelism=True,
+        **sizes,
+    )  # fmt: skip
+    train_and_compare(plugin, model_fn=mixtral if model == "mixtral" else qwen3_moe, clip=0.05)
+
+
 @distributed(world_size=2)
 def test_plugins_moe_hybrid_sp_bad_configurations(rank: int, world_size: int) -> None:
     """Sizes that do not fit name the ones that would; what cx does not support yet says so, on every rank."""
@@ -87,8 +108,6 @@ def test_plugins_moe_hybrid_sp_bad_configurations(rank: int, world_size: int) ->
     sequence: dict[str, Any] = {"enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all"}
     with pytest.raises(LayoutError, match=r"not divisible by ep\*sp = 2\*2 = 4; ep_size can be 1 \(with sp_size=2\)"):
         MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, sp_size=2, **sequence)
-    with pytest.raises(NotImplementedError, match="sequence parallelism together with pipeline parallelism"):
-        MoeHybridParallelPlugin(tp_size=1, pp_size=2, ep_size=1, num_microbatches=2, **sequence)
     with pytest.raises(NotImplementedError, match="enable_sequence_overlap"):
         MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=1, enable_sequence_parallelism=True,
                                 enable_sequence_overlap=True)  # fmt: skip

@@ -1,15 +1,17 @@
 """Sequence parallelism at 2 ranks on tiny transformers models against the unsharded copy: split_gather (with tp 2),
 all_to_all and ring (sp 2). The loss is the full-sequence loss, logits and every gradient equal, and two AdamW steps
 give the same weights; GQA (key/value heads fewer than sp) under all_to_all; a sequence length that does not divide
-fails clearly. Skips without transformers."""
+fails clearly; a later pipeline stage takes its sequence shard (`shard_sequence_at_stage`). Skips without
+transformers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from cx_mesh.testing import distributed
-from cx_shardformer import ShardConfig, ShardFormer
+from cx_shardformer import ShardConfig, ShardFormer, shard_sequence_at_stage, zigzag_positions
 from shardformer_helpers import assert_close
 from shardformer_models import VOCAB, build, compare_grads, compare_state, full_logits, tokens, twin
 
@@ -101,3 +103,55 @@ def test_shardformer_sequence_parallel_with_padding_mask(rank: int, world_size: 
     out.loss.backward()
     ref_out.loss.backward()
     compare_grads(model, reference, f"{mode} padded")
+
+
+class _LaterStage(nn.Module):
+    """Stands in for a pipeline stage cut after the first decoder layer: it hands its input to its first layer, whose
+    own forward is replaced by the identity (so the test sees exactly what the stage hooks give the layer)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.seen: torch.Tensor | None = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self.seen = hidden_states
+        out: torch.Tensor = self.layer(hidden_states)
+        return out
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("mode", ["all_to_all", "ring"])
+def test_shardformer_sequence_stage_takes_its_shard(rank: int, world_size: int, mode: str) -> None:
+    """`shard_sequence_at_stage`: a later stage widens the received shard to the full length at this rank's
+    positions (zig-zag for ring) and its first layer narrows it back; the gradient passes straight through. No-ops and
+    the clear errors for stages it cannot serve."""
+    model, _ = ShardFormer(_config(mode)).optimize(build("llama", num_hidden_layers=2))
+    layers = list(model.get_submodule("model.layers").children())
+    hooks = [len(layer._forward_pre_hooks) for layer in layers]
+    first = _LaterStage(layers[0])
+    shard_sequence_at_stage(model, first)  # holds the first layer, which splits the sequence itself
+    shard_sequence_at_stage(build("llama"), _LaterStage(layers[1]))  # a model without sequence parallelism
+    assert not first._forward_pre_hooks
+    assert [len(layer._forward_pre_hooks) for layer in layers] == hooks, "both are no-ops"
+    with pytest.raises(ValueError, match="holds no decoder layer"):
+        shard_sequence_at_stage(model, nn.Linear(2, 2))
+
+    layer = layers[1]
+    layer.forward = lambda hidden_states, **kwargs: hidden_states
+    stage = _LaterStage(layer)
+    shard_sequence_at_stage(model, stage)
+    full = 8
+    positions = zigzag_positions(full, rank, world_size) if mode == "ring" else torch.arange(rank * 4, rank * 4 + 4)
+    shard = torch.randn(2, full // world_size, 3, requires_grad=True)
+    out = stage(hidden_states=shard)
+    assert stage.seen is not None
+    assert stage.seen.shape == (2, full, 3)
+    expected = torch.zeros(2, full, 3).index_copy(1, positions, shard.detach())
+    assert torch.equal(stage.seen.detach(), expected), "the shard sits at this rank's positions, zeros elsewhere"
+    assert torch.equal(out.detach(), shard.detach()), "the first layer gets the shard back"
+    (out * 3.0).sum().backward()
+    assert shard.grad is not None
+    assert torch.equal(shard.grad, torch.full_like(shard, 3.0))
+    with pytest.raises(TypeError, match="must receive the previous stage's output as the keyword hidden_states"):
+        stage(shard)

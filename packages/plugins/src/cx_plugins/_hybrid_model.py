@@ -1,7 +1,8 @@
 """`HybridParallelModule`: the model HybridParallelPlugin hands back, and the composition that builds it.
 
 `compose_model` runs, in order: ShardFormer (tensor/sequence parallelism, in place: parameter names and objects are
-kept), the pipeline split (this rank's stage chunks; `PipelineModel`), the cast to the training precision of what
+kept), the pipeline split (this rank's stage chunks; `PipelineModel`, each told to take sequence shards under sequence
+parallelism), the cast to the training precision of what
 this rank runs, and the release of the parameters of other stages (swapped for meta tensors of the same shape under
 the same names, so `named_parameters()` still lists the whole model and checkpoint IO skips what is not held).
 The module implements the face checkpoint IO reads (`unwrap`, `layout`, `held_parameter_names`,
@@ -29,7 +30,7 @@ from cx_plugins._layout import ParallelLayout
 from cx_plugins._lazy_init import LazyModel
 from cx_plugins._lazy_tp import materialise_sliced
 from cx_plugins._wrappers import ModelWrapper
-from cx_shardformer import Policy, ShardConfig, ShardFormer
+from cx_shardformer import Policy, ShardConfig, ShardFormer, shard_sequence_at_stage
 
 __all__ = ["ComposedModel", "HybridParallelModule", "compose_model"]
 
@@ -113,6 +114,8 @@ def compose_model(
         model.to(device=device, dtype=dtype)
         return ComposedModel(model, None, list({id(p): p for p in model.parameters()}.values()), names)
     pipeline = split_model(_splitter(model), stage_manager)
+    for chunk in pipeline.chunks:  # with sequence parallelism, stages pass on sequence shards
+        shard_sequence_at_stage(model, chunk)
     held = list({id(p): p for p in pipeline.parameters()}.values())
     held_ids = {id(p) for p in held}
     for param in list({id(p): p for p in model.parameters()}.values()):

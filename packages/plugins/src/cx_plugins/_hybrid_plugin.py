@@ -467,11 +467,6 @@ def _require_model_parameters(optimizer: Optimizer, names: dict[int, str]) -> No
 
 def _refuse_unsupported(options: HybridParallelOptions) -> None:
     """Combinations cx has not built or tested, refused before anything is set up."""
-    if options.pp_size > 1 and options.sp_mode is not SequenceParallelism.NONE:
-        raise NotImplementedError(
-            "HybridParallelPlugin: sequence parallelism together with pipeline parallelism is not supported by cx "
-            "yet; use pp_size=1 or enable_sequence_parallelism=False"
-        )
     if options.zero.cpu_offload and options.zero.stage == 0:
         raise ValueError(
             "HybridParallelPlugin: cpu_offload offloads ZeRO's optimizer state: it needs zero_stage 1 or 2"

@@ -11,8 +11,9 @@ Pipeline parallelism: every stage's router logits travel to the last stage with 
 transformers splitter), so the aux loss pools all layers of a micro-batch as transformers' does. Sequence
 parallelism: each rank routes the tokens of its sequence shard; router and expert gradients are summed over the
 sequence-parallel group and the router logits gathered over it for the aux loss (cx-shardformer's MoE policies);
-with all_to_all / ring_attn (the sp axis) dense gradients are averaged over moe_dp x ep x sp. What it cannot honour
-(fp8, enable_sequence_overlap, sequence and pipeline parallelism together as in the base plugin) raises.
+with all_to_all / ring_attn (the sp axis) dense gradients are averaged over moe_dp x ep x sp; with a pipeline as well,
+the stages pass sequence shards on and the gathered router logits travel to the last stage. What it cannot honour
+(fp8, enable_sequence_overlap) raises.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 - Layers under ColossalAI's names: `Linear1D_Col`, `Linear1D_Row`, `FusedLinear1D_Col`, `GPT2FusedLinearConv1D_Col`,
   `GPT2FusedLinearConv1D_Row`, `VocabParallelEmbedding1D`, `VocabParallelLMHead1D`, `cross_entropy_1d`. Each
   `from_native_module(module, process_group)` shards in place; state dicts are full-size.
-- `ShardConfig`, `Policy`, `ShardFormer(shard_config).optimize(model, policy=None)`.
+- `ShardConfig`, `Policy`, `ShardFormer(shard_config).optimize(model, policy=None)`; `shard_sequence_at_stage(model,
+  stage)` for each pipeline stage cut from a sequence-parallel model afterwards.
 """
 
 from cx_shardformer._config import GradientCheckpointConfig, SequenceParallelMode, ShardConfig
@@ -16,6 +17,7 @@ from cx_shardformer._ring import ring_attention, zigzag_positions
 from cx_shardformer._shard_spec import ShardSpec, get_shard_spec, shard_tensor, unshard_tensor
 from cx_shardformer._shardformer import ShardFormer
 from cx_shardformer._vocab import VocabParallelEmbedding1D, VocabParallelLMHead1D
+from cx_shardformer.policies._sequence import shard_sequence_at_stage
 
 __all__ = [
     # sharding a model
@@ -38,6 +40,7 @@ __all__ = [
     "cross_entropy_1d",
     # sequence parallelism
     "ring_attention",
+    "shard_sequence_at_stage",
     "zigzag_positions",
     # sharding metadata
     "ShardSpec",

@@ -11,11 +11,17 @@ logits and loss cover the full sequence. In between:
 - ring (SP group): the registered `cx_ring` attention runs ring attention on a zig-zag split.
 Replicated parameters applied to sequence shards get their gradients summed over the group (`sync_grad_over`), so
 every rank ends backward with the full-sequence gradient (a data-parallel average over sp is then a no-op).
+
+Under a pipeline (`shard_sequence_at_stage`) each stage sends the next only its sequence shard. A later stage places
+the shard it receives at its own positions of a zero, full-length tensor, so the model's own forward computes the
+rotary tables and the causal mask of the full sequence as on the first stage, and its first layer picks the shard out
+again (no collective: both are local index operations, whose backward passes the shard's gradient straight back).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +45,7 @@ from cx_shardformer._sharder import get_submodule_or_none
 if TYPE_CHECKING:
     from cx_shardformer.policies._common import HFDecoderPolicy
 
-__all__ = ["apply_sequence_parallelism", "check_sequence_parallelism"]
+__all__ = ["apply_sequence_parallelism", "check_sequence_parallelism", "shard_sequence_at_stage"]
 
 _ATTENTION_NAMES = {SequenceParallelMode.ALL_TO_ALL: "cx_ulysses", SequenceParallelMode.RING: "cx_ring"}
 
@@ -107,20 +113,41 @@ class _Sequence:
             hidden = hidden.index_select(1, zigzag_order(hidden.shape[1], self.world, hidden.device))
         return _with_hidden(args, kwargs, split_forward_gather_backward(hidden, 1, self.group))
 
+    def _own_positions(self, full: int, device: torch.device) -> torch.Tensor:
+        """Positions in the full sequence of this rank's tokens, in the order its shard holds them."""
+        rank = group_rank(self.group)
+        if self.mode is SequenceParallelMode.RING:
+            return zigzag_positions(full, rank, self.world, device)
+        local = full // self.world
+        return torch.arange(rank * local, (rank + 1) * local, device=device)
+
     def positions(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """Cut the full-sequence rotary tables down to this rank's tokens (attention modes only)."""
         tables = kwargs.get("position_embeddings")
-        local = _hidden(args, kwargs).shape[1]
-        full = local * self.world
+        full = _hidden(args, kwargs).shape[1] * self.world
         if not isinstance(tables, tuple) or not all(isinstance(t, torch.Tensor) for t in tables):
             return args, kwargs
-        if self.mode is SequenceParallelMode.RING:
-            index = zigzag_positions(full, group_rank(self.group), self.world, tables[0].device)
-        else:
-            start = group_rank(self.group) * local
-            index = torch.arange(start, start + local, device=tables[0].device)
+        index = self._own_positions(full, tables[0].device)
         cut = tuple(t.index_select(1, index) if t.shape[1] == full else t for t in tables)
         return args, {**kwargs, "position_embeddings": cut}
+
+    def widen(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """A later pipeline stage's input: the received shard placed at its positions of a zero full sequence."""
+        shard = kwargs.get("hidden_states")
+        if not isinstance(shard, torch.Tensor):
+            raise TypeError(
+                f"{self.model_name}: a pipeline stage of a sequence-parallel model must receive the previous stage's "
+                f"output as the keyword hidden_states; {type(module).__name__} got {sorted(kwargs)}"
+            )
+        full = shard.shape[1] * self.world
+        wide = shard.new_zeros(shard.shape[0], full, *shard.shape[2:])
+        wide = wide.index_copy(1, self._own_positions(full, shard.device), shard)
+        return args, {**kwargs, "hidden_states": wide}
+
+    def narrow(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The first layer of a later stage: this rank's shard of the widened sequence."""
+        hidden = _hidden(args, kwargs)
+        return _with_hidden(args, kwargs, hidden.index_select(1, self._own_positions(hidden.shape[1], hidden.device)))
 
     def gather_input(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -143,6 +170,29 @@ class _Sequence:
 
 
 _GROUP = "cx_sp_group"
+
+# each sequence-parallel model's hooks and decoder layers, for the pipeline stages cut from it later
+_SEQUENCES: WeakKeyDictionary[nn.Module, tuple[_Sequence, list[nn.Module]]] = WeakKeyDictionary()
+
+
+def shard_sequence_at_stage(model: nn.Module, stage: nn.Module) -> None:
+    """Let `stage`, a pipeline stage cut from `model` after ShardFormer sharded it, take the sequence shard the
+    previous stage sends (module docs). A no-op for a model without sequence parallelism and for the stage holding
+    the first decoder layer, which splits the full sequence itself."""
+    found = _SEQUENCES.get(model)
+    if found is None:
+        return
+    sequence, layers = found
+    position = {id(layer): i for i, layer in enumerate(layers)}
+    held = [module for module in stage.modules() if id(module) in position]
+    if not held:
+        raise ValueError(f"{sequence.model_name}: the pipeline stage {type(stage).__name__} holds no decoder layer")
+    first = min(held, key=lambda layer: position[id(layer)])
+    if position[id(first)] == 0:
+        return
+    stage.register_forward_pre_hook(sequence.widen, with_kwargs=True)
+    # before the layer's own hooks (the rotary-table cut reads the shard's length)
+    first.register_forward_pre_hook(sequence.narrow, with_kwargs=True, prepend=True)
 
 
 def _sp_group(module: nn.Module) -> ProcessGroup | None:
@@ -218,6 +268,7 @@ def apply_sequence_parallelism(policy: HFDecoderPolicy) -> None:
     model = policy.model
     sequence = _Sequence(mode, config.sp_group, type(model).__name__, policy.shares_block_reductions)
     layers = policy.decoder_layers()
+    _SEQUENCES[model] = (sequence, layers)
     layers[0].register_forward_pre_hook(sequence.split, with_kwargs=True)
     norm = get_submodule_or_none(model, policy.norm_path)
     if norm is None:
