@@ -89,14 +89,16 @@ def train_and_compare(
     clip: float = 0.0,
     tol: float = 1e-4,
     freeze_experts: bool = False,
+    freeze_dense: bool = False,
 ) -> HybridParallelModule:
     """Train `steps` steps with the plugin and a single-process copy; assert losses and held parameters match.
-    `freeze_experts`: the expert stacks do not train (only the dense parameters and routers do)."""
+    `freeze_experts`: the expert stacks do not train (only the dense parameters and routers do); `freeze_dense`:
+    only the expert stacks train (routers, attention, norms and embeddings frozen)."""
     model = model_fn()
-    if freeze_experts:
-        for name, param in model.named_parameters():
-            if ".experts." in name:
-                param.requires_grad_(False)
+    for name, param in model.named_parameters():
+        expert = ".experts." in name
+        if (freeze_experts and expert) or (freeze_dense and not expert):
+            param.requires_grad_(False)
     reference = copy.deepcopy(model)
     booster = Booster(plugin=plugin)
     optimizer_in = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
@@ -134,8 +136,8 @@ def train_and_compare(
         pieces = [ids[i * piece : (i + 1) * piece] for i in range(ROWS // piece)]  # dp rank r: pieces of rows r*share
         ref_losses = [reference(input_ids=p, labels=p).loss for p in pieces]
         torch.stack(ref_losses).mean().backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+        if clip > 0 or plugin.options.max_norm > 0:  # the plugin's own max_norm clips inside optimizer.step()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip or plugin.options.max_norm)
         ref_optimizer.step()
         ref_optimizer.zero_grad()
         if loss is not None:

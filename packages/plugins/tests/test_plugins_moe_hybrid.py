@@ -1,14 +1,16 @@
 """MoeHybridParallelPlugin against single-process fp32 training of a tiny HF Mixtral with the aux loss on
 (`output_router_logits=True`): ep 2 on two ranks (moe_dp 1) at zero_stage 0, 1 and 2, moe_dp 2 x ep 2 and
-tp 2 x ep 2 on four, with and without clipping by the global norm, with frozen experts and with experts no token
-reaches; fp16 and bf16 within their tolerances. Data-parallel semantics: each rank trains on its own rows, the
-reference on the mean of the ranks' losses (each with its own aux loss). Losses every step and every parameter after
-five steps (fp32: within 1e-4 relative), TP shards and expert slices gathered by name. Then each configuration the
-plugin refuses."""
+tp 2 x ep 2 on four, with and without clipping by the global norm (given to `clip_grad_by_norm` or as `max_norm`),
+with frozen experts or frozen dense parameters, with experts no token reaches; fp16 and bf16 within their
+tolerances. Data-parallel semantics: each rank trains on its own rows, the reference on the mean of the ranks' losses
+(each with its own aux loss). Losses every step and every parameter after five steps (fp32: within 1e-4 relative),
+TP shards and expert slices gathered by name. Then each configuration the plugin refuses, and the constructor's
+arguments and defaults against ColossalAI's."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import pytest
@@ -57,11 +59,29 @@ def test_plugins_moe_hybrid_ep2_clipped(rank: int, world_size: int, zero_stage: 
 
 
 @distributed(world_size=2)
-@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_plugins_moe_hybrid_max_norm(rank: int, world_size: int, zero_stage: int) -> None:
+    """`max_norm` given to the constructor clips inside `optimizer.step()` by the same global norm."""
+    plugin = MoeHybridParallelPlugin(
+        tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage, max_norm=0.05
+    )
+    train_and_compare(plugin, steps=STEPS)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
 def test_plugins_moe_hybrid_frozen_experts(rank: int, world_size: int, zero_stage: int) -> None:
     """No trainable expert parameter (ColossalAI #6237 raises here): the dense part trains, the experts stay."""
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
     train_and_compare(plugin, freeze_experts=True, steps=STEPS)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_plugins_moe_hybrid_frozen_dense(rank: int, world_size: int, zero_stage: int) -> None:
+    """No trainable dense parameter (only the experts train, e.g. expert fine-tuning): the dense groups are empty."""
+    plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
+    train_and_compare(plugin, freeze_dense=True, steps=STEPS)
 
 
 @distributed(world_size=4)
@@ -130,3 +150,30 @@ def test_plugins_moe_hybrid_bad_sizes(rank: int, world_size: int) -> None:
         MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=2)
     with pytest.raises(ValueError, match="ep_size must be a positive integer"):
         MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=0)
+
+
+REQUIRED = object()  # a parameter without a default
+# ColossalAI's MoeHybridParallelPlugin.__init__, in order: (name, default). A user switches by changing imports only.
+COLOSSALAI_SIGNATURE: list[tuple[str, Any]] = [
+    ("tp_size", REQUIRED), ("pp_size", REQUIRED), ("ep_size", REQUIRED), ("sp_size", None), ("precision", "fp16"),
+    ("zero_stage", 0), ("enable_all_optimization", False), ("enable_fused_normalization", False),
+    ("enable_flash_attention", False), ("enable_jit_fused", False), ("enable_sequence_parallelism", False),
+    ("sequence_parallelism_mode", None), ("enable_sequence_overlap", False), ("parallel_output", True),
+    ("num_microbatches", None), ("microbatch_size", None), ("initial_scale", 2**16), ("min_scale", 1),
+    ("growth_factor", 2), ("backoff_factor", 0.5), ("growth_interval", 1000), ("hysteresis", 2),
+    ("max_scale", 2**32), ("max_norm", 0), ("broadcast_buffers", True), ("ddp_bucket_cap_mb", 25),
+    ("find_unused_parameters", False), ("check_reduction", False), ("gradient_as_bucket_view", False),
+    ("static_graph", False), ("zero_bucket_size_in_m", 12), ("cpu_offload", False), ("communication_dtype", None),
+    ("overlap_communication", False), ("custom_policy", None), ("pp_style", "1f1b"), ("num_model_chunks", 1),
+    ("num_layers_per_stage", None), ("gradient_checkpoint_config", None), ("enable_metadata_cache", True),
+    ("make_vocab_size_divisible_by", 64), ("moe_dp_outside", True), ("overlap_p2p", True),
+    ("overlap_allgather", False), ("fp8_communication", False), ("use_fp8", False),
+]  # fmt: skip
+
+
+def test_plugins_moe_hybrid_signature_matches_colossalai() -> None:
+    parameters = list(inspect.signature(MoeHybridParallelPlugin.__init__).parameters.values())[1:]
+    ours = [(p.name, REQUIRED if p.default is inspect.Parameter.empty else p.default) for p in parameters]
+    assert [name for name, _ in ours] == [name for name, _ in COLOSSALAI_SIGNATURE], "names or order differ"
+    for (name, default), (_, expected) in zip(ours, COLOSSALAI_SIGNATURE, strict=True):
+        assert default == expected or (default is REQUIRED and expected is REQUIRED), f"{name}: {default!r}"

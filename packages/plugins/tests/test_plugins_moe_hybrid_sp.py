@@ -102,6 +102,7 @@ def test_plugins_moe_hybrid_sequence_parallel_with_pipeline(
 @distributed(world_size=2)
 def test_plugins_moe_hybrid_sp_bad_configurations(rank: int, world_size: int) -> None:
     """Sizes that do not fit name the ones that would; what cx does not support yet says so, on every rank."""
+    from cx_plugins._hybrid_options import SequenceParallelism
     from cx_plugins._layout import LayoutError
     from cx_shardformer.policies import MixtralForCausalLMPolicy
 
@@ -117,6 +118,9 @@ def test_plugins_moe_hybrid_sp_bad_configurations(rank: int, world_size: int) ->
     )  # fmt: skip
     with pytest.raises(NotImplementedError, match=r"split_gather .* expert_tensor_parallel=True"):
         Booster(plugin=plugin).boost(mixtral())
+    default = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=1, sp_size=2, enable_sequence_parallelism=True)
+    assert default.options.sp_mode is SequenceParallelism.ALL_TO_ALL, "ColossalAI's MoE plugin defaults to all_to_all"
+    assert default.sp_size == 2
     ring = MoeHybridParallelPlugin(
         tp_size=1, pp_size=1, ep_size=1, sp_size=2, enable_sequence_parallelism=True,
         sequence_parallelism_mode="ring_attn",
