@@ -22,6 +22,7 @@ import torch.distributed as dist
 import cx_plugins
 from cx_mesh.testing import distributed
 from cx_plugins.demo import DemoOptions, GrammarText, parse_options
+from cx_plugins.demo._data import CharTokenizer
 from cx_plugins.demo._models import ModelSpec, describe_model
 from cx_plugins.demo._plugins import hybrid_arguments
 from cx_plugins.demo._progress import expert_counts
@@ -106,6 +107,16 @@ def test_plugins_demo_models_folder_trains_saves_and_resumes_exactly(
     original = transformers.AutoModelForCausalLM.from_pretrained(str(source), local_files_only=True)
     trained = dict(loaded.named_parameters())
     assert any(not torch.equal(p, trained[n]) for n, p in original.named_parameters()), "the weights did not train"
+
+
+def test_plugins_demo_models_folder_without_tokenizer_uses_the_character_encoding(tmp_path: Path) -> None:
+    """A folder with weights and config only: the demo's own character encoding feeds it (its vocabulary of 96 holds
+    every id), and the windows it trains on are those ids."""
+    _model_folder(tmp_path / "llama", with_tokenizer=False)
+    described = describe_model(ModelSpec(str(tmp_path / "llama"), 0, 0, 16))
+    assert isinstance(described.tokenizer, CharTokenizer)
+    options = parse_options([*TINY, "--model", str(tmp_path / "llama"), "--plugin", "torch_ddp"])
+    assert options.model_spec.is_folder
 
 
 def test_plugins_demo_models_expert_counts() -> None:
@@ -229,6 +240,7 @@ def test_plugins_demo_models_moe_hybrid_end_to_end() -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "plugin=moe_hybrid ranks=2" in result.stdout
     assert " aux " in result.stdout, result.stdout
+    assert "experts max/mean " in result.stdout, result.stdout
     losses = re.search(r"cx-train: loss ([0-9.]+) -> ([0-9.]+)", result.stdout)
     assert losses is not None, result.stdout
     assert float(losses.group(2)) < float(losses.group(1)) - 0.5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import pytest
@@ -55,6 +56,28 @@ def test_plugins_hybrid_bad_options(rank: int, world_size: int, case: int) -> No
     options, error, message = BAD_OPTIONS[case]
     with pytest.raises(error, match=re.escape(message)):
         HybridParallelPlugin(**options)
+
+
+@distributed(world_size=2)
+def test_plugins_hybrid_idle_arguments_warn(rank: int, world_size: int) -> None:
+    """Arguments that change nothing in the chosen configuration are named in one warning, with the reason; the
+    defaults and arguments that act stay quiet."""
+    with pytest.warns(UserWarning, match="change nothing here") as caught:
+        HybridParallelPlugin(
+            tp_size=2, pp_size=1, zero_bucket_size_in_m=4, communication_dtype=torch.bfloat16, num_microbatches=2,
+            pp_style="interleaved", num_model_chunks=2, find_unused_parameters=True,
+        )  # fmt: skip
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    for name in ("zero_bucket_size_in_m", "communication_dtype", "num_microbatches", "pp_style", "num_model_chunks"):
+        assert f"{name}: " in text, name
+    assert "find_unused_parameters: a torch DDP hint" in text
+    with pytest.warns(UserWarning, match=r"ddp_bucket_cap_mb: the zero_stage-0 bucket size and zero_stage is 1"):
+        HybridParallelPlugin(tp_size=2, pp_size=1, zero_stage=1, ddp_bucket_cap_mb=50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HybridParallelPlugin(tp_size=2, pp_size=1)
+        HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=2, zero_stage=1, zero_bucket_size_in_m=4)
 
 
 @distributed(world_size=2)

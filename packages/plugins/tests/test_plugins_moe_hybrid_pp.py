@@ -1,5 +1,6 @@
 """MoeHybridParallelPlugin with pipeline parallelism against single-process fp32 training of tiny HF Mixtral and
-Qwen3-MoE models with the aux loss on: pp 2 alone (ep 1, 2 ranks) and ep 2 x pp 2 (4 ranks). The last stage's aux
+Qwen3-MoE models with the aux loss on: pp 2 alone (ep 1, 2 ranks), ep 2 x pp 2 and moe_dp 2 x pp 2 in both mesh
+orders (4 ranks). The last stage's aux
 loss pools the router logits of every layer of the micro-batch (earlier stages send theirs with the hidden states),
 as transformers' does; experts that no token reaches do not hang the pipeline. Reference semantics in
 moe_hybrid_test_helpers.py."""
@@ -11,6 +12,7 @@ import torch
 
 from cx_mesh.testing import distributed
 from cx_plugins import MoeHybridParallelPlugin
+from cx_plugins._layout import Axis
 from moe_hybrid_test_helpers import mixtral, qwen3_moe, rows, train_and_compare, unrouted
 
 pytest.importorskip("transformers")
@@ -39,14 +41,33 @@ def test_plugins_moe_hybrid_pp2_zbv(rank: int, world_size: int) -> None:
 
 
 @distributed(world_size=4)
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_plugins_moe_hybrid_ep2_pp2(rank: int, world_size: int, zero_stage: int) -> None:
-    """ep 2 x pp 2: each stage's experts split over its ep pair, dense parameters averaged over the pair."""
+@pytest.mark.parametrize(
+    ("model", "zero_stage", "clip"), [("mixtral", 0, 0.05), ("mixtral", 2, 0.0), ("qwen3_moe", 1, 0.05)]
+)
+def test_plugins_moe_hybrid_ep2_pp2(rank: int, world_size: int, model: str, zero_stage: int, clip: float) -> None:
+    """ep 2 x pp 2, five steps: each stage's experts split over its ep pair, dense parameters averaged over the pair
+    (Qwen3-MoE with four layers, the second dense: both stages hold experts, stage 0 a dense MLP too)."""
     plugin = MoeHybridParallelPlugin(
         tp_size=1, pp_size=2, ep_size=2, precision="fp32", zero_stage=zero_stage, num_microbatches=2
     )
     assert (plugin.pp_size, plugin.ep_size, plugin.moe_dp_size, plugin.dp_size) == (2, 2, 1, 2)
-    train_and_compare(plugin, clip=0.05 if zero_stage == 0 else 0.0)
+    model_fn = mixtral if model == "mixtral" else lambda: qwen3_moe(layers=4)
+    train_and_compare(plugin, model_fn=model_fn, clip=clip, steps=5)
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("moe_dp_outside", [True, False])
+def test_plugins_moe_hybrid_moe_dp2_pp2(rank: int, world_size: int, moe_dp_outside: bool) -> None:
+    """moe_dp 2 x pp 2: the mesh order decides who pairs with whom ((moe_dp, pp, ...): stages are neighbouring ranks;
+    (pp, moe_dp, ...): they are two apart), and training matches one process either way."""
+    plugin = MoeHybridParallelPlugin(
+        tp_size=1, pp_size=2, ep_size=1, precision="fp32", zero_stage=1, num_microbatches=2,
+        moe_dp_outside=moe_dp_outside,
+    )  # fmt: skip
+    assert (plugin.pp_size, plugin.moe_dp_size, plugin.dp_size) == (2, 2, 2)
+    expected = [[0, 1], [2, 3]] if moe_dp_outside else [[0, 2], [1, 3]]
+    assert plugin.layout.ranks(Axis.PP) == next(pair for pair in expected if rank in pair)
+    train_and_compare(plugin)
 
 
 @distributed(world_size=4)

@@ -152,6 +152,35 @@ class HybridParallelOptions:
             pipeline=pipeline,
         )
 
+    def idle_arguments(self) -> dict[str, str]:
+        """Arguments given a non-default value that change nothing in this configuration, each with the reason:
+        the plugin warns about them instead of ignoring them silently (ColossalAI ignores them without a word)."""
+        idle: dict[str, str] = {}
+        zero, ddp, pipeline = self.zero, self.ddp, self.pipeline
+        if zero.stage == 0:
+            given = {
+                "zero_bucket_size_in_m": zero.bucket_size_in_m != ZeroOptions.bucket_size_in_m,
+                "communication_dtype": zero.communication_dtype is not None,
+                "overlap_allgather": zero.overlap_allgather,
+            }
+            idle |= {name: "a ZeRO option and zero_stage is 0" for name, on in given.items() if on}
+        for name in ddp.hints_given():
+            idle[name] = "a torch DDP hint; cx reduces gradients itself (once per step at zero_stage 0)"
+        if zero.stage > 0 and ddp.bucket_cap_mb != DDPOptions.bucket_cap_mb:
+            idle["ddp_bucket_cap_mb"] = f"the zero_stage-0 bucket size and zero_stage is {zero.stage}"
+        if self.pp_size == 1:
+            given = {
+                "num_microbatches": pipeline.num_microbatches is not None,
+                "microbatch_size": pipeline.microbatch_size is not None,
+                "pp_style": pipeline.style is not PipelineOptions.style,
+                "num_model_chunks": pipeline.num_model_chunks != PipelineOptions.num_model_chunks,
+                "num_layers_per_stage": pipeline.num_layers_per_stage is not None,
+                "enable_metadata_cache": pipeline.enable_metadata_cache != PipelineOptions.enable_metadata_cache,
+                "overlap_p2p": pipeline.overlap_p2p != PipelineOptions.overlap_p2p,
+            }
+            idle |= {name: "a pipeline option and pp_size is 1" for name, on in given.items() if on}
+        return idle
+
 
 def _sequence_parallelism(
     enabled: bool, mode: str | None, sp_size: int | None, tp_size: int

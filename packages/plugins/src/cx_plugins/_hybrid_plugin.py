@@ -174,13 +174,10 @@ class HybridParallelPlugin(ZeroPluginBase):
             (options, type(custom_policy).__name__ if custom_policy else None), what="HybridParallelPlugin options"
         )
         self.layout = self._build_layout(options)
-        hints = options.ddp.hints_given()
-        if hints and options.zero.stage == 0:
-            warnings.warn(
-                f"HybridParallelPlugin: {hints} are torch DDP performance hints; cx reduces zero_stage-0 gradients "
-                "once per step without DDP, so they change nothing",
-                stacklevel=2,
-            )
+        idle = options.idle_arguments()
+        if idle:
+            reasons = "; ".join(f"{name}: {why}" for name, why in idle.items())
+            warnings.warn(f"{type(self).__name__}: these arguments change nothing here ({reasons})", stacklevel=2)
         self.shard_config = self._shard_config()  # built (and validated by ShardConfig) before any model is seen
         self.stage_manager: PipelineStageManager | None = None
         self.schedule: PipelineSchedule | None = None

@@ -101,7 +101,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         assert_same_across_ranks((ep_size, moe_dp_outside), what=f"{_NAME} ep_size and moe_dp_outside")
         self._ep_size = ep_size
         if enable_sequence_parallelism and sequence_parallelism_mode is None:
-            sequence_parallelism_mode = "all_to_all"  # ColossalAI's MoE plugin default (its dense plugin's: split_gather)
+            sequence_parallelism_mode = "all_to_all"  # ColossalAI's MoE default (its dense plugin's: split_gather)
         super().__init__(
             tp_size=tp_size,
             pp_size=pp_size,
