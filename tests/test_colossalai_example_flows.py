@@ -1,6 +1,7 @@
 """ColossalAI-style example flows on cx, end to end on 2 CPU processes under torchrun: a Llama benchmark-style run
-(gradient checkpointing, bf16, HybridAdam, cosine warm-up, clipping) under Gemini and LowLevelZero, which must learn
-(loss falls), count parameters as before boost, and save a checkpoint that loads back to the same loss; and a GPT
+(lazy init under Gemini, gradient checkpointing, a prepared dataloader, bf16 as default dtype around boost,
+HybridAdam, cosine warm-up, clipping) under Gemini and LowLevelZero, which must learn (loss falls), count parameters
+as before boost, and save a checkpoint that loads back to the same loss and learning rate; and a GPT
 demo-style run (LazyInitContext, fp16, a distplan switch) that must learn."""
 
 from __future__ import annotations
