@@ -156,3 +156,22 @@ def _expect_default_process_state(rank: int, world_size: int) -> None:
 def test_harness_pool_resets_process_state_between_tests() -> None:
     for function in (_change_process_state, _expect_default_process_state):
         run_distributed(function, 2, timeout=30)
+
+
+def _create_groups(rank: int, world_size: int) -> None:
+    groups = [dist.new_group([0, 1]) for _ in range(5)]
+    for group in groups:
+        dist.all_reduce(torch.ones(1), group=group)
+
+
+def _expect_only_the_world_group(rank: int, world_size: int) -> None:
+    from cx_mesh.testing._worker import _live_groups
+
+    assert _live_groups() == [dist.group.WORLD], f"{len(_live_groups())} groups alive"
+    dist.all_reduce(torch.ones(1), group=dist.new_group([0, 1]))  # creating groups still works
+
+
+def test_harness_pool_destroys_the_groups_a_test_created() -> None:
+    """Idle gloo groups keep native threads polling: a pooled rank destroys each test's groups when it ends."""
+    for function in (_create_groups, _expect_only_the_world_group, _expect_only_the_world_group):
+        run_distributed(function, 2, timeout=30)

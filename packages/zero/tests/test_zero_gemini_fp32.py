@@ -61,17 +61,11 @@ def test_zero_gemini_fp32_variants(rank: int, world_size: int, kwargs: dict[str,
     assert all(c.keep_gathered == keep for c in ddp.manager.chunks())
 
 
-_GROUPS: dict[str, tuple[object, object]] = {}
-
-
 def _pair_groups(rank: int) -> tuple[object, object]:
     """(zero group, extra group) of `rank` in a 4-rank world: chunks over {0,1}, {2,3}; replicas over {0,2}, {1,3}."""
-    if "groups" not in _GROUPS:
-        zero = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        extra = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        _GROUPS["groups"] = (zero, extra)
-    zero_groups, extra_groups = _GROUPS["groups"]
-    return zero_groups[rank // 2], extra_groups[rank % 2]  # type: ignore[index]
+    zero = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    extra = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return zero[rank // 2], extra[rank % 2]
 
 
 @distributed(world_size=4)

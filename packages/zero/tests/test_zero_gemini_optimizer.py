@@ -177,9 +177,6 @@ def test_zero_gemini_optimizer_lr_scheduler_and_param_groups(rank: int, world_si
         assert_state_close(ddp.state_dict(only_rank_0=False), reference.state(), RTOL, ATOL, f"step {step}")
 
 
-_SINGLE_GROUPS: list[object] = []
-
-
 @distributed(world_size=2)
 @pytest.mark.parametrize(("norm_type", "split_only_weights"), [(2.0, False), (math.inf, False), (2.0, True)])
 def test_zero_gemini_optimizer_clipping_over_tp_group(
@@ -188,15 +185,14 @@ def test_zero_gemini_optimizer_clipping_over_tp_group(
     """Each rank holds a different 'tensor-parallel' half (zero group of one, tp_group = both ranks): the clipping
     norm must cover both halves, as torch's clip_grad_norm_ over the union of their parameters. With
     `tp_split_params` naming only the weights, every other parameter counts as a TP replica: once, from TP rank 0."""
-    if not _SINGLE_GROUPS:
-        _SINGLE_GROUPS.extend(dist.new_group([r]) for r in range(world_size))
+    single_groups = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
     sgd = OPTIMIZERS["sgd"]
     references = [Reference(make_gpt(seed=r), 1, sgd) for r in range(world_size)]
     ddp = GeminiDDP(
         make_gpt(seed=rank),
         chunk_config_dict={"chunk_size": 2048},
         mixed_precision=torch.float32,
-        zero_group=_SINGLE_GROUPS[rank],  # type: ignore[arg-type]
+        zero_group=single_groups[rank],
     )
     names = [name for name, _ in make_gpt(seed=rank).named_parameters()]
     split = [name for name in names if name.endswith("weight")] if split_only_weights else None

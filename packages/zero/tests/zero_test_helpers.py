@@ -193,11 +193,8 @@ def assert_params_close(
         torch.testing.assert_close(p.detach().float(), q.detach().float(), rtol=rtol, atol=atol, msg=f"{what}: {name}")
 
 
-_SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
 def subgroup(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """A cached `new_group(ranks)` (collective over the world the first time, on every rank)."""
-    if ranks not in _SUBGROUPS:
-        _SUBGROUPS[ranks] = dist.new_group(list(ranks))
-    return _SUBGROUPS[ranks]
+    """`new_group(ranks)`: collective over the world, so every rank calls it for every group (the pooled harness
+    destroys a test's groups when it ends, so nothing is cached across tests)."""
+    group: dist.ProcessGroup = dist.new_group(list(ranks))
+    return group
