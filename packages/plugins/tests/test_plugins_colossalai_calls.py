@@ -117,3 +117,12 @@ def test_checkpoint_calls_in_colossalai_argument_order(rank: int, world_size: in
     for name, value in model.unwrap().state_dict().items():
         torch.testing.assert_close(model2.unwrap().state_dict()[name], value, msg=name)
     assert optimizer2.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+    # ColossalAI's booster checkpoint tests: `save_model(model, f"{tempdir}/model", shard=False)`, no suffix
+    for name, use_safetensors in (("model_file", False), ("model_file_st", True)):
+        booster.save_model(model, directory / name, shard=False, use_safetensors=use_safetensors)
+        with torch.no_grad():
+            for parameter in model2.unwrap().parameters():
+                parameter.add_(1.0)
+        booster2.load_model(model2, directory / name)
+        for key, value in model.unwrap().state_dict().items():
+            torch.testing.assert_close(model2.unwrap().state_dict()[key], value, rtol=0, atol=0, msg=key)
