@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import struct
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -237,8 +238,8 @@ def test_checkpoint_bad_save_arguments(tmp_path: Path) -> None:
     for bad in (0, -1.0, "big", True):
         with pytest.raises(ValueError, match="positive number of MB"):
             io.save_model(model, tmp_path / "s", shard=True, size_per_shard=bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"must end in \.safetensors"):
-        io.save_model(model, tmp_path / "m.bin", use_safetensors=True)
+    with pytest.raises(ValueError, match=r"cannot be named \*\.index\.json .* pass shard=True"):
+        io.save_model(model, tmp_path / "model.safetensors.index.json", use_safetensors=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.safetensors", "file"]
 
 
@@ -305,8 +306,11 @@ def test_checkpoint_malicious_pickle_is_refused(tmp_path: Path) -> None:
     torch.save({"fc1.weight": torch.ones(2), "evil": _Exploit(marker)}, tmp_path / "zip.bin")
     with (tmp_path / "raw.bin").open("wb") as handle:
         pickle.dump(_Exploit(marker), handle)
+    # the format is told by content, so the same pickles under any name (even .safetensors) are refused unrun
+    for source, copy in (("zip.bin", "zip"), ("raw.bin", "raw"), ("zip.bin", "zip.safetensors")):
+        (tmp_path / copy).write_bytes((tmp_path / source).read_bytes())
     io = GeneralCheckpointIO()
-    for name in ("zip.bin", "raw.bin"):
+    for name in ("zip.bin", "raw.bin", "zip", "raw", "zip.safetensors"):
         with pytest.raises(UnsafeCheckpointError, match=rf"{name}: refused to load this pickle file"):
             io.load_model(make_model(0), tmp_path / name)
     sharded = tmp_path / "sharded"
@@ -323,6 +327,49 @@ def test_checkpoint_malicious_pickle_is_refused(tmp_path: Path) -> None:
     other = make_model(4)
     io.load_model(other, tmp_path / "plain.bin")
     assert_same_state(model.state_dict(), other.state_dict())
+
+
+def test_checkpoint_unsharded_model_file_of_any_name(tmp_path: Path) -> None:
+    """ColossalAI's booster tests save `f"{tempdir}/model"` with shard=False and load it back: any file name holds
+    the format asked for (safetensors or legacy bin), loading tells which by content, and only a suffix naming the
+    other format warns."""
+    io = GeneralCheckpointIO()
+    model = make_model(0)
+    cases = [  # file name, use_safetensors, whether the suffix contradicts the format (one warning)
+        ("model", False, False),
+        ("model_st", True, False),
+        ("weights.bin", True, True),
+        ("weights.safetensors", False, True),
+        ("model.ckpt", True, False),
+    ]
+    for name, use_safetensors, warns in cases:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            io.save_model(model, tmp_path / name, shard=False, use_safetensors=use_safetensors)
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == warns, (name, messages)
+        assert all("despite its" in m for m in messages), messages
+        head = (tmp_path / name).read_bytes()[:9]
+        assert (head[8:9] == b"{") if use_safetensors else head.startswith(b"PK\x03\x04"), (name, head)
+        loaded = make_model(1)
+        result = io.load_model(loaded, tmp_path / name)
+        assert not result.missing_keys
+        assert not result.unexpected_keys
+        assert_same_state(model.state_dict(), loaded.state_dict())
+    (tmp_path / "notes").write_text("neither format")
+    with pytest.raises(CheckpointPathError, match="notes: not a checkpoint file"):
+        io.load_model(make_model(1), tmp_path / "notes")
+
+
+def test_checkpoint_safetensors_header_starting_like_a_pickle(tmp_path: Path) -> None:
+    """A safetensors header of 128 bytes starts with the byte 0x80, which also opens a pickle: still safetensors."""
+    value = torch.arange(4, dtype=torch.float32)
+    header = json.dumps({"fc1.bias": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    header += b" " * (128 - len(header))
+    (tmp_path / "foreign").write_bytes(struct.pack("<Q", 128) + header + bytes(value.view(torch.uint8).tolist()))
+    assert (tmp_path / "foreign").read_bytes()[:1] == b"\x80"
+    with CheckpointReader.open(tmp_path / "foreign") as reader:
+        assert torch.equal(reader.read("fc1.bias"), value)
 
 
 def test_checkpoint_async_error_raised_by_synchronize(tmp_path: Path) -> None:

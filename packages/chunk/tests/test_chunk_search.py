@@ -7,10 +7,11 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cx_chunk import ChunkConfig, ChunkManager, search_chunk_configuration
+from cx_chunk import ChunkConfig, ChunkManager, MemStats, search_chunk_configuration
 from cx_mesh.testing import distributed
 
 MEBI = 2**20
@@ -120,3 +121,51 @@ def test_chunk_search_result_edits_like_colossalai() -> None:
     config_dict[2]["chunk_size"] = 5000
     config_dict[2]["keep_gathered"] = True
     assert result.config == ChunkConfig(5000, keep_gathered=True, separate_above=result.config.separate_above)
+
+
+@distributed(world_size=2)
+def test_chunk_search_keys_by_world_size_as_colossalai_tests_expect(rank: int, world_size: int) -> None:
+    # ColossalAI's Gemini tests, verbatim in effect: the entry is keyed by the data-parallel world size
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+    config_dict, *_ = search_chunk_configuration(model, search_range_m=1, search_interval=100)
+    config_dict[world_size]["chunk_size"] = 5000
+    assert list(config_dict) == [world_size]
+    config = ChunkConfig(**config_dict[world_size])
+    assert config.chunk_size == 5000
+    manager = ChunkManager(config, compute_device=torch.device("cpu"))
+    assert manager.group_size == world_size
+    for p in model.parameters():
+        manager.register_tensor(p.data)
+    manager.close_all_groups()
+    (chunk,) = manager.chunks()  # 40*40 + 40 + 40*8 + 8 = 1968 elements fit one chunk of the edited size
+    assert chunk.chunk_size == 5000
+    assert chunk.utilized_size == sum(p.numel() for p in model.parameters())
+    # process_group= keys by that group's size; an explicit group_size must agree with it
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    own = singles[rank]
+    assert list(search_chunk_configuration(model, 1, 100, process_group=own).config_dict) == [1]
+    assert list(search_chunk_configuration(model, 1, 100, group_size=4).config_dict) == [4]
+    with pytest.raises(ValueError, match="group_size=4 but process_group has 1 ranks"):
+        search_chunk_configuration(model, 1, 100, process_group=own, group_size=4)
+
+
+def test_chunk_search_colossalai_keywords() -> None:
+    """Outside torch.distributed the group size is 1; strict_ddp_flag changes nothing (as in ColossalAI's search);
+    memstas gives the packing order: the same sizes in first-use order pack with different waste."""
+    sizes = [600, 500, 500, 600, 600, 500]
+    params = _params(sizes)
+    plain = search_chunk_configuration(params, 2000 / MEBI, 100, 0)
+    assert list(plain.config_dict) == [1]
+    assert search_chunk_configuration(params, 2000 / MEBI, 100, 0, strict_ddp_flag=True) == plain
+    memstats = MemStats()
+    used_first = [params[0], params[3], params[4], params[1]]  # params[2], params[5] never used: they come last
+    memstats.record_period(used_first, non_model_bytes=0)
+    traced = search_chunk_configuration(params, 2000 / MEBI, 100, 0, memstas=memstats)
+    order = [600, 600, 600, 500, 500, 500]
+    expected_size, expected_waste = _brute_force(order, 2000 / MEBI, 100, 0, 1)
+    assert (traced.config.chunk_size, traced.wasted_size) == (expected_size, expected_waste)
+    assert (plain.config.chunk_size, plain.wasted_size) == _brute_force(sizes, 2000 / MEBI, 100, 0, 1)
+    assert traced != plain
+    with pytest.raises(ValueError, match=r"process_group given but torch\.distributed is not initialised"):
+        search_chunk_configuration(params, 1, 100, process_group=object())  # type: ignore[arg-type]

@@ -110,6 +110,32 @@ def test_check_state_dict_equal_names_the_differing_path() -> None:
         check_state_dict_equal(first, {"model": {}})
 
 
+def test_check_state_dict_equal_is_loose_like_colossalai_unless_exact() -> None:
+    """ColossalAI compares tensors with assert_close_loose (rtol = atol = 1e-3), casting the first to the second's
+    dtype when ignore_dtype; exact=True keeps bit equality."""
+    base = torch.tensor([1.0, -2.0, 300.0])
+    near = base + torch.tensor([5e-4, -5e-4, 0.2])  # within atol + rtol * |value| everywhere
+    check_state_dict_equal({"w": base}, {"w": near})
+    check_state_dict_equal({"opt": [{"m": base}]}, {"opt": [{"m": near}]})
+    with pytest.raises(AssertionError, match=r"state_dict\['w'\]: tensors differ \(exact=True"):
+        check_state_dict_equal({"w": base}, {"w": near}, exact=True)
+    with pytest.raises(AssertionError, match=r"state_dict\['opt'\]\[0\]\['m'\]: tensors differ \(exact"):
+        check_state_dict_equal({"opt": [{"m": base}]}, {"opt": [{"m": near}]}, exact=True)
+    check_state_dict_equal({"w": base}, {"w": base.clone()}, exact=True)
+    far = base + torch.tensor([0.0, 0.0, 0.5])  # 0.5 > 1e-3 + 1e-3 * 300
+    with pytest.raises(AssertionError, match=r"state_dict\['w'\]: tensors differ beyond rtol=atol=0.001"):
+        check_state_dict_equal({"w": base}, {"w": far})
+    # dtypes must match unless ignore_dtype, which casts the first to the second's dtype (not the other way)
+    with pytest.raises(AssertionError, match=r"torch.float32 \(3,\) vs torch.float64 \(3,\)"):
+        check_state_dict_equal({"w": base}, {"w": near.double()})
+    check_state_dict_equal({"w": base}, {"w": near.double()}, ignore_dtype=True)
+    rounded_away = torch.tensor([1.003])  # bf16 cannot hold it: it rounds to 1.0 in bf16
+    assert torch.equal(rounded_away.bfloat16().float(), torch.tensor([1.0]))
+    check_state_dict_equal({"w": rounded_away}, {"w": torch.tensor([1.0], dtype=torch.bfloat16)}, ignore_dtype=True)
+    with pytest.raises(AssertionError, match="beyond rtol"):  # compared in float32, where 0.003 is too far
+        check_state_dict_equal({"w": torch.tensor([1.0], dtype=torch.bfloat16)}, {"w": rounded_away}, ignore_dtype=True)
+
+
 def test_assert_close_loose_crosses_dtypes_but_not_real_differences() -> None:
     assert_close_loose(torch.ones(3, dtype=torch.bfloat16), torch.ones(3))
     with pytest.raises(AssertionError):

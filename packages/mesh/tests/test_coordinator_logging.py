@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from pathlib import Path
 
@@ -44,6 +46,25 @@ def test_coordinator_priority_execution_orders_ranks(rank: int, world_size: int,
         else:
             assert marker.read_text() == "done"  # the executor has finished before anyone else enters
     coordinator.block_all()
+
+
+@distributed(world_size=2)
+def test_coordinator_print_on_node_master_and_destroy(rank: int, world_size: int) -> None:
+    coordinator = DistCoordinator()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        coordinator.print_on_node_master("per node")
+        coordinator.print_on_master("once")
+    assert printed.getvalue() == ("per node\n" if coordinator.local_rank == 0 else "") + ("once\n" if rank == 0 else "")
+    outputs: list[tuple[int, int] | None] = [None] * world_size
+    dist.all_gather_object(outputs, (coordinator.local_rank, printed.getvalue().count("per node")))
+    assert sorted(o for o in outputs if o is not None) == [(0, 1), (1, 0)]  # one node, two processes: the first prints
+    group = dist.new_group([0, 1])
+    dist.barrier(group=group)
+    coordinator.destroy(group)
+    with pytest.raises(ValueError, match="not registered"):  # torch no longer knows the group
+        dist.get_rank(group)
+    dist.barrier()  # the default group is untouched
 
 
 @distributed(world_size=2)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from cx_mesh.testing import distributed
-from cx_plugins import Booster, ModelWrapper
+from cx_plugins import Booster, HybridParallelPlugin, ModelWrapper
 from cx_plugins._gemini_plugin import GeminiModel
+from cx_plugins._hybrid_optimizer import HybridParallelOptimizer
 from cx_plugins._zero_wrappers import ZeroOptimizerWrapper
 from cx_plugins.models import GPT
 from plugins_test_helpers import ATOL, CONFIG, GLOBAL_BATCH, RTOL, data, make_plugin, reference
@@ -82,6 +83,14 @@ def test_zero_master_maps_and_update_master_params(rank: int, world_size: int) -
     working_to_master = optimizer.get_working_to_master_map()
     master_to_working = optimizer.get_master_to_working_map()
     assert len(working_to_master) == len(list(plain.parameters())) == len(master_to_working)
+    padding = optimizer.zero.get_param_padding_map()
+    for name, working in model.unwrap().named_parameters():
+        master = working_to_master[id(working)]
+        assert master_to_working[id(master)] is working, name  # the two maps are inverses
+        assert master.dtype == torch.float32, name
+        # this rank's shard of the flattened, padded parameter, holding its values
+        flat = torch.nn.functional.pad(working.detach().flatten().float(), [0, padding[id(working)]])
+        torch.testing.assert_close(master.flatten(), flat.chunk(world_size)[rank], rtol=0, atol=0, msg=name)
     # load other weights into the model, then tell the optimizer: its masters (and so the next step) follow
     replacement = GPT(CONFIG, seed=7)
     model.unwrap().load_state_dict(replacement.state_dict())
@@ -91,6 +100,27 @@ def test_zero_master_maps_and_update_master_params(rank: int, world_size: int) -
     optimizer.step()
     for name, value in replacement.state_dict().items():  # lr 0: the step writes the masters back unchanged
         torch.testing.assert_close(model.unwrap().state_dict()[name], value, msg=name)
+
+
+@distributed(world_size=2)
+def test_hybrid_master_maps_are_inverse(rank: int, world_size: int) -> None:
+    # HybridParallelPlugin at zero_stage 0 in bf16: fp32 master copies of the bf16 working parameters
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=1, pp_size=1, precision="bf16", zero_stage=0))
+    plain = GPT(CONFIG, seed=0)
+    model, optimizer, *_ = booster.boost(plain, torch.optim.SGD(plain.parameters(), lr=0.0))
+    assert isinstance(optimizer, HybridParallelOptimizer)
+    assert isinstance(model, ModelWrapper)
+    working_to_master = optimizer.get_working_to_master_map()
+    master_to_working = optimizer.get_master_to_working_map()
+    named = list(model.unwrap().named_parameters())
+    assert len(working_to_master) == len(master_to_working) == len(named)
+    for name, working in named:
+        master = working_to_master[id(working)]
+        assert master_to_working[id(master)] is working, name
+        assert master is not working, name
+        assert (working.dtype, master.dtype) == (torch.bfloat16, torch.float32), name
+        assert master.shape == working.shape, name
+        torch.testing.assert_close(master.to(torch.bfloat16), working.detach(), rtol=0, atol=0, msg=name)
 
 
 @distributed(world_size=2)
@@ -117,3 +147,12 @@ def test_checkpoint_calls_in_colossalai_argument_order(rank: int, world_size: in
     for name, value in model.unwrap().state_dict().items():
         torch.testing.assert_close(model2.unwrap().state_dict()[name], value, msg=name)
     assert optimizer2.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+    # ColossalAI's booster checkpoint tests: `save_model(model, f"{tempdir}/model", shard=False)`, no suffix
+    for name, use_safetensors in (("model_file", False), ("model_file_st", True)):
+        booster.save_model(model, directory / name, shard=False, use_safetensors=use_safetensors)
+        with torch.no_grad():
+            for parameter in model2.unwrap().parameters():
+                parameter.add_(1.0)
+        booster2.load_model(model2, directory / name)
+        for key, value in model.unwrap().state_dict().items():
+            torch.testing.assert_close(model2.unwrap().state_dict()[key], value, rtol=0, atol=0, msg=key)

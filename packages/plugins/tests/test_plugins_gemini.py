@@ -98,6 +98,8 @@ def test_plugins_gemini_bad_arguments(rank: int, world_size: int) -> None:
         GeminiPlugin(tp_size=3)
     with pytest.raises(NotImplementedError, match="fp8"):
         GeminiPlugin(use_fp8=True)
+    with pytest.raises(NotImplementedError, match=r"GeminiPlugin\(fp8_communication=True\): fp8 communication is not"):
+        GeminiPlugin(fp8_communication=True)
     with pytest.raises(ValueError, match=r"unsupported precision 'fp8'"):
         GeminiPlugin(precision="fp8")
     with pytest.raises(

@@ -1,11 +1,17 @@
 """LoRA fine-tuning through the Booster (peft adapters on a tiny HF GPT-2) against single-process peft training,
-the adapters saved in peft's format and loaded back, and clear errors where LoRA is not supported. Skipped when
-transformers or peft is not installed."""
+the adapters saved in peft's format and loaded back, and clear errors where LoRA is not supported (those tests are
+skipped when transformers or peft is not installed); without peft, cx_plugins still imports and enable_lora says
+how to install it."""
 
 from __future__ import annotations
 
 import copy
+import importlib
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,8 +21,10 @@ from cx_mesh.testing import distributed
 from cx_plugins import Booster, GeminiPlugin
 from plugins_test_helpers import ATOL, RTOL, make_plugin
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+HAVE_PEFT = all(importlib.util.find_spec(name) is not None for name in ("transformers", "peft"))
+transformers: Any = importlib.import_module("transformers") if HAVE_PEFT else None
+peft: Any = importlib.import_module("peft") if HAVE_PEFT else None
+needs_peft = pytest.mark.skipif(not HAVE_PEFT, reason="needs transformers and peft")
 
 STEPS, GLOBAL_BATCH, LENGTH, LR = 3, 4, 8, 1e-2
 
@@ -43,6 +51,7 @@ def _adapters(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items() if "lora_" in name}
 
 
+@needs_peft
 @distributed(world_size=2)
 @pytest.mark.parametrize("plugin", ["torch_ddp", "zero2"])
 def test_lora_training_matches_single_process_and_saves_in_peft_format(
@@ -97,6 +106,7 @@ def test_lora_training_matches_single_process_and_saves_in_peft_format(
         torch.testing.assert_close(value, trained[name], msg=name)
 
 
+@needs_peft
 @distributed(world_size=1)
 def test_lora_unsupported_plugins_and_misuse_are_clear_errors(rank: int, world_size: int) -> None:
     with pytest.raises(NotImplementedError, match="GeminiPlugin does not support LoRA"):
@@ -115,3 +125,20 @@ def test_lora_unsupported_plugins_and_misuse_are_clear_errors(rank: int, world_s
     plain, *_ = Booster(plugin=make_plugin("torch_ddp")).boost(_base())
     with pytest.raises(ValueError, match="has no LoRA adapters"):
         booster.save_lora_as_pretrained(plain, "unused")
+
+
+def test_lora_without_peft_imports_cx_plugins() -> None:
+    # a fresh interpreter in which `import peft` fails, as where it is not installed
+    script = "import sys; sys.modules['peft'] = None; import cx_plugins; print(cx_plugins.Booster.__name__)"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "Booster"
+
+
+@distributed(world_size=1)
+def test_lora_without_peft_enable_lora_gives_the_install_hint(rank: int, world_size: int) -> None:
+    booster = Booster(plugin=make_plugin("torch_ddp"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError, as when it is not installed
+        with pytest.raises(ImportError, match=r"peft, which is not installed: pip install 'cx-plugins\[lora\]'"):
+            booster.enable_lora(nn.Linear(4, 4), lora_config=object())

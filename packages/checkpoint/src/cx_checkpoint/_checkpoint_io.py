@@ -60,19 +60,23 @@ class CheckpointIO(ABC):
         use_safetensors: bool = False,
         use_async: bool = False,
     ) -> None:
-        """Save `model`'s weights: a single file at `checkpoint`, or (`shard=True`) a directory of shards + index."""
+        """Save `model`'s weights: a single file at `checkpoint`, or (`shard=True`) a directory of shards + index.
+
+        A single file may have any name (ColossalAI's tests save to `.../model`): it holds safetensors when
+        `use_safetensors`, else the legacy bin format, and `load_model` tells them apart by content. A suffix that
+        names the other format is allowed, with a warning."""
         path = Path(checkpoint)
         megabytes_to_bytes(size_per_shard)
         if shard:
             self.save_sharded_model(model, path, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async)
             return
         _refuse_sharding_options(prefix, size_per_shard)
-        suffixes = (".safetensors",) if use_safetensors else (".bin", ".pt", ".pth")
-        if path.suffix not in suffixes:
+        if path.name.endswith(".index.json"):
             raise ValueError(
-                f"{path}: an unsharded {'safetensors' if use_safetensors else 'legacy bin'} model file must end in "
-                f"{' / '.join(suffixes)} (use_safetensors={use_safetensors})"
+                f"{path}: an unsharded model file cannot be named *.index.json (loading would read it as the index "
+                "of a sharded checkpoint); pass shard=True to write a sharded checkpoint"
             )
+        _warn_on_contradicting_suffix(path, use_safetensors)
         self.save_unsharded_model(model, path, gather_dtensor, use_safetensors, use_async)
 
     def load_model(
@@ -239,6 +243,23 @@ def _existing(checkpoint: PathLike) -> Path:
     if not path.exists():
         raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
     return path
+
+
+def _warn_on_contradicting_suffix(path: Path, use_safetensors: bool) -> None:
+    """A `.bin`/`.pt`/`.pth` name for a safetensors file, or `.safetensors` for a bin one, is written as asked but
+    said: another tool reading by suffix would misread it (cx reads by content)."""
+    bin_suffix = path.suffix in (".bin", ".pt", ".pth")
+    if use_safetensors and bin_suffix:
+        warnings.warn(
+            f"{path.name}: written in safetensors format (use_safetensors=True) despite its {path.suffix} suffix",
+            stacklevel=3,
+        )
+    elif not use_safetensors and path.suffix == ".safetensors":
+        warnings.warn(
+            f"{path.name}: written in the legacy bin (torch.save) format (use_safetensors=False) despite its "
+            ".safetensors suffix",
+            stacklevel=3,
+        )
 
 
 def _refuse_sharding_options(prefix: str | None, size_per_shard: float) -> None:

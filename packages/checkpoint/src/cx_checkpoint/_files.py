@@ -1,4 +1,5 @@
-"""One tensor file on disk: write a safetensors or legacy `.bin` file, check a safetensors header, load a `.bin` safely.
+"""One tensor file on disk: write a safetensors or legacy `.bin` file, check a safetensors header, load a `.bin` safely,
+and tell the two formats apart by their first bytes (a file's name need not say which it is).
 
 Safetensors files are written by a small deterministic serializer (header metadata `{"cx_kind": ..., "format": "pt"}`)
 and verified on load by reading the header ourselves: the file size must be exactly 8 + header length + data length,
@@ -22,6 +23,7 @@ import torch
 from cx_checkpoint._checksum import CHECKSUM_ALGORITHM, BackgroundCrc32, file_checksum
 from cx_checkpoint._errors import CorruptShardError, UnsafeCheckpointError
 from cx_checkpoint._json_codec import parse_json
+from cx_checkpoint._naming import FileFormat
 
 __all__ = [
     "DATA_CHECKSUM_KEY",
@@ -29,6 +31,7 @@ __all__ = [
     "alias_key",
     "load_bin",
     "read_safetensors_header",
+    "sniff_format",
     "write_bin",
     "write_safetensors",
 ]
@@ -238,6 +241,24 @@ def read_safetensors_header(path: Path, fd: int | None = None) -> SafetensorsHea
         )
     metadata_text = {str(k): str(v) for k, v in metadata.items()}
     return SafetensorsHeader(tensors, metadata_text, offsets, 8 + header_length, end)
+
+
+def sniff_format(fd: int) -> FileFormat | None:
+    """The format of the open file `fd` told by its first bytes, or None when they look like neither.
+
+    A safetensors file starts with an 8-byte little-endian header length and then the header's `{`; a torch.save
+    file is a zip archive (`PK\\x03\\x04`) or, in the old format, a pickle (protocol 2+ starts with `\\x80`). The
+    safetensors test comes before the pickle one because a header of 128 bytes (or 384, ...) also starts with
+    `\\x80`. Nothing is parsed or unpickled here: the loaders check the content (and refuse pickled code) afterwards.
+    """
+    head = os.pread(fd, 9, 0)
+    if head.startswith(b"PK\x03\x04"):
+        return FileFormat.BIN
+    if len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] <= _MAX_HEADER_BYTES:
+        return FileFormat.SAFETENSORS
+    if head[:1] == b"\x80":
+        return FileFormat.BIN
+    return None
 
 
 def load_bin(path: Path, fd: int | None = None) -> dict[str, torch.Tensor]:

@@ -41,7 +41,13 @@ from cx_checkpoint._errors import (
     CorruptShardError,
     MissingShardError,
 )
-from cx_checkpoint._files import DATA_CHECKSUM_KEY, SafetensorsHeader, load_bin, read_safetensors_header
+from cx_checkpoint._files import (
+    DATA_CHECKSUM_KEY,
+    SafetensorsHeader,
+    load_bin,
+    read_safetensors_header,
+    sniff_format,
+)
 from cx_checkpoint._index import CheckpointIndexFile
 from cx_checkpoint._naming import CheckpointKind, FileFormat, FileNames, file_names
 from cx_checkpoint._protocols import Region, TensorSpec
@@ -130,7 +136,8 @@ class CheckpointReader:
         prefix: str | None = None,
         verify: bool | None = None,
     ) -> CheckpointReader:
-        """Open and check: a `.safetensors` / `.bin` file, an `*.index.json`, or a checkpoint directory.
+        """Open and check: a single safetensors or legacy bin file (any name: told by content), an `*.index.json`,
+        or a checkpoint directory.
 
         `verify=True` also compares every file with its recorded checksum (`ChecksumMismatchError` on a difference;
         `CheckpointIndexError` when the checkpoint has none recorded); None takes `VERIFY_BY_DEFAULT`.
@@ -198,20 +205,16 @@ class CheckpointReader:
 
     @classmethod
     def _open_single(cls, path: Path, kind: CheckpointKind) -> CheckpointReader:
-        as_safetensors = path.suffix == ".safetensors" or kind is CheckpointKind.OPTIMIZER  # any optimizer file name
-        if not as_safetensors and path.suffix not in _BIN_SUFFIXES:
-            raise CheckpointPathError(f"{path}: not a checkpoint file (expected .safetensors, .bin or *.index.json)")
-        if kind is CheckpointKind.OPTIMIZER and _looks_pickled(path):
-            raise CheckpointKindError(
-                f"{path} is a pickle file; cx optimizer checkpoints are safetensors plus JSON (no pickle)"
-            )
+        """One file of any name: its format is told by its content (`sniff_format`), the suffix only decides for
+        content that looks like neither format (so the loaders name what is wrong with it)."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise _Replaced() from None  # a directory entry seen a moment ago is gone: a save replaced it
         opened = _OpenFile(fd, path, None)
         try:
-            if as_safetensors:
+            file_format = _single_file_format(path, fd, kind)
+            if file_format is FileFormat.SAFETENSORS:
                 opened.header = read_safetensors_header(path, fd)
                 _check_kind(path, opened.header.metadata, kind)
                 specs = {name: TensorSpec(shape, dtype) for name, (dtype, shape, _) in opened.header.tensors.items()}
@@ -560,11 +563,23 @@ def _check_region(name: str, region: Region, shape: tuple[int, ...]) -> None:
             raise ValueError(f"region {region!r} of {name!r} is outside dimension {dim} of size {size} (or has a step)")
 
 
-def _looks_pickled(path: Path) -> bool:
-    """A torch.save file (zip archive) or a raw pickle, told by its first bytes; nothing is unpickled."""
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(4)
-    except OSError:
-        return False
-    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
+def _single_file_format(path: Path, fd: int, kind: CheckpointKind) -> FileFormat:
+    """How to read the single checkpoint file `path` (open as `fd`): by content first, then by suffix.
+
+    Optimizer checkpoints are always safetensors plus JSON: a pickle is refused before anything is read from it."""
+    sniffed = sniff_format(fd)
+    if kind is CheckpointKind.OPTIMIZER:
+        if sniffed is FileFormat.BIN:
+            raise CheckpointKindError(
+                f"{path} is a pickle file; cx optimizer checkpoints are safetensors plus JSON (no pickle)"
+            )
+        return FileFormat.SAFETENSORS
+    if sniffed is not None:
+        return sniffed
+    if path.suffix == ".safetensors":
+        return FileFormat.SAFETENSORS
+    if path.suffix in _BIN_SUFFIXES:
+        return FileFormat.BIN
+    raise CheckpointPathError(
+        f"{path}: not a checkpoint file (its first bytes are neither a safetensors header nor a torch.save file)"
+    )

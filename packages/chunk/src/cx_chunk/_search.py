@@ -15,6 +15,9 @@ The exact rule (units: elements; "m" arguments are multiples of 2**20 elements):
 Returns `(config_dict, total_size, wasted_size)` in ColossalAI's shape, `config_dict` being
 `{group_size: {"chunk_size": n, "keep_gathered": b, "separate_above": t}}` (what `GeminiDDP(chunk_config_dict=...)`
 takes, editable the way ColossalAI's tests edit it); `.config` is the same as a `ChunkConfig`.
+
+`group_size` defaults as ColossalAI's dp degree does: the size of `process_group` (the default group when None)
+once torch.distributed is initialised, else 1, so `config_dict[world_size]` is the entry on every rank.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from cx_chunk._config import ChunkConfig
+from cx_chunk._memstats import MemStats
 
 __all__ = ["ChunkSearchResult", "next_fit_waste", "search_chunk_configuration"]
 
@@ -74,17 +80,38 @@ def next_fit_waste(sizes: Sequence[int], chunk_size: int) -> int:
     return waste + (chunk_size - fill if used else 0)
 
 
-def _sizes(model_or_params: nn.Module | Iterable[torch.Tensor]) -> list[int]:
-    tensors = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
-    seen: set[int] = set()
-    sizes = []
+def _sizes(model_or_params: nn.Module | Iterable[torch.Tensor], memstats: MemStats | None) -> list[int]:
+    """Element counts in packing order: `memstats`' first-use order where it saw the tensors, then the others in the
+    given order (shared tensors counted once)."""
+    tensors = list(model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params)
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"search_chunk_configuration: expected tensors, got {type(tensor).__name__}")
+    if memstats is not None:
+        given = {id(t) for t in tensors}
+        traced = [t for t in memstats.param_order if id(t) in given]
+        tensors = traced + tensors
+    seen: set[int] = set()
+    sizes = []
+    for tensor in tensors:
         if id(tensor) not in seen:
             seen.add(id(tensor))
             sizes.append(tensor.numel())
     return sizes
+
+
+def _group_size(group_size: int | None, process_group: ProcessGroup | None) -> int:
+    """The explicit `group_size`, else the process group's size (1 before torch.distributed is initialised)."""
+    if process_group is not None and not dist.is_initialized():
+        raise ValueError("search_chunk_configuration: process_group given but torch.distributed is not initialised")
+    found = dist.get_world_size(process_group) if dist.is_initialized() else 1
+    if group_size is None:
+        return found
+    if process_group is not None and group_size != found:
+        raise ValueError(
+            f"search_chunk_configuration: group_size={group_size} but process_group has {found} ranks; pass one of them"
+        )
+    return group_size
 
 
 def search_chunk_configuration(
@@ -93,22 +120,34 @@ def search_chunk_configuration(
     search_interval: int | None = None,
     min_chunk_size_m: float = 32,
     filter_exlarge_params: bool = True,
+    strict_ddp_flag: bool = False,
+    process_group: ProcessGroup | None = None,
+    memstas: MemStats | None = None,
     *,
     hidden_dim: int | None = None,
-    group_size: int = 1,
+    group_size: int | None = None,
 ) -> ChunkSearchResult:
-    """Find the chunk size with the least padding waste for these parameters; see the module docstring."""
+    """Find the chunk size with the least padding waste for these parameters; see the module docstring.
+
+    ColossalAI's keywords, with its meaning: `process_group` is the group the chunks are sharded over (its size
+    keys `config_dict` and divides the chunk size); `memstas` (spelled as ColossalAI spells it) is a `MemStats`
+    whose first-use order of the parameters is the packing order (parameters it never saw follow in model order).
+    `strict_ddp_flag` is accepted and changes nothing, as in ColossalAI's current search: the result keys by the
+    group size either way, and keeping every chunk gathered is `GeminiDDP(strict_ddp_mode=True)`'s job.
+    """
+    del strict_ddp_flag  # accepted for ColossalAI's call forms; see the docstring
     if search_range_m < 0 or min_chunk_size_m < 0:
         raise ValueError(
             f"search_chunk_configuration: search_range_m ({search_range_m}) and min_chunk_size_m "
             f"({min_chunk_size_m}) must be >= 0"
         )
     interval = search_interval if search_interval is not None else (hidden_dim if hidden_dim is not None else 1024)
-    if interval <= 0 or group_size <= 0:
+    if interval <= 0 or (group_size is not None and group_size <= 0):
         raise ValueError(
             f"search_chunk_configuration: search_interval ({interval}) and group_size ({group_size}) must be positive"
         )
-    sizes = _sizes(model_or_params)
+    group_size = _group_size(group_size, process_group)
+    sizes = _sizes(model_or_params, memstas)
     if not sizes or sum(sizes) == 0:
         raise ValueError("search_chunk_configuration: no parameters (or only empty ones) to lay out")
     total = sum(sizes)

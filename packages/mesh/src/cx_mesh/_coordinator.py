@@ -58,6 +58,16 @@ class DistCoordinator:
         if self.is_master(group):
             print(message, flush=True)
 
+    def print_on_node_master(self, message: str) -> None:
+        """Print on the first process of each node only (LOCAL_RANK 0), e.g. per-node facts like free disk."""
+        if self.is_node_master():
+            print(message, flush=True)
+
+    def destroy(self, group: ProcessGroup | None = None) -> None:
+        """Destroy `group` (the default group, and with it every group, when None): ColossalAI scripts end with
+        `coordinator.destroy()`. Every rank of the group must call it."""
+        dist.destroy_process_group(group)
+
     def on_master_only(
         self, group: ProcessGroup | None = None
     ) -> Callable[[Callable[_P, _R]], Callable[_P, _R | None]]:

@@ -262,7 +262,13 @@ class HybridParallelOptimizer(OptimizerWrapper):
         return self._grad_norm
 
     def get_working_to_master_map(self) -> dict[int, torch.Tensor]:
+        """id(working parameter) -> its fp32 master (the parameter itself when it is already fp32)."""
         return {id(p): self._master_of[id(p)] for p in self._working}
+
+    def get_master_to_working_map(self) -> dict[int, nn.Parameter]:
+        """id(fp32 master) -> its working parameter: the inverse of `get_working_to_master_map` (ColossalAI's
+        mixed-precision optimizer has both; scripts use this one to write masters back into the model)."""
+        return {id(self._master_of[id(p)]): p for p in self._working}
 
     def update_master_params(self, model: nn.Module) -> None:
         """Copy the working parameters (e.g. freshly loaded) into the fp32 masters."""

@@ -27,6 +27,8 @@ __all__ = [
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _ADDRESS_IN_USE = ("address already in use", "eaddrinuse")
+_LOOSE = 1e-3
+"""ColossalAI's `assert_close_loose` tolerance (relative and absolute), which its `check_state_dict_equal` uses."""
 
 
 def free_port() -> int:
@@ -94,32 +96,58 @@ def clear_cache_before_run() -> Callable[[_F], _F]:
 
 
 def check_state_dict_equal(
-    first: object, second: object, ignore_device: bool = True, ignore_dtype: bool = False, path: str = "state_dict"
+    first: object,
+    second: object,
+    ignore_device: bool = True,
+    ignore_dtype: bool = False,
+    path: str = "state_dict",
+    *,
+    exact: bool = False,
 ) -> None:
     """Assert that two (nested) state dicts hold the same keys and equal values; the error names the first path
-    that differs. Tensors compare exactly, after moving to the CPU when `ignore_device` and casting when
-    `ignore_dtype`."""
+    that differs.
+
+    Tensors compare as ColossalAI's helper compares them: within rtol = atol = 1e-3 (its `assert_close_loose`),
+    after casting `first` to `second`'s dtype when `ignore_dtype` (else the dtypes must match); `ignore_device`
+    moves both to the CPU first. `exact=True` requires bit-equal values instead, for round trips that must lose
+    nothing."""
     if isinstance(first, Mapping) and isinstance(second, Mapping):
         if set(first) != set(second):
             missing, extra = sorted(map(str, set(first) - set(second))), sorted(map(str, set(second) - set(first)))
             raise AssertionError(f"{path}: keys differ (only in the first: {missing}; only in the second: {extra})")
         for key in first:
-            check_state_dict_equal(first[key], second[key], ignore_device, ignore_dtype, f"{path}[{key!r}]")
+            check_state_dict_equal(
+                first[key], second[key], ignore_device, ignore_dtype, f"{path}[{key!r}]", exact=exact
+            )
     elif isinstance(first, list | tuple) and isinstance(second, list | tuple):
         if len(first) != len(second):
             raise AssertionError(f"{path}: lengths differ ({len(first)} vs {len(second)})")
         for index, (a, b) in enumerate(zip(first, second, strict=True)):
-            check_state_dict_equal(a, b, ignore_device, ignore_dtype, f"{path}[{index}]")
+            check_state_dict_equal(a, b, ignore_device, ignore_dtype, f"{path}[{index}]", exact=exact)
     elif isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
-        a, b = first.detach(), second.detach()
-        if ignore_device:
-            a, b = a.cpu(), b.cpu()
-        if ignore_dtype:
-            b = b.to(a.dtype)
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
-            raise AssertionError(f"{path}: tensors differ ({a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)})")
+        _check_tensors_equal(first, second, ignore_device, ignore_dtype, path, exact)
     elif first != second:
         raise AssertionError(f"{path}: {first!r} != {second!r}")
+
+
+def _check_tensors_equal(
+    first: torch.Tensor, second: torch.Tensor, ignore_device: bool, ignore_dtype: bool, path: str, exact: bool
+) -> None:
+    a, b = first.detach(), second.detach()
+    if ignore_device:
+        a, b = a.cpu(), b.cpu()
+    if ignore_dtype:
+        a = a.to(b.dtype)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise AssertionError(f"{path}: tensors differ ({a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)})")
+    if exact:
+        if not torch.equal(a, b):
+            raise AssertionError(f"{path}: tensors differ (exact=True: values are not bit-equal)")
+        return
+    try:
+        torch.testing.assert_close(a, b, rtol=_LOOSE, atol=_LOOSE)
+    except AssertionError as error:
+        raise AssertionError(f"{path}: tensors differ beyond rtol=atol={_LOOSE}: {error}") from None
 
 
 def assert_close_loose(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-3, atol: float = 1e-3) -> None:
