@@ -60,8 +60,9 @@ def test_coordinator_print_on_node_master_and_destroy(rank: int, world_size: int
     dist.all_gather_object(outputs, (coordinator.local_rank, printed.getvalue().count("per node")))
     assert sorted(o for o in outputs if o is not None) == [(0, 1), (1, 0)]  # one node, two processes: the first prints
     group = dist.new_group([0, 1])
-    dist.barrier(group=group)
-    coordinator.destroy(group)
+    coordinator.block_all(process_group=group)  # ColossalAI's keyword
+    assert coordinator.is_master(process_group=group) == (rank == 0)
+    coordinator.destroy(process_group=group)
     with pytest.raises(ValueError, match="not registered"):  # torch no longer knows the group
         dist.get_rank(group)
     dist.barrier()  # the default group is untouched

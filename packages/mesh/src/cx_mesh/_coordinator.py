@@ -19,7 +19,8 @@ _R = TypeVar("_R")
 
 
 class DistCoordinator:
-    """Facts about this rank and small coordination patterns over a process group (default: the world)."""
+    """Facts about this rank and small coordination patterns over a process group (default: the world). The group
+    argument is called `process_group`, as in ColossalAI."""
 
     def __init__(self) -> None:
         require_initialized("DistCoordinator")
@@ -39,23 +40,23 @@ class DistCoordinator:
     def local_rank(self) -> int:
         return self._local_rank
 
-    def is_master(self, group: ProcessGroup | None = None) -> bool:
-        """True on the first rank of `group` (rank 0 of the world by default)."""
-        return dist.get_rank(group) == 0
+    def is_master(self, process_group: ProcessGroup | None = None) -> bool:
+        """True on the first rank of `process_group` (rank 0 of the world by default)."""
+        return dist.get_rank(process_group) == 0
 
     def is_node_master(self) -> bool:
         """True on the first process of this node (LOCAL_RANK 0 under torchrun)."""
         return self._local_rank == 0
 
-    def is_last_process(self, group: ProcessGroup | None = None) -> bool:
-        return dist.get_rank(group) == dist.get_world_size(group) - 1
+    def is_last_process(self, process_group: ProcessGroup | None = None) -> bool:
+        return dist.get_rank(process_group) == dist.get_world_size(process_group) - 1
 
-    def block_all(self, group: ProcessGroup | None = None) -> None:
-        """A barrier over `group`."""
-        dist.barrier(group=group)
+    def block_all(self, process_group: ProcessGroup | None = None) -> None:
+        """A barrier over `process_group`."""
+        dist.barrier(group=process_group)
 
-    def print_on_master(self, message: str, group: ProcessGroup | None = None) -> None:
-        if self.is_master(group):
+    def print_on_master(self, message: str, process_group: ProcessGroup | None = None) -> None:
+        if self.is_master(process_group):
             print(message, flush=True)
 
     def print_on_node_master(self, message: str) -> None:
@@ -63,20 +64,20 @@ class DistCoordinator:
         if self.is_node_master():
             print(message, flush=True)
 
-    def destroy(self, group: ProcessGroup | None = None) -> None:
-        """Destroy `group` (the default group, and with it every group, when None): ColossalAI scripts end with
+    def destroy(self, process_group: ProcessGroup | None = None) -> None:
+        """Destroy `process_group` (the default group, and with it every group, when None): ColossalAI scripts end with
         `coordinator.destroy()`. Every rank of the group must call it."""
-        dist.destroy_process_group(group)
+        dist.destroy_process_group(process_group)
 
     def on_master_only(
-        self, group: ProcessGroup | None = None
+        self, process_group: ProcessGroup | None = None
     ) -> Callable[[Callable[_P, _R]], Callable[_P, _R | None]]:
-        """Decorator: run the function on the master of `group` only; other ranks get None."""
+        """Decorator: run the function on the master of `process_group` only; other ranks get None."""
 
         def decorator(function: Callable[_P, _R]) -> Callable[_P, _R | None]:
             @functools.wraps(function)
             def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R | None:
-                if self.is_master(group):
+                if self.is_master(process_group):
                     return function(*args, **kwargs)
                 return None
 
@@ -85,14 +86,14 @@ class DistCoordinator:
         return decorator
 
     @contextlib.contextmanager
-    def priority_execution(self, executor_rank: int = 0, group: ProcessGroup | None = None) -> Iterator[bool]:
+    def priority_execution(self, executor_rank: int = 0, process_group: ProcessGroup | None = None) -> Iterator[bool]:
         """The executor rank runs the block first, the others after it (e.g. download once, then read).
 
-        Yields True on the executor rank. Ranks are ranks within `group`.
+        Yields True on the executor rank. Ranks are ranks within `process_group`.
         """
-        is_executor = dist.get_rank(group) == executor_rank
+        is_executor = dist.get_rank(process_group) == executor_rank
         if not is_executor:
-            dist.barrier(group=group)
+            dist.barrier(group=process_group)
         yield is_executor
         if is_executor:
-            dist.barrier(group=group)
+            dist.barrier(group=process_group)
