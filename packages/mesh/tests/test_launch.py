@@ -94,8 +94,8 @@ def test_launch_explicit_rendezvous() -> None:
 
 def _launch_with_nccl_on_cpu(rank: int, world_size: int, port: int) -> None:
     # ColossalAI scripts pass backend="nccl": without CUDA it falls back to gloo with a warning instead of failing
-    with pytest.warns(UserWarning, match="backend 'nccl' needs CUDA"):
-        launch(rank, world_size, "127.0.0.1", port, backend="nccl", timeout=timedelta(seconds=60), verbose=True)
+    with pytest.warns(UserWarning, match="backend 'nccl' needs CUDA"):  # ColossalAI's positional order
+        launch(rank, world_size, "127.0.0.1", port, "nccl", None, 1024, True, timeout=timedelta(seconds=60))
     assert dist.get_backend() == "gloo"
     dist.barrier()
 

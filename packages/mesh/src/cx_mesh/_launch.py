@@ -35,12 +35,12 @@ def launch(
     world_size: int,
     host: str,
     port: int,
-    *,
-    local_rank: int | None = None,
     backend: str | None = None,
+    local_rank: int | None = None,
     seed: int = 1024,
-    timeout: timedelta = DEFAULT_TIMEOUT,
     verbose: bool = False,
+    *,
+    timeout: timedelta = DEFAULT_TIMEOUT,
 ) -> None:
     """Join the job as `rank` of `world_size`, rendezvousing at tcp://host:port (rank 0 hosts the store).
 
@@ -88,7 +88,7 @@ def _runnable_backend(requested: str | None, fallback: str) -> str:
 
 
 def launch_from_torch(
-    *, backend: str | None = None, seed: int = 1024, timeout: timedelta = DEFAULT_TIMEOUT, verbose: bool = False
+    backend: str | None = None, seed: int = 1024, verbose: bool = False, *, timeout: timedelta = DEFAULT_TIMEOUT
 ) -> None:
     """Initialise from the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
     missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
