@@ -15,7 +15,6 @@ from cx_moe import ExpertOptions, MoeLayer, RouterOptions, collect_router_losses
 from cx_zero import LowLevelZeroOptimizer
 
 STEPS = 3
-_MESH: list[ProcessGroupMesh] = []
 
 
 class _Model(nn.Module):
@@ -50,9 +49,7 @@ def _loss(model: _Model, rank: int, step: int) -> torch.Tensor:
 @distributed(world_size=4)
 @pytest.mark.parametrize("partition_grad", [False, True])
 def test_expert_parallel_model_trains_under_low_level_zero(rank: int, world_size: int, partition_grad: bool) -> None:
-    if not _MESH:
-        _MESH.append(ProcessGroupMesh(2, 2, axis_names=("moe_dp", "ep")))
-    mesh = _MESH[0]
+    mesh = ProcessGroupMesh(2, 2, axis_names=("moe_dp", "ep"))
     ep_group, moe_dp = mesh.get_group_along_axis("ep"), mesh.get_group_along_axis("moe_dp")
     torch.manual_seed(0)
     model = _Model(ep_group, moe_dp)

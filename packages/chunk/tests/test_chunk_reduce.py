@@ -10,7 +10,7 @@ import torch.distributed as dist
 from _chunk_helpers import assert_accounted
 from cx_chunk import Chunk, ChunkConfig, ChunkError, ChunkManager, TensorState
 from cx_mesh import ProcessGroupMesh
-from cx_mesh.testing import distributed
+from cx_mesh.testing import PerTestCache, distributed
 
 SHAPES = [(5, 3), (9,), (4, 4), (1,)]
 TOLERANCE = {torch.float32: (1e-6, 1e-6), torch.bfloat16: (2e-2, 2e-2), torch.float64: (1e-12, 1e-12)}
@@ -78,7 +78,7 @@ def test_chunk_keep_gathered_reduce_all_reduces(rank: int, world_size: int) -> N
         offset += tensor.numel()
 
 
-_MESHES: dict[int, ProcessGroupMesh] = {}
+_MESHES: PerTestCache[int, ProcessGroupMesh] = PerTestCache()
 
 
 @distributed(world_size=4)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cx_mesh.testing import DistributedTestFailure, distributed, run_distributed, spawn
+from cx_mesh.testing import DistributedTestFailure, PerTestCache, distributed, run_distributed, spawn
 
 
 def _sum_ranks(rank: int, world_size: int, out: str) -> None:
@@ -174,4 +174,21 @@ def _expect_only_the_world_group(rank: int, world_size: int) -> None:
 def test_harness_pool_destroys_the_groups_a_test_created() -> None:
     """Idle gloo groups keep native threads polling: a pooled rank destroys each test's groups when it ends."""
     for function in (_create_groups, _expect_only_the_world_group, _expect_only_the_world_group):
+        run_distributed(function, 2, timeout=30)
+
+
+_SHARED: PerTestCache[str, object] = PerTestCache()
+
+
+def _fill_the_cache(rank: int, world_size: int) -> None:
+    _SHARED["group"] = dist.new_group([0, 1])
+    assert _SHARED["group"] is _SHARED.get("group")
+
+
+def _expect_an_empty_cache(rank: int, world_size: int) -> None:
+    assert not _SHARED, "a PerTestCache is emptied when the test that filled it ends"
+
+
+def test_harness_per_test_cache_is_emptied_between_tests() -> None:
+    for function in (_fill_the_cache, _expect_an_empty_cache):
         run_distributed(function, 2, timeout=30)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from cx_mesh import ProcessGroupMesh, all_gather_flat, reduce_scatter_flat, reduce_scatter_scratch_numel
-from cx_mesh.testing import distributed
+from cx_mesh.testing import PerTestCache, distributed
 
 
 def _rank_tensor(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -36,7 +36,7 @@ def test_mesh_reduce_scatter_flat_sums_each_slice(
     assert reduce_scatter_scratch_numel(numel) == expected_scratch
 
 
-_MESHES: dict[int, ProcessGroupMesh] = {}
+_MESHES: PerTestCache[int, ProcessGroupMesh] = PerTestCache()
 
 
 @distributed(world_size=4)

@@ -1,4 +1,4 @@
-"""Shared pieces of the cx-moe tests: cached expert/moe-dp groups, per-rank data, forced routing, and the
+"""Shared pieces of the cx-moe tests: per-test expert/moe-dp groups, per-rank data, forced routing, and the
 data-parallel reduction every rank applies before comparing with the single-process reference."""
 
 from __future__ import annotations
@@ -10,16 +10,17 @@ import torch.distributed as dist
 from torch import nn
 
 from cx_mesh import ProcessGroupMesh
+from cx_mesh.testing import PerTestCache
 from cx_moe import get_moe_dp_group, is_moe_tensor
 
-_MESHES: dict[tuple[int, int], ProcessGroupMesh] = {}
+_MESHES: PerTestCache[tuple[int, int], ProcessGroupMesh] = PerTestCache()
 HIDDEN = 16
 INTER = 8
 FP32: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def groups(ep_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(ep_group, moe_dp_group) of a (moe_dp, ep) mesh over the world (cached per worker process)."""
+    """(ep_group, moe_dp_group) of a (moe_dp, ep) mesh over the world (shared by the calls of one test)."""
     world = dist.get_world_size()
     key = (world // ep_size, ep_size)
     if key not in _MESHES:

@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from cx_mesh import RankMismatchError
-from cx_mesh.testing import distributed
+from cx_mesh.testing import PerTestCache, distributed
 from cx_moe import ExpertOptions, MoeLayer, RouterOptions
 from moe_test_helpers import groups, world
 
@@ -31,7 +31,7 @@ def test_moe_layer_layout_errors(rank: int, world_size: int) -> None:
         RouterOptions(4, 5)
 
 
-_FOREIGN: dict[int, dist.ProcessGroup] = {}
+_FOREIGN: PerTestCache[int, dist.ProcessGroup] = PerTestCache()
 
 
 def _foreign_group(rank: int) -> dist.ProcessGroup:

@@ -151,14 +151,10 @@ def test_zero_gemini_state_optimizer_checkpoint_protocols(rank: int, world_size:
     assert meta.state["wte.weight"]["exp_avg"] == {"tensor": "state.wte.weight.exp_avg"}
 
 
-_SINGLE: list[object] = []
-
-
 @distributed(world_size=2)
 def test_zero_gemini_state_checkpoint_loads_at_another_world_size(rank: int, world_size: int, tmp_path: Path) -> None:
     """Saved sharded over 2 ranks, loaded by a Gemini model sharded over 1 rank (and vice versa): same tensors."""
-    if not _SINGLE:
-        _SINGLE.extend(dist.new_group([r]) for r in range(world_size))
+    singles = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
     ddp, optimizer = _build(0)
     _step(rank, world_size, ddp, optimizer, 0)
     write_sharded(tmp_path / "two", iter_source(ddp, 4096), size_per_shard=0.004, group=dist.group.WORLD)
@@ -166,7 +162,7 @@ def test_zero_gemini_state_checkpoint_loads_at_another_world_size(rank: int, wor
         make_gpt(4),
         chunk_config_dict={"chunk_size": 1000},
         mixed_precision=torch.bfloat16,
-        zero_group=_SINGLE[rank],  # type: ignore[arg-type]
+        zero_group=singles[rank],
     )
     load_into(CheckpointReader.open(tmp_path / "two"), single)
     want = ddp.state_dict(only_rank_0=False)

@@ -16,9 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from cx_mesh import ProcessGroupMesh
+from cx_mesh.testing import PerTestCache
 
 IN, HIDDEN, OUT = 7, 13, 5
-_MESHES: dict[int, ProcessGroupMesh] = {}
+_MESHES: PerTestCache[int, ProcessGroupMesh] = PerTestCache()
 _M = TypeVar("_M", bound=nn.Module)
 
 
@@ -179,7 +180,7 @@ def clone_model(model: _M, dtype: torch.dtype | None = None) -> _M:
 
 
 def mesh_2x2() -> ProcessGroupMesh:
-    """One cached 2x2 mesh per worker process (its groups are created once per pool)."""
+    """One 2x2 mesh per test (shared by its calls; the harness destroys its groups when the test ends)."""
     if 4 not in _MESHES:
         assert dist.get_world_size() == 4
         _MESHES[4] = ProcessGroupMesh(2, 2, axis_names=("a", "b"))

@@ -13,6 +13,7 @@ from cx_mesh.testing._colossalai import (
     parameterize,
     rerun_if_address_is_in_use,
 )
+from cx_mesh.testing._per_test import PerTestCache
 from cx_mesh.testing._pool import shutdown_pools
 from cx_mesh.testing._processes import DistributedTestFailure
 from cx_mesh.testing._pytest import distributed
@@ -21,6 +22,7 @@ from cx_mesh.testing._spawn import DEFAULT_TIMEOUT_SECONDS, run_distributed, spa
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "DistributedTestFailure",
+    "PerTestCache",
     "assert_close_loose",
     "check_state_dict_equal",
     "clear_cache_before_run",

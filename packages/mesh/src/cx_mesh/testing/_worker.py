@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore  # public as dist.FileStore; its stub does not declare it
 
 from cx_mesh import set_accelerator
+from cx_mesh.testing._per_test import clear_per_test_caches
 
 __all__ = ["FunctionRef", "Outcome", "Task", "pool_worker_main", "single_worker_main"]
 
@@ -195,6 +196,7 @@ def pool_worker_main(
         kept = _live_groups()
         outcome = _run(task, rank, world_size)
         report.send(outcome)
+        clear_per_test_caches()
         if outcome.ok:  # a failed task discards the whole pool
             _release_groups(kept)
     try:
