@@ -192,3 +192,22 @@ def _expect_an_empty_cache(rank: int, world_size: int) -> None:
 def test_harness_per_test_cache_is_emptied_between_tests() -> None:
     for function in (_fill_the_cache, _expect_an_empty_cache):
         run_distributed(function, 2, timeout=30)
+
+
+def _group_of_ranks_zero_and_one(rank: int, world_size: int) -> None:
+    dist.all_reduce(torch.ones(1), group=dist.new_group([0, 1]))  # only ranks 0 and 1 hold a group afterwards
+
+
+def _ordered_by_a_world_barrier(rank: int, world_size: int, out: str) -> None:
+    if rank == 0:
+        time.sleep(0.5)
+        Path(out, "written").write_text("yes")
+    dist.barrier()
+    assert Path(out, "written").exists(), "the barrier let this rank through before rank 0 reached it"
+
+
+def test_harness_clean_up_keeps_ranks_in_step(tmp_path: Path) -> None:
+    """Ranks outside a test's only group hold nothing to destroy; they must still join the clean-up barrier, or the
+    next test's first collective pairs with it."""
+    run_distributed(_group_of_ranks_zero_and_one, 4, timeout=30)
+    run_distributed(_ordered_by_a_world_barrier, 4, timeout=30, out=str(tmp_path))

@@ -127,9 +127,9 @@ def _release_groups(kept: list[Any]) -> None:
     a pooled rank accumulates hundreds over a suite."""
     before = set(map(id, kept))
     created = [group for group in _live_groups() if id(group) not in before]
-    if not created:
-        return
-    dist.barrier()  # no rank may still be using a group another destroys
+    # On every rank, even one that created nothing: a rank outside a group does not hold it, and a barrier only some
+    # ranks entered would pair with the next test's first collective on the others.
+    dist.barrier()  # and no rank may still be using a group another destroys
     for group in created:
         dist.destroy_process_group(group)
 
