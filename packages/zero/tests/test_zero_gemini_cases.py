@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cx_mesh.testing import distributed
 from cx_zero.gemini import GeminiDDP, GeminiOptimizer, PathMismatchError
-from zero_gemini_helpers import GPT, Reference, assert_state_close, batch, lm_loss, local, make_gpt
+from zero_gemini_helpers import GPT, Reference, assert_state_close, batch, lm_loss, local, make_gpt, train_step
 
 RTOL, ATOL = 1e-5, 1e-6
 CONFIGS = [None, {"chunk_size": 2048}]  # one replicated chunk (small model) / several sharded chunks
@@ -156,10 +156,7 @@ def test_zero_gemini_cases_eval_between_steps(rank: int, world_size: int, max_pr
     optimizer = GeminiOptimizer(_adamw(list(ddp.parameters())), ddp)
     probe, _ = batch(99, 1)
     for step in range(3):
-        x, y = batch(step, world_size)
-        optimizer.zero_grad()
-        optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
-        optimizer.step()
+        train_step(ddp, optimizer, rank, world_size, step)
         reference.step(step)
         got_grad_enabled = ddp(probe)  # a forward with grad enabled whose graph is dropped
         ddp.eval()
@@ -181,10 +178,7 @@ def test_zero_gemini_cases_buffers_in_low_precision(rank: int, world_size: int) 
     ddp = GeminiDDP(_branch_gpt(), chunk_config_dict={"chunk_size": 2048}, mixed_precision=torch.bfloat16)
     optimizer = GeminiOptimizer(_adamw(list(ddp.parameters())), ddp)
     for step in range(2):
-        x, y = batch(step, world_size)
-        optimizer.zero_grad()
-        optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
-        optimizer.step()
+        train_step(ddp, optimizer, rank, world_size, step)
         reference.step(step)
     state = ddp.state_dict(only_rank_0=False)
     assert state["gain"].dtype == torch.float32
@@ -218,10 +212,7 @@ def test_zero_gemini_cases_activation_checkpointing(rank: int, world_size: int, 
     ddp = GeminiDDP(build(), chunk_config_dict=config, mixed_precision=torch.float32)
     optimizer = GeminiOptimizer(_adamw(list(ddp.parameters())), ddp)
     for step in range(3):
-        x, y = batch(step, world_size)
-        optimizer.zero_grad()
-        optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
-        optimizer.step()
+        train_step(ddp, optimizer, rank, world_size, step)
         reference.step(step)
         assert_state_close(ddp.state_dict(only_rank_0=False), reference.state(), RTOL, ATOL, f"step {step}")
     assert not any(c.is_gathered and not c.keep_gathered for c in ddp.manager.chunks())

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from cx_mesh.testing import distributed
 from cx_zero import HybridAdam
 from cx_zero.gemini import GeminiDDP, GeminiOptimizer
-from zero_gemini_helpers import Reference, assert_state_close, batch, lm_loss, local, make_gpt
+from zero_gemini_helpers import Reference, assert_state_close, batch, lm_loss, local, make_gpt, train_step
 
 RTOL, ATOL = 1e-5, 1e-6
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -38,10 +38,7 @@ def _train(
     ddp = GeminiDDP(make_gpt(), mixed_precision=torch.float32, **ddp_kwargs)  # type: ignore[arg-type]
     optimizer = GeminiOptimizer(make(list(ddp.parameters())), ddp, **optim_kwargs)  # type: ignore[arg-type]
     for step in range(steps):
-        x, y = batch(step, world_size)
-        optimizer.zero_grad()
-        optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
-        optimizer.step()
+        train_step(ddp, optimizer, rank, world_size, step)
         reference.step(step)
         assert_state_close(ddp.state_dict(only_rank_0=False), reference.state(), RTOL, ATOL, f"step {step}")
         if reference.last_norm is not None:
@@ -166,10 +163,7 @@ def test_zero_gemini_optimizer_lr_scheduler_and_param_groups(rank: int, world_si
     optimizer = GeminiOptimizer(inner, ddp)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer.optim, step_size=1, gamma=0.5)
     for step in range(3):
-        x, y = batch(step, world_size)
-        optimizer.zero_grad()
-        optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
-        optimizer.step()
+        train_step(ddp, optimizer, rank, world_size, step)
         scheduler.step()
         reference.step(step)
         ref_scheduler.step()

@@ -12,7 +12,7 @@ from cx_chunk import AutoPlacementPolicy, MemStats, Residence
 from cx_mesh import get_accelerator
 from cx_mesh.testing import distributed
 from cx_zero.gemini import GeminiDDP, GeminiOptimizer
-from zero_gemini_helpers import GPT, Reference, assert_state_close, batch, lm_loss, local, make_gpt
+from zero_gemini_helpers import GPT, Reference, assert_state_close, batch, lm_loss, local, make_gpt, train_step
 
 RTOL, ATOL = 1e-5, 1e-6
 CHUNK = {"chunk_size": 2048}
@@ -35,10 +35,7 @@ def _train(
     optimizer = GeminiOptimizer(_adamw(list(ddp.parameters())), ddp, gpu_margin_mem_ratio=gpu_margin_mem_ratio)
     ddp.test_optimizer = optimizer  # type: ignore[assignment]
     for step in range(steps):
-        x, y = batch(step, world_size)
-        optimizer.zero_grad()
-        optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
-        optimizer.step()
+        train_step(ddp, optimizer, rank, world_size, step)
         reference.step(step)
         if dtype == torch.float32:
             assert_state_close(ddp.state_dict(only_rank_0=False), reference.state(), RTOL, ATOL, f"step {step}")

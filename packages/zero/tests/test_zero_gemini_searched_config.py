@@ -11,7 +11,7 @@ from torch import nn
 from cx_chunk import search_chunk_configuration
 from cx_mesh.testing import distributed
 from cx_zero.gemini import GeminiDDP, GeminiOptimizer
-from zero_gemini_helpers import Reference, assert_state_close, batch, lm_loss, local, make_gpt
+from zero_gemini_helpers import Reference, assert_state_close, make_gpt, train_step
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -33,9 +33,6 @@ def test_zero_gemini_from_colossalai_search_snippet(rank: int, world_size: int) 
     assert {c.chunk_size for c in ddp.manager.chunks()} >= {5000}
     optimizer = GeminiOptimizer(_adamw(list(ddp.parameters())), ddp)
     for step in range(2):
-        x, y = batch(step, world_size)
-        optimizer.zero_grad()
-        optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
-        optimizer.step()
+        train_step(ddp, optimizer, rank, world_size, step)
         reference.step(step)
         assert_state_close(ddp.state_dict(only_rank_0=False), reference.state(), RTOL, ATOL, f"step {step}")

@@ -20,7 +20,7 @@ from cx_checkpoint import (
 )
 from cx_mesh.testing import distributed
 from cx_zero.gemini import GeminiDDP, GeminiOptimizer
-from zero_gemini_helpers import Reference, assert_state_close, batch, lm_loss, local, make_gpt
+from zero_gemini_helpers import Reference, assert_state_close, batch, lm_loss, local, make_gpt, train_step
 
 CHUNK = {"chunk_size": 2048}
 
@@ -35,10 +35,7 @@ def _build(seed: int, dtype: torch.dtype = torch.float32) -> tuple[GeminiDDP, Ge
 
 
 def _step(rank: int, world_size: int, ddp: GeminiDDP, optimizer: GeminiOptimizer, step: int) -> None:
-    x, y = batch(step, world_size)
-    optimizer.zero_grad()
-    optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
-    optimizer.step()
+    train_step(ddp, optimizer, rank, world_size, step)
 
 
 @distributed(world_size=(1, 2))

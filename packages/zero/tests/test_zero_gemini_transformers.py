@@ -11,7 +11,7 @@ from torch import nn
 
 from cx_mesh.testing import distributed
 from cx_zero.gemini import GeminiDDP, GeminiOptimizer
-from zero_gemini_helpers import VOCAB, Reference, assert_state_close, batch, lm_loss, local
+from zero_gemini_helpers import VOCAB, Reference, assert_state_close, train_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,9 +66,6 @@ def test_zero_gemini_transformers_match_reference(rank: int, world_size: int, ki
     ddp = GeminiDDP(_hf(kind), chunk_config_dict={"chunk_size": 1024}, mixed_precision=torch.float32)
     optimizer = GeminiOptimizer(_adamw(list(ddp.parameters())), ddp)
     for step in range(3):
-        x, y = batch(step, world_size)
-        optimizer.zero_grad()
-        optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
-        optimizer.step()
+        train_step(ddp, optimizer, rank, world_size, step)
         reference.step(step)
         assert_state_close(ddp.state_dict(only_rank_0=False), reference.state(), 1e-5, 1e-6, f"{kind} step {step}")

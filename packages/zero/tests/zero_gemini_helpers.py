@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,22 @@ def local(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class GeminiStepper(Protocol):
+    """What `train_step` needs of a Gemini optimizer (cx_zero.gemini.GeminiOptimizer)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def train_step(ddp: nn.Module, optimizer: GeminiStepper, rank: int, world_size: int, step: int) -> None:
+    """One Gemini step on this rank's rows of the step's batch (the Reference trains on the whole batch)."""
+    x, y = batch(step, world_size)
+    optimizer.zero_grad()
+    optimizer.backward(lm_loss(ddp(local(x, rank, world_size)), local(y, rank, world_size)))
+    optimizer.step()
 
 
 class Reference:
