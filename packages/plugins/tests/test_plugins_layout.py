@@ -24,6 +24,11 @@ def test_resolve_sizes_errors_name_the_sizes_that_would_work() -> None:
         resolve_sizes([(Axis.DP, FILL), (Axis.PP, 3), (Axis.TP, 2)], 8)
     with pytest.raises(LayoutError, match=r"not equal to ep\*tp = 2\*2 = 4; ep_size can be 1 \(with tp_size=2\)"):
         resolve_sizes([(Axis.EP, 2), (Axis.TP, 2)], 2)
+    # the largest axis (tp 4) cannot fit whatever its size (3 does not divide 8): the next one is sized instead
+    with pytest.raises(LayoutError, match=r"; pp_size can be 1 or 2 \(with tp_size=4\)$"):
+        resolve_sizes([(Axis.DP, FILL), (Axis.PP, 3), (Axis.TP, 4)], 8)
+    with pytest.raises(LayoutError, match=r"not divisible by ep\*tp = 4\*4 = 16; launch a multiple of 16 processes$"):
+        resolve_sizes([(Axis.DP, FILL), (Axis.EP, 4), (Axis.TP, 4)], 6)
     with pytest.raises(LayoutError, match="tp_size must be a positive integer, got 0"):
         resolve_sizes([(Axis.DP, FILL), (Axis.TP, 0)], 8)
     with pytest.raises(LayoutError, match="at most one axis size can be inferred"):

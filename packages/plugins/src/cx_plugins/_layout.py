@@ -152,8 +152,8 @@ def _explain(fixed: Sequence[tuple[Axis, int]], world: int, exact: bool) -> str:
     else:
         names, values = "*".join(a.value for a, _ in shown), "*".join(str(s) for _, s in shown)
         message = f"the world size {world} is not {relation} {names} = {values} = {product}"
-    if shown:
-        axis = max(shown, key=lambda item: item[1])[0]
+    # suggest sizes for the largest axis whose partners divide the world; failing that, the world sizes that fit
+    for axis, _ in sorted(shown, key=lambda item: -item[1]):
         others = [(a, s) for a, s in shown if a is not axis]
         rest = math.prod(s for _, s in others)
         if world % rest == 0:
@@ -161,5 +161,5 @@ def _explain(fixed: Sequence[tuple[Axis, int]], world: int, exact: bool) -> str:
             options = [d for d in range(1, left + 1) if left % d == 0 and (not exact or d == left)]
             listed = ", ".join(str(d) for d in options[:-1]) + (" or " if len(options) > 1 else "") + str(options[-1])
             context = f" (with {', '.join(f'{a.value}_size={s}' for a, s in others)})" if others else ""
-            message += f"; {axis.value}_size can be {listed}{context}"
-    return message
+            return message + f"; {axis.value}_size can be {listed}{context}"
+    return message + (f"; launch {product} processes" if exact else f"; launch a multiple of {product} processes")
