@@ -173,7 +173,7 @@ def test_checkpoint_file_names() -> None:
         file_names(CheckpointKind.OPTIMIZER, FileFormat.BIN)
     with pytest.raises(ValueError, match=r"outside 1\.\.3"):
         model.shard(4, 3)
-    with pytest.raises(ValueError, match="plain, non-empty"):
+    with pytest.raises(ValueError, match="plain file-name prefix"):
         file_names(CheckpointKind.MODEL, FileFormat.SAFETENSORS, prefix="../x")
 
 

@@ -133,7 +133,7 @@ class CheckpointIO(ABC):
             if path.is_dir() or path.name.endswith(".index.json"):
                 self.load_sharded_optimizer(optimizer, path, prefix)
                 return
-            if prefix is not None:
+            if prefix:
                 raise ValueError(
                     "prefix selects files inside a sharded optimizer checkpoint directory; got a single file"
                 )

@@ -1,7 +1,8 @@
 """File names of the cx layout, identical to Hugging Face's: `model-00001-of-00003.safetensors` and friends.
 
 A checkpoint kind (model or optimizer) and a file format (safetensors or legacy bin) give a stem and an extension;
-an optional prefix is prepended as `<prefix>-<stem>`. Unsharded files are `<stem><ext>`, shards
+an optional prefix is prepended as `<prefix>-<stem>` (an empty prefix is no prefix, as in ColossalAI's `add_prefix`,
+so `prefix=""` and `prefix=None` name the same files). Unsharded files are `<stem><ext>`, shards
 `<stem>-<i:05d>-of-<n:05d><ext>`, the index `<stem><ext>.index.json`.
 """
 
@@ -77,7 +78,7 @@ class FileNames:
 
 
 def file_names(kind: CheckpointKind, file_format: FileFormat, prefix: str | None = None) -> FileNames:
-    """The file names for `kind` stored as `file_format`, optionally prefixed (`<prefix>-model-...`)."""
+    """The file names for `kind` stored as `file_format`, optionally prefixed (`<prefix>-model-...`; "" is none)."""
     try:
         stem, extension = _STEMS[(kind, file_format)]
     except KeyError:
@@ -85,8 +86,8 @@ def file_names(kind: CheckpointKind, file_format: FileFormat, prefix: str | None
             f"{kind.value} checkpoints cannot be stored as {file_format.value}: cx optimizer state is safetensors "
             "plus JSON only (no pickle)"
         ) from None
-    if prefix is not None:
-        if not prefix or "/" in prefix or prefix.startswith("."):
-            raise ValueError(f"prefix must be a plain, non-empty file-name prefix, got {prefix!r}")
+    if prefix:
+        if "/" in prefix or prefix.startswith("."):
+            raise ValueError(f"prefix must be a plain file-name prefix (no '/', no leading '.'), got {prefix!r}")
         stem = f"{prefix}-{stem}"
     return FileNames(stem, extension)

@@ -43,7 +43,9 @@ from cx_checkpoint._errors import (
 )
 from cx_checkpoint._files import (
     DATA_CHECKSUM_KEY,
+    HEADER_CHECKSUM_KEY,
     SafetensorsHeader,
+    header_checksum,
     load_bin,
     read_safetensors_header,
     sniff_format,
@@ -114,7 +116,7 @@ class CheckpointReader:
         specs: dict[str, TensorSpec],
         index_path: Path | None,
         bin_contents: dict[str, dict[str, torch.Tensor]],
-        side_texts: dict[str, str],
+        side_files: dict[str, bytes],
         checksums: dict[str, str] | None = None,
     ) -> None:
         self.path = path
@@ -124,7 +126,7 @@ class CheckpointReader:
         self._locations = locations
         self._specs = specs
         self._bin = bin_contents
-        self._side_texts = side_texts
+        self._side_files = side_files
         self._checksums = dict(checksums or {})
 
     # ---- opening -------------------------------------------------------------------------------------------------
@@ -146,7 +148,7 @@ class CheckpointReader:
         check = VERIFY_BY_DEFAULT.get() if verify is None else verify
         for _ in range(_OPEN_ATTEMPTS):
             try:
-                reader = cls._open_once(path, kind, prefix)
+                reader = cls._open_once(path, kind, prefix or None)  # "" is no prefix, as in ColossalAI
             except _Replaced:
                 continue
             try:
@@ -295,8 +297,8 @@ class CheckpointReader:
                     f"{index_path}: metadata.total_size is {index.total_size} bytes but the shards hold "
                     f"{held_bytes} bytes"
                 )
-            side_texts = cls._side_texts_of(directory_path, directory, index_name, index_path, kind)
-            if kind is CheckpointKind.OPTIMIZER and not side_texts and _replaced(directory_path, directory):
+            side_files = cls._side_files_of(directory_path, directory, index_name, index, kind)
+            if kind is CheckpointKind.OPTIMIZER and not side_files and _replaced(directory_path, directory):
                 # the description was deleted with the old save between opening the shards and reading it
                 raise _Replaced()
             return cls(
@@ -307,7 +309,7 @@ class CheckpointReader:
                 specs,
                 index_path,
                 bin_contents,
-                side_texts,
+                side_files,
                 index.checksums,
             )
         except (MissingShardError, CheckpointNotFoundError):
@@ -320,20 +322,30 @@ class CheckpointReader:
             raise
 
     @staticmethod
-    def _side_texts_of(
-        directory_path: Path, directory: int, index_name: str, index_path: Path, kind: CheckpointKind
-    ) -> dict[str, str]:
-        """Side files that belong to this save and are read with it (the optimizer description)."""
-        if kind is not CheckpointKind.OPTIMIZER:
-            return {}
-        name = index_name.removesuffix(".safetensors.index.json") + ".json"
-        fd = _open_inside(directory_path, directory, name, index_path)
-        if fd is None:
-            return {}
-        try:
-            return {name: _read_all(fd).decode("utf-8", errors="replace")}
-        finally:
-            os.close(fd)
+    def _side_files_of(
+        directory_path: Path, directory: int, index_name: str, index: CheckpointIndexFile, kind: CheckpointKind
+    ) -> dict[str, bytes]:
+        """Side files that belong to this save, read with it from the same directory handle: the optimizer
+        description, and every other file the index records a checksum for (`config.json`, ...), so that `verify`
+        checks exactly the bytes of this save. An absent one is left out here (`verify` reports it as missing)."""
+        names = set(index.checksums) - set(index.file_names())
+        if kind is CheckpointKind.OPTIMIZER:
+            names.add(index_name.removesuffix(".safetensors.index.json") + ".json")
+        found: dict[str, bytes] = {}
+        for name in sorted(names):
+            if not _is_plain_name(name):
+                raise CheckpointIndexError(
+                    f"{directory_path / index_name}: checksum recorded for {name!r}, which is not a plain file name "
+                    "in the checkpoint directory"
+                )
+            fd = _open_inside(directory_path, directory, name, directory_path / index_name)
+            if fd is None:
+                continue
+            try:
+                found[name] = _read_all(fd)
+            finally:
+                os.close(fd)
+        return found
 
     # ---- reading -------------------------------------------------------------------------------------------------
     @property
@@ -354,8 +366,22 @@ class CheckpointReader:
         return dict(opened.header.metadata) if opened is not None and opened.header is not None else {}
 
     def side_text(self, file_name: str) -> str | None:
-        """A side file read with this save (the optimizer description `optimizer.json`), or None if absent."""
-        return self._side_texts.get(file_name)
+        """A side file read with this save (the optimizer description `optimizer.json`, or a file the index records
+        a checksum for), or None if absent."""
+        raw = self._side_files.get(file_name)
+        return None if raw is None else raw.decode("utf-8", errors="replace")
+
+    def side_file_names(self) -> list[str]:
+        """The side files read with this save, sorted."""
+        return sorted(self._side_files)
+
+    def side_bytes(self, file_name: str) -> bytes | None:
+        """The exact bytes of a side file read with this save, or None if absent."""
+        return self._side_files.get(file_name)
+
+    def recorded_checksums(self) -> dict[str, str]:
+        """file name -> checksum recorded in the index at save (shards and side files; empty for a single file)."""
+        return dict(self._checksums)
 
     def read(self, name: str, region: Region | None = None) -> torch.Tensor:
         """Tensor `name` (a CPU tensor), or only `region` of it, read from the file held open."""
@@ -390,6 +416,7 @@ class CheckpointReader:
                         f"{opened.path}: checksum {found} differs from {expected} recorded at save: the file changed "
                         "after it was written (bit rot, a partial copy, or an edit)"
                     )
+            self._verify_side_files(where)
             return
         opened = next(iter(self._files.values()))
         header = opened.header
@@ -405,6 +432,30 @@ class CheckpointReader:
                 f"{opened.path}: checksum {found} of the tensor data differs from {expected} recorded at save: the "
                 "file changed after it was written (bit rot, a partial copy, or an edit)"
             )
+        expected = header.metadata.get(HEADER_CHECKSUM_KEY)  # absent in files written before it was recorded
+        if expected is not None:
+            found_header = header_checksum(_pread_exact(opened.fd, header.data_start - 8, 8))
+            if found_header != expected:
+                raise ChecksumMismatchError(
+                    f"{opened.path}: checksum {found_header} of the header (tensor layout, metadata, optimizer "
+                    f"description) differs from {expected} recorded at save: the file changed after it was written"
+                )
+
+    def _verify_side_files(self, where: Path) -> None:
+        """Side files against the index's checksums: one recorded there must be present and unchanged (indexes
+        written before side files had checksums record none: those are parsed by their loaders only)."""
+        for file_name, expected in sorted(self._checksums.items()):
+            if file_name in self._files:
+                continue
+            raw = self._side_files.get(file_name)
+            if raw is None:
+                raise MissingShardError(f"{where}: {file_name}, recorded with a checksum at save, is missing")
+            found = checksum_of(raw, expected)
+            if found != expected:
+                raise ChecksumMismatchError(
+                    f"{self.path / file_name}: checksum {found} differs from {expected} recorded at save: the file "
+                    "changed after it was written (bit rot, truncation, a partial copy, or an edit)"
+                )
 
     def close(self) -> None:
         _close_all(self._files)
@@ -543,6 +594,10 @@ def _close_all(files: Mapping[str, _OpenFile]) -> None:
             opened.header = None
     if isinstance(files, dict):
         files.clear()
+
+
+def _is_plain_name(name: str) -> bool:
+    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
 
 
 def _check_kind(path: Path, metadata: Mapping[str, str], kind: CheckpointKind) -> None:

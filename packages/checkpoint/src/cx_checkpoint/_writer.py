@@ -28,6 +28,7 @@ from cx_checkpoint._atomic import (
     remove_stale_staging,
     staging_path,
 )
+from cx_checkpoint._checksum import file_checksum
 from cx_checkpoint._errors import CheckpointError, CheckpointPathError
 from cx_checkpoint._files import write_bin, write_safetensors
 from cx_checkpoint._index import CheckpointIndexFile
@@ -136,6 +137,7 @@ def write_sharded(
     is called with the staging directory on rank 0 to add side files (configs, optimizer JSON) before the commit.
     """
     target = Path(directory)
+    prefix = prefix or None  # "" is no prefix (ColossalAI's add_prefix), also for the ranks' agreement below
     names = file_names(kind, file_format, prefix)
     max_bytes = megabytes_to_bytes(size_per_shard)
     metadata = {"format": "pt", "cx_kind": kind.value}
@@ -233,11 +235,20 @@ def _finish(
         for added in sorted(set(os.listdir(staging)) - before):
             if (staging / added).is_file():
                 fsync_file(staging / added)
+                index.checksums[added] = _whole_file_checksum(staging / added)  # side files are verified too
     index.write(staging / names.index)
     fsync_file(staging / names.index)
     _carry_over(target, staging, kind, prefix)
     commit_directory(staging, target)
     return index
+
+
+def _whole_file_checksum(path: Path) -> str:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return file_checksum(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 def _owned_by_kind(file_name: str, kind: CheckpointKind, prefix: str | None) -> bool:
