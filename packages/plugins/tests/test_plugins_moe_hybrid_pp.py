@@ -1,6 +1,6 @@
 """MoeHybridParallelPlugin with pipeline parallelism against single-process fp32 training of tiny HF Mixtral and
 Qwen3-MoE models with the aux loss on: pp 2 alone (ep 1, 2 ranks), ep 2 x pp 2 and moe_dp 2 x pp 2 in both mesh
-orders (4 ranks). The last stage's aux
+orders (4 ranks), tp 2 x pp 2 x ep 2 (8 ranks). The last stage's aux
 loss pools the router logits of every layer of the micro-batch (earlier stages send theirs with the hidden states),
 as transformers' does; experts that no token reaches do not hang the pipeline. Reference semantics in
 moe_hybrid_test_helpers.py."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cx_mesh.testing import distributed
 from cx_plugins import MoeHybridParallelPlugin
@@ -96,3 +97,32 @@ def test_plugins_moe_hybrid_pp_bad_sizes(rank: int, world_size: int) -> None:
         MoeHybridParallelPlugin(tp_size=1, pp_size=3, ep_size=1, num_microbatches=2)
     with pytest.raises(ValueError, match="needs num_microbatches or microbatch_size"):
         MoeHybridParallelPlugin(tp_size=1, pp_size=2, ep_size=1)
+
+
+@distributed(world_size=8, timeout=300)
+@pytest.mark.parametrize(("zero_stage", "clip"), [(0, 0.05), (1, 0.0)])
+def test_plugins_moe_hybrid_tp2_pp2_ep2(rank: int, world_size: int, zero_stage: int, clip: float) -> None:
+    """tp 2 x pp 2 x ep 2 on eight ranks, five steps: attention split over each tp pair, experts over each ep pair,
+    the two stages exchanging tp-replicated hidden states and router logits. The mesh is (moe_dp 1, pp, ep, tp, sp 1),
+    so rank = 4 pp + 2 ep + tp; dense parameters are averaged over the ep pair (dp = moe_dp x ep), expert slices over
+    moe_dp (this rank alone)."""
+    plugin = MoeHybridParallelPlugin(
+        tp_size=2, pp_size=2, ep_size=2, precision="fp32", zero_stage=zero_stage, num_microbatches=2
+    )
+    assert (plugin.tp_size, plugin.pp_size, plugin.ep_size, plugin.moe_dp_size, plugin.dp_size) == (2, 2, 2, 1, 2)
+    pp, ep, tp = rank // 4, rank // 2 % 2, rank % 2
+    groups = {
+        Axis.TP: [4 * pp + 2 * ep + t for t in range(2)],
+        Axis.EP: [4 * pp + 2 * e + tp for e in range(2)],
+        Axis.PP: [4 * p + 2 * ep + tp for p in range(2)],
+        Axis.MOE_DP: [rank],
+    }
+    for axis, ranks in groups.items():
+        assert plugin.layout.ranks(axis) == ranks, axis
+    assert dist.get_process_group_ranks(plugin.tp_group) == groups[Axis.TP]
+    assert dist.get_process_group_ranks(plugin.ep_group) == groups[Axis.EP]
+    assert dist.get_process_group_ranks(plugin.pp_group) == groups[Axis.PP]
+    assert dist.get_process_group_ranks(plugin.dp_group) == groups[Axis.EP]  # moe_dp x ep with moe_dp 1
+    assert dist.get_process_group_ranks(plugin.moe_dp_group) == [rank]
+    assert plugin.data_parallel_rank_and_size() == (ep, 2)  # the ep pair sees different rows, the tp pair the same
+    train_and_compare(plugin, clip=clip, steps=5)
