@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -57,6 +58,19 @@ def test_launch_from_torch_under_torchrun(tmp_path: Path) -> None:
     for local_rank, (world, total, backend, _seeded, local) in enumerate(reports):
         assert (int(world), float(total), backend, int(local)) == (2, 1.0, "gloo", local_rank)
     assert reports[0][3] == reports[1][3], "ranks must be seeded alike"
+    # ColossalAI's defaults: backend "nccl" runs the accelerator's (gloo here, silently: no fallback warning) and
+    # verbose=True logs the initialized line, on rank 0 only
+    assert result.stderr.count("Distributed environment is initialized, world size: 2") == 1, result.stderr[-3000:]
+    assert "needs CUDA" not in result.stderr
+
+
+def test_launch_defaults_follow_colossalai() -> None:
+    for function in (launch, launch_from_torch):
+        parameters = inspect.signature(function).parameters
+        assert parameters["verbose"].default is True, function.__name__
+        assert parameters["seed"].default == 1024, function.__name__
+        assert parameters["backend"].default is None, function.__name__  # the accelerator's: NCCL on CUDA, else gloo
+    assert list(inspect.signature(launch_from_torch).parameters)[:3] == ["backend", "seed", "verbose"]
 
 
 def test_launch_from_torch_without_environment(monkeypatch: pytest.MonkeyPatch) -> None:

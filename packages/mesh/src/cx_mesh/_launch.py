@@ -2,6 +2,8 @@
 
 The backend follows the accelerator (NCCL on CUDA, gloo on CPU) unless given; every rank seeds torch and Python's
 `random` identically so that model initialisation agrees across ranks; the collective timeout is configurable.
+Defaults match ColossalAI's: its `backend="nccl"` default runs the accelerator's backend (here `None`: NCCL on
+CUDA, gloo without), and `verbose=True` logs "Distributed environment is initialized, world size: N" on rank 0.
 """
 
 from __future__ import annotations
@@ -38,14 +40,16 @@ def launch(
     backend: str | None = None,
     local_rank: int | None = None,
     seed: int = 1024,
-    verbose: bool = False,
+    verbose: bool = True,
     *,
     timeout: timedelta = DEFAULT_TIMEOUT,
 ) -> None:
     """Join the job as `rank` of `world_size`, rendezvousing at tcp://host:port (rank 0 hosts the store).
 
-    A backend this machine cannot run (NCCL without CUDA) falls back to the accelerator's with a warning, as
-    ColossalAI does, so scripts that hard-code `backend="nccl"` run on CPU; `verbose` logs the launch on rank 0.
+    `backend=None` is the accelerator's (NCCL on CUDA, gloo without), which is what ColossalAI's default `"nccl"`
+    runs. A backend this machine cannot run (NCCL without CUDA) falls back to the accelerator's with a warning, so
+    scripts that hard-code `backend="nccl"` run on CPU. `verbose` (on by default, as in ColossalAI) logs
+    ColossalAI's "Distributed environment is initialized" line on rank 0.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -71,9 +75,11 @@ def launch(
     )
     set_collective_timeout(timeout)  # every group cx creates later uses it too (torch's new_group would not)
     set_seed(seed)
-    if verbose and rank == 0:
+    if verbose:
         get_dist_logger().info(
-            f"launched {world_size} rank(s) with backend {chosen_backend} on {accelerator.name}, seed {seed}"
+            f"Distributed environment is initialized, world size: {world_size} "
+            f"(backend {chosen_backend} on {accelerator.name}, seed {seed})",
+            ranks=[0],
         )
 
 
@@ -88,9 +94,11 @@ def _runnable_backend(requested: str | None, fallback: str) -> str:
 
 
 def launch_from_torch(
-    backend: str | None = None, seed: int = 1024, verbose: bool = False, *, timeout: timedelta = DEFAULT_TIMEOUT
+    backend: str | None = None, seed: int = 1024, verbose: bool = True, *, timeout: timedelta = DEFAULT_TIMEOUT
 ) -> None:
-    """Initialise from the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
+    """Initialise from the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+
+    ColossalAI's positional order and defaults (see `launch`): `verbose=True` logs the initialized line on rank 0."""
     missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
         raise RuntimeError(
