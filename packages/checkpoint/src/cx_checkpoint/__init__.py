@@ -7,6 +7,8 @@
   `CheckpointReader` + `load_into` read lazily, only the regions each sink owns.
 - `DTensorModuleSink` / `local_region`: loading into DTensor parameters, each rank reading only its shard's region.
 - Optimizer state keyed by parameter name: `OptimizerMeta`, `optimizer_tensor_name`, `attach_param_names`.
+- Checksums: `verify_checkpoints` (and `cx-checkpoint-verify`); `record_checksums` for a caller's own files beside
+  its checkpoints (a trainer's state JSON), listed in a `CHECKSUMS_FILE` manifest that verification checks too.
 - `CheckpointError` and its subclasses for every problem found on load.
 The file format is specified in docs/checkpoint.md.
 """
@@ -33,6 +35,7 @@ from cx_checkpoint._general import GeneralCheckpointIO, read_optimizer_meta
 from cx_checkpoint._hf_config import hf_side_files, write_side_files
 from cx_checkpoint._index import CheckpointIndexFile
 from cx_checkpoint._loading import LoadResult, load_into
+from cx_checkpoint._manifest import CHECKSUMS_FILE, record_checksums
 from cx_checkpoint._module import ModuleSink, ModuleSource
 from cx_checkpoint._naming import CheckpointKind, FileFormat, FileNames, file_names
 from cx_checkpoint._optimizer import (
@@ -40,6 +43,7 @@ from cx_checkpoint._optimizer import (
     OptimizerMeta,
     ParamKey,
     attach_param_names,
+    check_optimizer_class,
     optimizer_class_name,
     optimizer_param_names,
     optimizer_tensor_name,
@@ -95,6 +99,7 @@ __all__ = [
     "OptimizerMeta",
     "ParamKey",
     "attach_param_names",
+    "check_optimizer_class",
     "optimizer_class_name",
     "optimizer_param_names",
     "optimizer_tensor_name",
@@ -103,6 +108,8 @@ __all__ = [
     "restore_optimizer",
     "split_optimizer",
     # checksums
+    "CHECKSUMS_FILE",
+    "record_checksums",
     "VerifyOutcome",
     "VerifyResult",
     "verify_checkpoints",

@@ -20,15 +20,17 @@ from pathlib import Path
 
 import torch
 
-from cx_checkpoint._checksum import CHECKSUM_ALGORITHM, BackgroundCrc32, file_checksum
+from cx_checkpoint._checksum import CHECKSUM_ALGORITHM, BackgroundCrc32, checksum_of, file_checksum
 from cx_checkpoint._errors import CorruptShardError, UnsafeCheckpointError
 from cx_checkpoint._json_codec import parse_json
 from cx_checkpoint._naming import FileFormat
 
 __all__ = [
     "DATA_CHECKSUM_KEY",
+    "HEADER_CHECKSUM_KEY",
     "SafetensorsHeader",
     "alias_key",
+    "header_checksum",
     "load_bin",
     "read_safetensors_header",
     "sniff_format",
@@ -38,6 +40,9 @@ __all__ = [
 
 DATA_CHECKSUM_KEY = "cx_data_checksum"
 """Header metadata key of a single safetensors file: the checksum of its data section (a file cannot hold its own)."""
+HEADER_CHECKSUM_KEY = "cx_header_checksum"
+"""Header metadata key of a single safetensors file: the checksum of its header JSON bytes as written with this
+entry's value replaced by a zero placeholder (it covers dtypes, shapes, offsets, the optimizer description)."""
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 _DTYPES = {
@@ -87,7 +92,8 @@ def write_safetensors(
 
     Returns the checksum of the whole file, computed while writing; with `checksum_in_header` (single-file
     checkpoints, which have no index to hold it) the data section's checksum is computed first, stored in the
-    header metadata under `DATA_CHECKSUM_KEY` and returned instead.
+    header metadata under `DATA_CHECKSUM_KEY` and returned instead, and the header's own checksum is stored under
+    `HEADER_CHECKSUM_KEY` (see `header_checksum`).
 
     The layout is the safetensors specification's: an 8-byte little-endian header length, a JSON header padded
     with spaces to a multiple of 8 (`__metadata__` first, keys sorted), then the tensors' bytes back to back, widest
@@ -110,8 +116,9 @@ def write_safetensors(
         }
         offset += nbytes
     placeholder = f"{CHECKSUM_ALGORITHM}:{0:08x}"
-    if checksum_in_header:  # a fixed-width placeholder, filled in once the data has been written
-        header["__metadata__"] = dict(sorted({**metadata, DATA_CHECKSUM_KEY: placeholder}.items()))
+    if checksum_in_header:  # fixed-width placeholders, filled in once the data has been written
+        entries = {**metadata, DATA_CHECKSUM_KEY: placeholder, HEADER_CHECKSUM_KEY: placeholder}
+        header["__metadata__"] = dict(sorted(entries.items()))
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     crc = BackgroundCrc32()
@@ -128,10 +135,42 @@ def write_safetensors(
                 handle.write(data)
         checksum = crc.hexdigest()
         if checksum_in_header:
-            marker = json.dumps({DATA_CHECKSUM_KEY: placeholder}, separators=(",", ":"))[1:-1].encode()
-            handle.seek(8 + encoded.index(marker) + len(marker) - len(placeholder) - 1)
-            handle.write(checksum.encode())
+            encoded = _with_value(encoded, DATA_CHECKSUM_KEY, checksum)
+            encoded = _with_value(encoded, HEADER_CHECKSUM_KEY, checksum_of(encoded))
+            handle.seek(8)
+            handle.write(encoded)
     return checksum
+
+
+def _value_span(encoded: bytes, key: str) -> tuple[int, int] | None:
+    """Where the checksum value of metadata entry `key` lies in a compact header's bytes (None: no such entry).
+
+    The pattern `"key":"crc32:` cannot occur elsewhere: inside a JSON string its quotes would be escaped, and a
+    tensor entry's value is an object."""
+    marker = f'"{key}":"{CHECKSUM_ALGORITHM}:'.encode()
+    start = encoded.find(marker)
+    if start < 0:
+        return None
+    begin = start + len(marker) - len(CHECKSUM_ALGORITHM) - 1
+    end = encoded.find(b'"', begin)
+    return (begin, end) if end > begin else None
+
+
+def _with_value(encoded: bytes, key: str, value: str) -> bytes:
+    span = _value_span(encoded, key)
+    if span is None or span[1] - span[0] != len(value):
+        raise AssertionError(f"no fixed-width {key} entry in the header")  # the writer put a placeholder there
+    return encoded[: span[0]] + value.encode() + encoded[span[1] :]
+
+
+def header_checksum(encoded: bytes) -> str | None:
+    """The checksum of a single file's header bytes `encoded` as written (its `HEADER_CHECKSUM_KEY` value replaced
+    by the zero placeholder), to compare with that value; None when the header carries no such entry."""
+    span = _value_span(encoded, HEADER_CHECKSUM_KEY)
+    if span is None:
+        return None
+    placeholder = f"{CHECKSUM_ALGORITHM}:{0:08x}".encode()
+    return checksum_of(encoded[: span[0]] + placeholder + encoded[span[1] :])
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

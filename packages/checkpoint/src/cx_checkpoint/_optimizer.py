@@ -35,6 +35,7 @@ __all__ = [
     "attach_param_names",
     "optimizer_param_names",
     "optimizer_tensor_name",
+    "check_optimizer_class",
     "optimizer_class_name",
     "require_names",
     "restore_optimizer",
@@ -221,6 +222,18 @@ def require_names(meta: OptimizerMeta, where: str) -> None:
         )
 
 
+def check_optimizer_class(meta: OptimizerMeta, optimizer: torch.optim.Optimizer, where: str) -> None:
+    """Refuse (`CheckpointKindError`) state saved by another optimizer class than `optimizer`'s, before anything is
+    loaded: another optimizer's state (AdamW's moments into SGD with momentum) would otherwise be accepted and fail
+    later inside `step()` with a bare `KeyError`. A description without `optimizer_class` passes."""
+    kind = optimizer_class_name(optimizer)
+    if meta.optimizer_class is not None and meta.optimizer_class != kind:
+        raise CheckpointKindError(
+            f"{where}: optimizer state saved by {meta.optimizer_class}, loading into {kind}: their state differs "
+            "(load it into the same kind of optimizer)"
+        )
+
+
 def restore_optimizer(
     optimizer: torch.optim.Optimizer,
     meta: OptimizerMeta,
@@ -229,12 +242,7 @@ def restore_optimizer(
 ) -> None:
     """Load `meta` plus tensors from `read(tensor name)` into `optimizer`, matching parameters by name (or, for a
     position-keyed checkpoint, by position). Checks the optimizer's class and every parameter's shape first."""
-    kind = optimizer_class_name(optimizer)
-    if meta.optimizer_class is not None and meta.optimizer_class != kind:
-        raise CheckpointKindError(
-            f"{where}: optimizer state saved by {meta.optimizer_class}, loading into {kind}: their state differs "
-            "(load it into the same kind of optimizer)"
-        )
+    check_optimizer_class(meta, optimizer, where)
     if meta.keyed_by is ParamKey.NAME:
         if not _has_names(optimizer):
             optimizer_param_names(optimizer)  # raises, saying how to give the optimizer its names

@@ -1,9 +1,12 @@
 """Checking checkpoints against the checksums recorded when they were saved: `verify_checkpoints(folder)` and the
 `cx-checkpoint-verify <folder>` command (also `python -m cx_checkpoint verify <folder>`).
 
-Every checkpoint found under the folder is checked: each sharded one (an `*.index.json`, every shard file read in
-full against `metadata.cx_checksums`) and each single `.safetensors` file no index refers to (its data section
-against the `cx_data_checksum` header entry). Staging leftovers of interrupted saves are skipped.
+Everything a load would read under the folder is checked: each sharded checkpoint (an `*.index.json`: every shard
+and side file such as `optimizer.json` or `config.json` read in full against `metadata.cx_checksums`), each
+`cx-checksums.json` manifest (the files it lists, e.g. cx-train's `trainer.json`), and each single tensor file no
+index or manifest refers to, whatever its name (told by its first bytes, as the loader does: its data section and
+header against the `cx_data_checksum` / `cx_header_checksum` entries). Every JSON a load parses is parsed too (the
+optimizer description, side files, manifest-listed `.json` files). Staging leftovers of interrupted saves are skipped.
 """
 
 from __future__ import annotations
@@ -11,13 +14,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import enum
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cx_checkpoint._errors import CheckpointError, CheckpointKindError
+from cx_checkpoint._errors import CheckpointError, CheckpointKindError, CorruptShardError
+from cx_checkpoint._files import sniff_format
+from cx_checkpoint._general import read_optimizer_meta
 from cx_checkpoint._index import CheckpointIndexFile
+from cx_checkpoint._json_codec import parse_json
+from cx_checkpoint._manifest import CHECKSUMS_FILE, check_manifest, manifest_files
 from cx_checkpoint._naming import CheckpointKind
 from cx_checkpoint._reader import CheckpointReader
 
@@ -39,16 +47,38 @@ class VerifyResult:
 
 
 def _candidates(folder: Path) -> list[Path]:
+    """Every index, checksum manifest, and tensor file no index or manifest refers to (told by suffix or, for any
+    other name, by its first bytes, as the loader tells them)."""
     if folder.is_file():
         return [folder]
     found = [p for p in sorted(folder.rglob("*")) if p.is_file() and not _hidden(p.relative_to(folder))]
     indexes = [p for p in found if p.name.endswith(".index.json")]
+    manifests = [p for p in found if p.name == CHECKSUMS_FILE]
     covered: set[Path] = set()
     for index in indexes:
         with contextlib.suppress(CheckpointError):  # a broken index is reported when it is verified itself
-            covered.update(index.parent / name for name in CheckpointIndexFile.from_file(index).file_names())
-    singles = [p for p in found if p.suffix in (".safetensors", ".bin", ".pt", ".pth") and p not in covered]
-    return indexes + singles
+            parsed = CheckpointIndexFile.from_file(index)
+            covered.update(index.parent / name for name in [*parsed.file_names(), *parsed.checksums])
+    for manifest in manifests:
+        with contextlib.suppress(CheckpointError, OSError):  # reported when the manifest is checked itself
+            covered.update(manifest.parent / name for name in manifest_files(manifest))
+    singles = [p for p in found if p not in covered and p not in indexes and p not in manifests and _tensor_file(p)]
+    return indexes + manifests + singles
+
+
+def _tensor_file(path: Path) -> bool:
+    if path.suffix in (".safetensors", ".bin", ".pt", ".pth"):
+        return True
+    if path.suffix == ".json":
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return sniff_format(fd) is not None
+    finally:
+        os.close(fd)
 
 
 def _hidden(relative: Path) -> bool:
@@ -56,25 +86,62 @@ def _hidden(relative: Path) -> bool:
 
 
 def _verify_one(path: Path) -> VerifyResult:
+    if path.name == CHECKSUMS_FILE:
+        return _verify_manifest(path)
     last: CheckpointError | None = None
     for kind in (CheckpointKind.MODEL, CheckpointKind.OPTIMIZER):
         try:
             with CheckpointReader.open(path, kind) as reader:
-                files = 1 if reader.index_path is None else len({reader.file_of(n) for n in reader.specs})
-                reader.verify()
-            return VerifyResult(path, VerifyOutcome.OK, f"{kind.value}, {files} file(s), {len(reader.specs)} tensors")
+                return _verify_reader(path, kind, reader)
         except CheckpointKindError as error:
             last = error
             continue
         except CheckpointError as error:
-            unverifiable = "cannot be verified" in str(error)
-            outcome = VerifyOutcome.UNVERIFIABLE if unverifiable else VerifyOutcome.FAILED
-            return VerifyResult(path, outcome, f"{type(error).__name__}: {error}")
+            return VerifyResult(path, VerifyOutcome.FAILED, f"{type(error).__name__}: {error}")
     return VerifyResult(path, VerifyOutcome.FAILED, f"{type(last).__name__}: {last}")
 
 
+def _verify_reader(path: Path, kind: CheckpointKind, reader: CheckpointReader) -> VerifyResult:
+    """Checksums first (tensor files, header, side files), then every JSON the load reads is parsed: the optimizer
+    description (`optimizer.json` or the single file's header entry) and each side file recorded in the index."""
+    files = 1 if reader.index_path is None else len({reader.file_of(n) for n in reader.specs})
+    unverifiable: CheckpointError | None = None
+    try:
+        reader.verify()
+    except CheckpointError as error:
+        if "cannot be verified" not in str(error):
+            raise
+        unverifiable = error
+    notes = []
+    if kind is CheckpointKind.OPTIMIZER:
+        read_optimizer_meta(reader)
+        if reader.index_path is not None:
+            description = reader.index_path.name.removesuffix(".safetensors.index.json") + ".json"
+            if unverifiable is None and description not in reader.recorded_checksums():
+                notes.append(f"{description} has no checksum recorded (saved before they were): parsed only")
+    for name in reader.side_file_names():
+        if name.endswith(".json"):
+            parse_json(reader.side_bytes(name) or b"", str(reader.path / name), CorruptShardError, "JSON")
+    if unverifiable is not None:
+        return VerifyResult(path, VerifyOutcome.UNVERIFIABLE, f"{type(unverifiable).__name__}: {unverifiable}")
+    detail = f"{kind.value}, {files} file(s), {len(reader.specs)} tensors"
+    side = reader.side_file_names()
+    if side:
+        detail += f", side file(s) {', '.join(side)}"
+    return VerifyResult(path, VerifyOutcome.OK, "; ".join([detail, *notes]))
+
+
+def _verify_manifest(path: Path) -> VerifyResult:
+    try:
+        count = check_manifest(path)
+    except CheckpointError as error:
+        return VerifyResult(path, VerifyOutcome.FAILED, f"{type(error).__name__}: {error}")
+    return VerifyResult(path, VerifyOutcome.OK, f"{count} file(s) recorded in {CHECKSUMS_FILE}")
+
+
 def verify_checkpoints(folder: str | Path) -> list[VerifyResult]:
-    """Verify every checkpoint under `folder` (or the single checkpoint file `folder`)."""
+    """Verify every checkpoint under `folder` (or the single checkpoint file `folder`): one result per sharded
+    checkpoint (its index), checksum manifest and single tensor file found (see the module docstring)."""
     root = Path(folder)
     if not root.exists():
         return [VerifyResult(root, VerifyOutcome.FAILED, "does not exist")]
