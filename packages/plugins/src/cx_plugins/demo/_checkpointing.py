@@ -2,10 +2,12 @@
 
 The three are committed as ONE unit: everything is written into a hidden staging sibling of the checkpoint
 directory (`.<name>.cx-staging-step<N>`), `trainer.json` (the step reached, the plugin and world size that wrote it)
-last, and only then is the staging directory swapped with the checkpoint directory in one atomic step
-(`cx_checkpoint.commit_directory`). A process killed at any point leaves the previous checkpoint whole (model,
-optimizer and step from the same step); the leftover staging directory is removed by the next save. Any plugin at
-any world size can resume from any other's checkpoint: the files are the canonical cx format.
+last, with its checksum in `cx-checksums.json` (`cx_checkpoint.record_checksums`, so `cx-checkpoint-verify` checks
+it as it checks the model and optimizer), and only then is the staging directory swapped with the checkpoint
+directory in one atomic step (`cx_checkpoint.commit_directory`). A process killed at any point leaves the previous
+checkpoint whole (model, optimizer and step from the same step); the leftover staging directory is removed by the
+next save. Any plugin at any world size can resume from any other's checkpoint: the files are the canonical cx
+format.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
-from cx_checkpoint import commit_directory, fsync_file, remove_stale_staging, run_and_agree, staging_path
+from cx_checkpoint import (
+    commit_directory,
+    fsync_file,
+    record_checksums,
+    remove_stale_staging,
+    run_and_agree,
+    staging_path,
+)
 from cx_plugins._booster import Booster
 from cx_plugins._wrappers import OptimizerWrapper
 
@@ -56,6 +65,7 @@ def save_checkpoint(
     def commit() -> None:
         (staging / _STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
         fsync_file(staging / _STATE_FILE)
+        record_checksums(staging, [_STATE_FILE])  # cx-checkpoint-verify checks trainer.json too
         commit_directory(staging, directory)  # model, optimizer and trainer.json become visible at once
 
     run_and_agree(commit if master else None, f"committing the checkpoint {directory}")
