@@ -2,7 +2,8 @@
 
 Every package's distributed tests use this. See docs/mesh.md for examples. ColossalAI's `colossalai.testing` helpers
 (`parameterize`, `rerun_if_address_is_in_use`, `clear_cache_before_run`, `spawn(func, nprocs)`,
-`check_state_dict_equal`, `assert_close_loose`, `free_port`) are here too, so its tests move by changing imports.
+`check_state_dict_equal`, `assert_close_loose`, `free_port`, `seed_all`) are here too, so its tests move by changing
+imports.
 """
 
 from cx_mesh.testing._colossalai import (
@@ -17,6 +18,7 @@ from cx_mesh.testing._per_test import PerTestCache
 from cx_mesh.testing._pool import shutdown_pools
 from cx_mesh.testing._processes import DistributedTestFailure
 from cx_mesh.testing._pytest import distributed
+from cx_mesh.testing._seeding import seed_all
 from cx_mesh.testing._spawn import DEFAULT_TIMEOUT_SECONDS, run_distributed, spawn
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "parameterize",
     "rerun_if_address_is_in_use",
     "run_distributed",
+    "seed_all",
     "shutdown_pools",
     "spawn",
 ]
