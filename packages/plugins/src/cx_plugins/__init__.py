@@ -2,8 +2,8 @@
 
 Present: `Booster`, `Plugin`, `DPPluginBase`, `TorchDDPPlugin`, `TorchFSDPPlugin` (FSDP2), `LowLevelZeroPlugin`,
 `GeminiPlugin` (with tensor parallelism), `HybridParallelPlugin` (tp/pp/sp + DDP-like or ZeRO-1/2),
-`MoeHybridParallelPlugin` (experts over ep on top of it), `LazyInitContext`
-(build a model without allocating it; materialised at boost straight into Gemini chunks and
+`MoeHybridParallelPlugin` (experts over ep on top of it), `LazyInitContext` (with ColossalAI's
+`is_compatible_with_meta`; build a model without allocating it; materialised at boost straight into Gemini chunks and
 tensor-parallel slices), the wrappers (`EngineOptimizer`, the one boosted
 optimizer over any `OptimizerEngine`), `HybridCheckpointIO` with the faces it reads (`ParallelModelView`,
 `ParallelOptimizerView`) for models split by tensor and pipeline parallelism,
@@ -19,7 +19,7 @@ from cx_plugins._gemini_plugin import GeminiPlugin
 from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
 from cx_plugins._hybrid_model import HybridParallelModule
 from cx_plugins._hybrid_plugin import HybridParallelPlugin
-from cx_plugins._lazy_init import LazyInitContext
+from cx_plugins._lazy_init import LazyInitContext, is_compatible_with_meta
 from cx_plugins._low_level_zero_plugin import LowLevelZeroPlugin
 from cx_plugins._moe_hybrid_plugin import MoeHybridParallelPlugin
 from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
@@ -55,4 +55,5 @@ __all__ = [
     "Precision",
     "TorchDDPPlugin",
     "TorchFSDPPlugin",
+    "is_compatible_with_meta",
 ]

@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from cx_plugins._lazy_tape import MetaFactories, OpTape, RecordingMode, ReplayStats, TensorRef
 
-__all__ = ["LazyInitContext", "LazyModel", "install_parameter", "is_lazy", "materialize"]
+__all__ = ["LazyInitContext", "LazyModel", "install_parameter", "is_compatible_with_meta", "is_lazy", "materialize"]
 
 # the tape of every module built under a context and not materialised yet: weak keys, so a model that is dropped
 # unmaterialised takes its tape with it; materialising a model removes its modules' entries
@@ -123,6 +123,17 @@ def _lazy_tensors(module: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Ten
         for name, value in vars(owner).items():
             if isinstance(value, torch.Tensor) and value.device.type == "meta":
                 yield owner, name, value, "attribute"
+
+
+def is_compatible_with_meta() -> bool:
+    """ColossalAI's `is_compatible_with_meta()`, which its tests check before building models lazily: whether this
+    torch runs tensor ops on the meta device, where `LazyInitContext` builds models (True for every torch cx
+    supports; probed, not assumed)."""
+    try:
+        probe = torch.empty(2, 3, device="meta") @ torch.empty(3, 4, device="meta")
+    except (NotImplementedError, RuntimeError):
+        return False
+    return probe.is_meta and tuple(probe.shape) == (2, 4)
 
 
 def is_lazy(module: nn.Module) -> bool:
