@@ -4,6 +4,7 @@ unsupported tp-plan styles. Skips without transformers."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from torch import nn
 from cx_mesh import RankMismatchError
 from cx_mesh.testing import distributed
 from cx_shardformer import ShardConfig, ShardFormer
-from cx_shardformer.policies import TPPlanPolicy
+from cx_shardformer.policies import NoPolicyError, TPPlanPolicy
 from shardformer_models import build
 
 pytest.importorskip("transformers")
@@ -56,8 +57,12 @@ def test_shardformer_bad_head_counts_fail_clearly(
 
 @distributed(world_size=2)
 def test_shardformer_without_policy_or_with_unknown_plan(rank: int, world_size: int) -> None:
-    with pytest.raises(TypeError, match="no policy for Sequential"):
+    with pytest.raises(NoPolicyError, match="no policy for Sequential") as caught:
         ShardFormer(ShardConfig()).optimize(nn.Sequential(nn.Linear(2, 2)))
+    assert isinstance(caught.value, TypeError)
+    assert str(caught.value).endswith("; pass policy=... to ShardFormer.optimize")
+    copied = copy.copy(caught.value)  # rebuilt from its args, as when it travels between ranks
+    assert (type(copied), str(copied), copied.model_class) == (NoPolicyError, str(caught.value), "Sequential")
     model: Any = build("llama")
     model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise_rep"}
     with pytest.raises(NotImplementedError, match="styles \\['colwise_rep'\\] are not supported"):

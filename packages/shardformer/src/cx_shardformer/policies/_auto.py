@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -21,7 +21,7 @@ from cx_shardformer.policies._moe import (
 )
 from cx_shardformer.policies._tp_plan import TPPlanPolicy
 
-__all__ = ["POLICIES", "get_autopolicy", "register_policy"]
+__all__ = ["POLICIES", "NoPolicyError", "get_autopolicy", "register_policy"]
 
 # class name -> policy; names keep transformers an optional, lazily imported dependency
 POLICIES: dict[str, Callable[[], Policy]] = {
@@ -40,6 +40,25 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 }
 
 
+class NoPolicyError(TypeError):
+    """No policy for a model's class and no `base_model_tp_plan` to fall back on. `remedy` says what the caller can
+    pass: ShardFormer.optimize's `policy=`, or a plugin's `custom_policy=` (the plugins re-raise with theirs)."""
+
+    def __init__(
+        self, model_class: str, known: Sequence[str], remedy: str = "pass policy=... to ShardFormer.optimize"
+    ) -> None:
+        super().__init__(model_class, tuple(known), remedy)  # args rebuild it when pickled across ranks
+        self.model_class = model_class
+        self.known = tuple(known)
+        self.remedy = remedy
+
+    def __str__(self) -> str:
+        return (
+            f"cx-shardformer has no policy for {self.model_class}: checked policies cover {sorted(self.known)}, and "
+            f"a transformers model whose config publishes base_model_tp_plan gets the generic one; {self.remedy}"
+        )
+
+
 def register_policy(class_name: str, factory: Callable[[], Policy]) -> None:
     """Make `ShardFormer.optimize` pick `factory()` for models of class `class_name`: a package above cx-shardformer
     (cx-plugins' reference GPT, say) registers its policy without cx-shardformer importing it. A name that already
@@ -50,14 +69,12 @@ def register_policy(class_name: str, factory: Callable[[], Policy]) -> None:
 
 
 def get_autopolicy(model: nn.Module) -> Policy:
-    """The checked policy for `model`'s class, else the generic tp-plan policy when its config has a plan."""
+    """The checked policy for `model`'s class, else the generic tp-plan policy when its config has a plan, else
+    `NoPolicyError`."""
     name = type(model).__name__
     if name in POLICIES:
         return POLICIES[name]()
     config = getattr(model, "config", None)
     if getattr(config, "base_model_tp_plan", None):
         return TPPlanPolicy()
-    raise TypeError(
-        f"cx-shardformer has no policy for {name}: checked policies cover {sorted(POLICIES)}, and a transformers "
-        "model whose config publishes base_model_tp_plan gets the generic one; pass policy=... to ShardFormer.optimize"
-    )
+    raise NoPolicyError(name, list(POLICIES))
