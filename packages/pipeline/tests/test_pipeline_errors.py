@@ -12,6 +12,7 @@ from torch import nn
 from cx_mesh import ProcessGroupMesh
 from cx_mesh.testing import distributed
 from cx_pipeline import (
+    EmptyDataIterError,
     InterleavedSchedule,
     OneForwardOneBackwardSchedule,
     PipelineConfigError,
@@ -54,6 +55,23 @@ def test_batch_size_not_divisible(rank: int, world_size: int, count: int | None,
     model = split_model(ToyNet(2), manager)
     with pytest.raises(PipelineConfigError, match="batch size 5 is not divisible"):
         schedule.forward_backward_step(model, batches(toy_batch(5, False, True, seed=0)), toy_criterion)
+
+
+@distributed(world_size=2)
+def test_empty_data_iterator(rank: int, world_size: int) -> None:
+    """No batch left for the step: a StopIteration (as before, so epoch loops that catch it still end) that says
+    what ran dry; the schedule runs the next step with a batch."""
+    manager = PipelineStageManager(ProcessGroupMesh(2, axis_names=("pp",)), "pp")
+    schedule = OneForwardOneBackwardSchedule(manager, num_microbatches=2)
+    model = split_model(ToyNet(2), manager)
+    empties: list[Any] = [iter([]), []]
+    for empty in empties:
+        with pytest.raises(EmptyDataIterError, match="data iterator is empty or exhausted") as caught:
+            schedule.forward_backward_step(model, empty, toy_criterion)
+        assert isinstance(caught.value, StopIteration)
+    data = batches(toy_batch(4, False, True, seed=0))
+    result = schedule.forward_backward_step(model, data, toy_criterion, return_loss=True)
+    assert (result["loss"] is not None) == manager.is_last_stage()
 
 
 @distributed(world_size=(2, 4))

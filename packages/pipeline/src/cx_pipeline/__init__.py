@@ -10,7 +10,7 @@
 """
 
 from cx_pipeline._actions import Action, ActionKind
-from cx_pipeline._errors import PipelineConfigError
+from cx_pipeline._errors import EmptyDataIterError, PipelineConfigError
 from cx_pipeline._hf import GPT2Splitter, HFDecoderSplitter
 from cx_pipeline._interleaved import InterleavedSchedule
 from cx_pipeline._microbatch import merge_microbatches, split_batch
@@ -26,6 +26,7 @@ from cx_pipeline._zero_bubble import ZeroBubbleVPipeScheduler
 __all__ = [
     # stages
     "PipelineStageManager",
+    "EmptyDataIterError",
     "PipelineConfigError",
     # schedules
     "PipelineSchedule",

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from cx_pipeline._actions import Action, forward_only_order
-from cx_pipeline._errors import PipelineConfigError
+from cx_pipeline._errors import EmptyDataIterError, PipelineConfigError
 from cx_pipeline._microbatch import batch_size_of, merge_microbatches, resolve_num_microbatches, split_batch
 from cx_pipeline._model import PipelineModel, SharedParameter
 from cx_pipeline._optimizer import no_sync_context
@@ -23,6 +23,8 @@ from cx_pipeline._runtime import StepRunner
 from cx_pipeline._stage_manager import PipelineStageManager
 
 __all__ = ["PipelineSchedule"]
+
+_NO_BATCH = object()  # what next() returns from an exhausted data iterator
 
 
 def _positive_or_none(name: str, value: int | None) -> None:
@@ -135,7 +137,13 @@ class PipelineSchedule(ABC):
         """
         chunks, shared = self._unpack(model_chunk)
         iterator = data_iter if isinstance(data_iter, Iterator) else iter(data_iter)
-        batch = next(iterator)
+        batch = next(iterator, _NO_BATCH)
+        if batch is _NO_BATCH:
+            raise EmptyDataIterError(
+                "the pipeline step's data iterator is empty or exhausted: each step (booster.execute_pipeline or "
+                "forward_backward_step) takes one batch from it, split into micro-batches; pass an iterator with a "
+                "batch left for this step (e.g. a fresh iter(dataloader) each epoch, with as many steps as batches)"
+            )
         count = self.microbatch_count(batch)
         forward_only = not torch.is_grad_enabled()
         if not forward_only and criterion is None:
