@@ -18,6 +18,7 @@ from cx_plugins import Booster, GeminiPlugin, LowLevelZeroPlugin
 from cx_plugins._gemini_plugin import GeminiModel
 from cx_plugins._layout import Axis
 from cx_plugins._tp_shards import TensorParallelShards
+from cx_shardformer.policies import NoPolicyError
 from hybrid_ckpt_helpers import BATCH, LR, RTOL, assert_same_state, batches, build, reference_with_optimizer
 from hybrid_ckpt_helpers import assert_matches as assert_same_params
 
@@ -153,6 +154,15 @@ def test_gemini_tp_switches(rank: int, world_size: int) -> None:
     with pytest.raises(NotImplementedError, match="jit"):
         Booster(plugin=GeminiPlugin(precision="fp32", tp_size=2, enable_jit_fused=True)).boost(build("llama"))
     dist.barrier()
+
+
+@distributed(world_size=2)
+def test_gemini_tp_no_policy_says_register_policy(rank: int, world_size: int) -> None:
+    """GeminiPlugin has no custom_policy: a model without a policy is told to register one (not to pass ShardFormer's
+    policy=, which a plugin user never calls)."""
+    booster = Booster(plugin=GeminiPlugin(precision="fp32", tp_size=2))
+    with pytest.raises(NoPolicyError, match=r"GeminiPlugin takes no custom_policy: register one with cx_shardformer"):
+        booster.boost(torch.nn.Sequential(torch.nn.Linear(4, 4)))
 
 
 @distributed(world_size=2)

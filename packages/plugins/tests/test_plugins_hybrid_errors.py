@@ -1,4 +1,6 @@
-"""Each bad HybridParallelPlugin configuration raises its clear error on every rank (no hang, no deep traceback)."""
+"""Each bad HybridParallelPlugin configuration raises its clear error on every rank (no hang, no deep traceback),
+custom_policy of the wrong type included; misuse at boost and execute_pipeline (an empty data iterator, a model
+without a policy) names what to pass instead."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import torch
 
 from cx_mesh import RankMismatchError
 from cx_mesh.testing import distributed
-from cx_pipeline import PipelineConfigError
+from cx_pipeline import EmptyDataIterError, PipelineConfigError
 from cx_plugins import Booster, HybridParallelPlugin, TorchDDPPlugin
 from cx_plugins._layout import LayoutError
+from cx_shardformer.policies import LlamaForCausalLMPolicy, NoPolicyError
 
 BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"tp_size": 3, "pp_size": 1}, LayoutError, "the world size 2 is not divisible by tp_size = 3"),
@@ -47,6 +50,18 @@ BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"tp_size": 1, "pp_size": 1, "cpu_offload": True}, ValueError, "cpu_offload"),
     ({"tp_size": 1, "pp_size": 1, "ddp_bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be positive, got 0"),
     ({"tp_size": 1, "pp_size": 1, "max_norm": -1.0}, ValueError, "max_norm must be >= 0"),
+    (
+        {"tp_size": 1, "pp_size": 1, "custom_policy": "LlamaPolicy"},
+        TypeError,
+        "HybridParallelPlugin: custom_policy must be a cx_shardformer Policy instance (e.g. cx_shardformer.policies."
+        "LlamaForCausalLMPolicy()) or None, got str 'LlamaPolicy'",
+    ),
+    (
+        {"tp_size": 1, "pp_size": 1, "custom_policy": LlamaForCausalLMPolicy},
+        TypeError,
+        "custom_policy must be a Policy instance, got the class LlamaForCausalLMPolicy; pass "
+        "custom_policy=LlamaForCausalLMPolicy()",
+    ),
 ]
 
 
@@ -113,6 +128,22 @@ def test_plugins_hybrid_misuse(rank: int, world_size: int) -> None:
         model(**batch(0))
     with pytest.raises(PipelineConfigError, match="3"):  # 8 samples do not split into 3 micro-batches
         booster.execute_pipeline(iter([batch(0)]), model, lambda out, _: out.loss, optimizer)
+    # an empty (or exhausted) iterator says so; still a StopIteration, so loops that end an epoch on it keep working
+    with pytest.raises(EmptyDataIterError, match="data iterator is empty or exhausted") as caught:
+        booster.execute_pipeline(iter([]), model, lambda out, _: out.loss, optimizer)
+    assert isinstance(caught.value, StopIteration)
+
+
+@distributed(world_size=2)
+def test_plugins_hybrid_no_policy_names_custom_policy(rank: int, world_size: int) -> None:
+    """A model cx-shardformer has no policy for is told to pass the plugin's custom_policy=, not ShardFormer's
+    policy= (which a plugin user never calls)."""
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32"))
+    with pytest.raises(NoPolicyError, match=r"no policy for Sequential") as caught:
+        booster.boost(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    message = str(caught.value)
+    assert "pass custom_policy=<a cx_shardformer Policy instance> to HybridParallelPlugin" in message, message
+    assert "ShardFormer.optimize" not in message, message
 
 
 @distributed(world_size=2)

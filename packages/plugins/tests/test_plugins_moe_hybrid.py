@@ -4,13 +4,15 @@ tp 2 x ep 2 on four, with and without clipping by the global norm (given to `cli
 with frozen experts or frozen dense parameters, with experts no token reaches; fp16 and bf16 within their
 tolerances. Data-parallel semantics: each rank trains on its own rows, the reference on the mean of the ranks' losses
 (each with its own aux loss). Losses every step and every parameter after five steps (fp32: within 1e-4 relative),
-TP shards and expert slices gathered by name. Then each configuration the plugin refuses, and the constructor's
-arguments and defaults against ColossalAI's."""
+TP shards and expert slices gathered by name. Then each configuration the plugin refuses (the errors name
+MoeHybridParallelPlugin, not the HybridParallelPlugin it extends), and the constructor's arguments and defaults
+against ColossalAI's."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import re
 from typing import Any
 
 import pytest
@@ -18,8 +20,9 @@ import torch
 from torch import nn
 
 from cx_mesh.testing import distributed
-from cx_plugins import MoeHybridParallelPlugin
+from cx_plugins import Booster, MoeHybridParallelPlugin
 from cx_plugins._layout import LayoutError
+from cx_shardformer.policies import NoPolicyError
 from moe_hybrid_test_helpers import mixtral, rows, train_and_compare, unrouted
 
 transformers = pytest.importorskip("transformers")
@@ -150,6 +153,35 @@ def test_plugins_moe_hybrid_bad_sizes(rank: int, world_size: int) -> None:
         MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=2)
     with pytest.raises(ValueError, match="ep_size must be a positive integer"):
         MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=0)
+
+
+NAMED_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
+    ({"zero_stage": 3}, ValueError, "zero_stage must be 0, 1 or 2"),
+    ({"max_norm": -1.0}, ValueError, "max_norm must be >= 0"),
+    ({"pp_size": 2}, ValueError, "pipeline parallelism (pp_size > 1) needs num_microbatches or microbatch_size"),
+    ({"pp_size": 2, "num_microbatches": 2, "pp_style": "gpipe"}, ValueError, "unknown pp_style 'gpipe'"),
+    ({"sequence_parallelism_mode": "all_to_all"}, ValueError, "sequence_parallelism_mode='all_to_all' needs enable_"),
+    ({"cpu_offload": True}, ValueError, "cpu_offload offloads ZeRO's optimizer state"),
+    ({"custom_policy": "MixtralPolicy"}, TypeError, "custom_policy must be a cx_shardformer Policy instance"),
+]
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("case", range(len(NAMED_ERRORS)))
+def test_plugins_moe_hybrid_errors_name_the_plugin(rank: int, world_size: int, case: int) -> None:
+    """The validation MoeHybridParallelPlugin inherits names MoeHybridParallelPlugin, the class the user built."""
+    overrides, error, message = NAMED_ERRORS[case]
+    arguments: dict[str, Any] = {"tp_size": 1, "pp_size": 1, "ep_size": 1, **overrides}
+    with pytest.raises(error, match="^" + re.escape(f"MoeHybridParallelPlugin: {message}")):
+        MoeHybridParallelPlugin(**arguments)
+
+
+@distributed(world_size=2)
+def test_plugins_moe_hybrid_no_policy_names_custom_policy(rank: int, world_size: int) -> None:
+    """A model without a policy (the experts cannot be split over ep) is told to pass this plugin's custom_policy=."""
+    booster = Booster(plugin=MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32"))
+    with pytest.raises(NoPolicyError, match="pass custom_policy=<a cx_shardformer Policy instance> to MoeHybrid"):
+        booster.boost(nn.Sequential(nn.Linear(4, 4)))
 
 
 REQUIRED = object()  # a parameter without a default

@@ -11,13 +11,22 @@ from torch import nn
 from cx_plugins._layout import Axis, ParallelLayout
 from cx_plugins._shardformer_options import ShardFormerOptions
 from cx_shardformer import ShardFormer, get_shard_spec
+from cx_shardformer.policies import NoPolicyError
 
 __all__ = ["shard_for_gemini", "tp_split_names"]
 
 
 def shard_for_gemini(model: nn.Module, options: ShardFormerOptions, layout: ParallelLayout) -> None:
-    """Shard `model` in place over the tp group with the plugin's ShardFormer switches (collective over tp)."""
-    ShardFormer(options.shard_config(layout.group(Axis.TP))).optimize(model)
+    """Shard `model` in place over the tp group with the plugin's ShardFormer switches (collective over tp).
+    GeminiPlugin takes no custom_policy, so a model without a policy is told to register one."""
+    try:
+        ShardFormer(options.shard_config(layout.group(Axis.TP))).optimize(model)
+    except NoPolicyError as error:
+        remedy = (
+            f"GeminiPlugin takes no custom_policy: register one with cx_shardformer.policies.register_policy("
+            f"{error.model_class!r}, factory) before booster.boost"
+        )
+        raise NoPolicyError(error.model_class, error.known, remedy) from None
 
 
 def tp_split_names(model: nn.Module) -> list[str]:

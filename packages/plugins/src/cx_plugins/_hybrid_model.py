@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from cx_pipeline import (
     GPT2Splitter,
@@ -31,18 +32,30 @@ from cx_plugins._lazy_init import LazyModel
 from cx_plugins._lazy_tp import materialise_sliced
 from cx_plugins._wrappers import ModelWrapper
 from cx_shardformer import Policy, ShardConfig, ShardFormer, shard_sequence_at_stage
+from cx_shardformer.policies import NoPolicyError
 
 __all__ = ["ComposedModel", "HybridParallelModule", "compose_model"]
 
 
 class HybridParallelModule(ModelWrapper):
-    """The user's module after ShardFormer (and, with pp > 1, this rank's stage chunks in `pipeline`)."""
+    """The user's module after ShardFormer (and, with pp > 1, this rank's stage chunks in `pipeline`).
+
+    Under fp16/bf16 (`compute_dtype`), floating-point inputs are cast to it before the module sees them, as
+    ColossalAI's HybridParallelModule does: a script passing fp32 `inputs_embeds` (or pixels) to a half-precision
+    model would otherwise fail in its first matmul ("expected m1 and m2 to have the same dtype")."""
 
     def __init__(
-        self, module: nn.Module, layout: ParallelLayout, pipeline: PipelineModel | None, held: frozenset[str]
+        self,
+        module: nn.Module,
+        layout: ParallelLayout,
+        pipeline: PipelineModel | None,
+        held: frozenset[str],
+        *,
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(module)
         self.layout = layout
+        self.compute_dtype = compute_dtype
         self.__dict__["pipeline"] = pipeline  # not a submodule: its parameters are the module's own
         self._held = held
         persistent = _persistent_buffer_names(module)  # not state_dict(): a collective over tp for sharded layers
@@ -61,7 +74,22 @@ class HybridParallelModule(ModelWrapper):
                 "this model is split into pipeline stages (pp_size > 1): run it with "
                 "booster.execute_pipeline(data_iter, model, criterion, optimizer), not model(...)"
             )
+        args, kwargs = self.cast_inputs((args, kwargs))
         return self.module(*args, **kwargs)
+
+    def cast_inputs(self, inputs: Any) -> Any:
+        """`inputs` (any nest of containers) with its floating-point tensors cast to `compute_dtype`; integer ids,
+        masks of other dtypes and non-tensors unchanged. fp32 training casts nothing."""
+        if self.compute_dtype == torch.float32:
+            return inputs
+        dtype = self.compute_dtype
+
+        def cast(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+                return value.to(dtype)
+            return value
+
+        return tree_map(cast, inputs)
 
     def held_parameter_names(self) -> frozenset[str]:
         """Names (in `unwrap().named_parameters()`) whose values this rank holds: its pipeline stage(s)' ones."""
@@ -98,12 +126,19 @@ def compose_model(
     dtype: torch.dtype,
     device: torch.device,
     lazy: LazyModel | None = None,
+    *,
+    plugin: str,
 ) -> ComposedModel:
     """ShardFormer, pipeline split, cast, release of other stages' parameters (module docs). A model built under
     `LazyInitContext` (`lazy`) is sharded and split while still on the meta device, then materialised one parameter
-    at a time, each cut at once to this rank's tensor-parallel slice; other stages' parameters are never made."""
+    at a time, each cut at once to this rank's tensor-parallel slice; other stages' parameters are never made.
+    `plugin` (the plugin class's name) starts the errors the user sees."""
     if shard_config is not None:
-        model, _ = ShardFormer(shard_config).optimize(model, policy=policy)
+        try:
+            model, _ = ShardFormer(shard_config).optimize(model, policy=policy)
+        except NoPolicyError as error:  # the plugin's user passes custom_policy=, not ShardFormer's policy=
+            remedy = f"pass custom_policy=<a cx_shardformer Policy instance> to {plugin}"
+            raise NoPolicyError(error.model_class, error.known, remedy) from None
     tp_group = shard_config.tensor_parallel_process_group if shard_config is not None else None
     names: dict[int, str] = {}
     for name, param in model.named_parameters():
@@ -113,7 +148,7 @@ def compose_model(
             materialise_sliced(model, lazy, tp_group)
         model.to(device=device, dtype=dtype)
         return ComposedModel(model, None, list({id(p): p for p in model.parameters()}.values()), names)
-    pipeline = split_model(_splitter(model), stage_manager)
+    pipeline = split_model(_splitter(model, plugin), stage_manager)
     for chunk in pipeline.chunks:  # with sequence parallelism, stages pass on sequence shards
         shard_sequence_at_stage(model, chunk)
     held = list({id(p): p for p in pipeline.parameters()}.values())
@@ -136,7 +171,7 @@ def _release(param: nn.Parameter) -> None:
     param.__dict__.update(attributes)  # e.g. the ShardSpec of a tensor-parallel shard
 
 
-def _splitter(model: nn.Module) -> PipelineSplittable:
+def _splitter(model: nn.Module, plugin: str) -> PipelineSplittable:
     """How to cut `model` into stages: its own protocol, GPT-2's splitter, or the Llama-style decoder splitter."""
     if isinstance(model, PipelineSplittable):
         return model
@@ -146,7 +181,7 @@ def _splitter(model: nn.Module) -> PipelineSplittable:
     if model_type is not None:
         return HFDecoderSplitter(model)  # refuses decoder types it cannot split, naming the supported ones
     raise TypeError(
-        f"HybridParallelPlugin(pp_size > 1) cannot split a {type(model).__name__} into stages: give it "
+        f"{plugin}(pp_size > 1) cannot split a {type(model).__name__} into stages: give it "
         "pipeline_num_layers() and pipeline_stage_module(start, end, first, last) (cx_pipeline.PipelineSplittable), "
         "or use a transformers decoder"
     )

@@ -73,8 +73,8 @@ class HybridParallelOptimizer(OptimizerWrapper):
         super().__init__(optimizer)
         if optimizer.state:
             raise ValueError(
-                "HybridParallelPlugin needs a fresh optimizer (its parameters are repointed at boost); load earlier "
-                "state afterwards"
+                "HybridParallelPlugin and MoeHybridParallelPlugin need a fresh optimizer (its parameters are repointed "
+                "at boost); load earlier state afterwards"
             )
         held_ids = {id(p) for p in held}
         self._working: list[nn.Parameter] = []
@@ -180,7 +180,7 @@ class HybridParallelOptimizer(OptimizerWrapper):
     def step(self, closure: Callable[[], float] | None = None) -> None:
         """Average the gradients over dp, skip on an fp16 overflow anywhere, unscale and clip, step the masters."""
         if closure is not None:
-            raise ValueError("HybridParallelPlugin's optimizer does not take a closure: backward first, then step()")
+            raise ValueError(f"{type(self).__name__}.step does not take a closure: backward first, then step()")
         self._reduce()
         scale = self.grad_scaler.scale
         need_norm = self._fp16 or self.max_norm > 0

@@ -2,7 +2,8 @@
 
 `HybridParallelOptions.from_kwargs(...)` is the one place the 47 flat arguments are read; everything after it (the
 layout, the model composition, the optimizers) takes a group. Each check raises on every rank before any collective
-(every rank runs the same local validation), naming the argument and the values that would work.
+(every rank runs the same local validation), naming the plugin the user built (`plugin`: HybridParallelPlugin or
+MoeHybridParallelPlugin), the argument and the values that would work.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import reprlib
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +20,12 @@ from cx_plugins._ddp_options import DDPOptions
 from cx_plugins._plugin import ZERO_PRECISIONS
 from cx_plugins._precision import Precision
 from cx_plugins._shardformer_options import ShardFormerOptions
+from cx_shardformer import Policy
 from cx_zero import LossScaleOptions
 
 __all__ = [
     "HybridParallelOptions",
+    "check_custom_policy",
     "PipelineOptions",
     "PipelineStyle",
     "SequenceParallelism",
@@ -124,19 +128,23 @@ class HybridParallelOptions:
         ddp: DDPOptions,
         zero: ZeroOptions,
         pipeline: PipelineOptions,
+        plugin: str,
     ) -> HybridParallelOptions:
+        """Validate and group the arguments; every error starts with `plugin`, the class the user constructed."""
         for name, value in (("tp_size", tp_size), ("pp_size", pp_size)):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"HybridParallelPlugin: {name} must be a positive integer, got {value!r}")
+                raise ValueError(f"{plugin}: {name} must be a positive integer, got {value!r}")
         if zero_stage not in (0, 1, 2):
-            raise ValueError(f"HybridParallelPlugin: zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+            raise ValueError(f"{plugin}: zero_stage must be 0, 1 or 2, got {zero_stage!r}")
         if not max_norm >= 0 or math.isinf(max_norm):
-            raise ValueError(f"HybridParallelPlugin: max_norm must be >= 0 (0 disables clipping), got {max_norm}")
+            raise ValueError(f"{plugin}: max_norm must be >= 0 (0 disables clipping), got {max_norm}")
         for name, size in (("ddp_bucket_cap_mb", ddp.bucket_cap_mb), ("zero_bucket_size_in_m", zero.bucket_size_in_m)):
             if not size > 0 or math.isinf(size):
-                raise ValueError(f"HybridParallelPlugin: {name} must be a positive number, got {size!r}")
-        mode, sp = _sequence_parallelism(enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size)
-        _check_pipeline(pipeline, pp_size)
+                raise ValueError(f"{plugin}: {name} must be a positive number, got {size!r}")
+        mode, sp = _sequence_parallelism(
+            enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size, plugin
+        )
+        _check_pipeline(pipeline, pp_size, plugin)
         return cls(
             tp_size=tp_size,
             pp_size=pp_size,
@@ -183,16 +191,14 @@ class HybridParallelOptions:
 
 
 def _sequence_parallelism(
-    enabled: bool, mode: str | None, sp_size: int | None, tp_size: int
+    enabled: bool, mode: str | None, sp_size: int | None, tp_size: int, plugin: str
 ) -> tuple[SequenceParallelism, int]:
     if not enabled:
         if mode is not None:
-            raise ValueError(
-                f"HybridParallelPlugin: sequence_parallelism_mode={mode!r} needs enable_sequence_parallelism=True"
-            )
+            raise ValueError(f"{plugin}: sequence_parallelism_mode={mode!r} needs enable_sequence_parallelism=True")
         if sp_size not in (None, 1):
             raise ValueError(
-                f"HybridParallelPlugin: sp_size={sp_size} needs enable_sequence_parallelism=True (and the "
+                f"{plugin}: sp_size={sp_size} needs enable_sequence_parallelism=True (and the "
                 "all_to_all or ring_attn mode)"
             )
         return SequenceParallelism.NONE, 1
@@ -202,49 +208,63 @@ def _sequence_parallelism(
     except ValueError:
         chosen = SequenceParallelism.NONE
     if chosen is SequenceParallelism.NONE:
-        raise ValueError(f"HybridParallelPlugin: unknown sequence_parallelism_mode {mode!r}; accepted: {names}")
+        raise ValueError(f"{plugin}: unknown sequence_parallelism_mode {mode!r}; accepted: {names}")
     if not chosen.on_sp_axis:
         if tp_size < 2:
             raise ValueError(
-                f"HybridParallelPlugin: sequence_parallelism_mode={chosen.value!r} splits the sequence over the "
+                f"{plugin}: sequence_parallelism_mode={chosen.value!r} splits the sequence over the "
                 "tensor-parallel group and needs tp_size > 1 (or use 'all_to_all' / 'ring_attn' with sp_size)"
             )
         if sp_size not in (None, 1):
             raise ValueError(
-                f"HybridParallelPlugin: sequence_parallelism_mode={chosen.value!r} runs on the tensor-parallel group; "
+                f"{plugin}: sequence_parallelism_mode={chosen.value!r} runs on the tensor-parallel group; "
                 f"sp_size must be 1 or None, got {sp_size}"
             )
         return chosen, 1
     sp = 1 if sp_size is None else sp_size
     if not isinstance(sp, int) or sp < 1:
-        raise ValueError(f"HybridParallelPlugin: sp_size must be a positive integer, got {sp_size!r}")
+        raise ValueError(f"{plugin}: sp_size must be a positive integer, got {sp_size!r}")
     return chosen, sp
 
 
-def _check_pipeline(pipeline: PipelineOptions, pp_size: int) -> None:
+def _check_pipeline(pipeline: PipelineOptions, pp_size: int, plugin: str) -> None:
     style, chunks = pipeline.style, pipeline.num_model_chunks
     if pp_size == 1:
         return
     if pipeline.num_microbatches is None and pipeline.microbatch_size is None:
-        raise ValueError(
-            "HybridParallelPlugin: pipeline parallelism (pp_size > 1) needs num_microbatches or microbatch_size"
-        )
+        raise ValueError(f"{plugin}: pipeline parallelism (pp_size > 1) needs num_microbatches or microbatch_size")
     for name in ("num_microbatches", "microbatch_size"):
         value = getattr(pipeline, name)
         if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"HybridParallelPlugin: {name} must be a positive integer, got {value!r}")
+            raise ValueError(f"{plugin}: {name} must be a positive integer, got {value!r}")
     if style is PipelineStyle.ONE_F_ONE_B and chunks != 1:
-        raise ValueError(f"HybridParallelPlugin: pp_style='1f1b' holds one chunk per stage; num_model_chunks={chunks}")
+        raise ValueError(f"{plugin}: pp_style='1f1b' holds one chunk per stage; num_model_chunks={chunks}")
     if style is PipelineStyle.INTERLEAVED and chunks < 2:
-        raise ValueError(f"HybridParallelPlugin: pp_style='interleaved' needs num_model_chunks >= 2, got {chunks}")
+        raise ValueError(f"{plugin}: pp_style='interleaved' needs num_model_chunks >= 2, got {chunks}")
     if style is PipelineStyle.ZBV and chunks != 2:
-        raise ValueError(f"HybridParallelPlugin: pp_style='zbv' needs num_model_chunks=2 (the V), got {chunks}")
+        raise ValueError(f"{plugin}: pp_style='zbv' needs num_model_chunks=2 (the V), got {chunks}")
 
 
-def parse_pipeline_style(value: str) -> PipelineStyle:
+def parse_pipeline_style(value: str, plugin: str) -> PipelineStyle:
     try:
         return PipelineStyle(value)
     except ValueError:
         raise ValueError(
-            f"HybridParallelPlugin: unknown pp_style {value!r}; accepted: {[s.value for s in PipelineStyle]}"
+            f"{plugin}: unknown pp_style {value!r}; accepted: {[s.value for s in PipelineStyle]}"
         ) from None
+
+
+def check_custom_policy(policy: object, plugin: str) -> Policy | None:
+    """`custom_policy` must be None or a cx_shardformer `Policy` instance: a name or a class fails here, naming both,
+    instead of deep in the sharder at boost."""
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, type) and issubclass(policy, Policy):
+        raise TypeError(
+            f"{plugin}: custom_policy must be a Policy instance, got the class {policy.__name__}; pass "
+            f"custom_policy={policy.__name__}()"
+        )
+    raise TypeError(
+        f"{plugin}: custom_policy must be a cx_shardformer Policy instance (e.g. cx_shardformer.policies."
+        f"LlamaForCausalLMPolicy()) or None, got {type(policy).__name__} {reprlib.repr(policy)}"
+    )

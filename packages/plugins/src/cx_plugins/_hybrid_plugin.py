@@ -40,6 +40,7 @@ from cx_plugins._hybrid_options import (
     PipelineStyle,
     SequenceParallelism,
     ZeroOptions,
+    check_custom_policy,
     parse_pipeline_style,
 )
 from cx_plugins._layout import FILL, Axis, ParallelLayout
@@ -108,14 +109,16 @@ class HybridParallelPlugin(ZeroPluginBase):
         use_fp8: bool = False,
     ) -> None:
         super().__init__()
+        name = type(self).__name__  # errors name the plugin the user built (MoeHybridParallelPlugin extends this one)
         if fp8_communication or use_fp8:
             which = "fp8_communication" if fp8_communication else "use_fp8"
-            raise NotImplementedError(f"HybridParallelPlugin({which}=True): fp8 is not supported by cx yet")
+            raise NotImplementedError(f"{name}({which}=True): fp8 is not supported by cx yet")
         if inner_ring_size is not None:
             raise NotImplementedError(
-                f"HybridParallelPlugin(inner_ring_size={inner_ring_size}): double-ring attention is not supported by "
-                "cx; leave inner_ring_size=None (ring_attn runs one ring over the sp group)"
+                f"{name}(inner_ring_size={inner_ring_size}): double-ring attention is not supported by cx; leave "
+                "inner_ring_size=None (ring_attn runs one ring over the sp group)"
             )
+        custom_policy = check_custom_policy(custom_policy, name)
         shardformer = ShardFormerOptions(
             enable_all_optimization=enable_all_optimization,
             enable_fused_normalization=enable_fused_normalization,
@@ -158,7 +161,7 @@ class HybridParallelPlugin(ZeroPluginBase):
                 overlap_allgather=overlap_allgather,
             ),
             pipeline=PipelineOptions(
-                style=parse_pipeline_style(pp_style),
+                style=parse_pipeline_style(pp_style, name),
                 num_microbatches=num_microbatches,
                 microbatch_size=microbatch_size,
                 num_model_chunks=num_model_chunks,
@@ -166,12 +169,13 @@ class HybridParallelPlugin(ZeroPluginBase):
                 enable_metadata_cache=enable_metadata_cache,
                 overlap_p2p=overlap_p2p,
             ),
+            plugin=name,
         )
-        _refuse_unsupported(options)
+        _refuse_unsupported(options, name)
         self.options = options
         self.custom_policy = custom_policy
         assert_same_across_ranks(
-            (options, type(custom_policy).__name__ if custom_policy else None), what="HybridParallelPlugin options"
+            (options, type(custom_policy).__name__ if custom_policy else None), what=f"{name} options"
         )
         self.layout = self._build_layout(options)
         idle = options.idle_arguments()
@@ -273,7 +277,7 @@ class HybridParallelPlugin(ZeroPluginBase):
         lr_scheduler: LRScheduler | None = None,
     ) -> Boosted:
         if isinstance(model, ModelWrapper):
-            raise ValueError("HybridParallelPlugin.configure: the model is already boosted")
+            raise ValueError(f"{type(self).__name__}.configure: the model is already boosted")
         o = self.options
         original_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
         before = {id(p): name for name, p in model.named_parameters()}  # to follow parameters ShardFormer replaces
@@ -285,14 +289,17 @@ class HybridParallelPlugin(ZeroPluginBase):
             o.precision.dtype,
             get_accelerator().current_device(),
             LazyModel(model) if is_lazy(model) else None,
+            plugin=type(self).__name__,
         )
         if optimizer is not None:
             _repoint_replaced(optimizer, before, composed.module)
-            _require_model_parameters(optimizer, composed.names)
+            _require_model_parameters(optimizer, composed.names, type(self).__name__)
         grad_group = self._gradient_group()
         self._broadcast_states(composed, grad_group)
         held_names = frozenset(composed.names[id(p)] for p in composed.held)
-        boosted = HybridParallelModule(composed.module, self.layout, composed.pipeline, held_names)
+        boosted = HybridParallelModule(
+            composed.module, self.layout, composed.pipeline, held_names, compute_dtype=o.precision.dtype
+        )
         wrapped: OptimizerWrapper | None = None
         if optimizer is not None:
             if o.zero.stage == 0:
@@ -404,8 +411,9 @@ class HybridParallelPlugin(ZeroPluginBase):
             )
         if optimizer is not None and not isinstance(optimizer, HybridParallelOptimizer | HybridZeroOptimizer):
             raise TypeError("execute_pipeline needs the optimizer booster.boost returned (or None)")
+        batches = map(model.cast_inputs, data_iter)  # floating inputs in the training precision, as model(...) does
         return self.schedule.forward_backward_step(
-            model.pipeline, data_iter, criterion, optimizer, return_loss=return_loss, return_outputs=return_outputs
+            model.pipeline, batches, criterion, optimizer, return_loss=return_loss, return_outputs=return_outputs
         )
 
     def no_sync(
@@ -450,24 +458,22 @@ def _repoint_replaced(optimizer: Optimizer, before: dict[int, str], module: nn.M
         ]
 
 
-def _require_model_parameters(optimizer: Optimizer, names: dict[int, str]) -> None:
+def _require_model_parameters(optimizer: Optimizer, names: dict[int, str], plugin: str) -> None:
     """Every parameter the optimizer trains must be the model's (other stages' ones are dropped, so a stranger
     would be dropped silently too)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     strangers = [i for i, p in enumerate(params) if id(p) not in names]
     if strangers:
         raise ValueError(
-            f"HybridParallelPlugin: the optimizer holds parameters (positions {strangers[:10]}) that are not the "
+            f"{plugin}: the optimizer holds parameters (positions {strangers[:10]}) that are not the "
             "model's; build it from model.parameters() before booster.boost"
         )
 
 
-def _refuse_unsupported(options: HybridParallelOptions) -> None:
+def _refuse_unsupported(options: HybridParallelOptions, plugin: str) -> None:
     """Combinations cx has not built or tested, refused before anything is set up."""
     if options.zero.cpu_offload and options.zero.stage == 0:
-        raise ValueError(
-            "HybridParallelPlugin: cpu_offload offloads ZeRO's optimizer state: it needs zero_stage 1 or 2"
-        )
+        raise ValueError(f"{plugin}: cpu_offload offloads ZeRO's optimizer state: it needs zero_stage 1 or 2")
 
 
 def _pipeline(layout: ParallelLayout, o: PipelineOptions) -> tuple[PipelineStageManager, PipelineSchedule]:
