@@ -17,6 +17,7 @@ layout load them. Optimizer state is by parameter name (`state.<param>.<key>`), 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -39,9 +40,11 @@ from cx_checkpoint import (
     OptimizerMeta,
     Region,
     TensorSpec,
+    check_optimizer_class,
     file_names,
     hf_side_files,
     load_into,
+    optimizer_class_name,
     optimizer_tensor_name,
     read_optimizer_meta,
     require_names,
@@ -287,11 +290,12 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
     ) -> None:
         view, face = self._pair(optimizer)
         self._refuse_async(use_async, "the optimizer")
+        kind = _class_of(optimizer)
         if shard:
-            self._write_optimizer(view, face, checkpoint, prefix, size_per_shard)
+            self._write_optimizer(view, face, checkpoint, prefix, size_per_shard, kind)
             return
         parts = self._parts_dir(checkpoint)
-        self._write_optimizer(view, face, parts, None, 1024)
+        self._write_optimizer(view, face, parts, None, 1024, kind)
 
         def merge() -> None:
             try:
@@ -310,6 +314,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         directory: Path,
         prefix: str | None,
         size_per_shard: float,
+        optimizer_class: str | None,
     ) -> None:
         state_dict = face.state_dict_by_name()  # collective over the data-parallel group
         plan = StagePlan.build(view)
@@ -333,7 +338,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         ]
         mine = OptimizerMeta(groups, described) if plan.gathers else None
         meta = _merge_descriptions(mine, list(dict(view.unwrap().named_parameters())))
-        meta = with_scaler(meta, state_dict.get("grad_scaler"))
+        meta = with_scaler(dataclasses.replace(meta, optimizer_class=optimizer_class), state_dict.get("grad_scaler"))
         json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
         text = meta.to_json()
         write_sharded(
@@ -357,6 +362,8 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
             with CheckpointReader.open(checkpoint, CheckpointKind.OPTIMIZER, prefix) as reader:
                 meta = read_optimizer_meta(reader)
                 require_names(meta, str(checkpoint))  # stages and TP shards are matched by name
+                if isinstance(optimizer, torch.optim.Optimizer):  # another class's state would fail inside step()
+                    check_optimizer_class(meta, optimizer, str(checkpoint))
                 meta, scaler = split_scaler(meta)
                 state: dict[str, dict[str, Any]] = {}
                 for name, entries in meta.state.items():
@@ -383,6 +390,12 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
 
         _agree_load(read, f"reading the optimizer from {checkpoint}")
         face.load_state_dict_by_name(loaded[0])
+
+
+def _class_of(optimizer: torch.optim.Optimizer) -> str | None:
+    """The class recorded in the description: the user's torch optimizer the plugin was given (what a load into
+    another class checks against, as GeneralCheckpointIO does); None for a by-name face that is not one."""
+    return optimizer_class_name(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
 
 
 def _require_same_entries(stage: int, state: dict[str, dict[str, Any]], order: list[str], gathers: bool) -> None:
