@@ -17,7 +17,7 @@ from pathlib import Path
 from cx_checkpoint._errors import CheckpointIndexError, CheckpointNotFoundError
 from cx_checkpoint._json_codec import parse_json
 
-__all__ = ["CheckpointIndexFile"]
+__all__ = ["CheckpointIndexFile", "is_plain_file_name"]
 
 _CHECKSUMS = "cx_checksums"
 
@@ -103,7 +103,7 @@ class CheckpointIndexFile:
             )
         weight_map: dict[str, str] = {}
         for name, file_name in data["weight_map"].items():
-            if not isinstance(file_name, str) or not _is_plain_file_name(file_name):
+            if not isinstance(file_name, str) or not is_plain_file_name(file_name):
                 raise CheckpointIndexError(
                     f"index {where}: tensor {name!r} maps to {file_name!r}, which is not a plain file name in the "
                     "checkpoint directory"
@@ -117,5 +117,6 @@ class CheckpointIndexFile:
         return cls(weight_map, int(total) if total is not None else -1, dict(checksums))
 
 
-def _is_plain_file_name(name: str) -> bool:
+def is_plain_file_name(name: str) -> bool:
+    """A file name directly inside the checkpoint directory (no separator, not `.` or `..`)."""
     return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")

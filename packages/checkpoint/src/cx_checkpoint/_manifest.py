@@ -16,6 +16,7 @@ from pathlib import Path
 from cx_checkpoint._atomic import write_file_atomic
 from cx_checkpoint._checksum import checksum_of
 from cx_checkpoint._errors import ChecksumMismatchError, CorruptShardError, MissingShardError
+from cx_checkpoint._index import is_plain_file_name
 from cx_checkpoint._json_codec import parse_json
 
 __all__ = ["CHECKSUMS_FILE", "check_manifest", "manifest_files", "record_checksums"]
@@ -31,7 +32,7 @@ def record_checksums(directory: str | os.PathLike[str], names: Iterable[str]) ->
     manifest = folder / CHECKSUMS_FILE
     files = manifest_files(manifest) if manifest.exists() else {}
     for name in names:
-        if not _plain(name) or name == CHECKSUMS_FILE:
+        if not is_plain_file_name(name) or name == CHECKSUMS_FILE:
             raise ValueError(f"record_checksums: {name!r} is not a plain file name in {folder}")
         files[name] = checksum_of((folder / name).read_bytes())
     text = json.dumps({"format": _FORMAT, "files": dict(sorted(files.items()))}, indent=2) + "\n"
@@ -65,11 +66,7 @@ def manifest_files(manifest: Path) -> dict[str, str]:
     data = parse_json(manifest.read_bytes(), str(manifest), CorruptShardError, "checksum manifest")
     files = data.get("files") if isinstance(data, dict) and data.get("format") == _FORMAT else None
     if not isinstance(files, dict) or not all(
-        isinstance(k, str) and _plain(k) and isinstance(v, str) for k, v in files.items()
+        isinstance(k, str) and is_plain_file_name(k) and isinstance(v, str) for k, v in files.items()
     ):
         raise CorruptShardError(f"{manifest}: not a {_FORMAT} manifest (a 'files' object of name -> checksum)")
     return dict(files)
-
-
-def _plain(name: str) -> bool:
-    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")

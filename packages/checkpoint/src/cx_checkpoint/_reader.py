@@ -50,7 +50,7 @@ from cx_checkpoint._files import (
     read_safetensors_header,
     sniff_format,
 )
-from cx_checkpoint._index import CheckpointIndexFile
+from cx_checkpoint._index import CheckpointIndexFile, is_plain_file_name
 from cx_checkpoint._naming import CheckpointKind, FileFormat, FileNames, file_names
 from cx_checkpoint._protocols import Region, TensorSpec
 
@@ -333,7 +333,7 @@ class CheckpointReader:
             names.add(index_name.removesuffix(".safetensors.index.json") + ".json")
         found: dict[str, bytes] = {}
         for name in sorted(names):
-            if not _is_plain_name(name):
+            if not is_plain_file_name(name):
                 raise CheckpointIndexError(
                     f"{directory_path / index_name}: checksum recorded for {name!r}, which is not a plain file name "
                     "in the checkpoint directory"
@@ -594,10 +594,6 @@ def _close_all(files: Mapping[str, _OpenFile]) -> None:
             opened.header = None
     if isinstance(files, dict):
         files.clear()
-
-
-def _is_plain_name(name: str) -> bool:
-    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
 
 
 def _check_kind(path: Path, metadata: Mapping[str, str], kind: CheckpointKind) -> None:

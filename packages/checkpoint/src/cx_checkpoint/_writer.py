@@ -134,7 +134,8 @@ def write_sharded(
 
     With `group`, this is collective: every rank of the group calls it with its own (disjoint) tensors and they are
     written in parallel into one checkpoint (the directory must be on a file system all ranks share). `extra_files`
-    is called with the staging directory on rank 0 to add side files (configs, optimizer JSON) before the commit.
+    is called with the staging directory on rank 0 to add side files (configs, optimizer JSON) before the commit;
+    their checksums go into the index with the shards', so verification covers them too.
     """
     target = Path(directory)
     prefix = prefix or None  # "" is no prefix (ColossalAI's add_prefix), also for the ranks' agreement below
