@@ -3,7 +3,8 @@
 Every package's distributed tests use this. See docs/mesh.md for examples. ColossalAI's `colossalai.testing` helpers
 (`parameterize`, `rerun_if_address_is_in_use`, `clear_cache_before_run`, `spawn(func, nprocs)`,
 `check_state_dict_equal`, `assert_close_loose`, `free_port`, `seed_all`) are here too, so its tests move by changing
-imports.
+imports. Tolerances for comparing a parallel run with one process follow from the arithmetic (`sum_tolerance`,
+`adam_parameter_tolerance`, `TEST_ADAM_EPS`; the derivation is in `_tolerances`).
 """
 
 from cx_mesh.testing._colossalai import (
@@ -20,11 +21,22 @@ from cx_mesh.testing._processes import DistributedTestFailure
 from cx_mesh.testing._pytest import distributed
 from cx_mesh.testing._seeding import seed_all
 from cx_mesh.testing._spawn import DEFAULT_TIMEOUT_SECONDS, run_distributed, spawn
+from cx_mesh.testing._tolerances import (
+    TEST_ADAM_EPS,
+    adam_parameter_tolerance,
+    adam_step_tolerance,
+    sum_tolerance,
+    tiny_model_adam_tolerance,
+    unit_roundoff,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "DistributedTestFailure",
+    "TEST_ADAM_EPS",
     "PerTestCache",
+    "adam_parameter_tolerance",
+    "adam_step_tolerance",
     "assert_close_loose",
     "check_state_dict_equal",
     "clear_cache_before_run",
@@ -36,4 +48,7 @@ __all__ = [
     "seed_all",
     "shutdown_pools",
     "spawn",
+    "sum_tolerance",
+    "tiny_model_adam_tolerance",
+    "unit_roundoff",
 ]
