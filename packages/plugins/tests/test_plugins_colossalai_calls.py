@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cx_mesh.testing import distributed
+from cx_mesh.testing import TEST_ADAM_EPS, distributed
 from cx_plugins import Booster, HybridParallelPlugin, ModelWrapper
 from cx_plugins._gemini_plugin import GeminiModel
 from cx_plugins._hybrid_optimizer import HybridParallelOptimizer
@@ -24,7 +24,7 @@ def test_gemini_parameters_keep_their_shape_and_state_dict_takes_only_rank_0(ran
     shapes = {n: p.shape for n, p in plain.named_parameters()}
     count = sum(p.numel() for p in plain.parameters())
     booster = Booster(plugin=make_plugin("gemini"))
-    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=TEST_ADAM_EPS))
     assert optimizer is not None
     assert isinstance(model, GeminiModel)
     # ColossalAI's scripts count parameters after boost (TFLOPS lines, size_per_shard arithmetic)
@@ -56,7 +56,7 @@ def test_gemini_parameters_keep_their_shape_and_state_dict_takes_only_rank_0(ran
 def test_backward_by_grad_trains_like_backward(rank: int, world_size: int, plugin: str) -> None:
     booster = Booster(plugin=make_plugin(plugin))
     plain = GPT(CONFIG, seed=0)
-    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=TEST_ADAM_EPS))
     assert optimizer is not None
     assert isinstance(model, ModelWrapper)
     batches = data(2)
@@ -127,7 +127,7 @@ def test_hybrid_master_maps_are_inverse(rank: int, world_size: int) -> None:
 def test_checkpoint_calls_in_colossalai_argument_order(rank: int, world_size: int, tmp_path: Path) -> None:
     booster = Booster(plugin=make_plugin("zero2"))
     plain = GPT(CONFIG, seed=0)
-    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=TEST_ADAM_EPS))
     assert optimizer is not None
     mine = data(1)[0][rank * 2 : rank * 2 + 2]
     booster.backward(model(mine, labels=mine), optimizer)
@@ -138,7 +138,7 @@ def test_checkpoint_calls_in_colossalai_argument_order(rank: int, world_size: in
     booster.checkpoint_io._sync_io()
     plain2 = GPT(CONFIG, seed=4)
     booster2 = Booster(plugin=make_plugin("zero2"))
-    model2, optimizer2, *_ = booster2.boost(plain2, torch.optim.AdamW(plain2.parameters(), lr=1e-2))
+    model2, optimizer2, *_ = booster2.boost(plain2, torch.optim.AdamW(plain2.parameters(), lr=1e-2, eps=TEST_ADAM_EPS))
     assert optimizer2 is not None
     assert isinstance(model, ModelWrapper)
     assert isinstance(model2, ModelWrapper)

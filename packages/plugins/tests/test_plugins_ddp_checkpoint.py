@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from cx_checkpoint import CheckpointError, KeyMismatchError
-from cx_mesh.testing import distributed, run_distributed
+from cx_mesh.testing import TEST_ADAM_EPS, distributed, run_distributed, tiny_model_adam_tolerance
 from cx_plugins import Booster, OptimizerWrapper, TorchDDPPlugin
 from cx_plugins._precision import ScaledOptimizer
 from cx_plugins.models import GPT, GPTConfig
@@ -18,8 +18,8 @@ CONFIG = GPTConfig(vocab_size=64, max_positions=8, hidden_size=16, num_layers=1,
 GLOBAL_BATCH, LENGTH, LR = 4, 8, 1e-2
 STEPS_BEFORE, STEPS_AFTER = 2, 3
 # Resumed and uninterrupted runs differ only in how the global batch is split across ranks (summation order of
-# the gradient mean); see test_plugins_ddp.py for why Adam needs an absolute tolerance of lr/100 for that.
-ATOL = LR / 100
+# the gradient mean): with AdamW at TEST_ADAM_EPS that is rounding alone (see cx_mesh.testing's tolerances).
+ATOL = tiny_model_adam_tolerance(LR, STEPS_BEFORE + STEPS_AFTER, tokens=GLOBAL_BATCH * LENGTH)
 
 
 def _data() -> torch.Tensor:
@@ -48,7 +48,7 @@ def _train(
 def _boosted(seed: int) -> tuple[Booster, torch.nn.Module, torch.nn.Module, OptimizerWrapper]:
     booster = Booster(plugin=TorchDDPPlugin())
     plain = GPT(CONFIG, seed=seed)
-    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=LR))
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=LR, eps=TEST_ADAM_EPS))
     assert optimizer is not None
     return booster, plain, model, optimizer
 
@@ -72,7 +72,7 @@ def _resume_phase(rank: int, world_size: int, directory: str, shard: bool, safet
     _train(rank, world_size, model, optimizer, booster, _data()[STEPS_BEFORE:])
 
     reference = GPT(CONFIG, seed=0)
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, eps=TEST_ADAM_EPS)
     for batch in _data():
         reference(batch, labels=batch).backward()
         ref_optimizer.step()
@@ -109,7 +109,7 @@ def test_plugins_ddp_checkpoint_errors(rank: int, world_size: int, tmp_path: Pat
 def _fp16_booster() -> tuple[Booster, torch.nn.Module, OptimizerWrapper]:
     booster = Booster(mixed_precision="fp16", plugin=TorchDDPPlugin())
     plain = GPT(CONFIG, seed=0)
-    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=LR))
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=LR, eps=TEST_ADAM_EPS))
     assert optimizer is not None
     return booster, model, optimizer
 

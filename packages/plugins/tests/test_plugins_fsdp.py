@@ -15,7 +15,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 from cx_checkpoint import GeneralCheckpointIO
-from cx_mesh.testing import distributed
+from cx_mesh.testing import TEST_ADAM_EPS, distributed
 from cx_plugins import Booster, ModelWrapper, OptimizerWrapper, TorchFSDPPlugin
 from cx_plugins.models import GPT
 from plugins_test_helpers import ATOL, CONFIG, GLOBAL_BATCH, LR, RTOL, data
@@ -46,7 +46,7 @@ def _reference(batches: torch.Tensor, world_size: int, dtype: torch.dtype = torc
     """Single-process data parallelism: each rank's micro-batch through a `dtype` copy of the weights, fp32 gradients
     averaged over ranks, AdamW on the fp32 weights."""
     model = GPT(CONFIG, seed=0)
-    optimizer = torch.optim.AdamW(_groups(model), lr=LR)
+    optimizer = torch.optim.AdamW(_groups(model), lr=LR, eps=TEST_ADAM_EPS)
     per_rank = GLOBAL_BATCH // world_size
     for batch in batches:
         grads: dict[str, torch.Tensor] = {}
@@ -77,7 +77,7 @@ def _train(
 def _boost(plugin: TorchFSDPPlugin) -> tuple[Booster, nn.Module, OptimizerWrapper]:
     booster = Booster(plugin=plugin)
     model = GPT(CONFIG, seed=0)
-    boosted, optimizer, *_ = booster.boost(model, torch.optim.AdamW(_groups(model), lr=LR))
+    boosted, optimizer, *_ = booster.boost(model, torch.optim.AdamW(_groups(model), lr=LR, eps=TEST_ADAM_EPS))
     assert optimizer is not None
     return booster, boosted, optimizer
 
@@ -126,7 +126,7 @@ def test_fsdp_no_sync_accumulates_like_one_large_batch(rank: int, world_size: in
             booster.backward(model(mine, labels=mine) / 2, optimizer)
     optimizer.step()
     expected = GPT(CONFIG, seed=0)
-    reference_optimizer = torch.optim.AdamW(_groups(expected), lr=LR)
+    reference_optimizer = torch.optim.AdamW(_groups(expected), lr=LR, eps=TEST_ADAM_EPS)
     for batch in batches:
         (expected(batch, labels=batch) / 2).backward()
     reference_optimizer.step()

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from cx_mesh.testing import distributed
+from cx_mesh.testing import TEST_ADAM_EPS, distributed
 from cx_plugins import Booster, GeminiPlugin
 from plugins_test_helpers import ATOL, RTOL, make_plugin
 
@@ -64,9 +64,11 @@ def test_lora_training_matches_single_process_and_saves_in_peft_format(
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable, "LoRA must leave the adapters trainable"
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
-    boosted, optimizer, *_ = booster.boost(model, torch.optim.AdamW(trainable, lr=LR))
+    boosted, optimizer, *_ = booster.boost(model, torch.optim.AdamW(trainable, lr=LR, eps=TEST_ADAM_EPS))
     assert optimizer is not None
-    reference_optimizer = torch.optim.AdamW([p for p in expected.parameters() if p.requires_grad], lr=LR)
+    reference_optimizer = torch.optim.AdamW(
+        [p for p in expected.parameters() if p.requires_grad], lr=LR, eps=TEST_ADAM_EPS
+    )
     batches = torch.randint(0, 64, (STEPS, GLOBAL_BATCH, LENGTH), generator=torch.Generator().manual_seed(5))
     per_rank = GLOBAL_BATCH // world_size
     for batch in batches:

@@ -6,11 +6,12 @@ matters) in phases: a phase loads the previous phase's checkpoint (into a model 
 the checkpoint can bring them back), trains some steps under one plugin and saves. The reference is one uninterrupted
 single-process run computed in the same test with the same data-parallel semantics per step (each rank's rows with
 their own aux loss, the mean of the ranks' losses), so a resumed run must match it: rank 0's loss every step
-(1e-4 relative) and, through `from_pretrained` of every saved folder, every parameter (1e-4 relative, lr / 100
-absolute: Adam's normalised update turns reduction-order noise into up to ~lr/100), and the saved Adam moments by
-name. bf16 / fp16 with fp32 masters round-trip bit for bit across ep sizes. Then the clear errors: a checkpoint of
-another expert count refused by name for the model and the optimizer; `cx-train --plugin moe_hybrid --ep 2`; and
-pipeline stages x experts, through the plugin and on a test-local composition.
+(1e-4 relative) and, through `from_pretrained` of every saved folder, every parameter (1e-4 relative, and the
+absolute bound of `tiny_model_adam_tolerance`: AdamW runs at TEST_ADAM_EPS, so its step is a smooth function of
+the gradient and layouts differ by rounding alone), and the saved Adam moments by name. bf16 / fp16 with fp32
+masters round-trip bit for bit across ep sizes. Then the clear errors: a checkpoint of another expert count refused
+by name for the model and the optimizer; `cx-train --plugin moe_hybrid --ep 2`; and pipeline stages x experts,
+through the plugin and on a test-local composition.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from cx_checkpoint import (
     optimizer_tensor_name,
     read_optimizer_meta,
 )
-from cx_mesh.testing import distributed, run_distributed
+from cx_mesh.testing import TEST_ADAM_EPS, distributed, run_distributed, tiny_model_adam_tolerance
 from cx_moe import get_moe_info
 from cx_plugins import (
     Booster,
@@ -60,7 +61,8 @@ from hybrid_ckpt_helpers import StagedModel, TorchFace, as_optimizer
 transformers = pytest.importorskip("transformers")
 
 VOCAB, ROWS, LENGTH, LR = 50, 4, 8, 1e-2
-RTOL, ATOL = 1e-4, LR / 100
+# AdamW at TEST_ADAM_EPS: layouts differ by rounding alone, bounded for the tests' runs of up to 6 steps
+RTOL, ATOL = 1e-4, tiny_model_adam_tolerance(LR, steps=6, tokens=ROWS * LENGTH)
 TIMEOUT = 300.0  # seconds per distributed phase: four ranks on a shared two-core machine can take minutes to start
 
 
@@ -177,7 +179,7 @@ def _run_phase(rank: int, world_size: int, model: str, phase: Phase, directory: 
             for param in module.parameters():
                 param.mul_(0.5)
     booster = Booster(plugin=plugin)
-    boosted, optimizer, *_ = booster.boost(module, torch.optim.AdamW(module.parameters(), lr=LR))
+    boosted, optimizer, *_ = booster.boost(module, torch.optim.AdamW(module.parameters(), lr=LR, eps=TEST_ADAM_EPS))
     assert optimizer is not None
     if isinstance(plugin, MoeHybridParallelPlugin) and plugin.ep_size > 1:
         assert isinstance(boosted, HybridParallelModule)
@@ -229,7 +231,7 @@ def reference(model: str, phases: list[Phase]) -> tuple[dict[int, dict[str, Any]
     """The uninterrupted run: per step, the mean of the dp pieces' losses (each with its own aux loss) of that
     step's phase. Returns the snapshots (parameters, Adam state by name) at each phase's end and rank 0's losses."""
     module = MODELS[model]()
-    optimizer = torch.optim.AdamW(module.named_parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(module.named_parameters(), lr=LR, eps=TEST_ADAM_EPS)
     snapshots: dict[int, dict[str, Any]] = {}
     losses = []
     for phase in phases:
@@ -357,7 +359,7 @@ def test_plugins_moe_checkpoint_mismatch_is_named(rank: int, world_size: int, tm
     folder = tmp_path / "eight"
     booster = Booster(plugin=_moe(2, 1)())
     eight = mixtral(experts=8)
-    boosted, optimizer, *_ = booster.boost(eight, torch.optim.AdamW(eight.parameters(), lr=LR))
+    boosted, optimizer, *_ = booster.boost(eight, torch.optim.AdamW(eight.parameters(), lr=LR, eps=TEST_ADAM_EPS))
     assert optimizer is not None
     booster.backward(boosted(input_ids=rows(0)[:2], labels=rows(0)[:2]).loss, optimizer)
     optimizer.step()
@@ -366,7 +368,7 @@ def test_plugins_moe_checkpoint_mismatch_is_named(rank: int, world_size: int, tm
 
     other = Booster(plugin=_moe(2, 0)())  # zero 0: the torch optimizer itself would not check shapes
     four = mixtral(experts=4)
-    boosted4, optimizer4, *_ = other.boost(four, torch.optim.AdamW(four.parameters(), lr=LR))
+    boosted4, optimizer4, *_ = other.boost(four, torch.optim.AdamW(four.parameters(), lr=LR, eps=TEST_ADAM_EPS))
     assert optimizer4 is not None
     with pytest.raises(TensorMismatchError, match=r"mlp\.experts\.gate_up_proj") as model_error:
         other.load_model(boosted4, folder / "model")
@@ -383,7 +385,7 @@ def test_plugins_moe_checkpoint_unequal_state_is_named(rank: int, world_size: in
     is refused by name on every rank before any gather (no hang, no file)."""
     booster = Booster(plugin=_moe(2, 0)())
     module = mixtral()
-    boosted, optimizer, *_ = booster.boost(module, torch.optim.AdamW(module.parameters(), lr=LR))
+    boosted, optimizer, *_ = booster.boost(module, torch.optim.AdamW(module.parameters(), lr=LR, eps=TEST_ADAM_EPS))
     assert isinstance(optimizer, HybridParallelOptimizer)
     assert isinstance(boosted, HybridParallelModule)
     booster.backward(boosted(input_ids=rows(0)[:2], labels=rows(0)[:2]).loss, optimizer)
@@ -452,7 +454,7 @@ def _round_trip_phase(
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=ep, precision=precision, zero_stage=zero)
     module = mixtral()
     booster = Booster(plugin=plugin)
-    boosted, optimizer, *_ = booster.boost(module, torch.optim.AdamW(module.parameters(), lr=LR))
+    boosted, optimizer, *_ = booster.boost(module, torch.optim.AdamW(module.parameters(), lr=LR, eps=TEST_ADAM_EPS))
     assert optimizer is not None
     if source is None:
         dp_rank, dp_size = plugin.data_parallel_rank_and_size()
@@ -570,7 +572,7 @@ def test_plugins_moe_checkpoint_pipeline_stages_with_experts(rank: int, world_si
     dist.barrier()
     if rank == 0:
         reference = mixtral()
-        optimizer = torch.optim.AdamW(reference.named_parameters(), lr=LR)
+        optimizer = torch.optim.AdamW(reference.named_parameters(), lr=LR, eps=TEST_ADAM_EPS)
         for param in reference.parameters():
             param.grad = param.detach().clone()
         optimizer.step()

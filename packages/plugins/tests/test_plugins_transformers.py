@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from cx_mesh.testing import distributed
+from cx_mesh.testing import TEST_ADAM_EPS, distributed
 from cx_plugins import Booster
 from plugins_test_helpers import ATOL, RTOL, full_state, make_plugin
 
@@ -44,9 +44,9 @@ def test_plugins_transformers_gpt2(rank: int, world_size: int, plugin: str) -> N
     model = _gpt2()
     expected = copy.deepcopy(model)
     booster = Booster(plugin=make_plugin(plugin))
-    boosted, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    boosted, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=TEST_ADAM_EPS))
     assert optimizer is not None
-    reference_optimizer = torch.optim.AdamW(expected.parameters(), lr=LR)
+    reference_optimizer = torch.optim.AdamW(expected.parameters(), lr=LR, eps=TEST_ADAM_EPS)
     per_rank = GLOBAL_BATCH // world_size
     for batch in _batches():
         mine = batch[rank * per_rank : (rank + 1) * per_rank]
