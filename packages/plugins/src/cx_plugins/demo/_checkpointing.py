@@ -13,7 +13,7 @@ format.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch.distributed as dist
@@ -29,20 +29,9 @@ from cx_checkpoint import (
 )
 from cx_plugins._booster import Booster
 from cx_plugins._wrappers import OptimizerWrapper
+from cx_plugins.demo._trainer_state import STATE_FILE, TrainerState, read_trainer_state
 
 __all__ = ["TrainerState", "load_checkpoint", "save_checkpoint"]
-
-_STATE_FILE = "trainer.json"
-
-
-@dataclass(frozen=True)
-class TrainerState:
-    step: int
-    plugin: str
-    world_size: int
-    model: str = "gpt"  # --model of the run that wrote it (checkpoints from before --model existed are the GPT's)
-    hidden_size: int | None = None  # the built-in models' sizes (None for a model folder, which has its own)
-    num_layers: int | None = None
 
 
 def save_checkpoint(
@@ -63,21 +52,16 @@ def save_checkpoint(
     booster.synchronize()
 
     def commit() -> None:
-        (staging / _STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
-        fsync_file(staging / _STATE_FILE)
-        record_checksums(staging, [_STATE_FILE])  # cx-checkpoint-verify checks trainer.json too
+        (staging / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+        fsync_file(staging / STATE_FILE)
+        record_checksums(staging, [STATE_FILE])  # cx-checkpoint-verify checks trainer.json too
         commit_directory(staging, directory)  # model, optimizer and trainer.json become visible at once
 
     run_and_agree(commit if master else None, f"committing the checkpoint {directory}")
 
 
 def load_checkpoint(booster: Booster, model: nn.Module, optimizer: OptimizerWrapper, directory: Path) -> TrainerState:
-    state_path = directory / _STATE_FILE
-    if not state_path.is_file():
-        raise FileNotFoundError(
-            f"--resume {directory}: no {_STATE_FILE} there; it is not a complete cx-train checkpoint"
-        )
-    state = TrainerState(**json.loads(state_path.read_text()))
+    state = read_trainer_state(directory)  # checked before any process started; again here for direct callers
     booster.load_model(model, directory / "model")
     booster.load_optimizer(optimizer, directory / "optimizer")
     return state
