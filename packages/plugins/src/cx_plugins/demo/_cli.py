@@ -1,24 +1,52 @@
-"""`cx-train`: start N local ranks through torch's elastic launcher (torchrun), or act as one rank under it."""
+"""`cx-train`: start N local ranks through torch's elastic launcher (torchrun), or act as one rank under it.
+
+Before any process starts, the flags are validated and a `--resume` checkpoint verified. Ctrl-C stops the run
+cleanly: the launcher passes SIGINT on to the ranks once (later ones are ignored while they stop), the ranks stop
+together at the next step boundary and rank 0 prints one line (the step reached, what was saved); any staging
+directory of an unfinished save is removed. Exit status: 0 trained, 2 refused flags or checkpoint (nothing ran),
+130 interrupted.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import SignalException
 
-from cx_plugins.demo._options import parse_options
+from cx_checkpoint import remove_stale_staging
+from cx_plugins.demo._options import DemoOptions, parse_options
+from cx_plugins.demo._verification import verification_problem
 
 __all__ = ["main"]
 
+INTERRUPTED = 128 + signal.SIGINT  # the shell's status of a process stopped by Ctrl-C
 
-def _run_rank(argv: Sequence[str]) -> int:
+
+def _run_rank(argv: Sequence[str], launched_here: bool) -> int:
+    from cx_plugins.demo._interrupt import Interrupted, install_stop_handler
     from cx_plugins.demo._train import train
 
+    install_stop_handler()
     options = parse_options(argv, world_size=int(os.environ["WORLD_SIZE"]))  # the layout of the real world
-    losses = train(options)
+    if not launched_here and not _verified(options):  # under an outside torchrun, no launcher verified it
+        return 2
+    try:
+        losses = train(options)
+    except Interrupted as stopped:
+        if dist.get_rank() == 0:
+            if options.save is not None:
+                remove_stale_staging(options.save)
+            print(f"cx-train: {stopped}", file=sys.stderr, flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        return INTERRUPTED
     if dist.get_rank() == 0 and len(losses) >= 20:
         first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
         print(f"cx-train: loss {first:.3f} -> {last:.3f}", flush=True)
@@ -27,23 +55,64 @@ def _run_rank(argv: Sequence[str]) -> int:
     return 0
 
 
+def _verified(options: DemoOptions) -> bool:
+    """Verify a `--resume` checkpoint unless `--no-verify`; prints the problem and returns False when it fails."""
+    if options.resume is None or not options.verify:
+        return True
+    problem = verification_problem(options.resume)
+    if problem is not None:
+        print(f"cx-train: error: {problem}", file=sys.stderr, flush=True)
+    return problem is None
+
+
+def _stop_once(signum: int, frame: FrameType | None) -> None:
+    """The launcher's SIGINT: torch's agent passes it on to the ranks and waits for them (SignalException); a second
+    Ctrl-C while they stop is ignored (the agent still kills ranks that do not stop within its shutdown timeout)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in list(logging.root.manager.loggerDict):  # its warnings about the shutdown it is asked for
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    raise SignalException("cx-train: interrupted", sigval=signal.Signals(signum))
+
+
 _ARGS_VARIABLE = "CX_TRAIN_ARGS"  # flags travel to the ranks here: torchrun's own parser would claim some of them
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if _ARGS_VARIABLE in os.environ and not arguments:
+        launched_here = _ARGS_VARIABLE in os.environ
+        if launched_here and not arguments:
             arguments = json.loads(os.environ[_ARGS_VARIABLE])
-        code = _run_rank(arguments)
+        code = _run_rank(arguments, launched_here)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # skip interpreter teardown: torch 2.13 CPU can abort there after a clean run
     options = parse_options(arguments)  # validate flags before starting any process
+    if not _verified(options):
+        return 2
     from torch.distributed.run import main as torchrun
 
-    launcher = ["--standalone", "--nproc_per_node", str(options.nproc), "-m", "cx_plugins.demo"]
+    launcher = [
+        "--standalone",
+        "--nproc_per_node",
+        str(options.nproc),
+        "--signals_to_handle",  # SIGINT is handled here (_stop_once), not by the agent's own handler
+        "SIGTERM,SIGHUP,SIGQUIT",
+        "-m",
+        "cx_plugins.demo",
+    ]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[_ARGS_VARIABLE] = json.dumps(arguments)
-    torchrun(launcher)
+    previous = signal.signal(signal.SIGINT, _stop_once)
+    try:
+        torchrun(launcher)
+    except SignalException as error:
+        if error.sigval != signal.SIGINT:
+            raise
+        if options.save is not None:
+            remove_stale_staging(options.save)  # a rank killed mid-save leaves its staging directory
+        return INTERRUPTED
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return 0

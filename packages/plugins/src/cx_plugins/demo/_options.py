@@ -1,29 +1,34 @@
 """The demo's command line, parsed and validated once into a frozen `DemoOptions`.
 
 Everything that can be checked before a process starts is checked here, with errors that name the flag and the
-values that would work: the flags against the plugin, the parallel layout against the world size, and `--model`
-against the data (its config and tokenizer are read, no weights).
+values that would work: the flags against the plugin, the `--save` / `--resume` paths and the resumed `trainer.json`
+(`_paths`), the parallel layout against the world size, and `--model` against the data (its config and tokenizer are
+read, no weights). The flags themselves, their value types and --help are `_parser`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import cx_plugins
 from cx_plugins.demo._models import GPT_MODEL, MODEL_CHOICES, PRESETS, DemoModel, ModelError, ModelSpec, describe_model
+from cx_plugins.demo._parser import (
+    DEFAULT_HIDDEN,
+    DEFAULT_LAYERS,
+    HYBRID_CLASSES,
+    PLUGINS,
+    PP_STYLES,
+    build_parser,
+    join_negative_values,
+)
+from cx_plugins.demo._paths import resume_problem, save_problem
 
 __all__ = ["HYBRID_CLASSES", "PLUGINS", "DemoOptions", "parse_options", "plugin_missing"]
-
-HYBRID_CLASSES = {"hybrid": "HybridParallelPlugin", "moe_hybrid": "MoeHybridParallelPlugin"}
-PLUGINS = ("gemini", "low_level_zero", "torch_ddp", "torch_fsdp", *HYBRID_CLASSES)
-PRECISIONS = ("fp32", "bf16", "fp16")
-PP_STYLES = ("1f1b", "interleaved")
-_DEFAULT_HIDDEN, _DEFAULT_LAYERS = 128, 2
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class DemoOptions:
     save: Path | None
     save_every: int
     resume: Path | None
+    verify: bool = True  # --resume checks the checkpoint's checksums first (--no-verify skips it)
     model: str = GPT_MODEL  # "gpt", a preset name, or a transformers model folder
     tp: int = 1
     pp: int = 1
@@ -66,63 +72,6 @@ def plugin_missing(plugin: str) -> str | None:
     if name is None or hasattr(cx_plugins, name):
         return None
     return f"--plugin {plugin}: {name} is not available yet in this cx-plugins ({cx_plugins.__version__})"
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="cx-train",
-        description="Train a language model on an embedded text dataset with a chosen plugin on N local processes.",
-    )
-    parser.add_argument(
-        "--plugin", choices=PLUGINS, default=PLUGINS[0], help="parallel strategy (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--model",
-        default=GPT_MODEL,
-        metavar="{" + ",".join(MODEL_CHOICES) + "} or DIR",
-        help="cx's reference GPT (default), a tiny transformers preset built from a config (no download), "
-        "or a local transformers model folder (config.json and weights; its tokenizer when present)",
-    )
-    parser.add_argument("--nproc", type=_positive, default=2, help="processes on this machine (default: %(default)s)")
-    parser.add_argument("--steps", type=_positive, default=200, help="optimizer steps (default: %(default)s)")
-    parser.add_argument("--batch-size", type=_positive, default=8, help="sequences per data-parallel rank per step")
-    parser.add_argument("--seq-len", type=_positive, default=64, help="tokens per sequence")
-    parser.add_argument(
-        "--hidden-size", type=_positive, default=None, help=f"built-in models (default {_DEFAULT_HIDDEN})"
-    )
-    parser.add_argument(
-        "--num-layers", type=_positive, default=None, help=f"built-in models (default {_DEFAULT_LAYERS})"
-    )
-    parser.add_argument("--lr", type=_positive_float, default=1e-3)
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    parser.add_argument("--seed", type=int, default=1024)
-    parser.add_argument("--log-every", type=_positive, default=10, help="steps between progress lines")
-    parser.add_argument("--save", type=Path, default=None, help="checkpoint directory (written at the end)")
-    parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (needs --save)")
-    parser.add_argument("--resume", type=Path, default=None, help="continue from a cx-train checkpoint directory")
-    hybrid = parser.add_argument_group("hybrid parallelism (--plugin hybrid / moe_hybrid)")
-    hybrid.add_argument("--tp", type=_positive, default=None, help="tensor-parallel size (default 1)")
-    hybrid.add_argument("--pp", type=_positive, default=None, help="pipeline stages (default 1)")
-    hybrid.add_argument("--ep", type=_positive, default=None, help="expert-parallel size, moe_hybrid (default 1)")
-    hybrid.add_argument("--sp", type=_positive, default=None, help="sequence-parallel size, all_to_all (default 1)")
-    hybrid.add_argument("--zero", type=int, choices=(0, 1, 2), default=None, help="ZeRO stage (default 0)")
-    hybrid.add_argument("--microbatches", type=_positive, default=None, help="per step with --pp (default: --pp)")
-    hybrid.add_argument("--pp-style", choices=PP_STYLES, default=None, help="pipeline schedule (default 1f1b)")
-    return parser
 
 
 _HYBRID_FLAGS = ("tp", "pp", "ep", "sp", "zero", "microbatches", "pp_style")
@@ -153,9 +102,9 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
         sized = [f for f in ("hidden_size", "num_layers") if getattr(args, f) is not None]
         if sized:
             return f"{_flag(sized[0])} applies to the built-in models; the folder {args.model} has its own config"
-    if args.model in PRESETS and (args.hidden_size or _DEFAULT_HIDDEN) % 8:
+    if args.model in PRESETS and (args.hidden_size or DEFAULT_HIDDEN) % 8:
         return f"--hidden-size must be a multiple of 8 for --model {args.model} (4 heads), got {args.hidden_size}"
-    if (args.hidden_size or _DEFAULT_HIDDEN) % 4:
+    if (args.hidden_size or DEFAULT_HIDDEN) % 4:
         return f"--hidden-size must be a multiple of 4 (the model has 4 heads), got {args.hidden_size}"
     return None
 
@@ -178,18 +127,52 @@ def _layout_problem(options: DemoOptions, world_size: int) -> str | None:
             f"--batch-size {options.batch_size} does not split into {options.microbatches} micro-batches: "
             f"use --microbatches {_divisors(options.batch_size)}"
         )
+    if options.pp_style == "interleaved" and options.microbatches % options.pp:
+        working = [m for m in range(options.pp, options.batch_size + 1, options.pp) if options.batch_size % m == 0]
+        fix = (
+            f"--microbatches {', '.join(map(str, working))}" if working else f"a --batch-size multiple of {options.pp}"
+        )
+        return (
+            f"--pp-style interleaved needs --microbatches to be a multiple of --pp {options.pp}, got "
+            f"{options.microbatches}: use {fix}"
+        )
     if options.seq_len % options.sp:
         return f"--seq-len {options.seq_len} must be a multiple of --sp {options.sp}"
     return None
 
 
-def _model_problem(options: DemoOptions, described: DemoModel) -> str | None:
+def _stages_problem(options: DemoOptions, layers: int, world_size: int, microbatches: int | None) -> str | None:
+    """The layers split into pp stages of `chunks` model chunks each (interleaved: 2). The suggested --pp values work
+    with the other flags: they split the layers under the chosen style (a pipeline style needs --pp 2 or more), fit
+    the processes, and their micro-batches (--microbatches, or by default --pp) split the batch (and, interleaved,
+    are a multiple of the stages)."""
     chunks = 2 if options.pp_style == "interleaved" else 1
-    if described.num_layers % (options.pp * chunks):
-        return (
-            f"the model's {described.num_layers} layers do not split into {options.pp} stages x {chunks} chunks: "
-            f"use --pp {_divisors(described.num_layers)}"
-        )
+    if layers % (options.pp * chunks) == 0:
+        return None
+
+    def works(p: int) -> bool:
+        m = microbatches or p
+        fits = layers % (p * chunks) == 0 and world_size % (options.tp * options.sp * p) == 0
+        return fits and options.batch_size % m == 0 and (chunks == 1 or m % p == 0)
+
+    working = [p for p in range(2, layers // chunks + 1) if works(p)]
+    problem = (
+        f"the model's {layers} layers do not split into {options.pp} stages x {chunks} chunk(s) ({options.pp_style})"
+    )
+    fixes = [f"--pp {', '.join(map(str, working))}"] if working else []
+    if chunks > 1 and layers % options.pp == 0:
+        fixes.append("--pp-style 1f1b")
+    if options.model in MODEL_CHOICES:
+        fixes.append(f"--num-layers {options.pp * chunks} (or a multiple)")
+    if not fixes:
+        return f"{problem}, and no --pp that fits {world_size} processes does; use --pp 1"
+    return f"{problem}: use {' or '.join(fixes)}"
+
+
+def _model_problem(options: DemoOptions, described: DemoModel, world_size: int, microbatches: int | None) -> str | None:
+    problem = _stages_problem(options, described.num_layers, world_size, microbatches)
+    if problem is not None:
+        return problem
     heads = math.gcd(described.num_heads, described.num_kv_heads)
     if heads % (options.tp * options.sp):
         return (
@@ -210,42 +193,32 @@ def _model_problem(options: DemoOptions, described: DemoModel) -> str | None:
     return None
 
 
-def _resume_problem(resume: Path, args: argparse.Namespace) -> str | None:
-    state = resume / "trainer.json"
-    if not state.is_file():
-        return f"--resume {resume}: not a complete cx-train checkpoint (no trainer.json)"
-    saved = json.loads(state.read_text())
-    trained = saved.get("model", GPT_MODEL)
-    if trained != args.model and (trained in MODEL_CHOICES or args.model in MODEL_CHOICES):
-        return f"--resume {resume}: the checkpoint is of --model {trained}, not {args.model}; pass --model {trained}"
-    for name, default in (("hidden_size", _DEFAULT_HIDDEN), ("num_layers", _DEFAULT_LAYERS)):
-        wanted, given = saved.get(name), getattr(args, name) or default
-        if wanted is not None and wanted != given:
-            return f"--resume {resume}: the checkpoint's model has {_flag(name)} {wanted}, not {given}; pass it"
-    return None
-
-
 def parse_options(argv: Sequence[str] | None = None, world_size: int | None = None) -> DemoOptions:
     """Parse and validate; `world_size` is the real one under an external torchrun (default: `--nproc`)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_negative_values(sys.argv[1:] if argv is None else argv))
     problem = _flag_problem(args)
     if problem is not None:
         parser.error(problem)
     if args.save_every < 0 or (args.save_every and args.save is None):
         parser.error("--save-every needs --save DIR and a non-negative step count")
-    if args.resume is not None:
-        problem = _resume_problem(args.resume, args)
-        if problem is not None:
-            parser.error(problem)
+    problem = None if args.save is None else save_problem(args.save)
+    if problem is None and args.resume is not None:
+        sizes = {
+            "--hidden-size": args.hidden_size or DEFAULT_HIDDEN,
+            "--num-layers": args.num_layers or DEFAULT_LAYERS,
+        }
+        problem = resume_problem(args.resume, args.model, sizes, args.steps)
+    if problem is not None:
+        parser.error(problem)
     options = DemoOptions(
         plugin=args.plugin,
         nproc=args.nproc,
         steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
-        hidden_size=args.hidden_size or _DEFAULT_HIDDEN,
-        num_layers=args.num_layers or _DEFAULT_LAYERS,
+        hidden_size=args.hidden_size or DEFAULT_HIDDEN,
+        num_layers=args.num_layers or DEFAULT_LAYERS,
         lr=args.lr,
         precision=args.precision,
         seed=args.seed,
@@ -253,6 +226,7 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         save=args.save,
         save_every=args.save_every,
         resume=args.resume,
+        verify=args.verify,
         model=args.model,
         tp=args.tp or 1,
         pp=args.pp or 1,
@@ -262,15 +236,15 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         microbatches=args.microbatches or args.pp or 1,
         pp_style=args.pp_style or PP_STYLES[0],
     )
-    missing = plugin_missing(options.plugin)
-    problem = missing or _layout_problem(options, options.nproc if world_size is None else world_size)
+    world_size = options.nproc if world_size is None else world_size
+    problem = plugin_missing(options.plugin) or _layout_problem(options, world_size)
     if problem is not None:
         parser.error(problem)
     try:
         described = describe_model(options.model_spec)
     except ModelError as error:
         parser.error(str(error))
-    problem = _model_problem(options, described)
+    problem = _model_problem(options, described, world_size, args.microbatches)
     if problem is not None:
         parser.error(problem)
     return options

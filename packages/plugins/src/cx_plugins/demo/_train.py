@@ -13,6 +13,7 @@ from cx_plugins._booster import Booster
 from cx_plugins._wrappers import OptimizerWrapper
 from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_checkpoint
 from cx_plugins.demo._data import TokenWindows
+from cx_plugins.demo._interrupt import Interrupted, stop_agreed
 from cx_plugins.demo._models import DemoModel, build_model, describe_model
 from cx_plugins.demo._options import DemoOptions
 from cx_plugins.demo._plugins import make_plugin
@@ -59,7 +60,8 @@ def train(options: DemoOptions) -> list[float]:
 
 
 def run(options: DemoOptions) -> list[float]:
-    """The demo on this rank of an initialised process group; returns the step losses (mean over the ranks)."""
+    """The demo on this rank of an initialised process group; returns the step losses (mean over the ranks).
+    Raises `Interrupted` on every rank at the same step when any rank was asked to stop (Ctrl-C)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     described = describe_model(options.model_spec)
     # the model shifts the labels itself, so a window is --seq-len + 1 tokens; under sequence parallelism the window
@@ -86,6 +88,7 @@ def run(options: DemoOptions) -> list[float]:
         )
     device = get_accelerator().current_device()
     step = 0
+    saved: int | None = None  # the last step this run checkpointed
     if options.resume is not None:
         step = load_checkpoint(booster, boosted, boosted_optimizer, options.resume).step
         if rank == 0:
@@ -100,6 +103,8 @@ def run(options: DemoOptions) -> list[float]:
         for index, batch in enumerate(loader):
             if index < skip:  # resuming mid-epoch: the batches before the checkpoint were already trained on
                 continue
+            if stop_agreed(device):
+                raise Interrupted(step, options.steps, saved, options.save)
             batch = batch.to(device)
             if options.pp > 1:
                 output = _pipeline_step(booster, boosted, boosted_optimizer, batch, described)
@@ -119,6 +124,7 @@ def run(options: DemoOptions) -> list[float]:
                 sizes = (None, None) if options.model_spec.is_folder else (options.hidden_size, options.num_layers)
                 state = TrainerState(step, options.plugin, world, options.model, *sizes)
                 save_checkpoint(booster, boosted, boosted_optimizer, options.save, state)
+                saved = step
                 if rank == 0:
                     print(f"cx-train: saved step {step} to {options.save}", flush=True)
             if step >= options.steps:

@@ -1,0 +1,60 @@
+"""Checks on `--save` and `--resume` made before any process starts, so that a run does not train for an hour and then
+fail to save, or start, do nothing and exit as if it had trained."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cx_plugins.demo._models import MODEL_CHOICES
+from cx_plugins.demo._trainer_state import TrainerStateError, read_trainer_state
+
+__all__ = ["resume_problem", "save_problem"]
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or its closest ancestor that exists (what `mkdir(parents=True)` would create below)."""
+    absolute = path.absolute()
+    for candidate in (absolute, *absolute.parents):
+        if candidate.exists():
+            return candidate
+    return Path(absolute.anchor)
+
+
+def save_problem(save: Path) -> str | None:
+    """Why a checkpoint cannot be written to `save` (None when it can): the save writes a staging sibling of
+    `save` and renames it over `save`, so `save` must be a directory or not exist, and its parent writable."""
+    if save.exists() and not save.is_dir():
+        return f"--save {save}: exists and is not a directory (a checkpoint is a directory); choose another path"
+    parent = _nearest_existing(save.parent)
+    if not parent.is_dir():
+        return f"--save {save}: {parent} is not a directory, so the checkpoint cannot be created under it"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--save {save}: cannot write in {parent} (permission denied); choose a writable path"
+    return None
+
+
+def resume_problem(resume: Path, model: str, sizes: dict[str, int], steps: int) -> str | None:
+    """Why `--resume resume` cannot continue this run (None when it can): the folder, its trainer.json, the model
+    it holds (`model` and the built-in model's `sizes` by flag name) and the step it reached against `--steps`."""
+    if not resume.exists():
+        return f"--resume {resume}: no such directory"
+    if not resume.is_dir():
+        return f"--resume {resume}: not a directory (a cx-train checkpoint is a directory)"
+    try:
+        saved = read_trainer_state(resume)
+    except TrainerStateError as error:
+        return f"--resume {resume}: {error}"
+    trained = saved.model
+    if trained != model and (trained in MODEL_CHOICES or model in MODEL_CHOICES):
+        return f"--resume {resume}: the checkpoint is of --model {trained}, not {model}; pass --model {trained}"
+    for flag, given in sizes.items():
+        wanted = getattr(saved, flag.removeprefix("--").replace("-", "_"))
+        if wanted is not None and wanted != given:
+            return f"--resume {resume}: the checkpoint's model has {flag} {wanted}, not {given}; pass it"
+    if saved.step >= steps:
+        return (
+            f"--resume {resume}: the checkpoint is already at step {saved.step} >= --steps {steps}, so there is "
+            f"nothing to train; --steps is the total to reach, not the steps to add (e.g. --steps {saved.step + steps})"
+        )
+    return None
