@@ -32,6 +32,11 @@ PLUGINS: dict[str, Callable[[], Plugin]] = {
 }
 
 
+def _about(name: str) -> Callable[[str], str]:
+    """assert_close's message with the parameter's name in front of torch's own (which shows the difference)."""
+    return lambda message: f"{name}: {message}"
+
+
 def _reference(steps: int) -> nn.Module:
     model = llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=TEST_ADAM_EPS)
@@ -77,9 +82,7 @@ def _phase(rank: int, world_size: int, kind: str, directory: str, load: bool) ->
         expected = dict(reference.named_parameters())
         assert isinstance(boosted, ModelWrapper)
         for name, param in boosted.unwrap().named_parameters():
-            torch.testing.assert_close(
-                param.detach(), expected[name].detach(), rtol=0, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}"
-            )
+            torch.testing.assert_close(param.detach(), expected[name].detach(), rtol=0, atol=ATOL, msg=_about(name))
     dist.barrier()
 
 
@@ -97,7 +100,5 @@ def test_plugins_hybrid_resume_across_layouts(tmp_path: Path, saver: str, loader
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "model")
     expected = dict(_reference(SAVE_AT).named_parameters())
     for name, param in loaded.named_parameters():
-        torch.testing.assert_close(
-            param.detach(), expected[name].detach(), rtol=0, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}"
-        )
+        torch.testing.assert_close(param.detach(), expected[name].detach(), rtol=0, atol=ATOL, msg=_about(name))
     run_distributed(_phase, 2, kind=loader, directory=str(tmp_path), load=True)
