@@ -50,3 +50,30 @@ def test_shardformer_ring_zigzag_is_balanced_and_checked(rank: int, world_size: 
     assert zigzag_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
     with pytest.raises(ValueError, match="not divisible by 2 \\* sequence parallel size = 4"):
         zigzag_positions(6, rank, world_size)
+
+
+@distributed(world_size=2)
+def test_shardformer_ring_attention_fully_masked_rows(rank: int, world_size: int) -> None:
+    """Left padding under a causal mask: the first rows of batch 0 have no key to attend to. Ring attention gives
+    them zero output and zero gradient (SDPA's result) instead of 0/0 = NaN, and the other rows match SDPA."""
+    torch.manual_seed(0)
+    q, k, v, g = (torch.randn(B, H, S, D) for _ in range(4))
+    keep = torch.ones(B, S, dtype=torch.bool)
+    keep[0, :5] = False  # 5 left-padding tokens: rows 0..4 of batch 0 see no key
+    mask = (torch.ones(S, S, dtype=torch.bool).tril() & keep[:, None, :]).unsqueeze(1)
+    q_ref, k_ref, v_ref = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q_ref, k_ref, v_ref, attn_mask=mask)
+    (ref * g).sum().backward()
+
+    pos = zigzag_positions(S, rank, world_size)
+    q_l, k_l, v_l = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
+    out = ring_attention(q_l, k_l, v_l, None, D**-0.5, mask)
+    assert_close(out, ref[:, :, pos].detach(), "output")
+    empty = pos < 5
+    assert torch.equal(out[0][:, empty], torch.zeros_like(out[0][:, empty])), "fully masked rows give zeros"
+    (out * g[:, :, pos]).sum().backward()
+    for name, local, full in (("q", q_l, q_ref), ("k", k_l, k_ref), ("v", v_l, v_ref)):
+        assert local.grad is not None
+        assert full.grad is not None
+        assert bool(torch.isfinite(local.grad).all()), f"{name} grad is finite"
+        assert_close(local.grad, full.grad[:, :, pos], f"{name} grad")

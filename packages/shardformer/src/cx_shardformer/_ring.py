@@ -3,7 +3,8 @@
 The sequence is cut into 2*sp chunks and rank r holds chunks r and 2*sp-1-r, so every rank has the same amount of
 causal work. Each of sp steps attends the local queries to one rank's keys/values and passes those keys/values to
 the next rank; after the first step half of every block is fully masked and skipped. Blocks merge with the running
-log-sum-exp (flash-attention's online softmax). Like flash attention, only the output and the log-sum-exp are kept
+log-sum-exp (flash-attention's online softmax). A query row whose keys are all masked (left padding) gets zero
+output and passes no gradient, as torch's SDPA does. Like flash attention, only the output and the log-sum-exp are kept
 for backward: it runs the ring again, recomputing each block's probabilities, while the key/value gradients travel
 with their keys/values and arrive home after sp shifts. Memory per rank is O(S/sp), not O(S^2/sp).
 """
@@ -115,8 +116,11 @@ class _RingAttention(torch.autograd.Function):
             row_max[:, :, rows] = new_max
             if step + 1 < world:
                 k, v = shift_raw(k, 1, group), shift_raw(v, 1, group)
-        out = out / total
-        lse = row_max + torch.log(total)
+        # a query row whose every key is masked (left padding under a causal mask) has nothing to attend to: its
+        # output is zero and its log-sum-exp -inf, as SDPA gives, instead of 0/0
+        empty = total == 0
+        out = out / torch.where(empty, torch.ones_like(total), total)
+        lse = torch.where(empty, torch.full_like(total, float("-inf")), row_max + torch.log(total))
         ctx.save_for_backward(query, key, value, out, lse, mask)
         ctx.group, ctx.scaling = group, scaling
         return out.to(query.dtype)
@@ -129,6 +133,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, d_out = query.float(), key.float(), value.float(), grad_out.float()
         local, groups = q.shape[2], q.shape[1] // k.shape[1]
         delta = (d_out * out).sum(dim=-1, keepdim=True)
+        # fully masked rows (lse -inf): every probability exp(-inf - (+inf)) = 0, so they pass no gradient
+        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
         d_q = torch.zeros_like(q)
         d_k, d_v = torch.zeros_like(k), torch.zeros_like(v)  # travel with k and v, home after `world` shifts
         for step in range(world):
@@ -157,7 +163,8 @@ def ring_attention(
 ) -> torch.Tensor:
     """Causal attention of local zig-zag queries [B, H, S_l, D] against every rank's keys/values [B, Hkv, S_l, D]
     (grouped-query heads expanded per block). `mask` is an optional full [B, 1|H, S, S] mask (bool: True attends;
-    float: added) indexed by global positions; without it the mask is causal. Returns [B, H, S_l, D]."""
+    float: added) indexed by global positions; without it the mask is causal. A query row with every key masked
+    (bool False, or an additive value that underflows every weight) gives zeros. Returns [B, H, S_l, D]."""
     zigzag_positions(query.shape[2] * group_size(group), group_rank(group), group_size(group))  # checks the length
     out: torch.Tensor = _RingAttention.apply(query, key, value, group, scaling, mask)
     return out
