@@ -21,6 +21,7 @@ from cx_pipeline._p2p import StageTransport
 from cx_pipeline._probe import batch_signature, probe
 from cx_pipeline._runtime import StepRunner
 from cx_pipeline._stage_manager import PipelineStageManager
+from cx_pipeline._ties import TiedGradients
 
 __all__ = ["PipelineSchedule"]
 
@@ -183,10 +184,16 @@ class PipelineSchedule(ABC):
             seen |= ids
         defer = (bool(ties) or shared_locally) and no_sync_context(optimizer) is not None
         weights_early = self.overlap_p2p and not forward_only and self._weights_early(count)
-        runner.run(orders[manager.stage], defer_all_reductions=defer, weights_early=weights_early)
+        # The ties' gradients from earlier steps (accumulation before one optimizer step) wait aside, so that only
+        # this step's contribution is summed over the stages.
+        tied = TiedGradients([] if forward_only else ties)
+        try:
+            runner.run(orders[manager.stage], defer_all_reductions=defer, weights_early=weights_early)
+        except BaseException:
+            tied.restore()
+            raise
         if not forward_only:
-            for tie in ties:
-                tie.all_reduce_grad()
+            tied.reduce()
             if defer:
                 _reduce_accumulated(chunks, optimizer)
         holds_loss = host(manager.num_virtual_stages - 1) == manager.stage
