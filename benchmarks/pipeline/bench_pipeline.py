@@ -49,7 +49,7 @@ from cx_pipeline import (
 )
 from cx_pipeline._actions import interleaved_order, one_f_one_b_order
 from cx_pipeline._simulation import unit_cost
-from cx_pipeline._zbv_order import uses_handbuilt_order, zbv_order
+from cx_pipeline._zbv_order import zbv_order
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, MICRO = 8, 128, 4, 1024, 64, 4
 MICROBATCHES: tuple[int, ...] = (4, 8)
@@ -323,13 +323,13 @@ def main() -> None:
         )
     print()
     print("Simulated bubble of each order (cx's and torch's action lists run by `cx_pipeline.simulate`): unit-time")
-    print("actions, and the per-action costs measured by bench_actions.py; 'as run': with cx's runtime running")
-    print("pending W passes while it waits (the V with its hand-built order). Costs (ms):")
+    print("actions, and the per-action costs measured by bench_actions.py (each rank runs its list as listed).")
+    print("Costs (ms):")
     print(json.dumps({k: {n: round(v, 1) for n, v in c.items()} for k, c in costs.items()}))
     print()
     print("| stages | micro-batches | schedule | 1F1B theory | cx unit | torch unit | cx measured | torch measured | "
-          "cx measured, as run | same order |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "same order |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         nv = r["stages"] * (1 if r["style"] == "1f1b" else 2)
         cells = []
@@ -337,9 +337,6 @@ def main() -> None:
             for name in ("cx", "torch"):
                 orders = [[Action(ActionKind(k), v, mb) for k, v, mb in o] for o in r["orders"][name]]
                 cells.append(f"{simulate(orders, nv, cost).bubble_fraction:.3f}")
-        early = r["style"] == "zbv" and uses_handbuilt_order(r["stages"], r["microbatches"])
-        cx_orders = [[Action(ActionKind(k), v, mb) for k, v, mb in o] for o in r["orders"]["cx"]]
-        cells.append(f"{simulate(cx_orders, nv, cost_model(costs, nv), weights_early=early).bubble_fraction:.3f}")
         same = "yes" if r["orders"]["cx"] == r["orders"]["torch"] else "no"
         row = f"| {r['stages']} | {r['microbatches']} | {r['style']} | {r['theory_1f1b']:.3f} | {' | '.join(cells)} |"
         print(f"{row} {same} |")

@@ -2,8 +2,9 @@
 
 A schedule is a function (num_stages, num_microbatches, ...) -> per-stage lists of `Action`s over *virtual stages*.
 Every rank computes every stage's list (they are deterministic), which is how a receiver knows the order in which a
-neighbour sends its messages. `_simulation.simulate` executes the lists to prove a schedule free of deadlock and to
-measure its bubble; the zero-bubble V orders live in `_zbv_order`.
+neighbour sends its messages; each rank runs its own list exactly as listed, so the ranks of one tp or dp group run
+their collectives in the same order. `_simulation.simulate` executes the lists to prove a schedule free of deadlock
+and to measure its bubble; the zero-bubble V orders live in `_zbv_order`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from cx_pipeline._actions import Action, ActionKind
 from cx_pipeline._backward_split import WeightGrad, backward_input
 from cx_pipeline._calling import call_arguments
 from cx_pipeline._optimizer import no_sync_context
-from cx_pipeline._p2p import Message, StageTransport
+from cx_pipeline._p2p import StageTransport
 from cx_pipeline._pytree import flatten, unflatten
 from cx_pipeline._stage_manager import PipelineStageManager
 
@@ -59,14 +59,14 @@ class StepRunner:
         return self.manager.locate_virtual_stage(virtual)[0]
 
     # ---- the step ---------------------------------------------------------------------------------------------------
-    def run(self, actions: Sequence[Action], defer_all_reductions: bool, weights_early: bool = True) -> None:
-        """Run `actions`; with an optimizer that has `no_sync`, every gradient-producing action runs inside it except
-        each chunk's last (so each parameter is reduced once per step), or all of them when `defer_all_reductions`.
+    def run(self, actions: Sequence[Action], defer_all_reductions: bool) -> None:
+        """Run `actions` exactly as listed; with an optimizer that has `no_sync`, every gradient-producing action runs
+        inside it except each chunk's last (so each parameter is reduced once per step), or all of them when
+        `defer_all_reductions`.
 
-        Weight-gradient passes (`W`) send nothing, so moving one earlier changes no channel's message order: when the
-        next action would wait for a neighbour's message that has not arrived, a pending `W` runs first when
-        `weights_early` (the schedule's choice) and p2p is overlapped (a posted receive can be polled); otherwise the
-        order runs as listed.
+        Nothing here reorders by timing (which messages have arrived): a `W` pass can run collectives (the tp
+        all-reduces of a recomputed backward, ZeRO's reduction hooks), so the ranks of one tp or dp group must run
+        their actions in the same order, and the order must be a function of the schedule alone.
         """
         no_sync = no_sync_context(self.optimizer)
         remaining: dict[int, int] = {}
@@ -74,9 +74,9 @@ class StepRunner:
             if action.kind in _GRAD_KINDS:
                 chunk = self.manager.locate_virtual_stage(action.virtual_stage)[1]
                 remaining[chunk] = remaining.get(chunk, 0) + 1
-        done: set[Action] = set()
 
-        def execute(action: Action) -> None:
+        self.transport.prefetch()
+        for action in actions:
             chunk = self.manager.locate_virtual_stage(action.virtual_stage)[1]
             if action.kind in _GRAD_KINDS:
                 remaining[chunk] -= 1
@@ -89,34 +89,9 @@ class StepRunner:
                     self._weights.pop((action.virtual_stage, action.microbatch))()
                 else:
                     self._backward(action.virtual_stage, action.microbatch, action.kind is ActionKind.BACKWARD_INPUT)
-            done.add(action)
             self.transport.prune()
             self.transport.prefetch()
-
-        self.transport.prefetch()
-        for index, action in enumerate(actions):
-            if action in done:
-                continue
-            waiting = self._awaited(action) if weights_early and self.transport.overlap else None
-            if waiting is not None:
-                for later in actions[index + 1 :]:
-                    if self.transport.ready(*waiting):
-                        break
-                    ready_weight = (later.virtual_stage, later.microbatch) in self._weights
-                    if later.kind is ActionKind.BACKWARD_WEIGHT and later not in done and ready_weight:
-                        execute(later)
-            execute(action)
         self.transport.end_step()
-
-    def _awaited(self, action: Action) -> tuple[int, Message] | None:
-        """(stage, message) that `action` will wait for from another stage, or None."""
-        v, mb = action.virtual_stage, action.microbatch
-        if action.kind is ActionKind.FORWARD and v > 0 and self._host(v - 1) != self.manager.stage:
-            return self._host(v - 1), ("act", v, mb)
-        grad_kinds = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
-        if action.kind in grad_kinds and v < self.num_virtual - 1 and self._host(v + 1) != self.manager.stage:
-            return self._host(v + 1), ("grad", v, mb)
-        return None
 
     # ---- forward --------------------------------------------------------------------------------------------------
     def _receive_activation(self, virtual: int, mb: int) -> Any:

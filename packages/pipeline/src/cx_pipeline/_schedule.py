@@ -18,7 +18,7 @@ from cx_pipeline._microbatch import batch_size_of, merge_microbatches, resolve_n
 from cx_pipeline._model import PipelineModel, SharedParameter
 from cx_pipeline._optimizer import no_sync_context
 from cx_pipeline._p2p import StageTransport
-from cx_pipeline._probe import batch_signature, probe
+from cx_pipeline._probe import agree_to_probe, batch_signature, probe
 from cx_pipeline._runtime import StepRunner
 from cx_pipeline._stage_manager import PipelineStageManager
 from cx_pipeline._ties import TiedGradients
@@ -78,10 +78,6 @@ class PipelineSchedule(ABC):
     @abstractmethod
     def _orders(self, num_microbatches: int) -> list[list[Action]]:
         """Every stage's action list for one step (uncached)."""
-
-    def _weights_early(self, num_microbatches: int) -> bool:
-        """Whether a rank waiting for a message may run its pending `W`s first (with overlapped p2p)."""
-        return True
 
     # ---- shared machinery -----------------------------------------------------------------------------------------
     def orders(self, num_microbatches: int, forward_only: bool = False) -> list[list[Action]]:
@@ -153,7 +149,7 @@ class PipelineSchedule(ABC):
             self._check_optimizer(optimizer)
         micro_batches = split_batch(batch, count)
         signature = batch_signature(micro_batches[0])
-        if signature != self._probed:
+        if agree_to_probe(self.stage_manager, self._transport.device, signature != self._probed, count):
             probe(self.stage_manager, self._transport, chunks, micro_batches[0], criterion)
             self._probed = signature
 
@@ -183,12 +179,11 @@ class PipelineSchedule(ABC):
             shared_locally |= bool(ids & seen)
             seen |= ids
         defer = (bool(ties) or shared_locally) and no_sync_context(optimizer) is not None
-        weights_early = self.overlap_p2p and not forward_only and self._weights_early(count)
         # The ties' gradients from earlier steps (accumulation before one optimizer step) wait aside, so that only
         # this step's contribution is summed over the stages.
         tied = TiedGradients([] if forward_only else ties)
         try:
-            runner.run(orders[manager.stage], defer_all_reductions=defer, weights_early=weights_early)
+            runner.run(orders[manager.stage], defer_all_reductions=defer)
         except BaseException:
             tied.restore()
             raise

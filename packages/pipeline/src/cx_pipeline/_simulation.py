@@ -63,14 +63,9 @@ def _live_change(action: Action) -> int:
     return 0
 
 
-def simulate(
-    orders: list[list[Action]], num_virtual: int, cost: ActionCost = unit_cost, weights_early: bool = False
-) -> SimulationResult:
-    """Run the per-stage lists in order with `cost(action)` time per action; raise if the schedule deadlocks.
-
-    `weights_early` models the runtime with overlapped p2p: a stage whose next action would wait for another stage
-    first runs the later `W`s of its list whose `I` is done, one at a time, while the wait lasts.
-    """
+def simulate(orders: list[list[Action]], num_virtual: int, cost: ActionCost = unit_cost) -> SimulationResult:
+    """Run the per-stage lists in order with `cost(action)` time per action (as the runtime does: it never reorders);
+    raise if the schedule deadlocks."""
     finish: dict[Action, float] = {}
     position = [0] * len(orders)
     clock = [0.0] * len(orders)
@@ -93,9 +88,6 @@ def simulate(
         for stage, actions in enumerate(orders):
             while position[stage] < len(actions):
                 action = actions[position[stage]]
-                if action in finish:  # a W run early
-                    position[stage] += 1
-                    continue
                 start = clock[stage]
                 for alternatives in dependencies(action, num_virtual):
                     done = [finish[a] for a in alternatives if a in finish]
@@ -103,13 +95,6 @@ def simulate(
                         break
                     start = max(start, min(done))
                 else:
-                    for later in actions[position[stage] + 1 :] if weights_early else ():
-                        if clock[stage] >= start:
-                            break
-                        weight_of = Action(ActionKind.BACKWARD_INPUT, later.virtual_stage, later.microbatch)
-                        if later.kind is ActionKind.BACKWARD_WEIGHT and later not in finish and weight_of in finish:
-                            run(stage, later, clock[stage])
-                            remaining -= 1
                     run(stage, action, max(start, clock[stage]))
                     position[stage] += 1
                     remaining -= 1

@@ -148,19 +148,18 @@ def greedy_v_order(num_stages: int, num_microbatches: int) -> list[list[Action]]
 
 @functools.lru_cache(maxsize=64)
 def uses_handbuilt_order(num_stages: int, num_microbatches: int) -> bool:
-    """Whether `zbv_order` is the hand-built order: unless the greedy one finishes sooner under `v_reference_cost`.
-
-    The runtime runs pending `W`s early while waiting for a message only with the hand-built order: in the
-    simulator with the benchmark model's costs that reaches stage 0's total work (p = 3, 4 with m >= 2p), while with
-    the greedy order, whose `W`s already sit in its gaps, it can delay an `I` (p = 4, 8 with m < p).
-    """
+    """Whether `zbv_order` is the hand-built order: unless the greedy one finishes sooner under `v_reference_cost`."""
     num_virtual = 2 * num_stages
     greedy = simulate(greedy_v_order(num_stages, num_microbatches), num_virtual, v_reference_cost).makespan
     return greedy >= simulate(handbuilt_v_order(num_stages, num_microbatches), num_virtual, v_reference_cost).makespan
 
 
 def zbv_order(num_stages: int, num_microbatches: int) -> list[list[Action]]:
-    """The V order cx runs (see `uses_handbuilt_order`)."""
+    """The V order cx runs, each rank its list exactly as listed (see `uses_handbuilt_order`).
+
+    A function of (num_stages, num_microbatches) alone: a `W` can run tp collectives, so moving one by timing (as cx
+    did while waiting for a message) could pair the collectives of a tp group's ranks wrongly.
+    """
     if uses_handbuilt_order(num_stages, num_microbatches):
         return handbuilt_v_order(num_stages, num_microbatches)
     return greedy_v_order(num_stages, num_microbatches)

@@ -5,6 +5,8 @@ both the first and the last virtual stage. Each backward is split into an input-
 previous stage waits for, and a weight-gradient pass (W), which nobody waits for and so fills the slots that would
 otherwise be bubbles. The order is the zero-bubble paper's hand-built ZB-V order, or for fewer micro-batches than
 stages a greedy list schedule, whichever simulates faster (`_zbv_order`); any micro-batch count works.
+Each rank runs its list exactly as listed, never reordering a `W` by which messages have arrived: a `W` can run
+tp collectives (and ZeRO's reductions), so peers of a tp or dp group must run them in the same order.
 The loss lives on stage 0 (it holds the last virtual stage).
 """
 
@@ -17,7 +19,7 @@ from cx_pipeline._errors import PipelineConfigError
 from cx_pipeline._optimizer import require_split_backward
 from cx_pipeline._schedule import PipelineSchedule
 from cx_pipeline._stage_manager import PipelineStageManager
-from cx_pipeline._zbv_order import uses_handbuilt_order, zbv_order
+from cx_pipeline._zbv_order import zbv_order
 
 __all__ = ["ZeroBubbleVPipeScheduler"]
 
@@ -51,6 +53,3 @@ class ZeroBubbleVPipeScheduler(PipelineSchedule):
 
     def _orders(self, num_microbatches: int) -> list[list[Action]]:
         return zbv_order(self.stage_manager.num_stages, num_microbatches)
-
-    def _weights_early(self, num_microbatches: int) -> bool:
-        return uses_handbuilt_order(self.stage_manager.num_stages, num_microbatches)
