@@ -44,12 +44,17 @@ def build(kind: str, **overrides: Any) -> Any:
     }
     if kind == "phi3":
         settings["pad_token_id"] = 0
+    if kind.startswith("gemma"):  # tied by default, sqrt(hidden)-scaled embedding; head_dim defaults to 256
+        settings["head_dim"] = 4
+        settings["tie_word_embeddings"] = True
     settings.update(overrides)
     classes = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }
     config_class, model_class = classes[kind]
     return model_class(config_class(**settings))

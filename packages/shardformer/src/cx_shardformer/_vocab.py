@@ -30,9 +30,27 @@ def padded_vocab_size(num_embeddings: int, make_vocab_size_divisible_by: int, wo
     return -(-num_embeddings // multiple) * multiple
 
 
+def _embed_scale(module: nn.Embedding) -> torch.Tensor | float | None:
+    """The `embed_scale` of transformers' `*ScaledWordEmbedding` (Gemma, BART, ...: the lookup times a constant),
+    None for a plain `nn.Embedding`. Any other subclass that changes `forward` is refused: its computation would be
+    lost when the module is replaced."""
+    if type(module).forward is nn.Embedding.forward:
+        return None
+    scale = getattr(module, "embed_scale", None)
+    if type(module).__name__.endswith("ScaledWordEmbedding") and isinstance(scale, torch.Tensor | float):
+        return scale
+    raise TypeError(
+        f"VocabParallelEmbedding1D: {type(module).__name__} overrides nn.Embedding.forward; only a plain nn.Embedding "
+        "or transformers' *ScaledWordEmbedding (lookup times embed_scale) can be made vocabulary-parallel"
+    )
+
+
 class VocabParallelEmbedding1D(ParallelModule):
     """`nn.Embedding` with its rows split over `process_group`: each rank looks up the ids it owns, zeros the others,
-    and the partial embeddings are summed (all-reduce)."""
+    and the partial embeddings are summed (all-reduce). `embed_scale` (a tensor, kept as a non-persistent buffer as
+    transformers keeps it, or a float) multiplies the result, for transformers' scaled word embeddings."""
+
+    embed_scale: torch.Tensor | float | None
 
     def __init__(
         self,
@@ -44,6 +62,7 @@ class VocabParallelEmbedding1D(ParallelModule):
         process_group: ProcessGroup | None = None,
         weight: torch.Tensor | None = None,
         make_vocab_size_divisible_by: int = 64,
+        embed_scale: torch.Tensor | float | None = None,
     ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -57,12 +76,17 @@ class VocabParallelEmbedding1D(ParallelModule):
             weight = nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype, device=device).weight
         spec = make_spec(0, (num_embeddings,), world, self.num_embeddings_padded, type(self).__name__)
         self.weight = shard_parameter_(weight, spec, process_group)
+        if isinstance(embed_scale, torch.Tensor):
+            self.register_buffer("embed_scale", embed_scale, persistent=False)
+        else:
+            self.embed_scale = embed_scale
 
     @classmethod
     def from_native_module(
         cls, module: nn.Module, process_group: ProcessGroup | None = None, **kwargs: Any
     ) -> VocabParallelEmbedding1D:
-        """Shard an `nn.Embedding` in place (the same Parameter holds this rank's rows)."""
+        """Shard an `nn.Embedding` (or a transformers scaled word embedding) in place: the same Parameter holds this
+        rank's rows."""
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"{cls.__name__}.from_native_module expects an nn.Embedding, got {type(module).__name__}")
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
@@ -73,6 +97,7 @@ class VocabParallelEmbedding1D(ParallelModule):
             module.padding_idx,
             process_group=process_group,
             weight=module.weight,
+            embed_scale=_embed_scale(module),
             **kwargs,
         )
 
@@ -84,8 +109,11 @@ class VocabParallelEmbedding1D(ParallelModule):
         if self.padding_idx is not None and start <= self.padding_idx < start + count:
             padding = self.padding_idx - start
         out = F.embedding(local_ids, self.weight, padding)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_forward(out, self.process_group)
+        out = reduce_forward(out.masked_fill(outside.unsqueeze(-1), 0.0), self.process_group)
+        scale = self.embed_scale
+        if isinstance(scale, torch.Tensor):
+            return out * scale.to(self.weight.dtype)  # as transformers scales: in the weight's dtype
+        return out if scale is None else out * scale
 
     def extra_repr(self) -> str:
         return (

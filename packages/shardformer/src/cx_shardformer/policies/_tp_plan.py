@@ -12,9 +12,10 @@ Entries map module patterns (relative to the base model, `*` matching a layer in
 
 So a new architecture gets tensor parallelism with no hand-written policy, as long as its attention reshapes with
 -1 heads (transformers 5 models do, for transformers' own TP). The LM head, when there is one, becomes a
-`VocabParallelLMHead1D`. Sequence parallelism works for decoders laid out as transformers 5 lays them out (`layers`
-with `self_attn` and `mlp`, a final `norm`, rotary tables passed as `position_embeddings`). Other styles raise a clear
-error naming them.
+`VocabParallelLMHead1D`; the embedding stays replicated unless the head is tied to it (Gemma, Qwen3 with
+`tie_word_embeddings`), when it becomes a `VocabParallelEmbedding1D` over the same shard. Sequence parallelism works
+for decoders laid out as transformers 5 lays them out (`layers` with `self_attn` and `mlp`, a final `norm`, rotary
+tables passed as `position_embeddings`). Other styles raise a clear error naming them.
 """
 
 from __future__ import annotations
@@ -103,14 +104,38 @@ class TPPlanPolicy(HFDecoderPolicy):
         if self.shard_config.enable_tensor_parallelism:
             self._shard_plan()
             if self.has_lm_head():
-                embedding_path = self.embedding_path
-                self.embedding_path = ""  # the plan leaves embeddings replicated; only the head is vocab-parallel
-                self.shard_vocab()
-                self.embedding_path = embedding_path
+                self._shard_head()
         apply_sequence_parallelism(self)
         self.share_input_reduction()
         self.apply_switches()
         return self.model
+
+    def _shard_head(self) -> None:
+        """The LM head vocabulary-parallel; the plan leaves an untied embedding replicated. A tied head's weight is
+        the embedding's, so sharding it shards the embedding too: the embedding then becomes vocabulary-parallel
+        (a plain lookup into a vocabulary shard reads the wrong rows). A head tied to anything else is refused."""
+        head_weight = getattr(get_submodule_or_none(self.model, self.lm_head_path), "weight", None)
+        own, embedding = f"{self.lm_head_path}.weight", f"{self.embedding_path}.weight"
+        ties = [
+            name
+            for name, param in self.model.named_parameters(remove_duplicate=False)
+            if param is head_weight and name != own
+        ]
+        plain_embedding = isinstance(get_submodule_or_none(self.model, self.embedding_path), nn.Embedding)
+        unshardable = [name for name in ties if name != embedding or not plain_embedding]
+        if unshardable:
+            raise NotImplementedError(
+                f"{type(self.model).__name__}: the LM head's weight is tied to {unshardable}; the generic policy makes "
+                f"a head tied to the embedding `{embedding}` vocabulary-parallel, not other ties; untie them or "
+                "write a Policy"
+            )
+        if ties:
+            self.shard_vocab()
+            return
+        embedding_path = self.embedding_path
+        self.embedding_path = ""  # untied: only the head is vocabulary-parallel
+        self.shard_vocab()
+        self.embedding_path = embedding_path
 
     def _shard_plan(self) -> None:
         prefix = self._base_prefix()
