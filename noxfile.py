@@ -102,6 +102,55 @@ def package_tests(session: nox.Session, package: str) -> None:
     session.run("pytest", f"packages/{package}/tests", *session.posargs, env=TEST_ENV)
 
 
+# The tests whose results depend on how ATen's CPU kernels round: a parallel or sharded run compared against one
+# process after optimizer steps. `numerics` runs them under other kernels than the machine's best.
+NUMERICS_TESTS = (
+    *(
+        f"packages/plugins/tests/test_plugins_{name}.py"
+        for name in (
+            "hybrid", "hybrid_gpt2", "hybrid_sp", "hybrid_precision", "hybrid_resume", "hybrid_checkpoint",
+            "moe_hybrid", "moe_hybrid_pp", "moe_hybrid_qwen3", "moe_hybrid_sp", "moe_checkpoint", "gemini_tp",
+            "gpt_policy", "ddp", "ddp_checkpoint", "fsdp", "zero", "gemini", "transformers", "lora", "clipping",
+        )
+    ),
+    *(f"packages/shardformer/tests/test_shardformer_{name}.py" for name in ("policies", "sequence", "moe", "ring")),
+    *(
+        f"packages/zero/tests/test_zero_{name}.py"
+        for name in (
+            "low_level_fp32", "low_level_mixed", "low_level_groups", "low_level_accumulation", "low_level_state",
+            "gemini_fp32", "gemini_mixed", "gemini_transformers", "gemini_state", "adam",
+        )
+    ),
+    "packages/pipeline/tests/test_pipeline_transformers.py",
+    "tests/test_pipeline_with_zero.py",
+    "tests/test_moe_with_zero.py",
+)  # fmt: skip
+# ATen's CPU kernel sets (ATEN_CPU_CAPABILITY), each with the /proc/cpuinfo flag it needs.
+KERNELS = {"default": None, "avx2": "avx2"}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+@nox.session
+@nox.parametrize("kernel", list(KERNELS))
+def numerics(session: nox.Session, kernel: str) -> None:
+    """The numerics-heavy tests (NUMERICS_TESTS) under another ATen CPU kernel set: a tolerance that holds only for
+    one CPU's rounding fails here on any machine. `nox -s numerics` runs every kernel set this CPU can run;
+    `nox -s "numerics(kernel='avx2')"` one of them."""
+    needed = KERNELS[kernel]
+    if needed is not None and needed not in _cpu_flags():
+        session.skip(f"this CPU has no {needed}: ATen cannot run its {kernel} kernels here")
+    _install_all(session)
+    session.install(*CONSTRAINTS, *INTEGRATION_TOOLS)
+    session.run("pytest", *NUMERICS_TESTS, *session.posargs, env={**TEST_ENV, "ATEN_CPU_CAPABILITY": kernel})
+
+
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict (configured in the root pyproject.toml) on every package's sources and tests, the integration
