@@ -1,6 +1,9 @@
 """cx-mesh: the foundation every cx package stands on.
 
-- `launch` / `launch_from_torch`: initialise torch.distributed (backend from the device, seeds, timeout).
+- `launch` / `launch_from_torch`: initialise torch.distributed (backend from the device, seeds, timeout; a rank that
+  raises stops its peers at once).
+- `named_collective` / `wait_named`: collectives whose timeout or failed peer is named (`CollectiveTimeoutError`,
+  `PeerFailedError`).
 - `get_accelerator`: the compute device (CUDA or CPU) behind one interface, with memory figures.
 - `ProcessGroupMesh`: an N-d grid of ranks with cached process groups along its axes, and its torch DeviceMesh.
 - `DistCoordinator`, `get_dist_logger`, `assert_same_across_ranks`.
@@ -19,6 +22,7 @@ from cx_mesh._collectives import (
     ProcessGroup,
     all_gather_flat,
     all_reduce,
+    all_to_all_single,
     communication_device,
     reduce_scatter_flat,
     reduce_scatter_scratch_numel,
@@ -26,10 +30,17 @@ from cx_mesh._collectives import (
 )
 from cx_mesh._consistency import RankMismatchError, all_gather_bytes, assert_same_across_ranks
 from cx_mesh._coordinator import DistCoordinator
+from cx_mesh._failures import PeerFailedError, report_failure
 from cx_mesh._launch import DEFAULT_TIMEOUT, launch, launch_from_torch, set_seed
 from cx_mesh._logging import DistLogger, disable_existing_loggers, get_dist_logger
 from cx_mesh._process_group_mesh import Axis, ProcessGroupMesh
-from cx_mesh._timeouts import CollectiveTimeoutError, collective_timeout, describe_group, named_collective
+from cx_mesh._timeouts import (
+    CollectiveTimeoutError,
+    collective_timeout,
+    describe_group,
+    named_collective,
+    wait_named,
+)
 
 __all__ = [
     # launch
@@ -50,15 +61,19 @@ __all__ = [
     "ProcessGroupMesh",
     "all_gather_flat",
     "all_reduce",
+    "all_to_all_single",
     "communication_device",
     "reduce_scatter_flat",
     "reduce_scatter_scratch_numel",
     "require_initialized",
-    # timeouts
+    # timeouts and failed peers
     "CollectiveTimeoutError",
+    "PeerFailedError",
     "collective_timeout",
     "describe_group",
     "named_collective",
+    "report_failure",
+    "wait_named",
     # coordination
     "DistCoordinator",
     "RankMismatchError",

@@ -1,5 +1,6 @@
 """Small helpers every package needs around torch.distributed: the device a group communicates on, and the flat
-collectives every package shares (one place for torch-version switches; timeouts named by group)."""
+collectives every package shares (one place for torch-version switches; timeouts named by group). A blocking call
+is issued asynchronously and waited for with `wait_named`, so that a failed peer is noticed within about a second."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cx_mesh._timeouts import named_collective
+from cx_mesh._timeouts import named_collective, wait_named
 
 __all__ = [
     "ProcessGroup",
     "all_gather_flat",
     "all_reduce",
+    "all_to_all_single",
     "communication_device",
     "reduce_scatter_flat",
     "reduce_scatter_scratch_numel",
@@ -51,8 +53,8 @@ def all_gather_flat(
     """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     with named_collective("all-gather", group):
-        work: dist.Work | None = gather(output, tensor, group=group, async_op=async_op)
-    return _NamedWork(work, "all-gather", group) if work is not None else None
+        work: dist.Work = gather(output, tensor, group=group, async_op=True)
+    return _finish(work, "all-gather", group, async_op)
 
 
 def all_reduce(
@@ -63,8 +65,32 @@ def all_reduce(
 ) -> dist.Work | None:
     """`dist.all_reduce`, with a timeout reported as a `CollectiveTimeoutError` naming the group."""
     with named_collective("all-reduce", group):
-        work: dist.Work | None = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    return _NamedWork(work, "all-reduce", group) if work is not None else None
+        work: dist.Work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return _finish(work, "all-reduce", group, async_op)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """`dist.all_to_all_single` (uneven splits allowed), with a timeout or a failed peer named by group."""
+    with named_collective("all-to-all", group):
+        work: dist.Work = dist.all_to_all_single(
+            output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=True
+        )
+    return _finish(work, "all-to-all", group, async_op)
+
+
+def _finish(work: dist.Work, what: str, group: ProcessGroup | None, async_op: bool) -> dist.Work | None:
+    """The named handle of a collective in flight, or (blocking call) None once it has completed."""
+    if async_op:
+        return _NamedWork(work, what, group)
+    wait_named(work, what, group)
+    return None
 
 
 class _NamedWork(dist.Work):
@@ -77,8 +103,11 @@ class _NamedWork(dist.Work):
         self._group = group
 
     def wait(self, timeout: timedelta = _NO_TIMEOUT) -> bool:
+        if timeout == _NO_TIMEOUT:
+            wait_named(self._work, self._what, self._group)
+            return True
         with named_collective(self._what, self._group):
-            return bool(self._work.wait(timeout)) if timeout != _NO_TIMEOUT else bool(self._work.wait())
+            return bool(self._work.wait(timeout))
 
     def is_completed(self) -> bool:
         return bool(self._work.is_completed())
@@ -119,8 +148,7 @@ class _SumAfterExchange(dist.Work):
         if self._received is None:
             return True
         if self._exchange is not None:
-            with named_collective("reduce-scatter (all-to-all)", self._group):
-                self._exchange.wait()
+            wait_named(self._exchange, "reduce-scatter (all-to-all)", self._group)
         torch.sum(self._received.view(self._parts, -1), dim=0, out=self._output)
         self._received = None  # the scratch buffer goes as soon as the sum is taken
         return True
@@ -139,7 +167,7 @@ def reduce_scatter_flat(
     if _sums_by_exchange(op, group):
         received = torch.empty_like(tensor)
         with named_collective("reduce-scatter (all-to-all)", group):
-            exchange = dist.all_to_all_single(received, tensor, group=group, async_op=async_op)
+            exchange = dist.all_to_all_single(received, tensor, group=group, async_op=True)
         pending = _SumAfterExchange(exchange, received, output, dist.get_world_size(group), group)
         if not async_op:
             pending.wait()
@@ -147,5 +175,5 @@ def reduce_scatter_flat(
         return pending
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     with named_collective("reduce-scatter", group):
-        work: dist.Work | None = scatter(output, tensor, op=op, group=group, async_op=async_op)
-    return _NamedWork(work, "reduce-scatter", group) if work is not None else None
+        work: dist.Work = scatter(output, tensor, op=op, group=group, async_op=True)
+    return _finish(work, "reduce-scatter", group, async_op)

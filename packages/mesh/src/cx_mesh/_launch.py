@@ -1,7 +1,9 @@
 """Initialise torch.distributed for a cx job: from torchrun's environment or from explicit coordinates.
 
 The backend follows the accelerator (NCCL on CUDA, gloo on CPU) unless given; every rank seeds torch and Python's
-`random` identically so that model initialisation agrees across ranks; the collective timeout is configurable.
+`random` identically so that model initialisation agrees across ranks; the collective timeout is configurable. An
+uncaught exception on a rank ends that rank at once and is recorded for its peers, which then stop within moments
+naming it (`_failures.install_failure_hook`) instead of waiting for the timeout.
 Defaults match ColossalAI's: its `backend="nccl"` default runs the accelerator's backend (here `None`: NCCL on
 CUDA, gloo without), and `verbose=True` logs "Distributed environment is initialized, world size: N" on rank 0.
 """
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cx_mesh._accelerator import get_accelerator
+from cx_mesh._failures import install_failure_hook
 from cx_mesh._logging import get_dist_logger
 from cx_mesh._timeouts import set_collective_timeout
 
@@ -49,7 +52,10 @@ def launch(
     `backend=None` is the accelerator's (NCCL on CUDA, gloo without), which is what ColossalAI's default `"nccl"`
     runs. A backend this machine cannot run (NCCL without CUDA) falls back to the accelerator's with a warning, so
     scripts that hard-code `backend="nccl"` run on CPU. `verbose` (on by default, as in ColossalAI) logs
-    ColossalAI's "Distributed environment is initialized" line on rank 0.
+    ColossalAI's "Distributed environment is initialized" line on rank 0. `timeout` bounds how long any collective
+    waits for a rank that is alive but stuck; an uncaught exception on a rank prints its traceback, records it in the
+    job's store and ends that process at once (atexit handlers do not run), so its peers stop within moments with a
+    `PeerFailedError` naming it.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -74,6 +80,7 @@ def launch(
         timeout=timeout,
     )
     set_collective_timeout(timeout)  # every group cx creates later uses it too (torch's new_group would not)
+    install_failure_hook()  # a rank that raises stops its peers at once, its error first (not at the timeout)
     set_seed(seed)
     if verbose:
         get_dist_logger().info(

@@ -5,6 +5,9 @@ torch's `new_group` without a timeout falls back to the backend's default (30 mi
 the job was launched with, so a stuck or out-of-step rank would hang cx's reductions far longer than the user asked.
 `launch` records its timeout here; groups are created with it. A backend's timeout error names a socket or a buffer,
 not a group: `named_collective` turns it into a `CollectiveTimeoutError` naming the group, its ranks and the operation.
+A peer that failed is not waited for: its closed connection, or the failure it recorded in the store (`_failures`),
+becomes a `PeerFailedError` naming it; `wait_named` waits for a gloo collective in short slices and checks the store
+between them.
 """
 
 from __future__ import annotations
@@ -16,13 +19,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cx_mesh._failures import PeerFailedError, failure_of_peer
+
 __all__ = [
     "CollectiveTimeoutError",
     "collective_timeout",
     "describe_group",
     "is_timeout_error",
+    "is_peer_gone_error",
     "named_collective",
     "set_collective_timeout",
+    "wait_named",
 ]
 
 _configured: timedelta | None = None
@@ -30,6 +37,12 @@ _by_group_name: dict[str, timedelta] = {}  # timeouts of the groups cx created, 
 # Phrases the backends use when a collective ran out of time (gloo: "Timed out waiting 2000ms for recv operation";
 # NCCL's watchdog: "Watchdog caught collective operation timeout"; store waits: "Socket Timeout").
 _TIMEOUT_PHRASES = ("timed out", "timeout")
+# Phrases of a peer whose process ended (gloo: "Connection closed by peer"; sockets: reset, broken pipe).
+_GONE_PHRASES = ("connection closed", "connection reset", "broken pipe")
+#: How long a gloo collective is waited for between looks at the store for a failed peer. A slice that runs out
+#: costs nothing and leaves the collective in flight (gloo's `Work.wait(timeout)`; measured on torch 2.13).
+POLL_SLICE = timedelta(seconds=1)
+_SLICE_EXPIRED = "operation timed out!"  # what `Work.wait(timeout)` says when only the slice ran out
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -99,17 +112,62 @@ def is_timeout_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError | dist.DistBackendError) and any(p in text for p in _TIMEOUT_PHRASES)
 
 
+def is_peer_gone_error(error: BaseException) -> bool:
+    """Whether a backend error reports that a peer's process ended (its connection closed)."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError | dist.DistBackendError) and any(p in text for p in _GONE_PHRASES)
+
+
+def peer_failed(what: str, group: dist.ProcessGroup | None, failed: str) -> PeerFailedError:
+    """The error of a collective that cannot complete because a peer recorded a failure (`failed`)."""
+    return PeerFailedError(
+        f"{what} on {describe_group(group)} cannot complete: {failed} (its traceback is in its own output); "
+        "this rank stops too"
+    )
+
+
 @contextlib.contextmanager
 def named_collective(what: str, group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Run (or wait for) a collective; a backend timeout becomes a `CollectiveTimeoutError` naming `group`."""
+    """Run (or wait for) a collective; a backend timeout becomes a `CollectiveTimeoutError` naming `group`, and a
+    failed peer (one that recorded its failure, or whose connection closed) a `PeerFailedError` naming it."""
     try:
         yield
-    except CollectiveTimeoutError:
+    except (CollectiveTimeoutError, PeerFailedError):
         raise
     except Exception as error:
-        if not is_timeout_error(error):
+        timed_out, gone = is_timeout_error(error), is_peer_gone_error(error)
+        if not timed_out and not gone:
             raise
+        failed = failure_of_peer()
+        if failed is not None:
+            raise peer_failed(what, group, failed) from error
+        if gone:
+            raise PeerFailedError(
+                f"{what} on {describe_group(group)} failed: a rank of this group ended (its connection closed) "
+                f"without recording an error; see that rank's own output. Backend said: {error}"
+            ) from error
         raise CollectiveTimeoutError(
             f"{what} on {describe_group(group)} timed out after {group_timeout(group)}: a rank of this group is "
             f"stuck or running a different collective (ranks out of step). Backend said: {error}"
         ) from error
+
+
+def wait_named(work: dist.Work, what: str, group: dist.ProcessGroup | None) -> None:
+    """Wait for a collective in flight under `named_collective`. On gloo it waits in `POLL_SLICE`s and looks for a
+    peer's recorded failure between them, so a failed peer is noticed within about a second; a peer that is alive
+    but slow is waited for until the group's own timeout. Not for point-to-point work: a gloo send or receive whose
+    wait runs out is closed for good (those are waited for once; a failed peer's exit closes them at once)."""
+    with named_collective(what, group):
+        if dist.get_backend(group) != "gloo":
+            work.wait()  # NCCL: torch's watchdog ends a collective that a failed peer left (at the group timeout)
+            return
+        while True:
+            try:
+                work.wait(POLL_SLICE)
+                return
+            except Exception as error:
+                if _SLICE_EXPIRED not in str(error).lower():
+                    raise  # the collective itself failed (its own timeout included): named above
+            failed = failure_of_peer()
+            if failed is not None:
+                raise peer_failed(what, group, failed)

@@ -3,9 +3,11 @@ rank r owns experts [r * E_local, (r + 1) * E_local)).
 
 Dropless (`dispatch` / `combine`): each rank sorts its (token, slot) assignments by expert, so they are grouped by
 owner rank; the per-expert counts go first through one small `all_to_all_single` (the only host sync), then the token
-rows through an uneven `all_to_all_single` under autograd (`all_to_all_single_autograd`: its backward is the reverse
-exchange). The receiver regroups the rows by local expert for the grouped matmul; `combine` undoes each step and sums
-each token's k outputs with its routing weights. Empty splits (an expert nobody routes to, a rank with no tokens)
+rows through an uneven `all_to_all_single` under autograd (`_Exchange`: its backward is the reverse exchange). Both
+go through cx-mesh's named all-to-all: a stuck peer gives a `CollectiveTimeoutError` naming the expert-parallel group,
+a failed one a `PeerFailedError` naming that rank (within about a second on gloo), not a bare transport timeout.
+The receiver regroups the rows by local expert for the grouped matmul; `combine` undoes each step and sums each
+token's k outputs with its routing weights. Empty splits (an expert nobody routes to, a rank with no tokens)
 are ordinary zero-size pieces.
 
 Padded (`dispatch_padded` / `combine_padded`): with a capacity, each expert gets exactly `capacity` rows from each
@@ -19,9 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import _functional_collectives as funcol
 
-from cx_mesh import ProcessGroup
+from cx_mesh import ProcessGroup, all_to_all_single
 
 __all__ = ["DispatchPlan", "combine", "combine_padded", "dispatch", "dispatch_padded", "group_size"]
 
@@ -30,23 +31,32 @@ def group_size(group: ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-class _Wait(torch.autograd.Function):
-    """Wait for a functional collective's result (identity backward): kernels that read raw pointers, such as the
-    grouped matmul, must see the received data, not a pending handle."""
+def _all_to_all(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: ProcessGroup) -> torch.Tensor:
+    """Rows to every rank (`in_sizes` of them to each, in rank order); `out_sizes` rows come back from each."""
+    rows = rows.contiguous()
+    received = rows.new_empty((sum(out_sizes), *rows.shape[1:]))
+    all_to_all_single(received, rows, out_sizes, in_sizes, group=group)
+    return received
+
+
+class _Exchange(torch.autograd.Function):
+    """The uneven row exchange under autograd: the gradient goes back by the reverse exchange."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        waited: torch.Tensor = funcol.wait_tensor(tensor)
-        return waited
+    def forward(
+        ctx: Any, rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: ProcessGroup
+    ) -> torch.Tensor:
+        ctx.sizes, ctx.group = (out_sizes, in_sizes), group
+        return _all_to_all(rows, out_sizes, in_sizes, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_sizes, in_sizes = ctx.sizes
+        return _all_to_all(grad, in_sizes, out_sizes, ctx.group), None, None, None
 
 
 def _exchange(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-    received = funcol.all_to_all_single_autograd(rows.contiguous(), out_sizes, in_sizes, group)
-    result: torch.Tensor = _Wait.apply(received)
+    result: torch.Tensor = _Exchange.apply(rows, out_sizes, in_sizes, group)
     return result
 
 
@@ -96,7 +106,7 @@ def dispatch(
     local = num_experts // ep
     send_counts = counts.view(ep, local)
     recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    all_to_all_single(recv_counts, send_counts, group=group)
     both = torch.stack([send_counts, recv_counts]).tolist()  # the one host sync of the layer
     send_sizes = [sum(r) for r in both[0]]
     recv_sizes = [sum(r) for r in both[1]]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore  # public as dist.FileStore; its stub does not declare it
 
-from cx_mesh import set_accelerator
+from cx_mesh import report_failure, set_accelerator
 from cx_mesh.testing._per_test import clear_per_test_caches
 
 __all__ = ["FunctionRef", "Outcome", "Task", "pool_worker_main", "single_worker_main"]
@@ -101,6 +101,7 @@ def _run(task: Task, rank: int, world_size: int) -> Outcome:
         reason = _skip_reason(error)
         if reason is not None:
             return Outcome(rank, ok=True, skipped=reason)
+        report_failure(error)  # peers waiting for this rank stop with its error (PeerFailedError), not a timeout
         return Outcome(rank, ok=False, error=traceback.format_exc())
     return Outcome(rank, ok=True)
 
