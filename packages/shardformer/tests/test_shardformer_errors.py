@@ -1,6 +1,7 @@
 """Bad configurations fail at optimize time, on every rank, naming the model and the numbers: attention heads or
 key/value heads not divisible by tp, heads not divisible by sp under all_to_all, a model without a policy, and
-unsupported tp-plan styles. Skips without transformers."""
+unsupported tp-plan styles. Token ids and labels outside the vocabulary raise at forward on every rank, as one process
+of torch does. Skips without transformers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import copy
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
 from cx_mesh import RankMismatchError
@@ -75,3 +77,20 @@ def test_shardformer_ranks_that_disagree_fail_on_every_rank(rank: int, world_siz
     model = build("llama")
     with pytest.raises(RankMismatchError, match="parallel_output"):
         ShardFormer(ShardConfig(parallel_output=rank == 0)).optimize(model)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize(("where", "bad"), [("input_ids", 69), ("input_ids", -1), ("labels", 300), ("labels", -1)])
+def test_shardformer_ids_outside_vocabulary_raise(rank: int, world_size: int, where: str, bad: int) -> None:
+    """Llama at vocabulary 64 over tp 2 (vocabulary-parallel embedding and loss): a bad input id or label raises an
+    IndexError naming it on both ranks instead of a zero embedding or a loss of 0 / inf; -100 labels are ignored."""
+    model: Any = build("llama", vocab_size=64)
+    ShardFormer(ShardConfig()).optimize(model)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    assert torch.isfinite(model(input_ids=ids, labels=labels).loss)
+    (ids if where == "input_ids" else labels)[1, 4] = bad
+    what = "input id" if where == "input_ids" else "label"
+    with pytest.raises(IndexError, match=f"{what} {bad} is outside the vocabulary of size 64"):
+        model(input_ids=ids, labels=labels)

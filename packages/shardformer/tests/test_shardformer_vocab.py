@@ -1,5 +1,6 @@
 """VocabParallelEmbedding1D, VocabParallelLMHead1D (vocabulary 13 padded to 16 over 2 ranks; padding never in the
-state dict) and cross_entropy_1d (ignore_index, padded columns) against the plain modules and F.cross_entropy."""
+state dict) and cross_entropy_1d (ignore_index, padded columns) against the plain modules and F.cross_entropy; ids and
+labels outside the vocabulary raise as torch does; embedding subclasses other than a scaled lookup are refused."""
 
 from __future__ import annotations
 
@@ -139,3 +140,65 @@ def test_shardformer_tied_embedding_and_head_share_one_shard(rank: int, world_si
     ref_loss.backward()
     assert ref_embed.weight.grad is not None
     assert_close(full_grad(p_embed.weight), ref_embed.weight.grad, "tied grad (embedding + head)")
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("bad", [V, -1, 300])
+def test_shardformer_vocab_embedding_rejects_ids_outside_vocabulary(rank: int, world_size: int, bad: int) -> None:
+    """An id no rank owns raises on every rank (as F.embedding does), not a zero embedding; padding rows (13..15
+    exist in the shards) are outside the vocabulary too."""
+    torch.manual_seed(0)
+    layer = VocabParallelEmbedding1D.from_native_module(nn.Embedding(V, H), None, make_vocab_size_divisible_by=4)
+    ids = _ids()
+    ids[1, 2] = bad
+    with pytest.raises(IndexError, match=f"input id {bad} is outside the vocabulary of size {V}"):
+        layer(ids)
+    assert layer(_ids()).shape == (B, S, H), "in-range ids still work"
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize(("bad", "ignore_index"), [(V, -100), (-1, -100), (300, -100), (-100, 4)])
+def test_shardformer_cross_entropy_1d_rejects_labels_outside_vocabulary(
+    rank: int, world_size: int, bad: int, ignore_index: int
+) -> None:
+    """A label no rank owns raises on every rank (as F.cross_entropy does), not a loss of 0 or inf; ignore_index
+    (in or out of the vocabulary) is still skipped, and -100 is an error when it is not the ignore_index."""
+    torch.manual_seed(4)
+    local = chunk(torch.randn(7, 16), -1, rank, world_size)
+    labels = torch.randint(0, V, (7,))
+    labels[1] = ignore_index
+    labels[3] = bad
+    with pytest.raises(IndexError, match=f"label {bad} is outside the vocabulary of size {V}"):
+        cross_entropy_1d(local, labels, ignore_index=ignore_index, vocab_size=V)
+    labels[3] = V - 1
+    assert torch.isfinite(cross_entropy_1d(local, labels, ignore_index=ignore_index, vocab_size=V))
+
+
+class _ShiftedEmbedding(nn.Embedding):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) + 1.0
+
+
+class _ScaledWordEmbedding(nn.Embedding):  # transformers' pattern (Gemma, BART): the lookup times embed_scale
+    embed_scale: torch.Tensor
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, embed_scale: float) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.register_buffer("embed_scale", torch.tensor(embed_scale), persistent=False)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * self.embed_scale.to(self.weight.dtype)
+
+
+@distributed(world_size=2)
+def test_shardformer_vocab_embedding_subclasses(rank: int, world_size: int) -> None:
+    """A scaled word embedding keeps its scale (and its state dict); any other forward override is refused by name
+    rather than silently dropped."""
+    torch.manual_seed(0)
+    scaled = _ScaledWordEmbedding(V, H, 2.5)
+    ref = copy.deepcopy(scaled)
+    layer = VocabParallelEmbedding1D.from_native_module(scaled, None, make_vocab_size_divisible_by=4)
+    assert_close(layer(_ids()), ref(_ids()).detach(), "scaled embedding")
+    assert set(layer.state_dict()) == set(ref.state_dict()) == {"weight"}
+    with pytest.raises(TypeError, match=r"_ShiftedEmbedding overrides nn\.Embedding\.forward"):
+        VocabParallelEmbedding1D.from_native_module(_ShiftedEmbedding(V, H), None)

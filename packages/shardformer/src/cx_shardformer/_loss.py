@@ -3,7 +3,8 @@
 Each rank holds logits for its slice of the (padded) vocabulary. The row maximum and the sum of exponentials are
 all-reduced, and the target's logit is taken from the rank that owns it; the gradient is softmax minus one-hot on
 each rank's slice. Columns past `vocab_size` (padding) are excluded. Labels equal to `ignore_index` count for
-nothing; `mode="mean"` divides by the number of counted labels (as `F.cross_entropy` does), "sum" does not.
+nothing; `mode="mean"` divides by the number of counted labels (as `F.cross_entropy` does), "sum" does not. Any other
+label outside the vocabulary raises (as `F.cross_entropy` does): no rank would own it, giving a zero or infinite loss.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from cx_mesh import ProcessGroup, all_reduce
-from cx_shardformer._comm import group_rank, reduce_forward
+from cx_shardformer._comm import group_rank, group_size, reduce_forward
+from cx_shardformer._ids import check_ids_in_vocabulary
 
 __all__ = ["cross_entropy_1d"]
 
@@ -37,6 +39,8 @@ def cross_entropy_1d(
     logits = logits.to(dtype) if dtype is not None else logits.float()
     flat_labels = labels.reshape(-1)
     local_vocab = logits.shape[-1]
+    vocab = vocab_size if vocab_size is not None else local_vocab * group_size(process_group)
+    check_ids_in_vocabulary(flat_labels, vocab, "cross_entropy_1d", "label", ignore_index)
     start = group_rank(process_group) * local_vocab
     if vocab_size is not None and vocab_size < start + local_vocab:
         columns = torch.arange(start, start + local_vocab, device=logits.device)

@@ -2,7 +2,8 @@
 
 The vocabulary is padded up to a multiple of `make_vocab_size_divisible_by * tp` so it always splits evenly; the
 padding rows are zeros that live only in the local shards (never in `state_dict()`), receive no gradient (the
-embedding never looks them up; the LM head's padded logits are cut off or masked by `cross_entropy_1d`).
+embedding never looks them up; the LM head's padded logits are cut off or masked by `cross_entropy_1d`). An input id
+outside the vocabulary raises (as `F.embedding` does) instead of becoming a zero embedding.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from cx_mesh import ProcessGroup
 from cx_shardformer._comm import group_rank, group_size, reduce_forward
+from cx_shardformer._ids import check_ids_in_vocabulary
 from cx_shardformer._linear import _ColumnBase
 from cx_shardformer._parallel_module import ParallelModule
 from cx_shardformer._shard_spec import make_spec, shard_parameter_
@@ -102,6 +104,7 @@ class VocabParallelEmbedding1D(ParallelModule):
         )
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        check_ids_in_vocabulary(input_, self.num_embeddings, type(self).__name__, "input id")
         start, count = self.vocab_start_index, self.num_embeddings_per_partition
         outside = (input_ < start) | (input_ >= start + count)
         local_ids = (input_ - start).masked_fill(outside, 0)
