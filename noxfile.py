@@ -113,7 +113,10 @@ NUMERICS_TESTS = (
             "gpt_policy", "ddp", "ddp_checkpoint", "fsdp", "zero", "gemini", "transformers", "lora", "clipping",
         )
     ),
-    *(f"packages/shardformer/tests/test_shardformer_{name}.py" for name in ("policies", "sequence", "moe", "ring")),
+    *(
+        f"packages/shardformer/tests/test_shardformer_{name}.py"
+        for name in ("policies", "sequence", "moe", "ring", "generic_tied")
+    ),
     *(
         f"packages/zero/tests/test_zero_{name}.py"
         for name in (
