@@ -1,37 +1,73 @@
-"""Point-to-point transport between pipeline stages: pytree values, a metadata cache, and in-order channels.
+"""Point-to-point transport between pipeline stages: pytree values, a checked metadata cache, in-order channels.
 
 Every rank knows every stage's action list, hence the exact order in which each neighbour sends it messages. A
 receiver takes messages from a neighbour strictly in that order, keeping any that arrive ahead of the one it needs
 (`_inbox`). The order on each (sender, receiver) channel is therefore identical on both ends, which is what NCCL
-needs (it matches point-to-point operations by order, ignoring tags); gloo is satisfied too. Sends are asynchronous
-(`isend`) and are waited for at the end of the step, so a sender never blocks on its receiver.
+needs (it matches point-to-point operations by order, ignoring tags); gloo is satisfied too.
 
-Activation messages carry their tensors only: shapes, dtypes and structure (`TreeMeta`) were exchanged once by the
-probe forward and are cached per virtual stage. With `enable_metadata_cache=False` every activation message is
-preceded by its metadata. Gradient messages never need metadata: a gradient has the shape of the activation sent.
+Transfers are posted with `dist.batch_isend_irecv`, as torch's and Megatron's pipelines do: the sends of one action
+and the receives posted after it go out as one batch (one NCCL group), so two neighbours sending each other large
+tensors at once cannot each block in a send whose matching receive sits behind the other's send. Sends are waited
+for at the end of the step, so a sender never blocks on its receiver.
+
+Activation messages are checked, not trusted: each starts with a 3-integer header (status, metadata size, CRC-32 of
+the sender's metadata). The shapes, dtypes and structure (`TreeMeta`) are cached per edge by the probe; when an
+output matches the cache (the usual case) only the header and the tensors travel, and the receiver verifies the
+CRC against its own cache. When it does not (a stage whose output size depends on the data, a shrinking batch),
+the sender says so in the header, sends tensors of the cached shapes that the receiver has already posted for
+(zeros, discarded), then the new metadata and the real tensors; both ends then cache the new metadata. A receiver
+posts nothing after an activation on a channel until it has read that activation's header. With
+`enable_metadata_cache=False` every activation carries its metadata. Gradient messages need none: a gradient has
+the shape of the activation it belongs to, which the receiving stage sent.
+
+Every wait is named (`_wait`): a neighbour that is stuck past the group's timeout gives a `CollectiveTimeoutError`,
+one that failed a `PeerFailedError`, each naming the peer's stage and rank and the group.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cx_mesh import communication_device
+from cx_mesh import communication_device, named_collective
 from cx_pipeline._actions import Action, ActionKind
+from cx_pipeline._errors import PipelineConfigError
 from cx_pipeline._pytree import TreeMeta, flatten, unflatten
 
 __all__ = ["Message", "StageTransport"]
 
 Message = tuple[str, int, int]  # ("act" | "grad", destination virtual stage, micro-batch)
-Posted = tuple[Message, list[dist.Work], list[torch.Tensor], TreeMeta | None]
 #: Receives kept posted ahead of need per neighbour: two lets a neighbour's back-to-back messages (interleaved
 #: warm-up, an activation right after a gradient) both move while this rank computes.
 RECV_WINDOW = 2
 _STATUS_OK = 0
 _STATUS_ERROR = 1
+_CACHED = 0  # activation header: the tensors follow the cached metadata
+_NEW = 2  # activation header: cached-shape filler (if an edge has a cache), metadata bytes, then the tensors
+
+
+@dataclass(eq=False)
+class _Handle:
+    """One posted transfer; its works are known once its batch is issued. A backend that coalesces a batch into
+    one work (NCCL) gives every transfer of the batch that work."""
+
+    works: list[dist.Work] = field(default_factory=list)
+
+    def done(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+@dataclass(eq=False)
+class _Posted:
+    message: Message
+    handles: list[_Handle]
+    buffers: list[torch.Tensor]
+    header: torch.Tensor | None  # an activation's header; None for a gradient
 
 
 def outgoing(action: Action, num_virtual: int, host: Callable[[int], int]) -> tuple[int, Message] | None:
@@ -42,6 +78,14 @@ def outgoing(action: Action, num_virtual: int, host: Callable[[int], int]) -> tu
     if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and v > 0:
         return host(v - 1), ("grad", v - 1, mb)
     return None
+
+
+def _crc(meta: TreeMeta) -> int:
+    return zlib.crc32(meta.to_bytes())
+
+
+def _shapes(meta: TreeMeta) -> str:
+    return ", ".join(f"{tuple(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}" for leaf in meta.leaves)
 
 
 class StageTransport:
@@ -62,12 +106,14 @@ class StageTransport:
         self.enable_metadata_cache = enable_metadata_cache
         #: Post receives ahead of need (`overlap_p2p=True`); otherwise each is posted and waited for when needed.
         self.overlap = overlap
-        self.act_meta: dict[int, TreeMeta] = {}  # destination virtual stage -> metadata of what it receives
+        self.act_meta: dict[int, TreeMeta] = {}  # destination virtual stage -> cached metadata of what it receives
+        self._sent_meta: dict[int, TreeMeta] = {}  # destination virtual stage -> cached metadata of what was sent
         self._expected: dict[int, list[Message]] = {}
         self._inbox: dict[Message, Any] = {}
         self._sent_like: dict[Message, list[torch.Tensor]] = {}  # act message -> tensors whose grads come back
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
-        self._posted: dict[int, list[Posted]] = {}  # per neighbour, in its sending order
+        self._pending: list[tuple[_Handle, torch.Tensor]] = []
+        self._posted: dict[int, list[_Posted]] = {}  # per neighbour, in its sending order
+        self._ops: list[tuple[dist.P2POp, _Handle]] = []  # queued for the next batch
 
     # ---- per-step plan --------------------------------------------------------------------------------------------
     def plan(self, orders: list[list[Action]], num_virtual: int, host: Callable[[int], int]) -> None:
@@ -83,12 +129,29 @@ class StageTransport:
         self._inbox = {}
         self._sent_like = {}
 
+    # ---- batching -------------------------------------------------------------------------------------------------
+    def _queue(self, op: Callable[..., Any], tensor: torch.Tensor, stage: int) -> _Handle:
+        handle = _Handle()
+        self._ops.append((dist.P2POp(op, tensor, self._ranks[stage], self._group), handle))
+        return handle
+
+    def flush(self) -> None:
+        """Issue every queued send and receive as one `batch_isend_irecv`."""
+        if not self._ops:
+            return
+        ops, self._ops = self._ops, []
+        works = dist.batch_isend_irecv([op for op, _ in ops])
+        if len(works) == len(ops):  # one work per transfer (gloo)
+            for (_, handle), work in zip(ops, works, strict=True):
+                handle.works = [work]
+        else:  # one work for the whole batch (a coalescing backend)
+            for _, handle in ops:
+                handle.works = list(works)
+
     # ---- sending --------------------------------------------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, stage: int) -> None:
         tensor = tensor.detach().to(self.device).contiguous()
-        work = dist.isend(tensor, self._ranks[stage], group=self._group)
-        assert work is not None
-        self._pending.append((work, tensor))
+        self._pending.append((self._queue(dist.isend, tensor, stage), tensor))
 
     def _send_bytes(self, status: int, data: bytes, stage: int) -> None:
         self._isend(torch.tensor([status, len(data)], dtype=torch.int64), stage)
@@ -96,12 +159,23 @@ class StageTransport:
             self._isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), stage)
 
     def send_activation(self, stage: int, message: Message, value: Any) -> None:
-        leaves, meta = flatten(value, f"the output of virtual stage {message[1] - 1}")
-        if not self.enable_metadata_cache:
-            self._send_bytes(_STATUS_OK, meta.to_bytes(), stage)
+        """Header, then the tensors; the metadata too (after a filler the receiver posted for) when it changed."""
+        virtual = message[1]
+        leaves, meta = flatten(value, f"the output of virtual stage {virtual - 1}")
+        data = meta.to_bytes()
+        cached = self._sent_meta.get(virtual)
+        if cached is not None and cached == meta:
+            self._isend(torch.tensor([_CACHED, 0, zlib.crc32(data)], dtype=torch.int64), stage)
+        else:
+            self._isend(torch.tensor([_NEW, len(data), zlib.crc32(data)], dtype=torch.int64), stage)
+            for filler in cached.leaves if cached is not None else ():
+                self._isend(torch.zeros(filler.shape, dtype=filler.dtype), stage)
+            self._isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), stage)
+            if self.enable_metadata_cache:
+                self._sent_meta[virtual] = meta
         for leaf in leaves:
             self._isend(leaf, stage)
-        self.remember_sent(("grad", message[1] - 1, message[2]), leaves)
+        self.remember_sent(("grad", virtual - 1, message[2]), leaves)
 
     def remember_sent(self, message: Message, leaves: list[torch.Tensor]) -> None:
         """Gradients come back for the floating-point leaves sent forward (zeros where the receiver did not use one)."""
@@ -117,13 +191,24 @@ class StageTransport:
 
     def prune(self) -> None:
         """Drop finished sends (their buffers) so memory does not grow over a step."""
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        self._pending = [(h, t) for h, t in self._pending if not h.works or not h.done()]
 
     def wait_all(self) -> None:
         """Wait for every send issued so far."""
-        for work, _ in self._pending:
-            work.wait()
+        self.flush()
+        for handle, _ in self._pending:
+            for work in handle.works:
+                self._wait(work, f"pipeline send from stage {self._stage} (rank {self._ranks[self._stage]})")
         self._pending = []
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        """Wait for one transfer; a timeout or a failed peer raises an error saying `what` it was, on which group
+        (`cx_mesh.named_collective`). Waited for once, not in slices: a gloo transfer whose wait runs out is closed."""
+        with named_collective(what, self._group):
+            work.wait()
+
+    def _from(self, stage: int) -> str:
+        return f"pipeline receive from stage {stage} (rank {self._ranks[stage]})"
 
     def end_step(self) -> None:
         self.wait_all()
@@ -133,97 +218,137 @@ class StageTransport:
         self._inbox = {}
 
     # ---- receiving ------------------------------------------------------------------------------------------------
-    def _recv(self, like: torch.Tensor | tuple[tuple[int, ...], torch.dtype], stage: int) -> torch.Tensor:
-        if isinstance(like, torch.Tensor):
-            buffer = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        else:
-            buffer = torch.empty(like[0], dtype=like[1], device=self.device)
-        dist.recv(buffer, self._ranks[stage], group=self._group)
+    def _post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> tuple[torch.Tensor, _Handle]:
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        return buffer, self._queue(dist.irecv, buffer, stage)
+
+    def _await(self, handles: list[_Handle], stage: int) -> None:
+        self.flush()
+        for handle in handles:
+            for work in handle.works:
+                self._wait(work, self._from(stage))
+
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> torch.Tensor:
+        buffer, handle = self._post_recv(shape, dtype, stage)
+        self._await([handle], stage)
         return buffer
 
     def _recv_bytes(self, stage: int) -> tuple[int, bytes]:
-        header = self._recv(((2,), torch.int64), stage)
+        header = self._recv((2,), torch.int64, stage)
         status, size = int(header[0]), int(header[1])
-        data = bytes(self._recv(((size,), torch.uint8), stage).tolist()) if size else b""
+        data = bytes(self._recv((size,), torch.uint8, stage).tolist()) if size else b""
         return status, data
 
-    def _recv_value(self, meta: TreeMeta, stage: int) -> Any:
-        leaves = []
-        for leaf in meta.leaves:
-            tensor = self._recv((leaf.shape, leaf.dtype), stage)
-            if leaf.requires_grad:
-                tensor.requires_grad_(True)
-            leaves.append(tensor)
+    def _recv_leaves(self, meta: TreeMeta, stage: int) -> list[torch.Tensor]:
+        posted = [self._post_recv(leaf.shape, leaf.dtype, stage) for leaf in meta.leaves]
+        self._await([handle for _, handle in posted], stage)
+        return [buffer for buffer, _ in posted]
+
+    def _cached(self, virtual: int) -> TreeMeta | None:
+        return self.act_meta.get(virtual) if self.enable_metadata_cache else None
+
+    def _post_activation(self, stage: int, message: Message) -> _Posted:
+        """Post the header of an activation and, with a cache for its edge, tensors of the cached shapes."""
+        header, handle = self._post_recv((3,), torch.int64, stage)
+        cached = self._cached(message[1])
+        posted = [self._post_recv(leaf.shape, leaf.dtype, stage) for leaf in cached.leaves] if cached else []
+        return _Posted(message, [handle] + [h for _, h in posted], [b for b, _ in posted], header)
+
+    def _open_activation(self, stage: int, posted: _Posted) -> Any:
+        """The value of a received activation: its header read and checked, the metadata and tensors received when
+        the sender's output differed from the cache."""
+        _, virtual, mb = posted.message
+        assert posted.header is not None
+        status, size, crc = (int(x) for x in posted.header.tolist())
+        cached = self._cached(virtual)
+        if status == _CACHED and cached is not None:
+            if crc != _crc(cached):
+                raise PipelineConfigError(
+                    f"pipeline stage {self._stage} received micro-batch {mb}'s input of virtual stage {virtual} from "
+                    f"stage {stage}, whose metadata does not match the one cached here ({_shapes(cached)}): the two "
+                    "stages' metadata caches disagree (did every stage run the same steps?)"
+                )
+            meta, leaves = cached, posted.buffers
+        elif status == _NEW:
+            data = bytes(self._recv((size,), torch.uint8, stage).tolist())
+            if zlib.crc32(data) != crc:
+                raise PipelineConfigError(f"pipeline stage {self._stage}: corrupt metadata from stage {stage}")
+            meta = TreeMeta.from_bytes(data)
+            leaves = self._recv_leaves(meta, stage)
+            if self.enable_metadata_cache:
+                self.act_meta[virtual] = meta
+        else:
+            raise PipelineConfigError(
+                f"pipeline stage {self._stage} got an activation header with status {status} from stage {stage} "
+                f"for virtual stage {virtual}, micro-batch {mb}: the stages disagree on the metadata cache"
+            )
+        for buffer, leaf in zip(leaves, meta.leaves, strict=True):
+            buffer.requires_grad_(leaf.requires_grad)
         return unflatten(meta, leaves)
 
     def _post(self, stage: int) -> None:
         """Post the receives of the next messages from `stage` ahead of need (up to `RECV_WINDOW` per neighbour, in
-        its sending order), so their transfer overlaps this rank's compute: gloo and NCCL move the data once the
-        receive is posted, and both match receives from one peer in the order they were posted."""
+        its sending order), so their transfer overlaps this rank's compute. Nothing is posted behind an activation
+        whose header is unread: what follows it on the channel depends on that header."""
         queue = self._expected.get(stage)
         posted = self._posted.setdefault(stage, [])
         while self.overlap and queue and len(posted) < RECV_WINDOW:
+            if posted and posted[-1].header is not None:
+                return
             message = queue[0]
             kind, virtual, _ = message
             if kind == "act":
-                if not self.enable_metadata_cache:
+                if self._cached(virtual) is None:
                     return  # its metadata comes first, in the message itself
-                meta: TreeMeta | None = self.act_meta[virtual]
-                assert meta is not None
-                shapes = [(leaf.shape, leaf.dtype) for leaf in meta.leaves]
+                queue.pop(0)
+                posted.append(self._post_activation(stage, message))
             elif message in self._sent_like:
-                meta = None
-                shapes = [(tuple(t.shape), t.dtype) for t in self._sent_like[message]]
+                queue.pop(0)
+                received = [self._post_recv(tuple(t.shape), t.dtype, stage) for t in self._sent_like[message]]
+                posted.append(_Posted(message, [h for _, h in received], [b for b, _ in received], None))
             else:
                 return  # a gradient for an activation not sent yet: its shapes are not known
-            queue.pop(0)
-            buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
-            works = []
-            for buffer in buffers:
-                work = dist.irecv(buffer, self._ranks[stage], group=self._group)
-                assert work is not None
-                works.append(work)
-            posted.append((message, works, buffers, meta))
 
     def prefetch(self) -> None:
-        """Post the next receive from every neighbour that has one pending (see `_post`)."""
+        """Take what has arrived, post the next receives from every neighbour (see `_post`), and issue the batch."""
         for stage in self._expected:
             self._post(stage)
+        self.flush()
+        for stage in self._expected:
+            posted = self._posted.get(stage)
+            while posted and posted[0].header is not None and posted[0].handles[0].done():
+                self._take_next(stage)  # an activation's header is in: read it, so the channel can move on
+        self.flush()
 
     def _take_next(self, stage: int) -> None:
         posted = self._posted.get(stage)
         if posted:
-            message, works, buffers, meta = posted.pop(0)
-            for work in works:
-                work.wait()
-            if meta is None:
-                self._inbox[message] = buffers
+            entry = posted.pop(0)
+            self._await(entry.handles, stage)
+            if entry.header is None:
+                self._inbox[entry.message] = entry.buffers
             else:
-                for buffer, leaf in zip(buffers, meta.leaves, strict=True):
-                    buffer.requires_grad_(leaf.requires_grad)
-                self._inbox[message] = unflatten(meta, buffers)
+                self._inbox[entry.message] = self._open_activation(stage, entry)
             self._post(stage)  # refill the window before the caller computes with this message
+            self.flush()
             return
         queue = self._expected.get(stage)
         if not queue:
             raise RuntimeError(f"stage {self._stage} expected no more messages from stage {stage} this step")
         message = queue.pop(0)
-        kind, virtual, _ = message
-        if kind == "act":
-            if self.enable_metadata_cache:
-                meta = self.act_meta[virtual]
-            else:
-                _, data = self._recv_bytes(stage)
-                meta = TreeMeta.from_bytes(data)
-            self._inbox[message] = self._recv_value(meta, stage)
+        if message[0] == "act":
+            entry = self._post_activation(stage, message)
+            self._await(entry.handles, stage)
+            self._inbox[message] = self._open_activation(stage, entry)
         else:
-            self._inbox[message] = [self._recv(like, stage) for like in self.grads_like(message)]
+            self._inbox[message] = [self._recv(tuple(t.shape), t.dtype, stage) for t in self.grads_like(message)]
 
     def ready(self, stage: int, message: Message) -> bool:
         """Whether `message` from `stage` can be taken without waiting (already here, or its posted receive done)."""
+        self.flush()
         while message not in self._inbox:
             posted = self._posted.get(stage)
-            if not posted or not all(work.is_completed() for work in posted[0][1]):
+            if not posted or not all(handle.done() for handle in posted[0].handles):
                 return False
             self._take_next(stage)  # arrived: keep it (the window is refilled)
         return True
@@ -241,19 +366,29 @@ class StageTransport:
     def take_local(self, message: Message) -> Any:
         return self._inbox.pop(message)
 
-    # ---- probe (first step): status + metadata + tensors -----------------------------------------------------------
-    def probe_send(self, stage: int, value: Any | None, error: str | None) -> None:
+    # ---- probe: status + metadata + tensors; on success both ends cache the edge's metadata -----------------------
+    def probe_send(self, stage: int, virtual: int, value: Any | None, error: str | None) -> None:
+        """Send virtual stage `virtual`'s probe input (or the error that stands in for it) to `stage`."""
         if error is not None:
             self._send_bytes(_STATUS_ERROR, error.encode(), stage)
-            return
-        leaves, meta = flatten(value)
-        self._send_bytes(_STATUS_OK, meta.to_bytes(), stage)
-        for leaf in leaves:
-            self._isend(leaf, stage)
+        else:
+            leaves, meta = flatten(value)
+            self._send_bytes(_STATUS_OK, meta.to_bytes(), stage)
+            for leaf in leaves:
+                self._isend(leaf, stage)
+            if self.enable_metadata_cache:
+                self._sent_meta[virtual] = meta
+        self.flush()
 
-    def probe_receive(self, stage: int) -> tuple[Any, TreeMeta | None, str | None]:
+    def probe_receive(self, stage: int, virtual: int) -> tuple[Any, TreeMeta | None, str | None]:
+        """Virtual stage `virtual`'s probe input from `stage`: (value, metadata, None) or (None, None, error)."""
         status, data = self._recv_bytes(stage)
         if status != _STATUS_OK:
             return None, None, data.decode()
         meta = TreeMeta.from_bytes(data)
-        return self._recv_value(meta, stage), meta, None
+        leaves = self._recv_leaves(meta, stage)
+        for buffer, leaf in zip(leaves, meta.leaves, strict=True):
+            buffer.requires_grad_(leaf.requires_grad)
+        if self.enable_metadata_cache:
+            self.act_meta[virtual] = meta
+        return unflatten(meta, leaves), meta, None

@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cx_mesh import all_gather_flat
 from cx_pipeline._calling import call_arguments, check_stage_output, signature_problem
 from cx_pipeline._errors import PipelineConfigError
 from cx_pipeline._p2p import StageTransport
 from cx_pipeline._pytree import flatten
 from cx_pipeline._stage_manager import PipelineStageManager
 
-__all__ = ["batch_signature", "probe"]
+__all__ = ["agree_to_probe", "batch_signature", "probe"]
 
 
 def batch_signature(value: Any) -> str:
@@ -35,6 +36,26 @@ def batch_signature(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ",".join(batch_signature(v) for v in value) + "]"
     return type(value).__name__
+
+
+def agree_to_probe(manager: PipelineStageManager, device: torch.device, changed: bool, num_microbatches: int) -> bool:
+    """Whether every stage probes this step: yes when any stage's batch signature changed. Decided together (one
+    small all-gather over the pipeline group) because each stage sees only its own batch: stages deciding alone
+    would probe at different steps and wait for each other forever. Stages splitting their batches into different
+    numbers of micro-batches would run different schedules and hang; that is refused here, naming every stage's."""
+    mine = torch.tensor([int(changed), num_microbatches], dtype=torch.int64, device=device)
+    everyone = torch.empty(2 * manager.num_stages, dtype=torch.int64, device=device)
+    all_gather_flat(everyone, mine, group=manager.pp_group)
+    rows = everyone.view(-1, 2).tolist()
+    stage_of = {rank: stage for stage, rank in enumerate(manager.stage_ranks)}
+    counts = {stage_of[dist.get_global_rank(manager.pp_group, i)]: row[1] for i, row in enumerate(rows)}
+    if len(set(counts.values())) > 1:
+        described = ", ".join(f"stage {stage}: {counts[stage]}" for stage in sorted(counts))
+        raise PipelineConfigError(
+            f"the pipeline stages split this step's batch into different numbers of micro-batches ({described}); "
+            "every stage must get a batch of the same size (the same batch, e.g. from the same data loader and seed)"
+        )
+    return any(row[0] for row in rows)
 
 
 def _run_stage(
@@ -97,9 +118,7 @@ def probe(
             if previous == me:
                 received, error = local.pop(virtual)
             else:
-                received, meta, error = transport.probe_receive(previous)
-                if meta is not None:
-                    transport.act_meta[virtual] = meta
+                received, _, error = transport.probe_receive(previous, virtual)
         output = None
         if error is None:
             output, error = _run_stage(manager, chunks[chunk_id], chunk_id, virtual, micro_batch, received, check_loss)
@@ -112,7 +131,7 @@ def probe(
                 transport.act_meta[virtual + 1] = flatten(output)[1]
             local[virtual + 1] = (output, error)
         else:
-            transport.probe_send(following, output, error)
+            transport.probe_send(following, virtual + 1, output, error)
     transport.wait_all()
     _share_outcome(manager, transport, outcome)
 
