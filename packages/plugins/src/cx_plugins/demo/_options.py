@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import cx_plugins
+from cx_mesh import DEFAULT_TIMEOUT
 from cx_plugins.demo._models import GPT_MODEL, MODEL_CHOICES, PRESETS, DemoModel, ModelError, ModelSpec, describe_model
 from cx_plugins.demo._parser import (
     DEFAULT_HIDDEN,
@@ -56,6 +57,7 @@ class DemoOptions:
     zero: int = 0
     microbatches: int = 1  # pipeline micro-batches per step (the pipeline size unless --microbatches says)
     pp_style: str = PP_STYLES[0]
+    timeout: float = DEFAULT_TIMEOUT.total_seconds()  # seconds: the process groups' and named collectives' timeout
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -227,6 +229,7 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         save_every=args.save_every,
         resume=args.resume,
         verify=args.verify,
+        timeout=args.timeout,
         model=args.model,
         tp=args.tp or 1,
         pp=args.pp or 1,

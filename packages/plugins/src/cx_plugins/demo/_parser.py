@@ -9,6 +9,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from cx_mesh import DEFAULT_TIMEOUT
 from cx_plugins.demo._models import GPT_MODEL, MODEL_CHOICES
 from cx_plugins.demo._verification import VERIFY_COST
 
@@ -124,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="parameter / compute precision")
     parser.add_argument("--seed", type=_integer, default=1024, help="seed of the weights and of the data order")
     parser.add_argument("--log-every", type=_positive, default=10, help="steps between progress lines")
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_TIMEOUT.total_seconds(),
+        help="seconds a rank waits for a peer that is alive but stuck (a collective or a pipeline transfer) before "
+        "failing with an error naming the group; a peer that raised or died stops the run within seconds",
+    )
     parser.add_argument(
         "--save", type=Path, default=None, help="checkpoint directory, written at the end (default: none)"
     )

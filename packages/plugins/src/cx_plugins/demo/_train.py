@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -55,7 +56,7 @@ def _pipeline_step(
 
 def train(options: DemoOptions) -> list[float]:
     """Run the demo on this rank (torch.distributed from torchrun's environment); returns the step losses."""
-    launch_from_torch(seed=options.seed)
+    launch_from_torch(seed=options.seed, timeout=timedelta(seconds=options.timeout))  # every group cx makes too
     return run(options)
 
 
