@@ -1,6 +1,6 @@
 """Pieces every Hugging Face decoder policy shares: divisibility checks with clear messages, per-rank attribute
-counts, the vocabulary-parallel LM head and its loss, and the ShardConfig switches (SDPA attention, torch's fused
-RMSNorm, per-layer activation checkpointing)."""
+counts, the vocabulary-parallel LM head and its loss, the ShardConfig switches (SDPA attention, torch's fused
+RMSNorm, per-layer activation checkpointing) and the dropout streams of sharded activations."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from cx_shardformer._loss import cross_entropy_1d
 from cx_shardformer._policy import Policy
 from cx_shardformer._sharder import get_submodule_or_none, set_submodule
 from cx_shardformer._vocab import VocabParallelEmbedding1D, VocabParallelLMHead1D
+from cx_shardformer.policies._dropout import install_dropout_streams
 
 __all__ = [
     "HFDecoderPolicy",
@@ -90,6 +91,9 @@ class HFDecoderPolicy(Policy):
     # one reduction per block input replaces one per column layer. Checked policies verify this for their model; the
     # generic policy cannot, and keeps one all-reduce per column layer (always correct).
     shares_block_reductions = True
+    # dropout modules inside the attention module that act on the attention probabilities (this rank's heads); every
+    # other dropout module in a decoder layer acts on the hidden states (`_dropout`)
+    attention_probability_dropouts: tuple[str, ...] = ("attn_dropout", "attention_dropout")
 
     @property
     def tp_size(self) -> int:
@@ -186,7 +190,9 @@ class HFDecoderPolicy(Policy):
                     block.register_forward_pre_hook(hook, with_kwargs=True)
 
     def apply_switches(self) -> None:
-        """enable_flash_attention, enable_fused_normalization and gradient_checkpoint_config."""
+        """enable_flash_attention, enable_fused_normalization and gradient_checkpoint_config; and the dropout
+        streams of sharded activations (`_dropout`), which every policy needs and which must come after sharding."""
+        install_dropout_streams(self)
         config = self.shard_config
         attention_sp = config.sp_mode in (SequenceParallelMode.ALL_TO_ALL, SequenceParallelMode.RING)
         if config.enable_flash_attention and not attention_sp:  # the SP modes install their own attention
