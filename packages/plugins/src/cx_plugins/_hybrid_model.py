@@ -27,6 +27,7 @@ from cx_pipeline import (
     PipelineStageManager,
     split_model,
 )
+from cx_plugins._batch_check import BatchCheck
 from cx_plugins._layout import ParallelLayout
 from cx_plugins._lazy_init import LazyModel
 from cx_plugins._lazy_tp import materialise_sliced
@@ -52,10 +53,12 @@ class HybridParallelModule(ModelWrapper):
         held: frozenset[str],
         *,
         compute_dtype: torch.dtype = torch.float32,
+        batch_check: BatchCheck | None = None,
     ) -> None:
         super().__init__(module)
         self.layout = layout
         self.compute_dtype = compute_dtype
+        self.batch_check = batch_check  # None: no check (a replica of one rank; or turned off, as the benchmark does)
         self.__dict__["pipeline"] = pipeline  # not a submodule: its parameters are the module's own
         self._held = held
         persistent = _persistent_buffer_names(module)  # not state_dict(): a collective over tp for sharded layers
@@ -75,7 +78,17 @@ class HybridParallelModule(ModelWrapper):
                 "booster.execute_pipeline(data_iter, model, criterion, optimizer), not model(...)"
             )
         args, kwargs = self.cast_inputs((args, kwargs))
+        if self.batch_check is not None:  # every rank of the replica must be given the same inputs
+            self.batch_check({**{f"args[{i}]": value for i, value in enumerate(args)}, **kwargs})
         return self.module(*args, **kwargs)
+
+    def prepare_inputs(self, batch: Any) -> Any:
+        """A pipeline step's batch: `cast_inputs`, then checked as `model(...)` checks its inputs (collective over
+        the replica group: each `execute_pipeline` step calls it once on every rank)."""
+        batch = self.cast_inputs(batch)
+        if self.batch_check is not None:
+            self.batch_check(batch)
+        return batch
 
     def cast_inputs(self, inputs: Any) -> Any:
         """`inputs` (any nest of containers) with its floating-point tensors cast to `compute_dtype`; integer ids,

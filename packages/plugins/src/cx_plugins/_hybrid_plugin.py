@@ -30,6 +30,7 @@ from cx_pipeline import (
     PipelineStageManager,
     ZeroBubbleVPipeScheduler,
 )
+from cx_plugins._batch_check import BatchCheck
 from cx_plugins._ddp_options import DDPOptions
 from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
 from cx_plugins._hybrid_model import ComposedModel, HybridParallelModule, broadcast_states, compose_model
@@ -43,6 +44,7 @@ from cx_plugins._hybrid_options import (
     check_custom_policy,
     parse_pipeline_style,
 )
+from cx_plugins._init_agreement import agree_initial_states
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._lazy_init import LazyModel, is_lazy
 from cx_plugins._parallel_view import ParallelModelView
@@ -281,6 +283,10 @@ class HybridParallelPlugin(ZeroPluginBase):
         o = self.options
         original_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
         before = {id(p): name for name, p in model.named_parameters()}  # to follow parameters ShardFormer replaces
+        lazy = LazyModel(model) if is_lazy(model) else None
+        # before slicing: the model each rank of a replica cuts its slice from must be the same one (rank 0's)
+        replica = [a for a in self.layout.axes if a not in (Axis.DP, Axis.MOE_DP)]
+        agree_initial_states(model, lazy, self.layout.group_or_none(*replica), type(self).__name__)
         composed = compose_model(
             model,
             self.shard_config,
@@ -288,7 +294,7 @@ class HybridParallelPlugin(ZeroPluginBase):
             self.stage_manager,
             o.precision.dtype,
             get_accelerator().current_device(),
-            LazyModel(model) if is_lazy(model) else None,
+            lazy,
             plugin=type(self).__name__,
         )
         if optimizer is not None:
@@ -298,7 +304,12 @@ class HybridParallelPlugin(ZeroPluginBase):
         self._broadcast_states(composed, grad_group)
         held_names = frozenset(composed.names[id(p)] for p in composed.held)
         boosted = HybridParallelModule(
-            composed.module, self.layout, composed.pipeline, held_names, compute_dtype=o.precision.dtype
+            composed.module,
+            self.layout,
+            composed.pipeline,
+            held_names,
+            compute_dtype=o.precision.dtype,
+            batch_check=self._batch_check(),
         )
         wrapped: OptimizerWrapper | None = None
         if optimizer is not None:
@@ -323,6 +334,15 @@ class HybridParallelPlugin(ZeroPluginBase):
         if original_dtype is not None:
             self._dtype_of[boosted] = original_dtype
         return boosted, wrapped, criterion, dataloader, lr_scheduler
+
+    def _batch_check(self) -> BatchCheck | None:
+        """The check that the ranks sharing a batch (every axis but the data axes: pp, tp, sp) are given the same
+        one; None when one rank holds a whole replica."""
+        axes = [a for a in self.layout.axes if a not in self.layout.data_axes and self.layout.size(a) > 1]
+        if not axes:
+            return None
+        names = " x ".join(a.value for a in axes)
+        return BatchCheck(self.layout.group(*axes), self.layout.ranks(*axes), names, type(self).__name__)
 
     # ---- hooks a subclass (MoeHybridParallelPlugin) overrides -------------------------------------------------
     def _broadcast_states(self, composed: ComposedModel, grad_group: ProcessGroup | None) -> None:
@@ -411,7 +431,8 @@ class HybridParallelPlugin(ZeroPluginBase):
             )
         if optimizer is not None and not isinstance(optimizer, HybridParallelOptimizer | HybridZeroOptimizer):
             raise TypeError("execute_pipeline needs the optimizer booster.boost returned (or None)")
-        batches = map(model.cast_inputs, data_iter)  # floating inputs in the training precision, as model(...) does
+        batches = map(model.prepare_inputs, data_iter)  # cast and checked as model(...) does, when the schedule
+        # takes its batch (the same point of every rank's step: the replica group's check is collective)
         return self.schedule.forward_backward_step(
             model.pipeline, batches, criterion, optimizer, return_loss=return_loss, return_outputs=return_outputs
         )

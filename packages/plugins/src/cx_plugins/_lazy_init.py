@@ -183,6 +183,12 @@ class LazyModel:
                 f"tensors on the meta device that no LazyInitContext recorded cannot be materialised: {unknown[:5]}"
             )
 
+    def replay_rng_states(self) -> list[torch.Tensor]:
+        """The CPU random state each construction tape replays from, in a fixed order (the same on every rank that
+        built the same model); writing into one changes what the replay draws (HybridParallelPlugin makes the
+        ranks of a replica agree on them)."""
+        return [tape.rng_state for tape, _ in self._groups.values()]
+
     def stream(self, receive: Callable[[nn.Parameter, torch.Tensor], None] | None = None) -> None:
         """Replay each tape once; every tensor is handed over (or installed) as soon as construction is done with
         it, so at most what construction itself held at once is alive (see `OpTape.stream`)."""
