@@ -17,6 +17,12 @@ a step is forward + loss + backward + AdamW + barrier, each ratio the median of 
   `HybridParallelPlugin(tp_size=2, pp_size=2, num_microbatches=4)`. 4 processes on a 2-core machine oversubscribe
   it: that ratio says more about scheduling than about either system.
 Memory: parameter bytes each rank holds (meta tensors of other stages excluded) against the analytical share.
+
+`--batch-check` measures only the cost of the check that the ranks of a replica are given the same batch (issue 22):
+cx tp 2 and cx pp 2 as above, each with the check as shipped (a structure hash and one tiny all-gather per call,
+reading back on the first calls and on a change of shapes), with it reading back on every call, and without it
+(`model.batch_check = None`), taking turns step by step; plus the check's own time per call, timed alone over many
+calls, over the step time (the precise figure: the paired step ratios carry this machine's noise of a few %).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ if os.environ.get("CX_BENCH_SMOKE"):
     LAYERS, HIDDEN, INTER, VOCAB, SEQ, BATCH, STEPS = 2, 32, 64, 128, 16, 4, 2
 
 Step = Callable[[torch.Tensor], None]
+_LAST_MODEL: list[Any] = []  # the model _cx boosted last (the batch-check variants switch its check)
 
 
 def _model() -> Any:
@@ -100,6 +107,7 @@ def _cx(**options: Any) -> tuple[Step, int]:
     net = _model()
     model, optimizer, *_ = booster.boost(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
     assert optimizer is not None
+    _LAST_MODEL[:] = [model]
 
     def step(ids: torch.Tensor) -> None:
         batch = {"input_ids": ids, "labels": ids}
@@ -180,6 +188,62 @@ def _torch_pipeline(
     return step, local
 
 
+def _cx_check_variants(prefix: str, **options: Any) -> dict[str, tuple[Step, Any]]:
+    """cx with the batch check as shipped, reading back every call, and off; each step with its boosted model."""
+    variants = {}
+    for suffix in ("", " (check reads every call)", " (no check)"):
+        step, _ = _cx(**options)
+        model = _LAST_MODEL[0]
+        if "every" in suffix:
+            model.batch_check.first_calls = 10**9
+        elif "no check" in suffix:
+            model.batch_check = None
+        variants[prefix + suffix] = (step, model)
+    return variants
+
+
+def _check_alone(model: Any, ids: torch.Tensor, look: bool, calls: int = 200) -> float:
+    """ms per call of the model's batch check alone (every rank calling it together)."""
+    check = model.batch_check
+    saved = check.first_calls
+    check.first_calls = 10**9 if look else 0
+    batch = {"input_ids": ids, "labels": ids}
+    check(batch)  # a structure change reads back once; the timed calls then follow the `look` mode
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        check(batch)
+    dist.barrier()
+    check.first_calls = saved
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
+def _worker_check(rank: int, world_size: int, out: str) -> None:
+    torch.set_num_threads(1)
+    built = {**_cx_check_variants("cx tp 2", tp_size=2, pp_size=1)}
+    built.update(_cx_check_variants("cx pp 2 (1F1B)", tp_size=1, pp_size=2, num_microbatches=MICRO))
+    times = _time({name: step for name, (step, _) in built.items()})
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    alone = {}
+    for prefix in ("cx tp 2", "cx pp 2 (1F1B)"):
+        model = built[prefix][1]
+        step_ms = statistics.median(times[prefix + " (no check)"])
+        for look in (False, True):
+            ms = _check_alone(model, ids, look)
+            alone[f"{prefix}: check alone ({'reading back' if look else 'as on later calls'}) / step"] = ms / step_ms
+    if rank == 0:
+        ratios = {}
+        for prefix in ("cx tp 2", "cx pp 2 (1F1B)"):
+            base = times[prefix + " (no check)"]
+            for name in (prefix, prefix + " (check reads every call)"):
+                ratios[f"{name} / {prefix} (no check)"] = statistics.median(
+                    a / b for a, b in zip(times[name], base, strict=True)
+                )
+        ratios.update(alone)
+        result = {"ms": {n: statistics.median(v) for n, v in times.items()}, "ratios": ratios}
+        Path(out).write_text(json.dumps(result))
+
+
 def _worker(rank: int, world_size: int, out: str) -> None:
     torch.set_num_threads(1)
     built = {
@@ -249,6 +313,20 @@ def _worker_4(rank: int, world_size: int, out: str) -> None:
 
 
 def main() -> None:
+    if "--help" in sys.argv or "-h" in sys.argv:
+        print(__doc__)
+        return
+    if "--batch-check" in sys.argv:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = str(Path(tmp) / "check.json")
+            spawn(_worker_check, 2, path, timeout=1200)
+            result = json.loads(Path(path).read_text())
+        print(f"Llama {LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}, seq {SEQ}, batch {BATCH}, {STEPS} steps")
+        for name, ms in result["ms"].items():
+            print(f"{name:45s} {ms:8.1f} ms")
+        for label, ratio in result["ratios"].items():
+            print(f"ratio {label}: {ratio:.4f}")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path, path_4 = str(Path(tmp) / "result.json"), str(Path(tmp) / "result_4.json")
         spawn(_worker, 2, path, timeout=1200)
