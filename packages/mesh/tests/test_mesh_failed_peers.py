@@ -5,6 +5,7 @@ it and its error, well before the group's timeout (60 s here: had the ranks wait
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 import torch
@@ -68,3 +69,21 @@ def test_an_uncaught_exception_under_launch_stops_the_peers_with_its_error() -> 
     report = str(failure.value)
     assert "rank 1 exited with code 1 before reporting a result" in report
     assert f"PeerFailedError: receive from rank 1 on group 'cx mesh (2,) along pp' (ranks [0, 1]) {_FAILED}" in report
+
+
+@pytest.mark.parametrize("operation", ["all-to-all", "all-reduce"])
+@distributed(world_size=2, timeout=60)
+def test_a_slow_live_peer_is_waited_for_across_poll_slices(rank: int, world_size: int, operation: str) -> None:
+    """A peer that arrives after several of the one-second poll slices (but well within the group's timeout) is
+    waited for, and the collective's result is right: an expired slice must leave the collective in flight."""
+    group = ProcessGroupMesh(world_size, axis_names=("ep",)).get_group_along_axis("ep")
+    if rank == 1:
+        time.sleep(2.5)  # two and a half of wait_named's one-second poll slices
+    if operation == "all-to-all":
+        received = torch.empty(2)
+        all_to_all_single(received, torch.tensor([10.0 * rank, 10.0 * rank + 1]), group=group)
+        assert received.tolist() == [float(rank), 10.0 + rank]
+    else:
+        total = torch.tensor([float(rank + 1)])
+        all_reduce(total, group=group)
+        assert total.item() == 3.0

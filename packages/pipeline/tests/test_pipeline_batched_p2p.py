@@ -65,7 +65,7 @@ def _watched_p2p() -> Iterator[dict[str, int]]:
 
 
 @distributed(world_size=2)
-@pytest.mark.parametrize("style", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("style", ["1f1b", "interleaved", "zbv"])
 def test_pipeline_transfers_are_batched(rank: int, world_size: int, style: str) -> None:
     torch.manual_seed(0)
     full = ToyNet(4, tied=False)
