@@ -111,6 +111,8 @@ NUMERICS_TESTS = (
             "hybrid", "hybrid_gpt2", "hybrid_sp", "hybrid_precision", "hybrid_resume", "hybrid_checkpoint",
             "moe_hybrid", "moe_hybrid_pp", "moe_hybrid_qwen3", "moe_hybrid_sp", "moe_checkpoint", "gemini_tp",
             "gpt_policy", "ddp", "ddp_checkpoint", "fsdp", "zero", "gemini", "transformers", "lora", "clipping",
+            "lazy_shards", "hybrid_zbv_tp", "hybrid_tied_accumulation", "hybrid_replica_agreement",
+            "moe_ep_zero_fp16",
         )
     ),
     *(
@@ -125,6 +127,8 @@ NUMERICS_TESTS = (
         )
     ),
     "packages/pipeline/tests/test_pipeline_transformers.py",
+    "packages/pipeline/tests/test_pipeline_tied_accumulation.py",
+    "packages/pipeline/tests/test_pipeline_metadata_check.py",
     "tests/test_pipeline_with_zero.py",
     "tests/test_moe_with_zero.py",
 )  # fmt: skip
