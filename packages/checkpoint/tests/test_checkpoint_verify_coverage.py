@@ -138,3 +138,25 @@ def test_suffixless_model_file_is_found_and_checked(tmp_path: Path) -> None:
     result = _by_name(verify_checkpoints(tmp_path))["weights"]
     assert result.outcome is VerifyOutcome.FAILED
     assert "ChecksumMismatchError" in result.detail, result.detail
+
+
+def test_json_without_a_checksum_is_still_parsed(tmp_path: Path) -> None:
+    """JSON no index or manifest records (an LR scheduler's state, a trainer.json saved without a manifest) is at
+    least parsed: a truncated one fails, naming the file; a whole one is OK as parsed only. An optimizer's own
+    description is parsed with its checkpoint, not listed twice."""
+    GeneralCheckpointIO().save_optimizer(_trained_adam(), tmp_path / "optimizer", shard=True)
+    scheduler = tmp_path / "lr_scheduler.json"
+    scheduler.write_text(json.dumps({"last_epoch": 3, "base_lrs": [0.01]}))
+    trainer = tmp_path / "trainer.json"
+    trainer.write_text(json.dumps({"step": 12, "plugin": "gemini", "world_size": 2}))
+    results = _by_name(verify_checkpoints(tmp_path))
+    assert "optimizer.json" not in results
+    for name in ("lr_scheduler.json", "trainer.json"):
+        assert results[name].outcome is VerifyOutcome.OK
+        assert results[name].detail == "JSON with no checksum recorded: parsed only"
+    assert main([str(tmp_path)]) == 0
+    trainer.write_text(trainer.read_text()[:-7])
+    failed = _by_name(verify_checkpoints(tmp_path))["trainer.json"]
+    assert failed.outcome is VerifyOutcome.FAILED
+    assert "trainer.json: JSON is not valid JSON" in failed.detail, failed.detail
+    assert main([str(tmp_path)]) == 1

@@ -52,4 +52,4 @@ def test_plugins_demo_interrupt_stops_every_rank_with_one_line(tmp_path: Path) -
     assert Path(stopped.group(3)) == save
     assert json.loads((save / "trainer.json").read_text())["step"] == int(stopped.group(2)) <= int(stopped.group(1))
     assert all(result.outcome is VerifyOutcome.OK for result in verify_checkpoints(save))  # committed whole
-    assert not [p.name for p in tmp_path.iterdir() if ".cx-staging-" in p.name]
+    assert not [str(p) for p in tmp_path.rglob("*") if ".cx-staging-" in p.name]  # at any depth

@@ -6,7 +6,9 @@ and side file such as `optimizer.json` or `config.json` read in full against `me
 `cx-checksums.json` manifest (the files it lists, e.g. cx-train's `trainer.json`), and each single tensor file no
 index or manifest refers to, whatever its name (told by its first bytes, as the loader does: its data section and
 header against the `cx_data_checksum` / `cx_header_checksum` entries). Every JSON a load parses is parsed too (the
-optimizer description, side files, manifest-listed `.json` files). Staging leftovers of interrupted saves are skipped.
+optimizer description, side files, manifest-listed `.json` files), and so is every other `.json` in the folder (an
+LR scheduler's state, a `trainer.json` of a checkpoint without a manifest, tokenizer files): with no checksum to
+check, a truncated or garbled one is still caught. Staging leftovers of interrupted saves are skipped.
 """
 
 from __future__ import annotations
@@ -62,8 +64,12 @@ def _candidates(folder: Path) -> list[Path]:
     for manifest in manifests:
         with contextlib.suppress(CheckpointError, OSError):  # reported when the manifest is checked itself
             covered.update(manifest.parent / name for name in manifest_files(manifest))
-    singles = [p for p in found if p not in covered and p not in indexes and p not in manifests and _tensor_file(p)]
-    return indexes + manifests + singles
+    for index in indexes:  # an optimizer index's description is parsed with its checkpoint
+        covered.add(index.parent / (index.name.removesuffix(".safetensors.index.json") + ".json"))
+    rest = [p for p in found if p not in covered and p not in indexes and p not in manifests]
+    singles = [p for p in rest if _tensor_file(p)]
+    other_json = [p for p in rest if p.suffix == ".json"]
+    return indexes + manifests + singles + other_json
 
 
 def _tensor_file(path: Path) -> bool:
@@ -88,6 +94,8 @@ def _hidden(relative: Path) -> bool:
 def _verify_one(path: Path) -> VerifyResult:
     if path.name == CHECKSUMS_FILE:
         return _verify_manifest(path)
+    if path.suffix == ".json" and not path.name.endswith(".index.json"):
+        return _verify_json(path)
     last: CheckpointError | None = None
     for kind in (CheckpointKind.MODEL, CheckpointKind.OPTIMIZER):
         try:
@@ -129,6 +137,15 @@ def _verify_reader(path: Path, kind: CheckpointKind, reader: CheckpointReader) -
     if side:
         detail += f", side file(s) {', '.join(side)}"
     return VerifyResult(path, VerifyOutcome.OK, "; ".join([detail, *notes]))
+
+
+def _verify_json(path: Path) -> VerifyResult:
+    """A JSON file no index or manifest records a checksum for: it must at least parse (OK means parsed only)."""
+    try:
+        parse_json(path.read_bytes(), str(path), CorruptShardError, "JSON")
+    except (CheckpointError, OSError) as error:
+        return VerifyResult(path, VerifyOutcome.FAILED, f"{type(error).__name__}: {error}")
+    return VerifyResult(path, VerifyOutcome.OK, "JSON with no checksum recorded: parsed only")
 
 
 def _verify_manifest(path: Path) -> VerifyResult:
