@@ -1,0 +1,66 @@
+"""`--eval-every N`: the mean loss (and perplexity, exp of it) over the fixed evaluation windows.
+
+Every data-parallel rank takes its slice of each global batch of evaluation windows; every rank runs the same number
+of forward passes (a sharded model's forward is collective), a rank with no window left runs one window with weight 0.
+Each batch's loss is a mean over equally long windows, so weighting it by its window count gives the exact mean.
+`EvalResult` is what the progress line prints and what a metrics log records.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cx_plugins.demo._models import DemoModel
+from cx_plugins.demo._progress import forward_step
+from cx_plugins.demo._user_data import UserData
+
+__all__ = ["EvalResult", "evaluate"]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    step: int
+    loss: float
+    perplexity: float
+    windows: int
+
+    def line(self) -> str:
+        return f"cx-train: eval step {self.step}: loss {self.loss:.4f} perplexity {self.perplexity:.2f}"
+
+
+def evaluate(
+    model: nn.Module,
+    data: UserData,
+    described: DemoModel,
+    batch_size: int,
+    dp: tuple[int, int],
+    device: torch.device,
+    step: int,
+) -> EvalResult:
+    """Collective: every rank calls it at the same step."""
+    windows = data.evaluation
+    assert windows is not None, "evaluate() needs --eval-data or --eval-fraction"
+    dp_rank, dp_size = dp
+    global_batch = batch_size * dp_size
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of loss x windows, windows
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(windows), global_batch):
+            first = start + dp_rank * batch_size
+            indices = torch.arange(first, min(first + batch_size, len(windows)))
+            weight = indices.numel()
+            if weight == 0:
+                indices = torch.zeros(1, dtype=torch.long)
+            loss = forward_step(model, windows.batch(indices).to(device), described).loss
+            assert loss is not None
+            total += torch.stack([loss.detach().to(torch.float64) * weight, torch.tensor(float(weight))]).to(device)
+    model.train(was_training)
+    dist.all_reduce(total)  # tp / pp / sp ranks of a replica add the same numbers: the ratio is unchanged
+    mean = float(total[0] / total[1])
+    return EvalResult(step, mean, math.exp(min(mean, 700.0)), len(windows))

@@ -1,0 +1,120 @@
+"""The tokenizer `--data` is tokenised with: the model folder's own (a transformers tokenizer, batched; a fast one
+encodes a batch on its Rust thread pool), or, for the reference GPT, the tiny presets and a folder without a
+tokenizer, UTF-8 bytes (ids 0-255, EOS 256: any text, a fixed vocabulary of 257 known before the data is read).
+
+Documents are joined with the EOS id. The fingerprint (the tokenizer files' bytes) is part of the token cache's key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["TOKENIZER_FILES", "ByteTokenizer", "HFStreamTokenizer", "StreamTokenizer", "data_tokenizer"]
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+)
+
+
+class StreamTokenizer(Protocol):
+    """What the token cache needs: a key for the cache, the EOS id, the special ids and batched encoding."""
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def special_ids(self) -> frozenset[int]: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode_batch(self, texts: list[str]) -> list[torch.Tensor]: ...
+
+
+def _bytes(text: str) -> torch.Tensor:
+    raw = text.encode("utf-8")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids, EOS = 256. Also a demo `TextEncoder` (vocab_size, encode)."""
+
+    fingerprint = "utf8-bytes-eos256-v1"
+    eos_id = 256
+    special_ids = frozenset({256})
+    vocab_size = 257
+
+    def encode(self, text: str) -> torch.Tensor:
+        return _bytes(text).to(torch.long)
+
+    def encode_batch(self, texts: list[str]) -> list[torch.Tensor]:
+        return [_bytes(text).to(torch.int32) for text in texts]
+
+    def decode(self, ids: torch.Tensor) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFStreamTokenizer:
+    """A model folder's transformers tokenizer; documents are encoded without added special tokens."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.folder = folder
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        eos = self.tokenizer.eos_token_id
+        if not isinstance(eos, int):
+            raise ValueError(
+                f"--model {folder}: its tokenizer has no EOS token, which --data needs to join documents; "
+                "set eos_token in its tokenizer_config.json"
+            )
+        self._eos = eos
+        digest = hashlib.sha256()
+        for name in TOKENIZER_FILES:
+            if (folder / name).is_file():
+                digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+        self._fingerprint = f"hf-{digest.hexdigest()}"
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(int(i) for i in self.tokenizer.all_special_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def is_fast(self) -> bool:
+        return bool(getattr(self.tokenizer, "is_fast", False))
+
+    def encode_batch(self, texts: list[str]) -> list[torch.Tensor]:
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [torch.tensor(one, dtype=torch.int32) for one in ids]
+
+
+def data_tokenizer(model: str, is_folder: bool) -> StreamTokenizer:
+    """The tokenizer `--data` uses for `--model`: the folder's own when it has one, bytes otherwise."""
+    folder = Path(model)
+    if is_folder and any((folder / name).is_file() for name in TOKENIZER_FILES[:4]):
+        return HFStreamTokenizer(folder)
+    return ByteTokenizer()

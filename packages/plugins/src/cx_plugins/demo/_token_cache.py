@@ -1,0 +1,174 @@
+"""Tokenise `--data` once: the documents' token ids, each document followed by the tokenizer's EOS, in one flat
+int32 file that later runs memory-map (`torch.from_file`, copy-on-write pages read on demand, so a corpus larger
+than memory trains and a second start does not tokenise again).
+
+The cache sits beside the data, in `.cx-token-cache/` of the first file's folder, or under `cache_root` when that
+folder is not writable. Its name is a hash of every data file's path, size and modification time, the tokenizer's
+fingerprint and the settings that change the ids (the text field, the format version): any change makes a new file.
+`<key>.tokens` is written under a temporary name and renamed, then `<key>.json` (its description) last, so a cache
+whose description exists is complete; two processes building the same cache at once both write the same bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+from cx_plugins.demo._text_sources import DataError, iter_documents
+from cx_plugins.demo._text_tokenizers import StreamTokenizer
+
+__all__ = ["CACHE_FOLDER", "TokenStream", "cache_key", "default_cache_root", "token_stream"]
+
+CACHE_FOLDER = ".cx-token-cache"
+_VERSION = 1
+_BATCH_CHARS = 4 << 20  # documents are encoded in batches of about this many characters
+
+
+@dataclass(frozen=True)
+class TokenStream:
+    """The memory-mapped token ids (int32) of a corpus, and whether this call found them already cached."""
+
+    path: Path
+    tokens: torch.Tensor
+    documents: int
+    reused: bool
+    sources: tuple[Path, ...]
+
+
+def default_cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cx" / "tokens"
+
+
+def cache_key(paths: Sequence[Path], tokenizer: StreamTokenizer, text_field: str) -> str:
+    digest = hashlib.sha256(json.dumps([_VERSION, tokenizer.fingerprint, text_field]).encode())
+    for path in paths:
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for file in files:
+            stat = file.stat()
+            digest.update(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+def _cache_folder(paths: Sequence[Path], cache_root: Path | None) -> Path:
+    beside = paths[0].parent / CACHE_FOLDER
+    try:
+        beside.mkdir(exist_ok=True)
+        if os.access(beside, os.W_OK):
+            return beside
+    except OSError:
+        pass  # a read-only data folder
+    root = cache_root or default_cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def token_stream(
+    paths: Sequence[Path],
+    tokenizer: StreamTokenizer,
+    text_field: str = "text",
+    cache_root: Path | None = None,
+    workers: int = 1,
+) -> TokenStream:
+    """The token stream of `paths`, from the cache when present, else tokenised (in `workers` processes) and cached."""
+    key = cache_key(paths, tokenizer, text_field)
+    folder = _cache_folder(paths, cache_root)
+    tokens_path, description_path = folder / f"{key}.tokens", folder / f"{key}.json"
+    reused = description_path.is_file() and tokens_path.is_file()
+    if reused:
+        description = json.loads(description_path.read_text())
+        reused = tokens_path.stat().st_size == 4 * description["tokens"] and description["byteorder"] == sys.byteorder
+    if not reused:
+        description = _build(paths, tokenizer, text_field, tokens_path, workers)
+        temporary = description_path.with_name(f".{description_path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(description, indent=1))
+        os.replace(temporary, description_path)
+    count = int(description["tokens"])
+    ids = torch.from_file(str(tokens_path), shared=False, size=count, dtype=torch.int32)
+    return TokenStream(tokens_path, ids, int(description["documents"]), reused, tuple(paths))
+
+
+def _batches(paths: Sequence[Path], text_field: str) -> Iterator[list[tuple[str, str, bool]]]:
+    batch: list[tuple[str, str, bool]] = []
+    size = 0
+    for path in paths:
+        for document in iter_documents(path, text_field):
+            batch.append(document)
+            size += len(document[0])
+            if size >= _BATCH_CHARS:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encoded(
+    paths: Sequence[Path], tokenizer: StreamTokenizer, text_field: str, workers: int
+) -> Iterator[tuple[list[tuple[str, str, bool]], list[torch.Tensor]]]:
+    """(batch, its ids) in order; with several workers, up to 2 x workers batches are encoded at once."""
+    if workers <= 1:
+        for batch in _batches(paths, text_field):
+            yield batch, tokenizer.encode_batch([text for text, _, _ in batch])
+        return
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("fork")) as pool:
+        pending: list[tuple[list[tuple[str, str, bool]], Future[list[torch.Tensor]]]] = []
+        for batch in _batches(paths, text_field):
+            pending.append((batch, pool.submit(tokenizer.encode_batch, [text for text, _, _ in batch])))
+            if len(pending) >= 2 * workers:
+                done, future = pending.pop(0)
+                yield done, future.result()
+        for done, future in pending:
+            yield done, future.result()
+
+
+def _write(file: object, ids: torch.Tensor) -> None:
+    ids = ids.to(torch.int32).contiguous()
+    if ids.numel():
+        raw = (ctypes.c_char * (ids.numel() * 4)).from_address(ids.data_ptr())
+        file.write(bytes(raw))  # type: ignore[attr-defined]
+
+
+def _build(
+    paths: Sequence[Path], tokenizer: StreamTokenizer, text_field: str, tokens_path: Path, workers: int
+) -> dict[str, object]:
+    special = torch.tensor(sorted(tokenizer.special_ids), dtype=torch.int32)
+    eos = torch.tensor([tokenizer.eos_id], dtype=torch.int32)
+    total = documents = 0
+    has_text = False  # the current document has a token that is not special
+    temporary = tokens_path.with_name(f".{tokens_path.name}.{os.getpid()}")
+    try:
+        with temporary.open("wb") as file:
+            for batch, encoded in _encoded(paths, tokenizer, text_field, workers):
+                for (_, where, ends), ids in zip(batch, encoded, strict=True):
+                    has_text = has_text or bool((~torch.isin(ids, special)).any())
+                    _write(file, ids)
+                    total += ids.numel()
+                    if ends:
+                        if not has_text:
+                            raise DataError(f"{where}: the document is empty or only special tokens")
+                        _write(file, eos)
+                        total, documents, has_text = total + 1, documents + 1, False
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, tokens_path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return {
+        "version": _VERSION,
+        "tokens": total,
+        "documents": documents,
+        "dtype": "int32",
+        "byteorder": sys.byteorder,
+        "tokenizer": tokenizer.fingerprint,
+        "text_field": text_field,
+        "files": [str(p) for p in paths],
+    }

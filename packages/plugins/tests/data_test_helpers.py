@@ -1,0 +1,42 @@
+"""Data made inside the data tests (no download): grammar text as plain text / JSON Lines, and a tiny Llama model
+folder with a WordLevel fast tokenizer built locally with the `tokenizers` library."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cx_plugins.demo import GrammarText
+
+TINY_GPT = ["--hidden-size", "32", "--num-layers", "1", "--seq-len", "16", "--lr", "3e-3"]
+
+
+def write_text(path: Path, chars: int, seed: int = 0) -> Path:
+    path.write_text(GrammarText(seed).generate(chars))
+    return path
+
+
+def write_jsonl(path: Path, documents: int, seed: int = 0, field: str = "text") -> Path:
+    grammar = GrammarText(seed)
+    path.write_text("".join(json.dumps({field: grammar.generate(120)}) + "\n" for _ in range(documents)))
+    return path
+
+
+def tiny_llama_folder(folder: Path) -> Path:
+    """A 1-layer Llama and a word-level tokenizer (EOS `</s>`) over the grammar's words, saved as a model folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    text = GrammarText(0).generate(20000)
+    words = sorted(set(text.replace(".", " . ").replace("!", " ! ").replace("?", " ? ").split()))
+    vocab = {"[UNK]": 0, "</s>": 1, **{word: i + 2 for i, word in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="</s>")
+    tokenizer.save_pretrained(str(folder))
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=1, bos_token_id=1, pad_token_id=None,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(str(folder))
+    return folder

@@ -1,0 +1,175 @@
+"""cx-train --data: formats, the token cache, the world-size independent order, bad-data errors (each naming the file
+and line or row) and evaluation; the training runs are in test_plugins_demo_data_training.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from cx_plugins.demo._data_order import DataPosition, WindowOrder
+from cx_plugins.demo._text_sources import DataError, resolve_data_paths
+from cx_plugins.demo._text_tokenizers import ByteTokenizer, data_tokenizer
+from cx_plugins.demo._token_cache import CACHE_FOLDER, token_stream
+from cx_plugins.demo._user_data import DataSettings, open_user_data
+from data_test_helpers import tiny_llama_folder, write_jsonl, write_text
+
+
+def _stream(paths: list[Path], **kwargs: object) -> list[int]:
+    return token_stream(paths, ByteTokenizer(), **kwargs).tokens.tolist()  # type: ignore[arg-type]
+
+
+def test_plugins_demo_data_text_and_jsonl_documents_are_joined_with_eos(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("ab\ncd\n")
+    (tmp_path / "b.jsonl").write_text('{"text": "x"}\n\n{"text": "yz", "id": 3}\n')
+    (tmp_path / "c.jsonl").write_text('{"body": "q"}\n')
+    paths = resolve_data_paths([str(tmp_path / "*.txt"), str(tmp_path / "b.jsonl")])
+    eos = ByteTokenizer.eos_id
+    assert _stream(paths) == [*b"ab\ncd\n", eos, *b"x", eos, *b"yz", eos]
+    assert token_stream([tmp_path / "c.jsonl"], ByteTokenizer(), "body").tokens.tolist() == [*b"q", eos]
+
+
+def test_plugins_demo_data_cache_is_reused_and_keyed_by_the_files(tmp_path: Path) -> None:
+    data = write_text(tmp_path / "corpus.txt", 3000)
+    first = token_stream([data], ByteTokenizer())
+    assert not first.reused
+    assert first.path.parent == tmp_path / CACHE_FOLDER
+    written = first.path.stat().st_mtime_ns
+    second = token_stream([data], ByteTokenizer())
+    assert second.reused
+    assert second.path == first.path
+    assert second.path.stat().st_mtime_ns == written  # not rewritten
+    assert torch.equal(first.tokens, second.tokens)
+    os.utime(data, ns=(written + 10**9, written + 10**9))  # the same bytes, touched: tokenised again
+    third = token_stream([data], ByteTokenizer())
+    assert not third.reused
+    assert third.path != first.path
+    assert not token_stream([data], ByteTokenizer(), "other_field").reused  # the settings are part of the key
+
+
+def test_plugins_demo_data_cache_goes_to_the_cache_dir_when_the_data_folder_is_read_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = write_text(tmp_path / "corpus.txt", 500)
+    monkeypatch.setattr("cx_plugins.demo._token_cache.os.access", lambda path, mode: False)
+    stream = token_stream([data], ByteTokenizer(), cache_root=tmp_path / "cache")
+    assert stream.path.parent == tmp_path / "cache"
+
+
+def test_plugins_demo_data_workers_give_the_same_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("cx_plugins.demo._token_cache._BATCH_CHARS", 500)  # several batches
+    data = write_jsonl(tmp_path / "docs.jsonl", 40)
+    one = token_stream([data], ByteTokenizer(), cache_root=None, workers=1).tokens.clone()
+    (tmp_path / CACHE_FOLDER).rename(tmp_path / "old")
+    two = token_stream([data], ByteTokenizer(), workers=2)
+    assert not two.reused
+    assert torch.equal(one, two.tokens)
+
+
+def test_plugins_demo_data_hf_tokenizer_stream(tmp_path: Path) -> None:
+    folder = tiny_llama_folder(tmp_path / "llama")
+    data = write_jsonl(tmp_path / "docs.jsonl", 3)
+    tokenizer = data_tokenizer(str(folder), is_folder=True)
+    texts = [json.loads(line)["text"] for line in data.read_text().splitlines()]
+    expected: list[int] = []
+    for ids in tokenizer.encode_batch(texts):
+        expected += [*ids.tolist(), tokenizer.eos_id]
+    assert token_stream([data], tokenizer).tokens.tolist() == expected
+    assert tokenizer.eos_id == 1
+
+
+def test_plugins_demo_data_order_is_independent_of_the_data_parallel_size() -> None:
+    """A global batch of 8 windows split over 1, 2 or 4 ranks: the same windows per step, and the same windows after
+    resuming from a position; each epoch visits every window at most once."""
+    orders = {dp: WindowOrder(50, 8, seed=3) for dp in (1, 2, 4)}
+    position = {dp: DataPosition() for dp in orders}
+    seen: list[int] = []
+    for _ in range(8):  # 6 steps per epoch: crosses into epoch 1
+        taken = {}
+        for dp, order in orders.items():
+            indices, position[dp] = order.take(position[dp])
+            taken[dp] = torch.cat([WindowOrder.rank_slice(indices, r, dp) for r in range(dp)]).tolist()
+        assert taken[1] == taken[2] == taken[4]
+        seen += taken[1]
+    assert len(set(seen[:48])) == 48
+    assert position[1] == DataPosition(1, 16)
+    assert orders[1].position_at(8) == DataPosition(1, 16)
+    resumed = WindowOrder(50, 8, seed=3)
+    assert resumed.take(DataPosition(1, 8))[0].tolist() == seen[-8:]
+    assert WindowOrder(50, 8, seed=4).take(DataPosition())[0].tolist() != seen[:8]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("empty.txt", "", "empty.txt: the file is empty"),
+        ("blank.txt", "\n  \n", "blank.txt: the file holds only whitespace"),
+        ("empty.jsonl", "\n\n", "empty.jsonl: the file holds no JSON lines"),
+        ("field.jsonl", '{"text": "ok"}\n{"body": "no"}\n', 'field.jsonl:line 2: no "text" field (it has: body)'),
+        ("bad.jsonl", '{"text": "ok"}\n\n{"text": \n', "bad.jsonl:line 3: not a JSON object"),
+        ("type.jsonl", '{"text": 5}\n', 'type.jsonl:line 1: the "text" value is int, not text'),
+        ("nothing.jsonl", '{"text": "a"}\n{"text": ""}\n', "nothing.jsonl:line 2: the document is empty or only"),
+    ],
+)
+def test_plugins_demo_data_bad_data_names_file_and_line(tmp_path: Path, name: str, content: str, message: str) -> None:
+    (tmp_path / name).write_text(content)
+    with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        token_stream([tmp_path / name], ByteTokenizer())
+
+
+def test_plugins_demo_data_document_of_only_special_tokens(tmp_path: Path) -> None:
+    tokenizer = data_tokenizer(str(tiny_llama_folder(tmp_path / "llama")), is_folder=True)
+    data = tmp_path / "special.jsonl"
+    data.write_text('{"text": "the cat sees the moon"}\n{"text": "</s> </s>"}\n')
+    with pytest.raises(DataError, match=r"special.jsonl:line 2: the document is empty or only special tokens"):
+        token_stream([data], tokenizer)
+
+
+def test_plugins_demo_data_missing_paths_and_short_corpus(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"--data .*nothing\*\.txt: the pattern matches no file"):
+        resolve_data_paths([str(tmp_path / "nothing*.txt")])
+    with pytest.raises(DataError, match=r"--data .*missing.txt: no such file"):
+        resolve_data_paths([str(tmp_path / "missing.txt")])
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(DataError, match=r"not one written by datasets\.Dataset\.save_to_disk"):
+        resolve_data_paths([str(tmp_path / "folder")])
+    short = tmp_path / "short.txt"
+    short.write_text("abc")  # 3 bytes + EOS: shorter than a window of 17
+    with pytest.raises(DataError, match=r"short.txt: 4 tokens, shorter than one window of 17"):
+        open_user_data(DataSettings((str(short),)), "gpt", False, 17)
+
+
+def test_plugins_demo_data_parquet(tmp_path: Path) -> None:
+    pyarrow = pytest.importorskip("pyarrow")
+    parquet = pytest.importorskip("pyarrow.parquet")
+    parquet.write_table(pyarrow.table({"text": ["ab", "c"], "n": [1, 2]}), str(tmp_path / "a.parquet"))
+    assert _stream([tmp_path / "a.parquet"]) == [*b"ab", 256, *b"c", 256]
+    parquet.write_table(pyarrow.table({"body": ["ab"]}), str(tmp_path / "b.parquet"))
+    with pytest.raises(DataError, match=r'b.parquet: no "text" column \(it has: body\)'):
+        token_stream([tmp_path / "b.parquet"], ByteTokenizer())
+    parquet.write_table(pyarrow.table({"text": ["ab", None]}), str(tmp_path / "c.parquet"))
+    with pytest.raises(DataError, match=r'c.parquet: row 1: the "text" value is NoneType'):
+        token_stream([tmp_path / "c.parquet"], ByteTokenizer())
+
+
+def test_plugins_demo_data_saved_dataset(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": ["ab", "c"]}).save_to_disk(str(tmp_path / "saved"))
+    paths = resolve_data_paths([str(tmp_path / "saved")])
+    assert _stream(paths) == [*b"ab", 256, *b"c", 256]
+    datasets.Dataset.from_dict({"body": ["ab"]}).save_to_disk(str(tmp_path / "other"))
+    with pytest.raises(DataError, match=r'other: no "text" column \(it has: body\)'):
+        token_stream(resolve_data_paths([str(tmp_path / "other")]), ByteTokenizer())
+
+
+def test_plugins_demo_data_eval_fraction_holds_out_the_last_windows(tmp_path: Path) -> None:
+    data = write_text(tmp_path / "corpus.txt", 16 * 20 - 1)  # + EOS: exactly 20 windows of 16
+    user = open_user_data(DataSettings((str(data),), eval_fraction=0.1), "gpt", False, 16)
+    assert len(user.train) == 18
+    assert user.evaluation is not None
+    assert len(user.evaluation) == 2
+    whole = user.train.stream.tokens
+    assert torch.equal(user.evaluation.batch(torch.tensor([1])), whole[19 * 16 :].view(1, 16).long())
