@@ -112,7 +112,7 @@ NUMERICS_TESTS = (
             "moe_hybrid", "moe_hybrid_pp", "moe_hybrid_qwen3", "moe_hybrid_sp", "moe_checkpoint", "gemini_tp",
             "gpt_policy", "ddp", "ddp_checkpoint", "fsdp", "zero", "gemini", "transformers", "lora", "clipping",
             "lazy_shards", "hybrid_zbv_tp", "hybrid_tied_accumulation", "hybrid_replica_agreement",
-            "moe_ep_zero_fp16",
+            "moe_ep_zero_fp16", "engine_optimizer",
         )
     ),
     *(

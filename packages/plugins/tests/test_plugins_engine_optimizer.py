@@ -10,7 +10,7 @@ from torch.optim import Optimizer
 
 from cx_checkpoint import Stateful
 from cx_mesh import RankMismatchError
-from cx_mesh.testing import distributed
+from cx_mesh.testing import TEST_ADAM_EPS, distributed
 from cx_plugins import Booster, EngineOptimizer, GeminiPlugin, LowLevelZeroPlugin, OptimizerEngine, TorchDDPPlugin
 from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
 from cx_plugins.models import GPT
@@ -32,7 +32,7 @@ def _as_engine(engine: LowLevelZeroOptimizer | GeminiOptimizer) -> OptimizerEngi
 
 def _clipped_reference(batches: torch.Tensor, max_norm: float) -> torch.nn.Module:
     model = GPT(CONFIG, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=TEST_ADAM_EPS)
     for batch in batches:
         model(batch, labels=batch).backward()
         if max_norm > 0:
