@@ -13,11 +13,13 @@ format.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from cx_checkpoint import (
     commit_directory,
@@ -31,13 +33,23 @@ from cx_plugins._booster import Booster
 from cx_plugins._wrappers import OptimizerWrapper
 from cx_plugins.demo._trainer_state import STATE_FILE, TrainerState, read_trainer_state
 
-__all__ = ["TrainerState", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CONFIG_FILE", "SCHEDULER_FILE", "TrainerState", "load_checkpoint", "save_checkpoint"]
+
+SCHEDULER_FILE = "lr_scheduler.json"
+CONFIG_FILE = "config.toml"
 
 
 def save_checkpoint(
-    booster: Booster, model: nn.Module, optimizer: OptimizerWrapper, directory: Path, state: TrainerState
+    booster: Booster,
+    model: nn.Module,
+    optimizer: OptimizerWrapper,
+    directory: Path,
+    state: TrainerState,
+    lr_scheduler: LRScheduler | None = None,
+    config_text: str | None = None,
 ) -> None:
-    """Save model, optimizer and trainer state, committed together (collective: every rank calls it)."""
+    """Save model, optimizer, LR scheduler (`lr_scheduler.json`), the run's resolved config (`config.toml`, which
+    `--config` reads) and trainer state, committed together (collective: every rank calls it)."""
     staging = staging_path(directory, f"step{state.step}")
     master = dist.get_rank() == 0
 
@@ -49,19 +61,44 @@ def save_checkpoint(
     run_and_agree(prepare if master else None, f"preparing {staging}")
     booster.save_model(model, staging / "model", shard=True, use_safetensors=True)
     booster.save_optimizer(optimizer, staging / "optimizer", shard=True)
+    if lr_scheduler is not None:
+        booster.save_lr_scheduler(lr_scheduler, staging / SCHEDULER_FILE)
     booster.synchronize()
 
     def commit() -> None:
+        written = [STATE_FILE]
+        if lr_scheduler is not None:
+            written.append(SCHEDULER_FILE)
+        if config_text is not None:
+            (staging / CONFIG_FILE).write_text(config_text)
+            fsync_file(staging / CONFIG_FILE)
+            written.append(CONFIG_FILE)
         (staging / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
         fsync_file(staging / STATE_FILE)
-        record_checksums(staging, [STATE_FILE])  # cx-checkpoint-verify checks trainer.json too
+        record_checksums(staging, written)  # cx-checkpoint-verify checks these too
         commit_directory(staging, directory)  # model, optimizer and trainer.json become visible at once
 
     run_and_agree(commit if master else None, f"committing the checkpoint {directory}")
 
 
-def load_checkpoint(booster: Booster, model: nn.Module, optimizer: OptimizerWrapper, directory: Path) -> TrainerState:
+def load_checkpoint(
+    booster: Booster,
+    model: nn.Module,
+    optimizer: OptimizerWrapper,
+    directory: Path,
+    lr_scheduler: LRScheduler | None = None,
+) -> TrainerState:
+    """Load what `save_checkpoint` wrote. A checkpoint from before the scheduler was saved has none: the scheduler
+    is then moved to the step reached, which is where it would be (the schedule is a function of the step)."""
     state = read_trainer_state(directory)  # checked before any process started; again here for direct callers
     booster.load_model(model, directory / "model")
     booster.load_optimizer(optimizer, directory / "optimizer")
+    if lr_scheduler is not None:
+        if (directory / SCHEDULER_FILE).is_file():
+            booster.load_lr_scheduler(lr_scheduler, directory / SCHEDULER_FILE)
+        else:
+            with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose here
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(state.step):
+                    lr_scheduler.step()
     return state

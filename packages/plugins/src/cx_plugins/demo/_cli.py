@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import SignalException
 
 from cx_checkpoint import remove_stale_staging
+from cx_plugins.demo._dry_run import dry_run_report
 from cx_plugins.demo._options import DemoOptions, parse_options
 from cx_plugins.demo._verification import verification_problem
 
@@ -35,6 +36,10 @@ def _run_rank(argv: Sequence[str], launched_here: bool) -> int:
 
     install_stop_handler()
     options = parse_options(argv, world_size=int(os.environ["WORLD_SIZE"]))  # the layout of the real world
+    if options.dry_run:  # under an outside torchrun: rank 0 reports the real world's layout
+        if os.environ["RANK"] == "0":
+            print(dry_run_report(options, int(os.environ["WORLD_SIZE"])), end="", flush=True)
+        return 0
     if not launched_here and not _verified(options):  # under an outside torchrun, no launcher verified it
         return 2
     try:
@@ -89,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)  # skip interpreter teardown: torch 2.13 CPU can abort there after a clean run
     options = parse_options(arguments)  # validate flags before starting any process
+    if options.dry_run:
+        print(dry_run_report(options), end="", flush=True)
+        return 0
     if not _verified(options):
         return 2
     from torch.distributed.run import main as torchrun

@@ -14,9 +14,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import cx_plugins
 from cx_mesh import DEFAULT_TIMEOUT
+from cx_plugins.demo._config_file import expand_config
 from cx_plugins.demo._models import GPT_MODEL, MODEL_CHOICES, PRESETS, DemoModel, ModelError, ModelSpec, describe_model
 from cx_plugins.demo._parser import (
     DEFAULT_HIDDEN,
@@ -28,6 +30,7 @@ from cx_plugins.demo._parser import (
     join_negative_values,
 )
 from cx_plugins.demo._paths import resume_problem, save_problem
+from cx_plugins.demo._training_checks import training_problem
 
 __all__ = ["HYBRID_CLASSES", "PLUGINS", "DemoOptions", "parse_options", "plugin_missing"]
 
@@ -58,6 +61,16 @@ class DemoOptions:
     microbatches: int = 1  # pipeline micro-batches per step (the pipeline size unless --microbatches says)
     pp_style: str = PP_STYLES[0]
     timeout: float = DEFAULT_TIMEOUT.total_seconds()  # seconds: the process groups' and named collectives' timeout
+    # optimisation (_training_flags) and the config file (_config_file)
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    grad_accum: int = 1  # micro-batches per optimizer step
+    clip: float = 0.0  # max global gradient norm, 0 for no clipping
+    activation_checkpointing: bool = False
+    compile: bool = False
+    dry_run: bool = False
+    resolved: tuple[tuple[str, Any], ...] = ()  # every flag's value after --config and the command line
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -198,8 +211,12 @@ def _model_problem(options: DemoOptions, described: DemoModel, world_size: int, 
 def parse_options(argv: Sequence[str] | None = None, world_size: int | None = None) -> DemoOptions:
     """Parse and validate; `world_size` is the real one under an external torchrun (default: `--nproc`)."""
     parser = build_parser()
-    args = parser.parse_args(join_negative_values(sys.argv[1:] if argv is None else argv))
-    problem = _flag_problem(args)
+    try:
+        expanded = expand_config(join_negative_values(sys.argv[1:] if argv is None else argv), parser)
+    except ValueError as error:
+        parser.error(str(error))
+    args = parser.parse_args(expanded)
+    problem = _flag_problem(args) or training_problem(args)
     if problem is not None:
         parser.error(problem)
     if args.save_every < 0 or (args.save_every and args.save is None):
@@ -238,6 +255,15 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         zero=args.zero or 0,
         microbatches=args.microbatches or args.pp or 1,
         pp_style=args.pp_style or PP_STYLES[0],
+        lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        grad_accum=args.grad_accum,
+        clip=args.clip,
+        activation_checkpointing=args.activation_checkpointing,
+        compile=args.compile,
+        dry_run=args.dry_run,
+        resolved=tuple(vars(args).items()),
     )
     world_size = options.nproc if world_size is None else world_size
     problem = plugin_missing(options.plugin) or _layout_problem(options, world_size)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cx_mesh import DEFAULT_TIMEOUT
 from cx_plugins.demo._models import GPT_MODEL, MODEL_CHOICES
+from cx_plugins.demo._training_flags import add_training_arguments
 from cx_plugins.demo._verification import VERIFY_COST
 
 __all__ = [
@@ -158,4 +159,5 @@ def build_parser() -> argparse.ArgumentParser:
         "--microbatches", type=_positive, default=None, help="micro-batches per step with --pp (default: --pp)"
     )
     hybrid.add_argument("--pp-style", choices=PP_STYLES, default=None, help="pipeline schedule (default: 1f1b)")
+    add_training_arguments(parser)
     return parser

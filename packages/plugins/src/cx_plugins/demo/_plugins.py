@@ -18,6 +18,7 @@ from cx_plugins._plugin import Plugin
 from cx_plugins._torch_ddp_plugin import TorchDDPPlugin
 from cx_plugins._torch_fsdp_plugin import TorchFSDPPlugin
 from cx_plugins.demo._options import HYBRID_CLASSES, DemoOptions, plugin_missing
+from cx_shardformer import GradientCheckpointConfig
 
 __all__ = ["hybrid_arguments", "make_plugin"]
 
@@ -40,6 +41,8 @@ def hybrid_arguments(options: DemoOptions) -> dict[str, Any]:
         arguments.update(enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all", sp_size=options.sp)
     if options.plugin == "moe_hybrid":
         arguments["ep_size"] = options.ep
+    if options.activation_checkpointing:  # every decoder layer, through ShardFormer's switch
+        arguments["gradient_checkpoint_config"] = GradientCheckpointConfig(gradient_checkpointing_ratio=1.0)
     return arguments
 
 

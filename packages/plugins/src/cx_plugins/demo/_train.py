@@ -13,12 +13,14 @@ from cx_mesh import all_gather_flat, get_accelerator, launch_from_torch
 from cx_plugins._booster import Booster
 from cx_plugins._wrappers import OptimizerWrapper
 from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_checkpoint
+from cx_plugins.demo._config_file import resolved_toml
 from cx_plugins.demo._data import TokenWindows
 from cx_plugins.demo._interrupt import Interrupted, stop_agreed
 from cx_plugins.demo._models import DemoModel, build_model, describe_model
+from cx_plugins.demo._optimization import make_optimizer, make_scheduler, micro_step, prepare_model
 from cx_plugins.demo._options import DemoOptions
 from cx_plugins.demo._plugins import make_plugin
-from cx_plugins.demo._progress import Progress, StepOutput, expert_counts, forward_step
+from cx_plugins.demo._progress import Progress, StepOutput, expert_counts
 
 __all__ = ["run", "train"]
 
@@ -74,12 +76,13 @@ def run(options: DemoOptions) -> list[float]:
     )
     plugin, mixed_precision = make_plugin(options)
     booster = Booster(mixed_precision=mixed_precision, plugin=plugin)
-    model = build_model(described, seed=options.seed)
+    model = prepare_model(build_model(described, seed=options.seed), options, described.spec.is_hf)
     parameters = sum(p.numel() for p in model.parameters())  # before boosting: Gemini shards them away
     model_name = type(model).__name__  # before boosting: FSDP2 renames the class
-    optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=0.0)
+    optimizer = make_optimizer(model, options)
+    scheduler = make_scheduler(optimizer, options)
     loader = plugin.prepare_dataloader(dataset, batch_size=options.batch_size, shuffle=True, seed=options.seed)
-    boosted, boosted_optimizer, *_ = booster.boost(model, optimizer)
+    boosted, boosted_optimizer, *_ = booster.boost(model, optimizer, lr_scheduler=scheduler)
     assert boosted_optimizer is not None
     if rank == 0:
         print(
@@ -91,12 +94,13 @@ def run(options: DemoOptions) -> list[float]:
     step = 0
     saved: int | None = None  # the last step this run checkpointed
     if options.resume is not None:
-        step = load_checkpoint(booster, boosted, boosted_optimizer, options.resume).step
+        step = load_checkpoint(booster, boosted, boosted_optimizer, options.resume, scheduler).step
         if rank == 0:
             print(f"cx-train: resumed from {options.resume} at step {step}", flush=True)
     progress = Progress(options.steps, device, stages_differ=options.pp > 1)
     data_parallel = options.data_parallel_size(world)
-    epoch, skip = divmod(step, len(loader))
+    epoch, skip = divmod(step * options.grad_accum, len(loader))  # batches consumed: grad_accum per step
+    pending: list[torch.Tensor] = []  # the micro-batches of the next optimizer step
     while step < options.steps:
         sampler = getattr(loader, "sampler", None)
         if sampler is not None and hasattr(sampler, "set_epoch"):
@@ -104,18 +108,22 @@ def run(options: DemoOptions) -> list[float]:
         for index, batch in enumerate(loader):
             if index < skip:  # resuming mid-epoch: the batches before the checkpoint were already trained on
                 continue
+            pending.append(batch.to(device))
+            if len(pending) < options.grad_accum:
+                continue
             if stop_agreed(device):
                 raise Interrupted(step, options.steps, saved, options.save)
-            batch = batch.to(device)
+            batches, pending = pending, []
             if options.pp > 1:
-                output = _pipeline_step(booster, boosted, boosted_optimizer, batch, described)
+                output = _pipeline_step(booster, boosted, boosted_optimizer, batches[0], described)
+                if options.clip > 0:
+                    boosted_optimizer.clip_grad_by_norm(options.clip)
+                boosted_optimizer.step()
+                boosted_optimizer.zero_grad()
             else:
-                output = forward_step(boosted, batch, described)
-                assert output.loss is not None
-                booster.backward(output.loss, boosted_optimizer)
-            boosted_optimizer.step()
-            boosted_optimizer.zero_grad()
-            progress.record(output, tokens=batch.numel() * data_parallel)
+                output = micro_step(booster, boosted, boosted_optimizer, batches, described, options.clip)
+            scheduler.step()
+            progress.record(output, tokens=sum(b.numel() for b in batches) * data_parallel)
             step += 1
             if step % options.log_every == 0 or step == options.steps:
                 progress.report(step, _memory_per_rank())
@@ -124,7 +132,8 @@ def run(options: DemoOptions) -> list[float]:
             ):
                 sizes = (None, None) if options.model_spec.is_folder else (options.hidden_size, options.num_layers)
                 state = TrainerState(step, options.plugin, world, options.model, *sizes)
-                save_checkpoint(booster, boosted, boosted_optimizer, options.save, state)
+                config = resolved_toml(dict(options.resolved), header=f"cx-train's resolved config (step {step})")
+                save_checkpoint(booster, boosted, boosted_optimizer, options.save, state, scheduler, config)
                 saved = step
                 if rank == 0:
                     print(f"cx-train: saved step {step} to {options.save}", flush=True)

@@ -1,0 +1,105 @@
+"""`cx-train --dry-run`: what a run would be, without starting it.
+
+Prints the resolved config (TOML, as `--config` reads it), which rank holds which parallel coordinates, and the
+parameter and memory figures per rank. The layout is computed from the sizes, in the plugins' own axis order (the
+`ParallelLayout` tables: hybrid (dp, pp, tp, sp), MoE hybrid (moe_dp, pp, ep, tp, sp), the ZeRO / DDP / FSDP plugins
+one data axis), ranks row-major over it as `ProcessGroupMesh` numbers them; no process group is made. The model is
+built on the meta device (no memory) to count its parameters. The memory figures are an estimate: the weights,
+gradients and AdamW state each rank holds by the plugin's sharding, the layers split evenly over tp x pp; activations
+and communication buffers are not included.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from cx_plugins._layout import FILL, Axis, resolve_sizes
+from cx_plugins.demo._config_file import resolved_toml
+from cx_plugins.demo._models import build_model, describe_model
+from cx_plugins.demo._options import DemoOptions
+
+__all__ = ["MemoryFigures", "dry_run_report", "layout_rows", "memory_figures"]
+
+
+def _axes(options: DemoOptions) -> list[tuple[Axis, int]]:
+    if options.plugin == "hybrid":
+        return [(Axis.DP, FILL), (Axis.PP, options.pp), (Axis.TP, options.tp), (Axis.SP, options.sp)]
+    if options.plugin == "moe_hybrid":
+        ep = [(Axis.EP, options.ep)]
+        return [(Axis.MOE_DP, FILL), (Axis.PP, options.pp), *ep, (Axis.TP, options.tp), (Axis.SP, options.sp)]
+    return [(Axis.DP, FILL)]
+
+
+def layout_rows(options: DemoOptions, world_size: int) -> list[str]:
+    """One line per rank: `rank 3: dp=1 pp=0 tp=1 sp=0` (mesh order, outermost first)."""
+    axes = _axes(options)
+    sizes = resolve_sizes(axes, world_size)
+    names = [axis.value for axis, _ in axes]
+    rows = []
+    for rank, coordinates in enumerate(itertools.product(*(range(s) for s in sizes))):
+        rows.append(f"rank {rank}: " + " ".join(f"{n}={c}" for n, c in zip(names, coordinates, strict=True)))
+    return rows
+
+
+@dataclass(frozen=True)
+class MemoryFigures:
+    parameters: int  # the whole model's
+    parameters_per_rank: int  # held by one rank before any data-parallel sharding (tp x pp split)
+    weight_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int  # AdamW's two fp32 moments, plus the fp32 master weights of 16-bit plugins
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+
+
+def memory_figures(options: DemoOptions, parameters: int, world_size: int) -> MemoryFigures:
+    """Bytes one rank holds for the weights, gradients and optimizer state, by the plugin's sharding."""
+    dp = options.data_parallel_size(world_size)
+    per_rank = -(-parameters // (options.tp * options.pp))
+    half = options.precision != "fp32"
+    own_precision = options.plugin in ("gemini", "low_level_zero", "hybrid", "moe_hybrid")  # 16-bit weights + master
+    weight = 2 if half and own_precision else 4
+    zero = {"gemini": 3, "low_level_zero": 2, "torch_fsdp": 3, "torch_ddp": 0}.get(options.plugin, options.zero)
+    weights_split = dp if zero >= 3 else 1
+    grads_split = dp if zero >= 2 else 1
+    state_split = dp if zero >= 1 else 1
+    master = 4 if half and own_precision else 0
+    return MemoryFigures(
+        parameters=parameters,
+        parameters_per_rank=per_rank,
+        weight_bytes=per_rank * weight // weights_split,
+        gradient_bytes=per_rank * weight // grads_split,
+        optimizer_bytes=per_rank * (8 + master) // state_split,
+    )
+
+
+def _count_parameters(options: DemoOptions) -> int:
+    described = describe_model(options.model_spec)
+    with torch.device("meta"):
+        model = build_model(described, seed=options.seed)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _mib(count: int) -> str:
+    return f"{count / 2**20:,.1f} MiB"
+
+
+def dry_run_report(options: DemoOptions, world_size: int | None = None) -> str:
+    world = options.nproc if world_size is None else world_size
+    lines = ["# cx-train --dry-run: nothing is trained", resolved_toml(dict(options.resolved)).rstrip()]
+    lines.append(f"# parallel layout: {options.plugin} on {world} ranks (mesh order, outermost first)")
+    lines += [f"#   {row}" for row in layout_rows(options, world)]
+    figures = memory_figures(options, _count_parameters(options), world)
+    lines += [
+        f"# parameters: {figures.parameters:,} in the model, {figures.parameters_per_rank:,} per rank (tp x pp "
+        f"{options.tp} x {options.pp}, layers split evenly)",
+        f"# memory per rank ({options.precision}, estimate without activations): weights "
+        f"{_mib(figures.weight_bytes)}, gradients {_mib(figures.gradient_bytes)}, optimizer state "
+        f"{_mib(figures.optimizer_bytes)}, total {_mib(figures.total_bytes)}",
+    ]
+    return "\n".join(lines) + "\n"

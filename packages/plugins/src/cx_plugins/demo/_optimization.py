@@ -1,0 +1,128 @@
+"""What the optimisation flags do to a run: AdamW with `--weight-decay`, the `--lr-schedule` / `--warmup-steps`
+scheduler (cx_plugins.lr_scheduler), `--activation-checkpointing` and `--compile` applied to the model before it is
+boosted, and one optimizer step over `--grad-accum` micro-batches with `--clip`.
+
+Accumulation: each micro-batch's loss is scaled by 1/N before its backward and all but the last backward run under
+`booster.no_sync` (no gradient communication), so with equal-sized micro-batches the step equals one step on their
+concatenation (a mean loss over N*b sequences). The scheduler steps once per optimizer step; its position is saved
+with the checkpoint (`lr_scheduler.json`), so a resumed run continues the same curve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from cx_plugins._booster import Booster
+from cx_plugins._wrappers import OptimizerWrapper
+from cx_plugins.demo._models import DemoModel
+from cx_plugins.demo._options import HYBRID_CLASSES, DemoOptions
+from cx_plugins.demo._progress import StepOutput, forward_step
+from cx_plugins.lr_scheduler import CosineAnnealingWarmupLR, LambdaLR, LinearWarmupLR
+
+__all__ = ["accumulated_step", "make_optimizer", "make_scheduler", "micro_step", "prepare_model"]
+
+
+def make_optimizer(model: nn.Module, options: DemoOptions, eps: float = 1e-8) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay, eps=eps)
+
+
+@dataclass(frozen=True)
+class _WarmupThenConstant:
+    """ColossalAI's warm-up convention (step s < w runs at (s + 1) / w of the rate), then the rate itself; a
+    dataclass, so torch's LambdaLR stores its fields (plain data) in the state dict."""
+
+    warmup_steps: int
+
+    def __call__(self, step: int) -> float:
+        return (step + 1) / self.warmup_steps if step < self.warmup_steps else 1.0
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, options: DemoOptions) -> LRScheduler:
+    """The schedule over `--steps` optimizer steps (the total to reach, also when resuming)."""
+    total, warmup = options.steps, options.warmup_steps
+    if options.lr_schedule == "cosine":
+        return CosineAnnealingWarmupLR(optimizer, total, warmup_steps=warmup, eta_min=0.0)
+    if options.lr_schedule == "linear":
+        return LinearWarmupLR(optimizer, total, warmup_steps=warmup)
+    if options.lr_schedule == "constant":
+        return LambdaLR(optimizer, total, lr_lambda=_WarmupThenConstant(warmup))
+    raise ValueError(f"--lr-schedule {options.lr_schedule!r}: not one of constant, linear, cosine")
+
+
+def prepare_model(model: nn.Module, options: DemoOptions, is_hf: bool) -> nn.Module:
+    """The model with `--activation-checkpointing` / `--compile` applied, before boosting. The hybrid plugins
+    checkpoint through ShardFormer instead (`_plugins.hybrid_arguments`), which replaces the layers' forwards."""
+    if options.activation_checkpointing and options.plugin not in HYBRID_CLASSES:
+        if not is_hf:  # refused before any process started (_training_checks)
+            raise ValueError("--activation-checkpointing needs a transformers model")
+        non_reentrant = {"use_reentrant": False}  # the reentrant variant needs inputs that require grad
+        enable: Any = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=non_reentrant)
+        else:
+            older: Any = model.gradient_checkpointing_enable
+            older(gradient_checkpointing_kwargs=non_reentrant)
+    if options.compile:
+        model.compile()  # in place: the state dict keeps its names, so checkpoints stay interchangeable
+    return model
+
+
+def accumulated_step(
+    booster: Booster,
+    model: nn.Module,
+    optimizer: OptimizerWrapper,
+    batches: Sequence[torch.Tensor],
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    clip: float = 0.0,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Forward and backward over `batches` (one optimizer step), gradients communicated on the last only; then
+    clipping (when `clip` > 0; returns the norm before it) and `optimizer.step()` / `zero_grad()`. Returns each
+    micro-batch's unscaled loss and the gradient norm."""
+    losses: list[torch.Tensor] = []
+    scale = 1.0 / len(batches)
+    for index, batch in enumerate(batches):
+        last = index == len(batches) - 1
+        silent = booster.no_sync(model, optimizer) if not last else contextlib.nullcontext()
+        with silent:
+            loss = forward(model, batch)
+            booster.backward(loss * scale if len(batches) > 1 else loss, optimizer)
+        losses.append(loss.detach())
+    norm = optimizer.clip_grad_by_norm(clip) if clip > 0 else None
+    optimizer.step()
+    optimizer.zero_grad()
+    return losses, None if norm is None else torch.as_tensor(norm)
+
+
+def micro_step(
+    booster: Booster,
+    model: nn.Module,
+    optimizer: OptimizerWrapper,
+    batches: Sequence[torch.Tensor],
+    described: DemoModel,
+    clip: float = 0.0,
+) -> StepOutput:
+    """`accumulated_step` with the demo's forward; the step's loss and MoE aux loss are the micro-batches' mean,
+    the expert counts their sum."""
+    outputs: list[StepOutput] = []
+
+    def forward(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        outputs.append(forward_step(module, batch, described))
+        loss = outputs[-1].loss
+        assert loss is not None
+        return loss
+
+    losses, _ = accumulated_step(booster, model, optimizer, batches, forward, clip)
+    aux = [o.aux.detach() for o in outputs if o.aux is not None]
+    counts = [o.expert_counts for o in outputs if o.expert_counts is not None]
+    return StepOutput(
+        torch.stack(losses).mean(),
+        torch.stack(aux).mean() if aux else None,
+        torch.stack(counts).sum(dim=0) if counts else None,
+    )

@@ -1,0 +1,42 @@
+"""The optimisation flags checked against the plugin, the model and each other before any process starts, each
+refusal naming the flag, why, and what works instead."""
+
+from __future__ import annotations
+
+import argparse
+
+from cx_plugins.demo._models import GPT_MODEL
+
+__all__ = ["COMPILE_PLUGINS", "training_problem"]
+
+COMPILE_PLUGINS = ("torch_ddp",)  # plugins whose boosted model is the user's module under a plain DDP wrapper
+
+
+def training_problem(args: argparse.Namespace) -> str | None:
+    """Why the optimisation flags in `args` cannot run together (None when they can)."""
+    if args.warmup_steps > args.steps or (args.lr_schedule == "linear" and 0 < args.steps == args.warmup_steps):
+        return (
+            f"--warmup-steps {args.warmup_steps} must be below --steps {args.steps} (the total to reach); "
+            "the schedule has no steps left after the warm-up"
+        )
+    if args.grad_accum > 1 and (args.pp or 1) > 1:
+        return (
+            "--grad-accum with --pp: a pipeline step already accumulates over its micro-batches; raise --batch-size "
+            "and --microbatches instead"
+        )
+    if args.grad_accum > 1 and args.plugin == "gemini":
+        return (
+            "--grad-accum: the gemini plugin does not support gradient accumulation (no no_sync, as in ColossalAI); "
+            "use --plugin low_level_zero, torch_ddp, torch_fsdp or hybrid, or a larger --batch-size"
+        )
+    if args.activation_checkpointing and args.model == GPT_MODEL:
+        return (
+            "--activation-checkpointing: cx's reference GPT has no activation checkpointing; use a transformers "
+            "model (--model llama, mixtral, ... or a model folder)"
+        )
+    if args.compile and args.plugin not in COMPILE_PLUGINS:
+        return (
+            f"--compile is not supported with --plugin {args.plugin} (its boosted model is sharded or hooked in "
+            f"ways torch.compile does not trace here); use --plugin {' or '.join(COMPILE_PLUGINS)}, or drop --compile"
+        )
+    return None

@@ -1,0 +1,75 @@
+"""cx-train --config: keys for every flag, command-line flags override the file, unknown keys refused naming the
+closest flag; --dry-run prints the resolved config, the parallel layout and the per-rank figures, then exits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cx_plugins.demo import main, parse_options
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_plugins_demo_config_file_sets_flags_and_the_command_line_wins(tmp_path: Path) -> None:
+    config = _write(
+        tmp_path,
+        'plugin = "torch_ddp"\nsteps = 30\nbatch-size = 4\nlr_schedule = "cosine"\nwarmup-steps = 3\n'
+        "grad_accum = 2\nverify = false\nlr = 0.002\n",
+    )
+    options = parse_options(["--config", str(config), "--steps", "40"])
+    assert (options.plugin, options.batch_size, options.lr) == ("torch_ddp", 4, 0.002)
+    assert (options.lr_schedule, options.warmup_steps, options.grad_accum) == ("cosine", 3, 2)
+    assert options.verify is False
+    assert options.steps == 40  # the command line overrides the file
+    assert parse_options(["--steps", "40", "--config", str(config)]).steps == 40  # wherever --config stands
+
+
+def test_plugins_demo_config_file_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for text, message in [
+        ("warmup = 5\n", "unknown key 'warmup' (the closest flag is --warmup-steps)"),
+        ("batch = 5\n", "unknown key 'batch' (the closest flag is --batch-size)"),
+        ('steps = "many"\n', "must be a positive integer"),
+        ('lr-schedule = "step"\n', 'lr-schedule = "step" is not one of constant, linear, cosine'),
+        ("compile = 1\n", "compile must be true or false"),
+        ("steps = 3\nsteps_ = 1\n", "unknown key 'steps_'"),
+        ("steps = [1]\n", "must be a string or a number"),
+        ("steps = \n", "not valid TOML"),
+    ]:
+        with pytest.raises(SystemExit) as caught:
+            parse_options(["--config", str(_write(tmp_path, text))])
+        assert caught.value.code == 2
+        assert message in capsys.readouterr().err, text
+    with pytest.raises(SystemExit):
+        parse_options(["--config", str(tmp_path / "missing.toml")])
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_plugins_demo_dry_run_prints_the_layout_and_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _write(tmp_path, 'plugin = "hybrid"\nnproc = 8\ntp = 2\npp = 2\nzero = 1\n')
+    assert main(["--config", str(config), "--dry-run", "--steps", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing is trained" in out
+    assert 'plugin = "hybrid"' in out
+    assert "steps = 7" in out
+    assert "dry_run" not in out
+    assert "#   rank 0: dp=0 pp=0 tp=0 sp=0" in out
+    assert "#   rank 5: dp=1 pp=0 tp=1 sp=0" in out  # (dp, pp, tp, sp) row-major: 5 = 1*4 + 0*2 + 1
+    assert "#   rank 7: dp=1 pp=1 tp=1 sp=0" in out
+    assert "per rank (tp x pp 2 x 2" in out
+    assert "optimizer state" in out
+
+
+def test_plugins_demo_memory_figures_follow_the_sharding() -> None:
+    from cx_plugins.demo._dry_run import memory_figures
+
+    ddp = memory_figures(parse_options(["--plugin", "torch_ddp"]), 1000, 2)
+    assert (ddp.weight_bytes, ddp.gradient_bytes, ddp.optimizer_bytes) == (4000, 4000, 8000)
+    zero2 = memory_figures(parse_options(["--plugin", "low_level_zero", "--precision", "bf16"]), 1000, 2)
+    # bf16 weights replicated, gradients and the fp32 master + two moments split over the 2 data-parallel ranks
+    assert (zero2.weight_bytes, zero2.gradient_bytes, zero2.optimizer_bytes) == (2000, 1000, 6000)
