@@ -73,3 +73,12 @@ def test_plugins_demo_memory_figures_follow_the_sharding() -> None:
     zero2 = memory_figures(parse_options(["--plugin", "low_level_zero", "--precision", "bf16"]), 1000, 2)
     # bf16 weights replicated, gradients and the fp32 master + two moments split over the 2 data-parallel ranks
     assert (zero2.weight_bytes, zero2.gradient_bytes, zero2.optimizer_bytes) == (2000, 1000, 6000)
+
+
+def test_plugins_demo_memory_figures_split_experts_over_ep() -> None:
+    pytest.importorskip("transformers")
+    from cx_plugins.demo._dry_run import memory_figures
+
+    options = parse_options(["--plugin", "moe_hybrid", "--model", "mixtral", "--ep", "2", "--nproc", "2"])
+    figures = memory_figures(options, parameters=1000, world_size=2, experts=600)
+    assert figures.parameters_per_rank == 400 + 300  # the dense part whole, each rank half of the experts

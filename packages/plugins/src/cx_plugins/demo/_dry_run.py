@@ -5,7 +5,8 @@ parameter and memory figures per rank. The layout is computed from the sizes, in
 `ParallelLayout` tables: hybrid (dp, pp, tp, sp), MoE hybrid (moe_dp, pp, ep, tp, sp), the ZeRO / DDP / FSDP plugins
 one data axis), ranks row-major over it as `ProcessGroupMesh` numbers them; no process group is made. The model is
 built on the meta device (no memory) to count its parameters. The memory figures are an estimate: the weights,
-gradients and AdamW state each rank holds by the plugin's sharding, the layers split evenly over tp x pp; activations
+gradients and AdamW state each rank holds by the plugin's sharding, the layers split evenly over tp x pp (routed
+experts also over ep); activations
 and communication buffers are not included.
 """
 
@@ -57,10 +58,11 @@ class MemoryFigures:
         return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
 
 
-def memory_figures(options: DemoOptions, parameters: int, world_size: int) -> MemoryFigures:
-    """Bytes one rank holds for the weights, gradients and optimizer state, by the plugin's sharding."""
+def memory_figures(options: DemoOptions, parameters: int, world_size: int, experts: int = 0) -> MemoryFigures:
+    """Bytes one rank holds for the weights, gradients and optimizer state, by the plugin's sharding; `experts` of
+    the `parameters` are routed experts' (split over --ep as well)."""
     dp = options.data_parallel_size(world_size)
-    per_rank = -(-parameters // (options.tp * options.pp))
+    per_rank = -(-(parameters - experts + experts // options.ep) // (options.tp * options.pp))
     half = options.precision != "fp32"
     own_precision = options.plugin in ("gemini", "low_level_zero", "hybrid", "moe_hybrid")  # 16-bit weights + master
     weight = 2 if half and own_precision else 4
@@ -78,11 +80,13 @@ def memory_figures(options: DemoOptions, parameters: int, world_size: int) -> Me
     )
 
 
-def _count_parameters(options: DemoOptions) -> int:
+def _count_parameters(options: DemoOptions) -> tuple[int, int]:
+    """All parameters and the routed experts' (under an `experts` module; `shared_experts` are replicated)."""
     described = describe_model(options.model_spec)
     with torch.device("meta"):
         model = build_model(described, seed=options.seed)
-    return sum(p.numel() for p in model.parameters())
+    named = [(name.split("."), p.numel()) for name, p in model.named_parameters()]
+    return sum(n for _, n in named), sum(n for parts, n in named if "experts" in parts)
 
 
 def _mib(count: int) -> str:
@@ -94,10 +98,12 @@ def dry_run_report(options: DemoOptions, world_size: int | None = None) -> str:
     lines = ["# cx-train --dry-run: nothing is trained", resolved_toml(dict(options.resolved)).rstrip()]
     lines.append(f"# parallel layout: {options.plugin} on {world} ranks (mesh order, outermost first)")
     lines += [f"#   {row}" for row in layout_rows(options, world)]
-    figures = memory_figures(options, _count_parameters(options), world)
+    parameters, experts = _count_parameters(options)
+    figures = memory_figures(options, parameters, world, experts)
+    split = f"tp x pp {options.tp} x {options.pp}" + (f", experts over ep {options.ep}" if experts else "")
     lines += [
-        f"# parameters: {figures.parameters:,} in the model, {figures.parameters_per_rank:,} per rank (tp x pp "
-        f"{options.tp} x {options.pp}, layers split evenly)",
+        f"# parameters: {figures.parameters:,} in the model, {figures.parameters_per_rank:,} per rank ({split}, "
+        "layers split evenly)",
         f"# memory per rank ({options.precision}, estimate without activations): weights "
         f"{_mib(figures.weight_bytes)}, gradients {_mib(figures.gradient_bytes)}, optimizer state "
         f"{_mib(figures.optimizer_bytes)}, total {_mib(figures.total_bytes)}",
