@@ -82,3 +82,18 @@ def test_plugins_demo_memory_figures_split_experts_over_ep() -> None:
     options = parse_options(["--plugin", "moe_hybrid", "--model", "mixtral", "--ep", "2", "--nproc", "2"])
     figures = memory_figures(options, parameters=1000, world_size=2, experts=600)
     assert figures.parameters_per_rank == 400 + 300  # the dense part whole, each rank half of the experts
+
+
+def test_plugins_demo_config_file_lists_and_the_resolved_config_round_trip(tmp_path: Path) -> None:
+    import tomllib
+
+    from cx_plugins.demo._config_file import expand_config, resolved_toml
+    from cx_plugins.demo._parser import build_parser
+
+    config = _write(tmp_path, 'data = ["a.txt", "b/*.jsonl"]\nsteps = 5\n')
+    tokens = expand_config(["--config", str(config), "--steps", "6"], build_parser())
+    assert tokens[:4] == ["--data", "a.txt", "b/*.jsonl", "--steps=5"]
+    args = build_parser().parse_args(tokens)
+    assert (args.data, args.steps) == (["a.txt", "b/*.jsonl"], 6)
+    written = tomllib.loads(resolved_toml({"data": [Path("a.txt")], "lr": 0.5, "verify": False, "save": None}))
+    assert written == {"data": ["a.txt"], "lr": 0.5, "verify": False}

@@ -2,8 +2,9 @@
 command line's own, so that a flag given on the command line overrides the file (argparse keeps the last value).
 
 Every flag has a key: its long name without the dashes, written with `-` or `_` (`batch-size = 8`,
-`batch_size = 8`), or its destination (`verify = false` for `--no-verify`). On/off flags take `true` / `false`.
-An unknown key is refused naming the key and the closest flag; so is a value of the wrong kind. The resolved
+`batch_size = 8`), or its destination (`verify = false` for `--no-verify`). On/off flags take `true` / `false`,
+flags taking several values (`--data`) an array of strings. An unknown key is refused naming the key and the
+closest flag; so is a value of the wrong kind. The resolved
 config (every flag's value after the file and the command line) is written back as TOML by `resolved_toml`, which
 `--config` reads again.
 """
@@ -62,6 +63,11 @@ def _flag_tokens(path: Path, key: str, value: Any, action: argparse.Action, by_f
         if not isinstance(value, bool):
             raise ValueError(f"--config {path}: {key} must be true or false, got {json.dumps(value)}")
         return [flag] if value == (True if by_flag else action.const) else []
+    if action.nargs in ("+", "*"):  # a list flag (--data a.txt b.txt): a TOML array, or one string
+        values = value if isinstance(value, list) else [value]
+        if not values or not all(isinstance(v, str) for v in values):
+            raise ValueError(f"--config {path}: {key} must be a string or a non-empty array of strings, got {value!r}")
+        return [flag, *values]
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ValueError(f"--config {path}: {key} must be a string or a number (as {flag} takes), got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):
@@ -106,6 +112,8 @@ def expand_config(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
