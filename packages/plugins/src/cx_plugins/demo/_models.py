@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from cx_plugins.demo._data import CharTokenizer, TextEncoder
+from cx_plugins.demo._text_tokenizers import ByteTokenizer
 from cx_plugins.models import GPT, GPTConfig
 
 __all__ = [
@@ -49,6 +50,7 @@ class ModelSpec:
     hidden_size: int
     num_layers: int
     seq_len: int
+    own_data: bool = False  # --data: the built-in models (and a folder without a tokenizer) read UTF-8 bytes
 
     @property
     def is_folder(self) -> bool:
@@ -155,7 +157,7 @@ def _folder_config(spec: ModelSpec) -> tuple[Any, TextEncoder]:
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (ValueError, OSError, KeyError) as error:
         raise ModelError(f"--model {folder}: transformers cannot read its config.json: {error}") from None
-    tokenizer: TextEncoder = CharTokenizer()
+    tokenizer: TextEncoder = ByteTokenizer() if spec.own_data else CharTokenizer()
     if any((folder / name).is_file() for name in _TOKENIZER_FILES):
         try:
             tokenizer = _HFTokenizer(transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
@@ -176,12 +178,12 @@ def describe_model(spec: ModelSpec) -> DemoModel:
     """Resolve `--model` to a config and a tokenizer and check they fit the data (raises `ModelError`)."""
     if not spec.is_hf:
         config = None
-        tokenizer: TextEncoder = CharTokenizer()
+        tokenizer: TextEncoder = ByteTokenizer() if spec.own_data else CharTokenizer()
         return DemoModel(spec, None, tokenizer, spec.num_layers, 4, 4, 0, 0)
     if spec.is_folder:
         config, tokenizer = _folder_config(spec)
     else:
-        tokenizer = CharTokenizer()
+        tokenizer = ByteTokenizer() if spec.own_data else CharTokenizer()
         config = _preset_config(spec, tokenizer.vocab_size)
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < tokenizer.vocab_size:

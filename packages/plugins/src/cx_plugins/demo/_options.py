@@ -19,6 +19,7 @@ from typing import Any
 import cx_plugins
 from cx_mesh import DEFAULT_TIMEOUT
 from cx_plugins.demo._config_file import expand_config
+from cx_plugins.demo._data_flags import data_problem, data_settings
 from cx_plugins.demo._models import GPT_MODEL, MODEL_CHOICES, PRESETS, DemoModel, ModelError, ModelSpec, describe_model
 from cx_plugins.demo._parser import (
     DEFAULT_HIDDEN,
@@ -31,6 +32,7 @@ from cx_plugins.demo._parser import (
 )
 from cx_plugins.demo._paths import resume_problem, save_problem
 from cx_plugins.demo._training_checks import training_problem
+from cx_plugins.demo._user_data import DataSettings, prepared_data_problem
 
 __all__ = ["HYBRID_CLASSES", "PLUGINS", "DemoOptions", "parse_options", "plugin_missing"]
 
@@ -61,6 +63,8 @@ class DemoOptions:
     microbatches: int = 1  # pipeline micro-batches per step (the pipeline size unless --microbatches says)
     pp_style: str = PP_STYLES[0]
     timeout: float = DEFAULT_TIMEOUT.total_seconds()  # seconds: the process groups' and named collectives' timeout
+    data: DataSettings | None = None  # --data and its flags (_data_flags); None: the embedded grammar text
+    eval_every: int = 0  # steps between evaluations (0: only at the end), with --eval-data / --eval-fraction
     # optimisation (_training_flags) and the config file (_config_file)
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -74,7 +78,7 @@ class DemoOptions:
 
     @property
     def model_spec(self) -> ModelSpec:
-        return ModelSpec(self.model, self.hidden_size, self.num_layers, self.seq_len)
+        return ModelSpec(self.model, self.hidden_size, self.num_layers, self.seq_len, own_data=self.data is not None)
 
     def data_parallel_size(self, world_size: int) -> int:
         """Ranks that see different batches: the world over the tensor, pipeline and sequence groups."""
@@ -216,7 +220,7 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
     except ValueError as error:
         parser.error(str(error))
     args = parser.parse_args(expanded)
-    problem = _flag_problem(args) or training_problem(args)
+    problem = _flag_problem(args) or training_problem(args) or data_problem(args)
     if problem is not None:
         parser.error(problem)
     if args.save_every < 0 or (args.save_every and args.save is None):
@@ -255,6 +259,8 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         zero=args.zero or 0,
         microbatches=args.microbatches or args.pp or 1,
         pp_style=args.pp_style or PP_STYLES[0],
+        data=data_settings(args),
+        eval_every=args.eval_every,
         lr_schedule=args.lr_schedule,
         warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay,
@@ -276,4 +282,10 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
     problem = _model_problem(options, described, world_size, args.microbatches)
     if problem is not None:
         parser.error(problem)
+    if options.data is not None:  # tokenised here, once, before any process starts (later runs read the cache)
+        global_batch = options.data_parallel_size(world_size) * options.batch_size
+        length = options.seq_len + (options.sp == 1)
+        problem = prepared_data_problem(options.data, options.model, options.model_spec.is_folder, length, global_batch)
+        if problem is not None:
+            parser.error(problem)
     return options

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cx_mesh import DEFAULT_TIMEOUT
+from cx_plugins.demo._data_flags import add_data_arguments
 from cx_plugins.demo._models import GPT_MODEL, MODEL_CHOICES
 from cx_plugins.demo._training_flags import add_training_arguments
 from cx_plugins.demo._verification import VERIFY_COST
@@ -159,5 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--microbatches", type=_positive, default=None, help="micro-batches per step with --pp (default: --pp)"
     )
     hybrid.add_argument("--pp-style", choices=PP_STYLES, default=None, help="pipeline schedule (default: 1f1b)")
+    add_data_arguments(parser)
     add_training_arguments(parser)
     return parser

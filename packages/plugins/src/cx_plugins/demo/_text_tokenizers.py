@@ -8,6 +8,7 @@ Documents are joined with the EOS id. The fingerprint (the tokenizer files' byte
 from __future__ import annotations
 
 import hashlib
+import itertools
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,11 +41,13 @@ class StreamTokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode_batch(self, texts: list[str]) -> list[torch.Tensor]: ...
+    def encode_batch(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids of all `texts` end to end (int32) and each text's number of ids (int64)."""
+        ...
 
 
-def _bytes(text: str) -> torch.Tensor:
-    raw = text.encode("utf-8")
+def _bytes(text: str | bytes) -> torch.Tensor:
+    raw = text.encode("utf-8") if isinstance(text, str) else text
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
 
 
@@ -59,8 +62,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> torch.Tensor:
         return _bytes(text).to(torch.long)
 
-    def encode_batch(self, texts: list[str]) -> list[torch.Tensor]:
-        return [_bytes(text).to(torch.int32) for text in texts]
+    def encode_batch(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        encoded = [text.encode("utf-8") for text in texts]
+        lengths = torch.tensor([len(raw) for raw in encoded], dtype=torch.int64)
+        return _bytes(b"".join(encoded)).to(torch.int32), lengths
 
     def decode(self, ids: torch.Tensor) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
@@ -107,9 +112,16 @@ class HFStreamTokenizer:
     def is_fast(self) -> bool:
         return bool(getattr(self.tokenizer, "is_fast", False))
 
-    def encode_batch(self, texts: list[str]) -> list[torch.Tensor]:
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [torch.tensor(one, dtype=torch.int32) for one in ids]
+    def encode_batch(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.truncation is None and backend.padding is None:
+            # the Rust tokenizer directly, without offsets: the ids `tokenizer(texts)` gives, 2-3x faster
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+            ids = [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
+        else:
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        lengths = torch.tensor([len(one) for one in ids], dtype=torch.int64)
+        return torch.tensor(list(itertools.chain.from_iterable(ids)), dtype=torch.int32), lengths
 
 
 def data_tokenizer(model: str, is_folder: bool) -> StreamTokenizer:

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -111,16 +112,19 @@ def _batches(paths: Sequence[Path], text_field: str) -> Iterator[list[tuple[str,
         yield batch
 
 
+Encoded = tuple[torch.Tensor, torch.Tensor]  # (ids end to end, ids per document)
+
+
 def _encoded(
     paths: Sequence[Path], tokenizer: StreamTokenizer, text_field: str, workers: int
-) -> Iterator[tuple[list[tuple[str, str, bool]], list[torch.Tensor]]]:
+) -> Iterator[tuple[list[tuple[str, str, bool]], Encoded]]:
     """(batch, its ids) in order; with several workers, up to 2 x workers batches are encoded at once."""
     if workers <= 1:
         for batch in _batches(paths, text_field):
             yield batch, tokenizer.encode_batch([text for text, _, _ in batch])
         return
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("fork")) as pool:
-        pending: list[tuple[list[tuple[str, str, bool]], Future[list[torch.Tensor]]]] = []
+        pending: list[tuple[list[tuple[str, str, bool]], Future[Encoded]]] = []
         for batch in _batches(paths, text_field):
             pending.append((batch, pool.submit(tokenizer.encode_batch, [text for text, _, _ in batch])))
             if len(pending) >= 2 * workers:
@@ -130,33 +134,43 @@ def _encoded(
             yield done, future.result()
 
 
-def _write(file: object, ids: torch.Tensor) -> None:
+def _write(file: BinaryIO, ids: torch.Tensor) -> None:
     ids = ids.to(torch.int32).contiguous()
     if ids.numel():
-        raw = (ctypes.c_char * (ids.numel() * 4)).from_address(ids.data_ptr())
-        file.write(bytes(raw))  # type: ignore[attr-defined]
+        file.write(bytes((ctypes.c_char * (ids.numel() * 4)).from_address(ids.data_ptr())))
+
+
+def _with_eos(ids: torch.Tensor, lengths: torch.Tensor, ends: torch.Tensor, eos: int) -> torch.Tensor:
+    """`ids` with `eos` inserted after each document whose `ends` is set (vectorised: one copy per batch)."""
+    before = torch.cumsum(ends.to(torch.int64), 0) - ends.to(torch.int64)  # EOS ids written before each document
+    out = torch.full((ids.numel() + int(ends.sum()),), eos, dtype=torch.int32)
+    out[torch.arange(ids.numel()) + torch.repeat_interleave(before, lengths)] = ids
+    return out
 
 
 def _build(
     paths: Sequence[Path], tokenizer: StreamTokenizer, text_field: str, tokens_path: Path, workers: int
 ) -> dict[str, object]:
     special = torch.tensor(sorted(tokenizer.special_ids), dtype=torch.int32)
-    eos = torch.tensor([tokenizer.eos_id], dtype=torch.int32)
     total = documents = 0
     has_text = False  # the current document has a token that is not special
     temporary = tokens_path.with_name(f".{tokens_path.name}.{os.getpid()}")
     try:
         with temporary.open("wb") as file:
-            for batch, encoded in _encoded(paths, tokenizer, text_field, workers):
-                for (_, where, ends), ids in zip(batch, encoded, strict=True):
-                    has_text = has_text or bool((~torch.isin(ids, special)).any())
-                    _write(file, ids)
-                    total += ids.numel()
-                    if ends:
-                        if not has_text:
-                            raise DataError(f"{where}: the document is empty or only special tokens")
-                        _write(file, eos)
-                        total, documents, has_text = total + 1, documents + 1, False
+            for batch, (ids, lengths) in _encoded(paths, tokenizer, text_field, workers):
+                ends = torch.tensor([end for _, _, end in batch])
+                owner = torch.repeat_interleave(torch.arange(len(batch)), lengths)  # each id's document
+                real = (~torch.isin(ids, special)).to(torch.int64)
+                counts = torch.zeros(len(batch), dtype=torch.int64).index_add_(0, owner, real)  # non-special ids
+                for (_, where, end), count in zip(batch, counts.tolist(), strict=True):
+                    has_text = has_text or count > 0
+                    if end and not has_text:
+                        raise DataError(f"{where}: the document is empty or only special tokens")
+                    has_text = has_text and not end
+                out = _with_eos(ids, lengths, ends, tokenizer.eos_id)
+                _write(file, out)
+                total += out.numel()
+                documents += int(ends.sum())
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, tokens_path)

@@ -21,6 +21,7 @@ from cx_plugins.demo._optimization import make_optimizer, make_scheduler, micro_
 from cx_plugins.demo._options import DemoOptions
 from cx_plugins.demo._plugins import make_plugin
 from cx_plugins.demo._progress import Progress, StepOutput, expert_counts
+from cx_plugins.demo._user_loader import open_loader
 
 __all__ = ["run", "train"]
 
@@ -81,7 +82,12 @@ def run(options: DemoOptions) -> list[float]:
     model_name = type(model).__name__  # before boosting: FSDP2 renames the class
     optimizer = make_optimizer(model, options)
     scheduler = make_scheduler(optimizer, options)
-    loader = plugin.prepare_dataloader(dataset, batch_size=options.batch_size, shuffle=True, seed=options.seed)
+    user_data = None if options.data is None else open_loader(options, plugin)  # --data (_user_loader)
+    loader = (
+        user_data
+        if user_data is not None
+        else plugin.prepare_dataloader(dataset, batch_size=options.batch_size, shuffle=True, seed=options.seed)
+    )
     boosted, boosted_optimizer, *_ = booster.boost(model, optimizer, lr_scheduler=scheduler)
     assert boosted_optimizer is not None
     if rank == 0:
@@ -127,11 +133,14 @@ def run(options: DemoOptions) -> list[float]:
             step += 1
             if step % options.log_every == 0 or step == options.steps:
                 progress.report(step, _memory_per_rank())
+            if user_data is not None:
+                user_data.maybe_evaluate(boosted, described, step, device)
             if options.save is not None and (
                 step == options.steps or (options.save_every and step % options.save_every == 0)
             ):
                 sizes = (None, None) if options.model_spec.is_folder else (options.hidden_size, options.num_layers)
                 state = TrainerState(step, options.plugin, world, options.model, *sizes)
+                state = state if user_data is None else user_data.with_position(state)
                 config = resolved_toml(dict(options.resolved), header=f"cx-train's resolved config (step {step})")
                 save_checkpoint(booster, boosted, boosted_optimizer, options.save, state, scheduler, config)
                 saved = step

@@ -22,6 +22,8 @@ class TrainerState:
     model: str = "gpt"  # --model of the run that wrote it (checkpoints from before --model existed are the GPT's)
     hidden_size: int | None = None  # the built-in models' sizes (None for a model folder, which has its own)
     num_layers: int | None = None
+    data_epoch: int | None = None  # --data: the epoch of the window order and the windows taken in it (_data_order)
+    data_offset: int | None = None
 
 
 class TrainerStateError(ValueError):
@@ -36,6 +38,8 @@ _TYPES: dict[str, tuple[type, bool]] = {
     "model": (str, False),
     "hidden_size": (int, True),
     "num_layers": (int, True),
+    "data_epoch": (int, True),
+    "data_offset": (int, True),
 }
 _REQUIRED = ("step", "plugin", "world_size")  # the rest have defaults (older checkpoints lack them)
 

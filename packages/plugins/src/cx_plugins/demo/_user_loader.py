@@ -46,6 +46,7 @@ class UserLoader:
         self.order = WindowOrder(len(data.train), dp[1] * options.batch_size, options.seed)
         self.sampler = self
         self.epoch = 0
+        self.grad_accum = int(getattr(options, "grad_accum", 1))  # micro-batches per step (--grad-accum)
         self.last_eval: EvalResult | None = None  # the latest evaluation, for a metrics log
 
     def set_epoch(self, epoch: int) -> None:
@@ -61,7 +62,7 @@ class UserLoader:
             yield self.data.train.batch(WindowOrder.rank_slice(indices, *self.dp))
 
     def position_after(self, step: int) -> DataPosition:
-        return self.order.position_at(step * self.options.grad_accum)
+        return self.order.position_at(step * self.grad_accum)
 
     def with_position(self, state: TrainerState) -> TrainerState:
         """`state` with the data position after its step (what `trainer.json` records)."""
@@ -81,7 +82,7 @@ class UserLoader:
             raise DataError(
                 f"--resume {self.options.resume}: the checkpoint stopped at window {recorded.offset} of epoch "
                 f"{recorded.epoch}, but step {state.step} with this run's global batch of "
-                f"{self.order.global_batch * self.options.grad_accum} windows (data-parallel size x --batch-size x "
+                f"{self.order.global_batch * self.grad_accum} windows (data-parallel size x --batch-size x "
                 f"--grad-accum) is at window {here.offset} of epoch {here.epoch}: resume with the global batch of the "
                 "run that saved it, and the same --data, --seq-len and --seed"
             )
