@@ -247,7 +247,7 @@ def test_plugins_demo_resume_continues_schedule_and_accumulation_exactly(
     flags += ["--batch-size", "2", "--grad-accum", "2", "--lr-schedule", "cosine", "--warmup-steps", "1"]
     flags += ["--steps", "5", "--log-every", "5", "--lr", "0.01"]
     saved, at_step_2 = tmp_path / "run", tmp_path / "step2"
-    real_save = _train.save_checkpoint
+    real_save = save_checkpoint  # what _train calls, replaced there below
 
     def save_and_keep_step_2(*args: object) -> None:
         real_save(*args)  # type: ignore[arg-type]
