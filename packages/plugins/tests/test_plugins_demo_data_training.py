@@ -6,14 +6,19 @@ global batch is refused."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from cx_mesh.testing import run_distributed
 from cx_plugins.demo import parse_options
+from cx_plugins.demo._evaluation import evaluate
+from cx_plugins.demo._models import build_model, describe_model
 from cx_plugins.demo._text_sources import DataError
 from cx_plugins.demo._train import run
+from cx_plugins.demo._user_data import open_user_data
 from data_test_helpers import TINY_GPT, tiny_llama_folder, write_jsonl, write_text
 
 
@@ -48,8 +53,11 @@ def test_plugins_demo_data_resume_mid_epoch_equals_the_uninterrupted_run(tmp_pat
     whole = _losses(tmp_path / "whole.json")
     assert _losses(tmp_path / "a.json") + _losses(tmp_path / "b.json") == whole  # bit for bit: same batches, same math
     assert sum(whole[-3:]) < sum(whole[:3]) - 3 * 0.5, whole  # ln 257 = 5.5 nats falls fast on repetitive text
-    # one process with the same global batch continues at the same position; another global batch is refused
-    run_distributed(_train, 1, flags=[*resume, "--batch-size", "8"], out=str(tmp_path / "c.json"))
+    # one process under another plugin with the same global batch continues at the same position; another global
+    # batch is refused
+    run_distributed(
+        _train, 1, flags=[*resume, "--batch-size", "8", "--plugin", "low_level_zero"], out=str(tmp_path / "c.json")
+    )
     assert len(_losses(tmp_path / "c.json")) == 7
     run_distributed(_refused, 1, flags=[*resume, "--batch-size", "4"])
 
@@ -63,3 +71,32 @@ def test_plugins_demo_data_llama_folder_with_its_tokenizer(tmp_path: Path) -> No
     run_distributed(_train, 1, flags=flags, out=str(tmp_path / "losses.json"))
     losses = _losses(tmp_path / "losses.json")
     assert sum(losses[-3:]) < sum(losses[:3]) - 3 * 0.5, losses  # ln 66 = 4.2 nats at the start
+
+
+def _evaluate_exactly(rank: int, world_size: int, data: str) -> None:
+    """3 evaluation windows over 2 ranks x batch 4: rank 1 has none (it runs one window with weight 0). The result is
+    the mean of the windows' own losses, as one process computes them one at a time."""
+    options = parse_options(
+        [*TINY_GPT, "--data", data, "--eval-fraction", "0.2", "--batch-size", "4"], world_size=world_size
+    )
+    described = describe_model(options.model_spec)
+    assert options.data is not None
+    user = open_user_data(options.data, options.model, False, options.seq_len + 1)
+    assert user.evaluation is not None
+    assert len(user.evaluation) == 3
+    model = build_model(described, seed=0)
+    result = evaluate(model, user, described, 4, (rank, world_size), torch.device("cpu"), step=7)
+    with torch.no_grad():
+        losses = [float(model(w, labels=w)) for w in user.evaluation.batch(torch.arange(3)).split(1)]
+    expected = sum(losses) / 3
+    # float32 means over 16 tokens taken in another order (3 rows at once vs 1): a few ulps of a loss near 5.5
+    assert result.loss == pytest.approx(expected, rel=1e-6)
+    assert result.perplexity == pytest.approx(math.exp(expected), rel=1e-5)
+    assert (result.step, result.windows) == (7, 3)
+
+
+def test_plugins_demo_data_evaluation_is_the_mean_over_the_fixed_set(tmp_path: Path) -> None:
+    data = tmp_path / "corpus.txt"
+    data.write_text("abcdefghijklmnopqrstuvwxyz0123456789" * 7 + "?" * 3)  # 255 + EOS: 15 windows of 17, 3 held out
+    parse_options([*TINY_GPT, "--data", str(data), "--eval-fraction", "0.2", "--batch-size", "4"], world_size=2)
+    run_distributed(_evaluate_exactly, 2, data=str(data))

@@ -52,7 +52,7 @@ def evaluate(
     model.eval()
     with torch.no_grad():
         for start in range(0, len(windows), global_batch):
-            first = start + dp_rank * batch_size
+            first = min(start + dp_rank * batch_size, len(windows))
             indices = torch.arange(first, min(first + batch_size, len(windows)))
             weight = indices.numel()
             if weight == 0:
