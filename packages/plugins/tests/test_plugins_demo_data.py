@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cx_plugins.demo import parse_options
 from cx_plugins.demo._data_order import DataPosition, WindowOrder
 from cx_plugins.demo._text_sources import DataError, resolve_data_paths
 from cx_plugins.demo._text_tokenizers import ByteTokenizer, HFStreamTokenizer, data_tokenizer
@@ -174,3 +175,21 @@ def test_plugins_demo_data_eval_fraction_holds_out_the_last_windows(tmp_path: Pa
     assert len(user.evaluation) == 2
     whole = user.train.stream.tokens
     assert torch.equal(user.evaluation.batch(torch.tensor([1])), whole[19 * 16 :].view(1, 16).long())
+
+
+def test_plugins_demo_data_refused_before_any_process_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = write_text(tmp_path / "corpus.txt", 16 * 20 - 1)  # 20 windows of 16 tokens
+    (tmp_path / "field.jsonl").write_text('{"body": "x"}\n')
+    for argv, message in [
+        (["--data", str(data), "--seq-len", "15", "--batch-size", "11"], "20 training windows of 16 tokens, fewer "
+         "than one global batch of 22"),
+        (["--data", str(tmp_path / "field.jsonl")], 'field.jsonl:line 1: no "text" field'),
+        (["--eval-every", "5"], "--eval-data, --eval-fraction and --eval-every need --data"),
+        (["--data", str(data), "--eval-every", "5"], "--eval-every needs --eval-data FILE or --eval-fraction F"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as caught:
+            parse_options(argv, world_size=2)
+        assert caught.value.code == 2
+        assert message in capsys.readouterr().err

@@ -16,9 +16,11 @@ from cx_mesh.testing import run_distributed
 from cx_plugins.demo import parse_options
 from cx_plugins.demo._evaluation import evaluate
 from cx_plugins.demo._models import build_model, describe_model
+from cx_plugins.demo._plugins import make_plugin
 from cx_plugins.demo._text_sources import DataError
 from cx_plugins.demo._train import run
 from cx_plugins.demo._user_data import open_user_data
+from cx_plugins.demo._user_loader import open_loader
 from data_test_helpers import TINY_GPT, tiny_llama_folder, write_jsonl, write_text
 
 
@@ -100,3 +102,28 @@ def test_plugins_demo_data_evaluation_is_the_mean_over_the_fixed_set(tmp_path: P
     data.write_text("abcdefghijklmnopqrstuvwxyz0123456789" * 7 + "?" * 3)  # 255 + EOS: 15 windows of 17, 3 held out
     parse_options([*TINY_GPT, "--data", str(data), "--eval-fraction", "0.2", "--batch-size", "4"], world_size=2)
     run_distributed(_evaluate_exactly, 2, data=str(data))
+
+
+def _replica_batches(rank: int, world_size: int, flags: list[str]) -> None:
+    """tp 2 x dp 2 on 4 ranks: the two tensor-parallel ranks of a replica train on the same windows, the replicas on
+    different ones."""
+    options = parse_options(flags, world_size=world_size)
+    plugin, _ = make_plugin(options)
+    loader = open_loader(options, plugin)
+    dp_rank, dp_size = loader.dp
+    assert dp_size == 2
+    first = next(iter(loader))
+    batches = [torch.empty_like(first) for _ in range(world_size)]
+    torch.distributed.all_gather(batches, first)
+    dp_ranks = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
+    torch.distributed.all_gather(dp_ranks, torch.tensor([dp_rank]))
+    for other in range(world_size):  # the same windows exactly when the data-parallel rank is the same
+        assert torch.equal(batches[other], first) == (int(dp_ranks[other]) == dp_rank), (other, dp_ranks)
+
+
+def test_plugins_demo_data_is_sharded_by_data_parallel_rank_only(tmp_path: Path) -> None:
+    data = write_text(tmp_path / "a.txt", 2000)
+    flags = ["--model", "llama", "--plugin", "hybrid", "--tp", "2", "--nproc", "4", "--hidden-size", "32"]
+    flags += ["--seq-len", "16", "--batch-size", "2", "--data", str(data)]
+    parse_options(flags, world_size=4)
+    run_distributed(_replica_batches, 4, flags=flags)
