@@ -5,6 +5,8 @@ cleanly: the launcher passes SIGINT on to the ranks once (later ones are ignored
 together at the next step boundary and rank 0 prints one line (the step reached, what was saved); any staging
 directory of an unfinished save is removed. Exit status: 0 trained, 2 refused flags or checkpoint (nothing ran),
 130 interrupted.
+
+`cx-train plot FILE.jsonl [-o OUT.png]` draws a `--metrics` file instead of training.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from cx_checkpoint import remove_stale_staging
 from cx_plugins.demo._dry_run import dry_run_report
 from cx_plugins.demo._options import DemoOptions, parse_options
+from cx_plugins.demo._plot import plot_main
 from cx_plugins.demo._verification import verification_problem
 
 __all__ = ["main"]
@@ -85,6 +88,8 @@ _ARGS_VARIABLE = "CX_TRAIN_ARGS"  # flags travel to the ranks here: torchrun's o
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["plot"]:  # `cx-train plot FILE.jsonl`: no training flag is a bare word, so no clash
+        return plot_main(arguments[1:])
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         launched_here = _ARGS_VARIABLE in os.environ
         if launched_here and not arguments:

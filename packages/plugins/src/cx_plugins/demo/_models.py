@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from cx_plugins.demo._data import CharTokenizer, TextEncoder
+from cx_plugins.demo._special_tokens import special_token_ids, write_special_tokens
 from cx_plugins.demo._text_tokenizers import ByteTokenizer
 from cx_plugins.models import GPT, GPTConfig
 
@@ -98,10 +99,7 @@ def _preset_config(spec: ModelSpec, vocab_size: int) -> Any:
         num_attention_heads=4,
         max_position_embeddings=positions,
         intermediate_size=2 * hidden,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=None,
+        use_cache=False,  # the special token ids are the tokenizer's (build_model)
     )
     # the aux loss on by default, so that a pipeline (which reads the config, not a forward argument) trains with it
     experts: dict[str, Any] = dict(num_experts_per_tok=2, output_router_logits=True)
@@ -109,7 +107,7 @@ def _preset_config(spec: ModelSpec, vocab_size: int) -> Any:
         no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2Config(
             vocab_size=vocab_size, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=4,
-            use_cache=False, bos_token_id=0, eos_token_id=0, **no_dropout,
+            use_cache=False, **no_dropout,
         )  # fmt: skip
     if spec.model == "llama":
         return transformers.LlamaConfig(**common, num_key_value_heads=2)
@@ -134,6 +132,10 @@ class _HFTokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        return self._tokenizer
 
     @property
     def vocab_size(self) -> int:
@@ -211,6 +213,15 @@ def describe_model(spec: ModelSpec) -> DemoModel:
     )
 
 
+def _with_special_tokens(model: nn.Module, tokenizer: TextEncoder, keep_unknown: bool) -> nn.Module:
+    """The tokenizer's bos / eos / pad ids in the model's config and generation config (what a save writes)."""
+    ids = special_token_ids(tokenizer)
+    for target in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        if target is not None:
+            write_special_tokens(target, ids, keep_unknown)
+    return model
+
+
 def build_model(described: DemoModel, seed: int) -> nn.Module:
     """The model itself: seeded fresh weights for the GPT and the presets, the folder's weights (fp32) otherwise."""
     spec = described.spec
@@ -228,8 +239,8 @@ def build_model(described: DemoModel, seed: int) -> nn.Module:
         model: nn.Module = transformers.AutoModelForCausalLM.from_pretrained(
             spec.model, local_files_only=True, dtype=torch.float32
         )
-        return model
+        return _with_special_tokens(model, described.tokenizer, keep_unknown=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # the same fresh weights on every rank and every run with this seed
         model = transformers.AutoModelForCausalLM.from_config(described.config)
-    return model
+    return _with_special_tokens(model, described.tokenizer, keep_unknown=False)

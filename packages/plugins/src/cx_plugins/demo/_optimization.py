@@ -118,11 +118,12 @@ def micro_step(
         assert loss is not None
         return loss
 
-    losses, _ = accumulated_step(booster, model, optimizer, batches, forward, clip)
+    losses, norm = accumulated_step(booster, model, optimizer, batches, forward, clip)
     aux = [o.aux.detach() for o in outputs if o.aux is not None]
     counts = [o.expert_counts for o in outputs if o.expert_counts is not None]
     return StepOutput(
         torch.stack(losses).mean(),
         torch.stack(aux).mean() if aux else None,
         torch.stack(counts).sum(dim=0) if counts else None,
+        norm,
     )

@@ -31,6 +31,7 @@ from cx_plugins.demo._parser import (
     join_negative_values,
 )
 from cx_plugins.demo._paths import resume_problem, save_problem
+from cx_plugins.demo._reporting_flags import reporting_problem
 from cx_plugins.demo._training_checks import training_problem
 from cx_plugins.demo._user_data import DataSettings, prepared_data_problem
 
@@ -65,6 +66,8 @@ class DemoOptions:
     timeout: float = DEFAULT_TIMEOUT.total_seconds()  # seconds: the process groups' and named collectives' timeout
     data: DataSettings | None = None  # --data and its flags (_data_flags); None: the embedded grammar text
     eval_every: int = 0  # steps between evaluations (0: only at the end), with --eval-data / --eval-fraction
+    metrics: Path | None = None  # --metrics FILE.jsonl (_reporting)
+    tensorboard: Path | None = None  # --tensorboard DIR
     # optimisation (_training_flags) and the config file (_config_file)
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -223,6 +226,8 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
     problem = _flag_problem(args) or training_problem(args) or data_problem(args)
     if problem is not None:
         parser.error(problem)
+    if (reporting := reporting_problem(args)) is not None:
+        parser.error(reporting)
     if args.save_every < 0 or (args.save_every and args.save is None):
         parser.error("--save-every needs --save DIR and a non-negative step count")
     problem = None if args.save is None else save_problem(args.save)
@@ -261,6 +266,8 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         pp_style=args.pp_style or PP_STYLES[0],
         data=data_settings(args),
         eval_every=args.eval_every,
+        metrics=args.metrics,
+        tensorboard=args.tensorboard,
         lr_schedule=args.lr_schedule,
         warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay,

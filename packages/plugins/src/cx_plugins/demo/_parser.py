@@ -12,6 +12,7 @@ from pathlib import Path
 from cx_mesh import DEFAULT_TIMEOUT
 from cx_plugins.demo._data_flags import add_data_arguments
 from cx_plugins.demo._models import GPT_MODEL, MODEL_CHOICES
+from cx_plugins.demo._reporting_flags import add_reporting_arguments
 from cx_plugins.demo._training_flags import add_training_arguments
 from cx_plugins.demo._verification import VERIFY_COST
 
@@ -162,4 +163,5 @@ def build_parser() -> argparse.ArgumentParser:
     hybrid.add_argument("--pp-style", choices=PP_STYLES, default=None, help="pipeline schedule (default: 1f1b)")
     add_data_arguments(parser)
     add_training_arguments(parser)
+    add_reporting_arguments(parser)
     return parser

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cx_plugins.demo._log_record import LogRecord
+from cx_plugins.demo._memory import MemorySample
 from cx_plugins.demo._models import DemoModel
 
 __all__ = ["Progress", "StepOutput", "expert_counts", "forward_step"]
@@ -28,6 +30,7 @@ class StepOutput:
     loss: torch.Tensor | None  # None on pipeline stages that do not compute it
     aux: torch.Tensor | None  # the MoE load-balancing loss (unscaled), when the model reports one
     expert_counts: torch.Tensor | None  # [MoE layers, experts]: tokens routed to each expert this step
+    grad_norm: torch.Tensor | None = None  # the global norm before clipping, where the step measured it
 
 
 def expert_counts(router_logits: Sequence[torch.Tensor], top_k: int) -> torch.Tensor:
@@ -51,17 +54,31 @@ def forward_step(model: nn.Module, batch: torch.Tensor, described: DemoModel) ->
 
 
 class Progress:
-    """Losses averaged over the ranks that computed one; aux loss and expert counts summed between lines."""
+    """Losses averaged over the ranks that computed one; the other numbers of a log step (`LogRecord`) taken over the
+    steps since the previous one. Timing starts at construction: this run's first step, also when resumed."""
 
-    def __init__(self, total_steps: int, device: torch.device, stages_differ: bool = False) -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        device: torch.device,
+        stages_differ: bool = False,
+        start_step: int = 0,
+        model_flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+    ) -> None:
         self.total_steps = total_steps
         self._stages_differ = stages_differ  # pipeline: expert counts only on the last stage
         self.losses: list[float] = []
         self._device = device
+        self._start_step = start_step
+        self._flops_per_token = model_flops_per_token
+        self._peak = peak_flops  # every rank's peak together: one device's x the world size
         self._aux: list[float] = []
         self._counts: torch.Tensor | None = None
         self._tokens = 0
-        self._started = time.perf_counter()
+        self._window_losses = 0
+        self._eval: tuple[int, float] | None = None  # (step, loss) of an evaluation not yet logged
+        self._started = self._window_started = time.perf_counter()
 
     def record(self, output: StepOutput, tokens: int) -> None:
         """Add one step (collective: every rank calls it with the same kinds of numbers)."""
@@ -77,6 +94,7 @@ class Progress:
         dist.all_reduce(packed)
         loss_sum, loss_ranks, aux_sum, aux_ranks = (float(v) for v in packed[:4])
         self.losses.append(loss_sum / max(loss_ranks, 1.0))
+        self._window_losses += 1
         if aux_ranks:
             self._aux.append(aux_sum / aux_ranks)
         if counts is not None:
@@ -93,23 +111,48 @@ class Progress:
             return counts
         return torch.zeros(layers, experts, dtype=torch.float64)
 
-    def line(self, step: int, memory: Sequence[int]) -> str:
-        """The progress line for `step`; starts a new window for the MoE numbers."""
-        width = 24
-        filled = int(width * step / self.total_steps)
-        recent = sum(self.losses[-10:]) / max(len(self.losses[-10:]), 1)
-        text = f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total_steps} loss {recent:.3f} "
-        if self._aux:
-            text += f"aux {sum(self._aux) / len(self._aux):.3f} "
-        if self._counts is not None:  # the worst layer's busiest expert against the mean expert
-            balance = (self._counts.max(dim=1).values / self._counts.mean(dim=1).clamp_min(1e-9)).max()
-            text += f"experts max/mean {float(balance):.2f} "
-        self._aux, self._counts = [], None
-        tokens_per_second = self._tokens / (time.perf_counter() - self._started)
-        memory_text = " ".join(f"r{r}:{m / 2**20:.0f}MiB" for r, m in enumerate(memory))
-        return text + f"tok/s {tokens_per_second:,.0f} mem {memory_text}"
+    def note_eval(self, step: int, loss: float) -> None:
+        """An evaluation's mean loss at `step`, reported by the next log step (evaluations need not be log steps)."""
+        self._eval = (step, loss)
 
-    def report(self, step: int, memory: Sequence[int]) -> None:
-        text = self.line(step, memory)
+    def record_for(self, step: int, memory: MemorySample, lr: float, grad_norm: float | None = None) -> LogRecord:
+        """The numbers of log step `step`; starts a new window (loss, MoE numbers, tokens/s, ms/step)."""
+        now = time.perf_counter()
+        window = max(self._window_losses, 1)
+        seconds = max(now - self._window_started, 1e-9)
+        elapsed = now - self._started
+        done = max(step - self._start_step, 1)
+        balance: float | None = None
+        if self._counts is not None:  # the worst layer's busiest expert against the mean expert
+            balance = float((self._counts.max(dim=1).values / self._counts.mean(dim=1).clamp_min(1e-9)).max())
+        tokens_per_s = self._tokens / seconds
+        mfu = None
+        if self._flops_per_token is not None and self._peak:
+            mfu = tokens_per_s * self._flops_per_token / self._peak
+        record = LogRecord(
+            step=step,
+            total_steps=self.total_steps,
+            loss=sum(self.losses[-window:]) / window,
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens_per_s=tokens_per_s,
+            step_ms=1000 * seconds / window,
+            elapsed_s=elapsed,
+            eta_s=elapsed / done * (self.total_steps - step),
+            memory=memory,
+            aux_loss=sum(self._aux) / len(self._aux) if self._aux else None,
+            expert_balance=balance,
+            mfu=mfu,
+            eval_loss=None if self._eval is None else self._eval[1],
+            eval_step=None if self._eval is None else self._eval[0],
+        )
+        self._aux, self._counts, self._tokens, self._window_losses, self._eval = [], None, 0, 0, None
+        self._window_started = now
+        return record
+
+    def report(self, step: int, memory: MemorySample, lr: float, grad_norm: float | None = None) -> LogRecord:
+        """Print the progress line of `step` on rank 0; returns its numbers (on every rank)."""
+        record = self.record_for(step, memory, lr, grad_norm)
         if dist.get_rank() == 0:
-            print(text, file=sys.stdout, flush=True)
+            print(record.line(), file=sys.stdout, flush=True)
+        return record

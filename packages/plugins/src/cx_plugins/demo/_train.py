@@ -3,34 +3,32 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from cx_mesh import all_gather_flat, get_accelerator, launch_from_torch
+from cx_mesh import get_accelerator, launch_from_torch
 from cx_plugins._booster import Booster
 from cx_plugins._wrappers import OptimizerWrapper
 from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_checkpoint
 from cx_plugins.demo._config_file import resolved_toml
 from cx_plugins.demo._data import TokenWindows
+from cx_plugins.demo._grad_norm import clip_bound
 from cx_plugins.demo._interrupt import Interrupted, stop_agreed
+from cx_plugins.demo._memory import memory_per_rank
+from cx_plugins.demo._mfu import active_parameters, flops_per_token, peak_flops
 from cx_plugins.demo._models import DemoModel, build_model, describe_model
 from cx_plugins.demo._optimization import make_optimizer, make_scheduler, micro_step, prepare_model
 from cx_plugins.demo._options import DemoOptions
 from cx_plugins.demo._plugins import make_plugin
 from cx_plugins.demo._progress import Progress, StepOutput, expert_counts
+from cx_plugins.demo._reporting import Reporting
 from cx_plugins.demo._user_loader import open_loader
 
 __all__ = ["run", "train"]
-
-
-def _memory_per_rank() -> list[int]:
-    mine = torch.tensor([get_accelerator().memory_allocated()], dtype=torch.int64)
-    everyone = torch.empty(dist.get_world_size(), dtype=torch.int64)
-    all_gather_flat(everyone, mine)
-    return [int(v) for v in everyone]
 
 
 def _pipeline_step(
@@ -80,6 +78,7 @@ def run(options: DemoOptions) -> list[float]:
     model = prepare_model(build_model(described, seed=options.seed), options, described.spec.is_hf)
     parameters = sum(p.numel() for p in model.parameters())  # before boosting: Gemini shards them away
     model_name = type(model).__name__  # before boosting: FSDP2 renames the class
+    model_flops = flops_per_token(active_parameters(model, described.num_experts, described.top_k))
     optimizer = make_optimizer(model, options)
     scheduler = make_scheduler(optimizer, options)
     user_data = None if options.data is None else open_loader(options, plugin)  # --data (_user_loader)
@@ -103,7 +102,9 @@ def run(options: DemoOptions) -> list[float]:
         step = load_checkpoint(booster, boosted, boosted_optimizer, options.resume, scheduler).step
         if rank == 0:
             print(f"cx-train: resumed from {options.resume} at step {step}", flush=True)
-    progress = Progress(options.steps, device, stages_differ=options.pp > 1)
+    peak = peak_flops(device, options.precision)
+    progress = Progress(options.steps, device, options.pp > 1, step, model_flops, peak and peak * world)
+    reporting = Reporting(options.metrics, options.tensorboard, step if options.resume else None, rank == 0)
     data_parallel = options.data_parallel_size(world)
     epoch, skip = divmod(step * options.grad_accum, len(loader))  # batches consumed: grad_accum per step
     pending: list[torch.Tensor] = []  # the micro-batches of the next optimizer step
@@ -120,21 +121,28 @@ def run(options: DemoOptions) -> list[float]:
             if stop_agreed(device):
                 raise Interrupted(step, options.steps, saved, options.save)
             batches, pending = pending, []
+            # --clip, or at a log step a bound that only measures the gradient norm (collective, so not every step)
+            bound = clip_bound(options.clip, (step + 1) % options.log_every == 0 or step + 1 == options.steps)
             if options.pp > 1:
                 output = _pipeline_step(booster, boosted, boosted_optimizer, batches[0], described)
-                if options.clip > 0:
-                    boosted_optimizer.clip_grad_by_norm(options.clip)
+                if bound > 0:
+                    norm = boosted_optimizer.clip_grad_by_norm(bound)
+                    output = replace(output, grad_norm=torch.as_tensor(norm))
                 boosted_optimizer.step()
                 boosted_optimizer.zero_grad()
             else:
-                output = micro_step(booster, boosted, boosted_optimizer, batches, described, options.clip)
+                output = micro_step(booster, boosted, boosted_optimizer, batches, described, bound)
             scheduler.step()
             progress.record(output, tokens=sum(b.numel() for b in batches) * data_parallel)
             step += 1
-            if step % options.log_every == 0 or step == options.steps:
-                progress.report(step, _memory_per_rank())
-            if user_data is not None:
+            if user_data is not None:  # before the log line, which reports this evaluation
                 user_data.maybe_evaluate(boosted, described, step, device)
+                if user_data.last_eval is not None and user_data.last_eval.step == step:
+                    progress.note_eval(step, user_data.last_eval.loss)
+            if step % options.log_every == 0 or step == options.steps:
+                lr = float(boosted_optimizer.param_groups[0]["lr"])
+                grad_norm = None if output.grad_norm is None else float(output.grad_norm)
+                reporting.write(progress.report(step, memory_per_rank(), lr, grad_norm))
             if options.save is not None and (
                 step == options.steps or (options.save_every and step % options.save_every == 0)
             ):
@@ -149,4 +157,5 @@ def run(options: DemoOptions) -> list[float]:
             if step >= options.steps:
                 break
         epoch, skip = epoch + 1, 0
+    reporting.close()
     return progress.losses
