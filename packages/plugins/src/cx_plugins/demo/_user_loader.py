@@ -19,6 +19,7 @@ from cx_plugins.demo._evaluation import EvalResult, evaluate
 from cx_plugins.demo._models import DemoModel
 from cx_plugins.demo._options import DemoOptions
 from cx_plugins.demo._text_sources import DataError
+from cx_plugins.demo._text_tokenizers import ByteTokenizer
 from cx_plugins.demo._trainer_state import TrainerState, read_trainer_state
 from cx_plugins.demo._user_data import UserData, open_user_data
 
@@ -74,8 +75,14 @@ class UserLoader:
         if self.options.resume is None:
             return
         state = read_trainer_state(self.options.resume)
-        if state.data_epoch is None or state.data_offset is None:
-            return  # trained on the embedded text, or before positions were recorded
+        if state.data_epoch is None or state.data_offset is None:  # trained on the embedded text
+            if isinstance(self.data.tokenizer, ByteTokenizer):
+                raise DataError(
+                    f"--resume {self.options.resume}: that checkpoint was trained on the embedded text, whose model "
+                    f"reads the demo's character ids; --data with --model {self.options.model} reads UTF-8 bytes "
+                    "(another vocabulary): start a new run on --data, or resume without --data"
+                )
+            return  # a model folder's own tokenizer: the same ids, so training continues on the new data
         recorded = DataPosition(state.data_epoch, state.data_offset)
         here = self.position_after(state.step)
         if recorded != here:
