@@ -70,7 +70,9 @@ def prepare_model(model: nn.Module, options: DemoOptions, is_hf: bool) -> nn.Mod
             older: Any = model.gradient_checkpointing_enable
             older(gradient_checkpointing_kwargs=non_reentrant)
     if options.compile:
-        model.compile()  # in place: the state dict keeps its names, so checkpoints stay interchangeable
+        model.compile(
+            backend=options.compile_backend
+        )  # in place: the state dict keeps its names, so checkpoints stay interchangeable
     return model
 
 

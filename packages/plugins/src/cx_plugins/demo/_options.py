@@ -76,6 +76,7 @@ class DemoOptions:
     clip: float = 0.0  # max global gradient norm, 0 for no clipping
     activation_checkpointing: bool = False
     compile: bool = False
+    compile_backend: str = "inductor"  # torch.compile's backend (--compile-backend)
     dry_run: bool = False
     resolved: tuple[tuple[str, Any], ...] = ()  # every flag's value after --config and the command line
 
@@ -275,6 +276,7 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         clip=args.clip,
         activation_checkpointing=args.activation_checkpointing,
         compile=args.compile,
+        compile_backend=args.compile_backend,
         dry_run=args.dry_run,
         resolved=tuple(vars(args).items()),
     )

@@ -68,6 +68,13 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="torch.compile the model in place; --plugin torch_ddp only (default: off)",
     )
+    training.add_argument(
+        "--compile-backend",
+        default="inductor",
+        metavar="NAME",
+        help="torch.compile backend for --compile: inductor generates kernels; aot_eager traces and runs the same "
+        "graphs without code generation, which starts in seconds (default: inductor)",
+    )
     config = parser.add_argument_group("config file")
     config.add_argument(
         "--config",
