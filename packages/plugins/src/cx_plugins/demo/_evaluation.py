@@ -59,7 +59,8 @@ def evaluate(
                 indices = torch.zeros(1, dtype=torch.long)
             loss = forward_step(model, windows.batch(indices).to(device), described).loss
             assert loss is not None
-            total += torch.stack([loss.detach().to(torch.float64) * weight, torch.tensor(float(weight))]).to(device)
+            total[0] += loss.detach().to(total.device, torch.float64) * weight  # on the device: no sync per batch
+            total[1] += weight
     model.train(was_training)
     dist.all_reduce(total)  # tp / pp / sp ranks of a replica add the same numbers: the ratio is unchanged
     mean = float(total[0] / total[1])
