@@ -16,8 +16,11 @@ ROOT = Path(__file__).parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
-# Optional integrations exercised by the full suite (their tests skip where these are absent).
-INTEGRATION_TOOLS = ("transformers>=4.40", "peft>=0.13")
+# Optional integrations exercised by the full suite (their tests skip where these are absent): transformers models,
+# LoRA, cx-train's Parquet / save_to_disk data, TensorBoard events and metric plots.
+INTEGRATION_TOOLS = (
+    "transformers>=4.40", "peft>=0.13", "pyarrow>=14", "datasets>=2.16", "tensorboard>=2.14", "matplotlib>=3.7"
+)  # fmt: skip
 TEST_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
 
 nox.options.sessions = ["tests", "typecheck", "lint", "layers"]
