@@ -4,8 +4,10 @@ and line or row) and evaluation; the training runs are in test_plugins_demo_data
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -193,3 +195,23 @@ def test_plugins_demo_data_refused_before_any_process_starts(
             parse_options(argv, world_size=2)
         assert caught.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def _open_together(data: str, start: Any, reused: Any) -> None:
+    start.wait()
+    reused.put(token_stream([Path(data)], ByteTokenizer()).reused)
+
+
+def test_plugins_demo_data_processes_starting_together_tokenise_once(tmp_path: Path) -> None:
+    """Ranks under an outside torchrun open the cache at the same moment: one tokenises, the others reuse its cache."""
+    data = write_jsonl(tmp_path / "docs.jsonl", 3000)
+    context = multiprocessing.get_context("spawn")
+    start, reused = context.Barrier(3), context.Queue()
+    processes = [context.Process(target=_open_together, args=(str(data), start, reused)) for _ in range(3)]
+    for process in processes:
+        process.start()
+    results = sorted(reused.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+    assert results == [False, True, True]
+    assert len(list((tmp_path / CACHE_FOLDER).glob("*.tokens"))) == 1

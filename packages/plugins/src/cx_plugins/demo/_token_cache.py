@@ -6,12 +6,14 @@ The cache sits beside the data, in `.cx-token-cache/` of the first file's folder
 folder is not writable. Its name is a hash of every data file's path, size and modification time, the tokenizer's
 fingerprint and the settings that change the ids (the text field, the format version): any change makes a new file.
 `<key>.tokens` is written under a temporary name and renamed, then `<key>.json` (its description) last, so a cache
-whose description exists is complete; two processes building the same cache at once both write the same bytes.
+whose description exists is complete; processes opening the same cache at once (the ranks under an outside torchrun)
+take turns on `<key>.lock` (`flock`), so one tokenises and the others find its cache.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import json
 import os
@@ -21,7 +23,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -84,18 +86,28 @@ def token_stream(
     key = cache_key(paths, tokenizer, text_field)
     folder = _cache_folder(paths, cache_root)
     tokens_path, description_path = folder / f"{key}.tokens", folder / f"{key}.json"
-    reused = description_path.is_file() and tokens_path.is_file()
-    if reused:
-        description = json.loads(description_path.read_text())
-        reused = tokens_path.stat().st_size == 4 * description["tokens"] and description["byteorder"] == sys.byteorder
-    if not reused:
-        description = _build(paths, tokenizer, text_field, tokens_path, workers)
-        temporary = description_path.with_name(f".{description_path.name}.{os.getpid()}")
-        temporary.write_text(json.dumps(description, indent=1))
-        os.replace(temporary, description_path)
+    with (folder / f"{key}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together: one tokenises, the others wait and reuse it
+        description = _complete(tokens_path, description_path)
+        reused = description is not None
+        if description is None:
+            description = _build(paths, tokenizer, text_field, tokens_path, workers)
+            temporary = description_path.with_name(f".{description_path.name}.{os.getpid()}")
+            temporary.write_text(json.dumps(description, indent=1))
+            os.replace(temporary, description_path)
     count = int(description["tokens"])
     ids = torch.from_file(str(tokens_path), shared=False, size=count, dtype=torch.int32)
     return TokenStream(tokens_path, ids, int(description["documents"]), reused, tuple(paths))
+
+
+def _complete(tokens_path: Path, description_path: Path) -> dict[str, Any] | None:
+    """The description of a complete cache (its stream as long as it says, in this machine's byte order), or None."""
+    if not (description_path.is_file() and tokens_path.is_file()):
+        return None
+    description: dict[str, Any] = json.loads(description_path.read_text())
+    if tokens_path.stat().st_size != 4 * description["tokens"] or description["byteorder"] != sys.byteorder:
+        return None
+    return description
 
 
 def _batches(paths: Sequence[Path], text_field: str) -> Iterator[list[tuple[str, str, bool]]]:
@@ -150,7 +162,7 @@ def _with_eos(ids: torch.Tensor, lengths: torch.Tensor, ends: torch.Tensor, eos:
 
 def _build(
     paths: Sequence[Path], tokenizer: StreamTokenizer, text_field: str, tokens_path: Path, workers: int
-) -> dict[str, object]:
+) -> dict[str, Any]:
     special = torch.tensor(sorted(tokenizer.special_ids), dtype=torch.int32)
     total = documents = 0
     has_text = False  # the current document has a token that is not special
