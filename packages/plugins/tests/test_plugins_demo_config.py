@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cx_plugins.demo import main, parse_options
+from cx_plugins.demo._dry_run import layout_rows
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -63,6 +64,23 @@ def test_plugins_demo_dry_run_prints_the_layout_and_figures(tmp_path: Path, caps
     assert "#   rank 7: dp=1 pp=1 tp=1 sp=0" in out
     assert "per rank (tp x pp 2 x 2" in out
     assert "optimizer state" in out
+
+
+def test_plugins_demo_dry_run_shows_the_dense_dp_rank_under_moe_hybrid(capsys: pytest.CaptureFixture[str]) -> None:
+    # tp 2, ep 2 on 4 ranks: one moe_dp group, but the two ep coordinates train on different data, so the dense
+    # parameters' data-parallel rank is (moe_dp, ep) row-major (the plugin's dp_size = moe_dp x ep = 2)
+    argv = ["--plugin", "moe_hybrid", "--model", "mixtral", "--nproc", "4", "--tp", "2", "--ep", "2", "--dry-run"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "#   rank 0: moe_dp=0 dp=0 pp=0 ep=0 tp=0 sp=0" in out
+    assert "#   rank 1: moe_dp=0 dp=0 pp=0 ep=0 tp=1 sp=0" in out
+    assert "#   rank 2: moe_dp=0 dp=1 pp=0 ep=1 tp=0 sp=0" in out
+    assert "#   rank 3: moe_dp=0 dp=1 pp=0 ep=1 tp=1 sp=0" in out
+    options = parse_options(["--plugin", "moe_hybrid", "--model", "mixtral", "--nproc", "8", "--ep", "2"])
+    rows = layout_rows(options, 8)
+    dense = [int(row.split(" dp=")[1].split()[0]) for row in rows]
+    assert dense == list(range(8))  # moe_dp 4 x ep 2: every rank its own dense replica
+    assert len(set(dense)) == options.data_parallel_size(8)
 
 
 def test_plugins_demo_memory_figures_follow_the_sharding() -> None:

@@ -22,7 +22,7 @@ from cx_plugins.demo._config_file import resolved_toml
 from cx_plugins.demo._models import build_model, describe_model
 from cx_plugins.demo._options import DemoOptions
 
-__all__ = ["MemoryFigures", "dry_run_report", "layout_rows", "memory_figures"]
+__all__ = ["MemoryFigures", "dense_dp", "dry_run_report", "layout_rows", "memory_figures"]
 
 
 def _axes(options: DemoOptions) -> list[tuple[Axis, int]]:
@@ -34,14 +34,27 @@ def _axes(options: DemoOptions) -> list[tuple[Axis, int]]:
     return [(Axis.DP, FILL)]
 
 
+def dense_dp(coordinates: dict[Axis, int], sizes: dict[Axis, int]) -> int:
+    """The data-parallel rank of the dense parameters under moe_hybrid: (moe_dp, ep) taken together, row-major, as
+    `ParallelLayout.rank(Axis.MOE_DP, Axis.EP)` numbers it (the plugin's `dp_size` is moe_dp x ep)."""
+    return coordinates[Axis.MOE_DP] * sizes[Axis.EP] + coordinates[Axis.EP]
+
+
 def layout_rows(options: DemoOptions, world_size: int) -> list[str]:
-    """One line per rank: `rank 3: dp=1 pp=0 tp=1 sp=0` (mesh order, outermost first)."""
+    """One line per rank: `rank 3: dp=1 pp=0 tp=1 sp=0` (mesh order, outermost first); under moe_hybrid the dense
+    data-parallel rank `dp` follows `moe_dp` (ranks of one moe_dp group but another ep coordinate see other data)."""
     axes = _axes(options)
     sizes = resolve_sizes(axes, world_size)
-    names = [axis.value for axis, _ in axes]
+    by_axis = dict(zip((axis for axis, _ in axes), sizes, strict=True))
     rows = []
     for rank, coordinates in enumerate(itertools.product(*(range(s) for s in sizes))):
-        rows.append(f"rank {rank}: " + " ".join(f"{n}={c}" for n, c in zip(names, coordinates, strict=True)))
+        at = dict(zip((axis for axis, _ in axes), coordinates, strict=True))
+        fields = []
+        for axis, coordinate in at.items():
+            fields.append(f"{axis.value}={coordinate}")
+            if axis is Axis.MOE_DP:
+                fields.append(f"dp={dense_dp(at, by_axis)}")
+        rows.append(f"rank {rank}: " + " ".join(fields))
     return rows
 
 
