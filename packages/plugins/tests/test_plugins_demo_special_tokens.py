@@ -40,7 +40,8 @@ def test_plugins_demo_special_tokens_of_the_character_encoding(rank: int, world_
 
 
 def _folder_with_eos(folder: Path) -> int:
-    """A tiny Llama whose config says EOS 0, with a BPE tokenizer whose EOS is `</s>` (another id)."""
+    """A tiny Llama whose config says EOS 0 and no pad, with a BPE tokenizer whose EOS is `</s>` (another id) and
+    whose pad is `<pad>` (the id after it)."""
     from tokenizers import Tokenizer, models, trainers
 
     config = transformers.LlamaConfig(
@@ -50,14 +51,16 @@ def _folder_with_eos(folder: Path) -> int:
     torch.manual_seed(3)
     transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
-    trainer = trainers.BpeTrainer(vocab_size=80, special_tokens=["[UNK]", "<s>", "</s>"])
+    trainer = trainers.BpeTrainer(vocab_size=80, special_tokens=["[UNK]", "<s>", "</s>", "<pad>"])
     tokenizer.train_from_iterator([GrammarText(0).generate(5000)], trainer)
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="[UNK]", bos_token="<s>", eos_token="</s>"
+        tokenizer_object=tokenizer, unk_token="[UNK]", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
     fast.save_pretrained(str(folder))
     eos: int = fast.eos_token_id
     assert eos != 0
+    assert fast.pad_token_id == eos + 1
+    assert config.pad_token_id is None
     return eos
 
 
@@ -70,6 +73,7 @@ def test_plugins_demo_special_tokens_of_a_folder_tokenizer(rank: int, world_size
         saved = _saved(tmp_path / "ckpt", name)
         assert saved.get("eos_token_id") == eos, f"{name}: {saved}"
         assert saved.get("bos_token_id") == eos - 1, f"{name}: {saved}"  # <s> precedes </s>
+        assert saved.get("pad_token_id") == eos + 1, f"{name}: {saved}"  # <pad> follows it
 
 
 def _train(rank: int, world_size: int, flags: list[str]) -> None:
