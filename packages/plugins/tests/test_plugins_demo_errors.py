@@ -159,7 +159,10 @@ def test_plugins_demo_errors_help_shows_every_default(capsys: pytest.CaptureFixt
         main(["--help"])
     assert caught.value.code == 0
     text = capsys.readouterr().out
-    options = [action for action in build_parser()._actions if action.option_strings != ["-h", "--help"]]
+    actions = build_parser()._actions
+    # every option of the parser (positionals and subcommands have no option strings; `plot` is a word main reads)
+    options = [a for a in actions if a.option_strings and a.option_strings != ["-h", "--help"]]
+    assert len(options) > 40, [a.option_strings for a in actions]  # the loop below sees all of cx-train's flags
     starts = []
     for action in options:
         flag = action.option_strings[0]
@@ -167,11 +170,14 @@ def test_plugins_demo_errors_help_shows_every_default(capsys: pytest.CaptureFixt
         assert not action.help.startswith("(default"), f"{flag} has no help text"
         match = re.search(rf"\n  {flag}[ \n]", text)
         assert match, f"{flag} is not in --help"
-        starts.append((match.start(), flag))
-    starts.sort()
-    for (start, flag), (end, _) in zip(starts, [*starts[1:], (len(text), "")], strict=True):
-        entry = " ".join(text[start:end].split())
+        starts.append((match.start(), action))
+    starts.sort(key=lambda found: found[0])
+    ends = [start for start, _ in starts[1:]] + [len(text)]
+    for (start, action), end in zip(starts, ends, strict=True):
+        flag, entry = action.option_strings[0], " ".join(text[start:end].split())
         assert "(default:" in entry, f"{flag} shows no default: {entry!r}"
+        if "(default" not in str(action.help):  # argparse's own "(default: X)" is the value the flag really takes
+            assert f"(default: {action.default})" in entry, f"{flag} shows another default: {entry!r}"
     steps = " ".join(text[text.index("\n  --steps") :].split())
     assert "with --resume, the total" in steps
 
