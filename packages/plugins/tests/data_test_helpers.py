@@ -1,10 +1,14 @@
 """Data made inside the data tests (no download): grammar text as plain text / JSON Lines, and a tiny Llama model
-folder with a WordLevel fast tokenizer built locally with the `tokenizers` library."""
+folder with a WordLevel fast tokenizer built locally with the `tokenizers` library; and the weights a checkpoint
+saved, for comparing two runs' parameters."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
 
 from cx_plugins.demo import GrammarText
 
@@ -40,3 +44,19 @@ def tiny_llama_folder(folder: Path) -> Path:
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(str(folder))
     return folder
+
+
+def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every parameter of a cx-train checkpoint's model (its safetensors shards), by name."""
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted((checkpoint / "model").glob("*.safetensors")):
+        weights.update(load_file(shard))
+    assert weights, f"no safetensors shards under {checkpoint / 'model'}"
+    return weights
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    expected, actual = checkpoint_weights(a), checkpoint_weights(b)
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name

@@ -1,33 +1,56 @@
 """cx-train --data training runs: the loss falls (reference GPT on UTF-8 bytes, a tiny Llama folder with its own
-tokenizer), a run resumed mid-epoch gives exactly the losses of the run that never stopped (evaluation in between
-changes nothing), resuming at another data-parallel size with the same global batch is accepted and a different
-global batch is refused."""
+tokenizer), a run resumed mid-epoch gives exactly the losses and parameters of the run that never stopped (evaluation
+in between changes nothing), resuming at another data-parallel size with the same global batch trains on exactly the
+same batches and a different global batch is refused."""
 
 from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
+from unittest.mock import patch
 
 import pytest
 import torch
 
-from cx_mesh.testing import run_distributed
+import cx_plugins.demo._train as train_module
+from cx_mesh.testing import run_distributed, sum_tolerance
 from cx_plugins.demo import parse_options
 from cx_plugins.demo._evaluation import evaluate
 from cx_plugins.demo._models import build_model, describe_model
+from cx_plugins.demo._optimization import micro_step
 from cx_plugins.demo._plugins import make_plugin
 from cx_plugins.demo._text_sources import DataError
 from cx_plugins.demo._train import run
 from cx_plugins.demo._user_data import open_user_data
 from cx_plugins.demo._user_loader import open_loader
-from data_test_helpers import TINY_GPT, tiny_llama_folder, write_jsonl, write_text
+from data_test_helpers import TINY_GPT, assert_same_weights, tiny_llama_folder, write_jsonl, write_text
 
 
-def _train(rank: int, world_size: int, flags: list[str], out: str) -> None:
-    losses = run(parse_options(flags, world_size=world_size))
+def _train(rank: int, world_size: int, flags: list[str], out: str, batches: str | None = None) -> None:
+    """Train; rank 0 writes the losses to `out`. With `batches`, each rank also saves the windows of every optimizer
+    step it trained on (what the model saw, after the loop's mid-epoch skip) to `<batches>.<rank>.pt`."""
+    seen: list[torch.Tensor] = []
+
+    def recording(booster: Any, model: Any, optimizer: Any, step_batches: list[torch.Tensor], *rest: Any) -> Any:
+        seen.append(torch.cat(step_batches))
+        return micro_step(booster, model, optimizer, step_batches, *rest)
+
+    patched = patch.object(train_module, "micro_step", recording) if batches is not None else nullcontext()
+    with patched:
+        losses = run(parse_options(flags, world_size=world_size))
+    if batches is not None:
+        torch.save(torch.stack(seen), f"{batches}.{rank}.pt")
     if rank == 0:
         Path(out).write_text(json.dumps(losses))
+
+
+def _batches(path: Path, rank: int) -> torch.Tensor:
+    loaded = torch.load(f"{path}.{rank}.pt", weights_only=True)
+    assert isinstance(loaded, torch.Tensor)
+    return loaded
 
 
 def _refused(rank: int, world_size: int, flags: list[str]) -> None:
@@ -45,22 +68,34 @@ def test_plugins_demo_data_resume_mid_epoch_equals_the_uninterrupted_run(tmp_pat
     data = ["--data", str(tmp_path / "*.txt"), str(tmp_path / "b.jsonl"), "--eval-fraction", "0.1"]
     flags = [*TINY_GPT, *data, "--plugin", "torch_ddp", "--batch-size", "4", "--eval-every", "3", "--log-every", "100"]
     parse_options([*flags, "--steps", "12"], world_size=2)  # tokenises once, as the launcher does
-    ckpt = tmp_path / "ckpt"
-    run_distributed(_train, 2, flags=[*flags, "--steps", "12"], out=str(tmp_path / "whole.json"))
+    ckpt, batches = tmp_path / "ckpt", tmp_path / "batches"
+    batches.mkdir()
+    whole_flags = [*flags, "--steps", "12", "--save", str(tmp_path / "whole")]
+    run_distributed(_train, 2, flags=whole_flags, out=str(tmp_path / "whole.json"), batches=str(batches / "whole"))
     run_distributed(_train, 2, flags=[*flags, "--steps", "5", "--save", str(ckpt)], out=str(tmp_path / "a.json"))
     saved = json.loads((ckpt / "trainer.json").read_text())
     assert (saved["data_epoch"], saved["data_offset"]) == (0, 40)  # 5 steps x 8 windows; 63 // 8 = 7 steps an epoch
     resume = [*flags, "--steps", "12", "--resume", str(ckpt)]
-    run_distributed(_train, 2, flags=resume, out=str(tmp_path / "b.json"))
+    run_distributed(_train, 2, flags=[*resume, "--save", str(tmp_path / "b")], out=str(tmp_path / "b.json"))
     whole = _losses(tmp_path / "whole.json")
     assert _losses(tmp_path / "a.json") + _losses(tmp_path / "b.json") == whole  # bit for bit: same batches, same math
+    assert_same_weights(tmp_path / "whole", tmp_path / "b")
     assert sum(whole[-3:]) < sum(whole[:3]) - 3 * 0.5, whole  # ln 257 = 5.5 nats falls fast on repetitive text
-    # one process under another plugin with the same global batch continues at the same position; another global
-    # batch is refused
-    run_distributed(
-        _train, 1, flags=[*resume, "--batch-size", "8", "--plugin", "low_level_zero"], out=str(tmp_path / "c.json")
-    )
-    assert len(_losses(tmp_path / "c.json")) == 7
+    # one process under another plugin with the same global batch continues at the same position: it trains on
+    # exactly the windows the two ranks trained on together (rank 0's half first); another global batch is refused
+    other = [*resume, "--batch-size", "8", "--plugin", "low_level_zero"]
+    run_distributed(_train, 1, flags=other, out=str(tmp_path / "c.json"), batches=str(batches / "c"))
+    together = torch.cat([_batches(batches / "whole", 0), _batches(batches / "whole", 1)], dim=1)
+    assert together.shape == (12, 8, 17)
+    assert torch.equal(_batches(batches / "c", 0), together[5:])
+    # Its first loss comes from the same parameters (the checkpoint) on the same 8 windows: only the mean over the
+    # 8 x 16 token losses is taken in another order (two ranks' means of 64, then their mean). Later steps differ by
+    # the gradients' reduction order, which AdamW amplifies by up to lr / eps per unit of gradient difference: with
+    # the trainer's eps 1e-8 that bound (adam_step_tolerance) is the trivial 2 * lr per element per step, so the
+    # batches above are the exact check instead.
+    continued = _losses(tmp_path / "c.json")
+    assert len(continued) == 7
+    assert abs(continued[0] - whole[5]) <= sum_tolerance(n_terms=8 * 16, magnitude=whole[5]), (continued[0], whole[5])
     run_distributed(_refused, 1, flags=[*resume, "--batch-size", "4"])
 
 
