@@ -22,10 +22,10 @@ from cx_pipeline import (
     PipelineStageManager,
     split_model,
 )
-from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
 from cx_plugins._layout import FILL, Axis, ParallelLayout
-from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
-from cx_plugins._stage_names import persistent_buffers
+from cx_plugins.checkpoint_io._parallel_view import ParallelModelView, ParallelOptimizerView
+from cx_plugins.checkpoint_io._stage_names import persistent_buffers
+from cx_plugins.hybrid._checkpoint_io import HybridCheckpointIO
 from cx_shardformer import ShardConfig, ShardFormer, get_shard_spec, unshard_tensor
 from cx_zero import LowLevelZeroOptimizer
 

@@ -18,7 +18,7 @@ from cx_plugins import (
     Plugin,
     TorchDDPPlugin,
 )
-from cx_plugins._gemini_plugin import GeminiModel
+from cx_plugins.gemini._plugin import GeminiModel
 from cx_plugins.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=64, max_positions=8, hidden_size=16, num_layers=1, num_heads=4)

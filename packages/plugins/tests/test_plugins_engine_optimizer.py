@@ -12,7 +12,7 @@ from cx_checkpoint import Stateful
 from cx_mesh import RankMismatchError
 from cx_mesh.testing import TEST_ADAM_EPS, distributed
 from cx_plugins import Booster, EngineOptimizer, GeminiPlugin, LowLevelZeroPlugin, OptimizerEngine, TorchDDPPlugin
-from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
+from cx_plugins.checkpoint_io._replicated import ReplicatedCheckpointIO
 from cx_plugins.models import GPT
 from cx_zero import (
     ClipOptions,

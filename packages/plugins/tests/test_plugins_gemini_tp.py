@@ -15,9 +15,9 @@ import torch.distributed as dist
 from cx_checkpoint import GeneralCheckpointIO
 from cx_mesh.testing import TEST_ADAM_EPS, distributed, run_distributed, tiny_model_adam_tolerance
 from cx_plugins import Booster, GeminiPlugin, LowLevelZeroPlugin
-from cx_plugins._gemini_plugin import GeminiModel
 from cx_plugins._layout import Axis
-from cx_plugins._tp_shards import TensorParallelShards
+from cx_plugins.checkpoint_io._tp_shards import TensorParallelShards
+from cx_plugins.gemini._plugin import GeminiModel
 from cx_shardformer.policies import NoPolicyError
 from hybrid_ckpt_helpers import BATCH, LR, RTOL, assert_same_state, batches, build, reference_with_optimizer
 from hybrid_ckpt_helpers import assert_matches as assert_same_params

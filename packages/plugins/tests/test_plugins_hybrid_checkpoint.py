@@ -16,8 +16,8 @@ import torch.distributed as dist
 from cx_checkpoint import CheckpointError, CheckpointKind, CheckpointReader, GeneralCheckpointIO
 from cx_mesh.testing import run_distributed
 from cx_plugins import Booster, GeminiPlugin
-from cx_plugins._gemini_plugin import GeminiModel
-from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
+from cx_plugins.gemini._plugin import GeminiModel
+from cx_plugins.hybrid._checkpoint_io import HybridCheckpointIO
 from hybrid_ckpt_helpers import (
     BATCH,
     LR,

@@ -12,7 +12,7 @@ import torch
 
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, HybridParallelModule, HybridParallelPlugin
-from cx_plugins._hybrid_optimizer import HybridParallelOptimizer, HybridZeroOptimizer
+from cx_plugins.hybrid._optimizer import HybridParallelOptimizer, HybridZeroOptimizer
 from hybrid_test_helpers import batch, llama, train_and_compare
 
 pytest.importorskip("transformers")

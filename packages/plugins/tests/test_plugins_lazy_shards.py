@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import cx_plugins._lazy_init as lazy_init
+import cx_plugins.lazy._context as lazy_init
 from cx_chunk import ChunkManager
 from cx_mesh.testing import TEST_ADAM_EPS, distributed, tiny_model_adam_tolerance
 from cx_plugins import (
@@ -27,9 +27,9 @@ from cx_plugins import (
     ModelWrapper,
     TorchDDPPlugin,
 )
-from cx_plugins._gemini_plugin import GeminiModel
 from cx_plugins._layout import Axis
-from cx_plugins._lazy_init import is_lazy
+from cx_plugins.gemini._plugin import GeminiModel
+from cx_plugins.lazy._context import is_lazy
 from cx_shardformer import get_shard_spec, shard_tensor
 
 _CHUNK = 4096  # elements: the model below needs several chunks

@@ -50,10 +50,10 @@ from cx_plugins import (
     TorchDDPPlugin,
     TorchFSDPPlugin,
 )
-from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
-from cx_plugins._hybrid_optimizer import HybridParallelOptimizer
 from cx_plugins._layout import FILL, Axis, ParallelLayout
-from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
+from cx_plugins.checkpoint_io._parallel_view import ParallelModelView, ParallelOptimizerView
+from cx_plugins.hybrid._checkpoint_io import HybridCheckpointIO
+from cx_plugins.hybrid._optimizer import HybridParallelOptimizer
 from cx_shardformer import ShardConfig, ShardFormer, get_shard_spec
 from cx_shardformer.policies import MixtralForCausalLMPolicy
 from hybrid_ckpt_helpers import StagedModel, TorchFace, as_optimizer

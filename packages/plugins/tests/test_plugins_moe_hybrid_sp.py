@@ -102,8 +102,8 @@ def test_plugins_moe_hybrid_sequence_parallel_with_pipeline(
 @distributed(world_size=2)
 def test_plugins_moe_hybrid_sp_bad_configurations(rank: int, world_size: int) -> None:
     """Sizes that do not fit name the ones that would; what cx does not support yet says so, on every rank."""
-    from cx_plugins._hybrid_options import SequenceParallelism
     from cx_plugins._layout import LayoutError
+    from cx_plugins.hybrid._options import SequenceParallelism
     from cx_shardformer.policies import MixtralForCausalLMPolicy
 
     sequence: dict[str, Any] = {"enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all"}

@@ -15,19 +15,17 @@ from importlib import metadata as _metadata
 
 from cx_plugins._booster import Booster
 from cx_plugins._engine_optimizer import EngineOptimizer, OptimizerEngine
-from cx_plugins._gemini_plugin import GeminiPlugin
-from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
-from cx_plugins._hybrid_model import HybridParallelModule
-from cx_plugins._hybrid_plugin import HybridParallelPlugin
-from cx_plugins._lazy_init import LazyInitContext, is_compatible_with_meta
-from cx_plugins._low_level_zero_plugin import LowLevelZeroPlugin
-from cx_plugins._moe_hybrid_plugin import MoeHybridParallelPlugin
-from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
 from cx_plugins._plugin import DPPluginBase, Plugin
 from cx_plugins._precision import Precision
-from cx_plugins._torch_ddp_plugin import TorchDDPPlugin
-from cx_plugins._torch_fsdp_plugin import TorchFSDPPlugin
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_plugins.checkpoint_io import ParallelModelView, ParallelOptimizerView
+from cx_plugins.ddp import TorchDDPPlugin
+from cx_plugins.fsdp import TorchFSDPPlugin
+from cx_plugins.gemini import GeminiPlugin
+from cx_plugins.hybrid import HybridCheckpointIO, HybridParallelModule, HybridParallelPlugin
+from cx_plugins.lazy import LazyInitContext, is_compatible_with_meta
+from cx_plugins.low_level_zero import LowLevelZeroPlugin
+from cx_plugins.moe_hybrid import MoeHybridParallelPlugin
 
 try:
     __version__ = _metadata.version("cx-plugins")

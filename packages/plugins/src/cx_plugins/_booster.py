@@ -25,12 +25,12 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, CheckpointIO, LoadResult
 from cx_mesh import all_gather_flat, all_reduce, communication_device, get_accelerator
-from cx_plugins._checkpoint_capabilities import KeepsLossScaler, SavesLora
-from cx_plugins._lazy_init import is_lazy, materialize
 from cx_plugins._plugin import Boosted, Plugin
 from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
 from cx_plugins._settings import check_boost_settings
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_plugins.checkpoint_io._capabilities import KeepsLossScaler, SavesLora
+from cx_plugins.lazy._context import is_lazy, materialize
 
 __all__ = ["Booster"]
 

@@ -20,7 +20,7 @@ from torch import nn
 from cx_checkpoint import Region, TensorSink, TensorSpec
 from cx_mesh import ProcessGroup, all_gather_flat, communication_device
 from cx_moe import get_moe_info
-from cx_plugins._tp_shards import TensorParallelShards, parameter_of_state
+from cx_plugins.checkpoint_io._tp_shards import TensorParallelShards, parameter_of_state
 
 __all__ = ["ExpertParallelShards"]
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from cx_mesh import all_gather_bytes
 from cx_plugins._layout import Axis, ParallelLayout
-from cx_plugins._parallel_view import ParallelModelView
+from cx_plugins.checkpoint_io._parallel_view import ParallelModelView
 
 __all__ = ["StagePlan", "module_tensor_names", "persistent_buffers"]
 

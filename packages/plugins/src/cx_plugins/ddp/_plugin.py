@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader
 from cx_checkpoint import CheckpointIO, attach_param_names
 from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._ddp_options import DDPOptions
-from cx_plugins._dp_checkpoint_io import ReplicatedCheckpointIO
 from cx_plugins._plugin import Boosted, DPPluginBase
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_plugins.checkpoint_io._replicated import ReplicatedCheckpointIO
 from cx_zero import Precision
 
 __all__ = ["DDPOptions", "TorchDDPModel", "TorchDDPPlugin"]

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.optim import Optimizer
 
 from cx_mesh import get_accelerator
-from cx_plugins._fsdp_options import FSDPOptions
+from cx_plugins.fsdp._options import FSDPOptions
 
 __all__ = ["cast_buffers", "repoint_optimizer", "shard_module", "sync_module_states"]
 

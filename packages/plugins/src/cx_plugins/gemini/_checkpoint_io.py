@@ -26,14 +26,14 @@ from cx_checkpoint import (
     write_sharded,
     write_side_files,
 )
-from cx_plugins._dp_checkpoint_io import (
+from cx_plugins._wrappers import ModelWrapper
+from cx_plugins.checkpoint_io._replicated import (
     ShardedOptimizerCheckpointIO,
     StateView,
     split_scaler,
     states_by_name,
     with_scaler,
 )
-from cx_plugins._wrappers import ModelWrapper
 from cx_zero import GeminiDDP, GeminiOptimizer
 
 __all__ = ["GeminiCheckpointIO"]

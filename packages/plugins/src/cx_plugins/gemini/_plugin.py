@@ -27,16 +27,16 @@ from cx_checkpoint import CheckpointIO
 from cx_chunk import MemStats
 from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._engine_optimizer import EngineOptimizer
-from cx_plugins._gemini_checkpoint_io import GeminiCheckpointIO
-from cx_plugins._gemini_tp import shard_for_gemini, tp_split_names
-from cx_plugins._gemini_tp_checkpoint_io import GeminiTPCheckpointIO
 from cx_plugins._layout import FILL, Axis, ParallelLayout
-from cx_plugins._lazy_init import LazyModel, is_lazy
-from cx_plugins._lazy_tp import SlicedSource
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._shardformer_options import ShardFormerOptions
 from cx_plugins._weak_lookup import WeakLookup
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_plugins.gemini._checkpoint_io import GeminiCheckpointIO
+from cx_plugins.gemini._tp import shard_for_gemini, tp_split_names
+from cx_plugins.gemini._tp_checkpoint_io import GeminiTPCheckpointIO
+from cx_plugins.lazy._context import LazyModel, is_lazy
+from cx_plugins.lazy._tp import SlicedSource
 from cx_zero import (
     ClipOptions,
     GeminiDDP,

@@ -16,8 +16,8 @@ import torch
 
 from cx_checkpoint import TensorSink, TensorSource
 from cx_mesh import ProcessGroup
-from cx_plugins._gemini_checkpoint_io import GeminiCheckpointIO
-from cx_plugins._tp_shards import TensorParallelShards
+from cx_plugins.checkpoint_io._tp_shards import TensorParallelShards
+from cx_plugins.gemini._checkpoint_io import GeminiCheckpointIO
 from cx_zero import GeminiDDP, GeminiOptimizer
 
 __all__ = ["GeminiTPCheckpointIO"]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.utils._pytree import GetAttrKey, KeyEntry, MappingKey, SequenceKey, tree_flatten_with_path
 
 from cx_mesh import ProcessGroup, RankMismatchError, all_gather_flat, communication_device
-from cx_plugins._fingerprint import tensor_fingerprint, text_fingerprint
+from cx_plugins.hybrid._fingerprint import tensor_fingerprint, text_fingerprint
 
 __all__ = ["BatchCheck"]
 

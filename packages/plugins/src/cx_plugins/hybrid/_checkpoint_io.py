@@ -52,12 +52,12 @@ from cx_checkpoint import (
     write_side_files,
 )
 from cx_mesh import ProcessGroup, all_gather_bytes
-from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, StateView, split_scaler, with_scaler
-from cx_plugins._expert_shards import ExpertParallelShards
 from cx_plugins._layout import Axis
-from cx_plugins._parallel_view import ParallelModelView, ParallelOptimizerView
-from cx_plugins._stage_names import StagePlan, module_tensor_names, persistent_buffers
-from cx_plugins._tp_shards import TensorParallelShards
+from cx_plugins.checkpoint_io._expert_shards import ExpertParallelShards
+from cx_plugins.checkpoint_io._parallel_view import ParallelModelView, ParallelOptimizerView
+from cx_plugins.checkpoint_io._replicated import ShardedOptimizerCheckpointIO, StateView, split_scaler, with_scaler
+from cx_plugins.checkpoint_io._stage_names import StagePlan, module_tensor_names, persistent_buffers
+from cx_plugins.checkpoint_io._tp_shards import TensorParallelShards
 
 __all__ = ["HybridCheckpointIO"]
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from cx_mesh import ProcessGroup, all_reduce, assert_same_across_ranks, communication_device
-from cx_plugins._fingerprint import tensor_fingerprint
-from cx_plugins._lazy_init import LazyModel
+from cx_plugins.hybrid._fingerprint import tensor_fingerprint
+from cx_plugins.lazy._context import LazyModel
 
 __all__ = ["agree_initial_states"]
 

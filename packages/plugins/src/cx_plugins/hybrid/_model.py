@@ -27,11 +27,11 @@ from cx_pipeline import (
     PipelineStageManager,
     split_model,
 )
-from cx_plugins._batch_check import BatchCheck
 from cx_plugins._layout import ParallelLayout
-from cx_plugins._lazy_init import LazyModel
-from cx_plugins._lazy_tp import materialise_sliced
 from cx_plugins._wrappers import ModelWrapper
+from cx_plugins.hybrid._batch_check import BatchCheck
+from cx_plugins.lazy._context import LazyModel
+from cx_plugins.lazy._tp import materialise_sliced
 from cx_shardformer import Policy, ShardConfig, ShardFormer, shard_sequence_at_stage
 from cx_shardformer.policies import NoPolicyError
 

@@ -30,12 +30,19 @@ from cx_pipeline import (
     PipelineStageManager,
     ZeroBubbleVPipeScheduler,
 )
-from cx_plugins._batch_check import BatchCheck
 from cx_plugins._ddp_options import DDPOptions
-from cx_plugins._hybrid_checkpoint_io import HybridCheckpointIO
-from cx_plugins._hybrid_model import ComposedModel, HybridParallelModule, broadcast_states, compose_model
-from cx_plugins._hybrid_optimizer import HybridParallelOptimizer, HybridZeroOptimizer
-from cx_plugins._hybrid_options import (
+from cx_plugins._layout import FILL, Axis, ParallelLayout
+from cx_plugins._plugin import Boosted, ZeroPluginBase
+from cx_plugins._shardformer_options import ShardFormerOptions
+from cx_plugins._weak_lookup import WeakLookup
+from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_plugins.checkpoint_io._parallel_view import ParallelModelView
+from cx_plugins.hybrid._batch_check import BatchCheck
+from cx_plugins.hybrid._checkpoint_io import HybridCheckpointIO
+from cx_plugins.hybrid._init_agreement import agree_initial_states
+from cx_plugins.hybrid._model import ComposedModel, HybridParallelModule, broadcast_states, compose_model
+from cx_plugins.hybrid._optimizer import HybridParallelOptimizer, HybridZeroOptimizer
+from cx_plugins.hybrid._options import (
     HybridParallelOptions,
     PipelineOptions,
     PipelineStyle,
@@ -44,14 +51,7 @@ from cx_plugins._hybrid_options import (
     check_custom_policy,
     parse_pipeline_style,
 )
-from cx_plugins._init_agreement import agree_initial_states
-from cx_plugins._layout import FILL, Axis, ParallelLayout
-from cx_plugins._lazy_init import LazyModel, is_lazy
-from cx_plugins._parallel_view import ParallelModelView
-from cx_plugins._plugin import Boosted, ZeroPluginBase
-from cx_plugins._shardformer_options import ShardFormerOptions
-from cx_plugins._weak_lookup import WeakLookup
-from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_plugins.lazy._context import LazyModel, is_lazy
 from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig, get_shard_spec
 from cx_zero import ClipOptions, LossScaleOptions, LowLevelZeroOptimizer, LowLevelZeroOptions, ZeroStage
 

@@ -37,7 +37,7 @@ from torch.nn.modules.module import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from cx_plugins._lazy_tape import MetaFactories, OpTape, RecordingMode, ReplayStats, TensorRef
+from cx_plugins.lazy._tape import MetaFactories, OpTape, RecordingMode, ReplayStats, TensorRef
 
 __all__ = ["LazyInitContext", "LazyModel", "install_parameter", "is_compatible_with_meta", "is_lazy", "materialize"]
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from cx_plugins._lazy_init import LazyModel
+from cx_plugins.lazy._context import LazyModel
 
 __all__ = ["materialise_into_fsdp_shards"]
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from cx_mesh import ProcessGroup
 from cx_moe import get_moe_info
-from cx_plugins._lazy_init import LazyModel, install_parameter
+from cx_plugins.lazy._context import LazyModel, install_parameter
 from cx_shardformer import get_shard_spec, shard_tensor
 
 __all__ = ["SlicedSource", "materialise_sliced"]

@@ -24,8 +24,8 @@ from cx_checkpoint import (
     optimizer_tensor_name,
     require_names,
 )
-from cx_plugins._dp_checkpoint_io import ShardedOptimizerCheckpointIO, split_scaler, states_by_name, with_scaler
 from cx_plugins._zero_wrappers import CastModel
+from cx_plugins.checkpoint_io._replicated import ShardedOptimizerCheckpointIO, split_scaler, states_by_name, with_scaler
 from cx_zero import LowLevelZeroOptimizer
 
 __all__ = ["ZeroCheckpointIO", "zero_state_from_parts", "zero_state_to_parts"]

@@ -26,8 +26,8 @@ from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._weak_lookup import WeakLookup
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
-from cx_plugins._zero_checkpoint_io import ZeroCheckpointIO
 from cx_plugins._zero_wrappers import CastModel, ZeroOptimizerWrapper
+from cx_plugins.low_level_zero._checkpoint_io import ZeroCheckpointIO
 from cx_zero import ClipOptions, LossScaleOptions, LowLevelZeroOptimizer, LowLevelZeroOptions, Precision, ZeroStage
 
 __all__ = ["LowLevelZeroPlugin", "LowLevelZeroPluginOptions"]

@@ -27,10 +27,10 @@ from torch.optim import Optimizer
 
 from cx_mesh import ProcessGroup, assert_same_across_ranks
 from cx_moe import is_moe_tensor
-from cx_plugins._hybrid_model import ComposedModel, HybridParallelModule, broadcast_states
-from cx_plugins._hybrid_options import HybridParallelOptions
-from cx_plugins._hybrid_plugin import HybridParallelPlugin
 from cx_plugins._layout import FILL, Axis, ParallelLayout
+from cx_plugins.hybrid._model import ComposedModel, HybridParallelModule, broadcast_states
+from cx_plugins.hybrid._options import HybridParallelOptions
+from cx_plugins.hybrid._plugin import HybridParallelPlugin
 from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig
 
 __all__ = ["MoeHybridParallelPlugin"]
