@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from cx_checkpoint import DTensorModuleSink, TensorSink, require_names
 from cx_plugins.checkpoint_io._replicated import ReplicatedCheckpointIO, _plain
-from cx_plugins.low_level_zero._checkpoint_io import zero_state_from_parts, zero_state_to_parts
+from cx_plugins.checkpoint_io._state_parts import zero_state_from_parts, zero_state_to_parts
 
 __all__ = ["FSDPCheckpointIO"]
 

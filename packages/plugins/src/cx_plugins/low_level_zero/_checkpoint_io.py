@@ -21,14 +21,14 @@ from cx_checkpoint import (
     Region,
     TensorSink,
     TensorSpec,
-    optimizer_tensor_name,
     require_names,
 )
 from cx_plugins._zero_wrappers import CastModel
-from cx_plugins.checkpoint_io._replicated import ShardedOptimizerCheckpointIO, split_scaler, states_by_name, with_scaler
+from cx_plugins.checkpoint_io._replicated import ShardedOptimizerCheckpointIO
+from cx_plugins.checkpoint_io._state_parts import zero_state_from_parts, zero_state_to_parts
 from cx_zero import LowLevelZeroOptimizer
 
-__all__ = ["ZeroCheckpointIO", "zero_state_from_parts", "zero_state_to_parts"]
+__all__ = ["ZeroCheckpointIO"]
 
 
 class _CanonicalView(nn.Module):
@@ -65,39 +65,6 @@ class _CastingSink:
     def receive(self, name: str, tensor: torch.Tensor) -> None:
         with torch.no_grad():
             self._targets[name].copy_(tensor)
-
-
-def zero_state_to_parts(state: Mapping[str, Any]) -> tuple[OptimizerMeta, dict[str, torch.Tensor]]:
-    """A ZeRO optimizer's full state dict (by name) as cx optimizer parts."""
-    groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "param_names": [str(n) for n in group["params"]]}
-        for group in state["param_groups"]
-    ]
-    entries: dict[str, dict[str, dict[str, Any]]] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    for name, values in state["state"].items():
-        described: dict[str, dict[str, Any]] = {}
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                tensors[optimizer_tensor_name(name, key)] = value
-                described[key] = {"tensor": optimizer_tensor_name(name, key)}
-            else:
-                described[key] = {"value": value}
-        entries[name] = described
-    return with_scaler(OptimizerMeta(groups, entries), state.get("grad_scaler")), tensors
-
-
-def zero_state_from_parts(meta: OptimizerMeta, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The inverse of `zero_state_to_parts` (also reads optimizers saved by the other plugins)."""
-    meta, scaler = split_scaler(meta)
-    groups = [
-        {**{k: v for k, v in group.items() if k != "param_names"}, "params": list(group["param_names"])}
-        for group in meta.param_groups
-    ]
-    result: dict[str, Any] = {"state": states_by_name(meta, tensors), "param_groups": groups}
-    if scaler is not None:
-        result["grad_scaler"] = scaler
-    return result
 
 
 class ZeroCheckpointIO(ShardedOptimizerCheckpointIO):
