@@ -182,7 +182,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def layers(session: nox.Session) -> None:
-    """The package dependency graph: declared edges only, no cycles, no reaching into private modules."""
+    """The package dependency graph: declared edges only, no cycles, no reaching into private modules; inside
+    cx-plugins, plugin families import each other only through the shared layers."""
     session.run("python", str(ROOT / "tools" / "check_layers.py"), external=True)
 
 

@@ -59,6 +59,41 @@ def test_layers_flags_private_imports_and_unknown_packages(tmp_path: Path) -> No
     assert any("imports private module cx_mesh._launch of cx-mesh" in p for p in problems)
 
 
+def _plugins_module(root: Path, path: str, source: str) -> None:
+    file = root / "packages" / "plugins" / "src" / "cx_plugins" / path
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(source)
+
+
+def test_layers_plugin_families_import_each_other_only_through_shared_layers(tmp_path: Path) -> None:
+    _package(tmp_path, "plugins", [])
+    _plugins_module(tmp_path, "_layout.py", "")
+    _plugins_module(tmp_path, "checkpoint_io/_replicated.py", "from cx_plugins._layout import Axis\n")
+    _plugins_module(tmp_path, "hybrid/_plugin.py", "from cx_plugins.checkpoint_io._replicated import IO\n")
+    _plugins_module(tmp_path, "moe_hybrid/_plugin.py", "from cx_plugins.hybrid._plugin import HybridParallelPlugin\n")
+    _plugins_module(tmp_path, "demo/_plugins.py", "from cx_plugins.gemini._plugin import GeminiPlugin\n")
+    assert checker.check(tmp_path) == []
+
+    _plugins_module(tmp_path, "gemini/_plugin.py", "from cx_plugins.hybrid._model import HybridParallelModule\n")
+    _plugins_module(tmp_path, "gemini/_tp.py", "from ..low_level_zero import _plugin\n")
+    _plugins_module(tmp_path, "hybrid/_model.py", "from cx_plugins.moe_hybrid import MoeHybridParallelPlugin\n")
+    _plugins_module(tmp_path, "lazy/_tp.py", "import cx_plugins.fsdp._wrap\n")
+    _plugins_module(tmp_path, "_booster.py", "from cx_plugins import hybrid\n")
+    _plugins_module(tmp_path, "ddp/_plugin.py", "from cx_plugins import Booster\n")
+    problems = checker.check(tmp_path)
+    expected = [
+        "_booster.py:1: shared layer _booster imports plugin family hybrid (cx_plugins.hybrid)",
+        "ddp/_plugin.py:1: imports the package face cx_plugins",
+        "gemini/_plugin.py:1: plugin family gemini imports family hybrid (cx_plugins.hybrid._model)",
+        "gemini/_tp.py:1: plugin family gemini imports family low_level_zero (cx_plugins.low_level_zero)",
+        "hybrid/_model.py:1: plugin family hybrid imports family moe_hybrid (cx_plugins.moe_hybrid)",
+        "lazy/_tp.py:1: shared layer lazy imports plugin family fsdp (cx_plugins.fsdp._wrap)",
+    ]
+    assert len(problems) == len(expected), problems
+    for want, got in zip(expected, problems, strict=True):
+        assert want in got
+
+
 def test_layers_test_file_basenames_are_unique() -> None:
     """pytest's default import mode imports test files by basename, so two equal names would collide."""
     seen: dict[str, Path] = {}

@@ -1,5 +1,8 @@
 """The `layers` check: cx packages import only siblings they declare, the declared graph has no cycle,
-and nobody imports another package's private modules (`cx_x._something`).
+and nobody imports another package's private modules (`cx_x._something`). Inside cx-plugins, the plugin families
+(`cx_plugins/<family>/`) import each other only through the shared layers (MoeHybrid may extend Hybrid), and the
+shared layers (the top-level modules, `checkpoint_io/`, `lazy/`, `models/`, `lr_scheduler/`) import no family; only
+the package face (`cx_plugins/__init__.py`) and the demo application sit above them.
 
 Declared edges come from each packages/<name>/pyproject.toml `dependencies` (`cx-<name>` entries). Imports come
 from parsing every .py file under the package's src/ and tests/ with `ast`. Exit code 1 on any violation.
@@ -41,6 +44,83 @@ def imported_cx_modules(path: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("cx_"):
             found.append((node.lineno, node.module))
     return found
+
+
+PLUGINS_PACKAGE = "cx_plugins"
+PLUGIN_FAMILIES = frozenset({"ddp", "fsdp", "low_level_zero", "gemini", "hybrid", "moe_hybrid"})
+PLUGIN_FAMILY_EDGES = frozenset({("moe_hybrid", "hybrid")})  # (importer, imported) allowed between families
+PLUGINS_ABOVE_FAMILIES = frozenset({"__init__", "demo"})  # may import every family
+
+
+def _module_name(source: Path, src: Path) -> str:
+    parts = list(source.relative_to(src).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(source: Path, module: str) -> list[tuple[int, str, tuple[str, ...]]]:
+    """(line, dotted module, names taken from it) for every import in a file, relative ones resolved."""
+    tree = ast.parse(source.read_text(), filename=str(source))
+    package = module if source.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[int, str, tuple[str, ...]]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.append((node.lineno, base, tuple(alias.name for alias in node.names)))
+    return found
+
+
+def _plugins_part(module: str) -> str | None:
+    """The part of cx_plugins a module belongs to: its first component below the package ("__init__" for the
+    package face itself, top-level modules by their own name); None outside cx_plugins."""
+    top, _, rest = module.partition(".")
+    if top != PLUGINS_PACKAGE:
+        return None
+    return rest.split(".")[0] if rest else "__init__"
+
+
+def check_plugin_families(root: Path) -> list[str]:
+    """Dependency direction inside cx-plugins: a family imports no other family (but the allowed edges), a shared
+    layer imports no family, and neither imports the package face (which imports every family)."""
+    src = root / "packages" / "plugins" / "src"
+    if not (src / PLUGINS_PACKAGE).is_dir():
+        return []
+    problems = []
+    for source in sorted((src / PLUGINS_PACKAGE).rglob("*.py")):
+        module = _module_name(source, src)
+        importer = _plugins_part(module)
+        if importer is None or importer in PLUGINS_ABOVE_FAMILIES:
+            continue
+        where = f"{source.relative_to(root)}"
+        reported: set[tuple[int, str]] = set()
+        imports = []
+        for line, imported, names in _imported_modules(source, module):
+            if imported != PLUGINS_PACKAGE:
+                imports.append((line, imported))
+                continue
+            parts = [n for n in names if (src / imported / n).is_dir() or (src / imported / f"{n}.py").is_file()]
+            imports += [(line, f"{imported}.{n}") for n in parts]
+            if not names or len(parts) < len(names):  # `import cx_plugins` or a name the face exports
+                imports.append((line, imported))
+        for line, imported in imports:
+            target = _plugins_part(imported)
+            if target is None or target == importer or (line, target) in reported:
+                continue
+            if target == "__init__":
+                problem = f"imports the package face {PLUGINS_PACKAGE}; import the module that defines the name"
+            elif target not in PLUGIN_FAMILIES or (importer, target) in PLUGIN_FAMILY_EDGES:
+                continue
+            elif importer in PLUGIN_FAMILIES:
+                problem = f"plugin family {importer} imports family {target} ({imported}): share through a shared layer"
+            else:
+                problem = f"shared layer {importer} imports plugin family {target} ({imported})"
+            reported.add((line, target))
+            problems.append(f"{where}:{line}: {problem}")
+    return problems
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -90,7 +170,7 @@ def check(root: Path) -> list[str]:
                     problems.append(f"{where}: imports {module} but cx-{name} does not declare cx-{target}")
                 if target != name and any(part.startswith("_") for part in rest):
                     problems.append(f"{where}: imports private module {module} of cx-{target}")
-    return problems
+    return problems + check_plugin_families(root)
 
 
 def main() -> int:
