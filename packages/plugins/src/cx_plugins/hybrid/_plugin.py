@@ -1,9 +1,10 @@
 """`HybridParallelPlugin`: tensor, sequence, pipeline and data parallelism (torch-DDP-like or ZeRO-1/2), composed.
 
-The constructor turns ColossalAI's flat arguments into `HybridParallelOptions` once, builds the (dp, pp, tp, sp)
-`ParallelLayout` (sizes checked before any collective) and the pipeline schedule; `configure` composes ShardFormer,
-the pipeline split, the cast and the optimizer (`_hybrid_model.py`, `_hybrid_optimizer.py`). Nothing here computes a
-rank: the layout owns every group.
+The class reads as the composition: the constructor validates ColossalAI's flat arguments into
+`HybridParallelOptions` (`_arguments.py`) and builds the layout (the (dp, pp, tp, sp) `ParallelLayout`, sizes checked
+before any collective; the ShardFormer config; the pipeline schedule); `configure` composes the model (replica
+agreement, ShardFormer, the pipeline split, the cast: `_model.py`) and then the optimizer (`_optimizer.py`,
+`_compose.py`). Nothing here computes a rank: the layout owns every group (`_groups.py`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,42 +23,33 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import CheckpointIO
 from cx_mesh import ProcessGroup, assert_same_across_ranks, get_accelerator
-from cx_pipeline import (
-    InterleavedSchedule,
-    OneForwardOneBackwardSchedule,
-    PipelineSchedule,
-    PipelineStageManager,
-    ZeroBubbleVPipeScheduler,
-)
-from cx_plugins._ddp_options import DDPOptions
+from cx_pipeline import PipelineSchedule, PipelineStageManager
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import Boosted, ZeroPluginBase
-from cx_plugins._shardformer_options import ShardFormerOptions
-from cx_plugins._weak_lookup import WeakLookup
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
-from cx_plugins.checkpoint_io._parallel_view import ParallelModelView
+from cx_plugins.hybrid._arguments import hybrid_options
 from cx_plugins.hybrid._batch_check import BatchCheck
-from cx_plugins.hybrid._checkpoint_io import HybridCheckpointIO
+from cx_plugins.hybrid._boosted import BoostedParts, HybridOptimizer
+from cx_plugins.hybrid._compose import (
+    build_pipeline,
+    keep_held,
+    norm_weights,
+    repoint_replaced,
+    require_model_parameters,
+    zero_optimizer,
+)
+from cx_plugins.hybrid._groups import LayoutAttributes
 from cx_plugins.hybrid._init_agreement import agree_initial_states
 from cx_plugins.hybrid._model import ComposedModel, HybridParallelModule, broadcast_states, compose_model
 from cx_plugins.hybrid._optimizer import HybridParallelOptimizer, HybridZeroOptimizer
-from cx_plugins.hybrid._options import (
-    HybridParallelOptions,
-    PipelineOptions,
-    PipelineStyle,
-    SequenceParallelism,
-    ZeroOptions,
-    check_custom_policy,
-    parse_pipeline_style,
-)
+from cx_plugins.hybrid._options import HybridParallelOptions, SequenceParallelism
 from cx_plugins.lazy._context import LazyModel, is_lazy
-from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig, get_shard_spec
-from cx_zero import ClipOptions, LossScaleOptions, LowLevelZeroOptimizer, LowLevelZeroOptions, ZeroStage
+from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig
 
 __all__ = ["HybridParallelPlugin"]
 
 
-class HybridParallelPlugin(ZeroPluginBase):
+class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
     """ColossalAI's HybridParallelPlugin: every argument honoured or refused with a clear error (docs/plugins.md)."""
 
     def __init__(
@@ -112,73 +103,62 @@ class HybridParallelPlugin(ZeroPluginBase):
     ) -> None:
         super().__init__()
         name = type(self).__name__  # errors name the plugin the user built (MoeHybridParallelPlugin extends this one)
-        if fp8_communication or use_fp8:
-            which = "fp8_communication" if fp8_communication else "use_fp8"
-            raise NotImplementedError(f"{name}({which}=True): fp8 is not supported by cx yet")
-        if inner_ring_size is not None:
-            raise NotImplementedError(
-                f"{name}(inner_ring_size={inner_ring_size}): double-ring attention is not supported by cx; leave "
-                "inner_ring_size=None (ring_attn runs one ring over the sp group)"
-            )
-        custom_policy = check_custom_policy(custom_policy, name)
-        shardformer = ShardFormerOptions(
-            enable_all_optimization=enable_all_optimization,
-            enable_fused_normalization=enable_fused_normalization,
-            enable_flash_attention=enable_flash_attention,
-            enable_jit_fused=enable_jit_fused,
-            enable_sequence_parallelism=enable_sequence_parallelism,
-            sequence_parallelism_mode=None,  # set from the validated mode below
-            enable_sequence_overlap=enable_sequence_overlap,
-            parallel_output=parallel_output,
-            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-            gradient_checkpoint_config=gradient_checkpoint_config,
-        )
-        options = HybridParallelOptions.build(
+        # validate: the flat keywords as typed option groups, refused combinations named, the same on every rank
+        options, custom_policy = hybrid_options(
+            name,
             tp_size=tp_size,
             pp_size=pp_size,
             sp_size=sp_size,
             precision=precision,
             zero_stage=zero_stage,
-            sequence_parallelism_mode=sequence_parallelism_mode,
+            enable_all_optimization=enable_all_optimization,
+            enable_fused_normalization=enable_fused_normalization,
+            enable_flash_attention=enable_flash_attention,
+            enable_jit_fused=enable_jit_fused,
             enable_sequence_parallelism=enable_sequence_parallelism,
+            sequence_parallelism_mode=sequence_parallelism_mode,
+            enable_sequence_overlap=enable_sequence_overlap,
+            parallel_output=parallel_output,
+            num_microbatches=num_microbatches,
+            microbatch_size=microbatch_size,
+            initial_scale=initial_scale,
+            min_scale=min_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            max_scale=max_scale,
             max_norm=max_norm,
+            broadcast_buffers=broadcast_buffers,
+            ddp_bucket_cap_mb=ddp_bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            check_reduction=check_reduction,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            zero_bucket_size_in_m=zero_bucket_size_in_m,
+            cpu_offload=cpu_offload,
+            communication_dtype=communication_dtype,
+            overlap_communication=overlap_communication,
+            custom_policy=custom_policy,
+            pp_style=pp_style,
+            num_model_chunks=num_model_chunks,
+            num_layers_per_stage=num_layers_per_stage,
+            gradient_checkpoint_config=gradient_checkpoint_config,
+            enable_metadata_cache=enable_metadata_cache,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
             dp_outside=dp_outside,
-            shardformer=shardformer,
-            loss_scale=LossScaleOptions(
-                initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale
-            ),
-            ddp=DDPOptions(
-                broadcast_buffers,
-                ddp_bucket_cap_mb,
-                find_unused_parameters,
-                check_reduction,
-                gradient_as_bucket_view,
-                static_graph,
-            ),
-            zero=ZeroOptions(
-                bucket_size_in_m=zero_bucket_size_in_m,
-                cpu_offload=cpu_offload,
-                communication_dtype=communication_dtype,
-                overlap_communication=overlap_communication,
-                overlap_allgather=overlap_allgather,
-            ),
-            pipeline=PipelineOptions(
-                style=parse_pipeline_style(pp_style, name),
-                num_microbatches=num_microbatches,
-                microbatch_size=microbatch_size,
-                num_model_chunks=num_model_chunks,
-                num_layers_per_stage=None if num_layers_per_stage is None else tuple(num_layers_per_stage),
-                enable_metadata_cache=enable_metadata_cache,
-                overlap_p2p=overlap_p2p,
-            ),
-            plugin=name,
+            overlap_p2p=overlap_p2p,
+            overlap_allgather=overlap_allgather,
+            inner_ring_size=inner_ring_size,
+            fp8_communication=fp8_communication,
+            use_fp8=use_fp8,
         )
-        _refuse_unsupported(options, name)
         self.options = options
         self.custom_policy = custom_policy
         assert_same_across_ranks(
             (options, type(custom_policy).__name__ if custom_policy else None), what=f"{name} options"
         )
+        # layout: every group and rank, the ShardFormer config over it, the pipeline schedule
         self.layout = self._build_layout(options)
         idle = options.idle_arguments()
         if idle:
@@ -188,62 +168,14 @@ class HybridParallelPlugin(ZeroPluginBase):
         self.stage_manager: PipelineStageManager | None = None
         self.schedule: PipelineSchedule | None = None
         if pp_size > 1:
-            self.stage_manager, self.schedule = _pipeline(self.layout, options.pipeline)
-        # what checkpoint IO needs: each boosted optimizer's model and by-name face, each model's own dtype
-        self._module_of: WeakLookup[Optimizer, HybridParallelModule] = WeakLookup()
-        self._wrapper_of: WeakLookup[Optimizer, _HybridOptimizer] = WeakLookup()
-        self._dtype_of: weakref.WeakKeyDictionary[nn.Module, torch.dtype] = weakref.WeakKeyDictionary()
+            self.stage_manager, self.schedule = build_pipeline(self.layout, options.pipeline)
+        self._boosted = BoostedParts()  # what the checkpoint IO needs of each boost
 
     def _build_layout(self, options: HybridParallelOptions) -> ParallelLayout:
         """(dp, pp, tp, sp), or (pp, dp, tp, sp) without dp_outside; subclasses add axes (MoE: moe_dp and ep)."""
         pp, dp = (Axis.PP, options.pp_size), (Axis.DP, FILL)
         outer = [dp, pp] if options.dp_outside else [pp, dp]
         return ParallelLayout.build([*outer, (Axis.TP, options.tp_size), (Axis.SP, options.sp_size)], (Axis.DP,))
-
-    # ---- sizes and groups -----------------------------------------------------------------------------------------
-    @property
-    def tp_size(self) -> int:
-        return self.layout.size(Axis.TP)
-
-    @property
-    def pp_size(self) -> int:
-        return self.layout.size(Axis.PP)
-
-    @property
-    def dp_size(self) -> int:
-        return self.layout.size(Axis.DP)
-
-    @property
-    def sp_size(self) -> int:
-        return self.layout.size(Axis.SP)
-
-    @property
-    def enable_pipeline_parallelism(self) -> bool:
-        return self.pp_size > 1
-
-    # ColossalAI's group attributes (its examples read e.g. plugin.dp_group); the layout owns them
-    @property
-    def dp_group(self) -> ProcessGroup:
-        return self.layout.group(Axis.DP)
-
-    @property
-    def tp_group(self) -> ProcessGroup:
-        return self.layout.group(Axis.TP)
-
-    @property
-    def pp_group(self) -> ProcessGroup:
-        return self.layout.group(Axis.PP)
-
-    @property
-    def sp_group(self) -> ProcessGroup:
-        """The group the sequence is split over: the tp group for split_gather / ring, else the sp axis."""
-        return self.layout.group(Axis.SP) if self.options.sp_mode.on_sp_axis else self.layout.group(Axis.TP)
-
-    def _gradient_group(self) -> ProcessGroup | None:
-        """The group gradients are averaged over: dp, or dp x sp under Ulysses (as ColossalAI; equal results)."""
-        if self.options.sp_mode.on_sp_axis:
-            return self.layout.group_or_none(Axis.DP, Axis.SP)
-        return self.layout.group_or_none(Axis.DP)
 
     def _shard_config(self) -> ShardConfig | None:
         o = self.options
@@ -280,6 +212,16 @@ class HybridParallelPlugin(ZeroPluginBase):
     ) -> Boosted:
         if isinstance(model, ModelWrapper):
             raise ValueError(f"{type(self).__name__}.configure: the model is already boosted")
+        composed, boosted = self._compose_model(model, optimizer)
+        wrapped = None if optimizer is None else self._compose_optimizer(optimizer, composed, boosted)
+        return boosted, wrapped, criterion, dataloader, lr_scheduler
+
+    def _compose_model(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> tuple[ComposedModel, HybridParallelModule]:
+        """Agree on the initial model over the replica, shard it (ShardFormer, pipeline split, cast), start the
+        data-parallel replicas from the first one, and wrap it; an optimizer built before boost is pointed at the
+        parameters that replaced its own."""
         o = self.options
         original_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
         before = {id(p): name for name, p in model.named_parameters()}  # to follow parameters ShardFormer replaces
@@ -298,10 +240,9 @@ class HybridParallelPlugin(ZeroPluginBase):
             plugin=type(self).__name__,
         )
         if optimizer is not None:
-            _repoint_replaced(optimizer, before, composed.module)
-            _require_model_parameters(optimizer, composed.names, type(self).__name__)
-        grad_group = self._gradient_group()
-        self._broadcast_states(composed, grad_group)
+            repoint_replaced(optimizer, before, composed.module)
+            require_model_parameters(optimizer, composed.names, type(self).__name__)
+        self._broadcast_states(composed, self._gradient_group())
         held_names = frozenset(composed.names[id(p)] for p in composed.held)
         boosted = HybridParallelModule(
             composed.module,
@@ -311,29 +252,39 @@ class HybridParallelPlugin(ZeroPluginBase):
             compute_dtype=o.precision.dtype,
             batch_check=self._batch_check(),
         )
-        wrapped: OptimizerWrapper | None = None
-        if optimizer is not None:
-            if o.zero.stage == 0:
-                wrapped = HybridParallelOptimizer(
-                    optimizer,
-                    held=composed.held,
-                    names=composed.names,
-                    dtype=o.precision.dtype,
-                    loss_scale=o.loss_scale,
-                    max_norm=o.max_norm,
-                    dp_group=grad_group,
-                    norm_groups=self._unsharded_norm_groups(),
-                    norm_weights=self._unsharded_norm_weights(boosted, composed.held),
-                    bucket_cap_mb=o.ddp.bucket_cap_mb,
-                    reduce_groups=self._reduce_groups(composed.held),
-                )
-            else:
-                wrapped = self._zero_optimizer(optimizer, boosted, composed.held, grad_group)
-            self._module_of[optimizer] = boosted
-            self._wrapper_of[optimizer] = wrapped
         if original_dtype is not None:
-            self._dtype_of[boosted] = original_dtype
-        return boosted, wrapped, criterion, dataloader, lr_scheduler
+            self._boosted.remember_dtype(boosted, original_dtype)
+        return composed, boosted
+
+    def _compose_optimizer(
+        self,
+        optimizer: Optimizer,
+        composed: ComposedModel,
+        boosted: HybridParallelModule,
+    ) -> HybridOptimizer:
+        """zero_stage 0: gradients reduced at the step over the gradient group; 1/2: cx-zero's LowLevelZeroOptimizer.
+        Remembered for the checkpoint IO."""
+        o = self.options
+        grad_group = self._gradient_group()
+        wrapped: HybridOptimizer
+        if o.zero.stage == 0:
+            wrapped = HybridParallelOptimizer(
+                optimizer,
+                held=composed.held,
+                names=composed.names,
+                dtype=o.precision.dtype,
+                loss_scale=o.loss_scale,
+                max_norm=o.max_norm,
+                dp_group=grad_group,
+                norm_groups=self._unsharded_norm_groups(),
+                norm_weights=self._unsharded_norm_weights(boosted, composed.held),
+                bucket_cap_mb=o.ddp.bucket_cap_mb,
+                reduce_groups=self._reduce_groups(composed.held),
+            )
+        else:
+            wrapped = self._zero_optimizer(optimizer, boosted, composed.held, grad_group)
+        self._boosted.remember(optimizer, boosted, wrapped)
+        return wrapped
 
     def _batch_check(self) -> BatchCheck | None:
         """The check that the ranks sharing a batch (every axis but the data axes: pp, tp, sp) are given the same
@@ -363,22 +314,11 @@ class HybridParallelPlugin(ZeroPluginBase):
 
     def _unsharded_norm_weights(self, model: HybridParallelModule, held: list[nn.Parameter]) -> dict[int, float]:
         """zero_stage 0: each parameter's weight in the norm term summed over `_unsharded_norm_groups`."""
-        return self._norm_weights(model, held)
+        return norm_weights(model, held, self.tp_size)
 
     def _zero_norm_weights(self, model: HybridParallelModule, held: list[nn.Parameter]) -> dict[int, float]:
         """zero_stage 1/2: each parameter's weight in the norm ZeRO sums over its spanning group, tp and pp."""
-        return self._norm_weights(model, held)
-
-    def _norm_weights(self, model: HybridParallelModule, held: list[nn.Parameter]) -> dict[int, float]:
-        """Each element of the model counted once in the global norm: 1/tp for a tp-replicated parameter, 1/k for a
-        parameter tied over k pipeline stages."""
-        tp = self.tp_size
-        weights = {id(p): 1.0 if get_shard_spec(p) is not None else 1.0 / tp for p in held}
-        if model.pipeline is not None:
-            for shared in model.pipeline.shared:
-                if shared.group is not None and id(shared.param) in weights:
-                    weights[id(shared.param)] /= len(shared.stages)
-        return weights
+        return norm_weights(model, held, self.tp_size)
 
     def _zero_optimizer(
         self,
@@ -387,29 +327,17 @@ class HybridParallelPlugin(ZeroPluginBase):
         held: list[nn.Parameter],
         grad_group: ProcessGroup | None,
     ) -> HybridZeroOptimizer:
-        o = self.options
-        held_ids = {id(p) for p in held}
-        for group in optimizer.param_groups:  # other stages' parameters are not this rank's to train
-            group["params"] = [p for p in group["params"] if id(p) in held_ids]
+        keep_held(optimizer, held)  # other stages' parameters are not this rank's to train
         by_group = self._zero_param_groups(optimizer)
-        zero = LowLevelZeroOptimizer(
+        zero = zero_optimizer(
             optimizer,
-            dp_process_group=None if by_group is not None else grad_group or self.dp_group,  # None: the world
-            pg_to_param_list=by_group,
-            options=LowLevelZeroOptions(
-                loss_scale=o.loss_scale,
-                clipping=ClipOptions(max_norm=o.max_norm),
-                reduce_bucket_size=int(o.zero.bucket_size_in_m * 1024 * 1024),
-                communication_dtype=o.zero.communication_dtype,
-                overlap_communication=o.zero.overlap_communication,
-                stage=ZeroStage.TWO if o.zero.stage == 2 else ZeroStage.ONE,
-                cpu_offload=o.zero.cpu_offload,
-                overlap_allgather=o.zero.overlap_allgather,
-            ),
-            module=model.unwrap(),
-            tp_process_group=self.layout.group_or_none(Axis.TP),
-            pp_process_group=self.layout.group_or_none(Axis.PP),
-            grad_norm_weights=self._zero_norm_weights(model, held),
+            self.options,
+            model.unwrap(),
+            dp_group=None if by_group is not None else grad_group or self.dp_group,  # None: the world
+            by_group=by_group,
+            tp_group=self.layout.group_or_none(Axis.TP),
+            pp_group=self.layout.group_or_none(Axis.PP),
+            norm_weights=self._zero_norm_weights(model, held),
         )
         return HybridZeroOptimizer(optimizer, zero)
 
@@ -448,75 +376,4 @@ class HybridParallelPlugin(ZeroPluginBase):
     def get_checkpoint_io(self) -> CheckpointIO:
         """The canonical cx format: TP shards and pipeline stages gathered by `HybridCheckpointIO`, floating tensors
         saved in the model's own dtype; a model load refreshes the fp32 master weights of its optimizers."""
-        return HybridCheckpointIO(self._parts_of, after_model_load=self._refresh_masters, model_dtype=self._saved_dtype)
-
-    def _refresh_masters(self, view: ParallelModelView) -> None:
-        for optimizer, module in self._module_of.items():
-            wrapped = self._wrapper_of.get(optimizer)
-            if module is view and wrapped is not None:
-                wrapped.update_master_params(module)
-
-    def _parts_of(self, optimizer: Optimizer) -> tuple[HybridParallelModule, _HybridOptimizer] | None:
-        """The boosted model and optimizer wrapper built around `optimizer`, while the user holds them."""
-        module, wrapped = self._module_of.get(optimizer), self._wrapper_of.get(optimizer)
-        return None if module is None or wrapped is None else (module, wrapped)
-
-    def _saved_dtype(self, view: ParallelModelView) -> torch.dtype | None:
-        return self._dtype_of.get(cast(nn.Module, view))
-
-
-_HybridOptimizer = HybridParallelOptimizer | HybridZeroOptimizer
-
-
-def _repoint_replaced(optimizer: Optimizer, before: dict[int, str], module: nn.Module) -> None:
-    """Point the optimizer at the parameters that replaced its own under the same name (e.g. ShardFormer's MoE
-    policies put this rank's expert slice in place of the full stack), so one built before boost keeps working."""
-    now = dict(module.named_parameters(remove_duplicate=False))
-    live = {id(p) for p in now.values()}
-    for group in optimizer.param_groups:
-        group["params"] = [
-            now[before[id(p)]] if id(p) not in live and before.get(id(p)) in now else p for p in group["params"]
-        ]
-
-
-def _require_model_parameters(optimizer: Optimizer, names: dict[int, str], plugin: str) -> None:
-    """Every parameter the optimizer trains must be the model's (other stages' ones are dropped, so a stranger
-    would be dropped silently too)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    strangers = [i for i, p in enumerate(params) if id(p) not in names]
-    if strangers:
-        raise ValueError(
-            f"{plugin}: the optimizer holds parameters (positions {strangers[:10]}) that are not the "
-            "model's; build it from model.parameters() before booster.boost"
-        )
-
-
-def _refuse_unsupported(options: HybridParallelOptions, plugin: str) -> None:
-    """Combinations cx has not built or tested, refused before anything is set up."""
-    if options.zero.cpu_offload and options.zero.stage == 0:
-        raise ValueError(f"{plugin}: cpu_offload offloads ZeRO's optimizer state: it needs zero_stage 1 or 2")
-
-
-def _pipeline(layout: ParallelLayout, o: PipelineOptions) -> tuple[PipelineStageManager, PipelineSchedule]:
-    manager = PipelineStageManager(
-        layout.mesh,
-        Axis.PP.value,
-        enable_interleave=o.style is not PipelineStyle.ONE_F_ONE_B,
-        use_zbv=o.style is PipelineStyle.ZBV,
-        num_model_chunks=o.num_model_chunks,
-        num_layers_per_stage=None if o.num_layers_per_stage is None else list(o.num_layers_per_stage),
-    )
-    schedule: PipelineSchedule
-    if o.style is PipelineStyle.ONE_F_ONE_B:
-        schedule = OneForwardOneBackwardSchedule(
-            manager, o.num_microbatches, o.microbatch_size, o.enable_metadata_cache, o.overlap_p2p
-        )
-    elif o.style is PipelineStyle.INTERLEAVED:
-        schedule = InterleavedSchedule(
-            manager, o.num_model_chunks, o.num_microbatches, o.microbatch_size, o.enable_metadata_cache, o.overlap_p2p
-        )
-    else:
-        schedule = ZeroBubbleVPipeScheduler(
-            manager, o.num_model_chunks, o.num_microbatches, o.microbatch_size, o.enable_metadata_cache, o.overlap_p2p
-        )
-    return manager, schedule
+        return self._boosted.checkpoint_io()
