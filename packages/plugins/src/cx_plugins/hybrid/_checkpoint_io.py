@@ -13,12 +13,13 @@ Composition over cx-checkpoint's streaming writer and lazy reader:
 The files are what `GeneralCheckpointIO` writes for the unsharded model: full tensors under the model's own (Hugging
 Face) names, `config.json` beside them, so `from_pretrained`, every cx plugin and this IO at any tp / pp / dp / ep
 layout load them. Optimizer state is by parameter name (`state.<param>.<key>`), gathered the same way.
+The adapters live in `cx_plugins.checkpoint_io`; a stage's tensor streams and sink in `_stage_tensors.py`; what the
+ranks check and merge collectively in `_stage_agreement.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -26,11 +27,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from cx_checkpoint import (
-    CheckpointError,
     CheckpointKind,
     CheckpointReader,
     FileFormat,
@@ -38,77 +37,33 @@ from cx_checkpoint import (
     KeyMismatchError,
     LoadResult,
     OptimizerMeta,
-    Region,
-    TensorSpec,
     check_optimizer_class,
     file_names,
     hf_side_files,
     load_into,
-    optimizer_class_name,
     optimizer_tensor_name,
     read_optimizer_meta,
     require_names,
     write_sharded,
     write_side_files,
 )
-from cx_mesh import ProcessGroup, all_gather_bytes
 from cx_plugins._layout import Axis
 from cx_plugins.checkpoint_io._expert_shards import ExpertParallelShards
 from cx_plugins.checkpoint_io._parallel_view import ParallelModelView, ParallelOptimizerView
 from cx_plugins.checkpoint_io._replicated import ShardedOptimizerCheckpointIO, StateView, split_scaler, with_scaler
-from cx_plugins.checkpoint_io._stage_names import StagePlan, module_tensor_names, persistent_buffers
+from cx_plugins.checkpoint_io._stage_names import StagePlan, module_tensor_names
 from cx_plugins.checkpoint_io._tp_shards import TensorParallelShards
+from cx_plugins.hybrid._stage_agreement import (
+    agree_load,
+    check_state_shapes,
+    class_of,
+    merge_descriptions,
+    require_same_entries,
+    world,
+)
+from cx_plugins.hybrid._stage_tensors import StageSink, stage_tensors, state_tensors
 
 __all__ = ["HybridCheckpointIO"]
-
-
-class _StageSink:
-    """`TensorSink` over the tensors one pipeline stage holds, in their local (TP-sharded) shapes."""
-
-    def __init__(self, view: ParallelModelView, model_dtype: torch.dtype | None) -> None:
-        self._dtype = model_dtype
-        module = view.unwrap()
-        held = view.held_parameter_names()
-        buffers = view.held_buffer_names()
-        first: dict[int, str] = {}
-        self._targets: dict[str, torch.Tensor] = {}
-        for name, param in module.named_parameters(remove_duplicate=False):
-            if first.setdefault(id(param), name) in held:
-                self._targets[name] = param
-        for name, buffer in persistent_buffers(module):
-            if name in buffers:
-                self._targets[name] = buffer
-
-    def expected_tensors(self) -> dict[str, TensorSpec]:
-        return {name: TensorSpec(tuple(t.shape), _stored_dtype(t, self._dtype)) for name, t in self._targets.items()}
-
-    def owned_region(self, name: str) -> Region | None:
-        return None
-
-    def receive(self, name: str, tensor: torch.Tensor) -> None:
-        with torch.no_grad():
-            self._targets[name].copy_(tensor)  # cast back to the training dtype
-
-
-def _world() -> ProcessGroup:
-    return cast(ProcessGroup, dist.group.WORLD)
-
-
-def _agree_load(step: Callable[[], None], what: str) -> None:
-    """Run one rank's part of a load, then raise on every rank if any rank failed (a rank that went on training
-    alone would leave the others waiting in a collective)."""
-    failure: Exception | None = None
-    try:
-        step()
-    except Exception as error:
-        failure = error
-    report = b"" if failure is None else f"{type(failure).__name__}: {failure}".encode()
-    failed = [(r, m.decode(errors="replace")) for r, m in enumerate(all_gather_bytes(report, _world())) if m]
-    if failure is not None:
-        raise failure
-    if failed:
-        detail = "; ".join(f"rank {r}: {message}" for r, message in failed)
-        raise CheckpointError(f"{what} failed on rank(s) {[r for r, _ in failed]}: {detail}")
 
 
 class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
@@ -172,7 +127,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
     def _model_stream(self, view: ParallelModelView) -> Iterator[tuple[str, torch.Tensor]]:
         plan = StagePlan.build(view)  # collective over the pipeline group: before the writer starts
         tp = self._tp(view)
-        return _stage_tensors(plan, tp, self._dtype(view))
+        return stage_tensors(plan, tp, self._dtype(view))
 
     def _write_model(
         self,
@@ -191,7 +146,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
             file_format=FileFormat.SAFETENSORS if use_safetensors else FileFormat.BIN,
             size_per_shard=size_per_shard,
             prefix=prefix,
-            group=_world(),
+            group=world(),
             extra_files=lambda staging: write_side_files(staging, side),
         )
 
@@ -242,7 +197,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         results: list[LoadResult] = []
 
         def load() -> None:
-            sink = tp.sink(_StageSink(view, self._dtype(view)))
+            sink = tp.sink(StageSink(view, self._dtype(view)))
             with CheckpointReader.open(checkpoint, CheckpointKind.MODEL) as reader:
                 # names checked against the whole model (other stages' names are expected, not loaded here) before
                 # anything is copied, so a refused load leaves the model untouched
@@ -255,7 +210,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
                 load_into(reader, sink, strict=False)
             results.append(LoadResult(tuple(missing), tuple(unexpected)))
 
-        _agree_load(load, f"loading the model from {checkpoint}")
+        agree_load(load, f"loading the model from {checkpoint}")
         if self._after_model_load is not None:
             self._after_model_load(view)
         return results[0]
@@ -290,7 +245,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
     ) -> None:
         view, face = self._pair(optimizer)
         self._refuse_async(use_async, "the optimizer")
-        kind = _class_of(optimizer)
+        kind = class_of(optimizer)
         if shard:
             self._write_optimizer(view, face, checkpoint, prefix, size_per_shard, kind)
             return
@@ -321,7 +276,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         tp = self._tp(view)
         state: dict[str, dict[str, Any]] = state_dict.get("state", {})
         order = [name for name, _, _ in plan.entries if name in state]
-        _require_same_entries(view.layout.rank(Axis.PP), state, order, plan.gathers)
+        require_same_entries(view.layout.rank(Axis.PP), state, order, plan.gathers)
         described = {
             name: {
                 key: {"tensor": optimizer_tensor_name(name, key)}
@@ -337,17 +292,17 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
             for group in state_dict.get("param_groups", [])
         ]
         mine = OptimizerMeta(groups, described) if plan.gathers else None
-        meta = _merge_descriptions(mine, list(dict(view.unwrap().named_parameters())))
+        meta = merge_descriptions(mine, list(dict(view.unwrap().named_parameters())))
         meta = with_scaler(dataclasses.replace(meta, optimizer_class=optimizer_class), state_dict.get("grad_scaler"))
         json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
         text = meta.to_json()
         write_sharded(
             directory,
-            _state_tensors(plan, tp, state, order),
+            state_tensors(plan, tp, state, order),
             kind=CheckpointKind.OPTIMIZER,
             size_per_shard=size_per_shard,
             prefix=prefix,
-            group=_world(),
+            group=world(),
             extra_files=lambda staging: (staging / json_name).write_text(text),
         )
 
@@ -375,7 +330,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
                         else entry["value"]
                         for key, entry in entries.items()
                     }
-                    _check_state_shapes(name, state[name], shapes[name], checkpoint)
+                    check_state_shapes(name, state[name], shapes[name], checkpoint)
             groups = [
                 {
                     **{k: v for k, v in group.items() if k != "param_names"},
@@ -388,113 +343,5 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
                 result["grad_scaler"] = scaler
             loaded.append(result)
 
-        _agree_load(read, f"reading the optimizer from {checkpoint}")
+        agree_load(read, f"reading the optimizer from {checkpoint}")
         face.load_state_dict_by_name(loaded[0])
-
-
-def _class_of(optimizer: torch.optim.Optimizer) -> str | None:
-    """The class recorded in the description: the user's torch optimizer the plugin was given (what a load into
-    another class checks against, as GeneralCheckpointIO does); None for a by-name face that is not one."""
-    return optimizer_class_name(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
-
-
-def _require_same_entries(stage: int, state: dict[str, dict[str, Any]], order: list[str], gathers: bool) -> None:
-    """The ranks gathering one stage's optimizer state over tp and ep must hold the same entries in the same order
-    (each gather pairs them tensor by tensor): checked first (collective over the world), so that a difference is an
-    error naming the first differing parameter on every rank, never a gather of mismatched tensors or a hang."""
-    entries = [[name, sorted(k for k, v in state[name].items() if isinstance(v, torch.Tensor))] for name in order]
-    payload = json.dumps({"stage": stage, "entries": entries}).encode() if gathers else b""
-    first: dict[int, list[Any]] = {}
-    for rank, raw in enumerate(all_gather_bytes(payload, _world())):
-        if not raw:
-            continue
-        theirs = json.loads(raw)
-        mine = first.setdefault(theirs["stage"], theirs["entries"])
-        if theirs["entries"] != mine:
-            differing = _first_difference(mine, theirs["entries"])
-            raise CheckpointError(
-                f"saving the optimizer: rank {rank} holds other optimizer state entries than its stage's first writer "
-                f"(first difference at {differing}); the tp / ep ranks of a stage must step the same parameters"
-            )
-
-
-def _first_difference(mine: list[Any], theirs: list[Any]) -> str:
-    """The parameter name where two [name, keys] lists first differ."""
-    for a, b in zip(mine, theirs, strict=False):
-        if a != b:
-            return str(a[0])
-    longer = mine if len(mine) > len(theirs) else theirs
-    return str(longer[min(len(mine), len(theirs))][0])
-
-
-def _check_state_shapes(name: str, entries: dict[str, Any], shape: tuple[int, ...], checkpoint: Path) -> None:
-    """A state tensor shaped like a parameter (same rank) must be shaped like this one's local slice once cut: a
-    checkpoint of another model (another expert count, hidden size) is refused by name here rather than deep inside
-    the optimizer's step. Factored states of lower rank (Adafactor's) pass."""
-    for key, value in entries.items():
-        if isinstance(value, torch.Tensor) and value.dim() == len(shape) and tuple(value.shape) != shape:
-            raise ValueError(
-                f"{checkpoint}: optimizer state {key!r} of {name} does not fit the parameter (after the tp / ep cut "
-                f"it is {tuple(value.shape)}, the parameter's slice here is {shape}): a checkpoint of another model?"
-            )
-
-
-def _stored_dtype(tensor: torch.Tensor, model_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype a model tensor has in the checkpoint: the model's own for floating tensors when given."""
-    return model_dtype if model_dtype is not None and tensor.is_floating_point() else tensor.dtype
-
-
-def _stage_tensors(
-    plan: StagePlan, tp: ExpertParallelShards, model_dtype: torch.dtype | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's stream: the TP / ep gathers of its stage's tensors (on every rank of the writing ep x tp block), each
-    yielded by its writer under every name of the tensor (copies, since writers refuse shared storage)."""
-    if not plan.gathers:
-        return
-    with torch.no_grad():
-        for index, (name, tensor, names) in enumerate(plan.entries):
-            full = tp.gather(name, tensor.detach())
-            if not plan.writes(index):
-                continue
-            on_cpu = full.detach().to("cpu", _stored_dtype(full, model_dtype)).contiguous()  # written before return
-            for number, alias in enumerate(names):
-                yield alias, on_cpu if number == 0 else on_cpu.clone()
-
-
-def _state_tensors(
-    plan: StagePlan, tp: ExpertParallelShards, state: dict[str, dict[str, Any]], order: list[str]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    if not plan.gathers:
-        return
-    for index, name in enumerate(order):
-        for key, value in sorted(state[name].items()):
-            if not isinstance(value, torch.Tensor):
-                continue
-            tensor_name = optimizer_tensor_name(name, key)
-            full = tp.gather(tensor_name, value.detach())
-            if plan.writes(index):
-                yield tensor_name, full.detach().to("cpu").contiguous()
-
-
-def _merge_descriptions(mine: OptimizerMeta | None, order: list[str]) -> OptimizerMeta:
-    """Every writing stage's description merged into one (collective over the world): the states of all stages,
-    and each param group holding the names of every stage (in the model's parameter order)."""
-    payload = b"" if mine is None else mine.to_json().encode()
-    metas = [OptimizerMeta.from_json(raw.decode(), "a stage's optimizer description") for raw in
-             all_gather_bytes(payload, _world()) if raw]  # fmt: skip
-    if not metas:
-        raise CheckpointError("no rank described its optimizer state")
-    counts = {len(m.param_groups) for m in metas}
-    if len(counts) != 1:
-        raise ValueError(f"the pipeline stages' optimizers have different numbers of param groups: {sorted(counts)}")
-    position = {name: i for i, name in enumerate(order)}
-    groups: list[dict[str, Any]] = []
-    for number in range(counts.pop()):
-        names = {n for m in metas for n in m.param_groups[number]["param_names"]}
-        hyper = {k: v for k, v in metas[0].param_groups[number].items() if k != "param_names"}
-        ordered = sorted(names, key=lambda n: (position.get(n, len(position)), n))
-        groups.append({**hyper, "param_names": ordered})
-    state: dict[str, dict[str, dict[str, Any]]] = {}
-    for meta in metas:
-        state.update(meta.state)
-    return OptimizerMeta(groups, state)

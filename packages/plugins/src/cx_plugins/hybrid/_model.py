@@ -2,11 +2,11 @@
 
 `compose_model` runs, in order: ShardFormer (tensor/sequence parallelism, in place: parameter names and objects are
 kept), the pipeline split (this rank's stage chunks; `PipelineModel`, each told to take sequence shards under sequence
-parallelism), the cast to the training precision of what
-this rank runs, and the release of the parameters of other stages (swapped for meta tensors of the same shape under
-the same names, so `named_parameters()` still lists the whole model and checkpoint IO skips what is not held).
-The module implements the face checkpoint IO reads (`unwrap`, `layout`, `held_parameter_names`,
-`held_buffer_names`; /work/brief/contract.md).
+parallelism), the cast to the training precision of what this rank runs, and the release of the parameters of other
+stages (swapped for meta tensors of the same shape under the same names, so `named_parameters()` still lists the whole
+model and checkpoint IO skips what is not held). The module implements the face checkpoint IO reads
+(`ParallelModelView` in `cx_plugins/checkpoint_io/_parallel_view.py`: `unwrap`, `layout`, `held_parameter_names`,
+`held_buffer_names`).
 """
 
 from __future__ import annotations

@@ -5,13 +5,13 @@
     optimizer = HybridAdam(model.parameters())            # fine: the same Parameter objects get their values
     model, optimizer, *_ = booster.boost(model, optimizer)  # materialised here, into the plugin's shards
 
-Materialising replays the recorded construction on the CPU (see `_lazy_tape.py`), so the values are exactly those
+Materialising replays the recorded construction on the CPU (see `_tape.py`), so the values are exactly those
 of an eager construction after the same seed (ColossalAI's lazy tensors do not promise that). The replay streams:
 each tensor is handed over as soon as construction is done with it and then dropped, so the replay itself holds
 only what construction keeps alive at once (a parameter or two), never the whole model. `GeminiPlugin` takes each
 parameter straight into its chunk slot (this rank's part kept, the rest dropped: `GeminiDDP(parameter_source=...)`);
 the tensor-parallel, expert-parallel and FSDP plugins cut each one to this rank's slice as it arrives
-(`_lazy_tp.py`, `_lazy_fsdp.py`); DDP and LowLevelZero hold every parameter in full on each rank anyway and get the
+(`_tp.py`, `_fsdp.py`); DDP and LowLevelZero hold every parameter in full on each rank anyway and get the
 model materialised in place first
 (`torch.utils.swap_tensors`: the user's references and an optimizer built before `boost` stay valid; tied
 parameters stay tied). The context's `stats` say how many bytes the last replay held at once.
