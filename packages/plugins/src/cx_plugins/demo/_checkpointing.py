@@ -29,8 +29,7 @@ from cx_checkpoint import (
     run_and_agree,
     staging_path,
 )
-from cx_plugins._booster import Booster
-from cx_plugins._wrappers import OptimizerWrapper
+from cx_plugins import Booster, OptimizerWrapper
 from cx_plugins.demo._trainer_state import STATE_FILE, TrainerState, read_trainer_state
 
 __all__ = ["CONFIG_FILE", "SCHEDULER_FILE", "TrainerState", "load_checkpoint", "save_checkpoint"]

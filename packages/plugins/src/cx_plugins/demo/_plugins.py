@@ -12,12 +12,8 @@ import torch
 from torch.distributed.fsdp import MixedPrecision
 
 import cx_plugins
-from cx_plugins._plugin import Plugin
-from cx_plugins.ddp._plugin import TorchDDPPlugin
+from cx_plugins import GeminiPlugin, LowLevelZeroPlugin, Plugin, TorchDDPPlugin, TorchFSDPPlugin
 from cx_plugins.demo._options import HYBRID_CLASSES, DemoOptions, plugin_missing
-from cx_plugins.fsdp._plugin import TorchFSDPPlugin
-from cx_plugins.gemini._plugin import GeminiPlugin
-from cx_plugins.low_level_zero._plugin import LowLevelZeroPlugin
 from cx_shardformer import GradientCheckpointConfig
 
 __all__ = ["hybrid_arguments", "make_plugin"]

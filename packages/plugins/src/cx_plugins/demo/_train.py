@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 
 from cx_mesh import get_accelerator, launch_from_torch
-from cx_plugins._booster import Booster
-from cx_plugins._wrappers import OptimizerWrapper
+from cx_plugins import Booster, OptimizerWrapper
 from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_checkpoint
 from cx_plugins.demo._config_file import resolved_toml
 from cx_plugins.demo._data import TokenWindows
