@@ -1,10 +1,11 @@
 """Ctrl-C stops every rank at the same step boundary, cleanly, with one line.
 
 Ranks run in their own session under torch's launcher, so a Ctrl-C reaches the launcher, which passes SIGINT on to
-each rank once (`_cli`). A rank only notes it (`request_stop`); at the start of every step the ranks agree, with one
-all-reduce, whether any of them was asked to stop, and then all raise `Interrupted` together: no rank is left
-waiting in a collective for one that already left (what printed a traceback per rank and gloo's errors before), and
-a save in progress completes rather than leaving a half-written staging directory.
+each rank once (`_cli`). A rank only notes it (`stop_requested`); after every step the ranks agree whether any of
+them was asked to stop, inside the all-reduce that already sums the step's loss (`Progress.record`), and then all
+raise `Interrupted` together, after the step's save if one was due: no rank is left waiting in a collective for one
+that already left (what printed a traceback per rank and gloo's errors before), and a save in progress completes
+rather than leaving a half-written staging directory.
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-import torch
-import torch.distributed as dist
-
-__all__ = ["Interrupted", "install_stop_handler", "stop_agreed"]
+__all__ = ["Interrupted", "install_stop_handler", "stop_requested"]
 
 _requested = False
 
@@ -52,8 +50,6 @@ def install_stop_handler() -> None:
     signal.signal(signal.SIGINT, _note)
 
 
-def stop_agreed(device: torch.device) -> bool:
-    """Whether any rank was asked to stop (collective: every rank calls it at the same point of every step)."""
-    flag = torch.tensor([1.0 if _requested else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+def stop_requested() -> bool:
+    """Whether this rank was asked to stop (the ranks agree on it in `Progress.record`)."""
+    return _requested

@@ -80,27 +80,31 @@ class Progress:
         self._eval: tuple[int, float] | None = None  # (step, loss) of an evaluation not yet logged
         self._started = self._window_started = time.perf_counter()
 
-    def record(self, output: StepOutput, tokens: int) -> None:
-        """Add one step (collective: every rank calls it with the same kinds of numbers)."""
+    def record(self, output: StepOutput, tokens: int, stop: bool = False) -> bool:
+        """Add one step (collective: every rank calls it with the same kinds of numbers). `stop` is this rank's
+        Ctrl-C request; the same all-reduce that sums the step's numbers tells whether any rank made one, so the
+        ranks agree to stop at this step without a collective of its own. Returns that agreement."""
         counts = self._agreed_counts(output.expert_counts) if self._stages_differ else output.expert_counts
         parts = []
         for value in (output.loss, output.aux):
             present = value is not None
             number = value.detach().to(torch.float64).reshape(1) if value is not None else torch.zeros(1)
             parts += [number.to(self._device), torch.tensor([float(present)], device=self._device)]
+        parts.append(torch.tensor([float(stop)], device=self._device))
         if counts is not None:
             parts.append(counts.to(self._device, torch.float64).flatten())
         packed = torch.cat([p.to(torch.float64) for p in parts])
         dist.all_reduce(packed)
-        loss_sum, loss_ranks, aux_sum, aux_ranks = (float(v) for v in packed[:4])
+        loss_sum, loss_ranks, aux_sum, aux_ranks, stops = (float(v) for v in packed[:5])
         self.losses.append(loss_sum / max(loss_ranks, 1.0))
         self._window_losses += 1
         if aux_ranks:
             self._aux.append(aux_sum / aux_ranks)
         if counts is not None:
-            summed = packed[4:].view(counts.shape).cpu()
+            summed = packed[5:].view(counts.shape).cpu()
             self._counts = summed if self._counts is None else self._counts + summed
         self._tokens += tokens
+        return stops > 0
 
     def _agreed_counts(self, counts: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's counts, or zeros of the shape the ranks holding counts have (None when no rank has any)."""

@@ -16,7 +16,7 @@ from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_c
 from cx_plugins.demo._config_file import resolved_toml
 from cx_plugins.demo._data import TokenWindows
 from cx_plugins.demo._grad_norm import clip_bound
-from cx_plugins.demo._interrupt import Interrupted, stop_agreed
+from cx_plugins.demo._interrupt import Interrupted, stop_requested
 from cx_plugins.demo._memory import memory_per_rank
 from cx_plugins.demo._mfu import active_parameters, flops_per_token, peak_flops
 from cx_plugins.demo._models import DemoModel, build_model, describe_model
@@ -117,8 +117,6 @@ def run(options: DemoOptions) -> list[float]:
             pending.append(batch.to(device))
             if len(pending) < options.grad_accum:
                 continue
-            if stop_agreed(device):
-                raise Interrupted(step, options.steps, saved, options.save)
             batches, pending = pending, []
             # --clip, or at a log step a bound that only measures the gradient norm (collective, so not every step)
             bound = clip_bound(options.clip, (step + 1) % options.log_every == 0 or step + 1 == options.steps)
@@ -132,7 +130,7 @@ def run(options: DemoOptions) -> list[float]:
             else:
                 output = micro_step(booster, boosted, boosted_optimizer, batches, described, bound)
             scheduler.step()
-            progress.record(output, tokens=sum(b.numel() for b in batches) * data_parallel)
+            stopping = progress.record(output, sum(b.numel() for b in batches) * data_parallel, stop_requested())
             step += 1
             if user_data is not None:  # before the log line, which reports this evaluation
                 user_data.maybe_evaluate(boosted, described, step, device)
@@ -153,6 +151,8 @@ def run(options: DemoOptions) -> list[float]:
                 saved = step
                 if rank == 0:
                     print(f"cx-train: saved step {step} to {options.save}", flush=True)
+            if stopping and step < options.steps:  # every rank agreed in progress.record; a due save is done
+                raise Interrupted(step, options.steps, saved, options.save)
             if step >= options.steps:
                 break
         epoch, skip = epoch + 1, 0
