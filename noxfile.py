@@ -17,9 +17,11 @@ PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproje
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
 # Optional integrations exercised by the full suite (their tests skip where these are absent): transformers models,
-# LoRA, cx-train's Parquet / save_to_disk data, TensorBoard events and metric plots.
+# LoRA, cx-train's Parquet / save_to_disk data, TensorBoard events and metric plots, torchao's float8 training
+# (TorchFSDPPlugin's use_fp8 and fp8 all-gather).
 INTEGRATION_TOOLS = (
-    "transformers>=4.40", "peft>=0.13", "pyarrow>=14", "datasets>=2.16", "tensorboard>=2.14", "matplotlib>=3.7"
+    "transformers>=4.40", "peft>=0.13", "pyarrow>=14", "datasets>=2.16", "tensorboard>=2.14", "matplotlib>=3.7",
+    "torchao>=0.18",
 )  # fmt: skip
 TEST_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
 
