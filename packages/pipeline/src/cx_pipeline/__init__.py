@@ -6,7 +6,8 @@
 - Splitting models into stages: `PipelineSplittable` (the protocol a model implements), `split_model`, the
   transformers adapters `HFDecoderSplitter` (Llama-style decoders, MoE included) and `GPT2Splitter`, and
   `PipelineModel` with parameters tied across stages.
-- Micro-batch helpers `split_batch` / `merge_microbatches`, and the schedule simulator `simulate`.
+- Micro-batch helpers `split_batch` / `merge_microbatches`, and the schedule simulator `simulate` over the action
+  lists `schedule_orders` gives for a `pp_style` (no stage manager needed: what a planner predicts with).
 """
 
 from cx_pipeline._actions import Action, ActionKind
@@ -17,6 +18,7 @@ from cx_pipeline._microbatch import merge_microbatches, split_batch
 from cx_pipeline._model import PipelineModel, SharedParameter
 from cx_pipeline._one_f_one_b import OneForwardOneBackwardSchedule
 from cx_pipeline._optimizer import PipelineOptimizer
+from cx_pipeline._orders import SCHEDULE_STYLES, schedule_orders
 from cx_pipeline._schedule import PipelineSchedule
 from cx_pipeline._simulation import SimulationResult, simulate
 from cx_pipeline._splitting import PipelineSplittable, split_model
@@ -38,6 +40,8 @@ __all__ = [
     "ActionKind",
     "SimulationResult",
     "simulate",
+    "schedule_orders",
+    "SCHEDULE_STYLES",
     # models
     "PipelineSplittable",
     "split_model",
