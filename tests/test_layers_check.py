@@ -72,6 +72,8 @@ def test_layers_plugin_families_import_each_other_only_through_shared_layers(tmp
     _plugins_module(tmp_path, "hybrid/_plugin.py", "from cx_plugins.checkpoint_io._replicated import IO\n")
     _plugins_module(tmp_path, "moe_hybrid/_plugin.py", "from cx_plugins.hybrid._plugin import HybridParallelPlugin\n")
     _plugins_module(tmp_path, "demo/_plugins.py", "from cx_plugins.gemini._plugin import GeminiPlugin\n")
+    _plugins_module(tmp_path, "demo/_dry_run.py", "from cx_plugins.plan._memory import predict_memory\n")
+    _plugins_module(tmp_path, "plan/_enumerate.py", "from cx_plugins.hybrid._options import PipelineStyle\n")
     assert checker.check(tmp_path) == []
 
     _plugins_module(tmp_path, "gemini/_plugin.py", "from cx_plugins.hybrid._model import HybridParallelModule\n")
@@ -80,14 +82,18 @@ def test_layers_plugin_families_import_each_other_only_through_shared_layers(tmp
     _plugins_module(tmp_path, "lazy/_tp.py", "import cx_plugins.fsdp._wrap\n")
     _plugins_module(tmp_path, "_booster.py", "from cx_plugins import hybrid\n")
     _plugins_module(tmp_path, "ddp/_plugin.py", "from cx_plugins import Booster\n")
+    _plugins_module(tmp_path, "fsdp/_wrap.py", "from cx_plugins.plan import plan\n")
+    _plugins_module(tmp_path, "lr_scheduler/_curves.py", "from cx_plugins.demo._mfu import flops_per_token\n")
     problems = checker.check(tmp_path)
     expected = [
         "_booster.py:1: shared layer _booster imports plugin family hybrid (cx_plugins.hybrid)",
         "ddp/_plugin.py:1: imports the package face cx_plugins",
+        "fsdp/_wrap.py:1: fsdp imports the application plan (cx_plugins.plan)",
         "gemini/_plugin.py:1: plugin family gemini imports family hybrid (cx_plugins.hybrid._model)",
         "gemini/_tp.py:1: plugin family gemini imports family low_level_zero (cx_plugins.low_level_zero)",
         "hybrid/_model.py:1: plugin family hybrid imports family moe_hybrid (cx_plugins.moe_hybrid)",
         "lazy/_tp.py:1: shared layer lazy imports plugin family fsdp (cx_plugins.fsdp._wrap)",
+        "lr_scheduler/_curves.py:1: lr_scheduler imports the application demo (cx_plugins.demo._mfu)",
     ]
     assert len(problems) == len(expected), problems
     for want, got in zip(expected, problems, strict=True):

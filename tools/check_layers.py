@@ -2,7 +2,8 @@
 and nobody imports another package's private modules (`cx_x._something`). Inside cx-plugins, the plugin families
 (`cx_plugins/<family>/`) import each other only through the shared layers (MoeHybrid may extend Hybrid), and the
 shared layers (the top-level modules, `checkpoint_io/`, `lazy/`, `models/`, `lr_scheduler/`) import no family; only
-the package face (`cx_plugins/__init__.py`) and the demo application sit above them.
+the package face (`cx_plugins/__init__.py`) and the applications, the demo (`cx-train`) and the planner (`plan/`,
+`cx-plan`), sit above them, and nothing below imports an application.
 
 Declared edges come from each packages/<name>/pyproject.toml `dependencies` (`cx-<name>` entries). Imports come
 from parsing every .py file under the package's src/ and tests/ with `ast`. Exit code 1 on any violation.
@@ -49,7 +50,8 @@ def imported_cx_modules(path: Path) -> list[tuple[int, str]]:
 PLUGINS_PACKAGE = "cx_plugins"
 PLUGIN_FAMILIES = frozenset({"ddp", "fsdp", "low_level_zero", "gemini", "hybrid", "moe_hybrid"})
 PLUGIN_FAMILY_EDGES = frozenset({("moe_hybrid", "hybrid")})  # (importer, imported) allowed between families
-PLUGINS_ABOVE_FAMILIES = frozenset({"__init__", "demo"})  # may import every family
+PLUGINS_APPLICATIONS = frozenset({"demo", "plan"})  # may import every family and each other; nothing below imports them
+PLUGINS_ABOVE_FAMILIES = frozenset({"__init__", *PLUGINS_APPLICATIONS})  # may import every family
 
 
 def _module_name(source: Path, src: Path) -> str:
@@ -85,7 +87,7 @@ def _plugins_part(module: str) -> str | None:
 
 def check_plugin_families(root: Path) -> list[str]:
     """Dependency direction inside cx-plugins: a family imports no other family (but the allowed edges), a shared
-    layer imports no family, and neither imports the package face (which imports every family)."""
+    layer imports no family, and neither imports the package face (which imports every family) nor an application."""
     src = root / "packages" / "plugins" / "src"
     if not (src / PLUGINS_PACKAGE).is_dir():
         return []
@@ -112,6 +114,8 @@ def check_plugin_families(root: Path) -> list[str]:
                 continue
             if target == "__init__":
                 problem = f"imports the package face {PLUGINS_PACKAGE}; import the module that defines the name"
+            elif target in PLUGINS_APPLICATIONS:
+                problem = f"{importer} imports the application {target} ({imported}), which sits above it"
             elif target not in PLUGIN_FAMILIES or (importer, target) in PLUGIN_FAMILY_EDGES:
                 continue
             elif importer in PLUGIN_FAMILIES:
