@@ -1,0 +1,177 @@
+"""`Candidate`: one training configuration the planner judges (plugin, parallel sizes, micro-batching, activation
+checkpointing, Gemini placement, precision), in ColossalAI's terms.
+
+Frozen and validated on construction, so the memory model, the step-time model and a measurement harness all read
+the same facts; an impossible combination raises `ValueError` naming the field. Sizes follow the plugins' meshes:
+the world is dp x pp x tp x sp, where `sp` is the sequence-parallel axis (only `all_to_all` / `ring_attn` use one;
+`split_gather` / `ring` split the sequence over the tp group), and under MoeHybrid the dp ranks are moe_dp x ep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "PIPELINE_STYLES",
+    "PLACEMENT_POLICIES",
+    "PLUGINS",
+    "PRECISIONS",
+    "SP_MODES",
+    "Candidate",
+]
+
+PLUGINS = ("torch_ddp", "torch_fsdp", "low_level_zero", "gemini", "hybrid", "moe_hybrid")
+PRECISIONS = ("fp32", "fp16", "bf16")
+PIPELINE_STYLES = ("1f1b", "interleaved", "zbv")
+SP_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")
+PLACEMENT_POLICIES = ("static", "auto")
+_SP_AXIS_MODES = ("all_to_all", "ring_attn")
+_PARALLEL_PLUGINS = ("hybrid", "moe_hybrid")
+# the ZeRO stage each plugin runs: DDP replicates, FSDP (full shard) and Gemini shard everything
+_FIXED_STAGE = {"torch_ddp": 0, "torch_fsdp": 3, "gemini": 3}
+_STAGES = {"low_level_zero": (1, 2), "hybrid": (0, 1, 2), "moe_hybrid": (0, 1, 2)}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(f"Candidate: {message}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: which plugin, how the world splits, how a step is batched, what is recomputed."""
+
+    plugin: str
+    dp: int = 1  # data-parallel ranks (under moe_hybrid: moe_dp x ep)
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1  # the sequence-parallel axis size (all_to_all / ring_attn); 1 otherwise
+    sp_mode: str | None = None
+    ep: int = 1
+    zero_stage: int | None = None  # None: the plugin's own (DDP 0, FSDP / Gemini 3, LowLevelZero 2, hybrid 0)
+    micro_batch_size: int = 1
+    num_microbatches: int = 1  # per step and dp rank: pipeline micro-batches (pp > 1) or accumulation steps
+    pp_style: str = "1f1b"
+    checkpoint_ratio: float = 0.0  # fraction of decoder layers whose activations are recomputed
+    placement_policy: str = "static"  # Gemini
+    offload_optim_frac: float = 0.0  # Gemini: fraction of optimizer states on the CPU
+    offload_param_frac: float = 0.0  # Gemini: fraction of fp32 master weights on the CPU
+    cpu_offload: bool = False  # LowLevelZero / hybrid ZeRO: optimizer states on the CPU
+    precision: str = "bf16"
+
+    def __post_init__(self) -> None:
+        _require(self.plugin in PLUGINS, f"unknown plugin {self.plugin!r}; one of {', '.join(PLUGINS)}")
+        _require(self.precision in PRECISIONS, f"unknown precision {self.precision!r}; one of {', '.join(PRECISIONS)}")
+        for name in ("dp", "tp", "pp", "sp", "ep", "micro_batch_size", "num_microbatches"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value!r}")
+        parallel = self.plugin in _PARALLEL_PLUGINS
+        if not parallel:
+            _require(
+                (self.tp, self.pp, self.sp, self.ep) == (1, 1, 1, 1) and self.sp_mode is None,
+                f"{self.plugin} runs data parallelism only: tp, pp, sp, ep must be 1 and sp_mode None",
+            )
+        _require(self.ep == 1 or self.plugin == "moe_hybrid", "ep > 1 needs the moe_hybrid plugin")
+        _require(
+            self.dp % self.ep == 0, f"moe_hybrid splits dp={self.dp} into moe_dp x ep: ep={self.ep} must divide it"
+        )
+        _require(self.sp_mode is None or self.sp_mode in SP_MODES, f"unknown sp_mode {self.sp_mode!r}")
+        _require(
+            self.sp == 1 or self.sp_mode in _SP_AXIS_MODES,
+            f"sp={self.sp} needs sp_mode all_to_all or ring_attn (split_gather / ring split over the tp group)",
+        )
+        _require(
+            self.sp_mode not in ("split_gather", "ring") or self.tp > 1,
+            f"sp_mode {self.sp_mode} splits the sequence over the tp group: it needs tp > 1",
+        )
+        _require(self.pp_style in PIPELINE_STYLES, f"unknown pp_style {self.pp_style!r}")
+        _require(self.pp > 1 or self.pp_style == "1f1b", f"pp_style {self.pp_style} needs pp > 1")
+        _require(
+            self.pp == 1 or self.num_microbatches >= self.pp,
+            f"a {self.pp}-stage pipeline needs num_microbatches >= pp, got {self.num_microbatches}",
+        )
+        stage = self.stage
+        allowed = _STAGES.get(self.plugin, (_FIXED_STAGE.get(self.plugin),))
+        _require(stage in allowed, f"{self.plugin} runs ZeRO stage {' or '.join(map(str, allowed))}, not {stage}")
+        _require(0.0 <= self.checkpoint_ratio <= 1.0, f"checkpoint_ratio {self.checkpoint_ratio} is not in [0, 1]")
+        _require(self.placement_policy in PLACEMENT_POLICIES, f"unknown placement_policy {self.placement_policy!r}")
+        for name in ("offload_optim_frac", "offload_param_frac"):
+            value = getattr(self, name)
+            _require(0.0 <= value <= 1.0, f"{name} {value} is not in [0, 1]")
+            _require(value == 0.0 or self.plugin == "gemini", f"{name} is a GeminiPlugin setting")
+        _require(not self.cpu_offload or stage in (1, 2), "cpu_offload offloads ZeRO stage 1/2 optimizer states")
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage that runs (the plugin's default when `zero_stage` is None)."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return _FIXED_STAGE.get(self.plugin, 2 if self.plugin == "low_level_zero" else 0)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp * self.sp
+
+    @property
+    def moe_dp(self) -> int:
+        """Ranks holding the same experts (ColossalAI's moe_dp_size); the dense dp under other plugins."""
+        return self.dp // self.ep
+
+    @property
+    def sequence_split(self) -> int:
+        """How many ways one sequence's activations are split between attention blocks."""
+        if self.sp_mode in ("split_gather", "ring"):
+            return self.tp
+        return self.sp
+
+    @property
+    def num_model_chunks(self) -> int:
+        return 1 if self.pp_style == "1f1b" else 2
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step over all ranks."""
+        return self.dp * self.micro_batch_size * self.num_microbatches
+
+    @property
+    def half_precision(self) -> bool:
+        return self.precision != "fp32"
+
+    def plugin_arguments(self) -> dict[str, Any]:
+        """The plugin constructor's keyword arguments (ColossalAI's names) for this configuration."""
+        arguments: dict[str, Any] = {}
+        if self.plugin == "gemini":
+            arguments = dict(placement_policy=self.placement_policy, precision=self.precision)
+            if self.offload_optim_frac or self.offload_param_frac:
+                arguments.update(offload_optim_frac=self.offload_optim_frac, offload_param_frac=self.offload_param_frac)
+        elif self.plugin == "low_level_zero":
+            arguments = dict(stage=self.stage, precision=self.precision)
+            if self.cpu_offload:
+                arguments["cpu_offload"] = True
+        elif self.plugin in _PARALLEL_PLUGINS:
+            arguments = dict(tp_size=self.tp, pp_size=self.pp, zero_stage=self.stage, precision=self.precision)
+            if self.plugin == "moe_hybrid":
+                arguments["ep_size"] = self.ep
+            if self.pp > 1:
+                arguments.update(
+                    num_microbatches=self.num_microbatches,
+                    pp_style=self.pp_style,
+                    num_model_chunks=self.num_model_chunks,
+                )
+            if self.sp_mode is not None:
+                arguments.update(enable_sequence_parallelism=True, sequence_parallelism_mode=self.sp_mode)
+                if self.sp > 1:
+                    arguments["sp_size"] = self.sp
+            if self.cpu_offload:
+                arguments["cpu_offload"] = True
+        return arguments
+
+    def label(self) -> str:
+        """A short row label: `hybrid dp2 tp2 pp1 mb1x4 ckpt1.0 bf16`."""
+        sizes = "".join(
+            f" {name}{getattr(self, name)}" for name in ("dp", "tp", "pp", "sp", "ep") if getattr(self, name) > 1
+        )
+        zero = f" zero{self.stage}" if self.plugin in ("low_level_zero", *_PARALLEL_PLUGINS) else ""
+        ckpt = f" ckpt{self.checkpoint_ratio:g}" if self.checkpoint_ratio else ""
+        return f"{self.plugin}{sizes}{zero} mb{self.micro_batch_size}x{self.num_microbatches}{ckpt} {self.precision}"

@@ -1,0 +1,78 @@
+"""The planner's model reading: parameter counts from the built model, clear errors for unusable configs, and the
+Candidate's validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cx_plugins.demo._models import ModelSpec, build_model, describe_model
+from cx_plugins.plan import Candidate, ModelShapeError, load_model_shape
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "mixtral", "deepseek_v3"])
+def test_counts_match_the_model_cx_train_builds(name: str) -> None:
+    shape = load_model_shape(name, hidden_size=32, num_layers=2, seq_len=16)
+    model = build_model(describe_model(ModelSpec(name, 32, 2, 16)), seed=0)
+    counts = shape.parameters
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert counts.total == counts.outer + sum(counts.dense_per_layer) + counts.experts
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and "shared" not in n)
+    assert counts.experts == experts
+    if shape.is_moe:
+        assert counts.per_expert * shape.num_experts == max(counts.experts_per_layer)
+    assert counts.tied == (name == "gpt")
+
+
+def test_deepseek_first_layer_dense_then_moe() -> None:
+    counts = load_model_shape("deepseek_v3", hidden_size=32, num_layers=2, seq_len=16).parameters
+    assert counts.experts_per_layer[0] == 0
+    assert counts.experts_per_layer[1] > 0
+
+
+def test_config_json_llama_8b_counts(tmp_path: Path) -> None:
+    fields = dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8, intermediate_size=14336)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
+    shape = load_model_shape(str(tmp_path))
+    # Llama 3 8B's published count: 8,030,261,248 parameters (untied 128256 x 4096 embedding and head)
+    assert shape.parameters.total == 8_030_261_248
+    assert shape.parameters.embeddings == 2 * 128256 * 4096
+    assert (shape.num_kv_heads, shape.head_dim) == (8, 128)
+    assert shape.parameters.dense_per_layer[0] == 218_112_000
+
+
+def test_missing_fields_are_named(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 100, "hidden_size": 64}))
+    with pytest.raises(ModelShapeError, match=r"num_hidden_layers.*num_attention_heads"):
+        load_model_shape(str(config))
+    config.write_text(json.dumps({"vocab_size": 100}))
+    with pytest.raises(ModelShapeError, match=r"model_type.*hidden_size"):
+        load_model_shape(str(config))
+    with pytest.raises(ModelShapeError, match=r"no config.json"):
+        load_model_shape(str(tmp_path / ".."))
+    with pytest.raises(ModelShapeError, match="neither a built-in model"):
+        load_model_shape("no-such-model")
+
+
+def test_candidate_validates_and_derives() -> None:
+    candidate = Candidate("moe_hybrid", dp=4, ep=2, tp=2, pp=2, num_microbatches=4, micro_batch_size=2)
+    assert (candidate.world_size, candidate.moe_dp, candidate.global_batch_size) == (16, 2, 32)
+    assert candidate.plugin_arguments()["ep_size"] == 2
+    assert Candidate("gemini").stage == 3
+    assert Candidate("low_level_zero").stage == 2
+    assert Candidate("hybrid", tp=2, sp_mode="split_gather").sequence_split == 2
+    for bad, match in [
+        (dict(plugin="gemini", tp=2), "data parallelism only"),
+        (dict(plugin="hybrid", ep=2, dp=2), "moe_hybrid"),
+        (dict(plugin="hybrid", pp=4, num_microbatches=2), "num_microbatches >= pp"),
+        (dict(plugin="hybrid", sp=2), "sp_mode"),
+        (dict(plugin="low_level_zero", zero_stage=3), "stage 1 or 2"),
+        (dict(plugin="hybrid", checkpoint_ratio=1.5), "checkpoint_ratio"),
+        (dict(plugin="nope"), "unknown plugin"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            Candidate(**bad)  # type: ignore[arg-type]
