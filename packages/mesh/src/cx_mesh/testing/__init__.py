@@ -4,9 +4,11 @@ Every package's distributed tests use this. See docs/mesh.md for examples. Colos
 (`parameterize`, `rerun_if_address_is_in_use`, `clear_cache_before_run`, `spawn(func, nprocs)`,
 `check_state_dict_equal`, `assert_close_loose`, `free_port`, `seed_all`) are here too, so its tests move by changing
 imports. Tolerances for comparing a parallel run with one process follow from the arithmetic (`sum_tolerance`,
-`adam_parameter_tolerance`, `TEST_ADAM_EPS`; the derivation is in `_tolerances`).
+`adam_parameter_tolerance`, `TEST_ADAM_EPS`; the derivation is in `_tolerances`). `count_collective_bytes` counts
+the bytes each collective is handed (what the fp8 tests check).
 """
 
+from cx_mesh.testing._bytes import CollectiveBytes, count_collective_bytes
 from cx_mesh.testing._colossalai import (
     assert_close_loose,
     check_state_dict_equal,
@@ -31,6 +33,7 @@ from cx_mesh.testing._tolerances import (
 )
 
 __all__ = [
+    "CollectiveBytes",
     "DEFAULT_TIMEOUT_SECONDS",
     "DistributedTestFailure",
     "TEST_ADAM_EPS",
@@ -40,6 +43,7 @@ __all__ = [
     "assert_close_loose",
     "check_state_dict_equal",
     "clear_cache_before_run",
+    "count_collective_bytes",
     "distributed",
     "free_port",
     "parameterize",

@@ -1,0 +1,39 @@
+"""cx_mesh.fp8: fp8 matmuls and fp8-compressed collectives, the shared base of cx's `use_fp8` and
+`fp8_communication`.
+
+- `quantize` / `Fp8Tensor`: dynamic scaling (one scale per tensor or per row) into E4M3 or E5M2.
+- `fp8_linear`: F.linear with fp8 GEMMs (torch._scaled_mm) forward and backward; `Fp8Linear` and `convert_to_fp8`
+  swap plain nn.Linear layers that `fp8_eligible` accepts; `fp8_matmul_supported(device)` says where it runs.
+- `all_gather_flat_fp8`, `reduce_scatter_flat_fp8`, `all_reduce_fp8`, `all_to_all_single_fp8`: cx_mesh's flat
+  collectives with an fp8 payload and its float32 scales on the wire (half of bf16's bytes plus 4 per scale).
+It lives in cx-mesh because every package needs it and mesh is the bottom layer.
+"""
+
+from cx_mesh.fp8._collectives import (
+    all_gather_flat_fp8,
+    all_reduce_fp8,
+    all_to_all_single_fp8,
+    reduce_scatter_flat_fp8,
+)
+from cx_mesh.fp8._formats import E4M3, E5M2, Fp8Tensor, ScalingRecipe, quantize
+from cx_mesh.fp8._linear import Fp8Linear, convert_to_fp8
+from cx_mesh.fp8._matmul import fp8_linear, fp8_matmul_supported
+from cx_mesh.fp8._options import Fp8Options, fp8_eligible
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "Fp8Linear",
+    "Fp8Options",
+    "Fp8Tensor",
+    "ScalingRecipe",
+    "all_gather_flat_fp8",
+    "all_reduce_fp8",
+    "all_to_all_single_fp8",
+    "convert_to_fp8",
+    "fp8_eligible",
+    "fp8_linear",
+    "fp8_matmul_supported",
+    "quantize",
+    "reduce_scatter_flat_fp8",
+]

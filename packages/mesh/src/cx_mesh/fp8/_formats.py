@@ -1,0 +1,87 @@
+"""fp8 formats and dynamic scaling: `quantize` turns a tensor into an `Fp8Tensor` (fp8 payload plus float32 scales).
+
+Dynamic scaling maps each tensor's (or row's) largest magnitude onto the format's largest finite value, so the
+payload uses the format's whole range and its relative error is the format's unit roundoff (2^-4 for e4m3, 2^-3 for
+e5m2) for every element not below the format's subnormal range after scaling.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["E4M3", "E5M2", "Fp8Tensor", "ScalingRecipe", "quantize"]
+
+#: Forward operands (activations, weights) and gathered parameters: 3 mantissa bits, max 448.
+E4M3: torch.dtype = torch.float8_e4m3fn
+#: Gradients: 2 mantissa bits but a wider range (max 57344).
+E5M2: torch.dtype = torch.float8_e5m2
+
+FP8_DTYPES = (E4M3, E5M2)
+
+#: The smallest amax a scale is taken from (2^-100): all-zero input gives scale 2^-100 / max, still a normal
+#: float32, and zeros, not 0/0 = NaN; any tensor whose largest magnitude is above it is scaled exactly.
+AMAX_FLOOR = 2.0**-100
+
+
+class ScalingRecipe(enum.Enum):
+    """How scales are taken: one per tensor, or one per row (per token / per output feature)."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+
+
+@dataclass(frozen=True)
+class Fp8Tensor:
+    """An fp8 payload and the float32 scales that travel with it: value ~= data.float() * scale.
+
+    `scale` has shape () (tensorwise) or (rows, 1) for the rows of data.reshape(-1, data.shape[-1]) (rowwise).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The high-precision value (float32 arithmetic, then `dtype`), in `data`'s shape."""
+        values = self.data.float()
+        if self.scale.dim() == 0:
+            return (values * self.scale).to(dtype)
+        rows = values.reshape(-1, values.shape[-1]) if values.dim() else values.reshape(1, 1)
+        return (rows * self.scale).reshape(self.data.shape).to(dtype)
+
+
+def check_fp8_dtype(dtype: torch.dtype) -> None:
+    """Raise a clear error for a dtype that is not one of cx's two fp8 formats."""
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8 dtype must be E4M3 (torch.float8_e4m3fn) or E5M2 (torch.float8_e5m2), got {dtype}")
+
+
+def quantize(
+    tensor: torch.Tensor, dtype: torch.dtype = E4M3, recipe: ScalingRecipe = ScalingRecipe.TENSORWISE
+) -> Fp8Tensor:
+    """Dynamic scaling: scale = amax / finfo(dtype).max, amax clamped below by `AMAX_FLOOR` (all-zero input gives
+    zeros, not NaN). ROWWISE takes amax per row of tensor.reshape(-1, tensor.shape[-1]). A non-finite input gives a
+    non-finite result after dequantize (an inf amax makes the scale inf, and 0 * inf or inf / inf is NaN), so fp16
+    overflow checks after a compressed collective still see it."""
+    check_fp8_dtype(dtype)
+    if not (tensor.is_floating_point() and tensor.dtype not in FP8_DTYPES):
+        raise TypeError(f"quantize takes a float16/bfloat16/float32/float64 tensor, got {tensor.dtype}")
+    if not isinstance(recipe, ScalingRecipe):
+        raise TypeError(f"recipe must be a ScalingRecipe, got {recipe!r}")
+    fmax = torch.finfo(dtype).max
+    values = tensor.float()
+    if recipe is ScalingRecipe.TENSORWISE:
+        amax = values.abs().amax() if values.numel() else values.new_zeros(())
+    else:
+        if tensor.dim() == 0:
+            raise ValueError("ROWWISE quantize needs a tensor with at least one dimension (rows of its last dim)")
+        rows = values.reshape(-1, values.shape[-1])
+        empty_rows = rows.shape[-1] == 0
+        amax = rows.new_zeros(rows.shape[0], 1) if empty_rows else rows.abs().amax(dim=-1, keepdim=True)
+        values = rows
+    scale = amax.clamp(min=AMAX_FLOOR) / fmax
+    # clamp: the division can round a hair above fmax, and e4m3fn has no inf to saturate to (NaN stays NaN)
+    data = (values / scale).clamp(-fmax, fmax).to(dtype).reshape(tensor.shape)
+    return Fp8Tensor(data, scale)

@@ -1,0 +1,145 @@
+"""`fp8_linear`: F.linear computed with fp8 GEMMs (torch._scaled_mm) and dynamic scaling, forward and backward.
+
+Forward: input and weight quantized to E4M3. Backward: grad_output quantized to E5M2 (gradients need the range) for
+both GEMMs, grad_input = g @ W and grad_weight = g^T @ x. Every GEMM quantizes its operands along the reduction dim,
+so ROWWISE scales are per row of the left operand and per column of the right one, as torch._scaled_mm takes them.
+The high-precision input and weight are saved for backward and re-quantized along the axis each GEMM needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cx_mesh.fp8._formats import E4M3, E5M2, ScalingRecipe, quantize
+from cx_mesh.fp8._options import FP8_ALIGNMENT
+
+__all__ = ["fp8_linear", "fp8_matmul_supported"]
+
+_OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MIN_CUDA_CAPABILITY = (8, 9)
+
+
+def fp8_matmul_supported(device: torch.device | str) -> bool:
+    """Whether torch._scaled_mm runs fp8 GEMMs on `device`: CPU (torch >= 2.13 ships a CPU kernel) and CUDA devices
+    of compute capability 8.9 (Ada) or newer; False elsewhere."""
+    device = torch.device(device)
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= _MIN_CUDA_CAPABILITY
+    return False
+
+
+def _require_supported(device: torch.device) -> None:
+    if fp8_matmul_supported(device):
+        return
+    if not hasattr(torch, "_scaled_mm"):
+        raise RuntimeError(f"fp8_linear needs torch._scaled_mm, which torch {torch.__version__} does not have")
+    if device.type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        raise RuntimeError(
+            f"fp8_linear: {device} ({torch.cuda.get_device_name(device)}) has compute capability {major}.{minor}; "
+            "fp8 matmuls (torch._scaled_mm) need 8.9 or newer (Ada, Hopper, Blackwell). Check "
+            "cx_mesh.fp8.fp8_matmul_supported(device) first and keep the model in high precision there"
+        )
+    raise RuntimeError(f"fp8_linear: torch._scaled_mm has no fp8 kernel for device type {device.type!r}")
+
+
+def _pad_to(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    pad_rows, pad_cols = rows - tensor.shape[0], cols - tensor.shape[1]
+    return F.pad(tensor, (0, pad_cols, 0, pad_rows)) if pad_rows or pad_cols else tensor
+
+
+def _round_up(value: int) -> int:
+    return -(-value // FP8_ALIGNMENT) * FP8_ALIGNMENT
+
+
+def scaled_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_dtype: torch.dtype,
+    b_dtype: torch.dtype,
+    recipe: ScalingRecipe,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """a @ b.T for a (M, K) and b (N, K) in high precision, each quantized along K (the reduction dim).
+
+    On CUDA, K and N are zero-padded to multiples of 16 (cuBLASLt's fp8 requirement; zeros add nothing to the sums)
+    and the output sliced back; rowwise GEMMs there produce bf16 (the only output cuBLASLt takes for them) and are
+    cast to `out_dtype`."""
+    m, n = a.shape[0], b.shape[0]
+    if a.device.type == "cuda":
+        k = _round_up(a.shape[1])
+        a, b = _pad_to(a, m, k), _pad_to(b, _round_up(n), k)
+    qa, qb = quantize(a.contiguous(), a_dtype, recipe), quantize(b.contiguous(), b_dtype, recipe)
+    rowwise_cuda = recipe is ScalingRecipe.ROWWISE and a.device.type == "cuda"
+    mm_dtype = torch.bfloat16 if rowwise_cuda else out_dtype
+    scale_b = qb.scale.t() if recipe is ScalingRecipe.ROWWISE else qb.scale  # (1, N): one scale per column
+    out = torch._scaled_mm(qa.data, qb.data.t(), scale_a=qa.scale, scale_b=scale_b, out_dtype=mm_dtype)
+    return out[:m, :n].to(out_dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """F.linear with fp8 GEMMs; bias added and its gradient summed in high precision."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: ScalingRecipe
+    ) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        ctx.recipe = recipe
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        x = input.reshape(-1, input.shape[-1])
+        out = scaled_matmul(x, weight, E4M3, E4M3, recipe, input.dtype)
+        if bias is not None:
+            out = (out.float() + bias.float()).to(input.dtype)
+        return out.reshape(*input.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        input, weight = ctx.saved_tensors
+        recipe: ScalingRecipe = ctx.recipe
+        g = grad_output.reshape(-1, grad_output.shape[-1])
+        x = input.reshape(-1, input.shape[-1])
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): reduce over the output features
+            grad_input = scaled_matmul(g, weight.t(), E5M2, E4M3, recipe, input.dtype).reshape(input.shape)
+        if ctx.needs_input_grad[1]:  # (N, M) @ (M, K): reduce over the tokens
+            grad_weight = scaled_matmul(g.t(), x.t(), E5M2, E4M3, recipe, weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_bias = g.float().sum(0).to(ctx.bias_dtype)
+        return grad_input, grad_weight, grad_bias, None
+
+
+def fp8_linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    recipe: ScalingRecipe = ScalingRecipe.TENSORWISE,
+) -> torch.Tensor:
+    """F.linear(input, weight, bias) computed in fp8: input and weight quantized to E4M3 for the forward GEMM,
+    grad_output to E5M2 for both backward GEMMs. Output, grad_input and grad_weight come back in input's / weight's
+    own dtypes (float16, bfloat16 or float32); bias is added in float32. Any leading dims of input; `weight` is any
+    (out, in) tensor (a TP shard, Conv1D's weight.t(), one expert's slice). Raises where torch._scaled_mm has no fp8
+    kernel for the device (see `fp8_matmul_supported`), never silently falling back to high precision."""
+    if weight.dim() != 2:
+        raise ValueError(f"fp8_linear needs a 2-D (out_features, in_features) weight, got shape {tuple(weight.shape)}")
+    if input.dim() < 1 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"fp8_linear: input's last dim must equal weight's in_features {weight.shape[1]}, got {tuple(input.shape)}"
+        )
+    for name, tensor in (("input", input), ("weight", weight)):
+        if tensor.dtype not in _OUTPUT_DTYPES:
+            raise TypeError(f"fp8_linear takes a float16/bfloat16/float32 {name}, got {tensor.dtype}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"fp8_linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if not isinstance(recipe, ScalingRecipe):
+        raise TypeError(f"fp8_linear: recipe must be a ScalingRecipe, got {recipe!r}")
+    _require_supported(input.device)
+    out: torch.Tensor = _Fp8Linear.apply(input, weight, bias, recipe)
+    return out

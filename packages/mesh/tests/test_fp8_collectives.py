@@ -1,0 +1,138 @@
+"""The fp8 collectives on 2 gloo ranks against the exact sums, and the bytes they hand to torch.distributed.
+
+Error bound per element (the arithmetic, not a measured figure): quantizing x with scale s (amax / fp8 max) rounds
+x / s to the nearest fp8 value, off by at most u * |x| for values in the normal range (u = 2^-4 for E4M3, 2^-3 for
+E5M2: `unit_roundoff`) and by at most s * 2^-10 (E4M3) / s * 2^-17 (E5M2), half the subnormal spacing, below it:
+e(x) = max(u * |x|, s * tiny * u). A sum of received values adds each term's bound (taken in float32: its rounding,
+2^-24 relative per addition, is far below). Writing into a bf16 output rounds once more, by 2^-8 relative.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cx_mesh import all_gather_flat, reduce_scatter_flat
+from cx_mesh.fp8 import (
+    E4M3,
+    E5M2,
+    all_gather_flat_fp8,
+    all_reduce_fp8,
+    all_to_all_single_fp8,
+    reduce_scatter_flat_fp8,
+)
+from cx_mesh.testing import count_collective_bytes, distributed, unit_roundoff
+
+_SCALE = 4  # bytes of one float32 scale
+
+
+def _quantization_bound(values: torch.Tensor, fp8_dtype: torch.dtype, amax: float) -> torch.Tensor:
+    """e(x) above, for values quantized under one scale taken from `amax`."""
+    info = torch.finfo(fp8_dtype)
+    u = unit_roundoff(fp8_dtype)
+    scale = amax / info.max
+    return torch.maximum(u * values.abs(), torch.full_like(values, scale * info.tiny * u))
+
+
+def _inputs(rank: int, numel: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return (torch.randn(numel, generator=generator, dtype=torch.float64) * (1 + rank)).bfloat16().double()
+
+
+def _assert_within(actual: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor, output_u: float) -> None:
+    bound = bound + output_u * exact.abs() * 1.01  # the output dtype's rounding of a value within the bound
+    excess = (actual.double() - exact).abs() - bound
+    assert excess.max() <= 0, f"off by {excess.max().item():.3g} beyond the bound"
+
+
+@distributed(world_size=2)
+def test_fp8_collectives_match_exact_sums_within_the_quantization_bound_at_half_the_bytes(
+    rank: int, world_size: int
+) -> None:
+    u_bf16 = unit_roundoff(torch.bfloat16)
+    inputs = [_inputs(r, 24) for r in range(world_size)]
+    mine = inputs[rank].bfloat16()
+
+    # all-gather: every rank gets every rank's quantized tensor, its own included; blocking and async
+    gathered = torch.empty(24 * world_size, dtype=torch.bfloat16)
+    with count_collective_bytes() as fp8_bytes:
+        all_gather_flat_fp8(gathered, mine)
+    with count_collective_bytes() as bf16_bytes:
+        all_gather_flat(torch.empty_like(gathered), mine)
+    assert fp8_bytes.total == bf16_bytes.total // 2 + _SCALE
+    exact = torch.cat(inputs)
+    bound = torch.cat([_quantization_bound(x, E4M3, x.abs().max().item()) for x in inputs])
+    _assert_within(gathered, exact, bound, u_bf16)
+    again = torch.empty_like(gathered)
+    work = all_gather_flat_fp8(again, mine, async_op=True)
+    assert work is not None
+    work.wait()
+    assert torch.equal(again, gathered)
+
+    # reduce-scatter: one scale per destination slice, float32 sums; SUM and AVG
+    output = torch.empty(12, dtype=torch.float32)
+    with count_collective_bytes() as fp8_bytes:
+        reduce_scatter_flat_fp8(output, mine)
+    with count_collective_bytes() as bf16_bytes:
+        reduce_scatter_flat(torch.empty(12, dtype=torch.bfloat16), mine)
+    assert fp8_bytes.total == bf16_bytes.total // 2 + world_size * _SCALE
+    slices = [x.view(world_size, 12) for x in inputs]
+    exact = torch.stack([x[rank] for x in slices]).sum(0)
+    bound = torch.stack([_quantization_bound(x[rank], E5M2, x[rank].abs().max().item()) for x in slices]).sum(0)
+    _assert_within(output, exact, bound, 0.0)
+    averaged = torch.empty(12, dtype=torch.bfloat16)
+    work = reduce_scatter_flat_fp8(averaged, mine, op=dist.ReduceOp.AVG, async_op=True)
+    assert work is not None
+    assert work.wait()
+    _assert_within(averaged, exact / world_size, bound / world_size, u_bf16)
+
+    # all-reduce, in place, of an odd numel (padded to the group size): fp8 reduce-scatter, then fp8 all-gather of
+    # the reduced slice; bytes are half of a bf16 reduce-scatter plus all-gather, plus world_size + 1 scales
+    odd = [x[:23] for x in inputs]
+    tensor = odd[rank].bfloat16()
+    with count_collective_bytes() as fp8_bytes:
+        work = all_reduce_fp8(tensor, async_op=True)
+        assert work is not None
+        work.wait()
+    padded = 24  # 23 rounded up to a multiple of 2
+    bf16_reduce_scatter_plus_gather = 2 * padded + 2 * padded // world_size
+    assert fp8_bytes.total == bf16_reduce_scatter_plus_gather // 2 + (world_size + 1) * _SCALE
+    exact = torch.stack(odd).sum(0)
+    rs_bound = torch.zeros(padded, dtype=torch.float64)
+    for x in odd:
+        padded_x = torch.nn.functional.pad(x, (0, 1)).view(world_size, -1)
+        rs_bound += torch.cat([_quantization_bound(row, E5M2, row.abs().max().item()) for row in padded_x])
+    summed = torch.nn.functional.pad(exact, (0, 1)).view(world_size, -1)
+    ag_bound = torch.cat(  # the reduced slice (within rs_bound of the exact sum) quantized again
+        [
+            _quantization_bound(row.abs() + b, E5M2, (row.abs() + b).max().item())
+            for row, b in zip(summed, rs_bound.view(world_size, -1), strict=True)
+        ]
+    )
+    _assert_within(tensor, exact, (rs_bound + ag_bound)[:23], u_bf16)
+
+    # all-to-all with uneven splits (an empty chunk included): rank 0 sends 1 and 0 rows, rank 1 sends 2 and 3
+    sends = [[1, 0], [2, 3]]
+    rows = [torch.stack([_inputs(10 * r + i, 8) for i in range(sum(sends[r]))]) for r in range(world_size)]
+    receives = [sends[source][rank] for source in range(world_size)]
+    received = torch.empty(sum(receives), 8, dtype=torch.bfloat16)
+    with count_collective_bytes() as fp8_bytes:
+        work = all_to_all_single_fp8(received, rows[rank].bfloat16(), receives, sends[rank], async_op=True)
+        assert work is not None
+        work.wait()
+    assert fp8_bytes.total == sum(sends[rank]) * 8 * 2 // 2 + world_size * _SCALE
+    expected_parts, bound_parts = [], []
+    for source in range(world_size):
+        start = sum(sends[source][:rank])
+        part = rows[source][start : start + sends[source][rank]]
+        expected_parts.append(part)
+        amax = part.abs().max().item() if part.numel() else 0.0
+        bound_parts.append(_quantization_bound(part, E4M3, amax))
+    _assert_within(received, torch.cat(expected_parts), torch.cat(bound_parts), u_bf16)
+
+    # a non-finite value survives compression, so an fp16 overflow check after the collective still sees it
+    poisoned = torch.ones(6, dtype=torch.float16)
+    if rank == 1:
+        poisoned[2] = float("inf")
+    all_reduce_fp8(poisoned)
+    assert not torch.isfinite(poisoned).all()
