@@ -9,12 +9,15 @@
 - Gradient semantics: `is_moe_tensor`, `get_ep_group`, `get_moe_dp_group`, ..., `moe_param_groups` (a
   `pg_to_param_list` for ZeRO).
 - Hugging Face: `expert_parallelize_hf` makes a transformers 5 MoE model's blocks expert-parallel in place.
+- fp8: `MoeFp8Options` (use_fp8: expert matmuls; fp8_communication: dispatch / combine all-to-alls) on a `MoeLayer`,
+  or on every MoE layer of a built model with `convert_moe_to_fp8`.
 """
 
 from cx_moe._balancing import register_expert_bias_update, update_expert_bias
 from cx_moe._capacity import expert_capacity, rank_within_expert
 from cx_moe._dispatch import DispatchPlan, combine, combine_padded, dispatch, dispatch_padded
 from cx_moe._experts import GroupedExperts, expert_mlp, grouped_linear, grouped_mm_supported
+from cx_moe._fp8 import convert_moe_to_fp8
 from cx_moe._grad_scale import scale_grad
 from cx_moe._hf import HF_MOE_BLOCKS, UnknownMoeBlockError, expert_parallelize_hf
 from cx_moe._layer import MoeLayer, SharedExpert
@@ -36,6 +39,7 @@ from cx_moe._options import (
     DropPolicy,
     ExpertImplementation,
     ExpertOptions,
+    MoeFp8Options,
     RouterOptions,
     ScoreFunction,
 )
@@ -48,6 +52,7 @@ __all__ = [
     "DropPolicy",
     "ExpertImplementation",
     "ExpertOptions",
+    "MoeFp8Options",
     "RouterOptions",
     "ScoreFunction",
     # routing and load balancing
@@ -91,4 +96,6 @@ __all__ = [
     "HF_MOE_BLOCKS",
     "UnknownMoeBlockError",
     "expert_parallelize_hf",
+    # fp8
+    "convert_moe_to_fp8",
 ]

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from cx_mesh import ProcessGroup, all_to_all_single
+from cx_mesh import fp8 as cx_fp8
 
 __all__ = ["DispatchPlan", "combine", "combine_padded", "dispatch", "dispatch_padded", "group_size"]
 
@@ -31,33 +32,55 @@ def group_size(group: ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _all_to_all(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-    """Rows to every rank (`in_sizes` of them to each, in rank order); `out_sizes` rows come back from each."""
+def _all_to_all(
+    rows: torch.Tensor,
+    out_sizes: list[int],
+    in_sizes: list[int],
+    group: ProcessGroup,
+    fp8_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Rows to every rank (`in_sizes` of them to each, in rank order); `out_sizes` rows come back from each. With
+    `fp8_dtype` the rows travel in that fp8 format (scales alongside) and arrive in their own dtype."""
     rows = rows.contiguous()
     received = rows.new_empty((sum(out_sizes), *rows.shape[1:]))
-    all_to_all_single(received, rows, out_sizes, in_sizes, group=group)
+    if fp8_dtype is None:
+        all_to_all_single(received, rows, out_sizes, in_sizes, group=group)
+    else:
+        cx_fp8.all_to_all_single_fp8(received, rows, out_sizes, in_sizes, group=group, fp8_dtype=fp8_dtype)
     return received
 
 
 class _Exchange(torch.autograd.Function):
-    """The uneven row exchange under autograd: the gradient goes back by the reverse exchange."""
+    """The uneven row exchange under autograd: the gradient goes back by the reverse exchange (in fp8: E4M3 rows
+    forward, E5M2 gradients back)."""
 
     @staticmethod
     def forward(
-        ctx: Any, rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: ProcessGroup
+        ctx: Any, rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: ProcessGroup, fp8: bool
     ) -> torch.Tensor:
-        ctx.sizes, ctx.group = (out_sizes, in_sizes), group
-        return _all_to_all(rows, out_sizes, in_sizes, group)
+        ctx.sizes, ctx.group, ctx.fp8 = (out_sizes, in_sizes), group, fp8
+        return _all_to_all(rows, out_sizes, in_sizes, group, cx_fp8.E4M3 if fp8 else None)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         out_sizes, in_sizes = ctx.sizes
-        return _all_to_all(grad, in_sizes, out_sizes, ctx.group), None, None, None
+        returned = _all_to_all(grad, in_sizes, out_sizes, ctx.group, cx_fp8.E5M2 if ctx.fp8 else None)
+        return returned, None, None, None, None
 
 
-def _exchange(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-    result: torch.Tensor = _Exchange.apply(rows, out_sizes, in_sizes, group)
+def _exchange(
+    rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: ProcessGroup, fp8: bool
+) -> torch.Tensor:
+    result: torch.Tensor = _Exchange.apply(rows, out_sizes, in_sizes, group, fp8)
     return result
+
+
+def _check_fp8_communication(fp8_communication: bool, group: ProcessGroup | None) -> None:
+    if fp8_communication and group_size(group) == 1:
+        raise ValueError(
+            "fp8_communication=True needs an expert-parallel group of more than one rank: without one, dispatch and "
+            "combine exchange nothing to compress"
+        )
 
 
 def _inverse(permutation: torch.Tensor) -> torch.Tensor:
@@ -80,6 +103,7 @@ class DispatchPlan:
     group: ProcessGroup | None
     capacity: int = 0  # padded layout only
     padded_rows: torch.Tensor | None = None  # padded layout only: row of each kept assignment in the send buffer
+    fp8_communication: bool = False  # the row exchanges of dispatch and combine in fp8
 
 
 def dispatch(
@@ -88,9 +112,12 @@ def dispatch(
     num_experts: int,
     group: ProcessGroup | None,
     keep: torch.Tensor | None = None,
+    fp8_communication: bool = False,
 ) -> tuple[torch.Tensor, list[int], DispatchPlan]:
     """Send every kept assignment's token row to its expert's rank. Returns the rows this rank's experts compute,
-    grouped by local expert, the count per local expert, and the plan for `combine`."""
+    grouped by local expert, the count per local expert, and the plan for `combine`. `fp8_communication`: the row
+    exchanges (here and in `combine`) in fp8; an error without an expert-parallel group (nothing to compress)."""
+    _check_fp8_communication(fp8_communication, group)
     tokens, top_k = indices.shape
     ep = group_size(group)
     flat = indices.reshape(-1)
@@ -111,11 +138,11 @@ def dispatch(
     send_sizes = [sum(r) for r in both[0]]
     recv_sizes = [sum(r) for r in both[1]]
     kept = order[: sum(send_sizes)]
-    received = _exchange(x[kept // top_k], recv_sizes, send_sizes, group)
+    received = _exchange(x[kept // top_k], recv_sizes, send_sizes, group, fp8_communication)
     expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
     regroup = torch.argsort(expert_of_row, stable=True)
     local_counts = [sum(both[1][src][e] for src in range(ep)) for e in range(local)]
-    plan = DispatchPlan(tokens, top_k, kept, send_sizes, recv_sizes, regroup, group)
+    plan = DispatchPlan(tokens, top_k, kept, send_sizes, recv_sizes, regroup, group, 0, None, fp8_communication)
     return received[regroup], local_counts, plan
 
 
@@ -134,7 +161,7 @@ def combine(expert_out: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor)
     if plan.group is None or plan.regroup is None:
         return _weighted_sum(expert_out, plan, weights)
     in_recv_order = expert_out[_inverse(plan.regroup)]
-    returned = _exchange(in_recv_order, plan.send_sizes, plan.recv_sizes, plan.group)
+    returned = _exchange(in_recv_order, plan.send_sizes, plan.recv_sizes, plan.group, plan.fp8_communication)
     return _weighted_sum(returned, plan, weights)
 
 
@@ -146,9 +173,11 @@ def dispatch_padded(
     keep: torch.Tensor,
     slots: torch.Tensor,
     capacity: int,
+    fp8_communication: bool = False,
 ) -> tuple[torch.Tensor, list[int], DispatchPlan]:
     """Like `dispatch`, into a fixed `[num_experts, capacity]` buffer per rank (`slots`: each assignment's place in
     its expert's rows, only read where `keep`). Every local expert then gets `ep * capacity` rows."""
+    _check_fp8_communication(fp8_communication, group)
     tokens, top_k = indices.shape
     ep = group_size(group)
     local = num_experts // ep
@@ -160,9 +189,9 @@ def dispatch_padded(
         plan = DispatchPlan(tokens, top_k, kept, [], [], None, None, capacity, rows_at)
         return buffer, counts, plan
     sizes = [local * capacity] * ep
-    received = _exchange(buffer, sizes, sizes, group)  # [src, local expert, capacity] rows
+    received = _exchange(buffer, sizes, sizes, group, fp8_communication)  # [src, local expert, capacity] rows
     grouped = received.view(ep, local, capacity, -1).transpose(0, 1).reshape(ep * local * capacity, -1)
-    plan = DispatchPlan(tokens, top_k, kept, sizes, sizes, None, group, capacity, rows_at)
+    plan = DispatchPlan(tokens, top_k, kept, sizes, sizes, None, group, capacity, rows_at, fp8_communication)
     return grouped, counts, plan
 
 
@@ -173,5 +202,5 @@ def combine_padded(expert_out: torch.Tensor, plan: DispatchPlan, weights: torch.
         ep = len(plan.send_sizes)
         local = plan.send_sizes[0] // plan.capacity if plan.capacity else 0
         by_source = expert_out.view(local, ep, plan.capacity, -1).transpose(0, 1).reshape(-1, expert_out.shape[-1])
-        expert_out = _exchange(by_source, plan.send_sizes, plan.send_sizes, plan.group)
+        expert_out = _exchange(by_source, plan.send_sizes, plan.send_sizes, plan.group, plan.fp8_communication)
     return _weighted_sum(expert_out[plan.padded_rows], plan, weights)

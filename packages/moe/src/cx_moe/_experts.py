@@ -3,7 +3,9 @@
 `grouped_linear` multiplies each expert's contiguous block of rows by that expert's weight with one torch grouped
 matmul (`torch.nn.functional.grouped_mm`, or `torch._grouped_mm` on older torch) where the device, dtype and
 alignment allow it (CPU: fp32/bf16/fp16 with every row 16-byte aligned; CUDA: bf16 on compute capability 8.0+), and
-with one matmul per expert otherwise. `expert_mlp` is the gated (SwiGLU) or plain two-layer expert built on it.
+with one matmul per expert otherwise. With `fp8` options (use_fp8) a projection whose dims `fp8_eligible` accepts runs
+one `cx_mesh.fp8.fp8_linear` per expert instead (each expert's rows and weight get their own dynamic scales; torch has
+no fp8 grouped matmul on CPU). `expert_mlp` is the gated (SwiGLU) or plain two-layer expert built on it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cx_mesh import fp8 as cx_fp8
 from cx_moe._grad_scale import scale_grad
 from cx_moe._options import Activation, ExpertImplementation
 
@@ -65,15 +68,19 @@ def grouped_linear(
     weight: torch.Tensor,
     counts: Sequence[int],
     implementation: ExpertImplementation = ExpertImplementation.AUTO,
+    fp8: cx_fp8.Fp8Options | None = None,
 ) -> torch.Tensor:
     """Rows `x [N, in]` grouped by expert (`counts[e]` rows for expert e, in order) times `weight [E, out, in]`
     transposed: [N, out]. Every expert's weight joins the autograd graph, so an expert with no rows gets a zero
-    gradient rather than none (data-parallel reductions then see the same parameters on every rank)."""
+    gradient rather than none (data-parallel reductions then see the same parameters on every rank). `fp8`: in fp8
+    where `fp8_eligible(in, out, fp8)` (see the module docstring)."""
     if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(
             f"counts {list(counts)} must have one entry per expert ({weight.shape[0]}) "
             f"summing to the rows ({x.shape[0]})"
         )
+    if fp8 is not None and cx_fp8.fp8_eligible(weight.shape[2], weight.shape[1], fp8):
+        return _fp8_grouped_linear(x, weight, counts, fp8.recipe)
     use_grouped = implementation is ExpertImplementation.GROUPED_MM or (
         implementation is ExpertImplementation.AUTO and grouped_mm_supported(x, weight)
     )
@@ -89,6 +96,19 @@ def grouped_linear(
     return torch.cat([F.linear(piece, weight[e]) for e, piece in enumerate(pieces)], dim=0)
 
 
+def _fp8_grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int], recipe: cx_fp8.ScalingRecipe
+) -> torch.Tensor:
+    """One fp8 matmul per expert with rows; an expert without rows multiplies its empty block in high precision
+    (nothing to quantize), which keeps its weight in the graph with a zero gradient."""
+    pieces = torch.split(x, list(counts))
+    outs = [
+        cx_fp8.fp8_linear(piece, weight[e], recipe=recipe) if piece.shape[0] else F.linear(piece, weight[e])
+        for e, piece in enumerate(pieces)
+    ]
+    return torch.cat(outs, dim=0)
+
+
 def expert_mlp(
     x: torch.Tensor,
     counts: Sequence[int],
@@ -99,10 +119,12 @@ def expert_mlp(
     gated: bool,
     implementation: ExpertImplementation = ExpertImplementation.AUTO,
     apply_gate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    fp8: cx_fp8.Fp8Options | None = None,
 ) -> torch.Tensor:
     """Each expert's MLP on its rows: gated `down(act(gate) * up)` with `up` = gate_up_proj [E, 2I, H] (gate rows
-    first, as transformers' `chunk(2)`), or plain `down(act(up))`. `apply_gate` overrides the gated split."""
-    hidden = grouped_linear(x, up, counts, implementation)
+    first, as transformers' `chunk(2)`), or plain `down(act(up))`. `apply_gate` overrides the gated split. `fp8`:
+    both projections in fp8 where eligible (`grouped_linear`)."""
+    hidden = grouped_linear(x, up, counts, implementation, fp8)
     if gated:
         if apply_gate is not None:
             hidden = apply_gate(hidden)
@@ -111,12 +133,13 @@ def expert_mlp(
             hidden = act(gate) * value
     else:
         hidden = act(hidden)
-    return grouped_linear(hidden, down, counts, implementation)
+    return grouped_linear(hidden, down, counts, implementation, fp8)
 
 
 class GroupedExperts(nn.Module):
     """`num_experts` experts (this rank's slice under expert parallelism) as stacked parameters:
-    `gate_up_proj [E, 2I, H]` (gated) or `up_proj [E, I, H]`, and `down_proj [E, H, I]`."""
+    `gate_up_proj [E, 2I, H]` (gated) or `up_proj [E, I, H]`, and `down_proj [E, H, I]`. `fp8` (None: off) makes
+    the eligible projections compute in fp8 (use_fp8)."""
 
     def __init__(
         self,
@@ -130,8 +153,10 @@ class GroupedExperts(nn.Module):
         initialize: bool = True,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        fp8: cx_fp8.Fp8Options | None = None,
     ) -> None:
         super().__init__()
+        self.fp8 = fp8
         self.num_experts = num_experts
         self.gated = gated
         self.activation = activation
@@ -170,4 +195,5 @@ class GroupedExperts(nn.Module):
             self._act,
             gated=self.gated,
             implementation=self.implementation,
+            fp8=self.fp8,
         )

@@ -17,7 +17,7 @@ release that changes a layout fails here with `UnknownMoeBlockError` instead of 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType, MethodType
 
 import torch
@@ -29,6 +29,7 @@ from cx_moe._experts import expert_mlp
 from cx_moe._grad_scale import scale_grad
 from cx_moe._groups import check_expert_groups
 from cx_moe._marking import MoeParamInfo, set_moe_tensor_info
+from cx_moe._options import MoeFp8Options
 
 __all__ = ["HF_MOE_BLOCKS", "UnknownMoeBlockError", "expert_parallelize_hf"]
 
@@ -52,9 +53,13 @@ class UnknownMoeBlockError(ValueError):
 
 @dataclass(frozen=True)
 class _ExpertParallelState:
-    group: ProcessGroup
+    """What the replaced forward needs: the ep group (None: the experts are whole, converted only for fp8), the
+    block's expert count, the ep size and the fp8 switches."""
+
+    group: ProcessGroup | None
     num_experts: int
     ep_size: int
+    fp8: MoeFp8Options = field(default_factory=MoeFp8Options)
 
 
 def _has_stacked_experts(module: nn.Module) -> bool:
@@ -111,7 +116,10 @@ def _expert_parallel_forward(
     down: torch.Tensor = getattr(self, "down_proj")  # noqa: B009
     act: Callable[[torch.Tensor], torch.Tensor] = getattr(self, "act_fn")  # noqa: B009
     apply_gate: Callable[[torch.Tensor], torch.Tensor] | None = getattr(self, "_apply_gate", None)
-    rows, counts, plan = dispatch(hidden_states, top_k_index, state.num_experts, state.group)
+    fp8 = state.fp8
+    rows, counts, plan = dispatch(
+        hidden_states, top_k_index, state.num_experts, state.group, fp8_communication=fp8.fp8_communication
+    )
     out = expert_mlp(
         rows.to(gate_up.dtype),
         counts,
@@ -120,6 +128,7 @@ def _expert_parallel_forward(
         act,
         gated=True,
         apply_gate=apply_gate,
+        fp8=fp8.matmul if fp8.use_fp8 else None,
     )
     return combine(out, plan, top_k_weights).to(hidden_states.dtype)
 
@@ -146,7 +155,8 @@ def expert_parallelize_hf(
         raise ValueError(f"{type(model).__name__} has no MoE block cx knows (supported: {', '.join(HF_MOE_BLOCKS)})")
     checked = []
     for name, block in blocks:  # every block checked before any is changed
-        if getattr(getattr(block, "experts", None), _STATE, None) is not None:
+        state = getattr(getattr(block, "experts", None), _STATE, None)
+        if state is not None and state.group is not None:
             raise ValueError(f"{name} is already expert-parallel")
         checked.append(_check_layout(name, block))
     for (name, _), (experts, count) in zip(blocks, checked, strict=True):
@@ -163,6 +173,8 @@ def expert_parallelize_hf(
             piece = nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad)
             set_moe_tensor_info(piece, info)
             setattr(experts, param_name, piece)
-        setattr(experts, _STATE, _ExpertParallelState(ep_group, count, ep_size))
+        before: _ExpertParallelState | None = getattr(experts, _STATE, None)  # set by convert_moe_to_fp8 at ep 1
+        fp8 = MoeFp8Options() if before is None else before.fp8
+        setattr(experts, _STATE, _ExpertParallelState(ep_group, count, ep_size, fp8))
         setattr(experts, "forward", MethodType(_expert_parallel_forward, experts))  # noqa: B010  (instance override)
     return [name for name, _ in blocks]

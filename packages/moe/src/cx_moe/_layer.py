@@ -2,7 +2,8 @@
 
 Unsplit (`ep_group=None`) it is an ordinary single-process MoE layer; with an `ep_group` of size n each rank holds
 experts [r * E/n, (r + 1) * E/n) and tokens travel by all-to-all (`cx_moe._dispatch`). Built with the same seed, the
-split layer's slices equal the unsplit layer's experts, so either can be the other's reference.
+split layer's slices equal the unsplit layer's experts, so either can be the other's reference. `MoeFp8Options`
+(`fp8=`, or `set_fp8` later) puts the experts' matmuls and the all-to-alls in fp8.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import torch
 from torch import nn
 
 from cx_mesh import ProcessGroup
+from cx_mesh.fp8 import convert_to_fp8
 from cx_moe._capacity import expert_capacity, rank_within_expert
 from cx_moe._dispatch import combine, combine_padded, dispatch, dispatch_padded
 from cx_moe._experts import GroupedExperts, activation_function
 from cx_moe._groups import check_expert_groups
 from cx_moe._marking import MoeParamInfo, set_moe_tensor_info
-from cx_moe._options import CapacityOptions, ExpertOptions, RouterOptions
+from cx_moe._options import CapacityOptions, ExpertOptions, MoeFp8Options, RouterOptions
 from cx_moe._router import TopKRouter
 
 __all__ = ["MoeLayer", "SharedExpert"]
@@ -53,7 +55,8 @@ class MoeLayer(nn.Module):
 
     `ep_group` splits the experts over its ranks; `moe_dp_group` is the group of ranks holding the same slice (the
     expert parameters are marked with both, see `moe_param_groups`). `capacity` enables capacity-limited routing
-    (dropless without it). Router losses: `collect_router_losses(model)`.
+    (dropless without it). `fp8`: fp8 expert matmuls / all-to-alls (`MoeFp8Options`, see `set_fp8`). Router losses:
+    `collect_router_losses(model)`.
     """
 
     def __init__(
@@ -66,9 +69,11 @@ class MoeLayer(nn.Module):
         moe_dp_group: ProcessGroup | None = None,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        fp8: MoeFp8Options | None = None,
     ) -> None:
         super().__init__()
         self.ep_rank, self.ep_size = check_expert_groups(router.num_experts, ep_group, moe_dp_group, "MoeLayer")
+        self.fp8 = MoeFp8Options()
         self.expert_options = experts
         self.router_options = router
         self.capacity = capacity
@@ -109,6 +114,22 @@ class MoeLayer(nn.Module):
             info = MoeParamInfo(ep_group, moe_dp_group, self.ep_rank, self.ep_size, router.num_experts)
             for param in self.experts.parameters():
                 set_moe_tensor_info(param, info)
+        if fp8 is not None:
+            self.set_fp8(fp8)
+
+    def set_fp8(self, fp8: MoeFp8Options) -> None:
+        """Switch fp8 on: with `use_fp8` the routed experts' eligible projections compute in fp8 and the shared
+        expert's eligible linears become `Fp8Linear` (the router stays in high precision, as torchtitan's); with
+        `fp8_communication` dispatch and combine exchange fp8 rows (refused without an ep group of size > 1)."""
+        if fp8.fp8_communication and self.ep_size == 1:
+            raise ValueError(
+                "MoeLayer(fp8_communication=True): the layer has no expert-parallel group of size > 1, so there is "
+                "no all-to-all to compress"
+            )
+        self.fp8 = fp8
+        self.experts.fp8 = fp8.matmul if fp8.use_fp8 else None
+        if fp8.use_fp8 and self.shared_expert is not None:
+            convert_to_fp8(self.shared_expert, fp8.matmul)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -123,14 +144,17 @@ class MoeLayer(nn.Module):
         """The routed experts' weighted output [T, H] for tokens `x [T, H]` and their top-k `indices` / `weights`
         (global expert ids): dispatch, this rank's experts, combine."""
         grad_scale = 1.0 / self.ep_size
+        fp8_comm = self.fp8.fp8_communication
         if self.capacity is None:
-            rows, counts, plan = dispatch(x, indices, self.num_experts, self.ep_group)
+            rows, counts, plan = dispatch(x, indices, self.num_experts, self.ep_group, fp8_communication=fp8_comm)
             return combine(self.experts(rows, counts, grad_scale), plan, weights)
         capacity = expert_capacity(self.capacity, x.shape[0], indices.shape[1], self.num_experts)
         ranks = rank_within_expert(weights, indices, self.num_experts, self.capacity.policy)
         keep = ranks < capacity
         if self.capacity.pad_to_capacity:
-            rows, counts, plan = dispatch_padded(x, indices, self.num_experts, self.ep_group, keep, ranks, capacity)
+            rows, counts, plan = dispatch_padded(
+                x, indices, self.num_experts, self.ep_group, keep, ranks, capacity, fp8_communication=fp8_comm
+            )
             return combine_padded(self.experts(rows, counts, grad_scale), plan, weights)
-        rows, counts, plan = dispatch(x, indices, self.num_experts, self.ep_group, keep)
+        rows, counts, plan = dispatch(x, indices, self.num_experts, self.ep_group, keep, fp8_communication=fp8_comm)
         return combine(self.experts(rows, counts, grad_scale), plan, weights)

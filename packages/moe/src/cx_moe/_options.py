@@ -3,9 +3,11 @@ capacity limit. Strings at the public edge ("softmax", "probability", "silu") be
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeVar
+
+from cx_mesh.fp8 import Fp8Options
 
 __all__ = [
     "Activation",
@@ -13,6 +15,7 @@ __all__ = [
     "DropPolicy",
     "ExpertImplementation",
     "ExpertOptions",
+    "MoeFp8Options",
     "RouterOptions",
     "ScoreFunction",
 ]
@@ -182,3 +185,28 @@ class ExpertOptions:
     def impl(self) -> ExpertImplementation:
         assert isinstance(self.implementation, ExpertImplementation)
         return self.implementation
+
+
+@dataclass(frozen=True)
+class MoeFp8Options:
+    """fp8 in the MoE path (ColossalAI's `use_fp8` / `fp8_communication` for MoE blocks).
+
+    - `use_fp8`: each routed expert's two matmuls run in fp8 with `cx_mesh.fp8.fp8_linear` (E4M3 operands, E5M2
+      gradients, dynamic scales with `matmul.recipe`), for the projections whose dims `fp8_eligible(..., matmul)`
+      accepts; the others stay in high precision, as torchtitan filters small layers. Master weights are unchanged.
+    - `fp8_communication`: the dispatch and combine all-to-alls send their rows as fp8 with
+      `cx_mesh.fp8.all_to_all_single_fp8` (E4M3 forward, E5M2 for the gradients in backward), one scale per
+      destination rank; only meaningful with an expert-parallel group of size > 1 (refused otherwise).
+    """
+
+    use_fp8: bool = False
+    fp8_communication: bool = False
+    matmul: Fp8Options = field(default_factory=Fp8Options)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.matmul, Fp8Options):
+            raise TypeError(f"MoeFp8Options.matmul must be a cx_mesh.fp8.Fp8Options, got {self.matmul!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.use_fp8 or self.fp8_communication
