@@ -1,0 +1,178 @@
+"""The hardware the planner predicts for: accelerators (peak dense FLOP/s per precision, memory) and links
+(bandwidth per direction, latency), each overridable, with the published source of every figure.
+
+Peaks are the vendors' datasheet dense figures (no structured sparsity); fp32 is the non-tensor-core figure, as
+PyTorch runs fp32 matmuls without TF32 by default. Link bandwidths are per direction, the number a ring collective
+is bounded by. The `cpu` and `loopback` rows are this repository's CPU machines (2 cores, gloo over loopback):
+measured figures (benchmarks/plan/bench_step_time.py re-measures them), not datasheet ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "DEVICES",
+    "LINKS",
+    "Device",
+    "Link",
+    "Network",
+    "default_network",
+    "lookup_device",
+    "lookup_link",
+    "parse_memory",
+]
+
+_GB = 10**9
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: peak dense FLOP/s by precision ("bf16", "fp16", "fp32"), memory in bytes and memory
+    bandwidth in bytes/s (what bounds the optimizer step)."""
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bytes: int
+    memory_bandwidth: float
+    source: str
+
+    def peak(self, precision: str) -> float:
+        """The peak for `precision` (a ValueError naming the known ones otherwise)."""
+        if precision not in self.peak_flops:
+            raise ValueError(
+                f"device {self.name}: no peak for precision {precision!r}; known: {sorted(self.peak_flops)}"
+            )
+        return self.peak_flops[precision]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One interconnect: bytes per second per direction and the latency of one message in seconds."""
+
+    name: str
+    bandwidth: float
+    latency: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Network:
+    """The links a collective may cross: `intra` inside a node of `devices_per_node` ranks, `inter` between nodes
+    (ranks are numbered node by node, as torchrun does)."""
+
+    intra: Link
+    inter: Link
+    devices_per_node: int
+
+    def link_for(self, span: int) -> Link:
+        """The slowest link a group crosses whose ranks lie within `span` consecutive global ranks."""
+        return self.intra if span <= self.devices_per_node else self.inter
+
+
+_NVIDIA_H100 = (
+    "NVIDIA H100 Tensor Core GPU datasheet (SXM5): bf16/fp16 989 TFLOP/s dense, fp32 67 TFLOP/s, "
+    "80 GB HBM3 at 3.35 TB/s"
+)
+_NVIDIA_H200 = "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 compute, 141 GB HBM3e at 4.8 TB/s"
+_NVIDIA_A100 = (
+    "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB): bf16/fp16 312 TFLOP/s dense, fp32 19.5 TFLOP/s, 80 GB HBM2e at "
+    "2.04 TB/s"
+)
+_CPU = (
+    "measured here: torch.matmul 512x512 on one thread of the 2-core Xeon dev machine (AMX): fp32 95, bf16 390, "
+    "fp16 58 GFLOP/s; a one-thread in-place add of 64 MB streams 7.6 GB/s; 8 GB assumed (pass --device-memory)"
+)
+
+DEVICES: dict[str, Device] = {
+    "h100": Device("h100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * _GB, 3.35e12, _NVIDIA_H100),
+    "h200": Device("h200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * _GB, 4.8e12, _NVIDIA_H200),
+    "a100": Device("a100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * _GB, 2.04e12, _NVIDIA_A100),
+    "cpu": Device("cpu", {"bf16": 390e9, "fp16": 58e9, "fp32": 95e9}, 8 * _GB, 7.6e9, _CPU),
+}
+
+LINKS: dict[str, Link] = {
+    # NVLink 4 (H100/H200 SXM): 900 GB/s total = 450 GB/s per direction (NVIDIA H100 datasheet); NCCL's small-message
+    # latency inside a node is a few microseconds (NCCL tests).
+    "nvlink4": Link("nvlink4", 450e9, 3e-6, "NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional"),
+    # NVLink 3 (A100 SXM): 600 GB/s total = 300 GB/s per direction (NVIDIA A100 datasheet).
+    "nvlink3": Link("nvlink3", 300e9, 3e-6, "NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional"),
+    # InfiniBand NDR 400 Gb/s per GPU (one ConnectX-7 per GPU, as in DGX H100) = 50 GB/s per direction.
+    "ib_ndr": Link("ib_ndr", 50e9, 10e-6, "NVIDIA ConnectX-7 datasheet: InfiniBand NDR 400 Gb/s per port"),
+    # InfiniBand HDR 200 Gb/s per GPU (DGX A100) = 25 GB/s per direction.
+    "ib_hdr": Link("ib_hdr", 25e9, 10e-6, "NVIDIA ConnectX-6 datasheet: InfiniBand HDR 200 Gb/s per port"),
+    # PCIe Gen5 x16: 64 GB/s per direction; Gen4 x16: 32 GB/s (PCI-SIG specifications).
+    "pcie5": Link("pcie5", 64e9, 5e-6, "PCI-SIG PCIe 5.0: 32 GT/s x16"),
+    "pcie4": Link("pcie4", 32e9, 5e-6, "PCI-SIG PCIe 4.0: 16 GT/s x16"),
+    # gloo over loopback on the 2-core dev machine (shared, loaded): all-reduce of 16 MiB between 2 processes ran at
+    # 0.64 GB/s bus bandwidth, a 4-byte one took 0.7 ms.
+    "loopback": Link("loopback", 0.6e9, 0.7e-3, "measured here: gloo all_reduce between 2 processes on loopback"),
+}
+
+_DEFAULT_NETWORK = {
+    "h100": ("nvlink4", "ib_ndr", 8),
+    "h200": ("nvlink4", "ib_ndr", 8),
+    "a100": ("nvlink3", "ib_hdr", 8),
+    "cpu": ("loopback", "loopback", 1 << 30),
+}
+
+
+def lookup_device(name: str, memory_bytes: int | None = None, peak_flops: float | None = None) -> Device:
+    """The table's device `name` (case-insensitive), with its memory and/or peak (every precision) overridden."""
+    found = DEVICES.get(name.lower())
+    if found is None:
+        raise ValueError(f"unknown device {name!r}; known: {', '.join(sorted(DEVICES))}")
+    if memory_bytes is not None:
+        if memory_bytes <= 0:
+            raise ValueError(f"device memory must be positive, got {memory_bytes} bytes")
+        found = dataclasses.replace(found, memory_bytes=memory_bytes, source=found.source + "; memory overridden")
+    if peak_flops is not None:
+        if not peak_flops > 0:
+            raise ValueError(f"peak FLOP/s must be positive, got {peak_flops}")
+        peaks = dict.fromkeys(found.peak_flops, peak_flops)
+        found = dataclasses.replace(found, peak_flops=peaks, source=found.source + "; peak overridden")
+    return found
+
+
+def lookup_link(name: str, bandwidth: float | None = None, latency: float | None = None) -> Link:
+    """The table's link `name`, with its bandwidth (bytes/s per direction) and/or latency (s) overridden."""
+    found = LINKS.get(name.lower())
+    if found is None:
+        raise ValueError(f"unknown interconnect {name!r}; known: {', '.join(sorted(LINKS))}")
+    if bandwidth is not None:
+        if not bandwidth > 0:
+            raise ValueError(f"link bandwidth must be positive, got {bandwidth}")
+        found = dataclasses.replace(found, bandwidth=bandwidth, source=found.source + "; bandwidth overridden")
+    if latency is not None:
+        if not latency >= 0:
+            raise ValueError(f"link latency must be >= 0, got {latency}")
+        found = dataclasses.replace(found, latency=latency, source=found.source + "; latency overridden")
+    return found
+
+
+def default_network(device: Device) -> Network:
+    """The usual links of a device's servers: NVLink inside an 8-GPU node and InfiniBand between nodes; the CPU
+    machine is one node on loopback."""
+    intra, inter, per_node = _DEFAULT_NETWORK.get(device.name, ("loopback", "loopback", 1 << 30))
+    return Network(LINKS[intra], LINKS[inter], per_node)
+
+
+_MEMORY = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes from `80GB`, `80G`, `141 GB`, `64GiB`, `512MiB` or a plain byte count (GB = 10^9, GiB = 2^30)."""
+    match = _MEMORY.match(text)
+    if match is None:
+        raise ValueError(f"cannot read the memory size {text!r}: expected a number and a unit, e.g. 80GB or 64GiB")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    binary = "i" in unit
+    letter = unit[:1] if unit not in ("b", "") else ""
+    scale = 2 ** (10 * "kmgt".index(letter) + 10) if binary else _UNITS[letter]
+    value = int(number * scale)
+    if value <= 0:
+        raise ValueError(f"memory size {text!r} must be positive")
+    return value

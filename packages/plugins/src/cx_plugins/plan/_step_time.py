@@ -1,0 +1,166 @@
+"""Step time of a `Candidate`: FLOPs at an assumed fraction of the device's peak, the collectives over the links
+they cross, the pipeline schedule simulated with those costs, and the optimizer step at memory bandwidth.
+
+- FLOPs per token (PaLM, appendix B): 6 x the matmul parameters a token passes through (every decoder parameter
+  outside the routed experts, top_k / experts of theirs, and the LM head; the input embedding is a lookup) plus
+  12 x layers x seq_len x attention width for the attention scores and their values (no causal halving).
+  Activation checkpointing recomputes the forward (a third of it) of `checkpoint_ratio` of the layers.
+- Compute runs at `efficiency` x peak (default `ACHIEVABLE_FRACTION`: 45 %, between the 38-43 % MFU torchtitan
+  reports for Llama 3 8B on H100 with FSDP2 and the 52 % of Megatron-LM's largest GPT runs on A100; on this
+  repository's CPU the peak is a measured matmul rate, see `_devices`). Every rank does 1/world of the FLOPs
+  (the layers split evenly over pp, the experts balanced over ep).
+- A collective takes hops x latency + bytes / bandwidth on the slowest link its group crosses (`_comm_volume`);
+  communication is not overlapped with compute (an upper bound: DDP and ZeRO overlap part of theirs).
+- pp > 1: each micro-batch's forward and backward per model chunk, with its tp / sp / expert collectives and its p2p
+  transfer, is one action of cx-pipeline's schedule (`schedule_orders`), and `simulate` gives the makespan; the
+  bubble is the makespan minus the busiest stage's work. ZB-V splits each backward into equal I and W halves.
+- The optimizer step streams 28 bytes per fp32 master parameter (read weight, gradient, two moments; write weight
+  and moments), plus the 16-bit weight copy, at the device's memory bandwidth; offloaded optimizer state crosses PCIe
+  5 (gradients down, weights up) and steps at `HOST_BANDWIDTH`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cx_pipeline import Action, ActionKind, schedule_orders, simulate
+from cx_plugins.plan._candidate import Candidate
+from cx_plugins.plan._comm_volume import Collective, step_collectives, weight_bytes
+from cx_plugins.plan._devices import LINKS, Device, Network, default_network
+from cx_plugins.plan._model_spec import ModelShape
+
+__all__ = ["ACHIEVABLE_FRACTION", "HOST_BANDWIDTH", "StepTime", "flops_per_token", "predict_step_time"]
+
+ACHIEVABLE_FRACTION = 0.45
+HOST_BANDWIDTH = 100e9  # bytes/s a CPU Adam streams on a GPU server's host (a share of its ~300 GB/s DRAM)
+_ADAM_BYTES = 28  # per fp32 master parameter and step: read w, g, m, v (16), write w, m, v (12)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One optimizer step of one candidate, per rank; seconds unless named otherwise."""
+
+    flops_per_token: float  # model FLOPs (no recompute)
+    tokens_per_step: int  # all ranks
+    compute_s: float  # the rank's forward + backward at the achievable rate, recompute included
+    recompute_s: float
+    bubble_s: float  # pipeline idle time on the busiest stage
+    communication_s: dict[str, float] = field(default_factory=dict)  # by collective, as run (not overlapped)
+    optimizer_s: float = 0.0
+    step_s: float = 0.0
+    world_size: int = 1
+    peak_flops: float = 0.0  # one device's, for MFU
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: model FLOPs per second over the world's peak (recompute not counted)."""
+        return self.tokens_per_s * self.flops_per_token / (self.world_size * self.peak_flops)
+
+
+def flops_per_token(shape: ModelShape, seq_len: int) -> tuple[float, float]:
+    """(training FLOPs per token, the decoder layers' share of them): 6 x active matmul parameters + attention."""
+    counts = shape.parameters
+    routed = counts.experts * shape.top_k / shape.num_experts if shape.num_experts else 0.0
+    layers = sum(counts.dense_per_layer) + routed
+    head = shape.vocab_size * shape.hidden_size
+    attention = 12.0 * shape.num_layers * seq_len * shape.num_heads * shape.head_dim
+    in_layers = 6.0 * layers + attention
+    return in_layers + 6.0 * head, in_layers
+
+
+def _seconds(collective: Collective, network: Network) -> float:
+    link = network.link_for(collective.span)
+    return collective.hops * link.latency + collective.bytes / link.bandwidth
+
+
+def _optimizer_seconds(candidate: Candidate, shape: ModelShape, device: Device) -> float:
+    c, counts = candidate, shape.parameters
+    dense_dp = c.dp * c.sp if c.stage >= 1 else 1
+    expert_dp = c.moe_dp if c.stage >= 1 else 1
+    held = counts.dense / (c.tp * c.pp) / dense_dp + counts.experts / (c.ep * c.pp) / expert_dp
+    w = weight_bytes(c)
+    per_parameter = _ADAM_BYTES + (w if w == 2 else 0)
+    offloaded = c.offload_optim_frac if c.plugin == "gemini" else (1.0 if c.cpu_offload else 0.0)
+    on_device = held * (1 - offloaded) * per_parameter / device.memory_bandwidth
+    if not offloaded or device.name == "cpu":
+        return on_device + (held * offloaded * per_parameter / device.memory_bandwidth)
+    pcie = LINKS["pcie5"].bandwidth
+    return on_device + held * offloaded * ((4 + w) / pcie + _ADAM_BYTES / HOST_BANDWIDTH)
+
+
+def _pipeline_makespan(candidate: Candidate, forward: float, backward: float, p2p: float) -> tuple[float, float]:
+    """(makespan, busiest stage's work) of one step with per-chunk, per-micro-batch action costs."""
+    c = candidate
+    chunks = c.num_model_chunks
+    orders, virtual = schedule_orders(c.pp_style, c.pp, c.num_microbatches, chunks)
+    f, b, hop = forward / chunks, backward / chunks, p2p
+
+    def cost(action: Action) -> float:
+        if action.kind is ActionKind.FORWARD:
+            return f + hop
+        if action.kind is ActionKind.BACKWARD:
+            return b + hop
+        return b / 2 + (hop if action.kind is ActionKind.BACKWARD_INPUT else 0.0)
+
+    result = simulate(orders, virtual, cost)
+    return result.makespan, max(result.busy)
+
+
+def predict_step_time(
+    candidate: Candidate,
+    shape: ModelShape,
+    seq_len: int,
+    device: Device,
+    network: Network | None = None,
+    efficiency: float = ACHIEVABLE_FRACTION,
+) -> StepTime:
+    """The predicted time of one optimizer step of `candidate` (global batch `candidate.global_batch_size`
+    sequences of `seq_len` tokens) on `world_size` devices of `device` connected by `network`."""
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency (the achievable fraction of peak) must be in (0, 1], got {efficiency}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    c = candidate
+    net = default_network(device) if network is None else network
+    peak = device.peak(c.precision)
+    rate = peak * efficiency
+    per_token, in_layers = flops_per_token(shape, seq_len)
+    tokens = c.global_batch_size * seq_len
+    model_s = tokens * per_token / c.world_size / rate
+    recompute_s = tokens * in_layers / 3 * c.checkpoint_ratio / c.world_size / rate
+    collectives = step_collectives(c, shape, seq_len)
+    times = {col.name: _seconds(col, net) for col in collectives}
+    in_layer = sum(times[col.name] for col in collectives if col.name.startswith(("tp ", "sp ", "expert ")))
+    data_parallel = sum(t for name, t in times.items() if "gradient" in name or "weight" in name)
+    optimizer_s = _optimizer_seconds(c, shape, device)
+    passes = 2 + c.checkpoint_ratio
+    m = c.num_microbatches
+    forward = (model_s / 3 + in_layer / passes) / m
+    backward = (2 * model_s / 3 + recompute_s + in_layer * (1 + c.checkpoint_ratio) / passes) / m
+    bubble_s = 0.0
+    if c.pp > 1:
+        p2p = next(col for col in collectives if col.pipelined)
+        hop = _seconds(p2p, net) / p2p.hops
+        makespan, busiest = _pipeline_makespan(c, forward, backward, hop)
+        bubble_s = makespan - busiest
+        times[p2p.name] = busiest - m * (forward + backward)
+        body = makespan
+    else:
+        body = m * (forward + backward)
+    step_s = body + data_parallel + optimizer_s
+    return StepTime(
+        flops_per_token=per_token,
+        tokens_per_step=tokens,
+        compute_s=model_s + recompute_s,
+        recompute_s=recompute_s,
+        bubble_s=bubble_s,
+        communication_s=times,
+        optimizer_s=optimizer_s,
+        step_s=step_s,
+        world_size=c.world_size,
+        peak_flops=peak,
+    )
