@@ -23,8 +23,11 @@ class OneForwardOneBackwardSchedule(PipelineSchedule):
         microbatch_size: int | None = None,
         enable_metadata_cache: bool = True,
         overlap_p2p: bool = True,
+        fp8_communication: bool = False,
     ) -> None:
-        super().__init__(stage_manager, num_microbatches, microbatch_size, enable_metadata_cache, overlap_p2p)
+        super().__init__(
+            stage_manager, num_microbatches, microbatch_size, enable_metadata_cache, overlap_p2p, fp8_communication
+        )
 
     def _check_stage_manager(self, manager: PipelineStageManager) -> None:
         if manager.is_interleave or manager.num_model_chunks != 1:

@@ -20,6 +20,10 @@ posts nothing after an activation on a channel until it has read that activation
 `enable_metadata_cache=False` every activation carries its metadata. Gradient messages need none: a gradient has
 the shape of the activation it belongs to, which the receiving stage sent.
 
+With `fp8_communication` the floating tensors of activations (E4M3) and gradients (E5M2) travel as fp8 with their
+scale (`_fp8_wire`): one transfer per tensor as before, so the channel order, the headers and the metadata cache are
+unchanged; the probe, run once to fill the cache, sends full precision.
+
 Every wait is named (`_wait`): a neighbour that is stuck past the group's timeout gives a `CollectiveTimeoutError`,
 one that failed a `PeerFailedError`, each naming the peer's stage and rank and the group.
 """
@@ -35,8 +39,10 @@ import torch
 import torch.distributed as dist
 
 from cx_mesh import communication_device, named_collective
+from cx_mesh.fp8 import E4M3, E5M2
 from cx_pipeline._actions import Action, ActionKind
 from cx_pipeline._errors import PipelineConfigError
+from cx_pipeline._fp8_wire import compressible, pack, unpack, wire_spec
 from cx_pipeline._pytree import TreeMeta, flatten, unflatten
 
 __all__ = ["Message", "StageTransport"]
@@ -98,6 +104,7 @@ class StageTransport:
         group: dist.ProcessGroup,
         enable_metadata_cache: bool,
         overlap: bool = True,
+        fp8_communication: bool = False,
     ) -> None:
         self._ranks = stage_ranks
         self._stage = stage
@@ -106,6 +113,7 @@ class StageTransport:
         self.enable_metadata_cache = enable_metadata_cache
         #: Post receives ahead of need (`overlap_p2p=True`); otherwise each is posted and waited for when needed.
         self.overlap = overlap
+        self.fp8_communication = fp8_communication  # activations and gradients as fp8 (`_fp8_wire`)
         self.act_meta: dict[int, TreeMeta] = {}  # destination virtual stage -> cached metadata of what it receives
         self._sent_meta: dict[int, TreeMeta] = {}  # destination virtual stage -> cached metadata of what was sent
         self._expected: dict[int, list[Message]] = {}
@@ -153,6 +161,24 @@ class StageTransport:
         tensor = tensor.detach().to(self.device).contiguous()
         self._pending.append((self._queue(dist.isend, tensor, stage), tensor))
 
+    def _send_leaf(self, leaf: torch.Tensor, stage: int, fp8: torch.dtype) -> None:
+        """One activation (`fp8` E4M3) or gradient (E5M2) tensor; as fp8 with its scale under fp8_communication."""
+        if self.fp8_communication and compressible(leaf.dtype):
+            leaf = pack(leaf.detach().to(self.device), fp8)
+        self._isend(leaf, stage)
+
+    def _post_leaf(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> tuple[torch.Tensor, _Handle]:
+        """Post the receive of one tensor sent by `_send_leaf` (its wire buffer under fp8_communication)."""
+        if self.fp8_communication and compressible(dtype):
+            shape, dtype = wire_spec(shape, dtype)
+        return self._post_recv(shape, dtype, stage)
+
+    def _leaf(self, buffer: torch.Tensor, like: Any, fp8: torch.dtype) -> torch.Tensor:
+        """The tensor a `_post_leaf` buffer carried; `like` has its shape and dtype (a tensor or a leaf's meta)."""
+        if self.fp8_communication and compressible(like.dtype):
+            return unpack(buffer, tuple(like.shape), like.dtype, fp8)
+        return buffer
+
     def _send_bytes(self, status: int, data: bytes, stage: int) -> None:
         self._isend(torch.tensor([status, len(data)], dtype=torch.int64), stage)
         if data:
@@ -169,12 +195,15 @@ class StageTransport:
         else:
             self._isend(torch.tensor([_NEW, len(data), zlib.crc32(data)], dtype=torch.int64), stage)
             for filler in cached.leaves if cached is not None else ():
-                self._isend(torch.zeros(filler.shape, dtype=filler.dtype), stage)
+                shape, dtype = tuple(filler.shape), filler.dtype
+                if self.fp8_communication and compressible(dtype):
+                    shape, dtype = wire_spec(shape, dtype)
+                self._isend(torch.zeros(shape, dtype=dtype), stage)
             self._isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), stage)
             if self.enable_metadata_cache:
                 self._sent_meta[virtual] = meta
         for leaf in leaves:
-            self._isend(leaf, stage)
+            self._send_leaf(leaf, stage, E4M3)
         self.remember_sent(("grad", virtual - 1, message[2]), leaves)
 
     def remember_sent(self, message: Message, leaves: list[torch.Tensor]) -> None:
@@ -183,7 +212,7 @@ class StageTransport:
 
     def send_grads(self, stage: int, grads: list[torch.Tensor]) -> None:
         for grad in grads:
-            self._isend(grad, stage)
+            self._send_leaf(grad, stage, E5M2)
 
     def grads_like(self, message: Message) -> list[torch.Tensor]:
         """The tensors whose gradients `message` ("grad", v, mb) carries: what this rank sent forward for (v+1, mb)."""
@@ -239,10 +268,14 @@ class StageTransport:
         data = bytes(self._recv((size,), torch.uint8, stage).tolist()) if size else b""
         return status, data
 
-    def _recv_leaves(self, meta: TreeMeta, stage: int) -> list[torch.Tensor]:
-        posted = [self._post_recv(leaf.shape, leaf.dtype, stage) for leaf in meta.leaves]
+    def _recv_leaves(self, meta: TreeMeta, stage: int, wire: bool = True) -> list[torch.Tensor]:
+        """`meta`'s tensors from `stage`; `wire=False` (the probe): full precision whatever fp8_communication says."""
+        post = self._post_leaf if wire else self._post_recv
+        posted = [post(leaf.shape, leaf.dtype, stage) for leaf in meta.leaves]
         self._await([handle for _, handle in posted], stage)
-        return [buffer for buffer, _ in posted]
+        if not wire:
+            return [buffer for buffer, _ in posted]
+        return [self._leaf(buffer, leaf, E4M3) for (buffer, _), leaf in zip(posted, meta.leaves, strict=True)]
 
     def _cached(self, virtual: int) -> TreeMeta | None:
         return self.act_meta.get(virtual) if self.enable_metadata_cache else None
@@ -251,7 +284,7 @@ class StageTransport:
         """Post the header of an activation and, with a cache for its edge, tensors of the cached shapes."""
         header, handle = self._post_recv((3,), torch.int64, stage)
         cached = self._cached(message[1])
-        posted = [self._post_recv(leaf.shape, leaf.dtype, stage) for leaf in cached.leaves] if cached else []
+        posted = [self._post_leaf(leaf.shape, leaf.dtype, stage) for leaf in cached.leaves] if cached else []
         return _Posted(message, [handle] + [h for _, h in posted], [b for b, _ in posted], header)
 
     def _open_activation(self, stage: int, posted: _Posted) -> Any:
@@ -268,7 +301,8 @@ class StageTransport:
                     f"stage {stage}, whose metadata does not match the one cached here ({_shapes(cached)}): the two "
                     "stages' metadata caches disagree (did every stage run the same steps?)"
                 )
-            meta, leaves = cached, posted.buffers
+            meta = cached
+            leaves = [self._leaf(b, leaf, E4M3) for b, leaf in zip(posted.buffers, cached.leaves, strict=True)]
         elif status == _NEW:
             data = bytes(self._recv((size,), torch.uint8, stage).tolist())
             if zlib.crc32(data) != crc:
@@ -304,7 +338,7 @@ class StageTransport:
                 posted.append(self._post_activation(stage, message))
             elif message in self._sent_like:
                 queue.pop(0)
-                received = [self._post_recv(tuple(t.shape), t.dtype, stage) for t in self._sent_like[message]]
+                received = [self._post_leaf(tuple(t.shape), t.dtype, stage) for t in self._sent_like[message]]
                 posted.append(_Posted(message, [h for _, h in received], [b for b, _ in received], None))
             else:
                 return  # a gradient for an activation not sent yet: its shapes are not known
@@ -326,7 +360,8 @@ class StageTransport:
             entry = posted.pop(0)
             self._await(entry.handles, stage)
             if entry.header is None:
-                self._inbox[entry.message] = entry.buffers
+                like = self.grads_like(entry.message)
+                self._inbox[entry.message] = [self._leaf(b, t, E5M2) for b, t in zip(entry.buffers, like, strict=True)]
             else:
                 self._inbox[entry.message] = self._open_activation(stage, entry)
             self._post(stage)  # refill the window before the caller computes with this message
@@ -341,7 +376,10 @@ class StageTransport:
             self._await(entry.handles, stage)
             self._inbox[message] = self._open_activation(stage, entry)
         else:
-            self._inbox[message] = [self._recv(tuple(t.shape), t.dtype, stage) for t in self.grads_like(message)]
+            like = self.grads_like(message)
+            grads = [self._post_leaf(tuple(t.shape), t.dtype, stage) for t in like]
+            self._await([handle for _, handle in grads], stage)
+            self._inbox[message] = [self._leaf(b, t, E5M2) for (b, _), t in zip(grads, like, strict=True)]
 
     def ready(self, stage: int, message: Message) -> bool:
         """Whether `message` from `stage` can be taken without waiting (already here, or its posted receive done)."""
@@ -386,7 +424,7 @@ class StageTransport:
         if status != _STATUS_OK:
             return None, None, data.decode()
         meta = TreeMeta.from_bytes(data)
-        leaves = self._recv_leaves(meta, stage)
+        leaves = self._recv_leaves(meta, stage, wire=False)
         for buffer, leaf in zip(leaves, meta.leaves, strict=True):
             buffer.requires_grad_(leaf.requires_grad)
         if self.enable_metadata_cache:

@@ -46,6 +46,7 @@ class PipelineSchedule(ABC):
         microbatch_size: int | None,
         enable_metadata_cache: bool = True,
         overlap_p2p: bool = True,
+        fp8_communication: bool = False,
     ) -> None:
         _positive_or_none("num_microbatches", num_microbatches)
         _positive_or_none("microbatch_size", microbatch_size)
@@ -56,6 +57,8 @@ class PipelineSchedule(ABC):
         self.microbatch_size = microbatch_size
         self.enable_metadata_cache = enable_metadata_cache
         self.overlap_p2p = overlap_p2p
+        #: Activations (E4M3) and gradients (E5M2) sent between stages as fp8 with their scales (ColossalAI's switch).
+        self.fp8_communication = fp8_communication
         self._check_stage_manager(stage_manager)
         self._transport = StageTransport(
             stage_manager.stage_ranks,
@@ -63,6 +66,7 @@ class PipelineSchedule(ABC):
             stage_manager.pp_group,
             enable_metadata_cache,
             overlap=overlap_p2p,
+            fp8_communication=fp8_communication,
         )
         self._probed: str | None = None
         self._orders_cache: dict[tuple[int, bool], list[list[Action]]] = {}

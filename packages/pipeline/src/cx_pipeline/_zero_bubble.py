@@ -35,13 +35,16 @@ class ZeroBubbleVPipeScheduler(PipelineSchedule):
         microbatch_size: int | None = None,
         enable_metadata_cache: bool = True,
         overlap_p2p: bool = True,
+        fp8_communication: bool = False,
     ) -> None:
         if num_model_chunks != 2:
             raise PipelineConfigError(
                 f"the V schedule has two chunks per stage, got num_model_chunks={num_model_chunks}"
             )
         self.num_model_chunks = num_model_chunks
-        super().__init__(stage_manager, num_microbatch, microbatch_size, enable_metadata_cache, overlap_p2p)
+        super().__init__(
+            stage_manager, num_microbatch, microbatch_size, enable_metadata_cache, overlap_p2p, fp8_communication
+        )
 
     def _check_stage_manager(self, manager: PipelineStageManager) -> None:
         if not manager.use_zbv:
