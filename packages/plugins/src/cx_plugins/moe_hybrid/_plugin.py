@@ -13,7 +13,12 @@ parallelism: each rank routes the tokens of its sequence shard; router and exper
 sequence-parallel group and the router logits gathered over it for the aux loss (cx-shardformer's MoE policies);
 with all_to_all / ring_attn (the sp axis) dense gradients are averaged over moe_dp x ep x sp; with a pipeline as well,
 the stages pass sequence shards on and the gathered router logits travel to the last stage. What it cannot honour
-(fp8, enable_sequence_overlap) raises.
+(enable_sequence_overlap) raises.
+
+fp8: `use_fp8` and `fp8_communication` go to the base plugin (dense layers, TP / ZeRO / pipeline collectives) and to
+cx-moe (`convert_moe_to_fp8` after ShardFormer): every MoE block's expert matmuls run in fp8, and with ep > 1 the
+dispatch / combine all-to-alls carry fp8 rows (E4M3 forward, E5M2 gradients). At ep 1 there is no all-to-all, so
+fp8_communication compresses only the base plugin's collectives.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from cx_mesh import ProcessGroup, assert_same_across_ranks
-from cx_moe import is_moe_tensor
+from cx_moe import HF_MOE_BLOCKS, MoeFp8Options, MoeLayer, convert_moe_to_fp8, is_moe_tensor
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins.hybrid._model import ComposedModel, HybridParallelModule, broadcast_states
 from cx_plugins.hybrid._options import HybridParallelOptions
@@ -91,15 +96,13 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         fp8_communication: bool = False,
         use_fp8: bool = False,
     ) -> None:
-        _refuse_unsupported(
-            enable_sequence_overlap=enable_sequence_overlap,
-            fp8_communication=fp8_communication,
-            use_fp8=use_fp8,
-        )
+        _refuse_unsupported(enable_sequence_overlap=enable_sequence_overlap)
         if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
             raise ValueError(f"{_NAME}: ep_size must be a positive integer, got {ep_size!r}")
         assert_same_across_ranks((ep_size, moe_dp_outside), what=f"{_NAME} ep_size and moe_dp_outside")
         self._ep_size = ep_size
+        # the MoE half of the fp8 switches (the base plugin takes both for everything else)
+        self._moe_fp8 = MoeFp8Options(use_fp8=use_fp8, fp8_communication=fp8_communication and ep_size > 1)
         if enable_sequence_parallelism and sequence_parallelism_mode is None:
             sequence_parallelism_mode = "all_to_all"  # ColossalAI's MoE default (its dense plugin's: split_gather)
         super().__init__(
@@ -146,6 +149,8 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
             dp_outside=moe_dp_outside,
             overlap_p2p=overlap_p2p,
             overlap_allgather=overlap_allgather,
+            fp8_communication=fp8_communication,
+            use_fp8=use_fp8,
         )
 
     # ---- layout ---------------------------------------------------------------------------------------------------
@@ -213,6 +218,18 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         )
 
     # ---- the base plugin's hooks --------------------------------------------------------------------------------
+    def _compose_model(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> tuple[ComposedModel, HybridParallelModule]:
+        """The base plugin's composition, then fp8 for the MoE blocks (after ShardFormer made them expert-parallel;
+        their parameters and names are unchanged, so the optimizer and checkpoints see the same model)."""
+        composed, boosted = super()._compose_model(model, optimizer)
+        module = composed.module
+        has_moe = any(isinstance(m, MoeLayer) or type(m).__name__ in HF_MOE_BLOCKS for m in module.modules())
+        if self._moe_fp8.enabled and has_moe:
+            convert_moe_to_fp8(module, self._moe_fp8)
+        return composed, boosted
+
     def _broadcast_states(self, composed: ComposedModel, grad_group: ProcessGroup | None) -> None:
         """Dense parameters and buffers start from the first dp replica, each expert slice from the first rank of
         its moe_dp group (the ep ranks hold different experts)."""
@@ -257,11 +274,8 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         return {id(p): weights[id(p)] if is_moe_tensor(p) else weights[id(p)] / ep for p in held}
 
 
-def _refuse_unsupported(*, enable_sequence_overlap: bool, fp8_communication: bool, use_fp8: bool) -> None:
+def _refuse_unsupported(*, enable_sequence_overlap: bool) -> None:
     """What cx cannot honour yet, refused by name before any group is built."""
-    if fp8_communication or use_fp8:
-        which = "fp8_communication" if fp8_communication else "use_fp8"
-        raise NotImplementedError(f"{_NAME}({which}=True): fp8 is not supported by cx yet")
     if enable_sequence_overlap:
         raise NotImplementedError(
             f"{_NAME}(enable_sequence_overlap=True): overlapping sequence-parallel communication with compute is "
