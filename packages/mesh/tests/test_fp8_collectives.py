@@ -1,10 +1,11 @@
 """The fp8 collectives on 2 gloo ranks against the exact sums, and the bytes they hand to torch.distributed.
 
-Error bound per element (the arithmetic, not a measured figure): quantizing x with scale s (amax / fp8 max) rounds
-x / s to the nearest fp8 value, off by at most u * |x| for values in the normal range (u = 2^-4 for E4M3, 2^-3 for
-E5M2: `unit_roundoff`) and by at most s * 2^-10 (E4M3) / s * 2^-17 (E5M2), half the subnormal spacing, below it:
-e(x) = max(u * |x|, s * tiny * u). A sum of received values adds each term's bound (taken in float32: its rounding,
-2^-24 relative per addition, is far below). Writing into a bf16 output rounds once more, by 2^-8 relative.
+Error bound per element (the arithmetic, not a measured figure): quantizing x with scale s (amax / fp8 max, at least
+2^-126) rounds x / s to the nearest fp8 value, off by at most u * |x| for values in the normal range (u = 2^-4 for
+E4M3, 2^-3 for E5M2: `unit_roundoff`) and by at most s * 2^-10 (E4M3) / s * 2^-17 (E5M2), half the subnormal
+spacing, below it: e(x) = max(u * |x|, s * tiny * u). A sum of received values adds each term's bound (taken in
+float32: its rounding, 2^-24 relative per addition, is far below). Writing into a bf16 output rounds once more, by
+2^-8 relative.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _quantization_bound(values: torch.Tensor, fp8_dtype: torch.dtype, amax: floa
     """e(x) above, for values quantized under one scale taken from `amax`."""
     info = torch.finfo(fp8_dtype)
     u = unit_roundoff(fp8_dtype)
-    scale = amax / info.max
+    scale = max(amax / info.max, torch.finfo(torch.float32).tiny)  # quantize's MIN_SCALE
     return torch.maximum(u * values.abs(), torch.full_like(values, scale * info.tiny * u))
 
 

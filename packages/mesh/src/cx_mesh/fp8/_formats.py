@@ -21,9 +21,10 @@ E5M2: torch.dtype = torch.float8_e5m2
 
 FP8_DTYPES = (E4M3, E5M2)
 
-#: The smallest amax a scale is taken from (2^-100): all-zero input gives scale 2^-100 / max, still a normal
-#: float32, and zeros, not 0/0 = NaN; any tensor whose largest magnitude is above it is scaled exactly.
-AMAX_FLOOR = 2.0**-100
+#: The smallest scale: float32's smallest normal number (2^-126), i.e. amax is clamped below at fmax * 2^-126. All-zero
+#: input gives zeros, not 0/0 = NaN; the scale is never a subnormal (which GPU kernels flush to zero); and values down
+#: to 2^-126 times the format's smallest subnormal (2^-135 for E4M3) are still represented.
+MIN_SCALE = torch.finfo(torch.float32).tiny
 
 
 class ScalingRecipe(enum.Enum):
@@ -61,10 +62,10 @@ def check_fp8_dtype(dtype: torch.dtype) -> None:
 def quantize(
     tensor: torch.Tensor, dtype: torch.dtype = E4M3, recipe: ScalingRecipe = ScalingRecipe.TENSORWISE
 ) -> Fp8Tensor:
-    """Dynamic scaling: scale = amax / finfo(dtype).max, amax clamped below by `AMAX_FLOOR` (all-zero input gives
-    zeros, not NaN). ROWWISE takes amax per row of tensor.reshape(-1, tensor.shape[-1]). A non-finite input gives a
-    non-finite result after dequantize (an inf amax makes the scale inf, and 0 * inf or inf / inf is NaN), so fp16
-    overflow checks after a compressed collective still see it."""
+    """Dynamic scaling: scale = amax / finfo(dtype).max, amax clamped below at finfo(dtype).max * `MIN_SCALE`
+    (all-zero input gives zeros, not NaN). ROWWISE takes amax per row of tensor.reshape(-1, tensor.shape[-1]). A
+    non-finite input gives a non-finite result after dequantize (an inf amax makes the scale inf, and 0 * inf or
+    inf / inf is NaN), so fp16 overflow checks after a compressed collective still see it."""
     check_fp8_dtype(dtype)
     if not (tensor.is_floating_point() and tensor.dtype not in FP8_DTYPES):
         raise TypeError(f"quantize takes a float16/bfloat16/float32/float64 tensor, got {tensor.dtype}")
@@ -81,7 +82,7 @@ def quantize(
         empty_rows = rows.shape[-1] == 0
         amax = rows.new_zeros(rows.shape[0], 1) if empty_rows else rows.abs().amax(dim=-1, keepdim=True)
         values = rows
-    scale = amax.clamp(min=AMAX_FLOOR) / fmax
+    scale = amax.clamp(min=fmax * MIN_SCALE) / fmax
     # clamp: the division can round a hair above fmax, and e4m3fn has no inf to saturate to (NaN stays NaN)
     data = (values / scale).clamp(-fmax, fmax).to(dtype).reshape(tensor.shape)
     return Fp8Tensor(data, scale)

@@ -79,8 +79,14 @@ def scaled_matmul(
     qa, qb = quantize(a.contiguous(), a_dtype, recipe), quantize(b.contiguous(), b_dtype, recipe)
     rowwise_cuda = recipe is ScalingRecipe.ROWWISE and a.device.type == "cuda"
     mm_dtype = torch.bfloat16 if rowwise_cuda else out_dtype
-    scale_b = qb.scale.t() if recipe is ScalingRecipe.ROWWISE else qb.scale  # (1, N): one scale per column
-    out = torch._scaled_mm(qa.data, qb.data.t(), scale_a=qa.scale, scale_b=scale_b, out_dtype=mm_dtype)
+    # torch's CPU kernel computes (acc * scale_a) * scale_b: a huge scale_a overflows there although the product
+    # is in range (activations ~1e37 against weights ~1e-37). Moving a power of two from scale_a to scale_b
+    # (exact) brings the largest scale_a to about 1, so only a result that really overflows does.
+    shift = torch.exp2(-torch.round(torch.log2(qa.scale.amax())))
+    scale_a, scale_b = qa.scale * shift, qb.scale / shift
+    if recipe is ScalingRecipe.ROWWISE:
+        scale_b = scale_b.t()  # (1, N): one scale per column of the right operand
+    out = torch._scaled_mm(qa.data, qb.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=mm_dtype)
     return out[:m, :n].to(out_dtype)
 
 
@@ -95,9 +101,10 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.recipe = recipe
         ctx.bias_dtype = None if bias is None else bias.dtype
         x = input.reshape(-1, input.shape[-1])
-        out = scaled_matmul(x, weight, E4M3, E4M3, recipe, input.dtype)
-        if bias is not None:
-            out = (out.float() + bias.float()).to(input.dtype)
+        if bias is None:
+            out = scaled_matmul(x, weight, E4M3, E4M3, recipe, input.dtype)
+        else:  # GEMM output and bias added in float32, rounded to input's dtype once
+            out = (scaled_matmul(x, weight, E4M3, E4M3, recipe, torch.float32) + bias.float()).to(input.dtype)
         return out.reshape(*input.shape[:-1], weight.shape[0])
 
     @staticmethod

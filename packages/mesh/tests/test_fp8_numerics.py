@@ -1,0 +1,202 @@
+"""fp8 numerics: quantize's error, and fp8_linear's forward and both gradients against a float64 reference.
+
+The bound (derived, not measured). Quantizing a value x under scale s (amax / fp8 max, at least 2^-126) rounds x / s
+to the nearest fp8 number: off by at most u|x| in the normal range (u = 2^-4 for E4M3, 2^-3 for E5M2, the formats'
+unit roundoff) and by half the subnormal spacing, s * tiny * u, below it. So e(x) = max(u|x|, s * tiny * u) bounds
+|x^ - x| per element. One term of a dot product of length K then errs by |a^ b^ - a b| <= e(a)|b| + |a|e(b) +
+e(a)e(b), and the K terms' errors add (deterministically; no cancellation assumed). torch._scaled_mm accumulates in
+float32 and multiplies by the two scales: at most (K + 3) float32 roundings, gamma_(K+3) * sum|a^ b^| with gamma_n =
+n u32 / (1 - n u32) (Higham 3.1; the + 3 covers the scales and the bias add). Writing the output in its dtype rounds
+once more: u_out (|y| + the bound so far). Each GEMM quantizes its operands along the reduction dim, one scale per
+tensor (TENSORWISE) or per row of each operand (ROWWISE), so the bound is computed with the same scales.
+A second, sharper check recomputes each GEMM in float64 from cx's own quantized operands: only the float32
+accumulation and the output rounding separate the two, which pins down scales and layouts exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cx_mesh.fp8 import E4M3, E5M2, ScalingRecipe, fp8_linear, fp8_matmul_supported, quantize
+from cx_mesh.testing import unit_roundoff
+
+_U32 = unit_roundoff(torch.float32)
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _scales(values: torch.Tensor, fp8_dtype: torch.dtype, recipe: ScalingRecipe) -> torch.Tensor:
+    amax = values.abs().amax() if recipe is ScalingRecipe.TENSORWISE else values.abs().amax(-1, keepdim=True)
+    return (amax / torch.finfo(fp8_dtype).max).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def _element_bound(values: torch.Tensor, fp8_dtype: torch.dtype, recipe: ScalingRecipe) -> torch.Tensor:
+    """e(x) = max(u|x|, s * tiny * u) for a 2-D float64 operand quantized along its rows."""
+    u, tiny = unit_roundoff(fp8_dtype), torch.finfo(fp8_dtype).tiny
+    return torch.maximum(u * values.abs(), _scales(values, fp8_dtype, recipe) * tiny * u)
+
+
+def _gemm_bound(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_dtype: torch.dtype,
+    b_dtype: torch.dtype,
+    recipe: ScalingRecipe,
+    out: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact a @ b.T (float64) and the bound on |fp8 result - exact| derived in the module docstring."""
+    a, b = a.double(), b.double()
+    ea, eb = _element_bound(a, a_dtype, recipe), _element_bound(b, b_dtype, recipe)
+    exact = a @ b.T
+    k = a.shape[1] + 3
+    quantization = ea @ b.abs().T + a.abs() @ eb.T + ea @ eb.T
+    accumulation = k * _U32 / (1 - k * _U32) * ((a.abs() + ea) @ (b.abs() + eb).T)
+    before_output = quantization + accumulation
+    return exact, before_output + unit_roundoff(out) * (exact.abs() + before_output)
+
+
+def _sharp_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_dtype: torch.dtype,
+    b_dtype: torch.dtype,
+    recipe: ScalingRecipe,
+    out: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """a^ @ b^.T in float64 from cx's quantized operands, and the float32-accumulation + output-rounding bound."""
+    qa = quantize(a.contiguous(), a_dtype, recipe).dequantize(torch.float64)
+    qb = quantize(b.contiguous(), b_dtype, recipe).dequantize(torch.float64)
+    reference = qa @ qb.T
+    k = a.shape[1] + 3
+    bound = k * _U32 / (1 - k * _U32) * (qa.abs() @ qb.abs().T)
+    return reference, bound + unit_roundoff(out) * (reference.abs() + bound)
+
+
+def _assert_within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str) -> None:
+    excess = (actual.double().reshape(expected.shape) - expected).abs() - bound
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    assert excess.max() <= 0, f"{what}: off by {excess.max().item():.3g} beyond the bound"
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("recipe", list(ScalingRecipe))
+@pytest.mark.parametrize("dtype", _DTYPES)
+def test_fp8_quantize_error_within_unit_roundoff(
+    fp8_dtype: torch.dtype, recipe: ScalingRecipe, dtype: torch.dtype
+) -> None:
+    generator = torch.Generator().manual_seed(0)
+    values = (torch.randn(3, 4, 32, generator=generator) * torch.logspace(-3, 3, 32)).to(dtype)
+    quantized = quantize(values, fp8_dtype, recipe)
+    assert quantized.data.dtype == fp8_dtype
+    assert quantized.data.shape == values.shape
+    assert quantized.scale.shape == (() if recipe is ScalingRecipe.TENSORWISE else (12, 1))
+    restored = quantized.dequantize(dtype)
+    assert restored.dtype == dtype
+    flat = values.double().reshape(12, 32)
+    bound = _element_bound(flat, fp8_dtype, recipe)
+    _assert_within(quantized.dequantize(torch.float64), flat, bound, "quantize")
+
+
+@pytest.mark.parametrize("recipe", list(ScalingRecipe))
+def test_fp8_quantize_zero_huge_tiny_and_non_finite(recipe: ScalingRecipe) -> None:
+    zeros = quantize(torch.zeros(4, 16), E4M3, recipe)
+    assert torch.equal(zeros.dequantize(), torch.zeros(4, 16))
+    assert torch.isfinite(zeros.scale).all()
+    assert (zeros.scale > 0).all()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        info = torch.finfo(dtype)
+        for magnitude in (info.max, info.tiny):  # near the dtype's largest and smallest normal numbers
+            values = (torch.linspace(-1, 1, 64) * magnitude).to(dtype).reshape(4, 16)
+            bound = _element_bound(values.double(), E5M2, recipe)
+            _assert_within(quantize(values, E5M2, recipe).dequantize(torch.float64), values.double(), bound, "range")
+    for bad in (float("inf"), float("nan")):
+        values = torch.ones(4, 16)
+        values[1, 3] = bad
+        restored = quantize(values, E4M3, recipe).dequantize()
+        assert not torch.isfinite(restored[1]).any()  # the whole scale group is poisoned, so a check sees it
+        if recipe is ScalingRecipe.ROWWISE:
+            assert torch.equal(restored[0], torch.ones(16))
+
+
+@pytest.mark.parametrize("recipe", list(ScalingRecipe))
+@pytest.mark.parametrize("dtype", _DTYPES)
+def test_fp8_linear_forward_and_gradients_within_fp8_bounds(recipe: ScalingRecipe, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 24, 64, generator=generator).to(dtype).requires_grad_()  # 48 tokens, leading dims
+    weight = (torch.randn(32, 64, generator=generator) / 8).to(dtype).requires_grad_()
+    bias = torch.randn(32, generator=generator).to(dtype).requires_grad_()
+    grad_output = torch.randn(2, 24, 32, generator=generator).to(dtype)
+    y = fp8_linear(x, weight, bias, recipe)
+    y.backward(grad_output)
+    assert y.dtype == dtype
+    assert x.grad is not None
+    assert weight.grad is not None
+    assert bias.grad is not None
+    assert (x.grad.dtype, weight.grad.dtype, bias.grad.dtype) == (dtype, dtype, dtype)
+    x2, g2, w = x.detach().reshape(48, 64), grad_output.reshape(48, 32), weight.detach()
+    gemms = {  # name: (result, a, b, a's format, b's format), each result = a @ b.T
+        "output": (y.detach().double() - bias.detach().double(), x2, w, E4M3, E4M3),
+        "grad_input": (x.grad, g2, w.t(), E5M2, E4M3),
+        "grad_weight": (weight.grad, g2.t(), x2.t(), E5M2, E4M3),
+    }
+    for name, (result, a, b, a_dtype, b_dtype) in gemms.items():
+        # the bias is added in float32 and rounded with the output: count that rounding on the output's bound
+        slack = unit_roundoff(dtype) * bias.detach().double().abs() if name == "output" else 0.0
+        exact, bound = _gemm_bound(a, b, a_dtype, b_dtype, recipe, dtype)
+        _assert_within(result, exact, bound + slack, f"{name} vs float64")
+        sharp, sharp_bound = _sharp_reference(a, b, a_dtype, b_dtype, recipe, dtype)
+        _assert_within(result, sharp, sharp_bound + 2 * slack, f"{name} vs the quantized operands")
+    exact_bias = g2.double().sum(0)
+    bias_bound = 48 * _U32 * g2.double().abs().sum(0) + unit_roundoff(dtype) * exact_bias.abs() * 1.01
+    _assert_within(bias.grad, exact_bias, bias_bound, "grad_bias")
+
+
+def test_fp8_linear_zero_huge_tiny_and_non_finite_inputs() -> None:
+    weight = torch.randn(16, 32, generator=torch.Generator().manual_seed(2))
+    zeros = torch.zeros(4, 32, requires_grad=True)
+    w = weight.clone().requires_grad_()
+    out = fp8_linear(zeros, w)
+    out.backward(torch.ones_like(out))
+    assert torch.equal(out, torch.zeros(4, 16))
+    assert w.grad is not None
+    assert torch.equal(w.grad, torch.zeros(16, 32))  # g^T @ 0, no 0/0
+    # huge activations against tiny weights (products of order 1): the scales keep every operand in range
+    for x_scale, w_scale, dtype in (
+        (1e37, 1e-37, torch.float32),
+        (1e37, 1e-36, torch.bfloat16),
+        (1e-36, 1e30, torch.float32),
+    ):
+        x = (torch.randn(4, 32, generator=torch.Generator().manual_seed(3)) * x_scale).to(dtype)
+        scaled_weight = (weight * w_scale).to(dtype)
+        exact, bound = _gemm_bound(x, scaled_weight, E4M3, E4M3, ScalingRecipe.TENSORWISE, dtype)
+        _assert_within(fp8_linear(x, scaled_weight), exact, bound, f"x ~ {x_scale}, w ~ {w_scale}")
+    for recipe in ScalingRecipe:
+        poisoned = torch.ones(4, 32)
+        poisoned[2, 5] = float("inf")
+        out = fp8_linear(poisoned, weight, recipe=recipe)
+        assert not torch.isfinite(out[2]).any()
+
+
+def test_fp8_linear_refuses_unsupported_inputs_and_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = torch.randn(16, 32)
+    with pytest.raises(TypeError, match="float64"):
+        fp8_linear(torch.randn(4, 32, dtype=torch.float64), weight)
+    with pytest.raises(ValueError, match="in_features 32"):
+        fp8_linear(torch.randn(4, 16), weight)
+    with pytest.raises(ValueError, match="2-D"):
+        fp8_linear(torch.randn(4, 32), weight[None])
+    with pytest.raises(RuntimeError, match="'meta'"):
+        fp8_linear(torch.randn(4, 32, device="meta"), weight.to("meta"))
+    assert fp8_matmul_supported("cpu")
+    assert not fp8_matmul_supported("meta")
+    # a CUDA device below sm89 (an A100) is refused by name and capability, never run in high precision
+    from cx_mesh.fp8 import _matmul
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    assert not fp8_matmul_supported("cuda:0")
+    with pytest.raises(RuntimeError, match=r"A100\) has compute capability 8\.0.*8\.9 or newer"):
+        _matmul._require_supported(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8_matmul_supported("cuda:0")
