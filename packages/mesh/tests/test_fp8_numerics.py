@@ -200,3 +200,31 @@ def test_fp8_linear_refuses_unsupported_inputs_and_devices(monkeypatch: pytest.M
         _matmul._require_supported(torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert fp8_matmul_supported("cuda:0")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fp8_matmul_supported("cuda")), reason="needs CUDA sm89+")
+@pytest.mark.parametrize("recipe", list(ScalingRecipe))
+def test_fp8_linear_on_cuda_matches_the_cpu_result(recipe: ScalingRecipe) -> None:
+    """Both devices quantize to the same fp8 operands; cuBLASLt sums them in another order (and, for ROWWISE, rounds
+    its output to bf16 before the bias is added), so the results agree within the sharp bound above, twice over
+    (each device within it of the same float64 value), plus one bf16 rounding for ROWWISE. 40 features and 24
+    tokens are not multiples of 16: the CUDA path pads them."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 8, 40, generator=generator)
+    weight, bias = torch.randn(24, 40, generator=generator), torch.randn(24, generator=generator)
+    grad_output = torch.randn(3, 8, 24, generator=generator)
+    results = {}
+    for device in ("cpu", "cuda"):
+        leaves = [t.to(device).requires_grad_() for t in (x, weight, bias)]
+        out = fp8_linear(leaves[0], leaves[1], leaves[2], recipe)
+        out.backward(grad_output.to(device))
+        results[device] = [out.detach().cpu()] + [leaf.grad.cpu() for leaf in leaves if leaf.grad is not None]
+    x2, g2 = x.reshape(24, 40), grad_output.reshape(24, 24)
+    gemms = [(x2, weight, E4M3, E4M3), (g2, weight.t(), E5M2, E4M3), (g2.t(), x2.t(), E5M2, E4M3)]
+    for cpu, cuda, (a, b, a_dtype, b_dtype) in zip(results["cpu"], results["cuda"], gemms, strict=False):
+        reference, bound = _sharp_reference(a, b, a_dtype, b_dtype, recipe, torch.float32)
+        slack = unit_roundoff(torch.bfloat16) * (reference.abs() + bound) if recipe is ScalingRecipe.ROWWISE else 0.0
+        _assert_within(cuda, cpu.double().reshape(reference.shape), 2 * bound + slack + 1e-6, "cuda vs cpu")
+    sum_bound = 2 * 24 * _U32 * g2.double().abs().sum(0)  # grad_bias: two orders of a float32 sum of 24 terms
+    _assert_within(results["cuda"][3], results["cpu"][3].double(), sum_bound, "grad_bias cuda vs cpu")
