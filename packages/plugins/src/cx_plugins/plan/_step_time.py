@@ -21,6 +21,7 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from cx_pipeline import Action, ActionKind, schedule_orders, simulate
@@ -92,12 +93,14 @@ def _optimizer_seconds(candidate: Candidate, shape: ModelShape, device: Device) 
     return on_device + held * offloaded * ((4 + w) / pcie + _ADAM_BYTES / HOST_BANDWIDTH)
 
 
-def _pipeline_makespan(candidate: Candidate, forward: float, backward: float, p2p: float) -> tuple[float, float]:
-    """(makespan, busiest stage's work) of one step with per-chunk, per-micro-batch action costs."""
-    c = candidate
-    chunks = c.num_model_chunks
-    orders, virtual = schedule_orders(c.pp_style, c.pp, c.num_microbatches, chunks)
-    f, b, hop = forward / chunks, backward / chunks, p2p
+@functools.lru_cache(maxsize=4096)
+def _pipeline_makespan(
+    style: str, pp: int, microbatches: int, chunks: int, forward: float, backward: float, hop: float
+) -> tuple[float, float]:
+    """(makespan, busiest stage's work) of one step with per-chunk, per-micro-batch action costs (cached: the
+    candidates that differ only in ZeRO stage or offload share it)."""
+    orders, virtual = schedule_orders(style, pp, microbatches, chunks)
+    f, b = forward / chunks, backward / chunks
 
     def cost(action: Action) -> float:
         if action.kind is ActionKind.FORWARD:
@@ -145,7 +148,7 @@ def predict_step_time(
     if c.pp > 1:
         p2p = next(col for col in collectives if col.pipelined)
         hop = _seconds(p2p, net) / p2p.hops
-        makespan, busiest = _pipeline_makespan(c, forward, backward, hop)
+        makespan, busiest = _pipeline_makespan(c.pp_style, c.pp, m, c.num_model_chunks, forward, backward, hop)
         bubble_s = makespan - busiest
         times[p2p.name] = busiest - m * (forward + backward)
         body = makespan
