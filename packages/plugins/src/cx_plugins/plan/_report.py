@@ -1,0 +1,187 @@
+"""The planner's answer: candidates ranked (those that fit by predicted step time, then those that do not by peak
+memory), as a table, as JSON, with the reason each rejected one fails and the exact plugin constructor call and
+`cx-train` command of the best.
+
+The memory side comes in as any object with `fits`, `peak_bytes` and `reason` (the memory model's verdict), so a
+measurement harness can hand in its own figures and reuse the formatting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cx_plugins.plan._candidate import Candidate
+from cx_plugins.plan._devices import Device
+from cx_plugins.plan._step_time import StepTime
+
+__all__ = ["MemoryVerdict", "PlanReport", "PlanRow", "constructor_call", "rank_rows", "train_command"]
+
+_CLASSES = {
+    "torch_ddp": "TorchDDPPlugin",
+    "torch_fsdp": "TorchFSDPPlugin",
+    "low_level_zero": "LowLevelZeroPlugin",
+    "gemini": "GeminiPlugin",
+    "hybrid": "HybridParallelPlugin",
+    "moe_hybrid": "MoeHybridParallelPlugin",
+}
+_GB = 1e9
+
+
+class MemoryVerdict(Protocol):
+    """What the report needs of the memory model: whether the candidate fits, its predicted peak per rank, and
+    (when it does not fit) the reason naming the component that overflows, with a suggestion."""
+
+    @property
+    def fits(self) -> bool: ...
+
+    @property
+    def peak_bytes(self) -> int: ...
+
+    @property
+    def reason(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    candidate: Candidate
+    memory: MemoryVerdict
+    step: StepTime
+
+    def as_json(self) -> dict[str, Any]:
+        c, step = self.candidate, self.step
+        return {
+            "label": c.label(),
+            "candidate": {name: getattr(c, name) for name in c.__dataclass_fields__},
+            "fits": self.memory.fits,
+            "peak_bytes": self.memory.peak_bytes,
+            "reason": self.memory.reason,
+            "step_s": step.step_s,
+            "tokens_per_s": step.tokens_per_s,
+            "mfu": step.mfu,
+            "compute_s": step.compute_s,
+            "recompute_s": step.recompute_s,
+            "bubble_s": step.bubble_s,
+            "optimizer_s": step.optimizer_s,
+            "communication_s": dict(step.communication_s),
+        }
+
+
+def rank_rows(rows: Sequence[PlanRow]) -> list[PlanRow]:
+    """Fitting candidates fastest first, then the rest smallest peak first (ties by label, so the order is
+    deterministic)."""
+    return sorted(
+        rows,
+        key=lambda r: (not r.memory.fits, r.step.step_s if r.memory.fits else r.memory.peak_bytes, r.candidate.label()),
+    )
+
+
+def constructor_call(candidate: Candidate) -> str:
+    """`HybridParallelPlugin(tp_size=2, pp_size=2, ...)`, as the user writes it (cx_plugins or colossalai)."""
+    arguments = ", ".join(f"{k}={v!r}" for k, v in candidate.plugin_arguments().items())
+    call = f"{_CLASSES[candidate.plugin]}({arguments})"
+    if candidate.checkpoint_ratio and candidate.plugin in ("hybrid", "moe_hybrid"):
+        ratio = f"GradientCheckpointConfig(gradient_checkpointing_ratio={candidate.checkpoint_ratio:g})"
+        call = call[:-1] + (", " if arguments else "") + f"gradient_checkpoint_config={ratio})"
+    elif candidate.checkpoint_ratio:
+        call += "  # and model.gradient_checkpointing_enable() before boosting"
+    return call
+
+
+def train_command(candidate: Candidate, model: str, seq_len: int) -> str:
+    """The `cx-train` command line that runs `candidate`, with a trailing note naming what cx-train's flags cannot
+    say (then use the constructor call in your own script)."""
+    c = candidate
+    per_rank = c.micro_batch_size * c.num_microbatches
+    parts = ["cx-train", f"--model {model}", f"--plugin {c.plugin}", f"--nproc {c.world_size}"]
+    parts += [f"--seq-len {seq_len}", f"--precision {c.precision}"]
+    if c.pp > 1:
+        parts += [f"--batch-size {per_rank}", f"--microbatches {c.num_microbatches}"]
+    else:
+        parts.append(f"--batch-size {c.micro_batch_size}")
+        if c.num_microbatches > 1:
+            parts.append(f"--grad-accum {c.num_microbatches}")
+    if c.plugin in ("hybrid", "moe_hybrid"):
+        sizes = (("tp", c.tp), ("pp", c.pp), ("sp", c.sp), ("ep", c.ep))
+        parts += [f"--{name} {value}" for name, value in sizes if value > 1]
+        parts.append(f"--zero {c.stage}")
+        if c.pp > 1 and c.pp_style != "1f1b":
+            parts.append(f"--pp-style {c.pp_style}")
+    if c.checkpoint_ratio == 1.0:
+        parts.append("--activation-checkpointing")
+    missing = []
+    if c.sp_mode not in (None, "all_to_all"):
+        missing.append(f"sequence_parallelism_mode={c.sp_mode}")
+    if c.pp_style == "zbv":
+        missing.append("pp_style=zbv")
+    if c.checkpoint_ratio not in (0.0, 1.0):
+        missing.append(f"a checkpointing ratio of {c.checkpoint_ratio:g}")
+    if c.plugin == "gemini" and (c.placement_policy != "static" or c.offload_optim_frac or c.offload_param_frac):
+        missing.append("Gemini placement / offload")
+    if (c.plugin == "low_level_zero" and c.stage != 2) or c.cpu_offload:
+        missing.append("ZeRO stage / cpu_offload of LowLevelZero")
+    command = " ".join(parts)
+    return command + (f"  # cx-train has no flag for {', '.join(missing)}" if missing else "")
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """Ranked rows for one model, world and device."""
+
+    model: str
+    world: int
+    seq_len: int
+    device: Device
+    rows: list[PlanRow]
+
+    @property
+    def best(self) -> PlanRow | None:
+        fitting = [r for r in self.rows if r.memory.fits]
+        return fitting[0] if fitting else None
+
+    def table(self, top: int = 10, rejected: int = 5) -> str:
+        """The best `top` that fit and the `rejected` closest misses, with their reasons; then the best's call."""
+        lines = [
+            f"cx-plan: {self.model} on {self.world} x {self.device.name} ({self.device.memory_bytes / _GB:.0f} GB), "
+            f"seq {self.seq_len}; {len(self.rows)} candidates, {sum(r.memory.fits for r in self.rows)} fit",
+            f"{'#':>3}  {'configuration':<52} {'fits':<4} {'peak GB':>8} {'step ms':>9} {'tokens/s':>11} {'MFU':>6}",
+        ]
+        shown = [r for r in self.rows if r.memory.fits][:top] + [r for r in self.rows if not r.memory.fits][:rejected]
+        for index, row in enumerate(shown, 1):
+            step = row.step
+            lines.append(
+                f"{index:>3}  {row.candidate.label():<52} {'yes' if row.memory.fits else 'no':<4} "
+                f"{row.memory.peak_bytes / _GB:>8.2f} {step.step_s * 1e3:>9.3f} {step.tokens_per_s:>11,.0f} "
+                f"{step.mfu:>6.1%}"
+            )
+            if not row.memory.fits:
+                lines.append(f"     {row.memory.reason}")
+        best = self.best
+        if best is None:
+            lines.append("nothing fits: see the reasons above")
+        else:
+            lines.append(f"best: {constructor_call(best.candidate)}")
+            lines.append(f"      {train_command(best.candidate, self.model, self.seq_len)}")
+        return "\n".join(lines)
+
+    def as_json(self) -> dict[str, Any]:
+        best = self.best
+        return {
+            "model": self.model,
+            "world": self.world,
+            "seq_len": self.seq_len,
+            "device": {
+                "name": self.device.name,
+                "memory_bytes": self.device.memory_bytes,
+                "source": self.device.source,
+            },
+            "best": None
+            if best is None
+            else {
+                "label": best.candidate.label(),
+                "constructor": constructor_call(best.candidate),
+                "cx_train": train_command(best.candidate, self.model, self.seq_len),
+            },
+            "rows": [r.as_json() for r in self.rows],
+        }

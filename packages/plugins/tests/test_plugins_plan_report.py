@@ -1,0 +1,87 @@
+"""cx-plan's report: ranking (fitting by step time, then misses by peak), the table with each miss's reason, the
+JSON for scripts, and the best's constructor call and cx-train command, which must parse with cx-train's parser."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+
+from cx_plugins.demo._parser import build_parser
+from cx_plugins.models import GPTConfig
+from cx_plugins.plan._candidate import Candidate
+from cx_plugins.plan._devices import lookup_device
+from cx_plugins.plan._model_spec import shape_from_config
+from cx_plugins.plan._report import PlanReport, PlanRow, constructor_call, rank_rows, train_command
+from cx_plugins.plan._step_time import predict_step_time
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    fits: bool
+    peak_bytes: int
+    reason: str = ""
+
+
+def test_ranking_table_and_json() -> None:
+    shape = shape_from_config("gpt", GPTConfig(vocab_size=64, max_positions=33, hidden_size=32, num_layers=2))
+    device = lookup_device("h100")
+    verdicts = {
+        Candidate("torch_ddp", dp=2, micro_batch_size=4): _Verdict(True, 3 * 10**9),
+        Candidate("gemini", dp=2, micro_batch_size=4): _Verdict(True, 2 * 10**9),
+        Candidate("hybrid", tp=2, micro_batch_size=4): _Verdict(False, 90 * 10**9, "activations 85 GB > 80 GB; try"),
+        Candidate("low_level_zero", dp=2, micro_batch_size=4): _Verdict(False, 81 * 10**9, "optimizer states ..."),
+    }
+    rows = [PlanRow(c, v, predict_step_time(c, shape, 32, device)) for c, v in verdicts.items()]
+    ranked = rank_rows(rows)
+    fitting = [r for r in ranked if r.memory.fits]
+    assert [r.memory.fits for r in ranked] == [True, True, False, False]
+    assert fitting[0].step.step_s <= fitting[1].step.step_s
+    assert [r.candidate.plugin for r in ranked[2:]] == ["low_level_zero", "hybrid"]  # smaller peak first
+    report = PlanReport("gpt", 2, 32, device, ranked)
+    assert report.best is ranked[0]
+    text = report.table()
+    assert "4 candidates, 2 fit" in text
+    assert "activations 85 GB > 80 GB; try" in text
+    assert f"best: {constructor_call(ranked[0].candidate)}" in text
+    loaded = json.loads(json.dumps(report.as_json()))
+    assert loaded["best"]["label"] == ranked[0].candidate.label()
+    assert [r["fits"] for r in loaded["rows"]] == [True, True, False, False]
+    assert loaded["rows"][0]["step_s"] == ranked[0].step.step_s
+    nothing = PlanReport("gpt", 2, 32, device, ranked[2:])
+    assert nothing.best is None
+    assert "nothing fits" in nothing.table()
+
+
+def test_constructor_calls_and_cx_train_commands_parse() -> None:
+    hybrid = Candidate(
+        "hybrid", dp=2, tp=2, pp=2, micro_batch_size=2, num_microbatches=4, zero_stage=1, checkpoint_ratio=1.0
+    )
+    assert constructor_call(hybrid) == (
+        "HybridParallelPlugin(tp_size=2, pp_size=2, zero_stage=1, precision='bf16', num_microbatches=4, "
+        "pp_style='1f1b', num_model_chunks=1, gradient_checkpoint_config=GradientCheckpointConfig("
+        "gradient_checkpointing_ratio=1))"
+    )
+    moe = Candidate("moe_hybrid", dp=4, ep=2, sp=2, sp_mode="all_to_all", micro_batch_size=1, num_microbatches=2)
+    ddp = Candidate("torch_ddp", dp=4, micro_batch_size=2, num_microbatches=3, precision="fp32")
+    parser = build_parser()
+    for candidate, expected in (
+        (hybrid, {"plugin": "hybrid", "nproc": 8, "tp": 2, "pp": 2, "zero": 1, "batch_size": 8, "microbatches": 4}),
+        (moe, {"plugin": "moe_hybrid", "nproc": 8, "ep": 2, "sp": 2, "batch_size": 1, "grad_accum": 2}),
+        (ddp, {"plugin": "torch_ddp", "nproc": 4, "batch_size": 2, "grad_accum": 3, "precision": "fp32"}),
+    ):
+        command = train_command(candidate, "mixtral", 64)
+        assert "#" not in command
+        arguments = parser.parse_args(shlex.split(command)[1:])
+        for name, value in expected.items():
+            assert getattr(arguments, name) == value, (name, command)
+        assert arguments.seq_len == 64
+    assert hybrid.checkpoint_ratio == 1.0
+    assert parser.parse_args(shlex.split(train_command(hybrid, "gpt", 32))[1:]).activation_checkpointing
+    zbv = Candidate("hybrid", pp=2, num_microbatches=2, pp_style="zbv", sp_mode="split_gather", tp=2)
+    assert train_command(zbv, "gpt", 32).endswith(
+        "# cx-train has no flag for sequence_parallelism_mode=split_gather, pp_style=zbv"
+    )
+    offload = Candidate("gemini", dp=2, offload_optim_frac=1.0)
+    assert "offload_optim_frac=1.0" in constructor_call(offload)
+    assert "Gemini placement / offload" in train_command(offload, "gpt", 32)
