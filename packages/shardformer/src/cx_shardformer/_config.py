@@ -14,6 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from cx_mesh import ProcessGroup
+from cx_mesh.fp8 import Fp8Options
 
 __all__ = ["GradientCheckpointConfig", "SequenceParallelMode", "ShardConfig"]
 
@@ -65,7 +66,9 @@ class ShardConfig:
     extra_kwargs: dict[str, Any] = field(default_factory=dict)
     ep_group: ProcessGroup | None = None
     moe_dp_group: ProcessGroup | None = None
-    fp8_communication: bool = False
+    fp8_communication: bool = False  # TP/SP collectives in fp8 (cx_mesh.fp8: E4M3 forward, E5M2 gradients)
+    use_fp8: bool = False  # TP layers' matmuls in fp8 (ColossalAI passes it beside ShardConfig; one group in cx)
+    fp8_options: Fp8Options = field(default_factory=Fp8Options)  # which layers use_fp8 converts, and the recipe
 
     def __post_init__(self) -> None:
         if self.pipeline_stage_manager is not None:
@@ -83,8 +86,8 @@ class ShardConfig:
             raise NotImplementedError(
                 f"ShardConfig: extra_kwargs {sorted(self.extra_kwargs)} are not used by any cx-shardformer policy"
             )
-        if self.fp8_communication:
-            raise NotImplementedError("ShardConfig: fp8_communication is not implemented in cx-shardformer")
+        if not isinstance(self.fp8_options, Fp8Options):
+            raise TypeError(f"ShardConfig: fp8_options must be a cx_mesh.fp8.Fp8Options, got {self.fp8_options!r}")
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(
                 f"ShardConfig: make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}"

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from cx_mesh import ProcessGroup
+from cx_mesh.fp8 import ScalingRecipe, fp8_linear
 from cx_shardformer._linear import _ColumnBase, _RowBase
 
 __all__ = ["GPT2FusedLinearConv1D_Col", "GPT2FusedLinearConv1D_Row"]
@@ -27,7 +28,11 @@ def _conv1d_shape(module: nn.Module, layer: str) -> tuple[int, int, nn.Parameter
     return int(weight.shape[0]), int(weight.shape[1]), weight, bias if isinstance(bias, nn.Parameter) else None
 
 
-def _addmm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _addmm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: ScalingRecipe | None
+) -> torch.Tensor:
+    if recipe is not None:  # use_fp8: fp8_linear takes the [out, in] view of the [in, out] weight
+        return fp8_linear(x, weight.t(), bias, recipe)
     out = x @ weight
     return out if bias is None else out + bias
 
@@ -66,7 +71,7 @@ class GPT2FusedLinearConv1D_Col(_ColumnBase):  # noqa: N801  (ColossalAI's publi
         )
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _addmm(x, self.weight, bias)
+        return _addmm(x, self.weight, bias, self.fp8_recipe)
 
     @classmethod
     def from_native_module(
@@ -125,7 +130,7 @@ class GPT2FusedLinearConv1D_Row(_RowBase):  # noqa: N801  (ColossalAI's public n
         )
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight
+        return _addmm(x, self.weight, None, self.fp8_recipe)
 
     @classmethod
     def from_native_module(

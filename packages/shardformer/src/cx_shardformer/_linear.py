@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cx_mesh import ProcessGroup, all_reduce
@@ -30,6 +29,7 @@ from cx_shardformer._comm import (
     reduce_scatter_forward_gather_backward,
     split_forward_gather_backward,
 )
+from cx_shardformer._fp8 import maybe_fp8_linear
 from cx_shardformer._parallel_module import ParallelModule
 from cx_shardformer._shard_spec import make_spec, shard_parameter_
 
@@ -137,12 +137,12 @@ class _ColumnBase(ParallelModule):
         self.register_parameter("bias", bias_)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, self.weight, bias)
+        return maybe_fp8_linear(x, self.weight, bias, self.fp8_recipe)
 
     def _gathered(self, local: torch.Tensor) -> torch.Tensor:
         """All-gather the output features and put the fused parts back in their full order (padding stripped)."""
         world = group_size(self.process_group)
-        out = gather_forward_split_backward(local, -1, self.process_group)
+        out = gather_forward_split_backward(local, -1, self.process_group, self.fp8_communication)
         if len(self.spec.parts) > 1 and world > 1:
             per_rank = out.unflatten(-1, (world, -1))  # [..., world, local_total]
             pieces = per_rank.split(list(self.spec.local_parts()), dim=-1)
@@ -153,11 +153,13 @@ class _ColumnBase(ParallelModule):
 
     def forward(self, input_: torch.Tensor) -> Any:
         if self._split_gather:
-            x = gather_forward_reduce_scatter_backward(input_, self.seq_parallel_dim, self.process_group)
+            x = gather_forward_reduce_scatter_backward(
+                input_, self.seq_parallel_dim, self.process_group, self.fp8_communication
+            )
         elif hasattr(input_, _REDUCED) and getattr(input_, _REDUCED) is self.process_group:
             x = input_  # the block's hook already sums this input's gradient over the group
         else:
-            x = copy_to_parallel(input_, self.process_group)
+            x = copy_to_parallel(input_, self.process_group, self.fp8_communication)
         out = self._matmul(x, None if self.skip_bias_add else self.bias)
         if self.gather_output:
             out = self._gathered(out)
@@ -323,15 +325,16 @@ class _RowBase(ParallelModule):
             sync_grad_over(bias_, process_group)  # added to a sequence shard: its gradient is summed over ranks
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return maybe_fp8_linear(x, self.weight, None, self.fp8_recipe)
 
     def forward(self, input_: torch.Tensor) -> Any:
-        x = input_ if self.parallel_input else split_forward_gather_backward(input_, -1, self.process_group)
+        group, fp8 = self.process_group, self.fp8_communication
+        x = input_ if self.parallel_input else split_forward_gather_backward(input_, -1, group, fp8)
         out = self._matmul(x)
         if self._split_gather:
-            out = reduce_scatter_forward_gather_backward(out, self.seq_parallel_dim, self.process_group)
+            out = reduce_scatter_forward_gather_backward(out, self.seq_parallel_dim, group, fp8)
         else:
-            out = reduce_forward(out, self.process_group)
+            out = reduce_forward(out, group, fp8)
         if self.skip_bias_add:
             return out, self.bias
         return out if self.bias is None else out + self.bias

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from cx_mesh import ProcessGroup
+from cx_mesh.fp8 import ScalingRecipe
 from cx_shardformer._shard_spec import get_shard_spec, shard_tensor, unshard_tensor
 
 __all__ = ["ParallelModule"]
@@ -20,6 +21,8 @@ class ParallelModule(nn.Module):
     """A module whose parameters may carry a `ShardSpec`; `process_group` is its tensor-parallel group."""
 
     process_group: ProcessGroup | None
+    fp8_recipe: ScalingRecipe | None = None  # use_fp8: the matmul in fp8 (set by `_fp8_switches.apply_fp8`)
+    fp8_communication: bool = False  # the TP collectives through cx_mesh.fp8
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)

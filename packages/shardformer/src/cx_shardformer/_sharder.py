@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from cx_shardformer._config import ShardConfig
+from cx_shardformer._fp8_switches import apply_fp8
 from cx_shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 
 __all__ = ["ModelSharder", "get_submodule_or_none", "set_submodule"]
@@ -66,6 +67,7 @@ class ModelSharder:
             if description is not None:
                 self._apply(name, module, description)
         self.model = self.policy.postprocess()
+        apply_fp8(self.model, self.shard_config)  # use_fp8 / fp8_communication on every TP layer, whatever the policy
         return self.policy.get_shared_params()
 
     def _apply(self, name: str, module: nn.Module, description: ModulePolicyDescription) -> None:

@@ -177,7 +177,7 @@ class HFDecoderPolicy(Policy):
             hidden = args[0] if args else kwargs.get("hidden_states")
             if not isinstance(hidden, torch.Tensor):
                 return args, kwargs
-            shared = copy_to_parallel(hidden, group)
+            shared = copy_to_parallel(hidden, group, config.fp8_communication)
             mark_input_grad_reduced(shared, group)
             if args:
                 return (shared, *args[1:]), kwargs

@@ -89,9 +89,15 @@ class _Sequence:
     """The hooks of one sharded model; `mode` and `group` fixed at optimize time."""
 
     def __init__(
-        self, mode: SequenceParallelMode, group: ProcessGroup | None, model_name: str, shared_reduction: bool
+        self,
+        mode: SequenceParallelMode,
+        group: ProcessGroup | None,
+        model_name: str,
+        shared_reduction: bool,
+        fp8: bool = False,
     ) -> None:
         self.mode, self.group, self.model_name = mode, group, model_name
+        self.fp8 = fp8  # fp8_communication: the sequence gathers / scatters through cx_mesh.fp8
         self.shared_reduction = shared_reduction
         self.world = group_size(group)
 
@@ -111,7 +117,7 @@ class _Sequence:
         self._check_length(hidden.shape[1])
         if self.mode is SequenceParallelMode.RING:
             hidden = hidden.index_select(1, zigzag_order(hidden.shape[1], self.world, hidden.device))
-        return _with_hidden(args, kwargs, split_forward_gather_backward(hidden, 1, self.group))
+        return _with_hidden(args, kwargs, split_forward_gather_backward(hidden, 1, self.group, self.fp8))
 
     def _own_positions(self, full: int, device: torch.device) -> torch.Tensor:
         """Positions in the full sequence of this rank's tokens, in the order its shard holds them."""
@@ -154,15 +160,15 @@ class _Sequence:
     ) -> tuple[Any, dict[str, Any]]:
         if self.shared_reduction:
             # one reduce-scatter sums the column layers' partial input gradients; they skip their all-reduce
-            hidden = gather_forward_reduce_scatter_backward(_hidden(args, kwargs), 1, self.group)
+            hidden = gather_forward_reduce_scatter_backward(_hidden(args, kwargs), 1, self.group, self.fp8)
             mark_input_grad_reduced(hidden, self.group)
         else:
             # the column layers all-reduce their own input gradients, so the gathered gradient is already whole
-            hidden = gather_forward_split_backward(_hidden(args, kwargs), 1, self.group)
+            hidden = gather_forward_split_backward(_hidden(args, kwargs), 1, self.group, self.fp8)
         return _with_hidden(args, kwargs, hidden)
 
     def gather_output(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-        full = gather_forward_split_backward(output, 1, self.group)
+        full = gather_forward_split_backward(output, 1, self.group, self.fp8)
         if self.mode is SequenceParallelMode.RING:
             inverse = torch.argsort(zigzag_order(full.shape[1], self.world, full.device))
             full = full.index_select(1, inverse)
@@ -170,6 +176,7 @@ class _Sequence:
 
 
 _GROUP = "cx_sp_group"
+_FP8 = "cx_sp_fp8"  # fp8_communication: the Ulysses all-to-alls through cx_mesh.fp8
 
 # each sequence-parallel model's hooks and decoder layers, for the pipeline stages cut from it later
 _SEQUENCES: WeakKeyDictionary[nn.Module, tuple[_Sequence, list[nn.Module]]] = WeakKeyDictionary()
@@ -211,15 +218,15 @@ def ulysses_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: all-to-all (sequence -> heads), SDPA on the full sequence, all-to-all back."""
-    group = _sp_group(module)
+    group, fp8 = _sp_group(module), bool(getattr(module, _FP8, False))
     sp = group_size(group)
     heads, kv_heads = query.shape[1], key.shape[1]
     if kv_heads % sp != 0:  # fewer key/value heads than ranks: repeat them (grouped-query attention)
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
-    query = all_to_all(query, 1, 2, group)
-    key = all_to_all(key, 1, 2, group)
-    value = all_to_all(value, 1, 2, group)
+    query = all_to_all(query, 1, 2, group, fp8)
+    key = all_to_all(key, 1, 2, group, fp8)
+    value = all_to_all(value, 1, 2, group, fp8)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -227,7 +234,7 @@ def ulysses_attention_forward(
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling
     )
-    out = all_to_all(out, 2, 1, group)
+    out = all_to_all(out, 2, 1, group, fp8)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -266,7 +273,9 @@ def apply_sequence_parallelism(policy: HFDecoderPolicy) -> None:
     if mode is None:
         return
     model = policy.model
-    sequence = _Sequence(mode, config.sp_group, type(model).__name__, policy.shares_block_reductions)
+    sequence = _Sequence(
+        mode, config.sp_group, type(model).__name__, policy.shares_block_reductions, config.fp8_communication
+    )
     layers = policy.decoder_layers()
     _SEQUENCES[model] = (sequence, layers)
     layers[0].register_forward_pre_hook(sequence.split, with_kwargs=True)
@@ -288,6 +297,7 @@ def apply_sequence_parallelism(policy: HFDecoderPolicy) -> None:
             if attention is None:
                 raise TypeError(f"{type(policy).__name__}: decoder layer has no {policy.attention_name!r}")
             setattr(attention, _GROUP, config.sp_group)
+            setattr(attention, _FP8, config.fp8_communication)
         getattr(model, "set_attn_implementation")(_ATTENTION_NAMES[mode])  # noqa: B009  (transformers only)
     # gathered after the final norm, before any reshape the model makes of the full sequence (GPT-2 views it)
     norm.register_forward_hook(sequence.gather_output)
