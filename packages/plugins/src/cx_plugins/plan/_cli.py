@@ -1,0 +1,137 @@
+"""`cx-plan`: which configuration of which plugin fits a model on N devices and which runs fastest, said before
+launch. Prints the ranked table (or `--json`); exit status 2 with a one-line error for impossible inputs (an unknown
+device or link, a memory size that does not parse, a model config missing fields, a world no layout splits)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from cx_plugins.plan._candidate import PIPELINE_STYLES, PLUGINS, PRECISIONS
+from cx_plugins.plan._devices import (
+    DEVICES,
+    LINKS,
+    Device,
+    Network,
+    default_network,
+    lookup_device,
+    lookup_link,
+    parse_memory,
+)
+from cx_plugins.plan._enumerate import SearchSpace
+from cx_plugins.plan._model_spec import ModelShape, load_model_shape
+from cx_plugins.plan._planner import MemoryModel, plan
+from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION
+
+__all__ = ["build_parser", "main"]
+
+MemoryFactory = Callable[[ModelShape, int, Device], MemoryModel]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cx-plan",
+        description="Rank every plugin configuration of a model on N devices by predicted memory fit and step time.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", required=True, help="gpt, a preset (gpt2, llama, mixtral, ...), DIR or config.json")
+    parser.add_argument("--world", type=int, required=True, help="devices (ranks) in all")
+    parser.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}")
+    parser.add_argument(
+        "--device-memory", default=None, help="memory per device, e.g. 80GB or 64GiB (default: the device's)"
+    )
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
+    parser.add_argument(
+        "--global-batch", type=int, default=None, help="sequences per optimizer step (default: 4 per rank)"
+    )
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    parser.add_argument("--plugins", default=",".join(PLUGINS), help="comma-separated plugins to consider")
+    parser.add_argument("--hidden-size", type=int, default=128, help="built-in models only (as cx-train)")
+    parser.add_argument("--num-layers", type=int, default=2, help="built-in models only (as cx-train)")
+    parser.add_argument(
+        "--checkpointing", default="0,1", help="activation-checkpointing ratios to try, comma-separated"
+    )
+    parser.add_argument("--pp-styles", default=",".join(PIPELINE_STYLES), help="pipeline schedules to try")
+    parser.add_argument("--max-tp", type=int, default=8, help="largest tensor-parallel size to try")
+    parser.add_argument("--intra-link", default=None, help=f"link inside a node, one of {', '.join(LINKS)}")
+    parser.add_argument("--inter-link", default=None, help="link between nodes (same names)")
+    parser.add_argument("--devices-per-node", type=int, default=None, help="ranks per node (default: the device's)")
+    parser.add_argument("--intra-bandwidth", type=float, default=None, help="override, GB/s per direction")
+    parser.add_argument("--inter-bandwidth", type=float, default=None, help="override, GB/s per direction")
+    parser.add_argument("--intra-latency", type=float, default=None, help="override, microseconds")
+    parser.add_argument("--inter-latency", type=float, default=None, help="override, microseconds")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="override the device's peak, TFLOP/s")
+    parser.add_argument("--efficiency", type=float, default=ACHIEVABLE_FRACTION, help="achievable fraction of peak")
+    parser.add_argument("--top", type=int, default=10, help="fitting rows to print")
+    parser.add_argument("--json", action="store_true", help="print the whole ranked plan as JSON")
+    return parser
+
+
+def _floats(text: str, what: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--{what} takes comma-separated numbers, got {text!r}") from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _network(args: argparse.Namespace, device: Device) -> Network:
+    base = default_network(device)
+    intra = lookup_link(
+        args.intra_link or base.intra.name,
+        None if args.intra_bandwidth is None else args.intra_bandwidth * 1e9,
+        None if args.intra_latency is None else args.intra_latency * 1e-6,
+    )
+    inter = lookup_link(
+        args.inter_link or base.inter.name,
+        None if args.inter_bandwidth is None else args.inter_bandwidth * 1e9,
+        None if args.inter_latency is None else args.inter_latency * 1e-6,
+    )
+    per_node = base.devices_per_node if args.devices_per_node is None else args.devices_per_node
+    if per_node < 1:
+        raise ValueError(f"--devices-per-node must be positive, got {per_node}")
+    return Network(intra, inter, per_node)
+
+
+def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
+    """The report text (or JSON) for parsed arguments."""
+    memory_bytes = None if args.device_memory is None else parse_memory(args.device_memory)
+    peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
+    device = lookup_device(args.device, memory_bytes, peak)
+    network = _network(args, device)
+    space = SearchSpace(
+        plugins=_names(args.plugins),
+        global_batch=args.global_batch,
+        checkpoint_ratios=_floats(args.checkpointing, "checkpointing"),
+        pp_styles=_names(args.pp_styles),
+        max_tp=args.max_tp,
+        precision=args.precision,
+    )
+    shape = load_model_shape(args.model, hidden_size=args.hidden_size, num_layers=args.num_layers, seq_len=args.seq_len)
+    memory = memory_factory(shape, args.seq_len, device)
+    report = plan(
+        shape, args.world, args.seq_len, device, memory, space=space, network=network, efficiency=args.efficiency
+    )
+    if args.json:
+        return json.dumps(report.as_json(), indent=1)
+    return report.table(top=args.top)
+
+
+def main(argv: Sequence[str] | None = None, memory_factory: MemoryFactory | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    factory = _default_memory if memory_factory is None else memory_factory
+    try:
+        print(run(args, factory))
+    except ValueError as error:  # ModelShapeError, NoLayoutError, unknown names, unparsable sizes
+        print(f"cx-plan: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _default_memory(shape: ModelShape, seq_len: int, device: Device) -> MemoryModel:
+    raise NotImplementedError("the memory model lands with plan/_memory.py and plan/_fits.py")
