@@ -86,6 +86,10 @@ def scaled_matmul(
     scale_a, scale_b = qa.scale * shift, qb.scale / shift
     if recipe is ScalingRecipe.ROWWISE:
         scale_b = scale_b.t()  # (1, N): one scale per column of the right operand
+    elif a.device.type == "cpu":
+        # torch 2.13's CPU kernel is ~500x slower with scalar scales than with per-row ones (55 ms vs 0.1 ms for
+        # 64x64x64, measured here): the same scale repeated per row and column gives the identical result, fast.
+        scale_a, scale_b = scale_a.expand(m, 1).contiguous(), scale_b.expand(1, n).contiguous()
     out = torch._scaled_mm(qa.data, qb.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=mm_dtype)
     return out[:m, :n].to(out_dtype)
 
