@@ -46,7 +46,11 @@ BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception], str]] = [
         "unknown sequence_parallelism_mode",
     ),
     ({"tp_size": 2, "pp_size": 1, "enable_jit_fused": True}, NotImplementedError, "enable_jit_fused"),
-    ({"tp_size": 2, "pp_size": 1, "enable_sequence_overlap": True}, NotImplementedError, "enable_sequence_overlap"),
+    (
+        {"tp_size": 2, "pp_size": 1, "enable_sequence_overlap": True},
+        ValueError,
+        "sequence parallelism is 'off' here",
+    ),
     ({"tp_size": 1, "pp_size": 1, "cpu_offload": True}, ValueError, "cpu_offload"),
     ({"tp_size": 1, "pp_size": 1, "ddp_bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be positive, got 0"),
     ({"tp_size": 1, "pp_size": 1, "max_norm": -1.0}, ValueError, "max_norm must be >= 0"),

@@ -134,7 +134,6 @@ def test_plugins_moe_hybrid_low_precision(
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"enable_sequence_overlap": True}, "enable_sequence_overlap"),
         ({"fp8_communication": True}, "fp8"),
         ({"use_fp8": True}, "fp8"),
     ],

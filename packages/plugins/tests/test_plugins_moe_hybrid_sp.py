@@ -109,9 +109,9 @@ def test_plugins_moe_hybrid_sp_bad_configurations(rank: int, world_size: int) ->
     sequence: dict[str, Any] = {"enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all"}
     with pytest.raises(LayoutError, match=r"not divisible by ep\*sp = 2\*2 = 4; ep_size can be 1 \(with sp_size=2\)"):
         MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, sp_size=2, **sequence)
-    with pytest.raises(NotImplementedError, match="enable_sequence_overlap"):
+    with pytest.raises(ValueError, match=r"enable_sequence_overlap overlaps split_gather .* is 'all_to_all'"):
         MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=1, enable_sequence_parallelism=True,
-                                enable_sequence_overlap=True)  # fmt: skip
+                                enable_sequence_overlap=True)  # MoE's default mode: nothing to overlap  # fmt: skip
     plugin = MoeHybridParallelPlugin(
         tp_size=2, pp_size=1, ep_size=1, precision="fp32", enable_sequence_parallelism=True,
         sequence_parallelism_mode="split_gather", custom_policy=MixtralForCausalLMPolicy(expert_tensor_parallel=True),

@@ -78,10 +78,6 @@ class ShardConfig:
             )
         if self.enable_jit_fused:
             raise NotImplementedError("ShardConfig: enable_jit_fused is not implemented in cx-shardformer; pass False")
-        if self.enable_sequence_overlap:
-            raise NotImplementedError(
-                "ShardConfig: enable_sequence_overlap is not implemented in cx-shardformer; pass False"
-            )
         if self.extra_kwargs:
             raise NotImplementedError(
                 f"ShardConfig: extra_kwargs {sorted(self.extra_kwargs)} are not used by any cx-shardformer policy"
@@ -93,7 +89,7 @@ class ShardConfig:
                 f"ShardConfig: make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}"
             )
         if self.enable_all_optimization:
-            # ColossalAI also switches on jit fusion and sequence overlap here; cx has neither, so they stay off.
+            # ColossalAI also switches on jit fusion here; sequence overlap follows below, where split_gather is on
             object.__setattr__(self, "enable_fused_normalization", True)
             object.__setattr__(self, "enable_flash_attention", True)
         if self.enable_sequence_parallelism:
@@ -111,6 +107,28 @@ class ShardConfig:
             raise ValueError(
                 f"ShardConfig: sequence_parallelism_mode={self.sequence_parallelism_mode!r} given but "
                 "enable_sequence_parallelism is False"
+            )
+        self._check_sequence_overlap()
+
+    def _check_sequence_overlap(self) -> None:
+        """enable_sequence_overlap rings split_gather's all-gather / reduce-scatter with the matmuls: with any other
+        sequence mode (or none) it has nothing to overlap and raises, and so with fp8 (the ring computes and sends
+        in high precision); enable_all_optimization turns it on exactly where split_gather is on without fp8."""
+        split_gather = self.sp_mode is SequenceParallelMode.SPLIT_GATHER
+        fp8 = [name for name in ("use_fp8", "fp8_communication") if getattr(self, name)]
+        if self.enable_all_optimization and split_gather and not fp8:
+            object.__setattr__(self, "enable_sequence_overlap", True)
+        if self.enable_sequence_overlap and fp8:
+            raise ValueError(
+                f"ShardConfig: enable_sequence_overlap cannot go with {' and '.join(fp8)}: the overlap ring computes "
+                "and sends in high precision; turn one of them off"
+            )
+        if self.enable_sequence_overlap and not split_gather:
+            mode = self.sequence_parallelism_mode if self.enable_sequence_parallelism else "off"
+            raise ValueError(
+                "ShardConfig: enable_sequence_overlap overlaps split_gather sequence parallelism's all-gather and "
+                f"reduce-scatter with the matmuls; sequence parallelism is {mode!r} here: turn on "
+                "enable_sequence_parallelism with sequence_parallelism_mode='split_gather', or leave the switch off"
             )
 
     @property

@@ -30,6 +30,7 @@ from cx_shardformer._comm import (
     split_forward_gather_backward,
 )
 from cx_shardformer._fp8 import maybe_fp8_linear
+from cx_shardformer._overlap import column_overlap_forward, row_overlap_forward
 from cx_shardformer._parallel_module import ParallelModule
 from cx_shardformer._shard_spec import make_spec, shard_parameter_
 
@@ -99,6 +100,7 @@ class _ColumnBase(ParallelModule):
     """Shared by every column-parallel layer: weight split along the output features (possibly fused parts)."""
 
     _out_dim = 0  # where the output features live in the weight: 0 for nn.Linear, 1 for Conv1D
+    sequence_overlap = False  # enable_sequence_overlap: split_gather's gather runs as a ring with the matmul
 
     def __init__(
         self,
@@ -152,6 +154,8 @@ class _ColumnBase(ParallelModule):
         return out
 
     def forward(self, input_: torch.Tensor) -> Any:
+        if self.sequence_overlap:
+            return column_overlap_forward(self, input_)
         if self._split_gather:
             x = gather_forward_reduce_scatter_backward(
                 input_, self.seq_parallel_dim, self.process_group, self.fp8_communication
@@ -293,6 +297,7 @@ class _RowBase(ParallelModule):
     """Shared by row-parallel layers: weight split along the input features, bias replicated."""
 
     _in_dim = 1  # where the input features live in the weight: 1 for nn.Linear, 0 for Conv1D
+    sequence_overlap = False  # enable_sequence_overlap: split_gather's reduce-scatter runs as a ring with the matmul
 
     def __init__(
         self,
@@ -328,6 +333,8 @@ class _RowBase(ParallelModule):
         return maybe_fp8_linear(x, self.weight, None, self.fp8_recipe)
 
     def forward(self, input_: torch.Tensor) -> Any:
+        if self.sequence_overlap:
+            return row_overlap_forward(self, input_)
         group, fp8 = self.process_group, self.fp8_communication
         x = input_ if self.parallel_input else split_forward_gather_backward(input_, -1, group, fp8)
         out = self._matmul(x)

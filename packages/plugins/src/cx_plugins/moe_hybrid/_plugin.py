@@ -12,8 +12,8 @@ transformers splitter), so the aux loss pools all layers of a micro-batch as tra
 parallelism: each rank routes the tokens of its sequence shard; router and expert gradients are summed over the
 sequence-parallel group and the router logits gathered over it for the aux loss (cx-shardformer's MoE policies);
 with all_to_all / ring_attn (the sp axis) dense gradients are averaged over moe_dp x ep x sp; with a pipeline as well,
-the stages pass sequence shards on and the gathered router logits travel to the last stage. What it cannot honour
-(enable_sequence_overlap) raises.
+the stages pass sequence shards on and the gathered router logits travel to the last stage. enable_sequence_overlap
+rings split_gather's collectives with the matmuls (cx-shardformer).
 
 fp8: `use_fp8` and `fp8_communication` go to the base plugin (dense layers, TP / ZeRO / pipeline collectives) and to
 cx-moe (`convert_moe_to_fp8` after ShardFormer): every MoE block's expert matmuls run in fp8, and with ep > 1 the
@@ -96,7 +96,6 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         fp8_communication: bool = False,
         use_fp8: bool = False,
     ) -> None:
-        _refuse_unsupported(enable_sequence_overlap=enable_sequence_overlap)
         if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
             raise ValueError(f"{_NAME}: ep_size must be a positive integer, got {ep_size!r}")
         assert_same_across_ranks((ep_size, moe_dp_outside), what=f"{_NAME} ep_size and moe_dp_outside")
@@ -272,12 +271,3 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         weights = super()._unsharded_norm_weights(model, held)
         ep = self._ep_size
         return {id(p): weights[id(p)] if is_moe_tensor(p) else weights[id(p)] / ep for p in held}
-
-
-def _refuse_unsupported(*, enable_sequence_overlap: bool) -> None:
-    """What cx cannot honour yet, refused by name before any group is built."""
-    if enable_sequence_overlap:
-        raise NotImplementedError(
-            f"{_NAME}(enable_sequence_overlap=True): overlapping sequence-parallel communication with compute is "
-            "not supported by cx yet; leave it False"
-        )

@@ -41,6 +41,7 @@ from cx_shardformer._linear import mark_input_grad_reduced, sync_grad_over
 from cx_shardformer._ring import ring_attention, zigzag_order, zigzag_positions
 from cx_shardformer._shard_spec import get_shard_spec
 from cx_shardformer._sharder import get_submodule_or_none
+from cx_shardformer.policies._overlap import block_gather_hook
 
 if TYPE_CHECKING:
     from cx_shardformer.policies._common import HFDecoderPolicy
@@ -288,7 +289,8 @@ def apply_sequence_parallelism(policy: HFDecoderPolicy) -> None:
                 block = get_submodule_or_none(layer, child)
                 if block is None:
                     raise TypeError(f"{type(policy).__name__}: decoder layer has no {child!r}")
-                block.register_forward_pre_hook(sequence.gather_input, with_kwargs=True)
+                hook = block_gather_hook(policy, block, sequence.gather_input)  # a ring with enable_sequence_overlap
+                block.register_forward_pre_hook(hook, with_kwargs=True)
     else:
         _register_attention()
         for layer in layers:

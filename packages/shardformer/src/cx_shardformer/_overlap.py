@@ -1,0 +1,327 @@
+"""enable_sequence_overlap: split_gather's sequence all-gather and reduce-scatter overlapped with the matmuls.
+
+Without overlap a block's sequence shard is all-gathered, then its column layers multiply the full sequence; a row
+layer multiplies, then reduce-scatters. With overlap both run as a ring over the tensor-parallel group (tp - 1 async
+`batch_isend_irecv` steps): each rank multiplies the sequence chunk it holds while the next chunk travels. Backward
+does the same for the input gradient (a ring reduce-scatter fed by the column layers' per-chunk input gradients, a
+ring all-gather of the row layer's output gradient feeding its per-chunk input gradient). Weight and bias gradients
+are one matmul / sum over the whole sequence, as without overlap. One ring serves every column layer of a block (q, k
+and v; gate and up), so the bytes moved equal the non-overlapped path's.
+
+Arithmetic: each output element is the same dot product as without overlap (the matmul is split along its rows, the
+sequence), and the ring adds the ranks' partial input gradients in another order than the collective; so results
+agree within one summation bound of the reduced dimension (bitwise where the GEMM kernel does not change its blocking
+with the row count and for tp 2, whose single addition commutes exactly).
+
+torch's async TP (`torch.distributed._symmetric_memory`, inductor's `micro_pipeline_tp`) fuses the same all-gather-
+matmul on CUDA: it needs symmetric memory (NCCL/NVSHMEM) and torch.compile'd DTensor graphs, so it has no gloo/CPU
+path and does not see cx's plain-tensor layers; cx uses this ring on every backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cx_mesh import ProcessGroup, named_collective
+from cx_shardformer._comm import group_rank, group_size
+
+__all__ = [
+    "ColumnMatmul",
+    "as_column",
+    "check_overlap_layer",
+    "clear_stash",
+    "column_overlap_forward",
+    "column_ring",
+    "row_overlap_forward",
+    "row_ring",
+    "stash_outputs",
+]
+
+_STASH = "_cx_overlapped"
+
+
+@dataclass(frozen=True)
+class ColumnMatmul:
+    """One column layer inside a ring: its forward matmul on a chunk (`matmul(chunk, bias)`), its weight in the
+    layer's own layout (`linear_layout`: [out, in] as nn.Linear, else [in, out] as Conv1D) and the bias the matmul
+    adds (None when there is none or the layer returns it unadded)."""
+
+    matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    linear_layout: bool
+
+
+class _Ring:
+    """This rank's place in the group's ring: sends go to the next rank, receives come from the previous one (or
+    the reverse for `backwards`)."""
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        self.group, self.world, self.rank = group, group_size(group), group_rank(group)
+
+    def _global(self, index: int) -> int:
+        index %= self.world
+        return int(dist.get_global_rank(self.group, index)) if self.group is not None else index
+
+    def start(self, send: torch.Tensor, backwards: bool = False) -> tuple[torch.Tensor, list[Any]]:
+        """Start sending `send` one step along the ring; returns the receive buffer and the works to wait on."""
+        step = -1 if backwards else 1
+        recv = torch.empty_like(send)
+        ops = [
+            dist.P2POp(dist.isend, send, self._global(self.rank + step), self.group),
+            dist.P2POp(dist.irecv, recv, self._global(self.rank - step), self.group),
+        ]
+        with named_collective("sequence-overlap ring send/recv", self.group):
+            works = dist.batch_isend_irecv(ops)
+        return recv, works
+
+    def wait(self, works: list[Any]) -> None:
+        with named_collective("sequence-overlap ring send/recv", self.group):
+            for work in works:
+                work.wait()
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _input_grad(grad: torch.Tensor, weight: torch.Tensor, linear_layout: bool) -> torch.Tensor:
+    """d(input) of `input @ W^T` (linear layout) or `input @ W` (Conv1D layout)."""
+    return grad @ (weight if linear_layout else weight.t())
+
+
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor, linear_layout: bool) -> torch.Tensor:
+    """d(weight) over every token, in the weight's own layout (as autograd computes it without overlap)."""
+    return _flat(grad).t() @ _flat(x) if linear_layout else _flat(x).t() @ _flat(grad)
+
+
+class _ColumnRing(torch.autograd.Function):
+    """Ring all-gather of a sequence shard, each chunk multiplied by every column layer as it arrives; backward: ring
+    reduce-scatter of the summed input gradients, each step's chunk computed while the previous one travels."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, layers: Sequence[ColumnMatmul], dim: int, ring: _Ring, x: torch.Tensor, *params: torch.Tensor | None
+    ) -> tuple[torch.Tensor, ...]:
+        world, rank, length = ring.world, ring.rank, x.shape[dim]
+        full = x.new_empty((*x.shape[:dim], length * world, *x.shape[dim + 1 :]))
+        outs: list[torch.Tensor] = []
+        cur = x.contiguous()
+        for k in range(world):
+            pending = ring.start(cur) if k < world - 1 else None
+            index = (rank - k) % world
+            full.narrow(dim, index * length, length).copy_(cur)
+            for i, layer in enumerate(layers):
+                y = layer.matmul(cur, layer.bias)
+                if k == 0:
+                    outs.append(y.new_empty((*y.shape[:dim], length * world, *y.shape[dim + 1 :])))
+                outs[i].narrow(dim, index * length, length).copy_(y)
+            if pending is not None:
+                ring.wait(pending[1])
+                cur = pending[0]
+        ctx.layers, ctx.dim, ctx.ring = layers, dim, ring
+        ctx.save_for_backward(full, *params)
+        return (full, *outs)
+
+    @staticmethod
+    def backward(ctx: Any, grad_full: torch.Tensor | None, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        full, *params = ctx.saved_tensors
+        layers: Sequence[ColumnMatmul] = ctx.layers
+        dim, ring = ctx.dim, ctx.ring
+        world, rank, length = ring.world, ring.rank, full.shape[dim] // ring.world
+        param_grads: list[torch.Tensor | None] = []
+        for i, layer in enumerate(layers):
+            grad = grads[i]
+            want_w, want_b = ctx.needs_input_grad[4 + 2 * i], ctx.needs_input_grad[5 + 2 * i]
+            param_grads.append(_weight_grad(grad, full, layer.linear_layout) if grad is not None and want_w else None)
+            param_grads.append(_flat(grad).sum(0) if grad is not None and want_b else None)
+        grad_x: torch.Tensor | None = None
+        if ctx.needs_input_grad[3]:
+            pending: tuple[torch.Tensor, list[Any]] | None = None
+            for k in range(world):
+                index = (rank + k + 1) % world  # ends at this rank's own chunk
+                part = _chunk_input_grad(layers, params, grads, grad_full, dim, index * length, length, full)
+                if pending is not None:
+                    ring.wait(pending[1])
+                    part = part + pending[0]
+                if k < world - 1:
+                    pending = ring.start(part.contiguous(), backwards=True)
+                else:
+                    grad_x = part
+        return (None, None, None, grad_x, *param_grads)
+
+
+def _chunk_input_grad(
+    layers: Sequence[ColumnMatmul],
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    grad_full: torch.Tensor | None,
+    dim: int,
+    start: int,
+    length: int,
+    full: torch.Tensor,
+) -> torch.Tensor:
+    """This rank's share of the input gradient of one sequence chunk: every layer's, plus any direct use of the
+    gathered tensor."""
+    total = torch.zeros_like(full.narrow(dim, start, length))
+    for i, layer in enumerate(layers):
+        grad = grads[i]
+        if grad is not None:
+            total = total + _input_grad(grad.narrow(dim, start, length), params[2 * i], layer.linear_layout)
+    if grad_full is not None:
+        total = total + grad_full.narrow(dim, start, length)
+    return total
+
+
+def column_ring(
+    x: torch.Tensor, dim: int, group: ProcessGroup | None, layers: Sequence[ColumnMatmul]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The gathered input and each layer's output over the full sequence, computed as the chunks arrive."""
+    if not layers:
+        raise ValueError("enable_sequence_overlap: a ring needs at least one column layer")
+    params: list[torch.Tensor | None] = []
+    for layer in layers:
+        params += [layer.weight, layer.bias]
+    full, *outs = _ColumnRing.apply(layers, dim, _Ring(group), x, *params)
+    return full, outs
+
+
+class _RowRing(torch.autograd.Function):
+    """Per-chunk matmuls feeding a ring reduce-scatter along the sequence; backward: ring all-gather of the output
+    gradient, each arriving chunk's input gradient computed while the next one travels."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        matmul: Callable[[torch.Tensor], torch.Tensor],
+        linear_layout: bool,
+        dim: int,
+        ring: _Ring,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+    ) -> torch.Tensor:
+        world, rank = ring.world, ring.rank
+        if x.shape[dim] % world != 0:
+            raise ValueError(
+                f"enable_sequence_overlap: dimension {dim} of a tensor of shape {tuple(x.shape)} is not divisible "
+                f"by the group size {world}"
+            )
+        length = x.shape[dim] // world
+        pending: tuple[torch.Tensor, list[Any]] | None = None
+        out = x
+        for k in range(world):
+            index = (rank + k + 1) % world  # ends at this rank's own chunk
+            part = matmul(x.narrow(dim, index * length, length))
+            if pending is not None:
+                ring.wait(pending[1])
+                part = part + pending[0]
+            if k < world - 1:
+                pending = ring.start(part.contiguous(), backwards=True)
+            else:
+                out = part
+        ctx.linear_layout, ctx.dim, ctx.ring = linear_layout, dim, ring
+        ctx.save_for_backward(x, weight)
+        return out.contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        dim, ring = ctx.dim, ctx.ring
+        world, rank, length = ring.world, ring.rank, grad.shape[dim]
+        grad_full = grad.new_empty((*grad.shape[:dim], length * world, *grad.shape[dim + 1 :]))
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[4] else None
+        cur = grad.contiguous()
+        for k in range(world):
+            pending = ring.start(cur) if k < world - 1 else None
+            index = (rank - k) % world
+            grad_full.narrow(dim, index * length, length).copy_(cur)
+            if grad_x is not None:
+                grad_x.narrow(dim, index * length, length).copy_(_input_grad(cur, weight, ctx.linear_layout))
+            if pending is not None:
+                ring.wait(pending[1])
+                cur = pending[0]
+        grad_w = _weight_grad(grad_full, x, ctx.linear_layout) if ctx.needs_input_grad[5] else None
+        return (None, None, None, None, grad_x, grad_w)
+
+
+def row_ring(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    matmul: Callable[[torch.Tensor], torch.Tensor],
+    linear_layout: bool,
+    dim: int,
+    group: ProcessGroup | None,
+) -> torch.Tensor:
+    """`matmul(x)` summed over the group, this rank's sequence chunk kept (split_gather's reduce-scatter), the
+    partial sums of each chunk computed while the previous one travels."""
+    out: torch.Tensor = _RowRing.apply(matmul, linear_layout, dim, _Ring(group), x, weight)
+    return out
+
+
+def as_column(layer: Any) -> ColumnMatmul:
+    """A cx column-parallel layer (`_linear._ColumnBase`) as a ring participant."""
+    bias = None if layer.skip_bias_add else layer.bias
+    return ColumnMatmul(layer._matmul, layer.weight, bias, layer._out_dim == 0)
+
+
+def stash_outputs(layers: Sequence[nn.Module], gathered: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
+    """Hand each column layer the output the block's ring computed for it, to return when it is called on
+    `gathered` (`overlapped_output`)."""
+    for layer, out in zip(layers, outputs, strict=True):
+        setattr(layer, _STASH, (gathered, out))
+
+
+def clear_stash(layers: Sequence[nn.Module]) -> None:
+    """Drop outputs a block's forward did not take (it called a column layer on another tensor)."""
+    for layer in layers:
+        layer.__dict__.pop(_STASH, None)
+
+
+def column_overlap_forward(layer: Any, input_: torch.Tensor) -> Any:
+    """A column layer's forward under enable_sequence_overlap: the output its block's ring computed for it (the
+    policy's hook, `stash_outputs`), or, for a layer that gathers its own input (`seq_parallel_mode='split_gather'`),
+    its own ring. Returns (output, bias) with skip_bias_add, as the layer does."""
+    check_overlap_layer(layer, "column")
+    stashed = layer.__dict__.pop(_STASH, None)
+    if stashed is not None and stashed[0] is input_:
+        out: torch.Tensor = stashed[1]
+    elif layer._split_gather:
+        out = column_ring(input_, layer.seq_parallel_dim, layer.process_group, [as_column(layer)])[1][0]
+    else:
+        raise RuntimeError(
+            f"enable_sequence_overlap: {type(layer).__name__} was called on a tensor other than its block's gathered "
+            "input, so no ring computed its output; the block must feed its column layers its own input"
+        )
+    return (out, layer.bias) if layer.skip_bias_add else out
+
+
+def row_overlap_forward(layer: Any, input_: torch.Tensor) -> Any:
+    """A split_gather row layer's forward under enable_sequence_overlap: per-chunk matmuls feeding the ring
+    reduce-scatter; the bias is added (or returned with skip_bias_add) after it, as without overlap."""
+    check_overlap_layer(layer, "row")
+    linear_layout = layer._in_dim == 1
+    out = row_ring(input_, layer.weight, layer._matmul, linear_layout, layer.seq_parallel_dim, layer.process_group)
+    if layer.skip_bias_add:
+        return out, layer.bias
+    return out if layer.bias is None else out + layer.bias
+
+
+def check_overlap_layer(layer: Any, kind: str) -> None:
+    """What a ring cannot compute, refused by name: a gathered output, fp8 matmuls or fp8 communication (the ring's
+    backward is the high-precision matmul and its send/recv is uncompressed), a row layer without a split_gather
+    sequence or with an unsplit input."""
+    name = type(layer).__name__
+    if getattr(layer, "fp8_recipe", None) is not None or getattr(layer, "fp8_communication", False):
+        raise ValueError(f"enable_sequence_overlap: {name} uses fp8 (use_fp8 / fp8_communication); cx's ring does not")
+    if kind == "column" and layer.gather_output:
+        raise ValueError(f"enable_sequence_overlap: {name} has gather_output=True; the ring keeps the feature shard")
+    if kind == "row" and (not layer._split_gather or not layer.parallel_input):
+        raise ValueError(
+            f"enable_sequence_overlap: {name} needs seq_parallel_mode='split_gather' and parallel_input=True"
+        )
