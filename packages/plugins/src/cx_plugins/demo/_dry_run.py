@@ -21,8 +21,11 @@ from cx_plugins._layout import FILL, Axis, resolve_sizes
 from cx_plugins.demo._config_file import resolved_toml
 from cx_plugins.demo._models import build_model, describe_model
 from cx_plugins.demo._options import DemoOptions
+from cx_plugins.plan import Candidate, load_model_shape
+from cx_plugins.plan._devices import detect_device
+from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION, predict_step_time
 
-__all__ = ["MemoryFigures", "dense_dp", "dry_run_report", "layout_rows", "memory_figures"]
+__all__ = ["MemoryFigures", "dense_dp", "dry_run_report", "layout_rows", "memory_figures", "plan_candidate"]
 
 
 def _axes(options: DemoOptions) -> list[tuple[Axis, int]]:
@@ -102,6 +105,47 @@ def _count_parameters(options: DemoOptions) -> tuple[int, int]:
     return sum(n for _, n in named), sum(n for parts, n in named if "experts" in parts)
 
 
+def plan_candidate(options: DemoOptions, world_size: int) -> Candidate:
+    """The planner's description of the run these options start on `world_size` ranks (cx-plan judges the same)."""
+    hybrid = options.plugin in ("hybrid", "moe_hybrid")
+    if options.pp > 1:  # the pipeline splits each rank's batch into --microbatches
+        micro, count = options.batch_size // options.microbatches, options.microbatches * options.grad_accum
+    else:
+        micro, count = options.batch_size, options.grad_accum
+    return Candidate(
+        options.plugin,
+        dp=options.data_parallel_size(world_size),
+        tp=options.tp,
+        pp=options.pp,
+        sp=options.sp,
+        sp_mode="all_to_all" if options.sp > 1 else None,
+        ep=options.ep,
+        zero_stage=options.zero if hybrid else (2 if options.plugin == "low_level_zero" else None),
+        micro_batch_size=max(1, micro),
+        num_microbatches=count,
+        pp_style=options.pp_style if options.pp > 1 else "1f1b",
+        checkpoint_ratio=1.0 if options.activation_checkpointing else 0.0,
+        precision=options.precision,
+    )
+
+
+def _plan_lines(options: DemoOptions, world: int) -> list[str]:
+    """cx-plan's step-time prediction of this run on this machine's device (`cx_plugins.plan`)."""
+    shape = load_model_shape(
+        options.model, hidden_size=options.hidden_size, num_layers=options.num_layers, seq_len=options.seq_len
+    )
+    device = detect_device()
+    candidate = plan_candidate(options, world)
+    step = predict_step_time(candidate, shape, options.seq_len, device)
+    comm = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in step.communication_s.items()) or "none"
+    return [
+        f"# predicted step on {world} x {device.name} (cx-plan, {ACHIEVABLE_FRACTION:.0%} of peak): "
+        f"{step.step_s * 1e3:.2f} ms, {step.tokens_per_s:,.0f} tokens/s, MFU {step.mfu:.1%}",
+        f"#   compute {step.compute_s * 1e3:.2f} ms (recompute {step.recompute_s * 1e3:.2f}), pipeline bubble "
+        f"{step.bubble_s * 1e3:.2f} ms, optimizer {step.optimizer_s * 1e3:.2f} ms; communication: {comm}",
+    ]
+
+
 def _mib(count: int) -> str:
     return f"{count / 2**20:,.1f} MiB"
 
@@ -120,5 +164,6 @@ def dry_run_report(options: DemoOptions, world_size: int | None = None) -> str:
         f"# memory per rank ({options.precision}, estimate without activations): weights "
         f"{_mib(figures.weight_bytes)}, gradients {_mib(figures.gradient_bytes)}, optimizer state "
         f"{_mib(figures.optimizer_bytes)}, total {_mib(figures.total_bytes)}",
+        *_plan_lines(options, world),
     ]
     return "\n".join(lines) + "\n"

@@ -84,7 +84,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     )
     config.add_argument(
         "--dry-run",
+        "--plan",
         action="store_true",
-        help="print the resolved config, which rank holds which parallel coordinates, and parameter / memory "
-        "figures per rank, then exit without training (default: off)",
+        help="print the resolved config, which rank holds which parallel coordinates, the parameter / memory "
+        "figures per rank and cx-plan's step-time prediction, then exit without training (default: off)",
     )

@@ -176,3 +176,19 @@ def parse_memory(text: str) -> int:
     if value <= 0:
         raise ValueError(f"memory size {text!r} must be positive")
     return value
+
+
+_CUDA_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))  # substrings of torch.cuda.get_device_name
+
+
+def detect_device() -> Device:
+    """This machine's device as the table knows it: the first CUDA device's row when its name matches one (H200,
+    H100, A100), with its real memory; otherwise the CPU row."""
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        for key, row in _CUDA_NAMES:
+            if key in name:
+                return lookup_device(row, memory_bytes=torch.cuda.get_device_properties(0).total_memory)
+    return DEVICES["cpu"]

@@ -1,0 +1,40 @@
+"""`cx-train --plan` (an alias of --dry-run): the run's flags become the planner's Candidate, and the report prints
+cx-plan's prediction for exactly that configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from cx_plugins.demo import main
+from cx_plugins.demo._dry_run import plan_candidate
+from cx_plugins.demo._options import parse_options
+from cx_plugins.plan import Candidate, load_model_shape
+from cx_plugins.plan._devices import detect_device
+from cx_plugins.plan._step_time import predict_step_time
+
+
+def test_cx_train_flags_become_the_planners_candidate() -> None:
+    hybrid = parse_options(["--plugin", "hybrid", "--tp", "2", "--pp", "2", "--nproc", "8", "--batch-size", "8"])
+    assert plan_candidate(hybrid, 8) == Candidate(
+        "hybrid", dp=2, tp=2, pp=2, zero_stage=0, micro_batch_size=4, num_microbatches=2, precision="fp32"
+    )
+    zero = parse_options(["--plugin", "low_level_zero", "--precision", "bf16", "--grad-accum", "3", "--nproc", "2"])
+    assert plan_candidate(zero, 2) == Candidate(
+        "low_level_zero", dp=2, zero_stage=2, micro_batch_size=8, num_microbatches=3, precision="bf16"
+    )
+    flags = ["--plugin", "moe_hybrid", "--model", "mixtral", "--ep", "2", "--sp", "2", "--zero", "1", "--nproc", "4"]
+    moe = plan_candidate(parse_options([*flags, "--activation-checkpointing"]), 4)
+    assert (moe.dp, moe.ep, moe.moe_dp, moe.sp, moe.sp_mode, moe.stage) == (2, 2, 1, 2, "all_to_all", 1)
+    assert moe.checkpoint_ratio == 1.0
+
+
+def test_cx_train_plan_prints_the_prediction(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--plugin", "hybrid", "--tp", "2", "--pp", "2", "--nproc", "4", "--seq-len", "32", "--plan"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    options = parse_options(argv)
+    shape = load_model_shape("gpt", hidden_size=options.hidden_size, num_layers=options.num_layers, seq_len=32)
+    step = predict_step_time(plan_candidate(options, 4), shape, 32, detect_device())
+    assert f"# predicted step on 4 x {detect_device().name} (cx-plan, 45% of peak): {step.step_s * 1e3:.2f} ms" in out
+    assert "tp activation all-reduce" in out
+    assert "pipeline bubble" in out
