@@ -34,12 +34,15 @@ def convert_moe_to_fp8(model: nn.Module, fp8: MoeFp8Options) -> list[str]:
     blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ in HF_MOE_BLOCKS]
     if not layers and not blocks:
         raise ValueError(f"convert_moe_to_fp8: {type(model).__name__} has no MoeLayer or MoE block cx knows")
-    checked = []
+    checked: list[tuple[str, nn.Module, int, _ExpertParallelState | None, int]] = []
     for name, block in blocks:
-        experts, count = _check_layout(name, block)
-        state: _ExpertParallelState | None = getattr(experts, _STATE, None)
-        ep_size = 1 if state is None else state.ep_size
-        checked.append((name, experts, count, state, ep_size))
+        converted = getattr(block, "experts", None)
+        state: _ExpertParallelState | None = getattr(converted, _STATE, None)
+        if state is None or not isinstance(converted, nn.Module):  # whole: check the layout cx's forward relies on
+            experts, count = _check_layout(name, block)
+            checked.append((name, experts, count, None, 1))
+        else:  # already expert-parallel (checked then; its stacks now hold this rank's slice only)
+            checked.append((name, converted, state.num_experts, state, state.ep_size))
     for name, ep_size in [(n, m.ep_size) for n, m in layers] + [(c[0], c[4]) for c in checked]:
         if fp8.fp8_communication and ep_size == 1:
             raise ValueError(
