@@ -131,19 +131,6 @@ def test_plugins_moe_hybrid_low_precision(
     train_and_compare(plugin, steps=3, tol=tol)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"fp8_communication": True}, "fp8"),
-        ({"use_fp8": True}, "fp8"),
-    ],
-)
-def test_plugins_moe_hybrid_refuses(kwargs: dict[str, Any], match: str) -> None:
-    arguments: dict[str, Any] = {"tp_size": 1, "pp_size": 1, "ep_size": 1, **kwargs}
-    with pytest.raises(NotImplementedError, match=match):
-        MoeHybridParallelPlugin(**arguments)
-
-
 @distributed(world_size=2)
 def test_plugins_moe_hybrid_bad_sizes(rank: int, world_size: int) -> None:
     with pytest.raises(LayoutError, match=r"not divisible by ep_size = 3; ep_size can be 1 or 2"):
