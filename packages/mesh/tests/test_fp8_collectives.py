@@ -157,3 +157,14 @@ def _check_collectives(rank: int, world_size: int, device: torch.device) -> None
         poisoned[2] = float("inf")
     all_reduce_fp8(poisoned)
     assert not torch.isfinite(poisoned).all()
+
+    # count_collective_bytes counts p2p calls too (batch_isend_irecv: its sends and receives) and restores torch's
+    original = dist.batch_isend_irecv
+    incoming = torch.empty(5, device=device)
+    with count_collective_bytes() as p2p:
+        peer = 1 - rank
+        ops = [dist.P2POp(dist.isend, torch.ones(5, device=device), peer), dist.P2POp(dist.irecv, incoming, peer)]
+        for pending in dist.batch_isend_irecv(ops):
+            pending.wait()
+    assert p2p.by_op == {"batch_isend_irecv": 2 * 5 * 4}
+    assert dist.batch_isend_irecv is original
