@@ -6,24 +6,19 @@ reduced slice, so every replica ends with the same values and about half the byt
 TorchDDPPlugin and the hybrid plugins' ZeRO-stage-0 DDP path register it the same way (`register_fp8_comm_hook`).
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket  # dist.GradBucket, which mypy cannot see through dist
 from torch.nn.parallel import DistributedDataParallel
 
 from cx_mesh.fp8 import E5M2, all_reduce_fp8
-
-if TYPE_CHECKING:  # torch.distributed re-exports it only at run time
-    from torch._C._distributed_c10d import GradBucket
 
 __all__ = ["fp8_all_reduce_hook", "register_fp8_comm_hook"]
 
 
 def fp8_all_reduce_hook(group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A DDP comm hook: average `bucket`'s flat gradients over `group` (None: the world) in place, compressed to fp8.
+    """A DDP comm hook: average `bucket`'s flat gradients over `group` (None: the world) in place, in fp8. DDP
+    checks the annotations at run time, so this module does not postpone them (no `from __future__ import`).
 
     The exchange runs to completion inside the hook (the compressed all-reduce is two collectives with a float32
     sum between them), and the returned future is already done; DDP copies the averaged buffer into the grads."""

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from cx_checkpoint import CheckpointIO, attach_param_names
 from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._ddp_options import DDPOptions
+from cx_plugins._fp8_ddp_hook import register_fp8_comm_hook
 from cx_plugins._plugin import Boosted, DPPluginBase
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_plugins.checkpoint_io._replicated import ReplicatedCheckpointIO
@@ -24,15 +25,20 @@ __all__ = ["DDPOptions", "TorchDDPModel", "TorchDDPPlugin"]
 
 
 class TorchDDPModel(ModelWrapper):
-    """A model wrapped in DistributedDataParallel; `unwrap()` returns the original module."""
+    """A model wrapped in DistributedDataParallel; `unwrap()` returns the original module. With `fp8_communication`
+    the gradient buckets are all-reduced in fp8 (E5M2) by a DDP comm hook."""
 
-    def __init__(self, module: nn.Module, options: DDPOptions) -> None:
+    def __init__(self, module: nn.Module, options: DDPOptions, fp8_communication: bool = False) -> None:
         device = get_accelerator().current_device()
-        super().__init__(DistributedDataParallel(module.to(device), **options.ddp_kwargs(device)))
+        ddp = DistributedDataParallel(module.to(device), **options.ddp_kwargs(device))
+        if fp8_communication:
+            register_fp8_comm_hook(ddp)
+        super().__init__(ddp)
 
 
 class TorchDDPPlugin(DPPluginBase):
-    """Plain data parallelism with PyTorch DDP. Mixed precision comes from the Booster ("fp16", "bf16")."""
+    """Plain data parallelism with PyTorch DDP. Mixed precision comes from the Booster ("fp16", "bf16");
+    `fp8_communication=True` all-reduces the gradients in fp8 (E5M2, ColossalAI's fp8 DDP hook)."""
 
     def __init__(
         self,
@@ -45,11 +51,7 @@ class TorchDDPPlugin(DPPluginBase):
         fp8_communication: bool = False,
     ) -> None:
         super().__init__()
-        if fp8_communication:  # ColossalAI's switch: accepted so its scripts run unchanged; False changes nothing
-            raise NotImplementedError(
-                "TorchDDPPlugin(fp8_communication=True): fp8 gradient compression is not supported by cx yet; "
-                "pass fp8_communication=False"
-            )
+        self.fp8_communication = fp8_communication
         self.options = DDPOptions(
             broadcast_buffers=broadcast_buffers,
             bucket_cap_mb=bucket_cap_mb,
@@ -58,7 +60,7 @@ class TorchDDPPlugin(DPPluginBase):
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
         )
-        assert_same_across_ranks(self.options, what="TorchDDPPlugin options")
+        assert_same_across_ranks((self.options, fp8_communication), what="TorchDDPPlugin options")
 
     def supported_devices(self) -> list[str]:
         return ["cuda", "cpu"]
@@ -88,7 +90,9 @@ class TorchDDPPlugin(DPPluginBase):
     ) -> Boosted:
         if optimizer is not None and not isinstance(model, ModelWrapper):
             attach_param_names(optimizer, model)  # checkpoints key optimizer state by the user's parameter names
-        boosted = model if isinstance(model, ModelWrapper) else TorchDDPModel(model, self.options)
+        boosted = (
+            model if isinstance(model, ModelWrapper) else TorchDDPModel(model, self.options, self.fp8_communication)
+        )
         wrapped = None if optimizer is None else OptimizerWrapper(optimizer)
         return boosted, wrapped, criterion, dataloader, lr_scheduler
 
