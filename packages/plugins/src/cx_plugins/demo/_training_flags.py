@@ -84,8 +84,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     )
     config.add_argument(
         "--dry-run",
-        "--plan",
         action="store_true",
         help="print the resolved config, which rank holds which parallel coordinates, the parameter / memory "
         "figures per rank and cx-plan's step-time prediction, then exit without training (default: off)",
+    )
+    config.add_argument(
+        "--plan", dest="dry_run", action="store_true", help="the same as --dry-run (cx-plan's name) (default: off)"
     )
