@@ -6,6 +6,35 @@ from FLOPs, collective volumes and the pipeline schedule.
 """
 
 from cx_plugins.plan._candidate import Candidate
+from cx_plugins.plan._cli import main
+from cx_plugins.plan._devices import Device, Link, Network, lookup_device, lookup_link, parse_memory
+from cx_plugins.plan._enumerate import NoLayoutError, SearchSpace, enumerate_candidates
 from cx_plugins.plan._model_spec import ModelShape, ModelShapeError, ParameterCounts, load_model_shape
+from cx_plugins.plan._planner import judge, plan
+from cx_plugins.plan._report import PlanReport, PlanRow
+from cx_plugins.plan._step_time import StepTime, predict_step_time
 
-__all__ = ["Candidate", "ModelShape", "ModelShapeError", "ParameterCounts", "load_model_shape"]
+__all__ = [
+    "Candidate",
+    "ModelShape",
+    "ModelShapeError",
+    "ParameterCounts",
+    "load_model_shape",
+    # step time, devices, enumeration and the ranked plan (cx-plan)
+    "Device",
+    "Link",
+    "Network",
+    "lookup_device",
+    "lookup_link",
+    "parse_memory",
+    "NoLayoutError",
+    "SearchSpace",
+    "enumerate_candidates",
+    "StepTime",
+    "predict_step_time",
+    "PlanReport",
+    "PlanRow",
+    "judge",
+    "plan",
+    "main",
+]
