@@ -33,8 +33,6 @@ def test_zero_rejects_bad_constructor_arguments(rank: int, world_size: int) -> N
         LowLevelZeroOptimizer(torch.optim.AdamW(params), clip_grad_norm=float("nan"))
     with pytest.raises(ValueError, match="communication_dtype"):
         LowLevelZeroOptimizer(torch.optim.AdamW(params), communication_dtype=torch.float64)
-    with pytest.raises(NotImplementedError, match="fp8 communication is not supported"):
-        LowLevelZeroOptimizer(torch.optim.AdamW(params), fp8_communication=True)
     with pytest.raises(TypeError, match="LBFGS is not known to be elementwise"):
         LowLevelZeroOptimizer(torch.optim.LBFGS(params))
     with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):

@@ -3,6 +3,10 @@
 One all-gather per bucket (the same buckets as the gradient reduction). With `async_op` the gathers are started and
 completed later (`overlap_allgather`): all of them just before the first module forward that follows the step, or
 when the optimizer needs the parameters, whichever comes first.
+
+With `fp8` the gather goes through `cx_mesh.fp8` (each rank's updated slice as E4M3 with its scale): every rank,
+the slice's owner included, takes the dequantized gather as its working parameters, so all replicas stay identical;
+the master shards keep full precision.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cx_mesh import ProcessGroup, all_gather_flat, communication_device
+from cx_mesh.fp8 import all_gather_flat_fp8
 from cx_zero._buckets import Bucket
 
 __all__ = ["DeferredGathers", "GroupGatherer", "PendingGather"]
@@ -46,8 +51,11 @@ class PendingGather:
 class GroupGatherer:
     """Rebuilds the working parameters of one process group from every rank's master shard."""
 
-    def __init__(self, group: ProcessGroup | None, buckets: list[Bucket], working_dtype: torch.dtype) -> None:
+    def __init__(
+        self, group: ProcessGroup | None, buckets: list[Bucket], working_dtype: torch.dtype, *, fp8: bool = False
+    ) -> None:
         self.group = group
+        self.fp8 = fp8
         self.buckets = buckets
         self.size = dist.get_world_size(group)
         self.working_dtype = working_dtype
@@ -64,7 +72,8 @@ class GroupGatherer:
                 pending.append(PendingGather(bucket, 1, mine, None))
                 continue
             out = torch.empty(self.size * bucket.width, dtype=self.working_dtype, device=self.device)
-            work = all_gather_flat(out, mine, self.group, async_op=async_op)
+            gather = all_gather_flat_fp8 if self.fp8 else all_gather_flat
+            work = gather(out, mine, self.group, async_op=async_op)
             pending.append(PendingGather(bucket, self.size, out, work))
         return pending
 

@@ -6,6 +6,8 @@ padded and split over it (see `_partition`); the wrapped optimizer steps only th
 are reduced in fixed buckets (`_buckets`, `_reduce`) at the end of `backward` (or during it with
 `overlap_communication` or stage 2), the step runs on the shards, and the updated shards are all-gathered back into
 the working parameters (`_gather`), optionally finished lazily before the next forward (`overlap_allgather`).
+With `fp8_communication` (ColossalAI's switch) both collectives, and the all-reduce over `extra_dp_group`, go through
+`cx_mesh.fp8`: gradients as E5M2, parameters as E4M3; the masters stay full precision.
 A group with a single replica skips all of that (`_local`): its gradients are used where they are, and in fp32 (no
 offload) its masters are the working parameters themselves.
 
@@ -95,10 +97,6 @@ class LowLevelZeroOptimizer:
         options: LowLevelZeroOptions | None = None,
         grad_norm_weights: Mapping[int, float] | None = None,
     ) -> None:
-        if fp8_communication:  # ColossalAI's switch: accepted so its calls run; enabling it is a clear error
-            raise NotImplementedError(
-                "LowLevelZeroOptimizer(fp8_communication=True): fp8 communication is not supported"
-            )
         from_keywords = LowLevelZeroOptions(
             loss_scale=LossScaleOptions(
                 initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale
@@ -113,6 +111,7 @@ class LowLevelZeroOptimizer:
             forced_dtype=forced_dtype,
             master_weights=master_weights,
             overlap_allgather=overlap_allgather,
+            fp8_communication=fp8_communication,
         )
         options = pick_options(options, from_keywords, LowLevelZeroOptions(), "LowLevelZeroOptimizer")
         require_initialized("LowLevelZeroOptimizer")
@@ -183,9 +182,18 @@ class LowLevelZeroOptimizer:
                 continue
             buckets = plan_buckets(list(reversed(shards)), self.options.reduce_bucket_size)
             self._reducers.append(
-                GroupReducer(group, buckets, self.options.stage, comm_dtype, self._master_dtype, device, extra_dp_group)
+                GroupReducer(
+                    group,
+                    buckets,
+                    self.options.stage,
+                    comm_dtype,
+                    self._master_dtype,
+                    device,
+                    extra_dp_group,
+                    fp8=options.fp8_communication,
+                )
             )
-            self._gatherers.append(GroupGatherer(group, buckets, self._working_dtype))
+            self._gatherers.append(GroupGatherer(group, buckets, self._working_dtype, fp8=options.fp8_communication))
         self._shards = sorted(self._shard_of.values(), key=lambda s: s.index)
         self._spanning_index = self._spanning_group_index()
         spanning = self._groups[self._spanning_index]

@@ -40,6 +40,9 @@ class LowLevelZeroOptions:
     forced_dtype: torch.dtype | None = None
     master_weights: bool = True
     overlap_allgather: bool = False
+    fp8_communication: bool = False
+    """Gradient buckets reduced in fp8 (E5M2) and updated parameters all-gathered in fp8 (E4M3), through
+    `cx_mesh.fp8`'s collectives (as ColossalAI's switch); the master weights stay full precision."""
 
     def __post_init__(self) -> None:
         if self.reduce_bucket_size < 1:

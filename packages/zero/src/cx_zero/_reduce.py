@@ -8,6 +8,11 @@ Each bucket carries one extra column per parameter holding, in every row, whethe
 for it; after the sum every rank of the group knows whether any rank did (no separate collective). With
 `extra_group`, the reduced shard is also all-reduced over that group (replicas of the same partition, e.g. a
 second data-parallel dimension).
+
+With `fp8`, both collectives go through `cx_mesh.fp8` (E5M2 payload, one float32 scale per destination row). A
+flag then carries its row's largest gradient magnitude instead of 1 (1 in an all-zero row): a value that is the row's
+own amax survives the row's quantization, where 1 next to large gradients could round to zero. A NaN flag (an
+inf/NaN gradient poisons its whole row) counts as used, so fp16 overflow detection still sees the gradient.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from cx_mesh import ProcessGroup, all_reduce, communication_device, reduce_scatter_flat
+from cx_mesh.fp8 import all_reduce_fp8, reduce_scatter_flat_fp8
 from cx_zero._buckets import Bucket
 from cx_zero._options import ZeroStage
 from cx_zero._partition import ParamShard, padded_flat
@@ -45,8 +51,11 @@ class GroupReducer:
         master_dtype: torch.dtype,
         master_device: torch.device,
         extra_group: ProcessGroup | None = None,
+        *,
+        fp8: bool = False,
     ) -> None:
         self.group = group
+        self.fp8 = fp8
         self.buckets = buckets
         self.stage = stage
         self.size = dist.get_world_size(group)
@@ -92,14 +101,15 @@ class GroupReducer:
     def _launch(self, bucket: Bucket, async_op: bool) -> None:
         columns = bucket.width + len(bucket.shards)
         flat = torch.zeros(self.size, columns, dtype=self.communication_dtype, device=self.device)
-        for i, shard in enumerate(bucket.shards):
+        for shard in bucket.shards:
             grad = shard.working.grad
             if grad is not None:
                 rows = padded_flat(grad.detach(), self.size).view(self.size, shard.shard_numel)
                 flat[:, shard.offset : shard.offset + shard.shard_numel].copy_(rows)
                 shard.working.grad = None
-            if shard.used:
-                flat[:, bucket.width + i] = 1.0
+        used = [bucket.width + i for i, shard in enumerate(bucket.shards) if shard.used]
+        if used:
+            flat[:, used] = self._flag_values(flat[:, : bucket.width])
         if self.replicas > 1:
             flat.div_(self.replicas)
         work: dist.Work | None = None
@@ -107,8 +117,16 @@ class GroupReducer:
             out = flat[0]
         else:  # both stages keep only this rank's row: a reduce-scatter moves half the bytes of an all-reduce
             out = torch.empty(columns, dtype=self.communication_dtype, device=self.device)
-            work = reduce_scatter_flat(out, flat.view(-1), dist.ReduceOp.SUM, self.group, async_op=async_op)
+            reduce = reduce_scatter_flat_fp8 if self.fp8 else reduce_scatter_flat
+            work = reduce(out, flat.view(-1), dist.ReduceOp.SUM, self.group, async_op=async_op)
         self._in_flight.append(_InFlight(bucket, flat, out, work))
+
+    def _flag_values(self, grads: torch.Tensor) -> torch.Tensor | float:
+        """What a used parameter's flag column holds in each row: 1, or under fp8 the row's amax (1 if zero)."""
+        if not self.fp8:
+            return 1.0
+        amax = grads.abs().amax(dim=1, keepdim=True)
+        return torch.where(amax > 0, amax, torch.ones_like(amax))
 
     def _complete(self, item: _InFlight) -> None:
         if item.work is not None:
@@ -116,13 +134,13 @@ class GroupReducer:
         out = item.out
         if self.extra_group is not None and dist.get_world_size(self.extra_group) > 1:
             out = out.to(communication_device(self.extra_group))
-            all_reduce(out, group=self.extra_group)
+            (all_reduce_fp8 if self.fp8 else all_reduce)(out, group=self.extra_group)
         out = out.to(device=self.master_device, dtype=self.master_dtype)
         # Views into `out` are kept as they are unless `out` is a row of the whole bucket (stage 1), which must
         # not stay alive for the sake of one row.
         shares_bucket = out.untyped_storage().data_ptr() == item.flat.untyped_storage().data_ptr()
         width = item.bucket.width
-        flags = out[width:] > 0
+        flags = ~(out[width:] <= 0) if self.fp8 else out[width:] > 0  # fp8: a NaN flag counts (see module doc)
         for i, shard in enumerate(item.bucket.shards):
             used = flags[i : i + 1]
             shard.used_anywhere = used if shard.used_anywhere is None else shard.used_anywhere | used
