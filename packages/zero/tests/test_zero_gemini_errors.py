@@ -63,8 +63,11 @@ def test_zero_gemini_colossalai_only_arguments_are_accepted(rank: int, world_siz
         ddp = GeminiDDP(make_gpt(), mixed_precision=torch.float32, scatter_after_inference=False)
     with pytest.warns(UserWarning, match=r"GeminiOptimizer ignores \['lr'\]"):
         GeminiOptimizer(torch.optim.AdamW(ddp.parameters()), ddp, lr=1e-3)
-    with pytest.raises(NotImplementedError, match="fp8"):
+    # fp8 communication rounds gathered values to fp8: only where a master keeps the exact weights
+    with pytest.raises(ValueError, match=r"fp8_communication=True needs fp32 master weights"):
         GeminiDDP(make_gpt(), mixed_precision=torch.float32, fp8_communication=True)
+    with pytest.raises(ValueError, match=r"fp8_communication=True needs fp32 master weights"):
+        GeminiDDP(make_gpt(), mixed_precision=torch.bfloat16, master_weights=False, fp8_communication=True)
 
 
 @distributed(world_size=1)

@@ -17,6 +17,12 @@ Storage model (what exists when):
   parameter values is copied aside first (or cast back from the master chunk) and is all that remains after
   `reduce_into` the gradient chunk.
 Memory usage is computed from the tensors that exist, so it is exact by construction.
+
+fp8 communication (`fp8_communication=True`, Gemini's switch): gradient reductions (reduce-scatter, the all-reduce of
+keep_gathered chunks and over `extra_dp_group`) go through `cx_mesh.fp8` in E5M2, and the all-gather of a parameter
+chunk paired with a master chunk in E4M3 (every rank, the owner too, computes with the dequantized values; the master
+keeps the exact ones). A chunk without a master (frozen parameters) gathers in its own dtype: its values are the
+only copy and would otherwise be rounded to fp8 by every gather.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from cx_mesh import (
     reduce_scatter_scratch_numel,
     require_initialized,
 )
+from cx_mesh.fp8 import all_gather_flat_fp8, all_reduce_fp8, reduce_scatter_flat_fp8
 
 __all__ = ["Chunk"]
 
@@ -122,8 +129,10 @@ class Chunk:
         pin_memory: bool = False,
         compute_device: torch.device | None = None,
         init_device: torch.device | None = None,
+        fp8_communication: bool = False,
     ) -> None:
         require_initialized("cx_chunk.Chunk")
+        self.fp8_communication = fp8_communication
         if chunk_size <= 0:
             raise ValueError(f"Chunk: chunk_size must be positive, got {chunk_size}")
         self.group = group
@@ -329,7 +338,8 @@ class Chunk:
         comm = communication_device(self.group)
         source = own.to(comm)
         out = self._revive(comm)
-        work = all_gather_flat(out, source, self.group, async_op=async_op)
+        gather = all_gather_flat_fp8 if self.fp8_communication and self.paired is not None else all_gather_flat
+        work = gather(out, source, self.group, async_op=async_op)
         self._buffer = out
         self._buffer_residence = Residence.DEVICE
         if async_op:
@@ -467,10 +477,11 @@ class Chunk:
         comm = communication_device(self.group)
         if self.keep_gathered:
             reduced = buffer.to(comm)
-            all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.group)
+            (all_reduce_fp8 if self.fp8_communication else all_reduce)(reduced, dist.ReduceOp.SUM, group=self.group)
         else:
             reduced = torch.empty(self.shard_size, dtype=self.dtype, device=comm)
-            reduce_scatter_flat(reduced, buffer.to(comm), dist.ReduceOp.SUM, self.group)
+            reduce = reduce_scatter_flat_fp8 if self.fp8_communication else reduce_scatter_flat
+            reduce(reduced, buffer.to(comm), dist.ReduceOp.SUM, self.group)
         reduced = self._finish_reduce(reduced)
         if accumulate:
             self._add_to_own_slice(reduced)
@@ -533,7 +544,8 @@ class Chunk:
         comm = communication_device(self.group)
         reduced = torch.empty(self.shard_size, dtype=self.dtype, device=comm)
         source = buffer.to(comm)
-        work = reduce_scatter_flat(reduced, source, dist.ReduceOp.SUM, self.group, async_op=async_op)
+        reduce = reduce_scatter_flat_fp8 if self.fp8_communication else reduce_scatter_flat
+        work = reduce(reduced, source, dist.ReduceOp.SUM, self.group, async_op=async_op)
         scratch = reduce_scatter_scratch_numel(source.numel(), self.group)
         self._reduction = _Reduction(work, source, reduced, target, scratch)
         if not async_op:
@@ -604,7 +616,8 @@ class Chunk:
         """Sum over the extra data-parallel group, divide by the number of replicas, back on the compute device."""
         divisor = self.group_size
         if self.extra_dp_group is not None:
-            all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.extra_dp_group)
+            reduce = all_reduce_fp8 if self.fp8_communication else all_reduce
+            reduce(reduced, dist.ReduceOp.SUM, group=self.extra_dp_group)
             divisor *= dist.get_world_size(self.extra_dp_group)
         return reduced.div_(divisor).to(self.compute_device)
 

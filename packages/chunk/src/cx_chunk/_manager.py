@@ -45,8 +45,10 @@ class ChunkManager:
         compute_device: torch.device | None = None,
         init_device: torch.device | None = None,
         pin_memory: bool = False,
+        fp8_communication: bool = False,
     ) -> None:
         require_initialized("cx_chunk.ChunkManager")
+        self.fp8_communication = fp8_communication  # gradients and master-backed gathers in fp8 (see Chunk)
         self.config = config
         self.group = group
         self.extra_dp_group = extra_dp_group
@@ -475,6 +477,7 @@ class ChunkManager:
             pin_memory=self.pin_memory,
             compute_device=self.compute_device,
             init_device=self.init_device,
+            fp8_communication=self.fp8_communication,
         )
         self._next_id += 1
         self._add(chunk.memory_usage())

@@ -86,8 +86,6 @@ class GeminiDDP(nn.Module):
         parameter_source: ParameterSource | None = None,
     ) -> None:
         require_initialized("GeminiDDP")
-        if fp8_communication:
-            raise NotImplementedError("GeminiDDP(fp8_communication=True): fp8 communication is not supported in cx")
         if not scatter_after_inference:
             warnings.warn(
                 "GeminiDDP(scatter_after_inference=False) has no effect in cx: chunks gathered by a no-grad forward "
@@ -114,6 +112,7 @@ class GeminiDDP(nn.Module):
             mixed_precision,
             master_weights,
             enable_async_reduce,
+            fp8_communication,
         )
         options = pick_options(options, from_keywords, GeminiOptions.from_arguments(), "GeminiDDP")
         if not isinstance(module, nn.Module):
@@ -212,6 +211,7 @@ class GeminiDDP(nn.Module):
             compute_device=self.compute_device,
             init_device=self.chunk_init_device,
             pin_memory=options.pin_memory,
+            fp8_communication=options.fp8_communication,
         )
         for p in params:  # a meta parameter stays there until its chunk slot receives its value
             p.data = p.data.to(p.device if id(p) in lazy else self.chunk_init_device, mixed_precision)

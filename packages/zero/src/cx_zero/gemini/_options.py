@@ -116,6 +116,9 @@ class GeminiOptions:
     None: the chunk size is searched."""
     chunk_init_device: torch.device | None = None
     enable_async_reduce: bool = True
+    fp8_communication: bool = False
+    """Chunk gradient reductions in fp8 (E5M2) and the all-gather of master-backed parameter chunks in fp8 (E4M3),
+    through `cx_mesh.fp8` (see cx_chunk's Chunk); needs fp32 master weights."""
 
     def __post_init__(self) -> None:
         if self.chunk_config is not None and (
@@ -163,6 +166,12 @@ class GeminiOptions:
             )
         if self.hidden_dim is not None and self.hidden_dim <= 0:
             raise ValueError(f"GeminiDDP: hidden_dim must be positive, got {self.hidden_dim}")
+        if self.fp8_communication and not self.needs_master:
+            raise ValueError(
+                "GeminiDDP: fp8_communication=True needs fp32 master weights (mixed_precision fp16 or bf16 with "
+                f"master_weights=True; got mixed_precision={self.mixed_precision}, master_weights="
+                f"{self.master_weights}): without them each fp8 all-gather would round the only copy of the weights"
+            )
         if self.strict_ddp_mode and self.placement is not PlacementKind.STATIC:
             raise ValueError(
                 "GeminiDDP: strict_ddp_mode=True (every chunk kept gathered) needs placement_policy='static'"
@@ -190,6 +199,7 @@ class GeminiOptions:
         mixed_precision: torch.dtype = torch.float16,
         master_weights: bool = True,
         enable_async_reduce: bool = True,
+        fp8_communication: bool = False,
     ) -> GeminiOptions:
         """ColossalAI's GeminiDDP keywords (its names and defaults) as the validated group. Placement knobs the
         chosen policy does not read are reset to their defaults with one warning naming them, as ColossalAI ignores
@@ -222,6 +232,7 @@ class GeminiOptions:
             chunk_config=None if chunk_config_dict is None else read_chunk_config(chunk_config_dict),
             chunk_init_device=None if chunk_init_device is None else torch.device(chunk_init_device),
             enable_async_reduce=enable_async_reduce,
+            fp8_communication=fp8_communication,
             **fractions.__dict__,
         )
 
