@@ -98,6 +98,9 @@ def test_collective_volumes_follow_the_ring_formulas(gpt: ModelShape) -> None:
     assert zero2["dense weight all-gather"] == pytest.approx((n - 1) / n * parameters * 2)
     gemini = volume(Candidate("gemini", dp=n, num_microbatches=2))  # ZeRO-3: gathers per forward and backward
     assert gemini["dense weight all-gather"] == pytest.approx(4 * zero2["dense weight all-gather"])
+    fsdp = volume(Candidate("torch_fsdp", dp=n, precision="bf16"))  # bf16 gathers, fp32 gradient reduction
+    assert fsdp["dense weight all-gather"] == pytest.approx(2 * zero2["dense weight all-gather"])
+    assert fsdp["dense gradient reduce-scatter"] == pytest.approx(2 * zero2["dense gradient reduce-scatter"])
     tp = volume(Candidate("hybrid", tp=2, micro_batch_size=2, precision="fp32"))
     calls = 2 * _CONFIG.num_layers * 2 + 2  # two per layer each way, plus the vocabulary-parallel embedding
     ring = 2 * (2 - 1) / 2  # an all-reduce over 2 ranks sends its whole tensor once

@@ -7,8 +7,9 @@ n-1 hops; an all-to-all sends (n-1)/n of the local tensor in n-1 hops. Per step 
 
 - data parallelism: DDP / hybrid zero 0 all-reduce the gradients once per step; ZeRO-1/2 reduce-scatter them and
   all-gather the updated 16-bit weights; ZeRO-3 (FSDP, Gemini) all-gathers the weights for every forward and every
-  backward of each micro-batch and reduce-scatters the gradients. Dense parameters reduce over dp x sp (the ranks
-  that see other tokens), routed experts over moe_dp only. Buckets of 25 MB set the number of calls.
+  backward of each micro-batch and reduce-scatters the gradients (FSDP under bf16/fp16 gathers 16-bit weights and
+  reduces fp32 gradients, cx-train's MixedPrecision policy). Dense parameters reduce over dp x sp (the ranks that
+  see other tokens), routed experts over moe_dp only. Buckets of 25 MB set the number of calls.
 - tensor parallelism (Megatron): two all-reduces of the layer's [tokens, hidden] activation per decoder layer in
   the forward and two in the backward (split_gather / ring sequence parallelism turns each into an all-gather plus
   a reduce-scatter: the same bytes), plus one in each direction for the vocabulary-parallel embedding.
@@ -96,6 +97,8 @@ def _ring(size: int, full_bytes: float, calls: int, kind: str) -> tuple[float, i
 def _data_parallel(candidate: Candidate, shape: ModelShape) -> list[Collective]:
     c, counts = candidate, shape.parameters
     w = weight_bytes(c)
+    # FSDP under mixed precision gathers 16-bit weights but reduces fp32 gradients (cx-train's MixedPrecision policy)
+    gathered = 2 if c.half_precision and c.plugin == "torch_fsdp" else w
     dense = counts.dense / (c.tp * c.pp)
     experts = counts.experts / (c.ep * c.pp)
     dense_axes = ("moe_dp", "ep", "sp") if c.plugin == "moe_hybrid" else ("dp", "sp")
@@ -113,7 +116,7 @@ def _data_parallel(candidate: Candidate, shape: ModelShape) -> list[Collective]:
         moved, hops = _ring(size, full, calls, "reduce_scatter")
         found.append(Collective(f"{label} gradient reduce-scatter", size, span, moved, hops))
         gathers = 1 if c.stage < 3 else 2 * c.num_microbatches  # ZeRO-3: every forward and backward
-        moved, hops = _ring(size, full * gathers, calls * gathers, "all_gather")
+        moved, hops = _ring(size, parameters * gathered * gathers, calls * gathers, "all_gather")
         found.append(Collective(f"{label} weight all-gather", size, span, moved, hops))
     return found
 
