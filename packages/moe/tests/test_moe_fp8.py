@@ -19,6 +19,7 @@ from torch import nn
 from cx_mesh import fp8 as cx_fp8
 from cx_mesh.testing import count_collective_bytes, distributed
 from cx_moe import (
+    CapacityOptions,
     ExpertOptions,
     GroupedExperts,
     MoeFp8Options,
@@ -117,12 +118,13 @@ def test_hf_mixtral_experts_in_fp8_without_expert_parallelism() -> None:
     assert abs(float(loss.detach()) - float(reference)) <= 0.03 * float(reference)
 
 
-def _fp8_layer(fp8: MoeFp8Options | None, ep: bool) -> MoeLayer:
+def _fp8_layer(fp8: MoeFp8Options | None, ep: bool, capacity: CapacityOptions | None = None) -> MoeLayer:
     ep_group, moe_dp_group = groups(2) if ep else (None, None)
     torch.manual_seed(0)
     layer = MoeLayer(
         ExpertOptions(HIDDEN, INTER),
         RouterOptions(num_experts=EXPERTS, top_k=2),
+        capacity=capacity,
         ep_group=ep_group,
         moe_dp_group=moe_dp_group,
         dtype=torch.bfloat16,
@@ -187,3 +189,26 @@ def test_ep2_fp8_experts_and_all_to_all(rank: int, world_size: int) -> None:
     start = 0 if rank == 0 else _batch(0).shape[0]
     torch.testing.assert_close(split_out, whole_out[start : start + x.shape[0]], rtol=0, atol=0)
     torch.testing.assert_close(split_grad, whole_grad[start : start + x.shape[0]], rtol=0, atol=0)
+
+
+@distributed(world_size=2)
+def test_ep2_fp8_with_an_empty_rank_and_padded_capacity(rank: int, world_size: int) -> None:
+    both = MoeFp8Options(use_fp8=True, fp8_communication=True)
+    # rank 1 brings no tokens: its chunks are empty (a scale still travels per destination), nothing hangs
+    x = _batch(rank)[: 0 if rank == 1 else None]
+    layer = _fp8_layer(both, ep=True)
+    out, grad, _ = _run(layer, x)
+    assert out.shape == x.shape
+    assert bool(torch.isfinite(out).all())
+    assert bool(torch.isfinite(grad).all())
+    for weight in (layer.experts.gate_up_proj, layer.experts.down_proj):
+        assert weight.grad is not None
+        assert bool(torch.isfinite(weight.grad).all())
+    # padded capacity: fixed equal splits, no count exchange; fp8 moves exactly half the bytes plus the scales of
+    # the 4 row exchanges (one per destination rank each)
+    padded = CapacityOptions(1.0, pad_to_capacity=True)
+    x = _batch(0)  # the same token count on every rank, as padding requires
+    bf16_out, _, bf16_bytes = _run(_fp8_layer(None, ep=True, capacity=padded), x)
+    out, _, fp8_bytes = _run(_fp8_layer(both, ep=True, capacity=padded), x)
+    assert fp8_bytes == bf16_bytes // 2 + 4 * 4 * world_size
+    assert float((out - bf16_out).norm() / bf16_out.norm()) <= 6 * U_E4M3  # as in the dropless test above
