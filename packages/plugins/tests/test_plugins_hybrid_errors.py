@@ -23,8 +23,6 @@ BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"tp_size": 1, "pp_size": 2}, ValueError, "needs num_microbatches or microbatch_size"),
     ({"tp_size": 1, "pp_size": 1, "zero_stage": 3}, ValueError, "zero_stage must be 0, 1 or 2"),
     ({"tp_size": 1, "pp_size": 1, "precision": "fp8"}, ValueError, "unsupported precision 'fp8'"),
-    ({"tp_size": 1, "pp_size": 1, "fp8_communication": True}, NotImplementedError, "fp8_communication=True"),
-    ({"tp_size": 1, "pp_size": 1, "use_fp8": True}, NotImplementedError, "use_fp8=True"),
     ({"tp_size": 1, "pp_size": 1, "inner_ring_size": 2}, NotImplementedError, "double-ring attention"),
     ({"tp_size": 1, "pp_size": 2, "num_microbatches": 2, "pp_style": "gpipe"}, ValueError, "unknown pp_style"),
     (

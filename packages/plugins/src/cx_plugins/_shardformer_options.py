@@ -29,6 +29,8 @@ class ShardFormerOptions:
     parallel_output: bool = True
     make_vocab_size_divisible_by: int = 64
     gradient_checkpoint_config: GradientCheckpointConfig | None = None
+    use_fp8: bool = False  # the TP layers' matmuls in fp8 (ShardConfig.use_fp8)
+    fp8_communication: bool = False  # the TP / SP collectives in fp8 (ShardConfig.fp8_communication)
 
     def switched_on(self) -> list[str]:
         """The `enable_*` switches that are True (for a plugin's "has no effect here" warning)."""
@@ -58,6 +60,8 @@ class ShardFormerOptions:
             parallel_output=self.parallel_output,
             make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
             gradient_checkpoint_config=self.gradient_checkpoint_config,
+            use_fp8=self.use_fp8,
+            fp8_communication=self.fp8_communication,
             ep_group=ep_group,
             moe_dp_group=moe_dp_group,
         )

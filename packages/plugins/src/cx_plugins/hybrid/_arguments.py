@@ -74,9 +74,6 @@ def hybrid_options(
 ) -> tuple[HybridParallelOptions, Policy | None]:
     """The plugin's typed option groups and its checked custom policy; `name` is the plugin the user built (errors
     name it)."""
-    if fp8_communication or use_fp8:
-        which = "fp8_communication" if fp8_communication else "use_fp8"
-        raise NotImplementedError(f"{name}({which}=True): fp8 is not supported by cx yet")
     if inner_ring_size is not None:
         raise NotImplementedError(
             f"{name}(inner_ring_size={inner_ring_size}): double-ring attention is not supported by cx; leave "
@@ -94,6 +91,8 @@ def hybrid_options(
         parallel_output=parallel_output,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         gradient_checkpoint_config=gradient_checkpoint_config,
+        use_fp8=use_fp8,
+        fp8_communication=fp8_communication,
     )
     options = HybridParallelOptions.build(
         tp_size=tp_size,
@@ -123,6 +122,7 @@ def hybrid_options(
             communication_dtype=communication_dtype,
             overlap_communication=overlap_communication,
             overlap_allgather=overlap_allgather,
+            fp8_communication=fp8_communication,
         ),
         pipeline=PipelineOptions(
             style=parse_pipeline_style(pp_style, name),
@@ -132,6 +132,7 @@ def hybrid_options(
             num_layers_per_stage=None if num_layers_per_stage is None else tuple(num_layers_per_stage),
             enable_metadata_cache=enable_metadata_cache,
             overlap_p2p=overlap_p2p,
+            fp8_communication=fp8_communication,
         ),
         plugin=name,
     )

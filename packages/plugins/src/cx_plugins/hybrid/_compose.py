@@ -41,18 +41,13 @@ def build_pipeline(layout: ParallelLayout, o: PipelineOptions) -> tuple[Pipeline
         num_layers_per_stage=None if o.num_layers_per_stage is None else list(o.num_layers_per_stage),
     )
     schedule: PipelineSchedule
+    common = (o.microbatch_size, o.enable_metadata_cache, o.overlap_p2p, o.fp8_communication)
     if o.style is PipelineStyle.ONE_F_ONE_B:
-        schedule = OneForwardOneBackwardSchedule(
-            manager, o.num_microbatches, o.microbatch_size, o.enable_metadata_cache, o.overlap_p2p
-        )
+        schedule = OneForwardOneBackwardSchedule(manager, o.num_microbatches, *common)
     elif o.style is PipelineStyle.INTERLEAVED:
-        schedule = InterleavedSchedule(
-            manager, o.num_model_chunks, o.num_microbatches, o.microbatch_size, o.enable_metadata_cache, o.overlap_p2p
-        )
+        schedule = InterleavedSchedule(manager, o.num_model_chunks, o.num_microbatches, *common)
     else:
-        schedule = ZeroBubbleVPipeScheduler(
-            manager, o.num_model_chunks, o.num_microbatches, o.microbatch_size, o.enable_metadata_cache, o.overlap_p2p
-        )
+        schedule = ZeroBubbleVPipeScheduler(manager, o.num_model_chunks, o.num_microbatches, *common)
     return manager, schedule
 
 
@@ -111,6 +106,7 @@ def zero_optimizer(
             stage=ZeroStage.TWO if o.zero.stage == 2 else ZeroStage.ONE,
             cpu_offload=o.zero.cpu_offload,
             overlap_allgather=o.zero.overlap_allgather,
+            fp8_communication=o.zero.fp8_communication,
         ),
         module=module,
         tp_process_group=tp_group,

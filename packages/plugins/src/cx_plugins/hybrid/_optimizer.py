@@ -3,10 +3,11 @@
 zero_stage 0 (`HybridParallelOptimizer`): the user's torch optimizer steps fp32 master weights (the working
 parameters themselves in fp32; fp32 copies of them in fp16/bf16) of the parameters this rank holds. Gradients
 accumulate locally over the micro-batches and backward passes of a step and are averaged over the data-parallel
-group once, with coalesced all-reduces, when the step (or a clip) first needs them. That is why there is no torch
-DDP here: with pipelines, DDP would reduce once per micro-batch unless every backward but the last ran under
-`no_sync`, and a tied parameter's last backward would reduce before its stages summed it; one reduction after the
-schedule is correct for every schedule at the same traffic.
+group once, with coalesced all-reduces (fp8 ones, E5M2, with fp8_communication), when the step (or a clip) first
+needs them. That is why there is no torch DDP here (nor its fp8 comm hook): with pipelines, DDP would reduce once
+per micro-batch unless every backward but the last ran under `no_sync`, and a tied parameter's last backward would
+reduce before its stages summed it; one reduction after the schedule is correct for every schedule at the same
+traffic.
 
 fp16 loss scaling is one `DynamicGradScaler` per rank fed with the same global decision: the overflow test is the
 gradient norm reduced over the tp and pp groups after the data-parallel average, so an inf/nan on any rank skips the
@@ -31,6 +32,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from cx_mesh import ProcessGroup, all_reduce
+from cx_mesh.fp8 import all_reduce_fp8
 from cx_plugins._wrappers import OptimizerWrapper, finite_or_raise
 from cx_plugins._zero_wrappers import ZeroOptimizerWrapper
 from cx_zero import BaseGradScaler, LossScaleOptions, NormType, clip_coefficient, reduce_norm
@@ -69,6 +71,7 @@ class HybridParallelOptimizer(OptimizerWrapper):
         norm_weights: Mapping[int, float],
         bucket_cap_mb: float,
         reduce_groups: Mapping[int, ProcessGroup | None] | None = None,
+        fp8_communication: bool = False,
     ) -> None:
         super().__init__(optimizer)
         if optimizer.state:
@@ -99,6 +102,7 @@ class HybridParallelOptimizer(OptimizerWrapper):
         self._norm_groups = [g for g in norm_groups if g is not None]  # None would mean the world
         self._weights = dict(norm_weights)
         self._bucket_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
+        self._fp8 = fp8_communication  # the averaging all-reduce in fp8 (E5M2, cx_mesh.fp8)
         self._reduced = False
         self._grad_norm: float | None = None
 
@@ -163,7 +167,10 @@ class HybridParallelOptimizer(OptimizerWrapper):
         size = dist.get_world_size(group)
         for bucket in _buckets(grads, self._bucket_bytes):
             flat = _flatten_dense_tensors(bucket)
-            all_reduce(flat, group=group)
+            if self._fp8:
+                all_reduce_fp8(flat, group=group)
+            else:
+                all_reduce(flat, group=group)
             flat.div_(size)
             for grad, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
                 grad.copy_(value)

@@ -78,6 +78,7 @@ class ZeroOptions:
     communication_dtype: torch.dtype | None = None
     overlap_communication: bool = True
     overlap_allgather: bool = False
+    fp8_communication: bool = False  # zero_stage 0's gradient all-reduce, or cx-zero's buckets, in fp8
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class PipelineOptions:
     num_layers_per_stage: tuple[int, ...] | None = None
     enable_metadata_cache: bool = True
     overlap_p2p: bool = True
+    fp8_communication: bool = False  # activations and gradients between stages in fp8
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import CheckpointIO
 from cx_mesh import ProcessGroup, assert_same_across_ranks, get_accelerator
+from cx_mesh.fp8 import convert_to_fp8
 from cx_pipeline import PipelineSchedule, PipelineStageManager
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import Boosted, ZeroPluginBase
@@ -239,6 +240,8 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
             lazy,
             plugin=type(self).__name__,
         )
+        if o.shardformer.use_fp8:  # the plain nn.Linear layers ShardFormer left (the TP layers' fp8 is ShardConfig's)
+            convert_to_fp8(composed.module)
         if optimizer is not None:
             repoint_replaced(optimizer, before, composed.module)
             require_model_parameters(optimizer, composed.names, type(self).__name__)
@@ -280,6 +283,7 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
                 norm_weights=self._unsharded_norm_weights(boosted, composed.held),
                 bucket_cap_mb=o.ddp.bucket_cap_mb,
                 reduce_groups=self._reduce_groups(composed.held),
+                fp8_communication=o.zero.fp8_communication,
             )
         else:
             wrapped = self._zero_optimizer(optimizer, boosted, composed.held, grad_group)
