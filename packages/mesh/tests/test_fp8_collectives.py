@@ -33,7 +33,8 @@ def _quantization_bound(values: torch.Tensor, fp8_dtype: torch.dtype, amax: floa
     info = torch.finfo(fp8_dtype)
     u = unit_roundoff(fp8_dtype)
     scale = max(amax / info.max, torch.finfo(torch.float32).tiny)  # quantize's MIN_SCALE
-    return torch.maximum(u * values.abs(), torch.full_like(values, scale * info.tiny * u))
+    rounding = 2 * unit_roundoff(torch.float32) * values.abs()  # x / s before the cast, and the scale itself
+    return torch.maximum(u * values.abs(), torch.full_like(values, scale * info.tiny * u)) + rounding
 
 
 def _inputs(rank: int, numel: int) -> torch.Tensor:

@@ -2,13 +2,14 @@
 
 The bound (derived, not measured). Quantizing a value x under scale s (amax / fp8 max, at least 2^-126) rounds x / s
 to the nearest fp8 number: off by at most u|x| in the normal range (u = 2^-4 for E4M3, 2^-3 for E5M2, the formats'
-unit roundoff) and by half the subnormal spacing, s * tiny * u, below it. So e(x) = max(u|x|, s * tiny * u) bounds
-|x^ - x| per element. One term of a dot product of length K then errs by |a^ b^ - a b| <= e(a)|b| + |a|e(b) +
-e(a)e(b), and the K terms' errors add (deterministically; no cancellation assumed). torch._scaled_mm accumulates in
-float32 and multiplies by the two scales: at most (K + 3) float32 roundings, gamma_(K+3) * sum|a^ b^| with gamma_n =
-n u32 / (1 - n u32) (Higham 3.1; the + 3 covers the scales and the bias add). Writing the output in its dtype rounds
-once more: u_out (|y| + the bound so far). Each GEMM quantizes its operands along the reduction dim, one scale per
-tensor (TENSORWISE) or per row of each operand (ROWWISE), so the bound is computed with the same scales.
+unit roundoff) and by half the subnormal spacing, s * tiny * u, below it. So e(x) = max(u|x|, s * tiny * u), plus 3
+u32 |x| for the float32 roundings around the cast, bounds |x^ - x| per element. One term of a dot product of length
+K then errs by |a^ b^ - a b| <= e(a)|b| + |a|e(b) + e(a)e(b), and the K terms' errors add (deterministically; no
+cancellation assumed). torch._scaled_mm accumulates in float32 and multiplies by the two scales: at most (K + 3)
+float32 roundings, gamma_(K+3) * sum|a^ b^| with gamma_n = n u32 / (1 - n u32) (Higham 3.1; the + 3 covers the
+scales and the bias add). Writing the output in its dtype rounds once more: u_out (|y| + the bound so far). Each
+GEMM quantizes its operands along the reduction dim, one scale per tensor (TENSORWISE) or per row of each operand
+(ROWWISE), so the bound is computed with the same scales.
 A second, sharper check recomputes each GEMM in float64 from cx's own quantized operands: only the float32
 accumulation and the output rounding separate the two, which pins down scales and layouts exactly.
 """
@@ -31,9 +32,10 @@ def _scales(values: torch.Tensor, fp8_dtype: torch.dtype, recipe: ScalingRecipe)
 
 
 def _element_bound(values: torch.Tensor, fp8_dtype: torch.dtype, recipe: ScalingRecipe) -> torch.Tensor:
-    """e(x) = max(u|x|, s * tiny * u) for a 2-D float64 operand quantized along its rows."""
+    """e(x) = max(u|x|, s * tiny * u) for a 2-D float64 operand quantized along its rows, plus 3 float32 roundings
+    of x (x / s before the cast, the scale itself, data * s on dequantize)."""
     u, tiny = unit_roundoff(fp8_dtype), torch.finfo(fp8_dtype).tiny
-    return torch.maximum(u * values.abs(), _scales(values, fp8_dtype, recipe) * tiny * u)
+    return torch.maximum(u * values.abs(), _scales(values, fp8_dtype, recipe) * tiny * u) + 3 * _U32 * values.abs()
 
 
 def _gemm_bound(
