@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -162,8 +163,21 @@ def test_ep2_fp8_experts_and_all_to_all(rank: int, world_size: int) -> None:
 
     bf16_out, _bf16_grad, bf16_bytes = _run(_fp8_layer(None, ep=True), x)
     layer = _fp8_layer(MoeFp8Options(use_fp8=True, fp8_communication=True), ep=True)
-    with fp8_linear_calls() as rows:
-        out, grad, fp8_bytes = _run(layer, x)
+    formats: list[torch.dtype] = []
+    exchange = cx_fp8.all_to_all_single_fp8
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        formats.append(kwargs.get("fp8_dtype", cx_fp8.E4M3))
+        return exchange(*args, **kwargs)
+
+    cx_fp8.all_to_all_single_fp8 = recording
+    try:
+        with fp8_linear_calls() as rows:
+            out, grad, fp8_bytes = _run(layer, x)
+    finally:
+        cx_fp8.all_to_all_single_fp8 = exchange
+    # rows forward in E4M3 (dispatch, combine), gradients back in E5M2 (combine's backward, then dispatch's)
+    assert formats == [cx_fp8.E4M3, cx_fp8.E4M3, cx_fp8.E5M2, cx_fp8.E5M2]
     # fp8 matmuls: two per local expert with rows, on exactly its rows
     assert sorted(rows) == sorted([n for n in mine if n] * 2)
     # the unused expert's weights still join the graph: zero gradients, not None
