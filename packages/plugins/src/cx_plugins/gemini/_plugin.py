@@ -1,12 +1,15 @@
 """`GeminiPlugin`: chunk-based ZeRO-3 (cx_zero.GeminiDDP + GeminiOptimizer) behind the Booster.
 
-Every constructor argument of ColossalAI's GeminiPlugin is accepted and honoured; fp8 raises `NotImplementedError`
-when enabled. With `tp_size > 1` the mesh is (zero, extra_dp, tp): ShardFormer splits the model over the tp group
-first (the enable_* switches honoured), then Gemini shards it over the zero group; clipping takes the global norm over
-both, and checkpoints gather the TP shards into the canonical format. The ShardFormer switches only act with tensor
-parallelism, in ColossalAI too: with `tp_size=1` they are accepted with one warning naming them (ColossalAI's own
-examples pass `enable_fused_normalization=True`), and have no effect. Unlike ColossalAI, `enable_async_reduce` does
-not quietly turn `pin_memory` on, and `precision` also accepts "fp32".
+Every constructor argument of ColossalAI's GeminiPlugin is accepted and honoured. `use_fp8` swaps the model's eligible
+plain `nn.Linear` layers for `cx_mesh.fp8.Fp8Linear` before chunking (after ShardFormer with tp_size > 1);
+`fp8_communication` is GeminiDDP's own option (fp8 chunk all-gather and gradient reduce-scatter); with tp_size > 1
+both also go to ShardFormer's ShardConfig (the TP layers' matmuls and collectives). With `tp_size > 1` the mesh is
+(zero, extra_dp, tp): ShardFormer splits the model over the tp group first (the enable_* switches honoured), then
+Gemini shards it over the zero group; clipping takes the global norm over both, and checkpoints gather the TP shards
+into the canonical format. The ShardFormer switches only act with tensor parallelism, in ColossalAI too: with
+`tp_size=1` they are accepted with one warning naming them (ColossalAI's own examples pass
+`enable_fused_normalization=True`), and have no effect. Unlike ColossalAI, `enable_async_reduce` does not quietly turn
+`pin_memory` on, and `precision` also accepts "fp32".
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from cx_plugins._engine_optimizer import EngineOptimizer
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._shardformer_options import ShardFormerOptions
+from cx_plugins._use_fp8 import convert_linears_to_fp8
 from cx_plugins._weak_lookup import WeakLookup
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_plugins.gemini._checkpoint_io import GeminiCheckpointIO
@@ -49,11 +53,6 @@ from cx_zero import (
 
 __all__ = ["GeminiPlugin"]
 
-_NOT_BUILT = {
-    "use_fp8": "fp8 matmuls are not supported by cx yet",
-    "fp8_communication": "fp8 communication is not supported by cx yet",
-}
-_DEFAULTS: dict[str, object] = {"use_fp8": False, "fp8_communication": False}
 # ShardFormer switches: ColossalAI's GeminiPlugin runs ShardFormer only when tp_size > 1, so with tp_size=1 they do
 # nothing there either
 _SHARDFORMER_SWITCHES = (
@@ -77,6 +76,7 @@ class GeminiPluginOptions:
     precision: Precision
     verbose: bool
     memstats: MemStats | None = field(default=None, compare=False)
+    use_fp8: bool = False
 
     def fingerprint(self) -> object:
         """What all ranks must agree on: the MemStats object itself is per-rank data (compared by presence), and
@@ -164,10 +164,6 @@ class GeminiPlugin(ZeroPluginBase):
         fp8_communication: bool = False,
     ) -> None:
         super().__init__()
-        given = {"use_fp8": use_fp8, "fp8_communication": fp8_communication}
-        for name, value in given.items():
-            if value != _DEFAULTS[name]:
-                raise NotImplementedError(f"GeminiPlugin({name}={value!r}): {_NOT_BUILT[name]}")
         switches = dict(
             zip(
                 _SHARDFORMER_SWITCHES,
@@ -212,6 +208,7 @@ class GeminiPlugin(ZeroPluginBase):
                 mixed_precision=resolved.dtype,
                 master_weights=master_weights,
                 enable_async_reduce=enable_async_reduce,
+                fp8_communication=fp8_communication,
             ),
             optimizer=GeminiOptimizerOptions(
                 LossScaleOptions(
@@ -224,6 +221,7 @@ class GeminiPlugin(ZeroPluginBase):
             precision=resolved,
             verbose=verbose,
             memstats=memstats,
+            use_fp8=use_fp8,
         )
         # ShardFormer runs only with tensor parallelism (ColossalAI: sequence parallelism off at tp_size 1)
         self.shardformer = (
@@ -234,6 +232,8 @@ class GeminiPlugin(ZeroPluginBase):
                 enable_sequence_parallelism=enable_sequence_parallelism,
                 enable_jit_fused=enable_jit_fused,
                 enable_sequence_overlap=enable_sequence_overlap,
+                use_fp8=use_fp8,
+                fp8_communication=fp8_communication,
             )
             if tp_size > 1
             else None
@@ -270,6 +270,8 @@ class GeminiPlugin(ZeroPluginBase):
             lazy = LazyModel(model) if is_lazy(model) else None  # captured before ShardFormer re-points anything
             if self.shardformer is not None:  # tensor parallelism first, in place: Gemini then chunks the TP shards
                 shard_for_gemini(model, self.shardformer, self.layout)
+            if self.options.use_fp8:  # the plain Linear layers ShardFormer left (all of them with tp_size 1)
+                convert_linears_to_fp8(model, "GeminiPlugin")
             # a lazily built model is materialised into the chunks one parameter at a time (no rank holds it
             # whole); with chunk_init_device the parameters go straight to that device (the CPU: the accelerator
             # never holds the whole model); GeminiDDP moves them, and the buffers, where they belong

@@ -2,7 +2,8 @@
 
 The plugin only composes: turn ColossalAI's flat arguments into cx-zero's option groups once, build the
 (extra_dp, zero) layout, cast the model to the training precision, wrap the optimizer. The algorithm lives in
-cx-zero.
+cx-zero. `use_fp8` swaps the model's eligible plain `nn.Linear` layers for `cx_mesh.fp8.Fp8Linear` before casting;
+`fp8_communication` is the engine's own option (fp8 gradient reduce-scatter and parameter all-gather).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from cx_checkpoint import CheckpointIO
 from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
+from cx_plugins._use_fp8 import convert_linears_to_fp8
 from cx_plugins._weak_lookup import WeakLookup
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_plugins._zero_wrappers import CastModel, ZeroOptimizerWrapper
@@ -42,6 +44,7 @@ class LowLevelZeroPluginOptions:
     zero: LowLevelZeroOptions
     cast_inputs: bool
     extra_dp_size: int
+    use_fp8: bool = False
 
     @property
     def stage(self) -> int:
@@ -77,16 +80,6 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         extra_dp_size: int = 1,
     ) -> None:
         super().__init__()
-        # ColossalAI's fp8 switches: accepted so its scripts run unchanged; False changes nothing
-        if fp8_communication:
-            raise NotImplementedError(
-                "LowLevelZeroPlugin(fp8_communication=True): fp8 communication is not supported by cx yet; "
-                "pass fp8_communication=False"
-            )
-        if use_fp8:
-            raise NotImplementedError(
-                "LowLevelZeroPlugin(use_fp8=True): fp8 matmuls are not supported by cx yet; pass use_fp8=False"
-            )
         if stage not in (1, 2):
             raise ValueError(f"LowLevelZeroPlugin: stage must be 1 or 2, got {stage!r}")
         if not reduce_bucket_size_in_m > 0 or math.isinf(reduce_bucket_size_in_m):
@@ -106,9 +99,11 @@ class LowLevelZeroPlugin(ZeroPluginBase):
                 cpu_offload=cpu_offload,
                 master_weights=master_weights,
                 overlap_allgather=overlap_allgather,
+                fp8_communication=fp8_communication,
             ),
             cast_inputs=cast_inputs,
             extra_dp_size=extra_dp_size,
+            use_fp8=use_fp8,
         )
         assert_same_across_ranks(self.options, what="LowLevelZeroPlugin options")
         # ColossalAI's (extra_dp, zero) mesh: each zero group is a block of contiguous ranks
@@ -137,6 +132,8 @@ class LowLevelZeroPlugin(ZeroPluginBase):
     ) -> Boosted:
         o = self.options
         if not isinstance(model, ModelWrapper):
+            if o.use_fp8:
+                convert_linears_to_fp8(model, "LowLevelZeroPlugin")
             model = CastModel(model.to(get_accelerator().current_device()), o.precision.dtype, o.cast_inputs)
         wrapped: OptimizerWrapper | None = None
         if optimizer is not None:

@@ -1,0 +1,31 @@
+"""`use_fp8` for the plugins whose model holds plain `nn.Linear` layers (LowLevelZero, Gemini): the eligible ones
+become `cx_mesh.fp8.Fp8Linear` (fp8 matmuls with dynamic scaling; parameters, hooks and state-dict keys unchanged)
+before the plugin wraps the model. Layers too small, with dims that are not multiples of 16, or named `lm_head` stay
+in high precision (`cx_mesh.fp8.Fp8Options`, as torchtitan's filter).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from cx_mesh.fp8 import Fp8Options, convert_to_fp8
+
+__all__ = ["convert_linears_to_fp8"]
+
+
+def convert_linears_to_fp8(model: nn.Module, owner: str, options: Fp8Options | None = None) -> list[str]:
+    """Convert `model`'s eligible plain Linear layers in place; returns their names. When nothing in the model
+    computes in fp8 afterwards (no layer converted here, and no tensor-parallel layer that ShardFormer's use_fp8
+    switched, which carries a `fp8_recipe`), a warning names `owner`'s switch: use_fp8=True changed nothing."""
+    converted = convert_to_fp8(model, options if options is not None else Fp8Options())
+    tensor_parallel = any(getattr(module, "fp8_recipe", None) is not None for module in model.modules())
+    if not converted and not tensor_parallel:
+        warnings.warn(
+            f"{owner}(use_fp8=True): no layer was converted to fp8 (fp8 takes plain nn.Linear layers whose in and "
+            "out features are multiples of 16 and at least 16, not named lm_head); the model computes as before",
+            UserWarning,
+            stacklevel=3,
+        )
+    return converted
