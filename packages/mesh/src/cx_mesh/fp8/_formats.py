@@ -84,5 +84,6 @@ def quantize(
         values = rows
     scale = amax.clamp(min=fmax * MIN_SCALE) / fmax
     # clamp: the division can round a hair above fmax, and e4m3fn has no inf to saturate to (NaN stays NaN)
-    data = (values / scale).clamp(-fmax, fmax).to(dtype).reshape(tensor.shape)
+    scaled = values / scale  # a new tensor, so clamping it in place leaves the input alone
+    data = scaled.clamp_(-fmax, fmax).to(dtype).reshape(tensor.shape)
     return Fp8Tensor(data, scale)
