@@ -137,3 +137,13 @@ def test_plugins_fp8_gemini_tp_hands_the_switches_to_shardformer(rank: int, worl
     assert len(in_fp8) == 2 * 7  # each rank's shards are 32 or 64 wide: all eligible
     assert all(getattr(m, "fp8_communication", False) for m in in_fp8)
     assert run.sent < 0.6 * baseline.sent, (run.sent, baseline.sent)
+
+
+@distributed(world_size=1)
+def test_plugins_fp8_zero_warns_when_no_layer_can_be_fp8(rank: int, world_size: int) -> None:
+    """use_fp8=True on a model with no eligible Linear (7 and 5 features: not multiples of 16) says so."""
+    for plugin in (LowLevelZeroPlugin(precision="bf16", use_fp8=True), GeminiPlugin(precision="bf16", use_fp8=True)):
+        model = nn.Sequential(nn.Linear(7, 5))
+        with pytest.warns(UserWarning, match=r"\(use_fp8=True\): no layer was converted to fp8"):
+            Booster(plugin=plugin).boost(model, torch.optim.AdamW(model.parameters()))
+        assert not any(isinstance(m, Fp8Linear) for m in model.modules())
