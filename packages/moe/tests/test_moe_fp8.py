@@ -82,7 +82,7 @@ def test_grouped_linear_in_fp8_within_the_quantization_bound_with_an_empty_exper
         assert bool((error <= bound + 1e-6 * exact.abs()).all()), f"expert {e}: fp8 error above the bound"
 
 
-def test_fp8_skips_ineligible_projections_and_refuses_meaningless_fp8_communication() -> None:
+def test_fp8_skips_ineligible_and_excluded_experts_and_refuses_meaningless_fp8_communication() -> None:
     experts = GroupedExperts(2, 8, 8, fp8=cx_fp8.Fp8Options())  # 8 < 16: stays high precision
     with fp8_linear_calls() as rows:
         experts(torch.randn(6, 8), [3, 3])
@@ -94,6 +94,13 @@ def test_fp8_skips_ineligible_projections_and_refuses_meaningless_fp8_communicat
         convert_moe_to_fp8(nn.Sequential(layer), MoeFp8Options(fp8_communication=True))
     with pytest.raises(ValueError, match="has no MoeLayer or MoE block"):
         convert_moe_to_fp8(nn.Linear(32, 32), MoeFp8Options(use_fp8=True))
+    # Fp8Options.exclude names layers whose experts keep high precision
+    kept = MoeLayer(ExpertOptions(HIDDEN, INTER), RouterOptions(num_experts=EXPERTS, top_k=2))
+    model = nn.ModuleDict({"moe": layer, "moe_skipped": kept})
+    options = MoeFp8Options(use_fp8=True, matmul=cx_fp8.Fp8Options(exclude=("skipped",)))
+    assert convert_moe_to_fp8(model, options) == ["moe", "moe_skipped"]
+    assert layer.experts.fp8 == options.matmul
+    assert kept.experts.fp8 is None
 
 
 def test_hf_mixtral_experts_in_fp8_without_expert_parallelism() -> None:
