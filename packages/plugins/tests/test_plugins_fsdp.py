@@ -176,8 +176,6 @@ def test_fsdp_arguments_fsdp2_cannot_express_are_clear_errors(rank: int, world_s
         TorchFSDPPlugin(sharding_strategy=ShardingStrategy.NO_SHARD)
     with pytest.raises(NotImplementedError, match="HYBRID_SHARD"):
         TorchFSDPPlugin(sharding_strategy=ShardingStrategy.HYBRID_SHARD)
-    with pytest.raises(NotImplementedError, match="fp8"):
-        TorchFSDPPlugin(fp8_communication=True)
     with pytest.raises(NotImplementedError, match="param_init_fn"):
         TorchFSDPPlugin(param_init_fn=lambda module: None)
     with pytest.raises(NotImplementedError, match="float16 mixed precision"):

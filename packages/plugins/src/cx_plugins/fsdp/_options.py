@@ -5,6 +5,7 @@ each parameter as a DTensor and keeps the module's structure and parameter names
 pass stays accepted: a sharding strategy becomes `reshard_after_forward`, `MixedPrecision` becomes a
 `MixedPrecisionPolicy`, `CPUOffload(offload_params=True)` a `CPUOffloadPolicy`, and the auto-wrap policy decides
 which submodules get a `fully_shard` of their own. What FSDP2 cannot express raises here, naming the argument.
+cx adds `use_fp8` (torchao's float8 linears, the `fp8` extra, checked here) beside ColossalAI's `fp8_communication`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.distributed.fsdp import (
 )
 
 from cx_mesh import get_accelerator
+from cx_plugins.fsdp._fp8 import require_torchao
 
 __all__ = ["FSDPOptions"]
 
@@ -43,6 +45,8 @@ class FSDPOptions:
     wrap_policy: Callable[..., bool] | None
     ignored_modules: tuple[nn.Module, ...]
     sync_module_states: bool
+    use_fp8: bool = False
+    fp8_communication: bool = False
 
     @classmethod
     def from_colossalai(
@@ -57,9 +61,10 @@ class FSDPOptions:
         param_init_fn: Callable[[nn.Module], None] | None,
         sync_module_states: bool,
         fp8_communication: bool,
+        use_fp8: bool = False,
     ) -> FSDPOptions:
-        if fp8_communication:
-            raise NotImplementedError("TorchFSDPPlugin(fp8_communication=True): fp8 communication is not supported")
+        if use_fp8:
+            require_torchao()
         if param_init_fn is not None:
             raise NotImplementedError(
                 "TorchFSDPPlugin(param_init_fn=...): FSDP1's deferred initialisation is not supported; build the "
@@ -75,6 +80,8 @@ class FSDPOptions:
             wrap_policy=auto_wrap_policy,
             ignored_modules=tuple(ignored_modules or ()),
             sync_module_states=sync_module_states,
+            use_fp8=use_fp8,
+            fp8_communication=fp8_communication,
         )
 
     def fingerprint(self) -> object:
@@ -87,6 +94,8 @@ class FSDPOptions:
             type(self.wrap_policy).__name__,
             len(self.ignored_modules),
             self.sync_module_states,
+            self.use_fp8,
+            self.fp8_communication,
         )
 
 

@@ -55,7 +55,10 @@ class FSDPOptimizerWrapper(OptimizerWrapper):
 
 
 class TorchFSDPPlugin(DPPluginBase):
-    """Fully sharded data parallelism with torch's FSDP2, arguments as ColossalAI's TorchFSDPPlugin (FSDP1's)."""
+    """Fully sharded data parallelism with torch's FSDP2, arguments as ColossalAI's TorchFSDPPlugin (FSDP1's).
+
+    `use_fp8=True` (cx's addition; the `fp8` extra) trains the eligible linears with torchao's float8 matmuls;
+    `fp8_communication=True` sends the gradient reduce-scatter and the parameter all-gather in fp8 (fsdp/_fp8.py)."""
 
     def __init__(
         self,
@@ -69,6 +72,7 @@ class TorchFSDPPlugin(DPPluginBase):
         param_init_fn: Callable[[nn.Module], None] | None = None,
         sync_module_states: bool = False,
         fp8_communication: bool = False,
+        use_fp8: bool = False,
     ) -> None:
         super().__init__()
         self.options = FSDPOptions.from_colossalai(
@@ -82,6 +86,7 @@ class TorchFSDPPlugin(DPPluginBase):
             param_init_fn,
             sync_module_states,
             fp8_communication,
+            use_fp8,
         )
         assert_same_across_ranks(self.options.fingerprint(), what="TorchFSDPPlugin options")
         self._owner: weakref.WeakKeyDictionary[Optimizer, nn.Module] = weakref.WeakKeyDictionary()

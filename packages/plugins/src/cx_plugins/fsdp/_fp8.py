@@ -1,0 +1,112 @@
+"""TorchFSDPPlugin's fp8 switches on FSDP2.
+
+`use_fp8`: torchao's float8 training (`convert_to_float8_training`: Float8Linear, dynamic tensorwise scales, E4M3
+forward operands, E5M2 gradients, master weights untouched) on the `nn.Linear` layers `cx_mesh.fp8.fp8_eligible`
+accepts, output layer excluded (`Fp8Options`). torchao is used, not cx's own Fp8Linear, because its float8 weights
+compose with FSDP2's DTensor sharding and all-gather; both run on torch._scaled_mm, so neither is faster here.
+torchao is the optional `fp8` extra, imported only when `use_fp8=True`.
+
+`fp8_communication`: FSDP2's own comm hooks (`set_custom_reduce_scatter` / `set_custom_all_gather`, one pair per
+sharded module) send the gradient reduce-scatter through `cx_mesh.fp8.reduce_scatter_flat_fp8` (E5M2, float32 sums)
+and the parameter all-gather through `all_gather_flat_fp8` (E4M3, one scale per rank's shard). With `use_fp8` too,
+the Float8Linear weights travel as torchao's float8 all-gather (the fp8 bytes the matmul consumes, no second
+rounding); FSDP2 then packs a module's shards as raw bytes (uint8) beside its other parameters, which cannot be
+quantized again, so those (norm weights beside fp8 linears) travel in their own dtype.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+# FSDP2's comm-hook interfaces: public through FSDPModule.set_custom_*, not re-exported by torch.distributed.fsdp
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from cx_mesh.fp8 import E4M3, E5M2, Fp8Options, all_gather_flat_fp8, fp8_eligible, reduce_scatter_flat_fp8
+
+__all__ = ["Fp8AllGather", "Fp8ReduceScatter", "convert_to_float8", "require_torchao", "use_fp8_collectives"]
+
+_EXTRA_HINT = "install the fp8 extra: pip install 'cx-plugins[fp8]' (torchao>=0.18)"
+
+
+def require_torchao() -> Any:
+    """torchao.float8, or an ImportError naming the extra (checked when the plugin is built, not at the first step)."""
+    try:
+        return importlib.import_module("torchao.float8")
+    except ImportError as error:
+        raise ImportError(
+            f"TorchFSDPPlugin(use_fp8=True) trains with torchao's float8 linears; {_EXTRA_HINT}"
+        ) from error
+
+
+_OPTIONS = Fp8Options()  # the size filter and the excluded output layer, as every plugin's use_fp8
+
+
+def convert_to_float8(module: nn.Module, float8_all_gather: bool, options: Fp8Options = _OPTIONS) -> list[str]:
+    """Swap, in place, the eligible `nn.Linear` submodules for torchao's Float8Linear (parameter names unchanged);
+    `float8_all_gather` makes FSDP2 all-gather their weights in fp8. Returns the converted names."""
+    float8 = require_torchao()
+    converted: list[str] = []
+
+    def eligible(child: nn.Module, name: str) -> bool:
+        ok = (
+            type(child) is nn.Linear
+            and fp8_eligible(child.in_features, child.out_features, options)
+            and not any(name == suffix or name.endswith("." + suffix) for suffix in options.exclude)
+        )
+        if ok:
+            converted.append(name)
+        return ok
+
+    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=float8_all_gather)
+    float8.convert_to_float8_training(module, module_filter_fn=eligible, config=config)
+    return converted
+
+
+class Fp8AllGather(AllGather):
+    """FSDP2's parameter all-gather with an E4M3 payload and one float32 scale per rank; a buffer FSDP2 packed as
+    raw bytes (torchao's fp8 weights beside other parameters) is already as small as it gets and goes as it is."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
+        if not input_tensor.is_floating_point() or input_tensor.element_size() == 1:
+            work: dist.Work | None = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+            return work
+        # Finished here (dequantized into the output) so FSDP2 reads complete values; None tells it there is no Work.
+        all_gather_flat_fp8(output_tensor, input_tensor, group=group, fp8_dtype=E4M3)
+        return None
+
+
+class Fp8ReduceScatter(ReduceScatter):
+    """FSDP2's gradient reduce-scatter (SUM or AVG, as FSDP2 asks) with E5M2 slices summed in float32."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        reduce_scatter_flat_fp8(output_tensor, input_tensor, op=op, group=group, fp8_dtype=E5M2)
+        return None
+
+
+def use_fp8_collectives(modules: list[nn.Module]) -> None:
+    """Give each sharded module the fp8 all-gather and reduce-scatter."""
+    for module in modules:
+        assert isinstance(module, FSDPModule), "called on the modules fully_shard returned"
+        module.set_custom_all_gather(Fp8AllGather())
+        module.set_custom_reduce_scatter(Fp8ReduceScatter())

@@ -1,0 +1,148 @@
+"""TorchFSDPPlugin's fp8 switches on 2 ranks with a tiny HF Llama (one FSDP module per decoder layer, bf16 params and
+bf16 reduction as the baseline): exact bytes of the fp8 all-gather and reduce-scatter against the bf16 run (half,
+plus 4 bytes a scale; torchao's float8 weights as raw fp8 bytes under use_fp8), torchao's Float8Linear on exactly the
+eligible linears, and 32 steps of training within the issue's 3% of the bf16 run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecision
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from cx_mesh.testing import CollectiveBytes, count_collective_bytes, distributed
+from cx_plugins import Booster, TorchFSDPPlugin
+
+VOCAB, PER_RANK, LENGTH, BATCHES, STEPS, LR = 64, 2, 16, 4, 32, 3e-3
+LOSS_RTOL = 0.03  # the issue's figure for fp8 against bf16 training
+# lr 3e-3 (not DDP test's 1e-2): at 1e-2 the fp8-matmul run memorises the four batches faster than bf16 does and the
+# two curves drift apart by up to 6% per pass late in the run; at 3e-3 they stay within 1.4% (measured) while the
+# loss still falls by ~30%.
+SCALE_BYTES = 4
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # all dims multiples of 16
+
+
+def _llama() -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=LENGTH, num_hidden_layers=2, use_cache=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    """Four fixed global batches, cycled: the model can learn them, so the loss really falls."""
+    ids = torch.randint(0, VOCAB, (2 * PER_RANK, LENGTH), generator=torch.Generator().manual_seed(step % BATCHES))
+    return ids[rank * PER_RANK : (rank + 1) * PER_RANK]
+
+
+def _run(
+    rank: int, use_fp8: bool = False, fp8_communication: bool = False
+) -> tuple[nn.Module, CollectiveBytes, list[float]]:
+    """Train STEPS steps; returns the model, the bytes of the first step's forward + backward, and the mean losses."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    plain = _llama()
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    policy = ModuleWrapPolicy({LlamaDecoderLayer})
+    plugin = TorchFSDPPlugin(
+        auto_wrap_policy=policy, mixed_precision=bf16, use_fp8=use_fp8, fp8_communication=fp8_communication
+    )
+    booster = Booster(plugin=plugin)
+    model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=LR))
+    assert optimizer is not None
+    losses, first = [], CollectiveBytes()
+    for step in range(STEPS):
+        ids = _batch(step, rank)
+        with count_collective_bytes() as counts:
+            loss = model(input_ids=ids, labels=ids).loss
+            booster.backward(loss, optimizer)
+        first = counts if step == 0 else first
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().float()
+        dist.all_reduce(mean)
+        losses.append(float(mean.item()) / dist.get_world_size())
+    return plain, first, losses
+
+
+def _close_per_pass(name: str, losses: list[float], reference: list[float]) -> None:
+    """Compared per pass over the four batches (single steps differ by which batch came last, up to ~5%)."""
+    assert reference[-1] < 0.8 * reference[0], (
+        f"the tiny model must learn for the comparison to mean anything: {reference}"
+    )
+    for start in range(0, STEPS, BATCHES):
+        mine, theirs = sum(losses[start : start + BATCHES]), sum(reference[start : start + BATCHES])
+        assert abs(mine - theirs) <= LOSS_RTOL * theirs, f"{name}, steps {start}+: {losses} vs bf16 {reference}"
+
+
+def _shard_numel(parameter: nn.Parameter, world_size: int) -> int:
+    """Elements of one rank's FSDP2 shard, dim 0 padded to a multiple of the world size."""
+    rows = parameter.shape[0]
+    return -(-rows // world_size) * (parameter.numel() // rows)
+
+
+def _groups(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
+    """The parameters each FSDP module all-gathers (its own, not those of a sharded descendant)."""
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    inner = {id(p) for m in sharded if m is not model for p in m.parameters()}
+    return [[(n, p) for n, p in m.named_parameters() if m is not model or id(p) not in inner] for m in sharded]
+
+
+@distributed(world_size=2)
+def test_fsdp_fp8_communication_and_use_fp8(rank: int, world_size: int) -> None:
+    _, bf16_bytes, bf16_losses = _run(rank)
+    model, comm_bytes, comm_losses = _run(rank, fp8_communication=True)
+    groups = len(_groups(model))  # 2 decoder layers and the root
+    # FULL_SHARD: every module is gathered for forward and again for backward; its gradients reduce-scattered once.
+    assert set(comm_bytes.by_op) == {"all_gather_single", "all_to_all_single"}, comm_bytes.by_op
+    assert (
+        comm_bytes.by_op["all_gather_single"] == bf16_bytes.by_op["all_gather_single"] // 2 + SCALE_BYTES * 2 * groups
+    )
+    assert comm_bytes.by_op["all_to_all_single"] == (
+        bf16_bytes.by_op["reduce_scatter_single"] // 2 + SCALE_BYTES * world_size * groups
+    )
+    _close_per_pass("fp8_communication", comm_losses, bf16_losses)
+
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao (the fp8 extra) is not installed: use_fp8 not tested")
+    saved = sys.modules.get("torchao.float8")
+    sys.modules["torchao.float8"] = None  # type: ignore[assignment]  # as if torchao were missing: imports fail
+    try:
+        with pytest.raises(ImportError, match=r"use_fp8=True.*fp8 extra.*cx-plugins\[fp8\]"):
+            TorchFSDPPlugin(use_fp8=True)
+    finally:
+        if saved is None:
+            del sys.modules["torchao.float8"]
+        else:
+            sys.modules["torchao.float8"] = saved
+
+    from torchao.float8.float8_linear import Float8Linear  # type: ignore[import-untyped]
+
+    model, fp8_bytes, fp8_losses = _run(rank, use_fp8=True, fp8_communication=True)
+    converted = sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
+    attention, mlp = LINEARS[:4], LINEARS[4:]
+    expected_names = [f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in attention]
+    expected_names += [f"model.layers.{i}.mlp.{n}" for i in range(2) for n in mlp]
+    assert converted == sorted(expected_names)  # every eligible linear; lm_head (excluded) stays in high precision
+    # A decoder layer's shards go as torchao packs them (fp8 weights, bf16 norms, no scale: torchao agrees on it
+    # with its own amax all-reduce); the root (embedding, final norm, lm_head) through cx's fp8 all-gather.
+    expected = 0
+    for group in _groups(model):
+        fp8 = sum(_shard_numel(p, world_size) for n, p in group if n.split(".")[-2] in LINEARS)
+        if fp8:
+            rest = sum(_shard_numel(p, world_size) for n, p in group if n.split(".")[-2] not in LINEARS)
+            expected += 2 * (fp8 + 2 * rest)
+        else:
+            expected += 2 * (sum(_shard_numel(p, world_size) for _, p in group) + SCALE_BYTES)
+    assert fp8_bytes.by_op["all_gather_single"] == expected
+    assert fp8_bytes.by_op["all_to_all_single"] == comm_bytes.by_op["all_to_all_single"]  # same gradients, same bytes
+    _close_per_pass("use_fp8 + fp8_communication", fp8_losses, bf16_losses)
