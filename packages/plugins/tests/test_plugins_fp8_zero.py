@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -147,3 +148,15 @@ def test_plugins_fp8_zero_warns_when_no_layer_can_be_fp8(rank: int, world_size: 
         with pytest.warns(UserWarning, match=r"\(use_fp8=True\): no layer was converted to fp8"):
             Booster(plugin=plugin).boost(model, torch.optim.AdamW(model.parameters()))
         assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+@distributed(world_size=1)
+def test_plugins_fp8_zero_refuses_a_device_without_fp8_matmuls(rank: int, world_size: int) -> None:
+    """A CUDA GPU older than compute capability 8.9 has no fp8 GEMM: boosting fails, naming the switch, rather than
+    the first forward (stood in for here by making the capability check say no)."""
+    model = nn.Sequential(nn.Linear(32, 32))
+    with (
+        mock.patch("cx_plugins._use_fp8.fp8_matmul_supported", return_value=False),
+        pytest.raises(ValueError, match=r"GeminiPlugin\(use_fp8=True\): fp8 matmuls do not run on cpu"),
+    ):
+        Booster(plugin=GeminiPlugin(precision="bf16", use_fp8=True)).boost(model)

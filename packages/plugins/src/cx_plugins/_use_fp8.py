@@ -10,15 +10,23 @@ import warnings
 
 from torch import nn
 
-from cx_mesh.fp8 import Fp8Options, convert_to_fp8
+from cx_mesh import get_accelerator
+from cx_mesh.fp8 import Fp8Options, convert_to_fp8, fp8_matmul_supported
 
 __all__ = ["convert_linears_to_fp8"]
 
 
 def convert_linears_to_fp8(model: nn.Module, owner: str, options: Fp8Options | None = None) -> list[str]:
-    """Convert `model`'s eligible plain Linear layers in place; returns their names. When nothing in the model
+    """Convert `model`'s eligible plain Linear layers in place; returns their names. An accelerator without fp8
+    GEMMs is a ValueError naming `owner`'s switch. When nothing in the model
     computes in fp8 afterwards (no layer converted here, and no tensor-parallel layer that ShardFormer's use_fp8
     switched, which carries a `fp8_recipe`), a warning names `owner`'s switch: use_fp8=True changed nothing."""
+    device = get_accelerator().current_device()
+    if not fp8_matmul_supported(device):  # fail at boost, not at the first forward
+        raise ValueError(
+            f"{owner}(use_fp8=True): fp8 matmuls do not run on {device} (torch._scaled_mm needs the CPU or a CUDA GPU "
+            "of compute capability 8.9 or newer); pass use_fp8=False"
+        )
     converted = convert_to_fp8(model, options if options is not None else Fp8Options())
     tensor_parallel = any(getattr(module, "fp8_recipe", None) is not None for module in model.modules())
     if not converted and not tensor_parallel:
