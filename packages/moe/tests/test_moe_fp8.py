@@ -94,6 +94,14 @@ def test_fp8_skips_ineligible_and_excluded_experts_and_refuses_meaningless_fp8_c
         convert_moe_to_fp8(nn.Sequential(layer), MoeFp8Options(fp8_communication=True))
     with pytest.raises(ValueError, match="has no MoeLayer or MoE block"):
         convert_moe_to_fp8(nn.Linear(32, 32), MoeFp8Options(use_fp8=True))
+    # a MoeLayer's shared expert follows use_fp8 both ways; the router stays high precision
+    shared = MoeLayer(ExpertOptions(HIDDEN, INTER, shared_intermediate_size=32), RouterOptions(EXPERTS, 2))
+    shared.set_fp8(MoeFp8Options(use_fp8=True))
+    assert shared.shared_expert is not None
+    assert isinstance(shared.shared_expert.up_proj, cx_fp8.Fp8Linear)
+    shared.set_fp8(MoeFp8Options())
+    assert type(shared.shared_expert.up_proj) is nn.Linear
+    assert shared.experts.fp8 is None
     # Fp8Options.exclude names layers whose experts keep high precision
     kept = MoeLayer(ExpertOptions(HIDDEN, INTER), RouterOptions(num_experts=EXPERTS, top_k=2))
     model = nn.ModuleDict({"moe": layer, "moe_skipped": kept})

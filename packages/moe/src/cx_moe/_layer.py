@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from cx_mesh import ProcessGroup
-from cx_mesh.fp8 import convert_to_fp8
+from cx_mesh.fp8 import Fp8Linear, convert_to_fp8
 from cx_moe._capacity import expert_capacity, rank_within_expert
 from cx_moe._dispatch import combine, combine_padded, dispatch, dispatch_padded
 from cx_moe._experts import GroupedExperts, activation_function
@@ -118,9 +118,10 @@ class MoeLayer(nn.Module):
             self.set_fp8(fp8)
 
     def set_fp8(self, fp8: MoeFp8Options) -> None:
-        """Switch fp8 on: with `use_fp8` the routed experts' eligible projections compute in fp8 and the shared
-        expert's eligible linears become `Fp8Linear` (the router stays in high precision, as torchtitan's); with
-        `fp8_communication` dispatch and combine exchange fp8 rows (refused without an ep group of size > 1)."""
+        """Set the fp8 switches (`MoeFp8Options()` turns them off again): with `use_fp8` the routed experts'
+        eligible projections compute in fp8 and the shared expert's eligible linears become `Fp8Linear` (the router
+        stays in high precision, as torchtitan's); with `fp8_communication` dispatch and combine exchange fp8 rows
+        (refused without an ep group of size > 1)."""
         if fp8.fp8_communication and self.ep_size == 1:
             raise ValueError(
                 "MoeLayer(fp8_communication=True): the layer has no expert-parallel group of size > 1, so there is "
@@ -128,8 +129,13 @@ class MoeLayer(nn.Module):
             )
         self.fp8 = fp8
         self.experts.fp8 = fp8.matmul if fp8.use_fp8 else None
-        if fp8.use_fp8 and self.shared_expert is not None:
-            convert_to_fp8(self.shared_expert, fp8.matmul)
+        if self.shared_expert is not None:
+            if fp8.use_fp8:
+                convert_to_fp8(self.shared_expert, fp8.matmul)
+            else:  # switched off again: the same class swap back (parameters untouched)
+                for module in self.shared_expert.modules():
+                    if isinstance(module, Fp8Linear):
+                        setattr(module, "__class__", nn.Linear)  # noqa: B010  (a class swap, typed as such)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
