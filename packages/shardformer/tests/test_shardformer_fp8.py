@@ -174,6 +174,16 @@ def _check_ulysses_bytes(rank: int) -> None:
     dist.barrier()
 
 
-def test_shardformer_fp8_options_must_be_fp8options() -> None:
+def test_shardformer_fp8_switches_without_their_layers_or_collectives_raise() -> None:
     with pytest.raises(TypeError, match=r"fp8_options must be a cx_mesh\.fp8\.Fp8Options"):
         ShardConfig(enable_tensor_parallelism=False, fp8_options="rowwise")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"use_fp8=True .* enable_tensor_parallelism is False"):
+        ShardConfig(enable_tensor_parallelism=False, use_fp8=True)
+    with pytest.raises(ValueError, match=r"fp8_communication=True .* both .* are False"):
+        ShardConfig(enable_tensor_parallelism=False, fp8_communication=True)
+    ShardConfig(  # Ulysses without tensor parallelism: its all-to-alls are what fp8_communication compresses
+        enable_tensor_parallelism=False,
+        enable_sequence_parallelism=True,
+        sequence_parallelism_mode="all_to_all",
+        fp8_communication=True,
+    )

@@ -82,8 +82,7 @@ class ShardConfig:
             raise NotImplementedError(
                 f"ShardConfig: extra_kwargs {sorted(self.extra_kwargs)} are not used by any cx-shardformer policy"
             )
-        if not isinstance(self.fp8_options, Fp8Options):
-            raise TypeError(f"ShardConfig: fp8_options must be a cx_mesh.fp8.Fp8Options, got {self.fp8_options!r}")
+        self._check_fp8()
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(
                 f"ShardConfig: make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}"
@@ -129,6 +128,23 @@ class ShardConfig:
                 "ShardConfig: enable_sequence_overlap overlaps split_gather sequence parallelism's all-gather and "
                 f"reduce-scatter with the matmuls; sequence parallelism is {mode!r} here: turn on "
                 "enable_sequence_parallelism with sequence_parallelism_mode='split_gather', or leave the switch off"
+            )
+
+    def _check_fp8(self) -> None:
+        """use_fp8 acts on the tensor-parallel layers and fp8_communication on the TP / SP collectives: with neither
+        there, the switch would change nothing, so it raises."""
+        if not isinstance(self.fp8_options, Fp8Options):
+            raise TypeError(f"ShardConfig: fp8_options must be a cx_mesh.fp8.Fp8Options, got {self.fp8_options!r}")
+        if self.use_fp8 and not self.enable_tensor_parallelism:
+            raise ValueError(
+                "ShardConfig: use_fp8=True runs the tensor-parallel layers' matmuls in fp8 and "
+                "enable_tensor_parallelism is False, so there are none; plain nn.Linear layers convert with "
+                "cx_mesh.fp8.convert_to_fp8"
+            )
+        if self.fp8_communication and not (self.enable_tensor_parallelism or self.enable_sequence_parallelism):
+            raise ValueError(
+                "ShardConfig: fp8_communication=True compresses the tensor- and sequence-parallel collectives and "
+                "both enable_tensor_parallelism and enable_sequence_parallelism are False, so there are none"
             )
 
     @property
