@@ -1,15 +1,17 @@
 """TorchFSDPPlugin's fp8 switches on FSDP2.
 
-`use_fp8`: torchao's float8 training (`convert_to_float8_training`: Float8Linear, dynamic tensorwise scales, E4M3
-forward operands, E5M2 gradients, master weights untouched) on the `nn.Linear` layers `cx_mesh.fp8.fp8_eligible`
-accepts, output layer excluded (`Fp8Options`). torchao is used, not cx's own Fp8Linear, because its float8 weights
-compose with FSDP2's DTensor sharding and all-gather; both run on torch._scaled_mm, so neither is faster here.
-torchao is the optional `fp8` extra, imported only when `use_fp8=True`.
+`use_fp8`: the `nn.Linear` layers `cx_mesh.fp8.fp8_eligible` accepts (output layer excluded, `Fp8Options`) compute
+in fp8 with dynamic tensorwise scales (E4M3 forward operands, E5M2 gradients, master weights untouched), swapped in
+before sharding with their parameter names unchanged. On CUDA they become torchao's Float8Linear
+(`convert_to_float8_training`, the optional `fp8` extra, imported only then): its float8 weights compose with FSDP2's
+DTensor sharding and all-gather, as torchtitan trains. On CPU they become `cx_mesh.fp8.Fp8Linear`: torchao's
+tensorwise GEMM hands torch's CPU `_scaled_mm` scalar scales, its slow path (a tiny Llama step took 2.0 s against
+0.09 s with Fp8Linear; one 256^3 forward 13 s against 10 ms, benchmarks/fp8/RESULTS.md), so there torchao is unusable.
 
 `fp8_communication`: FSDP2's own comm hooks (`set_custom_reduce_scatter` / `set_custom_all_gather`, one pair per
 sharded module) send the gradient reduce-scatter through `cx_mesh.fp8.reduce_scatter_flat_fp8` (E5M2, float32 sums)
-and the parameter all-gather through `all_gather_flat_fp8` (E4M3, one scale per rank's shard). With `use_fp8` too,
-the Float8Linear weights travel as torchao's float8 all-gather (the fp8 bytes the matmul consumes, no second
+and the parameter all-gather through `all_gather_flat_fp8` (E4M3, one scale per rank's shard). With torchao's
+Float8Linear, its weights travel as torchao's float8 all-gather instead (the fp8 bytes the matmul consumes, no second
 rounding); FSDP2 then packs a module's shards as raw bytes (uint8) beside its other parameters, which cannot be
 quantized again, so those (norm weights beside fp8 linears) travel in their own dtype.
 """
@@ -27,9 +29,28 @@ from torch.distributed.fsdp import FSDPModule
 # FSDP2's comm-hook interfaces: public through FSDPModule.set_custom_*, not re-exported by torch.distributed.fsdp
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from cx_mesh.fp8 import E4M3, E5M2, Fp8Options, all_gather_flat_fp8, fp8_eligible, reduce_scatter_flat_fp8
+from cx_mesh import get_accelerator
+from cx_mesh.fp8 import (
+    E4M3,
+    E5M2,
+    Fp8Options,
+    all_gather_flat_fp8,
+    convert_to_fp8,
+    fp8_eligible,
+    reduce_scatter_flat_fp8,
+)
 
-__all__ = ["Fp8AllGather", "Fp8ReduceScatter", "convert_to_float8", "require_torchao", "use_fp8_collectives"]
+__all__ = [
+    "Fp8AllGather",
+    "Fp8ReduceScatter",
+    "convert_linears",
+    "convert_to_float8",
+    "fp8_linears_for_device",
+    "require_torchao",
+    "use_fp8_collectives",
+]
+
+TORCHAO, CX_MESH = "torchao", "cx_mesh"
 
 _EXTRA_HINT = "install the fp8 extra: pip install 'cx-plugins[fp8]' (torchao>=0.18)"
 
@@ -40,7 +61,7 @@ def require_torchao() -> Any:
         return importlib.import_module("torchao.float8")
     except ImportError as error:
         raise ImportError(
-            f"TorchFSDPPlugin(use_fp8=True) trains with torchao's float8 linears; {_EXTRA_HINT}"
+            f"TorchFSDPPlugin(use_fp8=True) on CUDA trains with torchao's float8 linears; {_EXTRA_HINT}"
         ) from error
 
 
@@ -66,6 +87,20 @@ def convert_to_float8(module: nn.Module, float8_all_gather: bool, options: Fp8Op
     config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=float8_all_gather)
     float8.convert_to_float8_training(module, module_filter_fn=eligible, config=config)
     return converted
+
+
+def fp8_linears_for_device() -> str:
+    """Which fp8 linears `use_fp8` uses on this accelerator: torchao's on CUDA, cx_mesh.fp8's elsewhere (see above)."""
+    return TORCHAO if get_accelerator().name == "cuda" else CX_MESH
+
+
+def convert_linears(module: nn.Module, linears: str, float8_all_gather: bool) -> list[str]:
+    """Swap the eligible linears of `module` for `linears`' fp8 ones (TORCHAO or CX_MESH); returns their names."""
+    if linears == TORCHAO:
+        return convert_to_float8(module, float8_all_gather)
+    if linears == CX_MESH:
+        return convert_to_fp8(module, _OPTIONS)
+    raise ValueError(f"TorchFSDPPlugin(use_fp8=True): unknown fp8 linears {linears!r}; {TORCHAO!r} or {CX_MESH!r}")
 
 
 class Fp8AllGather(AllGather):

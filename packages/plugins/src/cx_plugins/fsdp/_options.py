@@ -5,7 +5,8 @@ each parameter as a DTensor and keeps the module's structure and parameter names
 pass stays accepted: a sharding strategy becomes `reshard_after_forward`, `MixedPrecision` becomes a
 `MixedPrecisionPolicy`, `CPUOffload(offload_params=True)` a `CPUOffloadPolicy`, and the auto-wrap policy decides
 which submodules get a `fully_shard` of their own. What FSDP2 cannot express raises here, naming the argument.
-cx adds `use_fp8` (torchao's float8 linears, the `fp8` extra, checked here) beside ColossalAI's `fp8_communication`.
+cx adds `use_fp8` (fp8 linears: torchao's on CUDA, the `fp8` extra, checked here) beside ColossalAI's
+`fp8_communication`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch.distributed.fsdp import (
 )
 
 from cx_mesh import get_accelerator
-from cx_plugins.fsdp._fp8 import require_torchao
+from cx_plugins.fsdp._fp8 import TORCHAO, fp8_linears_for_device, require_torchao
 
 __all__ = ["FSDPOptions"]
 
@@ -45,7 +46,7 @@ class FSDPOptions:
     wrap_policy: Callable[..., bool] | None
     ignored_modules: tuple[nn.Module, ...]
     sync_module_states: bool
-    use_fp8: bool = False
+    fp8_linears: str | None = None  # use_fp8: whose fp8 linears (fsdp/_fp8.py: TORCHAO or CX_MESH); None: off
     fp8_communication: bool = False
 
     @classmethod
@@ -63,7 +64,8 @@ class FSDPOptions:
         fp8_communication: bool,
         use_fp8: bool = False,
     ) -> FSDPOptions:
-        if use_fp8:
+        fp8_linears = fp8_linears_for_device() if use_fp8 else None
+        if fp8_linears == TORCHAO:
             require_torchao()
         if param_init_fn is not None:
             raise NotImplementedError(
@@ -80,7 +82,7 @@ class FSDPOptions:
             wrap_policy=auto_wrap_policy,
             ignored_modules=tuple(ignored_modules or ()),
             sync_module_states=sync_module_states,
-            use_fp8=use_fp8,
+            fp8_linears=fp8_linears,
             fp8_communication=fp8_communication,
         )
 
@@ -94,7 +96,7 @@ class FSDPOptions:
             type(self.wrap_policy).__name__,
             len(self.ignored_modules),
             self.sync_module_states,
-            self.use_fp8,
+            self.fp8_linears,
             self.fp8_communication,
         )
 

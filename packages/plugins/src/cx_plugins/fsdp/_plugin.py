@@ -57,7 +57,7 @@ class FSDPOptimizerWrapper(OptimizerWrapper):
 class TorchFSDPPlugin(DPPluginBase):
     """Fully sharded data parallelism with torch's FSDP2, arguments as ColossalAI's TorchFSDPPlugin (FSDP1's).
 
-    `use_fp8=True` (cx's addition; the `fp8` extra) trains the eligible linears with torchao's float8 matmuls;
+    `use_fp8=True` (cx's addition) trains the eligible linears with fp8 matmuls (torchao's on CUDA: the `fp8` extra);
     `fp8_communication=True` sends the gradient reduce-scatter and the parameter all-gather in fp8 (fsdp/_fp8.py)."""
 
     def __init__(

@@ -5,7 +5,7 @@ FSDP1 policies (`ModuleWrapPolicy`, `functools.partial(transformer_auto_wrap_pol
 callables `policy(module, recurse, nonwrapped_numel)`. Walking the tree bottom-up, a submodule gets its own
 `fully_shard` when the policy says so for the parameters not already inside a sharded descendant, as FSDP1's
 recursive wrapping decides; the root is always sharded last, taking what is left. With `use_fp8` the eligible
-linears become torchao Float8Linears first; with `fp8_communication` every sharded module gets the fp8 collectives.
+linears become fp8 linears first; with `fp8_communication` every sharded module gets the fp8 collectives.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.optim import Optimizer
 
 from cx_mesh import get_accelerator
-from cx_plugins.fsdp._fp8 import convert_to_float8, use_fp8_collectives
+from cx_plugins.fsdp._fp8 import convert_linears, use_fp8_collectives
 from cx_plugins.fsdp._options import FSDPOptions
 
 __all__ = ["cast_buffers", "repoint_optimizer", "shard_module", "sync_module_states"]
@@ -44,8 +44,8 @@ def _mesh(group: dist.ProcessGroup | None) -> DeviceMesh:
 
 def shard_module(module: nn.Module, options: FSDPOptions) -> list[nn.Module]:
     """Apply `fully_shard` to the submodules the wrap policy picks, then to `module`; returns them, root last."""
-    if options.use_fp8:  # torchao swaps the linears before fully_shard wraps them
-        convert_to_float8(module, float8_all_gather=options.fp8_communication)
+    if options.fp8_linears is not None:  # use_fp8: the linears are swapped before fully_shard wraps them
+        convert_linears(module, options.fp8_linears, float8_all_gather=options.fp8_communication)
     ignored = {p for m in options.ignored_modules for p in m.parameters()}
     claimed = set(ignored)
     chosen: list[nn.Module] = []
