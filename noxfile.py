@@ -23,7 +23,12 @@ INTEGRATION_TOOLS = (
     "transformers>=4.40", "peft>=0.13", "pyarrow>=14", "datasets>=2.16", "tensorboard>=2.14", "matplotlib>=3.7",
     "torchao>=0.18",
 )  # fmt: skip
-TEST_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
+# CX_JIT_FUSED_BACKEND: enable_jit_fused's kernels traced by aot_eager, not compiled by inductor (tens of seconds a
+# process on a 2-core machine); cx-shardformer's fused-kernel test builds one with inductor itself
+TEST_ENV = {
+    "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1",
+    "CX_JIT_FUSED_BACKEND": "aot_eager",
+}  # fmt: skip
 
 nox.options.sessions = ["tests", "typecheck", "lint", "layers"]
 nox.options.reuse_existing_virtualenvs = True

@@ -43,7 +43,6 @@ BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception], str]] = [
         ValueError,
         "unknown sequence_parallelism_mode",
     ),
-    ({"tp_size": 2, "pp_size": 1, "enable_jit_fused": True}, NotImplementedError, "enable_jit_fused"),
     (
         {"tp_size": 2, "pp_size": 1, "enable_sequence_overlap": True},
         ValueError,

@@ -1,22 +1,29 @@
-"""enable_sequence_overlap through the plugins at 2 ranks: a tiny HF Llama trained a few steps under
-HybridParallelPlugin (tp 2, split_gather) with the switch and without it, losses and parameters compared.
+"""enable_sequence_overlap and enable_jit_fused through the plugins at 2 ranks: tiny HF models trained a few steps
+with the switch and without it, losses and parameters compared. Overlap: Llama under HybridParallelPlugin (tp 2,
+split_gather). Fused kernels (compiled with the cheap aot_eager backend; inductor is tested in cx-shardformer):
+GPT-2 with dropout on and off and Llama, under HybridParallelPlugin tp 2 and GeminiPlugin tp 2.
 
 Tolerance from the arithmetic: the ring computes every element as the same dot product as the plain all-gather /
 reduce-scatter path and adds the two ranks' partial sums in either order alike, so the runs can differ only where a
 GEMM kernel's summation order changes with the sequence chunk's row count: at most `sum_tolerance` of a gradient
-element's terms per step (`tiny_model_sgd_tolerance`)."""
+element's terms per step (`tiny_model_sgd_tolerance`). The fused kernels compute each element with the unfused ops
+and the same dropout mask; a compiled kernel may round an element differently by a few units in the last place,
+far below that gradient bound's size, so the same bound holds."""
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from cx_mesh.testing import distributed, sum_tolerance
-from cx_plugins import Booster, HybridParallelModule, HybridParallelPlugin
+from cx_mesh.testing import TEST_ADAM_EPS, distributed, sum_tolerance, tiny_model_adam_tolerance
+from cx_plugins import Booster, GeminiPlugin, HybridParallelModule, HybridParallelPlugin
 from cx_plugins._layout import Axis
+from cx_plugins.gemini._plugin import GeminiModel
 from cx_shardformer import get_shard_spec, unshard_tensor
 from hybrid_test_helpers import BATCH, LENGTH, LR, batch, llama
 
@@ -80,3 +87,67 @@ def test_plugins_hybrid_sequence_overlap_matches_plain(rank: int, world_size: in
     _compare(overlapped, plain, "enable_sequence_overlap")
     # every q/k/v/o, gate/up/down of the 2 layers runs in the ring; none without the switch
     assert (overlapped[2], plain[2]) == (2 * 7, 0)
+
+
+def _gpt2(dropout: float) -> Any:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, use_cache=False,
+        resid_pdrop=dropout, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _plugin(kind: str, fused: bool) -> Any:
+    if kind == "hybrid":
+        return HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", enable_jit_fused=fused)
+    return GeminiPlugin(
+        tp_size=2, precision="fp32", chunk_config_dict={"chunk_size": 1024}, placement_policy="static",
+        enable_jit_fused=fused,
+    )  # fmt: skip
+
+
+def _train_fused(kind: str, model: Any, fused: bool) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    """AdamW steps (Gemini takes Adam-style optimizers) from one seed, so dropout draws alike; this rank's shards."""
+    booster = Booster(plugin=_plugin(kind, fused))
+    boosted: Any
+    boosted, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=TEST_ADAM_EPS))
+    assert optimizer is not None
+    torch.manual_seed(1234)
+    losses = []
+    for step in range(STEPS):
+        loss = boosted(**batch(step)).loss
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    module = boosted.unwrap()
+    if isinstance(boosted, GeminiModel):
+        params = boosted.state_dict(only_rank_0=False)
+    else:
+        params = {name: p.detach().clone() for name, p in module.named_parameters()}
+    fused_sites = sum(isinstance(m.forward, functools.partial) for m in module.modules())
+    return losses, params, fused_sites
+
+
+@distributed(world_size=2)
+def test_plugins_jit_fused_matches_unfused(rank: int, world_size: int) -> None:
+    os.environ["CX_JIT_FUSED_BACKEND"] = "aot_eager"
+    cases: list[tuple[str, str, Callable[[], Any], int]] = [
+        ("hybrid", "gpt2 dropout 0.1", lambda: _gpt2(0.1), 2),  # 2 MLPs
+        ("hybrid", "gpt2 no dropout", lambda: _gpt2(0.0), 2),
+        ("hybrid", "llama", lambda: llama(layers=2), 2 + 5),  # 2 gated MLPs, 5 RMSNorms
+        ("gemini", "gpt2 dropout 0.1", lambda: _gpt2(0.1), 2),
+        ("gemini", "llama", lambda: llama(layers=2), 2 + 5),
+    ]
+    tolerance = tiny_model_adam_tolerance(LR, STEPS, tokens=BATCH * LENGTH)
+    for kind, name, build, sites in cases:
+        plain = _train_fused(kind, build(), fused=False)
+        fused = _train_fused(kind, build(), fused=True)
+        assert (fused[2], plain[2]) == (sites, 0), f"{kind} {name}: fused modules"
+        what = f"{kind} {name} enable_jit_fused"
+        torch.testing.assert_close(torch.tensor(fused[0]), torch.tensor(plain[0]), rtol=0, atol=tolerance)
+        for key, value in fused[1].items():
+            torch.testing.assert_close(value, plain[1][key], rtol=1e-4, atol=tolerance, msg=_named(f"{what} {key}"))

@@ -64,8 +64,6 @@ def test_shardformer_gradient_checkpointing_ratio(rank: int, world_size: int, ra
 
 
 def test_shardformer_config_rejects_what_it_cannot_do() -> None:
-    with pytest.raises(NotImplementedError, match="enable_jit_fused"):
-        ShardConfig(enable_jit_fused=True)
     with pytest.raises(NotImplementedError, match="pipeline_stage_manager"):
         ShardConfig(pipeline_stage_manager=object())
     with pytest.raises(NotImplementedError, match="extra_kwargs \\['x'\\]"):

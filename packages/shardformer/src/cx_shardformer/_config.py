@@ -76,8 +76,6 @@ class ShardConfig:
                 "ShardConfig: pipeline_stage_manager is not supported by cx-shardformer yet (pipeline stages are "
                 "split by cx-pipeline); pass None"
             )
-        if self.enable_jit_fused:
-            raise NotImplementedError("ShardConfig: enable_jit_fused is not implemented in cx-shardformer; pass False")
         if self.extra_kwargs:
             raise NotImplementedError(
                 f"ShardConfig: extra_kwargs {sorted(self.extra_kwargs)} are not used by any cx-shardformer policy"
@@ -88,8 +86,9 @@ class ShardConfig:
                 f"ShardConfig: make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}"
             )
         if self.enable_all_optimization:
-            # ColossalAI also switches on jit fusion here; sequence overlap follows below, where split_gather is on
+            # as ColossalAI; sequence overlap follows below, where split_gather is on
             object.__setattr__(self, "enable_fused_normalization", True)
+            object.__setattr__(self, "enable_jit_fused", True)
             object.__setattr__(self, "enable_flash_attention", True)
         if self.enable_sequence_parallelism:
             mode = self.sequence_parallelism_mode or SequenceParallelMode.SPLIT_GATHER.value

@@ -20,6 +20,7 @@ from cx_shardformer._policy import Policy
 from cx_shardformer._sharder import get_submodule_or_none, set_submodule
 from cx_shardformer._vocab import VocabParallelEmbedding1D, VocabParallelLMHead1D
 from cx_shardformer.policies._dropout import install_dropout_streams
+from cx_shardformer.policies._fused import apply_jit_fused
 
 __all__ = [
     "HFDecoderPolicy",
@@ -190,8 +191,9 @@ class HFDecoderPolicy(Policy):
                     block.register_forward_pre_hook(hook, with_kwargs=True)
 
     def apply_switches(self) -> None:
-        """enable_flash_attention, enable_fused_normalization and gradient_checkpoint_config; and the dropout
-        streams of sharded activations (`_dropout`), which every policy needs and which must come after sharding."""
+        """enable_flash_attention, enable_fused_normalization, enable_jit_fused and gradient_checkpoint_config; and
+        the dropout streams of sharded activations (`_dropout`), which every policy needs and which must come after
+        sharding."""
         install_dropout_streams(self)
         config = self.shard_config
         attention_sp = config.sp_mode in (SequenceParallelMode.ALL_TO_ALL, SequenceParallelMode.RING)
@@ -202,6 +204,8 @@ class HFDecoderPolicy(Policy):
             setter("sdpa")
         if config.enable_fused_normalization:
             fuse_rms_norms(self.model)
+        if config.enable_jit_fused:  # after fused normalization, which covers the norms it replaces
+            apply_jit_fused(self.model, config)
         if config.gradient_checkpoint_config is not None:
             layers = self.decoder_layers()
             count = config.gradient_checkpoint_config.get_num_ckpt_layers(len(layers))
