@@ -45,7 +45,10 @@ class ShardFormerOptions:
         ep_group: ProcessGroup | None = None,
         moe_dp_group: ProcessGroup | None = None,
     ) -> ShardConfig:
-        """cx-shardformer's ShardConfig for these switches over the given groups (it validates the combination)."""
+        """cx-shardformer's ShardConfig for these switches over the given groups (it validates the combination).
+        use_fp8 and fp8_communication reach it only where ShardFormer has something to act on (TP layers; TP or SP
+        collectives): elsewhere the plugin honours them itself (convert_to_fp8, its p2p and gradient collectives)."""
+        tp, sp = enable_tensor_parallelism, self.enable_sequence_parallelism
         return ShardConfig(
             tensor_parallel_process_group=tp_group,
             sequence_parallel_process_group=sp_group,
@@ -60,8 +63,8 @@ class ShardFormerOptions:
             parallel_output=self.parallel_output,
             make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
             gradient_checkpoint_config=self.gradient_checkpoint_config,
-            use_fp8=self.use_fp8,
-            fp8_communication=self.fp8_communication,
+            use_fp8=self.use_fp8 and tp,
+            fp8_communication=self.fp8_communication and (tp or sp),
             ep_group=ep_group,
             moe_dp_group=moe_dp_group,
         )

@@ -191,9 +191,6 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
         switches = o.shardformer
         if o.sp_mode is not SequenceParallelism.NONE:
             switches = dataclasses.replace(switches, sequence_parallelism_mode=o.sp_mode.shardformer_mode)
-        if o.tp_size == 1:  # no TP layers or collectives: use_fp8 is convert_to_fp8's alone, fp8 comm the SP's if any
-            on = o.sp_mode is not SequenceParallelism.NONE and switches.fp8_communication
-            switches = dataclasses.replace(switches, use_fp8=False, fp8_communication=on)
         return switches.shard_config(tp_group, sp_group, enable_tensor_parallelism=o.tp_size > 1)
 
     # ---- Booster interface ----------------------------------------------------------------------------------------
