@@ -23,10 +23,10 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import CheckpointIO
 from cx_mesh import ProcessGroup, assert_same_across_ranks, get_accelerator
-from cx_mesh.fp8 import convert_to_fp8
 from cx_pipeline import PipelineSchedule, PipelineStageManager
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import Boosted, ZeroPluginBase
+from cx_plugins._use_fp8 import convert_linears_to_fp8
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_plugins.hybrid._arguments import hybrid_options
 from cx_plugins.hybrid._batch_check import BatchCheck
@@ -243,7 +243,7 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
             plugin=type(self).__name__,
         )
         if o.shardformer.use_fp8:  # the plain nn.Linear layers ShardFormer left (the TP layers' fp8 is ShardConfig's)
-            convert_to_fp8(composed.module)
+            convert_linears_to_fp8(composed.module, type(self).__name__)
         if optimizer is not None:
             repoint_replaced(optimizer, before, composed.module)
             require_model_parameters(optimizer, composed.names, type(self).__name__)
