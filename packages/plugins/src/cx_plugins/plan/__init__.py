@@ -5,10 +5,13 @@ config.json): per-rank memory from the plugins' sharding rules and a FakeTensor 
 from FLOPs, collective volumes and the pipeline schedule.
 """
 
+from cx_plugins.plan._activations import ActivationTrace, PlanTraceError, trace_stage
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._cli import main
 from cx_plugins.plan._devices import Device, Link, Network, lookup_device, lookup_link, parse_memory
 from cx_plugins.plan._enumerate import NoLayoutError, SearchSpace, enumerate_candidates
+from cx_plugins.plan._fits import Verdict, fits, memory_model
+from cx_plugins.plan._memory import MemoryPrediction, predict_memory
 from cx_plugins.plan._model_spec import ModelShape, ModelShapeError, ParameterCounts, load_model_shape
 from cx_plugins.plan._planner import judge, plan
 from cx_plugins.plan._report import PlanReport, PlanRow
@@ -20,6 +23,15 @@ __all__ = [
     "ModelShapeError",
     "ParameterCounts",
     "load_model_shape",
+    # memory: the FakeTensor trace, the per-rank prediction, fits / does not fit
+    "ActivationTrace",
+    "PlanTraceError",
+    "trace_stage",
+    "MemoryPrediction",
+    "predict_memory",
+    "Verdict",
+    "fits",
+    "memory_model",
     # step time, devices, enumeration and the ranked plan (cx-plan)
     "Device",
     "Link",

@@ -142,16 +142,9 @@ def build_model(shape: ModelShape) -> nn.Module:
     """The model with fresh weights on the current default device (build under `torch.device("meta")` or a
     FakeTensorMode to allocate nothing)."""
     if isinstance(shape.config, GPTConfig):
-        return _ShapeOnlyGPT(shape.config)
+        return GPT(shape.config)
     model: nn.Module = _transformers().AutoModelForCausalLM.from_config(shape.config)
     return model
-
-
-class _ShapeOnlyGPT(GPT):
-    """cx's GPT without its seeded initialisation (which draws values on the CPU): the planner needs shapes only."""
-
-    def reset_parameters(self, seed: int) -> None:
-        del seed
 
 
 def _decoder_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]:

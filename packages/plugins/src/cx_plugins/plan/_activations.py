@@ -1,0 +1,220 @@
+"""The activation figure: one micro-batch's forward and backward of one pipeline stage of the real model, under the
+real shard policy, traced with FakeTensors (nothing is allocated, so 8B-class shapes trace in seconds).
+
+The trace runs in this process: torch.distributed is initialised with the "fake" backend for the candidate's world
+size and the rank of the stage traced, the plugin of the candidate is constructed (its layout, ShardConfig and
+pipeline stage manager), and the hybrid plugins' own composition (`compose_model`: ShardFormer, pipeline split) cuts
+the model, built on the meta device; the stage's parameters become FakeTensors, and `MemTracker` follows every live
+tensor through the forward and backward. Data-dependent reads go to `ValueOracle` (balanced MoE routing). The
+data-parallel plugins (DDP, FSDP, LowLevelZero, Gemini) do not change what a rank computes: their trace is the whole
+model's. Activation checkpointing follows the candidate: ShardFormer's ratio under the hybrid plugins, transformers'
+own switch (every layer) under the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from cx_plugins.hybrid import HybridParallelPlugin
+from cx_plugins.hybrid._model import compose_model
+from cx_plugins.moe_hybrid import MoeHybridParallelPlugin
+from cx_plugins.plan._candidate import Candidate
+from cx_plugins.plan._model_spec import ModelShape, build_model
+from cx_plugins.plan._oracle import ValueOracle
+from cx_shardformer import GradientCheckpointConfig
+
+__all__ = ["ActivationTrace", "PlanTraceError", "stage_rank", "trace_stage"]
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_CPU = torch.device("cpu")
+_ACTIVATION_KINDS = ("ACT", "TEMP", "OTH", "INP")
+
+
+class PlanTraceError(RuntimeError):
+    """The trace cannot run here (e.g. torch.distributed is already initialised in this process)."""
+
+
+@dataclass(frozen=True)
+class ActivationTrace:
+    """Bytes one rank of one stage holds while it runs one micro-batch forward and backward (from the trace)."""
+
+    stage: int
+    parameter_bytes: int  # the stage's parameters and buffers, at the compute precision
+    activation_bytes: int  # activations and temporaries at the trace's peak
+    gradient_bytes: int  # parameter gradients live at the trace's peak
+    gradient_total_bytes: int  # all the stage's gradients (at the end of the backward)
+    peak_bytes: int  # everything at the peak: parameters + gradients + activations
+    saved_bytes: int  # activations the forward leaves for the backward (what a pipeline keeps per micro-batch)
+    parameter_count: int  # elements of the parameters the stage trains
+
+    @property
+    def working_bytes(self) -> int:
+        """What the micro-batch's step adds above the parameters at its peak."""
+        return self.activation_bytes + self.gradient_bytes
+
+
+def stage_rank(candidate: Candidate, stage: int) -> int:
+    """A global rank in pipeline stage `stage` (the plugins' meshes put pp second: dp, pp, then the inner axes)."""
+    return stage * (candidate.world_size // (candidate.dp * candidate.pp))
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int, rank: int) -> Iterator[None]:
+    if dist.is_initialized():
+        raise PlanTraceError(
+            "the planner's trace initialises torch.distributed with the fake backend, and this process already has "
+            "a process group: run the prediction before init_process_group (or in another process)"
+        )
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # it logs each meta-kernel refusal the oracle then answers
+    try:
+        yield
+    finally:
+        fake_log.setLevel(level)
+        dist.destroy_process_group()
+
+
+def _plugin(candidate: Candidate) -> HybridParallelPlugin:
+    arguments = dict(candidate.plugin_arguments(), precision="fp32")  # the cast is done here, on meta
+    if candidate.checkpoint_ratio:
+        ratio = GradientCheckpointConfig(gradient_checkpointing_ratio=candidate.checkpoint_ratio)
+        arguments["gradient_checkpoint_config"] = ratio
+    arguments.pop("cpu_offload", None)
+    if candidate.plugin == "moe_hybrid":
+        return MoeHybridParallelPlugin(**arguments)
+    return HybridParallelPlugin(**arguments)
+
+
+def _to_fake(module: nn.Module, mode: FakeTensorMode, dtype: torch.dtype) -> None:
+    """The module's meta parameters and buffers as CPU FakeTensors (the same objects' places, attributes kept)."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is None or isinstance(param, FakeTensor):
+                continue
+            data = param.data.to(dtype) if param.is_floating_point() else param.data
+            fake = nn.Parameter(FakeTensor(mode, data.to("meta"), _CPU), requires_grad=param.requires_grad)
+            fake.__dict__.update(param.__dict__)
+            sub._parameters[name] = fake
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None and not isinstance(buffer, FakeTensor):
+                sub._buffers[name] = FakeTensor(mode, buffer.to("meta"), _CPU)
+
+
+def _enable_checkpointing(model: nn.Module) -> None:
+    enable: Any = getattr(model, "activation_checkpointing_enable", None) or getattr(
+        model, "gradient_checkpointing_enable", None
+    )
+    if enable is None:
+        raise ValueError(f"activation checkpointing: {type(model).__name__} has no switch for it outside ShardFormer")
+    keyword = "activation_checkpointing_kwargs" if hasattr(model, "activation_checkpointing_enable") else None
+    enable(**{keyword or "gradient_checkpointing_kwargs": {"use_reentrant": False}})
+
+
+def _stage_modules(shape: ModelShape, candidate: Candidate) -> tuple[list[nn.Module], bool, bool]:
+    """The modules this rank runs (its stage's chunks, or the whole model), and whether it is first / last."""
+    with torch.device("meta"):
+        model = build_model(shape)
+    if candidate.plugin not in ("hybrid", "moe_hybrid"):
+        if candidate.checkpoint_ratio:
+            _enable_checkpointing(model)
+        return [model], True, True
+    plugin = _plugin(candidate)
+    composed = compose_model(
+        model, plugin.shard_config, plugin.custom_policy, plugin.stage_manager, torch.float32,
+        torch.device("meta"), plugin=type(plugin).__name__,
+    )  # fmt: skip
+    if composed.pipeline is None:
+        return [composed.module], True, True
+    manager = plugin.stage_manager
+    assert manager is not None
+    return list(composed.pipeline.chunks), manager.is_first_stage(), manager.is_last_stage()
+
+
+def _backward(output: Any) -> None:
+    """The backward a schedule runs: from the loss on the last stage, from the received gradient elsewhere."""
+    if isinstance(output, torch.Tensor):
+        output.backward(None if output.dim() == 0 else torch.empty_like(output))
+        return
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        loss.backward()
+        return
+    if isinstance(output, dict) and isinstance(output.get("hidden_states"), torch.Tensor):
+        sent: torch.Tensor = output["hidden_states"]
+        sent.backward(torch.empty_like(sent))  # the gradient the next stage sends back
+        return
+    raise TypeError(f"the traced stage returned {type(output).__name__}, with no loss or hidden_states")
+
+
+def _run(modules: list[nn.Module], first: bool, shape: ModelShape, candidate: Candidate, seq_len: int,
+         oracle: ValueOracle, dtype: torch.dtype, tracker: MemTracker, saved: list[dict[str, int]],
+) -> None:  # fmt: skip
+    """One micro-batch forward and backward through the rank's chunks (in turn, as a schedule would)."""
+    batch = candidate.micro_batch_size
+    with unset_fake_temporarily():
+        ids_value = torch.arange(batch * seq_len, dtype=torch.long).reshape(batch, seq_len) % shape.vocab_size
+        labels_value = ids_value.clone()
+    ids = oracle.give(torch.empty(batch, seq_len, dtype=torch.long), ids_value)
+    labels = oracle.give(torch.empty(batch, seq_len, dtype=torch.long), labels_value)
+    outputs: list[Any] = []
+    for index, module in enumerate(modules):
+        arguments: dict[str, Any] = {"input_ids": ids, "labels": labels}
+        if not (first and index == 0):
+            local_seq = seq_len // max(candidate.sequence_split, 1)
+            arguments["hidden_states"] = torch.empty(batch, local_seq, shape.hidden_size, dtype=dtype).requires_grad_()
+        outputs.append(module(**arguments))
+    saved.append(_categories(tracker.get_tracker_snapshot()))
+    for output in reversed(outputs):
+        _backward(output)
+
+
+def trace_stage(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int = 0) -> ActivationTrace:
+    """Trace one micro-batch (candidate.micro_batch_size sequences of seq_len tokens) through `stage`."""
+    if not 0 <= stage < candidate.pp:
+        raise ValueError(f"stage {stage}: the candidate has {candidate.pp} pipeline stages")
+    dtype = _DTYPES[candidate.precision]
+    with _fake_world(candidate.world_size, stage_rank(candidate, stage)):
+        modules, first, _ = _stage_modules(shape, candidate)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        for module in modules:
+            _to_fake(module, mode, dtype)
+        tracker = MemTracker()
+        saved: list[dict[str, int]] = []
+        for module in modules:
+            tracker.track_external(module)
+        with mode, ValueOracle(mode) as oracle, tracker:
+            _run(modules, first, shape, candidate, seq_len, oracle, dtype, tracker, saved)
+        peak = _categories(tracker.get_tracker_snapshot("peak"))
+        end = _categories(tracker.get_tracker_snapshot())
+    parameters = peak.get("PARAM", 0) + peak.get("BUFFER", 0)
+    gradients = peak.get("GRAD", 0)
+    activations = sum(peak.get(k, 0) for k in _ACTIVATION_KINDS)
+    forward_end = sum(saved[0].get(k, 0) for k in _ACTIVATION_KINDS)
+    trained = {id(p): p.numel() for m in modules for p in m.parameters() if p.requires_grad and p.device.type != "meta"}
+    return ActivationTrace(
+        stage, parameters, activations, gradients, end.get("GRAD", 0), peak.get("Total", 0), forward_end,
+        sum(trained.values()),
+    )  # fmt: skip
+
+
+def _categories(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+    """MemTracker's per-device figures summed over devices, keyed by category name ("ACT", "Total", ...)."""
+    summed: dict[str, int] = {}
+    for by_kind in snapshot.values():
+        for kind, nbytes in by_kind.items():
+            name = str(getattr(kind, "name", kind))
+            summed[name] = summed.get(name, 0) + nbytes
+    return summed

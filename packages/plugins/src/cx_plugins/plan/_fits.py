@@ -1,0 +1,85 @@
+"""Fits / does not fit: a `MemoryPrediction` against the device's memory, with the reason naming the component
+that overflows and what to try.
+
+A prediction fits when its peak is at most `usable_fraction` of the device (allocator fragmentation, CUDA context and
+library workspaces take the rest; 0.9 by default, stated in the report).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cx_plugins.plan._candidate import Candidate
+from cx_plugins.plan._memory import MemoryPrediction, predict_memory
+from cx_plugins.plan._model_spec import ModelShape
+
+__all__ = ["Verdict", "fits", "format_bytes", "memory_model"]
+
+_SUGGESTIONS = {
+    "activations": "activation checkpointing (checkpoint_ratio 1.0), a smaller micro-batch, or more tp / sp",
+    "pipeline_inflight": "fewer pipeline stages or the 1f1b schedule; a smaller micro-batch",
+    "optimizer_states": "ZeRO (zero_stage 1 or 2, Gemini or FSDP) over more data-parallel ranks, or CPU offload",
+    "master_weights": "ZeRO stage 1+ to shard the fp32 master weights, or Gemini's offload_param_frac",
+    "parameters": "shard the parameters: tp / pp, Gemini or FSDP",
+    "gradients": "ZeRO stage 2, Gemini or FSDP to shard the gradients",
+    "comm_buffers": "a smaller bucket, or fewer ranks gathering at once",
+}
+
+
+def format_bytes(nbytes: int) -> str:
+    """`91.3 GB` (10^9), `512 MB`, `3.1 KB`: the units the reason strings use."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The report's `MemoryVerdict`, with the prediction it judged."""
+
+    fits: bool
+    peak_bytes: int
+    limit: int
+    reason: str  # empty when it fits
+    prediction: MemoryPrediction
+
+
+def fits(prediction: MemoryPrediction, device_memory: int, usable_fraction: float = 0.9) -> Verdict:
+    """Whether the prediction's peak fits `usable_fraction` of `device_memory` bytes; if not, which component
+    (the largest) to cut and how."""
+    if device_memory <= 0:
+        raise ValueError(f"device memory must be positive, got {device_memory}")
+    if not 0.0 < usable_fraction <= 1.0:
+        raise ValueError(f"usable_fraction {usable_fraction} is not in (0, 1]")
+    limit = int(device_memory * usable_fraction)
+    peak = prediction.peak
+    if peak <= limit:
+        return Verdict(True, peak, limit, "", prediction)
+    name, nbytes = max(prediction.components().items(), key=lambda item: item[1])
+    at = f" at micro-batch {prediction.candidate.micro_batch_size}" if name == "activations" else ""
+    reason = (
+        f"peak {format_bytes(peak)} > {format_bytes(limit)} usable ({usable_fraction:.0%} of "
+        f"{format_bytes(device_memory)}); largest: {name.replace('_', ' ')} {format_bytes(nbytes)}{at}; "
+        f"try {_SUGGESTIONS[name]}"
+    )
+    return Verdict(False, peak, limit, reason, prediction)
+
+
+def memory_model(
+    shape: ModelShape, seq_len: int, device_memory: int, usable_fraction: float = 0.9
+) -> Callable[[Candidate], Verdict]:
+    """The planner's memory model (`plan(..., memory=...)`): trace, predict and judge each candidate. A candidate
+    the real composition refuses (e.g. a pipeline split cx cannot make of this model) does not fit, with cx's
+    reason."""
+
+    def judge(candidate: Candidate) -> Verdict:
+        try:
+            prediction = predict_memory(shape, candidate, seq_len)
+        except (ValueError, TypeError, NotImplementedError) as error:
+            refused = MemoryPrediction(candidate, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+            return Verdict(False, 0, int(device_memory * usable_fraction), f"cx refuses it: {error}", refused)
+        return fits(prediction, device_memory, usable_fraction)
+
+    return judge

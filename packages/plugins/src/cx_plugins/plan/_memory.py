@@ -1,0 +1,124 @@
+"""`predict_memory`: the bytes one rank holds during a training step of a `Candidate`, by component, and the peak.
+
+The model states follow each plugin's sharding over its data-parallel ranks (the stage's trained parameters come
+from the trace, so tensor, pipeline and expert sharding are the policies' own): parameters at the compute precision
+(DDP / FSDP keep fp32 parameters and cast in autocast / MixedPrecision), gradients, AdamW's two fp32 moments, fp32
+master weights of the 16-bit plugins (LowLevelZero, Gemini, hybrid). Activations come from the FakeTensor trace of
+one micro-batch (`trace_stage`); a 1F1B pipeline stage s also keeps the saved activations of the pp - s - 1
+micro-batches it has started and not finished (interleaved / ZBV: one more per extra model chunk, bounded by the
+micro-batch count). Comm buffers: DDP's gradient buckets (a second copy of the gradients), ZeRO's reduce bucket,
+FSDP's gathered parameters. The peak is the model states plus the largest stage's step working set (activations and
+the gradients live at the trace's peak).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cx_plugins.plan._activations import ActivationTrace, trace_stage
+from cx_plugins.plan._candidate import Candidate
+from cx_plugins.plan._model_spec import ModelShape
+
+__all__ = ["MemoryPrediction", "predict_memory", "predict_memory_from_traces"]
+
+_ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
+_FP32 = 4
+_ADAM_MOMENTS = 2
+_ZERO_BUCKET_ELEMENTS = 12 * 1024 * 1024  # LowLevelZero / hybrid's default reduce_bucket_size_in_m
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Per-rank bytes of the busiest rank (the pipeline stage whose peak is highest)."""
+
+    candidate: Candidate
+    stage: int
+    parameters: int
+    gradients: int  # kept between steps or built over the backward (the part live at the peak)
+    optimizer_states: int
+    master_weights: int
+    activations: int  # one micro-batch at the trace's peak
+    pipeline_inflight: int  # saved activations of the other micro-batches a pipeline stage holds
+    comm_buffers: int
+    cpu_offloaded: int  # optimizer states / master weights moved to the CPU (not in the device peak)
+
+    @property
+    def peak(self) -> int:
+        return (
+            self.parameters + self.gradients + self.optimizer_states + self.master_weights + self.activations
+            + self.pipeline_inflight + self.comm_buffers
+        )  # fmt: skip
+
+    def components(self) -> dict[str, int]:
+        """Name -> bytes, in the order the report lists them."""
+        names = ("parameters", "gradients", "optimizer_states", "master_weights", "activations",
+                 "pipeline_inflight", "comm_buffers")  # fmt: skip
+        return {name: getattr(self, name) for name in names}
+
+
+def _inflight(candidate: Candidate, stage: int) -> int:
+    """Micro-batches a stage holds saved activations of, besides the one it is running, at its peak."""
+    if candidate.pp == 1:
+        return 0
+    started = candidate.pp - stage - 1 + (candidate.num_model_chunks - 1) * candidate.pp
+    return min(started, candidate.num_microbatches - 1)
+
+
+def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction:
+    c, n = candidate, trace.parameter_count
+    w = _ITEMSIZE[c.precision]
+    dp = c.dp
+    live_grads = trace.gradient_bytes  # param.grad live at the trace's peak, at the compute precision
+    optimizer, master, comm = _ADAM_MOMENTS * _FP32 * n, 0, 0
+    if c.plugin == "torch_ddp":  # fp32 parameters; DDP's buckets hold a second copy of every gradient
+        parameters, gradients, comm = _FP32 * n, live_grads * _FP32 // w, _FP32 * n
+    elif c.plugin == "torch_fsdp":  # fp32 shards; the one root unit gathers the whole model for compute
+        parameters, optimizer = _FP32 * n // dp, optimizer // dp
+        gradients, comm = live_grads * _FP32 // w + _FP32 * n // dp, w * n if dp > 1 else 0
+    else:
+        parameters = w * n
+        master = _FP32 * n if c.half_precision else 0
+        if c.stage >= 1:
+            optimizer, master = optimizer // dp, master // dp
+        if c.plugin == "gemini":  # chunks: each rank's shard, the gathered chunks in use, gradients in place
+            parameters, gradients, comm = w * n // dp, 0, w * n if dp > 1 else 0
+        elif c.stage == 2:  # reduced bucket by bucket into this rank's fp32 partition
+            gradients = _FP32 * n // dp + min(live_grads, _ZERO_BUCKET_ELEMENTS * w)
+        else:
+            gradients = live_grads
+    offloaded = 0
+    if c.cpu_offload:
+        offloaded, optimizer = optimizer, 0
+    if c.plugin == "gemini" and (c.offload_optim_frac or c.offload_param_frac):
+        moved_optimizer = int(optimizer * c.offload_optim_frac)
+        moved_master = int(master * c.offload_param_frac)
+        optimizer, master, offloaded = (
+            optimizer - moved_optimizer,
+            master - moved_master,
+            moved_optimizer + moved_master,
+        )
+    return MemoryPrediction(
+        candidate=c,
+        stage=trace.stage,
+        parameters=parameters,
+        gradients=gradients,
+        optimizer_states=optimizer,
+        master_weights=master,
+        activations=trace.activation_bytes,
+        pipeline_inflight=_inflight(c, trace.stage) * trace.saved_bytes,
+        comm_buffers=comm,
+        cpu_offloaded=offloaded,
+    )
+
+
+def predict_memory_from_traces(candidate: Candidate, traces: list[ActivationTrace]) -> MemoryPrediction:
+    """The busiest stage's prediction from already-made traces (one per stage traced)."""
+    if not traces:
+        raise ValueError("predict_memory_from_traces: no trace given")
+    return max((_for_stage(candidate, trace) for trace in traces), key=lambda prediction: prediction.peak)
+
+
+def predict_memory(shape: ModelShape, candidate: Candidate, seq_len: int) -> MemoryPrediction:
+    """Trace the first and the last pipeline stage (the others lie between) and predict the busiest."""
+    stages = sorted({0, candidate.pp - 1})
+    return predict_memory_from_traces(candidate, [trace_stage(shape, candidate, seq_len, s) for s in stages])

@@ -1,0 +1,123 @@
+"""Measuring what the planner predicts: the peak tensor bytes of one training step on each rank, on this CPU.
+
+`measure_step_peak` runs on every rank (cx_mesh.testing.run_distributed): the model cx-train builds, the plugin of
+the Candidate, torch AdamW; one step first (so the optimizer states exist, as in every later step), then a second
+step under torch's `MemTracker` (every live tensor: parameters, gradients, optimizer states, activations, buffers),
+whose peak each rank writes to `out/<rank>.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from cx_plugins import (
+    Booster,
+    GeminiPlugin,
+    HybridParallelPlugin,
+    LowLevelZeroPlugin,
+    MoeHybridParallelPlugin,
+    Plugin,
+    TorchDDPPlugin,
+    TorchFSDPPlugin,
+)
+from cx_plugins.demo._models import ModelSpec, build_model, describe_model
+from cx_plugins.plan import Candidate
+
+__all__ = ["measure_step_peak", "read_peaks"]
+
+
+def _plugin(candidate: Candidate) -> Plugin:
+    arguments: dict[str, Any] = candidate.plugin_arguments()
+    if candidate.plugin == "torch_ddp":
+        return TorchDDPPlugin()
+    if candidate.plugin == "torch_fsdp":
+        return TorchFSDPPlugin()
+    if candidate.plugin == "low_level_zero":
+        return LowLevelZeroPlugin(**arguments)
+    if candidate.plugin == "gemini":  # small chunks, as cx-train uses for its small models
+        return GeminiPlugin(search_range_m=1, min_chunk_size_m=0.05, hidden_dim=64, **arguments)
+    if candidate.plugin == "moe_hybrid":
+        return MoeHybridParallelPlugin(**arguments)
+    return HybridParallelPlugin(**arguments)
+
+
+def measure_step_peak(
+    rank: int, world_size: int, *, model: str, fields: dict[str, Any], hidden: int, layers: int, seq_len: int, out: str
+) -> None:
+    candidate = Candidate(**fields)
+    assert candidate.world_size == world_size
+    with LiveBytes() as tracker:  # from the start: ZeRO partitions and Gemini chunks are reachable from no module
+        step = _prepare(rank, candidate, model, hidden, layers, seq_len)
+        step()  # the optimizer states exist from the first step on, as in every later one
+        tracker.peak = tracker.live
+        step()
+    Path(out, f"{rank}.json").write_text(json.dumps({"peak": tracker.peak}))
+
+
+def _prepare(rank: int, candidate: Candidate, model: str, hidden: int, layers: int, seq_len: int) -> Callable[[], None]:
+    described = describe_model(ModelSpec(model, hidden, layers, seq_len))
+    module = build_model(described, seed=0)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    mixed = None if candidate.plugin not in ("torch_ddp", "torch_fsdp") or candidate.precision == "fp32" else "bf16"
+    booster = Booster(plugin=_plugin(candidate), mixed_precision=mixed)
+    boosted, wrapped, *_ = booster.boost(module, optimizer)
+    assert wrapped is not None
+    vocab = described.tokenizer.vocab_size
+    batch = candidate.micro_batch_size * candidate.num_microbatches
+    ids = (torch.arange(batch * seq_len) * 7).reshape(batch, seq_len) % vocab
+
+    def step() -> None:
+        if candidate.pp > 1:
+            data = iter([{"input_ids": ids, "labels": ids}])
+            booster.execute_pipeline(data, boosted, lambda output, _: output.loss, wrapped)
+        else:
+            output = boosted(input_ids=ids, labels=ids)
+            loss = output if isinstance(output, torch.Tensor) else output.loss
+            booster.backward(loss, wrapped)
+        wrapped.step()
+        wrapped.zero_grad()
+
+    return step
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of every tensor storage created under it that is still alive, and their peak: each op's outputs are
+    counted once per storage, freed when the storage is, and re-read after a resize (chunks released in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        size = storage.nbytes()
+        if key not in self.sizes:
+            weakref.finalize(storage, self._free, key)
+        self.live += size - self.sizes.get(key, 0)
+        self.sizes[key] = size
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, key: int) -> None:
+        self.live -= self.sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        written = tree_flatten(out)[0] + (tree_flatten(args)[0] if func._schema.is_mutable else [])
+        for value in written:
+            if isinstance(value, torch.Tensor) and value.device.type != "meta" and not value.is_sparse:
+                self._count(value.untyped_storage())
+        return out
+
+
+def read_peaks(out: Path) -> list[int]:
+    return [json.loads(p.read_text())["peak"] for p in sorted(out.glob("*.json"))]
