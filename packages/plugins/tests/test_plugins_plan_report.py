@@ -12,7 +12,7 @@ from cx_plugins.models import GPTConfig
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._devices import lookup_device
 from cx_plugins.plan._model_spec import shape_from_config
-from cx_plugins.plan._report import PlanReport, PlanRow, constructor_call, rank_rows, train_command
+from cx_plugins.plan._report import PlanReport, PlanRow, constructor_call, rank_rows, row_label, train_command
 from cx_plugins.plan._step_time import predict_step_time
 
 
@@ -31,24 +31,29 @@ def test_ranking_table_and_json() -> None:
         Candidate("gemini", dp=2, micro_batch_size=4): _Verdict(True, 2 * 10**9),
         Candidate("hybrid", tp=2, micro_batch_size=4): _Verdict(False, 90 * 10**9, "activations 85 GB > 80 GB; try"),
         Candidate("low_level_zero", dp=2, micro_batch_size=4): _Verdict(False, 81 * 10**9, "optimizer states ..."),
+        Candidate("hybrid", pp=2, num_microbatches=2, micro_batch_size=2): _Verdict(False, 0, "cx refuses it: ..."),
+        Candidate("gemini", dp=2, micro_batch_size=4, placement_policy="auto"): _Verdict(True, 2 * 10**9),
     }
     rows = [PlanRow(c, v, predict_step_time(c, shape, 32, device)) for c, v in verdicts.items()]
     ranked = rank_rows(rows)
     fitting = [r for r in ranked if r.memory.fits]
-    assert [r.memory.fits for r in ranked] == [True, True, False, False]
-    assert fitting[0].step.step_s <= fitting[1].step.step_s
-    assert [r.candidate.plugin for r in ranked[2:]] == ["low_level_zero", "hybrid"]  # smaller peak first
+    assert [r.memory.fits for r in ranked] == [True, True, True, False, False, False]
+    assert fitting[0].step.step_s <= fitting[1].step.step_s <= fitting[2].step.step_s
+    # smaller peak first, the one cx refuses to build (no peak) last
+    assert [r.candidate.plugin for r in ranked[3:]] == ["low_level_zero", "hybrid", "hybrid"]
+    assert ranked[-1].candidate.pp == 2
     report = PlanReport("gpt", 2, 32, device, ranked)
     assert report.best is ranked[0]
     text = report.table()
-    assert "4 candidates, 2 fit" in text
+    assert "6 candidates, 3 fit" in text
+    assert "gemini dp2 mb4x1 bf16 auto" in text  # Gemini's placement tells the rows apart
     assert "activations 85 GB > 80 GB; try" in text
     assert f"best: {constructor_call(ranked[0].candidate)}" in text
     loaded = json.loads(json.dumps(report.as_json()))
-    assert loaded["best"]["label"] == ranked[0].candidate.label()
-    assert [r["fits"] for r in loaded["rows"]] == [True, True, False, False]
+    assert loaded["best"]["label"] == row_label(ranked[0].candidate)
+    assert [r["fits"] for r in loaded["rows"]] == [True, True, True, False, False, False]
     assert loaded["rows"][0]["step_s"] == ranked[0].step.step_s
-    nothing = PlanReport("gpt", 2, 32, device, ranked[2:])
+    nothing = PlanReport("gpt", 2, 32, device, ranked[3:])
     assert nothing.best is None
     assert "nothing fits" in nothing.table()
 

@@ -16,7 +16,7 @@ from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._devices import Device
 from cx_plugins.plan._step_time import StepTime
 
-__all__ = ["MemoryVerdict", "PlanReport", "PlanRow", "constructor_call", "rank_rows", "train_command"]
+__all__ = ["MemoryVerdict", "PlanReport", "PlanRow", "constructor_call", "rank_rows", "row_label", "train_command"]
 
 _CLASSES = {
     "torch_ddp": "TorchDDPPlugin",
@@ -52,7 +52,7 @@ class PlanRow:
     def as_json(self) -> dict[str, Any]:
         c, step = self.candidate, self.step
         return {
-            "label": c.label(),
+            "label": row_label(c),
             "candidate": {name: getattr(c, name) for name in c.__dataclass_fields__},
             "fits": self.memory.fits,
             "peak_bytes": self.memory.peak_bytes,
@@ -68,13 +68,32 @@ class PlanRow:
         }
 
 
+def row_label(candidate: Candidate) -> str:
+    """The candidate's label, with Gemini's placement and offload (which `Candidate.label` leaves out)."""
+    c, extra = candidate, ""
+    if c.plugin == "gemini":
+        extra += " auto" if c.placement_policy == "auto" else ""
+        extra += f" offload-optim{c.offload_optim_frac:g}" if c.offload_optim_frac else ""
+        extra += f" offload-param{c.offload_param_frac:g}" if c.offload_param_frac else ""
+    if c.cpu_offload:
+        extra += " cpu-offload"
+    return c.label() + extra
+
+
+def _bytes(count: int) -> str:
+    return f"{count / _GB:.2f} GB" if count >= _GB else f"{count / 1e6:.2f} MB"
+
+
 def rank_rows(rows: Sequence[PlanRow]) -> list[PlanRow]:
-    """Fitting candidates fastest first, then the rest smallest peak first (ties by label, so the order is
-    deterministic)."""
-    return sorted(
-        rows,
-        key=lambda r: (not r.memory.fits, r.step.step_s if r.memory.fits else r.memory.peak_bytes, r.candidate.label()),
-    )
+    """Fitting candidates fastest first, then those that do not fit smallest peak first, then those cx refuses to
+    build (no peak: the memory model could not trace them); ties by label, so the order is deterministic."""
+
+    def key(row: PlanRow) -> tuple[int, float, str]:
+        if row.memory.fits:
+            return 0, row.step.step_s, row_label(row.candidate)
+        return (1 if row.memory.peak_bytes else 2), row.memory.peak_bytes, row_label(row.candidate)
+
+    return sorted(rows, key=key)
 
 
 def constructor_call(candidate: Candidate) -> str:
@@ -143,16 +162,16 @@ class PlanReport:
     def table(self, top: int = 10, rejected: int = 5) -> str:
         """The best `top` that fit and the `rejected` closest misses, with their reasons; then the best's call."""
         lines = [
-            f"cx-plan: {self.model} on {self.world} x {self.device.name} ({self.device.memory_bytes / _GB:.0f} GB), "
+            f"cx-plan: {self.model} on {self.world} x {self.device.name} ({_bytes(self.device.memory_bytes)}), "
             f"seq {self.seq_len}; {len(self.rows)} candidates, {sum(r.memory.fits for r in self.rows)} fit",
-            f"{'#':>3}  {'configuration':<52} {'fits':<4} {'peak GB':>8} {'step ms':>9} {'tokens/s':>11} {'MFU':>6}",
+            f"{'#':>3}  {'configuration':<60} {'fits':<4} {'peak':>10} {'step ms':>9} {'tokens/s':>11} {'MFU':>6}",
         ]
         shown = [r for r in self.rows if r.memory.fits][:top] + [r for r in self.rows if not r.memory.fits][:rejected]
         for index, row in enumerate(shown, 1):
             step = row.step
             lines.append(
-                f"{index:>3}  {row.candidate.label():<52} {'yes' if row.memory.fits else 'no':<4} "
-                f"{row.memory.peak_bytes / _GB:>8.2f} {step.step_s * 1e3:>9.3f} {step.tokens_per_s:>11,.0f} "
+                f"{index:>3}  {row_label(row.candidate):<60} {'yes' if row.memory.fits else 'no':<4} "
+                f"{_bytes(row.memory.peak_bytes):>10} {step.step_s * 1e3:>9.3f} {step.tokens_per_s:>11,.0f} "
                 f"{step.mfu:>6.1%}"
             )
             if not row.memory.fits:
@@ -179,7 +198,7 @@ class PlanReport:
             "best": None
             if best is None
             else {
-                "label": best.candidate.label(),
+                "label": row_label(best.candidate),
                 "constructor": constructor_call(best.candidate),
                 "cx_train": train_command(best.candidate, self.model, self.seq_len),
             },
