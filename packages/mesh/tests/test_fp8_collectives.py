@@ -10,6 +10,8 @@ dequantize, sum and average round at most 3 times (2^-24 relative each). Writing
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from cx_mesh.fp8 import (
     all_reduce_fp8,
     all_to_all_single_fp8,
     reduce_scatter_flat_fp8,
+    reduce_scatter_scratch_nbytes_fp8,
 )
 from cx_mesh.testing import count_collective_bytes, distributed, spawn, unit_roundoff
 
@@ -55,6 +58,53 @@ def test_fp8_collectives_match_exact_sums_within_the_quantization_bound_at_half_
     rank: int, world_size: int
 ) -> None:
     _check_collectives(rank, world_size, torch.device("cpu"))
+
+
+def _poll(work: dist.Work) -> bool:
+    """Whether `work` reports completion within a bounded number of polls (never calling its wait)."""
+    for _ in range(1000):
+        if work.is_completed():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@distributed(world_size=2)
+def test_fp8_async_handles_report_completion_once_the_exchange_is_done(rank: int, world_size: int) -> None:
+    """A poller (cx_zero's bucket reducer) must see an async fp8 reduce-scatter, and cx_mesh's plain gloo one, as
+    complete once its exchange has arrived, not only after `wait`: True means the output is final and the handle's
+    buffers are freed. The all-reduce's second half is a collective, which a poll must not issue: it completes only
+    through `wait`. Also the fp8 reduce-scatter's scratch figure against the buffers its handle really holds."""
+    mine = _inputs(rank, 48).bfloat16()
+    expected = torch.empty(24, dtype=torch.float32)
+    reduce_scatter_flat_fp8(expected, mine)
+    plain_expected = torch.empty(24, dtype=torch.bfloat16)
+    reduce_scatter_flat(plain_expected, mine)
+    for collective, out, want in (
+        (reduce_scatter_flat_fp8, torch.empty(24, dtype=torch.float32), expected),
+        (reduce_scatter_flat, torch.empty(24, dtype=torch.bfloat16), plain_expected),
+    ):
+        work = collective(out, mine, async_op=True)
+        assert work is not None
+        if collective is reduce_scatter_flat_fp8:  # the packed send and receive messages
+            held = sum(t.untyped_storage().nbytes() for t in work._buffers)  # type: ignore[attr-defined]
+            assert held == reduce_scatter_scratch_nbytes_fp8(48) == 2 * (48 + 4 * world_size)
+        dist.barrier()  # gloo's barrier completes after every collective issued before it
+        assert _poll(work), f"{collective.__name__}'s handle never reported completion"
+        assert torch.equal(out, want)  # final without wait
+        assert getattr(work, "_buffers", ()) == ()  # freed: fp8's messages
+        assert getattr(work, "_received", None) is None  # freed: the plain sum's received slices
+        assert work.wait()  # still harmless
+        assert torch.equal(out, want)
+    tensor = mine.clone()
+    work = all_reduce_fp8(tensor, async_op=True)
+    assert work is not None
+    dist.barrier()
+    assert not work.is_completed()
+    work.wait()
+    assert work.is_completed()
+    with pytest.raises(ValueError, match="do not split over 2 ranks"):
+        reduce_scatter_scratch_nbytes_fp8(47)
 
 
 def _nccl_collectives(rank: int, world_size: int) -> None:

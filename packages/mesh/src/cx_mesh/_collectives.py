@@ -127,7 +127,9 @@ def reduce_scatter_scratch_numel(numel: int, group: ProcessGroup | None = None) 
 
 
 class _SumAfterExchange(dist.Work):
-    """An all-to-all of the slices in flight; `wait` completes it and adds the received slices into the output."""
+    """An all-to-all of the slices in flight; `wait` completes it and adds the received slices into the output.
+    `is_completed` polls the exchange and, once it has arrived, takes the (local) sum there: True means the output
+    is final and the scratch freed, as for a native reduce-scatter's handle, so pollers free buffers early."""
 
     def __init__(
         self,
@@ -152,6 +154,11 @@ class _SumAfterExchange(dist.Work):
         torch.sum(self._received.view(self._parts, -1), dim=0, out=self._output)
         self._received = None  # the scratch buffer goes as soon as the sum is taken
         return True
+
+    def is_completed(self) -> bool:
+        if self._received is not None and (self._exchange is None or self._exchange.is_completed()):
+            self.wait()
+        return self._received is None
 
 
 def reduce_scatter_flat(

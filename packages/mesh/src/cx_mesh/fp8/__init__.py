@@ -5,7 +5,8 @@
 - `fp8_linear`: F.linear with fp8 GEMMs (torch._scaled_mm) forward and backward; `Fp8Linear` and `convert_to_fp8`
   swap plain nn.Linear layers that `fp8_eligible` accepts; `fp8_matmul_supported(device)` says where it runs.
 - `all_gather_flat_fp8`, `reduce_scatter_flat_fp8`, `all_reduce_fp8`, `all_to_all_single_fp8`: cx_mesh's flat
-  collectives with an fp8 payload and its float32 scales on the wire (half of bf16's bytes plus 4 per scale).
+  collectives with an fp8 payload and its float32 scales on the wire (half of bf16's bytes plus 4 per scale);
+  `reduce_scatter_scratch_nbytes_fp8` for memory accounting.
 It lives in cx-mesh because every package needs it and mesh is the bottom layer.
 """
 
@@ -14,6 +15,7 @@ from cx_mesh.fp8._collectives import (
     all_reduce_fp8,
     all_to_all_single_fp8,
     reduce_scatter_flat_fp8,
+    reduce_scatter_scratch_nbytes_fp8,
 )
 from cx_mesh.fp8._formats import E4M3, E5M2, Fp8Tensor, ScalingRecipe, quantize
 from cx_mesh.fp8._linear import Fp8Linear, convert_to_fp8
@@ -36,4 +38,5 @@ __all__ = [
     "fp8_matmul_supported",
     "quantize",
     "reduce_scatter_flat_fp8",
+    "reduce_scatter_scratch_nbytes_fp8",
 ]

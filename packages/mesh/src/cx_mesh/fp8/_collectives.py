@@ -16,7 +16,13 @@ from cx_mesh._collectives import ProcessGroup, all_gather_flat, all_to_all_singl
 from cx_mesh.fp8._formats import E4M3, E5M2, ScalingRecipe, check_fp8_dtype, quantize
 from cx_mesh.fp8._wire import SCALE_BYTES, Pending, finish, pack, unpack, unpack_rows
 
-__all__ = ["all_gather_flat_fp8", "all_reduce_fp8", "all_to_all_single_fp8", "reduce_scatter_flat_fp8"]
+__all__ = [
+    "all_gather_flat_fp8",
+    "all_reduce_fp8",
+    "all_to_all_single_fp8",
+    "reduce_scatter_flat_fp8",
+    "reduce_scatter_scratch_nbytes_fp8",
+]
 
 _SUMS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 
@@ -83,6 +89,17 @@ def reduce_scatter_flat_fp8(
     return finish(Pending(exchange, then, send, received), async_op)
 
 
+def reduce_scatter_scratch_nbytes_fp8(numel: int, group: ProcessGroup | None = None) -> int:
+    """Bytes of temporary buffers `reduce_scatter_flat_fp8` holds while a reduction of `numel` elements over `group`
+    is in flight (the fp8 counterpart of `cx_mesh.reduce_scatter_scratch_numel`, for memory accounting): the packed
+    send and receive messages, each one fp8 byte per element plus one float32 scale per rank. Finishing it briefly
+    adds the float32 dequantized rows (4 bytes per element) on top, until the sum is taken."""
+    world = dist.get_world_size(group)
+    if numel % world:
+        raise ValueError(f"reduce_scatter_scratch_nbytes_fp8: {numel} elements do not split over {world} ranks")
+    return 2 * (numel + SCALE_BYTES * world)
+
+
 def all_reduce_fp8(
     tensor: torch.Tensor,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
@@ -107,7 +124,7 @@ def all_reduce_fp8(
         all_gather_flat_fp8(gathered, reduced, group, fp8_dtype=fp8_dtype)
         flat.copy_(gathered[:numel])
 
-    return finish(Pending(first, then, padded, reduced), async_op)
+    return finish(Pending(first, then, padded, reduced, local=False), async_op)
 
 
 def _splits(splits: list[int] | None, rows: int, world: int, what: str) -> list[int]:

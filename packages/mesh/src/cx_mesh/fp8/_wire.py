@@ -43,13 +43,22 @@ def unpack_rows(messages: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 
 class Pending(dist.Work):
     """A compressed collective in flight: `wait` waits for the exchange, then runs `then` once (dequantize into
-    the output, sum). Holds the send and receive buffers until then, as the backend needs them alive."""
+    the output, sum). Holds the send and receive buffers until then, as the backend needs them alive.
 
-    def __init__(self, exchange: dist.Work | None, then: Callable[[], None], *buffers: torch.Tensor) -> None:
+    With `local` (`then` is only local arithmetic), `is_completed` polls the exchange and, once it has arrived,
+    runs `then` there: True means the output is final and the buffers are freed, as for torch's own handles, so a
+    caller that polls (cx_zero's bucket reducer) frees fp8 buckets as early as plain ones. A `then` that issues a
+    collective (the all-reduce's all-gather) must not run at a poll, where ranks would disagree on whether they
+    reach it: such a handle reports completion only once waited for."""
+
+    def __init__(
+        self, exchange: dist.Work | None, then: Callable[[], None], *buffers: torch.Tensor, local: bool = True
+    ) -> None:
         super().__init__()
         self._exchange = exchange
         self._then: Callable[[], None] | None = then
         self._buffers: tuple[torch.Tensor, ...] = buffers
+        self._local = local
 
     def wait(self, timeout: timedelta = _NO_TIMEOUT) -> bool:
         if self._then is None:
@@ -62,6 +71,8 @@ class Pending(dist.Work):
         return True
 
     def is_completed(self) -> bool:
+        if self._then is not None and self._local and (self._exchange is None or self._exchange.is_completed()):
+            self.wait()  # the bytes are here: what is left is the local dequantize (and sum)
         return self._then is None
 
 
