@@ -1,7 +1,8 @@
 """LowLevelZeroOptimizer(fp8_communication=True): each bucket's gradient reduce-scatter and each bucket's parameter
 all-gather travel as fp8 (cx_mesh.fp8), exactly half the bytes of bf16 plus 4 per scale; the all-reduce over an
 extra data-parallel group likewise; ranks compute with identical parameters; an inf gradient still makes an fp16 step
-skip on every rank; and the "did any rank use this parameter" flags riding in the buckets survive fp8."""
+skip on every rank; the "did any rank use this parameter" flags riding in the buckets survive fp8; and stage 2
+frees each fp8 bucket once its reduction has arrived, as it does a bf16 one."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from torch import nn
 
 from cx_mesh.testing import CollectiveBytes, count_collective_bytes, distributed
 from cx_zero import LowLevelZeroOptimizer
+from cx_zero._partition import ParamShard
+from cx_zero._reduce import GroupReducer
 from zero_test_helpers import subgroup, world_group
 
 SCALE_BYTES = 4
@@ -154,3 +157,45 @@ def test_zero_fp8_communication_keeps_the_used_flags(rank: int, world_size: int)
     assert norm > 1e9
     changed = [not torch.equal(m, b) for m, b in zip(masters, before, strict=True)]
     assert changed == [True] * len(list(model.parameters())) + [False, False]
+
+
+def _bucket_bytes_kept_past_a_poll(rank: int, fp8: bool) -> list[int]:
+    """One stage-2 backward; for each gradient, the bytes of bucket flats still in flight after the reducer's poll
+    that had been launched before it, with a barrier first (on gloo it completes after every collective issued
+    before it, so each of those reductions has arrived by the poll)."""
+    model = _model(torch.bfloat16)
+    optimizer = LowLevelZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        partition_grad=True,
+        reduce_bucket_size=64,  # several buckets, launched at different gradients
+        fp8_communication=fp8,
+    )
+    reducer = optimizer._reducers[0]
+    assert isinstance(reducer, GroupReducer)
+    assert len(reducer.buckets) >= 3
+    original = reducer.mark_ready
+    kept: list[int] = []
+
+    def mark_ready(shard: ParamShard, launch: bool) -> None:
+        dist.barrier(group=reducer.group)
+        before = {id(item) for item in reducer._in_flight}
+        original(shard, launch)
+        kept.append(sum(item.flat.nbytes for item in reducer._in_flight if id(item) in before))
+
+    reducer.__dict__["mark_ready"] = mark_ready
+    optimizer.zero_grad()
+    optimizer.backward(model(_data(rank, 0, torch.bfloat16)).float().square().mean())
+    optimizer.step()
+    _assert_same_on_every_rank(model, f"fp8 {fp8}")
+    return kept
+
+
+@distributed(world_size=2)
+def test_zero_fp8_stage2_frees_each_bucket_once_its_reduction_arrives(rank: int, world_size: int) -> None:
+    """Stage 2 polls its in-flight bucket reductions at each gradient and frees (accumulates) those that arrived: no
+    bucket may outlive a poll after its reduction arrived, in fp8 as in bf16. Before, cx_mesh's fp8 handles (and the
+    plain gloo reduce-scatter's) said "not completed" until waited for, and every bucket, with its full-size flat
+    and the collective's buffers, stayed alive to the end of backward."""
+    bf16, fp8 = _bucket_bytes_kept_past_a_poll(rank, False), _bucket_bytes_kept_past_a_poll(rank, True)
+    assert len(fp8) == len(bf16) > 0
+    assert fp8 == bf16 == [0] * len(bf16)
