@@ -87,6 +87,15 @@ def test_plugins_hybrid_sequence_overlap_matches_plain(rank: int, world_size: in
     _compare(overlapped, plain, "enable_sequence_overlap")
     # every q/k/v/o, gate/up/down of the 2 layers runs in the ring; none without the switch
     assert (overlapped[2], plain[2]) == (2 * 7, 0)
+    # GeminiPlugin: sequence parallelism is split_gather on its tp group
+    sequence: dict[str, Any] = {"enable_sequence_parallelism": True}
+    plain_gemini = _train_adamw("gemini", llama(layers=2), **sequence)
+    gemini = _train_adamw("gemini", llama(layers=2), enable_sequence_overlap=True, **sequence)
+    assert (gemini[2], plain_gemini[2]) == (2 * 7, 0)
+    tolerance = tiny_model_adam_tolerance(LR, STEPS, tokens=BATCH * LENGTH)
+    torch.testing.assert_close(torch.tensor(gemini[0]), torch.tensor(plain_gemini[0]), rtol=0, atol=tolerance)
+    for key, value in gemini[1].items():
+        torch.testing.assert_close(value, plain_gemini[1][key], rtol=0, atol=tolerance, msg=_named(f"gemini {key}"))
 
 
 def _gpt2(dropout: float) -> Any:
@@ -100,18 +109,18 @@ def _gpt2(dropout: float) -> Any:
     return transformers.GPT2LMHeadModel(config)
 
 
-def _plugin(kind: str, fused: bool) -> Any:
+def _plugin(kind: str, **switches: Any) -> Any:
     if kind == "hybrid":
-        return HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", enable_jit_fused=fused)
+        return HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", **switches)
     return GeminiPlugin(
-        tp_size=2, precision="fp32", chunk_config_dict={"chunk_size": 1024}, placement_policy="static",
-        enable_jit_fused=fused,
-    )  # fmt: skip
+        tp_size=2, precision="fp32", chunk_config_dict={"chunk_size": 1024}, placement_policy="static", **switches
+    )
 
 
-def _train_fused(kind: str, model: Any, fused: bool) -> tuple[list[float], dict[str, torch.Tensor], int]:
-    """AdamW steps (Gemini takes Adam-style optimizers) from one seed, so dropout draws alike; this rank's shards."""
-    booster = Booster(plugin=_plugin(kind, fused))
+def _train_adamw(kind: str, model: Any, **switches: Any) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    """AdamW steps (Gemini takes Adam-style optimizers) from one seed, so dropout draws alike: the losses, this
+    rank's parameter shards, and how many modules run a fused kernel or the overlap ring."""
+    booster = Booster(plugin=_plugin(kind, **switches))
     boosted: Any
     boosted, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=TEST_ADAM_EPS))
     assert optimizer is not None
@@ -128,8 +137,9 @@ def _train_fused(kind: str, model: Any, fused: bool) -> tuple[list[float], dict[
         params = boosted.state_dict(only_rank_0=False)
     else:
         params = {name: p.detach().clone() for name, p in module.named_parameters()}
-    fused_sites = sum(isinstance(m.forward, functools.partial) for m in module.modules())
-    return losses, params, fused_sites
+    fused = sum(isinstance(m.forward, functools.partial) for m in module.modules())
+    rings = sum(bool(getattr(m, "sequence_overlap", False)) for m in module.modules())
+    return losses, params, fused + rings
 
 
 @distributed(world_size=2)
@@ -144,8 +154,8 @@ def test_plugins_jit_fused_matches_unfused(rank: int, world_size: int) -> None:
     ]
     tolerance = tiny_model_adam_tolerance(LR, STEPS, tokens=BATCH * LENGTH)
     for kind, name, build, sites in cases:
-        plain = _train_fused(kind, build(), fused=False)
-        fused = _train_fused(kind, build(), fused=True)
+        plain = _train_adamw(kind, build(), enable_jit_fused=False)
+        fused = _train_adamw(kind, build(), enable_jit_fused=True)
         assert (fused[2], plain[2]) == (sites, 0), f"{kind} {name}: fused modules"
         what = f"{kind} {name} enable_jit_fused"
         torch.testing.assert_close(torch.tensor(fused[0]), torch.tensor(plain[0]), rtol=0, atol=tolerance)

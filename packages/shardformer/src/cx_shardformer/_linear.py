@@ -155,7 +155,9 @@ class _ColumnBase(ParallelModule):
 
     def forward(self, input_: torch.Tensor) -> Any:
         if self.sequence_overlap:
-            return column_overlap_forward(self, input_)
+            overlapped = column_overlap_forward(self, input_)
+            if overlapped is not None:
+                return overlapped
         if self._split_gather:
             x = gather_forward_reduce_scatter_backward(
                 input_, self.seq_parallel_dim, self.process_group, self.fp8_communication

@@ -41,6 +41,7 @@ __all__ = [
     "row_overlap_forward",
     "row_ring",
     "stash_outputs",
+    "weights_present",
 ]
 
 _STASH = "_cx_overlapped"
@@ -270,6 +271,19 @@ def as_column(layer: Any) -> ColumnMatmul:
     return ColumnMatmul(layer._matmul, layer.weight, bias, layer._out_dim == 0)
 
 
+def weights_present(layers: Sequence[Any]) -> bool:
+    """Whether every layer's weight holds its data now. GeminiPlugin gathers a module's parameters only when that
+    module runs (an empty storage until then), so a block's hook, which runs first, cannot multiply by them: it
+    falls back to the plain gather and the column layers compute as usual (the row layers still ring, inside their
+    own forward)."""
+    for layer in layers:
+        weight = layer.weight
+        needed = (weight.storage_offset() + weight.numel()) * weight.element_size()
+        if weight.untyped_storage().nbytes() < needed:
+            return False
+    return True
+
+
 def stash_outputs(layers: Sequence[nn.Module], gathered: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
     """Hand each column layer the output the block's ring computed for it, to return when it is called on
     `gathered` (`overlapped_output`)."""
@@ -286,7 +300,8 @@ def clear_stash(layers: Sequence[nn.Module]) -> None:
 def column_overlap_forward(layer: Any, input_: torch.Tensor) -> Any:
     """A column layer's forward under enable_sequence_overlap: the output its block's ring computed for it (the
     policy's hook, `stash_outputs`), or, for a layer that gathers its own input (`seq_parallel_mode='split_gather'`),
-    its own ring. Returns (output, bias) with skip_bias_add, as the layer does."""
+    its own ring; (output, bias) with skip_bias_add, as the layer returns. None when the block's hook took the plain
+    gather (`weights_present`): the layer then computes as without overlap."""
     check_overlap_layer(layer, "column")
     stashed = layer.__dict__.pop(_STASH, None)
     if stashed is not None and stashed[0] is input_:
@@ -294,10 +309,7 @@ def column_overlap_forward(layer: Any, input_: torch.Tensor) -> Any:
     elif layer._split_gather:
         out = column_ring(input_, layer.seq_parallel_dim, layer.process_group, [as_column(layer)])[1][0]
     else:
-        raise RuntimeError(
-            f"enable_sequence_overlap: {type(layer).__name__} was called on a tensor other than its block's gathered "
-            "input, so no ring computed its output; the block must feed its column layers its own input"
-        )
+        return None
     return (out, layer.bias) if layer.skip_bias_add else out
 
 

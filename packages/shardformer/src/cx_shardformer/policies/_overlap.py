@@ -19,7 +19,14 @@ from torch import nn
 
 from cx_mesh import ProcessGroup
 from cx_shardformer._linear import _ColumnBase, _RowBase, mark_input_grad_reduced
-from cx_shardformer._overlap import as_column, check_overlap_layer, clear_stash, column_ring, stash_outputs
+from cx_shardformer._overlap import (
+    as_column,
+    check_overlap_layer,
+    clear_stash,
+    column_ring,
+    stash_outputs,
+    weights_present,
+)
 
 if TYPE_CHECKING:
     from cx_shardformer.policies._common import HFDecoderPolicy
@@ -29,8 +36,10 @@ __all__ = ["block_gather_hook"]
 _Hook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], tuple[Any, dict[str, Any]]]
 
 
-def _ring_hook(columns: list[_ColumnBase], group: ProcessGroup | None) -> _Hook:
+def _ring_hook(columns: list[_ColumnBase], group: ProcessGroup | None, gather: _Hook) -> _Hook:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if not weights_present(columns):  # GeminiPlugin: gathered when each layer runs
+            return gather(module, args, kwargs)
         hidden = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(hidden, torch.Tensor):
             raise TypeError("enable_sequence_overlap: the block received no hidden_states tensor")
@@ -84,4 +93,4 @@ def block_gather_hook(policy: HFDecoderPolicy, block: nn.Module, gather: _Hook) 
     for row in rows:
         row.sequence_overlap = True
     block.register_forward_hook(lambda module, args, output: clear_stash(columns), always_call=True)
-    return _ring_hook(columns, group)
+    return _ring_hook(columns, group, gather)
