@@ -1,6 +1,7 @@
 """The `cx-plan` command: a ranked plan (table or JSON) from flags, and a one-line error with exit status 2 for each
 impossible input (unknown device or link, unreadable memory size, a config missing fields, a world no layout splits).
-The memory model is stubbed here (its own tests measure it); the command's job is the plumbing."""
+The memory model is stubbed in the command's tests (its own tests measure it); the planner's traced model is checked
+to share traces between candidates that differ only in what a trace does not see."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from cx_plugins.models import GPTConfig
+from cx_plugins.plan import _planner as planner
+from cx_plugins.plan._activations import ActivationTrace, trace_stage
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._cli import main
-from cx_plugins.plan._devices import Device
-from cx_plugins.plan._model_spec import ModelShape
+from cx_plugins.plan._devices import Device, lookup_device
+from cx_plugins.plan._fits import memory_model
+from cx_plugins.plan._model_spec import ModelShape, shape_from_config
 from cx_plugins.plan._planner import MemoryModel
 
 _GPT = ["--model", "gpt", "--hidden-size", "32", "--num-layers", "2", "--seq-len", "32"]
@@ -83,3 +88,23 @@ def test_cx_plan_config_missing_fields(tmp_path: Path, capsys: pytest.CaptureFix
     error = capsys.readouterr().err
     assert "lacks vocab_size" in error
     assert "num_hidden_layers" in error
+
+
+def test_traced_memory_model_shares_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Candidates differing only in ZeRO stage share one trace, and the verdicts are `_fits.memory_model`'s."""
+    shape = shape_from_config("gpt", GPTConfig(vocab_size=64, max_positions=17, hidden_size=32, num_layers=2))
+    traced: list[Candidate] = []
+    real = trace_stage
+
+    def counting(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int) -> ActivationTrace:
+        traced.append(candidate)
+        return real(shape, candidate, seq_len, stage)
+
+    monkeypatch.setattr(planner, "trace_stage", counting)
+    device = lookup_device("cpu")
+    model = planner.traced_memory_model(shape, 16, device)
+    candidates = [Candidate("hybrid", dp=2, zero_stage=stage, micro_batch_size=2) for stage in (0, 1, 2)]
+    verdicts = [model(c) for c in candidates]
+    assert len(traced) == 1
+    assert verdicts[2] == memory_model(shape, 16, device.memory_bytes)(candidates[2])
+    assert verdicts[0].prediction.optimizer_states == 2 * verdicts[1].prediction.optimizer_states  # ZeRO-1, dp 2

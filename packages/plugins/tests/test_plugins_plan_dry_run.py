@@ -1,5 +1,5 @@
-"""`cx-train --plan` (an alias of --dry-run): the run's flags become the planner's Candidate, and the report prints
-cx-plan's prediction for exactly that configuration."""
+"""`cx-train --plan` (the same as --dry-run): the run's flags become the planner's Candidate, and the report prints
+cx-plan's memory and step-time prediction for exactly that configuration."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from cx_plugins.demo._dry_run import plan_candidate
 from cx_plugins.demo._options import parse_options
 from cx_plugins.plan import Candidate, load_model_shape
 from cx_plugins.plan._devices import detect_device
+from cx_plugins.plan._fits import format_bytes, memory_model
 from cx_plugins.plan._step_time import predict_step_time
 
 
@@ -38,3 +39,9 @@ def test_cx_train_plan_prints_the_prediction(capsys: pytest.CaptureFixture[str])
     assert f"# predicted step on 4 x {detect_device().name} (cx-plan, 45% of peak): {step.step_s * 1e3:.2f} ms" in out
     assert "tp activation all-reduce" in out
     assert "pipeline bubble" in out
+    # the memory figures are the planner's model (one memory model): a traced peak with activations, not a formula
+    verdict = memory_model(shape, 32, detect_device().memory_bytes)(plan_candidate(options, 4))
+    assert f"activations {format_bytes(verdict.prediction.activations)}" in out
+    assert f"; peak {format_bytes(verdict.peak_bytes)}\n" in out
+    assert "fits" in out
+    assert "estimate without activations" not in out

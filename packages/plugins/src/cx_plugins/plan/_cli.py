@@ -22,7 +22,7 @@ from cx_plugins.plan._devices import (
 )
 from cx_plugins.plan._enumerate import SearchSpace
 from cx_plugins.plan._model_spec import ModelShape, load_model_shape
-from cx_plugins.plan._planner import MemoryModel, plan
+from cx_plugins.plan._planner import MemoryModel, plan, traced_memory_model
 from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION
 
 __all__ = ["build_parser", "main"]
@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--efficiency", type=float, default=ACHIEVABLE_FRACTION, help="achievable fraction of peak")
     parser.add_argument("--top", type=int, default=10, help="fitting rows to print")
     parser.add_argument("--json", action="store_true", help="print the whole ranked plan as JSON")
+    parser.add_argument("--measure", action="store_true", help="also run the --top fitting ones here, side by side")
+    parser.add_argument("--steps", type=int, default=3, help="--measure: timed steps after one warm-up step")
     return parser
 
 
@@ -119,19 +121,21 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
     )
     if args.json:
         return json.dumps(report.as_json(), indent=1)
+    if args.measure:  # plan/_measure.py: spawns ranks, so imported only when asked for
+        from cx_plugins.plan._measure import measure_report, measure_table
+
+        measured = measure_report(report, args.model, hidden=args.hidden_size, layers=args.num_layers, top=args.top,
+                                  steps=args.steps)  # fmt: skip
+        return report.table(top=args.top) + "\n\n" + measure_table(*measured)
     return report.table(top=args.top)
 
 
 def main(argv: Sequence[str] | None = None, memory_factory: MemoryFactory | None = None) -> int:
     args = build_parser().parse_args(argv)
-    factory = _default_memory if memory_factory is None else memory_factory
+    factory = traced_memory_model if memory_factory is None else memory_factory
     try:
         print(run(args, factory))
     except ValueError as error:  # ModelShapeError, NoLayoutError, unknown names, unparsable sizes
         print(f"cx-plan: error: {error}", file=sys.stderr)
         return 2
     return 0
-
-
-def _default_memory(shape: ModelShape, seq_len: int, device: Device) -> MemoryModel:
-    raise NotImplementedError("the memory model lands with plan/_memory.py and plan/_fits.py")
