@@ -23,6 +23,14 @@ def _held(chunk: Chunk) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
+def _scratch_held(work: object) -> int:
+    """Bytes of the buffers an in-flight reduce-scatter's handle holds inside the collective, read from the handle
+    itself (cx_mesh's private attributes): gloo's received slices for the plain sum, the packed send and receive
+    messages for an fp8 one; none for a native reduce-scatter."""
+    held = [getattr(work, "_received", None), *getattr(work, "_buffers", ())]
+    return sum(t.untyped_storage().nbytes() for t in held if isinstance(t, torch.Tensor))
+
+
 def _residence(chunk: Chunk, attribute: str, tensor: torch.Tensor) -> Residence:
     if chunk.compute_device.type != "cpu":  # two kinds of memory: where the tensor is says it all
         return Residence.DEVICE if tensor.device == chunk.compute_device else Residence.HOST
@@ -35,7 +43,7 @@ def live_bytes(manager: ChunkManager) -> MemoryUsage:
     """The bytes the manager's chunks really hold, counted from the tensors themselves and not from the figures the
     bookkeeping uses: every distinct storage reachable from a chunk counts once with its full size (a view shares
     its base's storage; a storage resized to nothing counts 0), plus the scratch an in-flight reduce-scatter
-    allocates inside the collective, which no tensor of ours shows."""
+    allocates inside the collective, which no tensor of ours shows (read from its handle)."""
     seen: set[tuple[str, int]] = set()
     device = host = 0
     for chunk in manager.all_chunks():
@@ -51,7 +59,7 @@ def live_bytes(manager: ChunkManager) -> MemoryUsage:
                 host += storage.nbytes()
         reduction = getattr(chunk, "_reduction", None)
         if reduction is not None:
-            device += reduction.scratch_numel * chunk.element_size
+            device += _scratch_held(reduction.work)
     return MemoryUsage(device, host)
 
 

@@ -171,6 +171,30 @@ def test_chunk_async_reduce_into_completes_later_with_the_same_result(rank: int,
     assert all(chunk.tensor_state(p) is TensorState.HOLD for p in ours_params)
 
 
+@distributed(world_size=2)
+def test_chunk_async_fp8_reduce_into_accounts_the_fp8_exchange_buffers(rank: int, world_size: int) -> None:
+    # in flight, an fp8 reduce-scatter holds its packed send and receive messages (one byte per element plus a
+    # 4-byte scale per rank each), not the plain gloo collective's received slices in the chunk's dtype
+    manager = ChunkManager(ChunkConfig(chunk_size=64 * world_size), fp8_communication=True)
+    params = _params(torch.bfloat16)
+    for index, p in enumerate(params):
+        manager.register_tensor(p, name=f"p{index}")
+    manager.close_all_groups()
+    manager.create_master_chunks("param", torch.float32)
+    chunk = manager.get_chunk(params[0])
+    manager.access_chunk(chunk)
+    for p, g in zip(params, _grads(rank, 0), strict=True):
+        for state in (TensorState.COMPUTE, TensorState.HOLD_AFTER_BWD):
+            chunk.transition(p, state)
+        manager.write_grad_in_buffer(p, g.to(p.dtype))
+        chunk.transition(p, TensorState.READY_FOR_REDUCE)
+    assert chunk.reduce_scratch_nbytes == 2 * (chunk.chunk_size + 4 * world_size)
+    manager.reduce_chunk(chunk, async_op=True)
+    assert_accounted(manager)  # the live count reads the handle's own buffers
+    assert manager.finish_reductions() == [chunk]
+    assert_accounted(manager)
+
+
 @distributed(world_size=(1, 2))
 def test_chunk_release_frees_the_buffer_that_saved_views_still_see(rank: int, world_size: int) -> None:
     # autograd keeps views of the parameters it saved in forward; releasing the chunk must free the memory anyway,

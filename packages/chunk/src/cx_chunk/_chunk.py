@@ -47,7 +47,7 @@ from cx_mesh import (
     reduce_scatter_scratch_numel,
     require_initialized,
 )
-from cx_mesh.fp8 import all_gather_flat_fp8, all_reduce_fp8, reduce_scatter_flat_fp8
+from cx_mesh.fp8 import all_gather_flat_fp8, all_reduce_fp8, reduce_scatter_flat_fp8, reduce_scatter_scratch_nbytes_fp8
 
 __all__ = ["Chunk"]
 
@@ -89,7 +89,7 @@ class _Reduction:
     source: torch.Tensor
     reduced: torch.Tensor
     target: Chunk
-    scratch_numel: int  # what the collective allocates besides (see cx_mesh.reduce_scatter_scratch_numel)
+    scratch_nbytes: int  # what the collective allocates besides (see Chunk.reduce_scratch_nbytes)
 
 
 def _swap_in(tensor: torch.Tensor, view: torch.Tensor) -> None:
@@ -303,10 +303,10 @@ class Chunk:
             usage = usage + MemoryUsage.single(self._shard_residence, self._shard.numel() * self.element_size)
         if self._reduction is not None:
             residence = Residence.DEVICE if self._reduction.reduced.device == self.compute_device else Residence.HOST
-            extra = self._reduction.reduced.numel() + self._reduction.scratch_numel
+            extra = self._reduction.reduced.numel()
             if self._reduction.source.data_ptr() != (self._buffer.data_ptr() if self._buffer is not None else 0):
                 extra += self._reduction.source.numel()
-            usage = usage + MemoryUsage.single(residence, extra * self.element_size)
+            usage = usage + MemoryUsage.single(residence, extra * self.element_size + self._reduction.scratch_nbytes)
         return usage
 
     def gather(self, *, async_op: bool = False) -> bool:
@@ -546,10 +546,18 @@ class Chunk:
         source = buffer.to(comm)
         reduce = reduce_scatter_flat_fp8 if self.fp8_communication else reduce_scatter_flat
         work = reduce(reduced, source, dist.ReduceOp.SUM, self.group, async_op=async_op)
-        scratch = reduce_scatter_scratch_numel(source.numel(), self.group)
-        self._reduction = _Reduction(work, source, reduced, target, scratch)
+        self._reduction = _Reduction(work, source, reduced, target, self.reduce_scratch_nbytes)
         if not async_op:
             self.finish_reduce()
+
+    @property
+    def reduce_scratch_nbytes(self) -> int:
+        """Bytes the reduce-scatter of the buffer allocates inside the collective while in flight, for the
+        accounting: gloo's received slices for the plain collective, the packed fp8 messages (one byte per element
+        plus a scale per rank, sent and received) with `fp8_communication`."""
+        if self.fp8_communication:
+            return reduce_scatter_scratch_nbytes_fp8(self.chunk_size, self.group)
+        return reduce_scatter_scratch_numel(self.chunk_size, self.group) * self.element_size
 
     @property
     def reducing(self) -> bool:

@@ -22,7 +22,7 @@ from cx_chunk._config import ChunkConfig
 from cx_chunk._errors import ChunkError
 from cx_chunk._layout import MemoryUsage, Residence
 from cx_chunk._states import TensorState
-from cx_mesh import ProcessGroup, get_accelerator, reduce_scatter_scratch_numel, require_initialized
+from cx_mesh import ProcessGroup, get_accelerator, require_initialized
 
 __all__ = ["ChunkManager"]
 
@@ -283,7 +283,7 @@ class ChunkManager:
         if grad_chunk.is_gathered:
             raise ChunkError(f"chunk {chunk.chunk_id}: gradients both in its buffer and in its gradient chunk's")
         if not async_op:  # the reduced slice (and the collective's scratch) exist while the buffer does
-            self._note_transient(chunk, chunk.shard_nbytes + self._scratch_bytes(chunk))
+            self._note_transient(chunk, chunk.shard_nbytes + chunk.reduce_scratch_nbytes)
         with self._accounting(chunk), self._accounting(grad_chunk):
             chunk.reduce_into(grad_chunk, async_op=async_op)
         if async_op:
@@ -298,7 +298,7 @@ class ChunkManager:
             )
         target = grad_chunk if grad_chunk is not None else chunk
         if not chunk.keep_gathered:  # the reduced slice (and the collective's scratch) exist while the buffer does
-            self._note_transient(target, target.shard_nbytes + self._scratch_bytes(target))
+            self._note_transient(target, target.shard_nbytes + target.reduce_scratch_nbytes)
         self._tracked(target, lambda: target.reduce(accumulate=target is grad_chunk))
         if target is grad_chunk:
             for tensor in chunk.tensors:
@@ -429,10 +429,6 @@ class ChunkManager:
         for chunk in self.all_chunks():
             total = total + chunk.memory_usage()
         return total
-
-    @staticmethod
-    def _scratch_bytes(chunk: Chunk) -> int:
-        return reduce_scatter_scratch_numel(chunk.chunk_size, chunk.group) * chunk.element_size
 
     def _note_transient(self, chunk: Chunk, extra: int) -> None:
         """Raise the device peak for an operation that briefly holds `extra` more bytes than before or after it
