@@ -1,0 +1,270 @@
+"""`cx-plan --measure`: run the best configurations on this machine for a few steps and set the measured peak tensor
+memory per rank and step time beside the prediction, so the planner's error is seen, not assumed.
+
+Each configuration runs on fresh local ranks (cx_mesh.testing's `spawn`: gloo on CPU, NCCL on CUDA), with the model
+cx-train builds, the candidate's plugin and torch AdamW, on deterministic token ids. The first step is a warm-up (the
+optimizer states exist from then on, as in every later step); the peak is taken over the steps after it. On CPU the
+peak is that of the live tensor storages (`LiveBytes`, a dispatch-level tracker entered before the model is built,
+because ZeRO partitions and Gemini chunks are reachable from no module, which torch's `MemTracker` needs); the
+process's peak RSS is printed for reference (it adds the interpreter, libraries and allocator caches). On CUDA the
+peak is the allocator's `max_memory_allocated`.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecision
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from cx_plugins.plan._candidate import Candidate
+from cx_plugins.plan._report import PlanReport, PlanRow, row_label
+
+__all__ = ["LiveBytes", "Measured", "measure_candidate", "measure_report", "measure_table"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One configuration's measurement: per-rank peak tensor bytes and peak RSS, the median step time."""
+
+    candidate: Candidate
+    peaks: list[int]
+    rss: list[int]
+    step_s: float
+    error: str = ""  # the failing rank's last line when the run failed (the other fields are then empty)
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks) if self.peaks else 0
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages written under it that are still alive, and their peak. Each op's outputs (and
+    the arguments of in-place ops) are counted once per storage, released when the storage is freed and re-read
+    when it is resized (Gemini frees chunks in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        size = storage.nbytes()
+        if key not in self.sizes:
+            weakref.finalize(storage, self._free, key)
+        self.live += size - self.sizes.get(key, 0)
+        self.sizes[key] = size
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, key: int) -> None:
+        self.live -= self.sizes.pop(key, 0)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        written = tree_flatten(out)[0] + (tree_flatten(args)[0] if func._schema.is_mutable else [])
+        for value in written:
+            if isinstance(value, torch.Tensor) and value.device.type not in ("meta", "cuda") and not value.is_sparse:
+                self._count(value.untyped_storage())
+        return out
+
+
+def _plugin(candidate: Candidate) -> tuple[Any, str | None]:
+    """The candidate's plugin as cx-train builds it, and the Booster's mixed_precision (DDP only)."""
+    import cx_plugins  # the plugin families: imported in the rank, not when cx-plan starts
+    from cx_shardformer import GradientCheckpointConfig
+
+    c, arguments = candidate, candidate.plugin_arguments()
+    if c.plugin == "torch_ddp":
+        return cx_plugins.TorchDDPPlugin(), None if c.precision == "fp32" else c.precision
+    if c.plugin == "torch_fsdp":
+        dtype = _DTYPES.get(c.precision)
+        policy = None if dtype is None else MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
+        return cx_plugins.TorchFSDPPlugin(mixed_precision=policy), None
+    if c.plugin == "low_level_zero":
+        return cx_plugins.LowLevelZeroPlugin(**arguments), None
+    if c.plugin == "gemini":  # small chunks, as cx-train uses for its small models
+        return cx_plugins.GeminiPlugin(search_range_m=1, min_chunk_size_m=0.05, hidden_dim=64, **arguments), None
+    if c.checkpoint_ratio:
+        arguments["gradient_checkpoint_config"] = GradientCheckpointConfig(
+            gradient_checkpointing_ratio=c.checkpoint_ratio
+        )
+    if c.plugin == "moe_hybrid":
+        return cx_plugins.MoeHybridParallelPlugin(**arguments), None
+    return cx_plugins.HybridParallelPlugin(**arguments), None
+
+
+def _checkpoint_whole_model(model: torch.nn.Module) -> None:
+    """Recompute every layer outside ShardFormer (the plugins without a policy): the model's own switch."""
+    enable: Any = getattr(model, "activation_checkpointing_enable", None) or getattr(
+        model, "gradient_checkpointing_enable", None
+    )
+    if enable is None:
+        raise ValueError(f"activation checkpointing: {type(model).__name__} has no switch for it outside ShardFormer")
+    name = "activation_checkpointing_kwargs" if hasattr(model, "activation_checkpointing_enable") else None
+    enable(**{name or "gradient_checkpointing_kwargs": {"use_reentrant": False}})
+
+
+def _prepare(candidate: Candidate, model: str, hidden: int, layers: int, seq_len: int) -> Callable[[], None]:
+    from cx_plugins import Booster
+    from cx_plugins.demo._models import ModelSpec, build_model, describe_model
+
+    described = describe_model(ModelSpec(model, hidden, layers, seq_len))
+    module = build_model(described, seed=0)
+    if candidate.checkpoint_ratio and candidate.plugin not in ("hybrid", "moe_hybrid"):
+        _checkpoint_whole_model(module)
+    if torch.cuda.is_available():
+        module = module.cuda()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    plugin, mixed = _plugin(candidate)
+    booster = Booster(plugin=plugin, mixed_precision=mixed)
+    boosted, wrapped, *_ = booster.boost(module, optimizer)
+    assert wrapped is not None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab = described.tokenizer.vocab_size
+    rows = candidate.micro_batch_size * (candidate.num_microbatches if candidate.pp > 1 else 1)
+    ids = ((torch.arange(rows * seq_len) * 7) % vocab).reshape(rows, seq_len).to(device)
+
+    def step() -> None:
+        if candidate.pp > 1:
+            data = iter([{"input_ids": ids, "labels": ids}])
+            booster.execute_pipeline(data, boosted, lambda output, _: output.loss, wrapped)
+        else:
+            for _ in range(candidate.num_microbatches):  # gradient accumulation over the micro-batches
+                output = boosted(input_ids=ids, labels=ids)
+                loss = output if isinstance(output, torch.Tensor) else output.loss
+                booster.backward(loss / candidate.num_microbatches, wrapped)
+        wrapped.step()
+        wrapped.zero_grad()
+
+    return step
+
+
+def measure_rank(
+    rank: int, world_size: int, *, fields: dict[str, Any], model: str, hidden: int, layers: int, seq_len: int,
+    steps: int, out: str,
+) -> None:  # fmt: skip
+    """One rank's measurement (run by `spawn` on every rank): writes `out/<rank>.json`."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    with LiveBytes() as tracker:  # from before the model exists: every storage a plugin makes is seen
+        step = _prepare(Candidate(**fields), model, hidden, layers, seq_len)
+        step()  # warm-up: optimizer states, buckets and chunks exist from here on
+        tracker.reset_peak()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if cuda else tracker.peak
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    Path(out, f"{rank}.json").write_text(json.dumps({"peak": peak, "rss": rss, "step_s": statistics.median(times)}))
+
+
+def measure_candidate(
+    candidate: Candidate, model: str, *, hidden: int = 128, layers: int = 2, seq_len: int = 128, steps: int = 3,
+    timeout: float = 600.0,
+) -> Measured:  # fmt: skip
+    """Run `candidate` on `candidate.world_size` fresh local ranks for 1 + `steps` steps; a failed run comes back
+    with `error` set rather than raising, so one configuration cx cannot run does not hide the others."""
+    from cx_mesh.testing import spawn
+
+    if steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {steps}")
+    world = candidate.world_size
+    if torch.cuda.is_available() and world > torch.cuda.device_count():
+        raise ValueError(f"measuring {row_label(candidate)} needs {world} GPUs, this machine has "
+                         f"{torch.cuda.device_count()}")  # fmt: skip
+    fields = {name: getattr(candidate, name) for name in candidate.__dataclass_fields__}
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    with tempfile.TemporaryDirectory(prefix="cx-plan-measure-") as out:
+        try:
+            spawn(measure_rank, world, backend=backend, timeout=timeout, fields=fields, model=model, hidden=hidden,
+                  layers=layers, seq_len=seq_len, steps=steps, out=out)  # fmt: skip
+        except AssertionError as failure:  # DistributedTestFailure: the ranks' tracebacks
+            lines = [line for line in str(failure).splitlines() if line.strip()]
+            return Measured(candidate, [], [], 0.0, error=lines[-1] if lines else "failed")
+        results = [json.loads(Path(out, f"{rank}.json").read_text()) for rank in range(world)]
+    step_s = max(result["step_s"] for result in results)
+    return Measured(candidate, [r["peak"] for r in results], [r["rss"] for r in results], step_s)
+
+
+def _mb(count: float) -> str:
+    return f"{count / 1e6:.2f}"
+
+
+def _ranks(values: Sequence[float]) -> list[int]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0] * len(values)
+    for place, index in enumerate(order, 1):
+        ranks[index] = place
+    return ranks
+
+
+def measure_table(rows: Sequence[PlanRow], measured: Sequence[Measured]) -> str:
+    """Predicted vs measured, one line per configuration: peak tensor MB per rank (the busiest), the error, peak RSS,
+    step ms, and the rank by predicted and by measured step time among the configurations that ran."""
+    kind = "CUDA allocator peak" if torch.cuda.is_available() else "live tensor storages"
+    lines = [
+        f"cx-plan --measure: predicted vs measured on this machine (memory: {kind}; RSS for reference)",
+        f"{'configuration':<52} {'pred MB':>8} {'meas MB':>8} {'error':>7} {'RSS MB':>8} "
+        f"{'pred ms':>9} {'meas ms':>9} {'rank p/m':>8}",
+    ]
+    ran = [i for i, m in enumerate(measured) if not m.error]
+    predicted_rank = dict(zip(ran, _ranks([rows[i].step.step_s for i in ran]), strict=True))
+    measured_rank = dict(zip(ran, _ranks([measured[i].step_s for i in ran]), strict=True))
+    for index, (row, result) in enumerate(zip(rows, measured, strict=True)):
+        label = row_label(row.candidate)
+        if result.error:
+            lines.append(f"{label:<52} {_mb(row.memory.peak_bytes):>8} failed: {result.error}")
+            continue
+        error = (row.memory.peak_bytes - result.peak) / result.peak if result.peak else 0.0
+        lines.append(
+            f"{label:<52} {_mb(row.memory.peak_bytes):>8} {_mb(result.peak):>8} {error:>+7.1%} "
+            f"{_mb(max(result.rss)):>8} {row.step.step_s * 1e3:>9.1f} {result.step_s * 1e3:>9.1f} "
+            f"{predicted_rank[index]:>4}/{measured_rank[index]:<3}"
+        )
+    return "\n".join(lines)
+
+
+def measure_report(
+    report: PlanReport, model: str, *, hidden: int, layers: int, top: int, steps: int
+) -> tuple[list[PlanRow], list[Measured]]:
+    """Measure the `top` fitting configurations of `report` (best predicted first), printing progress to stderr."""
+    rows = [row for row in report.rows if row.memory.fits][:top]
+    if not rows:
+        raise ValueError("cx-plan --measure: no configuration fits, so there is nothing to measure")
+    measured = []
+    for row in rows:
+        print(f"cx-plan: measuring {row_label(row.candidate)} ...", file=sys.stderr, flush=True)
+        measured.append(
+            measure_candidate(row.candidate, model, hidden=hidden, layers=layers, seq_len=report.seq_len, steps=steps)
+        )
+    return rows, measured
