@@ -29,8 +29,10 @@ pytest.importorskip("transformers")
         ("qwen3_moe", {"tp_size": 1, "sp_size": 2, "sequence_parallelism_mode": "ring_attn"}, 1),
         ("mixtral", {"tp_size": 2, "sequence_parallelism_mode": "split_gather"}, 1),
         ("qwen3_moe", {"tp_size": 2, "sequence_parallelism_mode": "ring"}, 0),
+        # the attention blocks' gathers ring with their matmuls; the MoE blocks route their shard (nothing gathered)
+        ("mixtral", {"tp_size": 2, "sequence_parallelism_mode": "split_gather", "enable_sequence_overlap": True}, 1),
     ],
-    ids=["all_to_all-mixtral", "ring_attn-qwen3_moe", "split_gather-mixtral", "ring-qwen3_moe"],
+    ids=["all_to_all-mixtral", "ring_attn-qwen3_moe", "split_gather-mixtral", "ring-qwen3_moe", "overlap-mixtral"],
 )
 def test_plugins_moe_hybrid_sequence_parallel(
     rank: int, world_size: int, model: str, sizes: dict[str, Any], zero_stage: int
