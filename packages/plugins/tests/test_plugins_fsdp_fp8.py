@@ -105,6 +105,9 @@ def _groups(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
 
 @distributed(world_size=2)
 def test_fsdp_fp8_communication_and_use_fp8(rank: int, world_size: int) -> None:
+    # As every plugin's use_fp8: a model with nothing to convert says so rather than silently training in bf16.
+    with pytest.warns(UserWarning, match=r"TorchFSDPPlugin\(use_fp8=True\): no layer was converted"):
+        Booster(plugin=TorchFSDPPlugin(use_fp8=True)).boost(nn.Sequential(nn.Linear(8, 8)))
     _, bf16_bytes, bf16_losses = _run(rank)
     model, comm_bytes, comm_losses = _run(rank, fp8_communication=True)
     groups = len(_groups(model))  # 2 decoder layers and the root

@@ -19,6 +19,7 @@ quantized again, so those (norm weights beside fp8 linears) travel in their own 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 import torch
@@ -35,10 +36,11 @@ from cx_mesh.fp8 import (
     E5M2,
     Fp8Options,
     all_gather_flat_fp8,
-    convert_to_fp8,
     fp8_eligible,
+    fp8_matmul_supported,
     reduce_scatter_flat_fp8,
 )
+from cx_plugins._use_fp8 import convert_linears_to_fp8
 
 __all__ = [
     "Fp8AllGather",
@@ -95,12 +97,28 @@ def fp8_linears_for_device() -> str:
 
 
 def convert_linears(module: nn.Module, linears: str, float8_all_gather: bool) -> list[str]:
-    """Swap the eligible linears of `module` for `linears`' fp8 ones (TORCHAO or CX_MESH); returns their names."""
-    if linears == TORCHAO:
-        return convert_to_float8(module, float8_all_gather)
+    """Swap the eligible linears of `module` for `linears`' fp8 ones (TORCHAO or CX_MESH); returns their names. As
+    every plugin's use_fp8 (cx_plugins._use_fp8): a device without fp8 GEMMs is a ValueError at boost, and a model
+    with nothing converted a warning naming the switch."""
     if linears == CX_MESH:
-        return convert_to_fp8(module, _OPTIONS)
-    raise ValueError(f"TorchFSDPPlugin(use_fp8=True): unknown fp8 linears {linears!r}; {TORCHAO!r} or {CX_MESH!r}")
+        return convert_linears_to_fp8(module, "TorchFSDPPlugin")
+    if linears != TORCHAO:
+        raise ValueError(f"TorchFSDPPlugin(use_fp8=True): unknown fp8 linears {linears!r}; {TORCHAO!r} or {CX_MESH!r}")
+    device = get_accelerator().current_device()
+    if not fp8_matmul_supported(device):
+        raise ValueError(
+            f"TorchFSDPPlugin(use_fp8=True): fp8 matmuls do not run on {device} (a CUDA GPU of compute capability "
+            "8.9 or newer); pass use_fp8=False"
+        )
+    converted = convert_to_float8(module, float8_all_gather)
+    if not converted:
+        warnings.warn(
+            "TorchFSDPPlugin(use_fp8=True): no layer was converted to fp8 (plain nn.Linear layers whose in and out "
+            "features are multiples of 16 and at least 16, not named lm_head); the model computes as before",
+            UserWarning,
+            stacklevel=3,
+        )
+    return converted
 
 
 class Fp8AllGather(AllGather):
