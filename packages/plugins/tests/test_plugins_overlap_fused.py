@@ -142,9 +142,7 @@ def _train_adamw(kind: str, model: Any, **switches: Any) -> tuple[list[float], d
     return losses, params, fused + rings
 
 
-@distributed(world_size=2)
-def test_plugins_jit_fused_matches_unfused(rank: int, world_size: int) -> None:
-    os.environ["CX_JIT_FUSED_BACKEND"] = "aot_eager"
+def _fused_cases() -> None:
     cases: list[tuple[str, str, Callable[[], Any], int]] = [
         ("hybrid", "gpt2 dropout 0.1", lambda: _gpt2(0.1), 2),  # 2 MLPs
         ("hybrid", "gpt2 no dropout", lambda: _gpt2(0.0), 2),
@@ -161,3 +159,16 @@ def test_plugins_jit_fused_matches_unfused(rank: int, world_size: int) -> None:
         torch.testing.assert_close(torch.tensor(fused[0]), torch.tensor(plain[0]), rtol=0, atol=tolerance)
         for key, value in fused[1].items():
             torch.testing.assert_close(value, plain[1][key], rtol=1e-4, atol=tolerance, msg=_named(f"{what} {key}"))
+
+
+@distributed(world_size=2)
+def test_plugins_jit_fused_matches_unfused(rank: int, world_size: int) -> None:
+    backend = os.environ.get("CX_JIT_FUSED_BACKEND")
+    os.environ["CX_JIT_FUSED_BACKEND"] = "aot_eager"  # in this worker process, for this test only
+    try:
+        _fused_cases()
+    finally:
+        if backend is None:
+            del os.environ["CX_JIT_FUSED_BACKEND"]
+        else:
+            os.environ["CX_JIT_FUSED_BACKEND"] = backend

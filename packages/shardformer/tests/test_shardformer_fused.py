@@ -13,7 +13,6 @@ roundoff (2**-19), relative or absolute. Dropout masks must be identical: an ele
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 
@@ -47,18 +46,19 @@ def _check(fused: torch.Tensor, plain: torch.Tensor, inputs: list[torch.Tensor],
         torch.testing.assert_close(a, b, rtol=TOL, atol=TOL, msg=_named(f"{what} grad {i}"))
 
 
-def test_shardformer_fused_kernels_match_unfused_ops() -> None:
+@pytest.mark.slow
+def test_shardformer_fused_kernels_match_unfused_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers.activations import NewGELUActivation
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    os.environ.pop("CX_JIT_FUSED_BACKEND", None)
+    monkeypatch.delenv("CX_JIT_FUSED_BACKEND", raising=False)
     assert compile_backend() == "inductor"
     torch.manual_seed(0)
     x, bias, residual = _leaf(2, 8, 32), _leaf(32), _leaf(2, 8, 32)
     gelu = NewGELUActivation()
     _check(bias_act(x, bias, gelu), gelu(x + bias), [x, bias], "bias + GELU")
 
-    os.environ["CX_JIT_FUSED_BACKEND"] = "aot_eager"
+    monkeypatch.setenv("CX_JIT_FUSED_BACKEND", "aot_eager")
 
     dropout = nn.Dropout(0.25).train()
     torch.manual_seed(7)
@@ -76,11 +76,10 @@ def test_shardformer_fused_kernels_match_unfused_ops() -> None:
     with torch.no_grad():
         norm.weight.copy_(torch.rand(32) + 0.5)
     _check(rms_norm(x, norm.weight, 1e-6), norm(x), [x, norm.weight], "RMSNorm")
-    os.environ.pop("CX_JIT_FUSED_BACKEND")
 
 
-def test_shardformer_jit_fused_policy_rules() -> None:
-    os.environ["CX_JIT_FUSED_BACKEND"] = "aot_eager"
+def test_shardformer_jit_fused_policy_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CX_JIT_FUSED_BACKEND", "aot_eager")
     assert ShardConfig(enable_all_optimization=True).enable_jit_fused, "as ColossalAI does"
     llama = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
