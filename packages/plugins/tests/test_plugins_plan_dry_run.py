@@ -30,7 +30,8 @@ def test_cx_train_flags_become_the_planners_candidate() -> None:
 
 
 def test_cx_train_plan_prints_the_prediction(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--plugin", "hybrid", "--tp", "2", "--pp", "2", "--nproc", "4", "--seq-len", "32", "--plan"]
+    argv = ["--plugin", "hybrid", "--tp", "2", "--pp", "2", "--nproc", "4", "--seq-len", "32", "--hidden-size", "32"]
+    argv.append("--plan")
     assert main(argv) == 0
     out = capsys.readouterr().out
     options = parse_options(argv)
