@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from cx_mesh.testing import distributed, sum_tolerance
-from cx_shardformer import Linear1D_Col, Linear1D_Row, ShardConfig
+from cx_shardformer import Linear1D_Col, Linear1D_Row, ShardConfig, ShardFormer
 from cx_shardformer._conv1d import GPT2FusedLinearConv1D_Col, GPT2FusedLinearConv1D_Row
 from shardformer_helpers import chunk
 
@@ -117,3 +117,33 @@ def test_shardformer_overlap_config_rules() -> None:
     assert not ShardConfig(enable_all_optimization=True, fp8_communication=True, **sequence).enable_sequence_overlap
     all_to_all: dict[str, Any] = {"enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all"}
     assert not ShardConfig(enable_all_optimization=True, **all_to_all).enable_sequence_overlap
+
+
+@distributed(world_size=2)
+def test_shardformer_overlap_models(rank: int, world_size: int) -> None:
+    """GPT-2 (Conv1D layers, fused q/k/v) sharded tp 2 with split_gather, overlapped against plain: loss and every
+    gradient within the rounding of a gradient sum (the ring adds q, k and v's input gradients per chunk, autograd
+    adds them whole, in another order). The generic policy cannot run the ring and says so."""
+    pytest.importorskip("transformers")
+    from shardformer_models import build, tokens
+
+    sequence: dict[str, Any] = {"enable_sequence_parallelism": True, "sequence_parallelism_mode": "split_gather"}
+    runs = []
+    for overlap in (False, True):
+        model, _ = ShardFormer(ShardConfig(enable_sequence_overlap=overlap, **sequence)).optimize(build("gpt2"))
+        ids = tokens(0)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        rings = sum(bool(getattr(m, "sequence_overlap", False)) for m in model.modules())
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert len(grads) == len(list(model.parameters())), "every parameter has a gradient"
+        runs.append((loss.detach(), grads, rings))
+    (plain_loss, plain_grads, plain_rings), (loss, grads, rings) = runs
+    assert (rings, plain_rings) == (2 * 4, 0), "c_attn, c_proj, c_fc, c_proj of both layers"
+    tolerance = sum_tolerance(64 * tokens(0).numel(), 1e-2)  # a gradient element's terms (tiny_model_adam_tolerance)
+    torch.testing.assert_close(loss, plain_loss, rtol=0, atol=tolerance)
+    for name, grad in grads.items():
+        error = float((grad - plain_grads[name]).abs().max())
+        assert error <= tolerance, f"{name}: overlapped and plain gradients differ by {error:.3g} > {tolerance:.3g}"
+    with pytest.raises(ValueError, match="enable_sequence_overlap: TPPlanPolicy cannot verify"):
+        ShardFormer(ShardConfig(enable_sequence_overlap=True, **sequence)).optimize(build("qwen2"))
