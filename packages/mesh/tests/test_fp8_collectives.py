@@ -11,10 +11,14 @@ dequantize, sum and average round at most 3 times (2^-24 relative each). Writing
 from __future__ import annotations
 
 import time
+import weakref
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from cx_mesh import all_gather_flat, reduce_scatter_flat
 from cx_mesh.fp8 import (
@@ -69,12 +73,43 @@ def _poll(work: dist.Work) -> bool:
     return False
 
 
+class _PeakNewBytes(TorchDispatchMode):
+    """The peak of the bytes held by tensors that ops create under the mode (those on an input's storage, views and
+    in-place results, which allocate nothing, excluded), each counted until its Python object is freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in inputs:
+                nbytes = tensor.untyped_storage().nbytes()
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(tensor, self._free, nbytes)
+        return out
+
+
 @distributed(world_size=2)
 def test_fp8_async_handles_report_completion_once_the_exchange_is_done(rank: int, world_size: int) -> None:
     """A poller (cx_zero's bucket reducer) must see an async fp8 reduce-scatter, and cx_mesh's plain gloo one, as
     complete once its exchange has arrived, not only after `wait`: True means the output is final and the handle's
     buffers are freed. The all-reduce's second half is a collective, which a poll must not issue: it completes only
-    through `wait`. Also the fp8 reduce-scatter's scratch figure against the buffers its handle really holds."""
+    through `wait`. Also the fp8 reduce-scatter's scratch figure against the buffers its handle really holds, and
+    the float32 bytes its finish allocates."""
     mine = _inputs(rank, 48).bfloat16()
     expected = torch.empty(24, dtype=torch.float32)
     reduce_scatter_flat_fp8(expected, mine)
@@ -96,6 +131,16 @@ def test_fp8_async_handles_report_completion_once_the_exchange_is_done(rank: int
         assert getattr(work, "_received", None) is None  # freed: the plain sum's received slices
         assert work.wait()  # still harmless
         assert torch.equal(out, want)
+    # finishing dequantizes and sums row by row: two float32 slices of the output's size at a time (the sum and one
+    # row), plus the gathered scales; before, the whole (world, numel) block was dequantized into float32 twice
+    out = torch.empty(24, dtype=torch.float32)
+    work = reduce_scatter_flat_fp8(out, mine, async_op=True)
+    assert work is not None
+    dist.barrier()
+    with _PeakNewBytes() as finishing:
+        work.wait()
+    assert torch.equal(out, expected)
+    assert 0 < finishing.peak <= 2 * 24 * 4 + world_size * 4
     tensor = mine.clone()
     work = all_reduce_fp8(tensor, async_op=True)
     assert work is not None

@@ -83,8 +83,13 @@ def reduce_scatter_flat_fp8(
     exchange = all_to_all_single(received, send, group=group, async_op=True)
 
     def then() -> None:
-        total = unpack_rows(received, fp8_dtype).sum(0)
-        flat_out.copy_(total / world if op == dist.ReduceOp.AVG else total)
+        # row by row into one float32 sum, in rank order: two float32 slices at a time, where dequantizing the
+        # whole (world, numel) block at once held world of them twice over
+        scales = received[:, numel:].contiguous().view(torch.float32)
+        total = received[0, :numel].view(fp8_dtype).float().mul_(scales[0])
+        for row in range(1, world):
+            total.add_(received[row, :numel].view(fp8_dtype).float().mul_(scales[row]))
+        flat_out.copy_(total.div_(world) if op == dist.ReduceOp.AVG else total)
 
     return finish(Pending(exchange, then, send, received), async_op)
 
@@ -93,7 +98,7 @@ def reduce_scatter_scratch_nbytes_fp8(numel: int, group: ProcessGroup | None = N
     """Bytes of temporary buffers `reduce_scatter_flat_fp8` holds while a reduction of `numel` elements over `group`
     is in flight (the fp8 counterpart of `cx_mesh.reduce_scatter_scratch_numel`, for memory accounting): the packed
     send and receive messages, each one fp8 byte per element plus one float32 scale per rank. Finishing it briefly
-    adds the float32 dequantized rows (4 bytes per element) on top, until the sum is taken."""
+    adds two float32 slices of the output's size (the running sum and one dequantized row)."""
     world = dist.get_world_size(group)
     if numel % world:
         raise ValueError(f"reduce_scatter_scratch_nbytes_fp8: {numel} elements do not split over {world} ranks")
