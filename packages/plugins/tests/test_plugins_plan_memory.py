@@ -22,7 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from cx_mesh.testing import run_distributed
 from cx_plugins.plan import Candidate, load_model_shape
-from cx_plugins.plan._activations import PlanTraceError, trace_stage
+from cx_plugins.plan._activations import PlanTraceError, _trace_exact, trace_stage
 from cx_plugins.plan._fits import fits, memory_model
 from cx_plugins.plan._memory import predict_memory
 from plan_test_helpers import measure_step_peak, read_peaks
@@ -93,3 +93,11 @@ def test_trace_refuses_a_process_with_a_process_group() -> None:
             trace_stage(shape, Candidate("torch_ddp"), SEQ)
     finally:
         dist.destroy_process_group()
+
+
+def test_deep_stages_are_extrapolated_from_two_shallow_traces() -> None:
+    # 6 layers: traced at 2 and 3 layers and extrapolated; a transformer's layers are alike, so the figures are
+    # linear in their count and the extrapolation equals the full trace (the 8B-class shapes rely on it)
+    shape = load_model_shape("llama", hidden_size=32, num_layers=6, seq_len=16)
+    candidate = Candidate("hybrid", tp=2, precision="fp32")
+    assert trace_stage(shape, candidate, 16) == _trace_exact(shape, candidate, 16, 0)

@@ -14,9 +14,10 @@ own switch (every layer) under the others.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from cx_plugins.hybrid import HybridParallelPlugin
 from cx_plugins.hybrid._model import compose_model
+from cx_plugins.models import GPTConfig
 from cx_plugins.moe_hybrid import MoeHybridParallelPlugin
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._model_spec import ModelShape, build_model
@@ -39,6 +41,7 @@ __all__ = ["ActivationTrace", "PlanTraceError", "stage_rank", "trace_stage"]
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _CPU = torch.device("cpu")
 _ACTIVATION_KINDS = ("ACT", "TEMP", "OTH", "INP")
+_EXACT_LAYERS = 4  # decoder layers per stage traced as they are; deeper stages are extrapolated (trace_stage)
 
 
 class PlanTraceError(RuntimeError):
@@ -182,9 +185,42 @@ def _run(modules: list[nn.Module], first: bool, shape: ModelShape, candidate: Ca
 
 
 def trace_stage(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int = 0) -> ActivationTrace:
-    """Trace one micro-batch (candidate.micro_batch_size sequences of seq_len tokens) through `stage`."""
+    """Trace one micro-batch (candidate.micro_batch_size sequences of seq_len tokens) through `stage`.
+
+    A stage of more than `_EXACT_LAYERS` decoder layers is traced twice, as the same model with `base` and
+    `base + 1` layers per stage (`base`: 2, or past DeepSeek's dense first layers), and every figure extrapolated
+    along that per-layer slope to the stage's real layer count (ceil(layers / (pp x chunks))): a model's layers are
+    alike, so the figures are linear in their number, and an 8B model traces in seconds instead of minutes."""
     if not 0 <= stage < candidate.pp:
         raise ValueError(f"stage {stage}: the candidate has {candidate.pp} pipeline stages")
+    slots = candidate.pp * candidate.num_model_chunks
+    per_stage = -(-shape.num_layers // slots)
+    base = max(2, _dense_prefix(shape) + 1)
+    if per_stage <= max(_EXACT_LAYERS, base + 1):
+        return _trace_exact(shape, candidate, seq_len, stage)
+    small = _trace_exact(_with_layers(shape, base * slots), candidate, seq_len, stage)
+    large = _trace_exact(_with_layers(shape, (base + 1) * slots), candidate, seq_len, stage)
+    steps = per_stage - base
+    values = [a + (b - a) * steps for a, b in zip(astuple(small)[1:], astuple(large)[1:], strict=True)]
+    return ActivationTrace(stage, *values)
+
+
+def _dense_prefix(shape: ModelShape) -> int:
+    value = getattr(shape.config, "first_k_dense_replace", 0)
+    return value if isinstance(value, int) else 0
+
+
+def _with_layers(shape: ModelShape, layers: int) -> ModelShape:
+    """The same architecture with `layers` decoder layers (only its config is read by the trace)."""
+    if isinstance(shape.config, GPTConfig):
+        config: Any = replace(shape.config, num_layers=layers)
+    else:
+        config = copy.deepcopy(shape.config)
+        config.num_hidden_layers = layers
+    return replace(shape, num_layers=layers, config=config)
+
+
+def _trace_exact(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int) -> ActivationTrace:
     dtype = _DTYPES[candidate.precision]
     with _fake_world(candidate.world_size, stage_rank(candidate, stage)):
         modules, first, _ = _stage_modules(shape, candidate)
