@@ -20,6 +20,7 @@ from cx_plugins.plan._devices import Device, lookup_device
 from cx_plugins.plan._fits import memory_model
 from cx_plugins.plan._model_spec import ModelShape, shape_from_config
 from cx_plugins.plan._planner import MemoryModel
+from cx_plugins.plan._report import MemoryVerdict
 
 _GPT = ["--model", "gpt", "--hidden-size", "32", "--num-layers", "2", "--seq-len", "32"]
 
@@ -108,3 +109,22 @@ def test_traced_memory_model_shares_traces(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(traced) == 1
     assert verdicts[2] == memory_model(shape, 16, device.memory_bytes)(candidates[2])
     assert verdicts[0].prediction.optimizer_states == 2 * verdicts[1].prediction.optimizer_states  # ZeRO-1, dp 2
+
+
+def test_plan_judges_memory_fastest_first_until_enough_fit() -> None:
+    """With `enough`, memory is judged in order of predicted step time and the search stops at `enough` fitting
+    candidates: those are exactly the first `enough` fitting rows of the full search."""
+    shape = shape_from_config("gpt", GPTConfig(vocab_size=64, max_positions=33, hidden_size=32, num_layers=2))
+    device = lookup_device("cpu", memory_bytes=300_000)  # only sharded model states fit (see the stub)
+    judged: list[Candidate] = []
+    stub = _stub(shape, 32, device)
+
+    def counting(candidate: Candidate) -> MemoryVerdict:
+        judged.append(candidate)
+        return stub(candidate)
+
+    full = planner.plan(shape, 2, 32, device, stub)
+    short = planner.plan(shape, 2, 32, device, counting, enough=3)
+    assert short.considered == full.considered == len(full.rows) > len(short.rows) == len(judged)
+    assert [r.candidate for r in short.rows if r.memory.fits] == [r.candidate for r in full.rows[:3]]
+    assert f"{len(judged)} of {full.considered} candidates judged (fastest predicted first)" in short.table()

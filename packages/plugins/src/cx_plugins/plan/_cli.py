@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the device's peak, TFLOP/s")
     parser.add_argument("--efficiency", type=float, default=ACHIEVABLE_FRACTION, help="achievable fraction of peak")
     parser.add_argument("--top", type=int, default=10, help="fitting rows to print")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="judge the memory of every candidate (default: fastest predicted first, until --top fit)",
+    )
     parser.add_argument("--json", action="store_true", help="print the whole ranked plan as JSON")
     parser.add_argument("--measure", action="store_true", help="also run the --top fitting ones here, side by side")
     parser.add_argument("--steps", type=int, default=3, help="--measure: timed steps after one warm-up step")
@@ -117,7 +122,15 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
     shape = load_model_shape(args.model, hidden_size=args.hidden_size, num_layers=args.num_layers, seq_len=args.seq_len)
     memory = memory_factory(shape, args.seq_len, device)
     report = plan(
-        shape, args.world, args.seq_len, device, memory, space=space, network=network, efficiency=args.efficiency
+        shape,
+        args.world,
+        args.seq_len,
+        device,
+        memory,
+        space=space,
+        network=network,
+        efficiency=args.efficiency,
+        enough=None if args.all else args.top,
     )
     if args.json:
         return json.dumps(report.as_json(), indent=1)

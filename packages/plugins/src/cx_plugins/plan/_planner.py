@@ -85,8 +85,25 @@ def plan(
     space: SearchSpace | None = None,
     network: Network | None = None,
     efficiency: float = ACHIEVABLE_FRACTION,
+    enough: int | None = None,
 ) -> PlanReport:
-    """Every candidate for `world` devices, ranked: fitting ones by predicted step time, then the rest."""
+    """The candidates for `world` devices, ranked: fitting ones by predicted step time, then the rest.
+
+    The step time of every candidate is cheap; its memory verdict (a trace) is not. With `enough`, memory is judged
+    in order of predicted step time and the search stops once `enough` candidates fit: the fastest fitting ones are
+    then exactly those a full search would rank first, and the rows hold the misses met on the way. None judges all.
+    """
+    if enough is not None and enough < 1:
+        raise ValueError(f"enough must be a positive number of fitting candidates, got {enough}")
     candidates = enumerate_candidates(shape, world, seq_len, space)
-    rows = [judge(c, shape, seq_len, device, memory, network, efficiency) for c in candidates]
-    return PlanReport(shape.name, world, seq_len, device, rank_rows(rows))
+    timed = [(predict_step_time(c, shape, seq_len, device, network, efficiency), c) for c in candidates]
+    timed.sort(key=lambda pair: pair[0].step_s)
+    rows: list[PlanRow] = []
+    fitting = 0
+    for step, candidate in timed:
+        row = PlanRow(candidate, memory(candidate), step)
+        rows.append(row)
+        fitting += row.memory.fits
+        if enough is not None and fitting >= enough:
+            break
+    return PlanReport(shape.name, world, seq_len, device, rank_rows(rows), considered=len(candidates))

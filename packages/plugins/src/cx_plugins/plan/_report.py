@@ -146,13 +146,15 @@ def train_command(candidate: Candidate, model: str, seq_len: int) -> str:
 
 @dataclass(frozen=True)
 class PlanReport:
-    """Ranked rows for one model, world and device."""
+    """Ranked rows for one model, world and device; `considered` candidates were enumerated, of which `rows` had
+    their memory judged (all of them, or the fastest predicted until enough fitted: see `plan(top=...)`)."""
 
     model: str
     world: int
     seq_len: int
     device: Device
     rows: list[PlanRow]
+    considered: int | None = None  # None: every enumerated candidate is in `rows`
 
     @property
     def best(self) -> PlanRow | None:
@@ -163,7 +165,7 @@ class PlanReport:
         """The best `top` that fit and the `rejected` closest misses, with their reasons; then the best's call."""
         lines = [
             f"cx-plan: {self.model} on {self.world} x {self.device.name} ({_bytes(self.device.memory_bytes)}), "
-            f"seq {self.seq_len}; {len(self.rows)} candidates, {sum(r.memory.fits for r in self.rows)} fit",
+            f"seq {self.seq_len}; {self._judged()}, {sum(r.memory.fits for r in self.rows)} fit",
             f"{'#':>3}  {'configuration':<60} {'fits':<4} {'peak':>10} {'step ms':>9} {'tokens/s':>11} {'MFU':>6}",
         ]
         shown = [r for r in self.rows if r.memory.fits][:top] + [r for r in self.rows if not r.memory.fits][:rejected]
@@ -184,10 +186,16 @@ class PlanReport:
             lines.append(f"      {train_command(best.candidate, self.model, self.seq_len)}")
         return "\n".join(lines)
 
+    def _judged(self) -> str:
+        if self.considered is None or self.considered == len(self.rows):
+            return f"{len(self.rows)} candidates"
+        return f"{len(self.rows)} of {self.considered} candidates judged (fastest predicted first)"
+
     def as_json(self) -> dict[str, Any]:
         best = self.best
         return {
             "model": self.model,
+            "considered": len(self.rows) if self.considered is None else self.considered,
             "world": self.world,
             "seq_len": self.seq_len,
             "device": {
