@@ -21,8 +21,8 @@ posts nothing after an activation on a channel until it has read that activation
 the shape of the activation it belongs to, which the receiving stage sent.
 
 With `fp8_communication` the floating tensors of activations (E4M3) and gradients (E5M2) travel as fp8 with their
-scale (`_fp8_wire`): one transfer per tensor as before, so the channel order, the headers and the metadata cache are
-unchanged; the probe, run once to fill the cache, sends full precision.
+scale (`cx_mesh.fp8.pack_fp8`'s message): one transfer per tensor as before, so the channel order, the headers and
+the metadata cache are unchanged; the probe, run once to fill the cache, sends full precision.
 
 Every wait is named (`_wait`): a neighbour that is stuck past the group's timeout gives a `CollectiveTimeoutError`,
 one that failed a `PeerFailedError`, each naming the peer's stage and rank and the group.
@@ -39,10 +39,9 @@ import torch
 import torch.distributed as dist
 
 from cx_mesh import communication_device, named_collective
-from cx_mesh.fp8 import E4M3, E5M2
+from cx_mesh.fp8 import E4M3, E5M2, pack_fp8, packed_fp8_nbytes, unpack_fp8
 from cx_pipeline._actions import Action, ActionKind
 from cx_pipeline._errors import PipelineConfigError
-from cx_pipeline._fp8_wire import compressible, pack, unpack, wire_spec
 from cx_pipeline._pytree import TreeMeta, flatten, unflatten
 
 __all__ = ["Message", "StageTransport"]
@@ -55,6 +54,16 @@ _STATUS_OK = 0
 _STATUS_ERROR = 1
 _CACHED = 0  # activation header: the tensors follow the cached metadata
 _NEW = 2  # activation header: cached-shape filler (if an edge has a cache), metadata bytes, then the tensors
+#: dtypes that travel as fp8 under fp8_communication; others (token ids, masks, fp8 already) travel as they are
+_COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _wire_spec(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
+    """The (shape, dtype) of the buffer that carries a compressible tensor: the packed fp8 message."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    return (packed_fp8_nbytes(numel),), torch.uint8
 
 
 @dataclass(eq=False)
@@ -113,7 +122,7 @@ class StageTransport:
         self.enable_metadata_cache = enable_metadata_cache
         #: Post receives ahead of need (`overlap_p2p=True`); otherwise each is posted and waited for when needed.
         self.overlap = overlap
-        self.fp8_communication = fp8_communication  # activations and gradients as fp8 (`_fp8_wire`)
+        self.fp8_communication = fp8_communication  # activations and gradients as fp8 (`pack_fp8`)
         self.act_meta: dict[int, TreeMeta] = {}  # destination virtual stage -> cached metadata of what it receives
         self._sent_meta: dict[int, TreeMeta] = {}  # destination virtual stage -> cached metadata of what was sent
         self._expected: dict[int, list[Message]] = {}
@@ -163,20 +172,20 @@ class StageTransport:
 
     def _send_leaf(self, leaf: torch.Tensor, stage: int, fp8: torch.dtype) -> None:
         """One activation (`fp8` E4M3) or gradient (E5M2) tensor; as fp8 with its scale under fp8_communication."""
-        if self.fp8_communication and compressible(leaf.dtype):
-            leaf = pack(leaf.detach().to(self.device), fp8)
+        if self.fp8_communication and leaf.dtype in _COMPRESSIBLE:
+            leaf = pack_fp8(leaf.to(self.device), fp8)
         self._isend(leaf, stage)
 
     def _post_leaf(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> tuple[torch.Tensor, _Handle]:
         """Post the receive of one tensor sent by `_send_leaf` (its wire buffer under fp8_communication)."""
-        if self.fp8_communication and compressible(dtype):
-            shape, dtype = wire_spec(shape, dtype)
+        if self.fp8_communication and dtype in _COMPRESSIBLE:
+            shape, dtype = _wire_spec(shape, dtype)
         return self._post_recv(shape, dtype, stage)
 
     def _leaf(self, buffer: torch.Tensor, like: Any, fp8: torch.dtype) -> torch.Tensor:
         """The tensor a `_post_leaf` buffer carried; `like` has its shape and dtype (a tensor or a leaf's meta)."""
-        if self.fp8_communication and compressible(like.dtype):
-            return unpack(buffer, tuple(like.shape), like.dtype, fp8)
+        if self.fp8_communication and like.dtype in _COMPRESSIBLE:
+            return unpack_fp8(buffer, tuple(like.shape), like.dtype, fp8)
         return buffer
 
     def _send_bytes(self, status: int, data: bytes, stage: int) -> None:
@@ -196,8 +205,8 @@ class StageTransport:
             self._isend(torch.tensor([_NEW, len(data), zlib.crc32(data)], dtype=torch.int64), stage)
             for filler in cached.leaves if cached is not None else ():
                 shape, dtype = tuple(filler.shape), filler.dtype
-                if self.fp8_communication and compressible(dtype):
-                    shape, dtype = wire_spec(shape, dtype)
+                if self.fp8_communication and dtype in _COMPRESSIBLE:
+                    shape, dtype = _wire_spec(shape, dtype)
                 self._isend(torch.zeros(shape, dtype=dtype), stage)
             self._isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), stage)
             if self.enable_metadata_cache:

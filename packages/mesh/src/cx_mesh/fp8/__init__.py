@@ -6,7 +6,9 @@
   swap plain nn.Linear layers that `fp8_eligible` accepts; `fp8_matmul_supported(device)` says where it runs.
 - `all_gather_flat_fp8`, `reduce_scatter_flat_fp8`, `all_reduce_fp8`, `all_to_all_single_fp8`: cx_mesh's flat
   collectives with an fp8 payload and its float32 scales on the wire (half of bf16's bytes plus 4 per scale);
-  `reduce_scatter_scratch_nbytes_fp8` for memory accounting.
+  `reduce_scatter_scratch_nbytes_fp8` for memory accounting. A group of one rank copies exactly (no fp8).
+- `pack_fp8` / `unpack_fp8` / `packed_fp8_nbytes`: the wire format of one tensor (fp8 payload bytes, then its
+  float32 scale, as one uint8 message), for transports of cx's own (cx_pipeline's fp8 p2p).
 It lives in cx-mesh because every package needs it and mesh is the bottom layer.
 """
 
@@ -21,6 +23,7 @@ from cx_mesh.fp8._formats import E4M3, E5M2, Fp8Tensor, ScalingRecipe, quantize
 from cx_mesh.fp8._linear import Fp8Linear, convert_to_fp8
 from cx_mesh.fp8._matmul import fp8_linear, fp8_matmul_supported
 from cx_mesh.fp8._options import Fp8Options, fp8_eligible
+from cx_mesh.fp8._wire import pack_fp8, packed_fp8_nbytes, unpack_fp8
 
 __all__ = [
     "E4M3",
@@ -36,7 +39,10 @@ __all__ = [
     "fp8_eligible",
     "fp8_linear",
     "fp8_matmul_supported",
+    "pack_fp8",
+    "packed_fp8_nbytes",
     "quantize",
     "reduce_scatter_flat_fp8",
     "reduce_scatter_scratch_nbytes_fp8",
+    "unpack_fp8",
 ]

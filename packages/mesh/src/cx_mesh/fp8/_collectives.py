@@ -1,9 +1,12 @@
 """Compressed collectives: cx_mesh's flat collectives with an fp8 payload and float32 scales on the wire.
 
 Same contracts as `cx_mesh.all_gather_flat` / `reduce_scatter_flat` / `all_reduce` / `all_to_all_single`. Each
-message is one fp8 payload plus its scale (`_wire.pack`): half the bytes of bf16 plus 4 per scale. Results are
+message is one fp8 payload plus its scale (`pack_fp8`): half the bytes of bf16 plus 4 per scale. Results are
 dequantized into the output's own dtype; sums are taken in float32 after the exchange (never in fp8). Every rank
 of an all-gather receives the same quantized values, its own slice included, so replicas stay identical.
+
+A group of one rank has nothing to send, so nothing is quantized: each collective checks its arguments as usual and
+copies exactly (`_alone`), as the plain collective would.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch.nn.functional as F
 
 from cx_mesh._collectives import ProcessGroup, all_gather_flat, all_to_all_single
 from cx_mesh.fp8._formats import E4M3, E5M2, ScalingRecipe, check_fp8_dtype, quantize
-from cx_mesh.fp8._wire import SCALE_BYTES, Pending, finish, pack, unpack, unpack_rows
+from cx_mesh.fp8._wire import SCALE_BYTES, Pending, finish, pack_fp8, unpack_fp8, unpack_rows
 
 __all__ = [
     "all_gather_flat_fp8",
@@ -38,6 +41,18 @@ def _check_sum(op: dist.ReduceOp.RedOpType, what: str) -> None:
         raise ValueError(f"{what} takes ReduceOp.SUM or ReduceOp.AVG (fp8 sums in float32), got {op}")
 
 
+def _alone(output: torch.Tensor, values: torch.Tensor, async_op: bool) -> dist.Work | None:
+    """A group of one: copy `values` into `output` exactly (no fp8 round trip: there is no wire to save bytes on);
+    returns the finished call's Work (async_op) or None."""
+    flat_out = output.view(-1)
+
+    def then() -> None:
+        if flat_out.data_ptr() != values.data_ptr():
+            flat_out.copy_(values.reshape(-1))
+
+    return finish(Pending(None, then), async_op)
+
+
 def all_gather_flat_fp8(
     output: torch.Tensor,
     tensor: torch.Tensor,
@@ -51,7 +66,9 @@ def all_gather_flat_fp8(
     if output.numel() != world * numel:
         raise ValueError(f"all_gather_flat_fp8: output has {output.numel()} elements, expected {world} x {numel}")
     flat_out = _flat(output, "all_gather_flat_fp8's output")
-    send = pack(quantize(tensor.reshape(-1), fp8_dtype))
+    if world == 1:
+        return _alone(flat_out, tensor, async_op)
+    send = pack_fp8(tensor, fp8_dtype)
     received = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
     exchange = all_gather_flat(received, send, group=group, async_op=True)
 
@@ -77,6 +94,8 @@ def reduce_scatter_flat_fp8(
     if tensor.numel() != world * numel:
         raise ValueError(f"reduce_scatter_flat_fp8: input has {tensor.numel()} elements, expected {world} x {numel}")
     flat_out = _flat(output, "reduce_scatter_flat_fp8's output")
+    if world == 1:  # the sum (and the average) of one rank's tensor is that tensor
+        return _alone(flat_out, tensor, async_op)
     quantized = quantize(tensor.reshape(world, numel), fp8_dtype, ScalingRecipe.ROWWISE)
     send = torch.cat([quantized.data.view(torch.uint8), quantized.scale.view(torch.uint8)], dim=1)
     received = torch.empty_like(send)
@@ -98,11 +117,12 @@ def reduce_scatter_scratch_nbytes_fp8(numel: int, group: ProcessGroup | None = N
     """Bytes of temporary buffers `reduce_scatter_flat_fp8` holds while a reduction of `numel` elements over `group`
     is in flight (the fp8 counterpart of `cx_mesh.reduce_scatter_scratch_numel`, for memory accounting): the packed
     send and receive messages, each one fp8 byte per element plus one float32 scale per rank. Finishing it briefly
-    adds two float32 slices of the output's size (the running sum and one dequantized row)."""
+    adds two float32 slices of the output's size (the running sum and one dequantized row). A group of one holds
+    none (nothing is quantized or exchanged)."""
     world = dist.get_world_size(group)
     if numel % world:
         raise ValueError(f"reduce_scatter_scratch_nbytes_fp8: {numel} elements do not split over {world} ranks")
-    return 2 * (numel + SCALE_BYTES * world)
+    return 0 if world == 1 else 2 * (numel + SCALE_BYTES * world)
 
 
 def all_reduce_fp8(
@@ -120,6 +140,8 @@ def all_reduce_fp8(
     _check_sum(op, "all_reduce_fp8")
     flat = _flat(tensor, "all_reduce_fp8's tensor")
     world, numel = dist.get_world_size(group), tensor.numel()
+    if world == 1:  # in place: the tensor already holds the sum
+        return _alone(flat, flat, async_op)
     padded = F.pad(flat.float(), (0, -numel % world))
     reduced = torch.empty(padded.numel() // world, dtype=torch.float32, device=tensor.device)
     first = reduce_scatter_flat_fp8(reduced, padded, op, group, async_op=True, fp8_dtype=fp8_dtype)
@@ -164,15 +186,17 @@ def all_to_all_single_fp8(
     receives = _splits(output_split_sizes, output.shape[0], world, "output")
     row = tensor[0].numel() if tensor.shape[0] else output[0].numel() if output.shape[0] else 0
     flat_out = _flat(output, "all_to_all_single_fp8's output")
+    if world == 1:
+        return _alone(flat_out, tensor, async_op)
     chunks = tensor.reshape(tensor.shape[0], row).split(sends)
-    send = torch.cat([pack(quantize(chunk, fp8_dtype)) for chunk in chunks])
+    send = torch.cat([pack_fp8(chunk, fp8_dtype) for chunk in chunks])
     receive_bytes = [rows * row + SCALE_BYTES for rows in receives]
     received = torch.empty(sum(receive_bytes), dtype=torch.uint8, device=send.device)
     send_bytes = [rows * row + SCALE_BYTES for rows in sends]
     exchange = all_to_all_single(received, send, receive_bytes, send_bytes, group=group, async_op=True)
 
     def then() -> None:
-        values = [unpack(message, fp8_dtype) for message in received.split(receive_bytes)]
+        values = [unpack_fp8(message, fp8_dtype=fp8_dtype) for message in received.split(receive_bytes)]
         flat_out.copy_(torch.cat(values))
 
     return finish(Pending(exchange, then, send, received), async_op)
