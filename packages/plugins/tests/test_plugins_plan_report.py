@@ -7,6 +7,8 @@ import json
 import shlex
 from dataclasses import dataclass
 
+import pytest
+
 from cx_plugins.demo._parser import build_parser
 from cx_plugins.models import GPTConfig
 from cx_plugins.plan._candidate import Candidate
@@ -90,3 +92,12 @@ def test_constructor_calls_and_cx_train_commands_parse() -> None:
     offload = Candidate("gemini", dp=2, offload_optim_frac=1.0)
     assert "offload_optim_frac=1.0" in constructor_call(offload)
     assert "Gemini placement / offload" in train_command(offload, "gpt", 32)
+
+
+def test_equal_step_times_prefer_larger_micro_batches() -> None:
+    shape = shape_from_config("gpt", GPTConfig(vocab_size=64, max_positions=33, hidden_size=32, num_layers=2))
+    device = lookup_device("h100")
+    splits = [Candidate("torch_ddp", dp=2, micro_batch_size=m, num_microbatches=4 // m) for m in (1, 2, 4)]
+    rows = [PlanRow(c, _Verdict(True, 10**9), predict_step_time(c, shape, 32, device)) for c in splits]
+    assert rows[0].step.step_s == pytest.approx(rows[2].step.step_s, rel=1e-12)  # the model sees no difference
+    assert [r.candidate.micro_batch_size for r in rank_rows(rows)] == [4, 2, 1]

@@ -86,12 +86,15 @@ def _bytes(count: int) -> str:
 
 def rank_rows(rows: Sequence[PlanRow]) -> list[PlanRow]:
     """Fitting candidates fastest first, then those that do not fit smallest peak first, then those cx refuses to
-    build (no peak: the memory model could not trace them); ties by label, so the order is deterministic."""
+    build (no peak: the memory model could not trace them). Equal step times go to fewer, larger micro-batches (which
+    run matmuls nearer peak, as the one-fraction compute model cannot see), then by label, so the order is
+    deterministic."""
 
-    def key(row: PlanRow) -> tuple[int, float, str]:
+    def key(row: PlanRow) -> tuple[int, float, int, str]:
+        c = row.candidate
         if row.memory.fits:
-            return 0, row.step.step_s, row_label(row.candidate)
-        return (1 if row.memory.peak_bytes else 2), row.memory.peak_bytes, row_label(row.candidate)
+            return 0, float(f"{row.step.step_s:.9g}"), c.num_microbatches, row_label(c)  # equal up to rounding
+        return (1 if row.memory.peak_bytes else 2), row.memory.peak_bytes, c.num_microbatches, row_label(c)
 
     return sorted(rows, key=key)
 
