@@ -6,7 +6,8 @@
 - fp8_communication: every TP collective of a column/row pair (the row output's all-reduce, the column input
   gradient's all-reduce, the column output's gather, split_gather's all-gathers and reduce-scatters) and the Ulysses
   all-to-alls hand over exactly the bytes of cx_mesh.fp8's collectives (half of bf16 plus 4 per scale; an fp8
-  all-reduce is a reduce-scatter and an all-gather).
+  all-reduce is a reduce-scatter and an all-gather). So does the vocabulary-parallel embedding's forward all-reduce
+  (as ColossalAI's), while the vocabulary-parallel cross entropy's three reductions stay plain float32 all-reduces.
 Training against bf16 is tested under HybridParallelPlugin (packages/plugins/tests/test_plugins_hybrid_fp8.py).
 """
 
@@ -25,7 +26,7 @@ import cx_shardformer._conv1d as conv1d_module
 import cx_shardformer._fp8 as fp8_module
 from cx_mesh.fp8 import Fp8Options
 from cx_mesh.testing import count_collective_bytes, distributed
-from cx_shardformer import Linear1D_Col, Linear1D_Row, ShardConfig, ShardFormer
+from cx_shardformer import Linear1D_Col, Linear1D_Row, ShardConfig, ShardFormer, VocabParallelEmbedding1D
 from shardformer_helpers import chunk
 from shardformer_models import VOCAB, build
 
@@ -123,6 +124,31 @@ def test_shardformer_fp8_communication_bytes_and_use_fp8_layers(rank: int, world
     _check_use_fp8_llama()
     _check_use_fp8_gpt2()
     _check_ulysses_bytes(rank)
+    _check_vocab_embedding_and_loss_bytes()
+
+
+def _check_vocab_embedding_and_loss_bytes() -> None:
+    """Llama tp 2: the embedding's all-reduce of its [B, S, H] partial sums goes fp8; with every TP collective in
+    fp8, the plain all-reduces left are exactly the cross entropy's (row max, sum of exponentials, target logit:
+    one float32 per label each), so the loss is computed from exact sums."""
+    ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(4))
+    by_op = []
+    for fp8 in (False, True):
+        model = build("llama", hidden_size=H, num_key_value_heads=4).to(torch.bfloat16)
+        ShardFormer(ShardConfig(fp8_communication=fp8)).optimize(model)
+        embedding = model.model.embed_tokens
+        assert isinstance(embedding, VocabParallelEmbedding1D)
+        assert embedding.fp8_communication is fp8
+        with count_collective_bytes() as counted:
+            model(input_ids=ids, labels=ids).loss.backward()
+        by_op.append(counted.by_op)
+        with count_collective_bytes() as counted:
+            embedding(ids)
+        assert counted.total == _all_reduce(B * S * H)[fp8], counted.by_op
+    plain, compressed = by_op
+    labels = B * S  # HF's causal LM loss pads the shifted labels back to S per row (the last one ignored)
+    assert compressed.get("all_reduce") == 3 * 4 * labels, compressed
+    assert plain["all_reduce"] > 3 * 4 * labels + 2 * B * S * H, plain  # the embedding's bf16 sum among them
 
 
 def _check_use_fp8_llama() -> None:

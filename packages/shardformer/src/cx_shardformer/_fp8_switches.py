@@ -3,8 +3,9 @@
 `apply_fp8(model, shard_config)` runs once after a policy has sharded a model, whatever the policy: every column /
 row layer whose local shard `fp8_eligible` accepts (and whose name no `Fp8Options.exclude` suffix names) computes
 its matmul with `cx_mesh.fp8.fp8_linear`; with `fp8_communication` every layer's TP collectives go through the
-`cx_mesh.fp8` collectives. The layers read two attributes, off by default (`ParallelModule`): `fp8_recipe` (None:
-high precision) and `fp8_communication`.
+`cx_mesh.fp8` collectives, and so does the vocabulary-parallel embedding's forward all-reduce (as ColossalAI's). The
+cross entropy's reductions (`cross_entropy_1d`) stay plain float32: the loss is never quantized. The layers read two
+attributes, off by default (`ParallelModule`): `fp8_recipe` (None: high precision) and `fp8_communication`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from cx_mesh.fp8 import fp8_eligible
 from cx_shardformer._config import ShardConfig
 from cx_shardformer._linear import _ColumnBase, _RowBase
+from cx_shardformer._vocab import VocabParallelEmbedding1D
 
 __all__ = ["apply_fp8"]
 
@@ -32,6 +34,8 @@ def apply_fp8(model: nn.Module, config: ShardConfig) -> list[str]:
     options = config.fp8_options
     converted: list[str] = []
     for name, module in model.named_modules():
+        if isinstance(module, VocabParallelEmbedding1D):
+            module.fp8_communication = config.fp8_communication  # a lookup, not a matmul: use_fp8 leaves it alone
         if not isinstance(module, _ColumnBase | _RowBase):
             continue
         module.fp8_communication = config.fp8_communication

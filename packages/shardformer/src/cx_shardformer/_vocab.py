@@ -49,8 +49,9 @@ def _embed_scale(module: nn.Embedding) -> torch.Tensor | float | None:
 
 class VocabParallelEmbedding1D(ParallelModule):
     """`nn.Embedding` with its rows split over `process_group`: each rank looks up the ids it owns, zeros the others,
-    and the partial embeddings are summed (all-reduce). `embed_scale` (a tensor, kept as a non-persistent buffer as
-    transformers keeps it, or a float) multiplies the result, for transformers' scaled word embeddings."""
+    and the partial embeddings are summed (all-reduce; in fp8 with `fp8_communication`). `embed_scale` (a tensor,
+    kept as a non-persistent buffer as transformers keeps it, or a float) multiplies the result, for transformers'
+    scaled word embeddings."""
 
     embed_scale: torch.Tensor | float | None
 
@@ -112,7 +113,10 @@ class VocabParallelEmbedding1D(ParallelModule):
         if self.padding_idx is not None and start <= self.padding_idx < start + count:
             padding = self.padding_idx - start
         out = F.embedding(local_ids, self.weight, padding)
-        out = reduce_forward(out.masked_fill(outside.unsqueeze(-1), 0.0), self.process_group)
+        # fp8_communication (set by `_fp8_switches.apply_fp8`): the partial embeddings' sum travels as fp8, as
+        # ColossalAI's VocabParallelEmbedding1D sends it
+        partial = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        out = reduce_forward(partial, self.process_group, self.fp8_communication)
         scale = self.embed_scale
         if isinstance(scale, torch.Tensor):
             return out * scale.to(self.weight.dtype)  # as transformers scales: in the weight's dtype
