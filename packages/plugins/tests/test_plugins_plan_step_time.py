@@ -115,6 +115,8 @@ def test_moe_all_to_all_and_links() -> None:
     moved = {col.name: col.bytes for col in step_collectives(c, shape, 64)}
     copies = 2 * 64 * shape.top_k * shape.hidden_size * 2
     assert moved["expert dispatch/combine all-to-all"] == pytest.approx(4 * 4 * copies * 3 / 4)
+    ddp = {col.name: col.bytes for col in step_collectives(Candidate("torch_ddp", dp=4), shape, 64)}
+    assert ddp == {"dense gradient all-reduce": pytest.approx(2 * 3 / 4 * shape.parameters.total * 4)}  # experts too
     device = lookup_device("h100")
     inside = predict_step_time(Candidate("torch_ddp", dp=8), shape, 64, device)
     across = predict_step_time(Candidate("torch_ddp", dp=16), shape, 64, device)

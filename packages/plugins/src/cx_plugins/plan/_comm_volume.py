@@ -101,9 +101,11 @@ def _data_parallel(candidate: Candidate, shape: ModelShape) -> list[Collective]:
     gathered = 2 if c.half_precision and c.plugin == "torch_fsdp" else w
     dense = counts.dense / (c.tp * c.pp)
     experts = counts.experts / (c.ep * c.pp)
-    dense_axes = ("moe_dp", "ep", "sp") if c.plugin == "moe_hybrid" else ("dp", "sp")
+    groups: list[tuple[str, float, tuple[str, ...]]] = [("dense", dense + experts, ("dp", "sp"))]
+    if c.plugin == "moe_hybrid":  # otherwise the experts are parameters like the rest (replicated over tp)
+        groups = [("dense", dense, ("moe_dp", "ep", "sp")), ("experts", experts, ("moe_dp",))]
     found = []
-    for label, parameters, axes in (("dense", dense, dense_axes), ("experts", experts, ("moe_dp",))):
+    for label, parameters, axes in groups:
         size, span = _group(c, *axes)
         if size <= 1 or parameters == 0:
             continue
