@@ -28,6 +28,20 @@ def test_live_bytes_counts_each_storage_once_until_it_is_freed() -> None:
     assert view.numel() + c.numel() == 1250
 
 
+def test_live_bytes_follows_storage_resizes() -> None:
+    """FSDP and cx-chunk release memory by resizing a storage to 0 outside any op: the tracker must see it."""
+    with LiveBytes() as tracker:
+        a = torch.empty(1000)
+        a.untyped_storage().resize_(0)
+        assert tracker.live == 0
+        a.untyped_storage().resize_(2000)  # regrown in place: 2000 bytes
+        assert (tracker.live, tracker.peak) == (2000, 4000)
+    assert torch.UntypedStorage.resize_ is not None
+    b = torch.empty(10)
+    b.untyped_storage().resize_(0)  # outside the tracker: the original method again
+    assert tracker.live == 2000
+
+
 def test_measure_rejects_zero_steps() -> None:
     with pytest.raises(ValueError, match="--steps must be at least 1"):
         measure_candidate(Candidate("torch_ddp"), "gpt", steps=0)

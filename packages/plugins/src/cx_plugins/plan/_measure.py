@@ -56,7 +56,8 @@ class Measured:
 class LiveBytes(TorchDispatchMode):
     """Bytes of the tensor storages written under it that are still alive, and their peak. Each op's outputs (and
     the arguments of in-place ops) are counted once per storage, released when the storage is freed and re-read
-    when it is resized (Gemini frees chunks in place)."""
+    when it is resized (FSDP frees its gathered flat parameters and Gemini its chunks in place, by storage resize).
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,6 +79,23 @@ class LiveBytes(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+
+    def __enter__(self) -> LiveBytes:
+        # FSDP and cx-chunk free and regrow storages with `UntypedStorage.resize_`, which no dispatch mode sees
+        resize = self._resize = torch.UntypedStorage.resize_
+
+        def counted(storage: torch.UntypedStorage, size: int) -> Any:
+            result = resize(storage, size)
+            self._count(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = counted  # type: ignore[assignment,method-assign]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
