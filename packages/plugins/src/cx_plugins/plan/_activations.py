@@ -60,6 +60,7 @@ class ActivationTrace:
     peak_bytes: int  # everything at the peak: parameters + gradients + activations
     saved_bytes: int  # activations the forward leaves for the backward (what a pipeline keeps per micro-batch)
     parameter_count: int  # elements of the parameters the stage trains
+    expert_parameter_count: int = 0  # of which routed experts' (reduced over moe_dp, not dp)
 
     @property
     def working_bytes(self) -> int:
@@ -239,10 +240,15 @@ def _trace_exact(shape: ModelShape, candidate: Candidate, seq_len: int, stage: i
     gradients = peak.get("GRAD", 0)
     activations = sum(peak.get(k, 0) for k in _ACTIVATION_KINDS)
     forward_end = sum(saved[0].get(k, 0) for k in _ACTIVATION_KINDS)
-    trained = {id(p): p.numel() for m in modules for p in m.parameters() if p.requires_grad and p.device.type != "meta"}
+    trained = {
+        id(p): (p.numel(), "experts" in name.split(".") and "shared_experts" not in name)
+        for m in modules
+        for name, p in m.named_parameters()
+        if p.requires_grad and p.device.type != "meta"
+    }
     return ActivationTrace(
         stage, parameters, activations, gradients, end.get("GRAD", 0), peak.get("Total", 0), forward_end,
-        sum(trained.values()),
+        sum(count for count, _ in trained.values()), sum(count for count, expert in trained.values() if expert),
     )  # fmt: skip
 
 

@@ -6,9 +6,12 @@ from the trace, so tensor, pipeline and expert sharding are the policies' own): 
 master weights of the 16-bit plugins (LowLevelZero, Gemini, hybrid). Activations come from the FakeTensor trace of
 one micro-batch (`trace_stage`); a 1F1B pipeline stage s also keeps the saved activations of the pp - s - 1
 micro-batches it has started and not finished (interleaved / ZBV: one more per extra model chunk, bounded by the
-micro-batch count). Comm buffers: DDP's gradient buckets (a second copy of the gradients), ZeRO's reduce bucket,
-FSDP's gathered parameters. The peak is the model states plus the largest stage's step working set (activations and
-the gradients live at the trace's peak).
+micro-batch count). Comm buffers: DDP's gradient buckets (a second copy of the gradients), FSDP's and Gemini's
+gathered parameters. The peak is the larger of two instants: the trace's peak inside the backward (model states,
+activations, the gradients live then) and, under ZeRO 1/2, the end of the backward (model states, the gradients
+packed into the reduce bucket and this rank's reduced fp32 shard; cx-zero keeps an fp32 master shard then even for
+fp32 weights); under hybrid ZeRO 0 over dp > 1, the gradients and their packed copy for the all-reduce; unsharded
+16-bit runs, the step's fp32 copy of the gradients beside the 16-bit ones.
 """
 
 from __future__ import annotations
@@ -41,13 +44,19 @@ class MemoryPrediction:
     pipeline_inflight: int  # saved activations of the other micro-batches a pipeline stage holds
     comm_buffers: int
     cpu_offloaded: int  # optimizer states / master weights moved to the CPU (not in the device peak)
+    end_of_backward: int = 0  # ZeRO 1/2: everything live while the packed gradients are reduced (0: not the peak)
 
     @property
-    def peak(self) -> int:
+    def backward_peak(self) -> int:
+        """The components together: the instant of the trace's peak, inside the backward."""
         return (
             self.parameters + self.gradients + self.optimizer_states + self.master_weights + self.activations
             + self.pipeline_inflight + self.comm_buffers
         )  # fmt: skip
+
+    @property
+    def peak(self) -> int:
+        return max(self.backward_peak, self.end_of_backward)
 
     def components(self) -> dict[str, int]:
         """Name -> bytes, in the order the report lists them."""
@@ -82,10 +91,24 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction
             optimizer, master = optimizer // dp, master // dp
         if c.plugin == "gemini":  # chunks: each rank's shard, the gathered chunks in use, gradients in place
             parameters, gradients, comm = w * n // dp, 0, w * n if dp > 1 else 0
-        elif c.stage == 2:  # reduced bucket by bucket into this rank's fp32 partition
-            gradients = _FP32 * n // dp + min(live_grads, _ZERO_BUCKET_ELEMENTS * w)
         else:
             gradients = live_grads
+            if c.stage >= 1 and dp > 1:  # cx-zero keeps a separate fp32 master shard even for fp32 working weights
+                master = _FP32 * n // dp
+    end = 0
+    if c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage >= 1 and dp > 1:
+        # the end of the backward: the activations are gone, the gradients (stage 1: all of them; stage 2: released
+        # bucket by bucket) wait in the packed bucket being reduce-scattered into this rank's shard
+        bucket = min(n, _ZERO_BUCKET_ELEMENTS) * w
+        held = w * n if c.stage == 1 else min(w * n, 2 * bucket)
+        end = parameters + optimizer + master + held + bucket + _FP32 * n // dp
+    elif c.plugin in ("hybrid", "moe_hybrid") and dp > 1:
+        # ZeRO 0 reduces once per step: the gradients beside their packed copy (routed experts only when moe_dp > 1)
+        reduced = n - (trace.expert_parameter_count if c.moe_dp == 1 else 0)
+        end = parameters + optimizer + master + w * n + w * reduced + (_FP32 * n if c.half_precision else 0)
+    elif c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.half_precision:
+        # unsharded mixed precision: the step reads fp32 copies of the 16-bit gradients beside them
+        end = parameters + optimizer + master + w * n + _FP32 * n
     offloaded = 0
     if c.cpu_offload:
         offloaded, optimizer = optimizer, 0
@@ -108,6 +131,7 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction
         pipeline_inflight=_inflight(c, trace.stage) * trace.saved_bytes,
         comm_buffers=comm,
         cpu_offloaded=offloaded,
+        end_of_backward=end - (offloaded if c.cpu_offload else 0),
     )
 
 
