@@ -11,34 +11,17 @@ from torch import nn
 
 from cx_mesh.testing import count_collective_bytes, distributed
 from cx_plugins import Booster, OptimizerWrapper, TorchDDPPlugin
+from fp8_test_helpers import BATCHES, cycled_batch, tiny_llama
 
-VOCAB, PER_RANK, LENGTH, BATCHES, STEPS, LR = 64, 2, 16, 4, 32, 1e-2
+STEPS, LR = 32, 1e-2
 LOSS_RTOL = 0.03  # the issue's figure for fp8 against bf16 training
 E5M2_U = 2.0**-3  # unit roundoff of E5M2 (2 mantissa bits), round to nearest
 E5M2_TINY = 2.0**-16 / 57344.0  # smallest subnormal over the largest finite: the floor relative to a scale's amax
 SCALE_BYTES = 4
 
 
-def _llama() -> nn.Module:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=LENGTH, num_hidden_layers=2, use_cache=False,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
-
-
-def _batch(step: int, rank: int) -> torch.Tensor:
-    """Four fixed global batches, cycled: the model can learn them, so the loss really falls."""
-    generator = torch.Generator().manual_seed(step % BATCHES)
-    ids = torch.randint(0, VOCAB, (2 * PER_RANK, LENGTH), generator=generator)
-    return ids[rank * PER_RANK : (rank + 1) * PER_RANK]
-
-
 def _boost(fp8: bool) -> tuple[Booster, nn.Module, nn.Module, OptimizerWrapper]:
-    plain = _llama()
+    plain = tiny_llama()
     booster = Booster(mixed_precision="bf16", plugin=TorchDDPPlugin(fp8_communication=fp8))
     model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=LR))
     assert optimizer is not None
@@ -46,7 +29,7 @@ def _boost(fp8: bool) -> tuple[Booster, nn.Module, nn.Module, OptimizerWrapper]:
 
 
 def _backward(rank: int, step: int, booster: Booster, model: nn.Module, optimizer: OptimizerWrapper) -> float:
-    ids = _batch(step, rank)
+    ids = cycled_batch(step, rank)
     loss = model(input_ids=ids, labels=ids).loss
     booster.backward(loss, optimizer)
     mean = loss.detach().float()
@@ -66,9 +49,9 @@ def _train(rank: int, fp8: bool) -> list[float]:
 
 @distributed(world_size=2)
 def test_plugins_ddp_fp8_communication(rank: int, world_size: int) -> None:
-    ids = _batch(0, rank)
+    ids = cycled_batch(0, rank)
     # The reference gradient: this rank's local gradient (same autocast), averaged over ranks in float32.
-    local = _llama()
+    local = tiny_llama()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         local(input_ids=ids, labels=ids).loss.backward()
     grads = {n: p.grad.float() for n, p in local.named_parameters() if p.grad is not None}
