@@ -22,9 +22,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from cx_mesh.testing import run_distributed
 from cx_plugins.plan import Candidate, load_model_shape
-from cx_plugins.plan._activations import PlanTraceError, _trace_exact, trace_stage
+from cx_plugins.plan._activations import ActivationTrace, PlanTraceError, _trace_exact, trace_stage
 from cx_plugins.plan._fits import fits, memory_model
-from cx_plugins.plan._memory import predict_memory
+from cx_plugins.plan._memory import predict_memory, predict_memory_from_traces
 from plan_test_helpers import measure_step_peak, read_peaks
 
 HIDDEN, LAYERS, SEQ = 64, 2, 32
@@ -102,3 +102,17 @@ def test_deep_stages_are_extrapolated_from_two_shallow_traces() -> None:
     shape = load_model_shape("llama", hidden_size=32, num_layers=6, seq_len=16)
     candidate = Candidate("hybrid", tp=2, precision="fp32")
     assert trace_stage(shape, candidate, 16) == _trace_exact(shape, candidate, 16, 0)
+
+
+def test_gemini_holds_its_gradient_slices_and_their_fp32_copy() -> None:
+    # one rank of dp 4, bf16, 1000 trained elements (the arithmetic of the rule, no trace needed): parameters 2 x
+    # 1000 / 4; gathered chunks 2 x 1000; gradients: the aside-copied slice and the reduced slice (2 x 2 x 250) plus
+    # the fp32 copy the master's step reads (4 x 250); masters 4 x 250; moments 8 x 250
+    trace = ActivationTrace(0, 0, activation_bytes=300, gradient_bytes=0, gradient_total_bytes=0, peak_bytes=0,
+                            saved_bytes=0, parameter_count=1000)  # fmt: skip
+    prediction = predict_memory_from_traces(Candidate("gemini", dp=4, precision="bf16"), [trace])
+    assert prediction.components() == dict(
+        parameters=500, gradients=2000, optimizer_states=2000, master_weights=1000, activations=300,
+        pipeline_inflight=0, comm_buffers=2000,
+    )  # fmt: skip
+    assert prediction.peak == 7800

@@ -89,8 +89,12 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction
         master = _FP32 * n if c.half_precision else 0
         if c.stage >= 1:
             optimizer, master = optimizer // dp, master // dp
-        if c.plugin == "gemini":  # chunks: each rank's shard, the gathered chunks in use, gradients in place
-            parameters, gradients, comm = w * n // dp, 0, w * n if dp > 1 else 0
+        if c.plugin == "gemini":
+            # chunks: this rank's shard, the gathered chunks in use (gradients are written into them); each
+            # chunk's own slice copied aside at the first gradient write, its reduced gradient slice, and the fp32
+            # copy of that slice the master's step reads
+            parameters, comm = w * n // dp, w * n if dp > 1 else 0
+            gradients = 2 * w * n // dp + (_FP32 * n // dp if c.half_precision else 0)
         else:
             gradients = live_grads
             if c.stage >= 1 and dp > 1:  # cx-zero keeps a separate fp32 master shard even for fp32 working weights
