@@ -9,14 +9,11 @@ whose peak each rank writes to `out/<rank>.json`.
 from __future__ import annotations
 
 import json
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from cx_plugins import (
     Booster,
@@ -30,6 +27,7 @@ from cx_plugins import (
 )
 from cx_plugins.demo._models import ModelSpec, build_model, describe_model
 from cx_plugins.plan import Candidate
+from cx_plugins.plan._measure import LiveBytes  # follows storage resizes (FSDP, cx-chunk) too
 
 __all__ = ["measure_step_peak", "read_peaks"]
 
@@ -86,37 +84,6 @@ def _prepare(rank: int, candidate: Candidate, model: str, hidden: int, layers: i
         wrapped.zero_grad()
 
     return step
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of every tensor storage created under it that is still alive, and their peak: each op's outputs are
-    counted once per storage, freed when the storage is, and re-read after a resize (chunks released in place)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sizes: dict[int, int] = {}
-        self.live = 0
-        self.peak = 0
-
-    def _count(self, storage: torch.UntypedStorage) -> None:
-        key = storage._cdata
-        size = storage.nbytes()
-        if key not in self.sizes:
-            weakref.finalize(storage, self._free, key)
-        self.live += size - self.sizes.get(key, 0)
-        self.sizes[key] = size
-        self.peak = max(self.peak, self.live)
-
-    def _free(self, key: int) -> None:
-        self.live -= self.sizes.pop(key, 0)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        written = tree_flatten(out)[0] + (tree_flatten(args)[0] if func._schema.is_mutable else [])
-        for value in written:
-            if isinstance(value, torch.Tensor) and value.device.type != "meta" and not value.is_sparse:
-                self._count(value.untyped_storage())
-        return out
 
 
 def read_peaks(out: Path) -> list[int]:

@@ -104,15 +104,16 @@ def test_deep_stages_are_extrapolated_from_two_shallow_traces() -> None:
     assert trace_stage(shape, candidate, 16) == _trace_exact(shape, candidate, 16, 0)
 
 
-def test_gemini_holds_its_gradient_slices_and_their_fp32_copy() -> None:
-    # one rank of dp 4, bf16, 1000 trained elements (the arithmetic of the rule, no trace needed): parameters 2 x
-    # 1000 / 4; gathered chunks 2 x 1000; gradients: the aside-copied slice and the reduced slice (2 x 2 x 250) plus
-    # the fp32 copy the master's step reads (4 x 250); masters 4 x 250; moments 8 x 250
+def test_gemini_peak_is_the_later_backward_with_its_gradient_slices() -> None:
+    # one rank of dp 4, bf16, 1000 trained elements (the rule's arithmetic, no trace needed): shards 2 x 1000 / 4,
+    # gathered chunks 2 x 1000, masters 4 x 250, moments 8 x 250; late in the backward the activations are gone and
+    # each chunk's value slice copied aside and its reduced gradient slice (2 x 2 x 250) are live
     trace = ActivationTrace(0, 0, activation_bytes=300, gradient_bytes=0, gradient_total_bytes=0, peak_bytes=0,
                             saved_bytes=0, parameter_count=1000)  # fmt: skip
     prediction = predict_memory_from_traces(Candidate("gemini", dp=4, precision="bf16"), [trace])
     assert prediction.components() == dict(
-        parameters=500, gradients=2000, optimizer_states=2000, master_weights=1000, activations=300,
+        parameters=500, gradients=0, optimizer_states=2000, master_weights=1000, activations=300,
         pipeline_inflight=0, comm_buffers=2000,
     )  # fmt: skip
-    assert prediction.peak == 7800
+    assert prediction.backward_peak == 5800
+    assert prediction.peak == prediction.end_of_backward == 5500 + 1000

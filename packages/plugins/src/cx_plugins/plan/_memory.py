@@ -44,7 +44,7 @@ class MemoryPrediction:
     pipeline_inflight: int  # saved activations of the other micro-batches a pipeline stage holds
     comm_buffers: int
     cpu_offloaded: int  # optimizer states / master weights moved to the CPU (not in the device peak)
-    end_of_backward: int = 0  # ZeRO 1/2: everything live while the packed gradients are reduced (0: not the peak)
+    end_of_backward: int = 0  # everything live late in the backward, activations gone (0: not modelled)
 
     @property
     def backward_peak(self) -> int:
@@ -89,12 +89,8 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction
         master = _FP32 * n if c.half_precision else 0
         if c.stage >= 1:
             optimizer, master = optimizer // dp, master // dp
-        if c.plugin == "gemini":
-            # chunks: this rank's shard, the gathered chunks in use (gradients are written into them); each
-            # chunk's own slice copied aside at the first gradient write, its reduced gradient slice, and the fp32
-            # copy of that slice the master's step reads
-            parameters, comm = w * n // dp, w * n if dp > 1 else 0
-            gradients = 2 * w * n // dp + (_FP32 * n // dp if c.half_precision else 0)
+        if c.plugin == "gemini":  # this rank's chunk shards; the gathered chunks in use take the gradients
+            parameters, gradients, comm = w * n // dp, 0, w * n
         else:
             gradients = live_grads
             if c.stage >= 1 and dp > 1:  # cx-zero keeps a separate fp32 master shard even for fp32 working weights
@@ -106,6 +102,10 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction
         bucket = min(n, _ZERO_BUCKET_ELEMENTS) * w
         held = w * n if c.stage == 1 else min(w * n, 2 * bucket)
         end = parameters + optimizer + master + held + bucket + _FP32 * n // dp
+    elif c.plugin == "gemini":
+        # late in the backward, activations mostly gone: each chunk's own value slice copied aside at its first
+        # gradient write and its reduced gradient slice, beside the gathered chunks
+        end = parameters + optimizer + master + comm + 2 * w * n // dp
     elif c.plugin in ("hybrid", "moe_hybrid") and dp > 1:
         # ZeRO 0 reduces once per step: the gradients beside their packed copy (routed experts only when moe_dp > 1)
         reduced = n - (trace.expert_parameter_count if c.moe_dp == 1 else 0)
