@@ -117,3 +117,34 @@ def test_gemini_peak_is_the_later_backward_with_its_gradient_slices() -> None:
     )  # fmt: skip
     assert prediction.backward_peak == 5800
     assert prediction.peak == prediction.end_of_backward == 5500 + 1000
+
+
+def _trace(parameter_count: int, expert_parameter_count: int = 0) -> ActivationTrace:
+    return ActivationTrace(0, 0, activation_bytes=300, gradient_bytes=0, gradient_total_bytes=0, peak_bytes=0,
+                           saved_bytes=0, parameter_count=parameter_count,
+                           expert_parameter_count=expert_parameter_count)  # fmt: skip
+
+
+def test_moe_zero_shards_expert_states_over_moe_dp_only() -> None:
+    # dp 4 = moe_dp 2 x ep 2, ZeRO 1, bf16, 1000 trained elements of which 600 routed experts: the 400 dense ones
+    # shard over dp 4, the experts over moe_dp 2 (the ep ranks hold different experts): moments 8 x 400 / 4 +
+    # 8 x 600 / 2 = 3200, masters 4 x 100 + 4 x 300 = 1600 (dividing all by dp 4 gave 2000 and 1000)
+    candidate = Candidate("moe_hybrid", dp=4, ep=2, zero_stage=1, precision="bf16")
+    prediction = predict_memory_from_traces(candidate, [_trace(1000, 600)])
+    assert (prediction.optimizer_states, prediction.master_weights) == (3200, 1600)
+    # end of the backward: 16-bit params 2000 + moments + masters + all gradients 2000 + bucket 2000 + fp32 shard 1600
+    assert prediction.end_of_backward == 2000 + 3200 + 1600 + 2000 + 2000 + 1600
+    # without experts (or ep 1) the rule is the dense one
+    dense = predict_memory_from_traces(Candidate("moe_hybrid", dp=4, zero_stage=1), [_trace(1000, 600)])
+    assert (dense.optimizer_states, dense.master_weights) == (2000, 1000)
+
+
+def test_gemini_offload_lowers_the_peak_by_what_it_moves() -> None:
+    # the rule's figures of test_gemini_peak_...: peak 6500 at the end of the backward, with moments 2000 and
+    # masters 1000 in it; offloading all moments moves 2000 off the device, half the masters 500
+    plain = predict_memory_from_traces(Candidate("gemini", dp=4, precision="bf16"), [_trace(1000)])
+    optim = predict_memory_from_traces(Candidate("gemini", dp=4, offload_optim_frac=1.0), [_trace(1000)])
+    param = predict_memory_from_traces(Candidate("gemini", dp=4, offload_param_frac=0.5), [_trace(1000)])
+    assert plain.peak == 6500
+    assert (optim.peak, optim.cpu_offloaded, optim.optimizer_states) == (6500 - 2000, 2000, 0)
+    assert (param.peak, param.cpu_offloaded, param.master_weights) == (6500 - 500, 500, 500)

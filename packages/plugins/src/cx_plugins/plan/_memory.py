@@ -73,8 +73,14 @@ def _inflight(candidate: Candidate, stage: int) -> int:
     return min(started, candidate.num_microbatches - 1)
 
 
+def _shard(c: Candidate, n: int, experts: int, itemsize: int) -> int:
+    """Bytes of `n` elements sharded by ZeRO: dense ones over dp, routed experts over moe_dp only (the ep ranks hold
+    different experts, so only the moe_dp ranks holding the same ones split their states; dp = moe_dp elsewhere)."""
+    return itemsize * (n - experts) // c.dp + itemsize * experts // c.moe_dp
+
+
 def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction:
-    c, n = candidate, trace.parameter_count
+    c, n, e = candidate, trace.parameter_count, trace.expert_parameter_count
     w = _ITEMSIZE[c.precision]
     dp = c.dp
     live_grads = trace.gradient_bytes  # param.grad live at the trace's peak, at the compute precision
@@ -88,31 +94,15 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction
         parameters = w * n
         master = _FP32 * n if c.half_precision else 0
         if c.stage >= 1:
-            optimizer, master = optimizer // dp, master // dp
+            optimizer = _shard(c, n, e, _ADAM_MOMENTS * _FP32)
+            master = _shard(c, n, e, _FP32) if c.half_precision else 0
         if c.plugin == "gemini":  # this rank's chunk shards; the gathered chunks in use take the gradients
             parameters, gradients, comm = w * n // dp, 0, w * n
         else:
             gradients = live_grads
             if c.stage >= 1 and dp > 1:  # cx-zero keeps a separate fp32 master shard even for fp32 working weights
-                master = _FP32 * n // dp
-    end = 0
-    if c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage >= 1 and dp > 1:
-        # the end of the backward: the activations are gone, the gradients (stage 1: all of them; stage 2: released
-        # bucket by bucket) wait in the packed bucket being reduce-scattered into this rank's shard
-        bucket = min(n, _ZERO_BUCKET_ELEMENTS) * w
-        held = w * n if c.stage == 1 else min(w * n, 2 * bucket)
-        end = parameters + optimizer + master + held + bucket + _FP32 * n // dp
-    elif c.plugin == "gemini":
-        # late in the backward, activations mostly gone: each chunk's own value slice copied aside at its first
-        # gradient write and its reduced gradient slice, beside the gathered chunks
-        end = parameters + optimizer + master + comm + 2 * w * n // dp
-    elif c.plugin in ("hybrid", "moe_hybrid") and dp > 1:
-        # ZeRO 0 reduces once per step: the gradients beside their packed copy (routed experts only when moe_dp > 1)
-        reduced = n - (trace.expert_parameter_count if c.moe_dp == 1 else 0)
-        end = parameters + optimizer + master + w * n + w * reduced + (_FP32 * n if c.half_precision else 0)
-    elif c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.half_precision:
-        # unsharded mixed precision: the step reads fp32 copies of the 16-bit gradients beside them
-        end = parameters + optimizer + master + w * n + _FP32 * n
+                master = _shard(c, n, e, _FP32)
+    # what is moved to the CPU leaves both instants below
     offloaded = 0
     if c.cpu_offload:
         offloaded, optimizer = optimizer, 0
@@ -124,6 +114,24 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction
             master - moved_master,
             moved_optimizer + moved_master,
         )
+    end = 0
+    if c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage >= 1 and dp > 1:
+        # the end of the backward: the activations are gone, the gradients (stage 1: all of them; stage 2: released
+        # bucket by bucket) wait in the packed bucket being reduce-scattered into this rank's shard
+        bucket = min(n, _ZERO_BUCKET_ELEMENTS) * w
+        held = w * n if c.stage == 1 else min(w * n, 2 * bucket)
+        end = parameters + optimizer + master + held + bucket + _shard(c, n, e, _FP32)
+    elif c.plugin == "gemini":
+        # late in the backward, activations mostly gone: each chunk's own value slice copied aside at its first
+        # gradient write and its reduced gradient slice, beside the gathered chunks
+        end = parameters + optimizer + master + comm + 2 * w * n // dp
+    elif c.plugin in ("hybrid", "moe_hybrid") and dp > 1:
+        # ZeRO 0 reduces once per step: the gradients beside their packed copy (routed experts only when moe_dp > 1)
+        reduced = n - (e if c.moe_dp == 1 else 0)
+        end = parameters + optimizer + master + w * n + w * reduced + (_FP32 * n if c.half_precision else 0)
+    elif c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.half_precision:
+        # unsharded mixed precision: the step reads fp32 copies of the 16-bit gradients beside them
+        end = parameters + optimizer + master + w * n + _FP32 * n
     return MemoryPrediction(
         candidate=c,
         stage=trace.stage,
@@ -135,7 +143,7 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction
         pipeline_inflight=_inflight(c, trace.stage) * trace.saved_bytes,
         comm_buffers=comm,
         cpu_offloaded=offloaded,
-        end_of_backward=end - (offloaded if c.cpu_offload else 0),
+        end_of_backward=end,
     )
 
 
