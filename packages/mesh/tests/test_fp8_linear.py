@@ -57,3 +57,15 @@ def test_fp8_eligible_and_options_checks() -> None:
         Fp8Options(min_features=0)
     with pytest.raises(TypeError, match="tuple"):
         Fp8Options(exclude="lm_head")  # type: ignore[arg-type]
+
+
+def test_fp8_options_excludes_matches_whole_dotted_suffixes() -> None:
+    # the one name match of every use_fp8 conversion: the name itself or its last dotted parts, never a substring
+    options = Fp8Options(exclude=("lm_head", "mlp.gate"))
+    assert options.excludes("lm_head")
+    assert options.excludes("model.lm_head")
+    assert options.excludes("layers.0.mlp.gate")
+    assert not options.excludes("my_lm_head")
+    assert not options.excludes("lm_head.inner")
+    assert not options.excludes("layers.0.mlp.gate_proj")
+    assert not Fp8Options(exclude=()).excludes("lm_head")

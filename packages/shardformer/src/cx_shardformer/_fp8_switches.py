@@ -39,7 +39,7 @@ def apply_fp8(model: nn.Module, config: ShardConfig) -> list[str]:
         if not isinstance(module, _ColumnBase | _RowBase):
             continue
         module.fp8_communication = config.fp8_communication
-        if not config.use_fp8 or any(name == s or name.endswith("." + s) for s in options.exclude):
+        if not config.use_fp8 or options.excludes(name):
             continue
         if fp8_eligible(*_local_dims(module), options):
             module.fp8_recipe = options.recipe

@@ -32,15 +32,15 @@ _DEFAULT_OPTIONS = Fp8Options()
 
 
 def convert_to_fp8(module: nn.Module, options: Fp8Options = _DEFAULT_OPTIONS) -> list[str]:
-    """Swap, in place, every plain torch.nn.Linear submodule that `fp8_eligible` accepts and `options.exclude` does
-    not name (by suffix of its qualified name) into Fp8Linear; returns the converted names. Idempotent: a layer that
-    is already an Fp8Linear is left alone and not listed. Subclasses of nn.Linear (cx's TP layers, LoRA and the like)
-    are not plain and are left to their owners, which call `fp8_linear` themselves."""
+    """Swap, in place, every plain torch.nn.Linear submodule that `fp8_eligible` accepts and `options.excludes`
+    does not name (by suffix of its qualified name) into Fp8Linear; returns the converted names. Idempotent: a layer
+    that is already an Fp8Linear is left alone and not listed. Subclasses of nn.Linear (cx's TP layers, LoRA and the
+    like) are not plain and are left to their owners, which call `fp8_linear` themselves."""
     converted: list[str] = []
     for name, child in module.named_modules():
         if type(child) is not nn.Linear:
             continue
-        if any(name == suffix or name.endswith("." + suffix) for suffix in options.exclude):
+        if options.excludes(name):
             continue
         if not fp8_eligible(child.in_features, child.out_features, options):
             continue

@@ -32,6 +32,12 @@ class Fp8Options:
         if not isinstance(self.exclude, tuple):
             raise TypeError(f"Fp8Options.exclude is a tuple of name suffixes, got {self.exclude!r}")
 
+    def excludes(self, name: str) -> bool:
+        """Whether the module qualified as `name` stays in high precision: `exclude` names it or its last dotted
+        parts (`lm_head` excludes `lm_head` and `model.lm_head`, not `my_lm_head`). The one match every use_fp8
+        conversion applies (cx_mesh's Fp8Linear swap, ShardFormer's TP layers, FSDP's torchao swap)."""
+        return any(name == suffix or name.endswith("." + suffix) for suffix in self.exclude)
+
 
 def fp8_eligible(in_features: int, out_features: int, options: Fp8Options = Fp8Options()) -> bool:
     """Both dims >= options.min_features and multiples of 16 (what fp8 GEMM kernels need)."""
