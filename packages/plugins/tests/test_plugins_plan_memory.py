@@ -22,7 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from cx_mesh.testing import run_distributed
 from cx_plugins.plan import Candidate, load_model_shape
-from cx_plugins.plan._activations import ActivationTrace, PlanTraceError, _trace_exact, trace_stage
+from cx_plugins.plan._activations import ActivationTrace, PlanTraceError, _plugin, _trace_exact, stage_rank, trace_stage
 from cx_plugins.plan._fits import fits, memory_model
 from cx_plugins.plan._memory import predict_memory, predict_memory_from_traces
 from plan_test_helpers import measure_step_peak, read_peaks
@@ -148,3 +148,26 @@ def test_gemini_offload_lowers_the_peak_by_what_it_moves() -> None:
     assert plain.peak == 6500
     assert (optim.peak, optim.cpu_offloaded, optim.optimizer_states) == (6500 - 2000, 2000, 0)
     assert (param.peak, param.cpu_offloaded, param.master_weights) == (6500 - 500, 500, 500)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        (dict(plugin="moe_hybrid", dp=4, ep=2, pp=2, num_microbatches=2), 2),  # (moe_dp 2, pp 2, ep 2, tp, sp)
+        (dict(plugin="hybrid", dp=2, tp=2, pp=2, num_microbatches=2), 2),  # (dp 2, pp 2, tp 2, sp)
+    ],
+    ids=["moe_hybrid-ep-inside-pp", "hybrid"],
+)
+def test_stage_rank_is_the_plugins_own_last_stage(fields: dict[str, Any], expected: int) -> None:
+    # the traced rank comes from the plugin's layout: under MoeHybrid ep lies between pp and tp, so a stride of
+    # tp x sp (1) put "stage 1" on rank 1, which is pp 0 / ep 1, and the last stage (LM head, loss) went untraced
+    candidate = Candidate(**fields)
+    rank = stage_rank(candidate, 1)
+    assert rank == expected
+    dist.init_process_group("fake", rank=rank, world_size=candidate.world_size, store=FakeStore())
+    try:
+        manager = _plugin(candidate).stage_manager
+        assert manager is not None
+        assert manager.is_last_stage()
+    finally:
+        dist.destroy_process_group()

@@ -27,6 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from cx_mesh import ProcessGroupMesh
+from cx_plugins._layout import Axis
 from cx_plugins.hybrid import HybridParallelPlugin
 from cx_plugins.hybrid._model import compose_model
 from cx_plugins.models import GPTConfig
@@ -69,8 +71,17 @@ class ActivationTrace:
 
 
 def stage_rank(candidate: Candidate, stage: int) -> int:
-    """A global rank in pipeline stage `stage` (the plugins' meshes put pp second: dp, pp, then the inner axes)."""
-    return stage * (candidate.world_size // (candidate.dp * candidate.pp))
+    """A global rank in pipeline stage `stage`: the rank at pp coordinate `stage` (0 on every other axis) of the
+    layout the candidate's plugin builds, so the mesh order is the plugin's own (MoeHybrid's (moe_dp, pp, ep, tp, sp)
+    puts ep inside pp, which a stride of tp x sp missed)."""
+    if not 0 <= stage < candidate.pp:
+        raise ValueError(f"stage {stage}: the candidate has {candidate.pp} pipeline stages")
+    if candidate.pp == 1:
+        return 0
+    with _fake_world(candidate.world_size, 0):
+        layout = _plugin(candidate).layout
+    coordinate = [stage if axis is Axis.PP else 0 for axis in layout.axes]
+    return ProcessGroupMesh.ravel(coordinate, layout.sizes)
 
 
 @contextlib.contextmanager
