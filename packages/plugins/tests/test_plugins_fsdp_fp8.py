@@ -2,7 +2,7 @@
 bf16 reduction as the baseline): exact bytes of the fp8 all-gather and reduce-scatter against the bf16 run (half,
 plus 4 bytes a scale), the fp8 linears on exactly the eligible layers, and 32 steps of training within the issue's
 3% of the bf16 run. On CPU use_fp8 uses cx_mesh.fp8's Fp8Linear; torchao's Float8Linear (what CUDA uses) is forced
-for two steps: its weights all-gathered as raw fp8 bytes."""
+for two steps: its weights all-gathered as raw fp8 bytes. The fp8 comm hooks honour FSDP2's async_op."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from cx_mesh.fp8 import Fp8Linear
 from cx_mesh.testing import CollectiveBytes, count_collective_bytes, distributed
 from cx_plugins import Booster, TorchFSDPPlugin
-from cx_plugins.fsdp._fp8 import require_torchao
+from cx_plugins.fsdp._fp8 import Fp8AllGather, Fp8ReduceScatter, require_torchao
 from fp8_test_helpers import BATCHES, cycled_batch, tiny_llama
 
 STEPS, LR = 32, 3e-3
@@ -87,8 +87,30 @@ def _groups(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
     return [[(n, p) for n, p in m.named_parameters() if m is not model or id(p) not in inner] for m in sharded]
 
 
+def _check_async_hooks(rank: int, world_size: int) -> None:
+    """FSDP2's hook contract: async_op gives a Work whose wait leaves exactly the blocking call's values (the
+    dequantize runs at the wait, not before); a blocking call returns None, finished."""
+    group = dist.group.WORLD
+    assert group is not None
+    values = torch.linspace(-3.0, 3.0, 48 * world_size, dtype=torch.bfloat16) * (rank + 1)
+    shard = values[rank * 48 : (rank + 1) * 48].contiguous()
+    hooks = (
+        (Fp8AllGather(), lambda hook, out, **kw: hook(out, shard, group, **kw), 48 * world_size),
+        (Fp8ReduceScatter(), lambda hook, out, **kw: hook(out, values, group, dist.ReduceOp.SUM, **kw), 48),
+    )
+    for hook, call, numel in hooks:
+        blocking, pending = torch.zeros(numel, dtype=torch.bfloat16), torch.zeros(numel, dtype=torch.bfloat16)
+        assert call(hook, blocking) is None
+        work = call(hook, pending, async_op=True)
+        assert isinstance(work, dist.Work), type(hook).__name__
+        work.wait()
+        assert blocking.abs().sum() > 0, type(hook).__name__
+        assert torch.equal(pending, blocking), type(hook).__name__
+
+
 @distributed(world_size=2)
 def test_fsdp_fp8_communication_and_use_fp8(rank: int, world_size: int) -> None:
+    _check_async_hooks(rank, world_size)
     # As every plugin's use_fp8: a model with nothing to convert says so rather than silently training in bf16.
     with pytest.warns(UserWarning, match=r"TorchFSDPPlugin\(use_fp8=True\): no layer was converted"):
         Booster(plugin=TorchFSDPPlugin(use_fp8=True)).boost(nn.Sequential(nn.Linear(8, 8)))

@@ -14,6 +14,13 @@ and the parameter all-gather through `all_gather_flat_fp8` (E4M3, one scale per 
 Float8Linear, its weights travel as torchao's float8 all-gather instead (the fp8 bytes the matmul consumes, no second
 rounding); FSDP2 then packs a module's shards as raw bytes (uint8) beside its other parameters, which cannot be
 quantized again, so those (norm weights beside fp8 linears) travel in their own dtype.
+
+The hooks keep FSDP2's contract (torch 2.13, `_fsdp_api.py` / `_fsdp_collectives.py`): with async_op they return a
+Work (cx_mesh.fp8's, whose `wait` finishes the dequantize) and FSDP2 waits on it before the copy-out, so an
+explicitly prefetched `unshard(async_op=True)` overlaps the exchange with compute; without it they finish on the
+stream FSDP2 runs them on (its all-gather / reduce-scatter stream, overlapped by events) and return None, since
+FSDP2 takes any returned Work to mean an async all-gather and then frees the forward's gathered buffer early.
+FSDP2 calls the reduce-scatter without async_op and ignores what it returns.
 """
 
 from __future__ import annotations
@@ -134,9 +141,7 @@ class Fp8AllGather(AllGather):
         if not input_tensor.is_floating_point() or input_tensor.element_size() == 1:
             work: dist.Work | None = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
             return work
-        # Finished here (dequantized into the output) so FSDP2 reads complete values; None tells it there is no Work.
-        all_gather_flat_fp8(output_tensor, input_tensor, group=group, fp8_dtype=E4M3)
-        return None
+        return all_gather_flat_fp8(output_tensor, input_tensor, group=group, async_op=async_op, fp8_dtype=E4M3)
 
 
 class Fp8ReduceScatter(ReduceScatter):
@@ -153,8 +158,9 @@ class Fp8ReduceScatter(ReduceScatter):
         op: Any,
         async_op: bool = False,
     ) -> dist.Work | None:
-        reduce_scatter_flat_fp8(output_tensor, input_tensor, op=op, group=group, fp8_dtype=E5M2)
-        return None
+        return reduce_scatter_flat_fp8(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op, fp8_dtype=E5M2
+        )
 
 
 def use_fp8_collectives(modules: list[nn.Module]) -> None:
