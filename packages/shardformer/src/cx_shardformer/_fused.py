@@ -1,10 +1,13 @@
 """enable_jit_fused: the element-wise chains around the transformer matmuls as single kernels, built with
-torch.compile (ColossalAI's jit fusion of bias + GELU and bias + dropout + residual add, with TorchScript there).
+torch.compile: bias + activation, bias + dropout, act(gate) * up and RMSNorm. ColossalAI's TorchScript fusion also
+adds the residual into its bias + dropout kernel; here the residual adds stay in transformers' block code, which
+the policies leave alone (`policies._fused`), so no kernel takes a residual.
 
 Each kernel is a module-level function compiled once and cached by torch.compile per input shape (dynamo marks a
 dimension dynamic after it has seen it change, so varying sequence lengths do not compile again and again). The
 math is the unfused code's, op for op; the compiled kernel may round differently (inductor's own vectorised tanh /
-exp, one pass instead of several), so results agree with the unfused ops within a few units in the last place.
+exp, one pass instead of several), so element-wise results agree with the unfused ops within a few units in the
+last place, and RMSNorm's mean of squares within what summing its terms in another order gives.
 
 Dropout: the mask is not drawn inside the compiled code (inductor's RNG differs from eager's): the caller passes
 `dropout(ones)`, computed by the model's own dropout module, so it comes from the same random stream (cx's dropout
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["bias_act", "bias_dropout_add", "compile_backend", "rms_norm", "swiglu"]
+__all__ = ["bias_act", "bias_dropout", "compile_backend", "rms_norm", "swiglu"]
 
 _KERNELS: dict[tuple[str, Any], Callable[..., torch.Tensor]] = {}
 
@@ -64,23 +67,18 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None, act: nn.Module) -> torc
     return _kernel("bias_act", _act_key(act, "bias +"), build)(x, bias)
 
 
-def _bias_dropout_add(
-    x: torch.Tensor, bias: torch.Tensor | None, mask: torch.Tensor | None, residual: torch.Tensor | None
-) -> torch.Tensor:
+def _bias_dropout(x: torch.Tensor, bias: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
     out = x if bias is None else x + bias
-    if mask is not None:
-        out = out * mask
-    return out if residual is None else residual + out
+    return out if mask is None else out * mask
 
 
-def bias_dropout_add(
-    x: torch.Tensor, bias: torch.Tensor | None, dropout: nn.Module, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`residual + dropout(x + bias)` as one kernel; the mask is `dropout(ones)` from the model's own dropout
-    module (its random stream, its rate, its training flag), so it is the unfused path's mask exactly."""
+def bias_dropout(x: torch.Tensor, bias: torch.Tensor | None, dropout: nn.Module) -> torch.Tensor:
+    """`dropout(x + bias)` as one kernel (GPT-2's c_proj bias + dropout, no residual); the mask is `dropout(ones)`
+    from the model's own dropout module (its random stream, its rate, its training flag), so it is the unfused
+    path's mask exactly."""
     p = float(getattr(dropout, "p", 0.0))
     mask = dropout(torch.ones_like(x)) if dropout.training and p > 0.0 else None
-    return _kernel("bias_dropout_add", None, lambda: _bias_dropout_add)(x, bias, mask, residual)
+    return _kernel("bias_dropout", None, lambda: _bias_dropout)(x, bias, mask)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, act: nn.Module) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cx_shardformer._config import ShardConfig
-from cx_shardformer._fused import bias_act, bias_dropout_add, rms_norm, swiglu
+from cx_shardformer._fused import bias_act, bias_dropout, rms_norm, swiglu
 from cx_shardformer._linear import _ColumnBase, _RowBase
 
 __all__ = ["apply_jit_fused"]
@@ -66,7 +66,7 @@ def _gpt2_mlp_forward(mlp: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     hidden, bias = _without_bias(mlp.c_fc, hidden_states)
     hidden = bias_act(hidden, bias, mlp.act)
     out, bias = _without_bias(mlp.c_proj, hidden)
-    return bias_dropout_add(out, bias, mlp.dropout)
+    return bias_dropout(out, bias, mlp.dropout)
 
 
 def _gated_mlp_forward(mlp: Any, x: torch.Tensor) -> torch.Tensor:
