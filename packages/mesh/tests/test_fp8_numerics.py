@@ -202,6 +202,11 @@ def test_fp8_linear_refuses_unsupported_inputs_and_devices(monkeypatch: pytest.M
         _matmul._require_supported(torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert fp8_matmul_supported("cuda:0")
+    # CUDA's row-wise kernels take E5M2 only as the left operand (where fp8_linear's backward puts the gradient):
+    # refused on CPU too, so a CPU run catches an operand order CUDA would reject
+    with pytest.raises(ValueError, match="ROWWISE takes an E4M3 right operand"):
+        _matmul.scaled_matmul(weight, weight, E4M3, E5M2, ScalingRecipe.ROWWISE, torch.float32)
+    assert _matmul.scaled_matmul(weight, weight, E5M2, E4M3, ScalingRecipe.ROWWISE, torch.float32).shape == (16, 16)
 
 
 @pytest.mark.gpu

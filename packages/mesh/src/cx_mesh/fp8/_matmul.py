@@ -3,6 +3,8 @@
 Forward: input and weight quantized to E4M3. Backward: grad_output quantized to E5M2 (gradients need the range) for
 both GEMMs, grad_input = g @ W and grad_weight = g^T @ x. Every GEMM quantizes its operands along the reduction dim,
 so ROWWISE scales are per row of the left operand and per column of the right one, as torch._scaled_mm takes them.
+The E5M2 gradient is always the left operand: torch's CUDA row-wise kernels (CUTLASS RowwiseScaledMM) take E4M3 or
+E5M2 on the left but only E4M3 on the right, so `scaled_matmul` refuses a right E5M2 operand on every device.
 The high-precision input and weight are saved for backward and re-quantized along the axis each GEMM needs.
 """
 
@@ -72,6 +74,11 @@ def scaled_matmul(
     On CUDA, K and N are zero-padded to multiples of 16 (cuBLASLt's fp8 requirement; zeros add nothing to the sums)
     and the output sliced back; rowwise GEMMs there produce bf16 (the only output cuBLASLt takes for them) and are
     cast to `out_dtype`."""
+    if recipe is ScalingRecipe.ROWWISE and b_dtype != E4M3:
+        raise ValueError(
+            f"scaled_matmul: ROWWISE takes an E4M3 right operand, got {b_dtype} (torch's CUDA row-wise fp8 kernels "
+            "accept E5M2 only on the left; pass the gradient as the left operand)"
+        )
     m, n = a.shape[0], b.shape[0]
     if a.device.type == "cuda":
         k = _round_up(a.shape[1])
