@@ -13,7 +13,7 @@ from torch import nn
 from cx_mesh import get_accelerator
 from cx_mesh.fp8 import Fp8Options, convert_to_fp8, fp8_matmul_supported
 
-__all__ = ["convert_linears_to_fp8"]
+__all__ = ["convert_linears_to_fp8", "warn_nothing_converted"]
 
 
 def convert_linears_to_fp8(model: nn.Module, owner: str, options: Fp8Options | None = None) -> list[str]:
@@ -30,10 +30,17 @@ def convert_linears_to_fp8(model: nn.Module, owner: str, options: Fp8Options | N
     converted = convert_to_fp8(model, options if options is not None else Fp8Options())
     tensor_parallel = any(getattr(module, "fp8_recipe", None) is not None for module in model.modules())
     if not converted and not tensor_parallel:
-        warnings.warn(
-            f"{owner}(use_fp8=True): no layer was converted to fp8 (fp8 takes plain nn.Linear layers whose in and "
-            "out features are multiples of 16 and at least 16, not named lm_head); the model computes as before",
-            UserWarning,
-            stacklevel=3,
-        )
+        warn_nothing_converted(owner, stacklevel=4)
     return converted
+
+
+def warn_nothing_converted(owner: str, stacklevel: int) -> None:
+    """The one warning for a use_fp8=True that converted no layer (every plugin's swap, cx_mesh's or torchao's):
+    the switch changed nothing, which is allowed (ColossalAI's examples pass it to any model) but never silent.
+    `stacklevel` counts from the caller of this function."""
+    warnings.warn(
+        f"{owner}(use_fp8=True): no layer was converted to fp8 (fp8 takes plain nn.Linear layers whose in and "
+        "out features are multiples of 16 and at least 16, not named lm_head); the model computes as before",
+        UserWarning,
+        stacklevel=stacklevel + 1,
+    )

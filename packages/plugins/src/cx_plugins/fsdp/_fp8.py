@@ -26,7 +26,6 @@ FSDP2 calls the reduce-scatter without async_op and ignores what it returns.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Any
 
 import torch
@@ -47,7 +46,7 @@ from cx_mesh.fp8 import (
     fp8_matmul_supported,
     reduce_scatter_flat_fp8,
 )
-from cx_plugins._use_fp8 import convert_linears_to_fp8
+from cx_plugins._use_fp8 import convert_linears_to_fp8, warn_nothing_converted
 
 __all__ = [
     "Fp8AllGather",
@@ -87,7 +86,7 @@ def convert_to_float8(module: nn.Module, float8_all_gather: bool, options: Fp8Op
         ok = (
             type(child) is nn.Linear
             and fp8_eligible(child.in_features, child.out_features, options)
-            and not any(name == suffix or name.endswith("." + suffix) for suffix in options.exclude)
+            and not options.excludes(name)
         )
         if ok:
             converted.append(name)
@@ -119,12 +118,7 @@ def convert_linears(module: nn.Module, linears: str, float8_all_gather: bool) ->
         )
     converted = convert_to_float8(module, float8_all_gather)
     if not converted:
-        warnings.warn(
-            "TorchFSDPPlugin(use_fp8=True): no layer was converted to fp8 (plain nn.Linear layers whose in and out "
-            "features are multiples of 16 and at least 16, not named lm_head); the model computes as before",
-            UserWarning,
-            stacklevel=3,
-        )
+        warn_nothing_converted("TorchFSDPPlugin", stacklevel=3)
     return converted
 
 
