@@ -30,14 +30,14 @@ def convert_linears_to_fp8(model: nn.Module, owner: str, options: Fp8Options | N
     converted = convert_to_fp8(model, options if options is not None else Fp8Options())
     tensor_parallel = any(getattr(module, "fp8_recipe", None) is not None for module in model.modules())
     if not converted and not tensor_parallel:
-        warn_nothing_converted(owner, stacklevel=4)
+        warn_nothing_converted(owner, stacklevel=3)
     return converted
 
 
 def warn_nothing_converted(owner: str, stacklevel: int) -> None:
     """The one warning for a use_fp8=True that converted no layer (every plugin's swap, cx_mesh's or torchao's):
     the switch changed nothing, which is allowed (ColossalAI's examples pass it to any model) but never silent.
-    `stacklevel` counts from the caller of this function."""
+    `stacklevel` counts from the caller of this function (1: that caller), as warnings.warn counts from itself."""
     warnings.warn(
         f"{owner}(use_fp8=True): no layer was converted to fp8 (fp8 takes plain nn.Linear layers whose in and "
         "out features are multiples of 16 and at least 16, not named lm_head); the model computes as before",
