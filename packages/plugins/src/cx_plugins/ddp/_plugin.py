@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader
 from cx_checkpoint import CheckpointIO, attach_param_names
 from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._ddp_options import DDPOptions
+from cx_plugins._fp8_communication import warn_if_nothing_to_compress
 from cx_plugins._fp8_ddp_hook import register_fp8_comm_hook
 from cx_plugins._plugin import Boosted, DPPluginBase
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
@@ -61,6 +63,7 @@ class TorchDDPPlugin(DPPluginBase):
             static_graph=static_graph,
         )
         assert_same_across_ranks((self.options, fp8_communication), what="TorchDDPPlugin options")
+        warn_if_nothing_to_compress("TorchDDPPlugin", fp8_communication, dist.get_world_size())
 
     def supported_devices(self) -> list[str]:
         return ["cuda", "cpu"]

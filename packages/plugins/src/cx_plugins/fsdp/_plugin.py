@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import CheckpointIO
 from cx_mesh import assert_same_across_ranks, get_accelerator
+from cx_plugins._fp8_communication import warn_if_nothing_to_compress
 from cx_plugins._plugin import Boosted, DPPluginBase
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_plugins.fsdp._checkpoint_io import FSDPCheckpointIO
@@ -89,6 +90,7 @@ class TorchFSDPPlugin(DPPluginBase):
             use_fp8,
         )
         assert_same_across_ranks(self.options.fingerprint(), what="TorchFSDPPlugin options")
+        warn_if_nothing_to_compress("TorchFSDPPlugin", fp8_communication, dist.get_world_size(process_group))
         self._owner: weakref.WeakKeyDictionary[Optimizer, nn.Module] = weakref.WeakKeyDictionary()
 
     def supported_devices(self) -> list[str]:

@@ -30,6 +30,7 @@ from cx_checkpoint import CheckpointIO
 from cx_chunk import MemStats
 from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._engine_optimizer import EngineOptimizer
+from cx_plugins._fp8_communication import warn_if_nothing_to_compress
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._shardformer_options import ShardFormerOptions
@@ -244,6 +245,7 @@ class GeminiPlugin(ZeroPluginBase):
             [(Axis.ZERO, FILL), (Axis.EXTRA_DP, extra_dp_size), (Axis.TP, tp_size)],
             data_axes=(Axis.ZERO, Axis.EXTRA_DP),
         )
+        warn_if_nothing_to_compress("GeminiPlugin", fp8_communication, self.layout.world_size)
         self._gemini_of: WeakLookup[Optimizer, GeminiOptimizer] = WeakLookup()
 
     def support_no_sync(self) -> bool:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from cx_checkpoint import CheckpointIO
 from cx_mesh import ProcessGroup, assert_same_across_ranks, get_accelerator
 from cx_pipeline import PipelineSchedule, PipelineStageManager
+from cx_plugins._fp8_communication import warn_if_nothing_to_compress
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import Boosted, ZeroPluginBase
 from cx_plugins._use_fp8 import convert_linears_to_fp8
@@ -161,8 +162,7 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
         )
         # layout: every group and rank, the ShardFormer config over it, the pipeline schedule
         self.layout = self._build_layout(options)
-        if options.pipeline.fp8_communication and self.layout.world_size == 1:
-            raise ValueError(f"{name}(fp8_communication=True): a single rank has no collective or p2p to compress")
+        warn_if_nothing_to_compress(name, options.pipeline.fp8_communication, self.layout.world_size)
         idle = options.idle_arguments()
         if idle:
             reasons = "; ".join(f"{name}: {why}" for name, why in idle.items())

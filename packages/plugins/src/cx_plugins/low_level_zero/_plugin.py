@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import CheckpointIO
 from cx_mesh import assert_same_across_ranks, get_accelerator
+from cx_plugins._fp8_communication import warn_if_nothing_to_compress
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._use_fp8 import convert_linears_to_fp8
@@ -110,6 +111,7 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         self.layout = ParallelLayout.build(
             [(Axis.EXTRA_DP, extra_dp_size), (Axis.ZERO, FILL)], data_axes=(Axis.EXTRA_DP, Axis.ZERO)
         )
+        warn_if_nothing_to_compress("LowLevelZeroPlugin", fp8_communication, self.layout.world_size)
         # Which ZeRO optimizer serves a user's torch optimizer, and which module each one trains (for checkpoint IO).
         self._zero_of: WeakLookup[Optimizer, LowLevelZeroOptimizer] = WeakLookup()
         self._owner_of: weakref.WeakKeyDictionary[LowLevelZeroOptimizer, weakref.ref[nn.Module]] = (
