@@ -214,6 +214,13 @@ def _check_collectives(rank: int, world_size: int, device: torch.device) -> None
     padded = 24  # 23 rounded up to a multiple of 2
     bf16_reduce_scatter_plus_gather = 2 * padded + 2 * padded // world_size
     assert fp8_bytes.total == bf16_reduce_scatter_plus_gather // 2 + (world_size + 1) * _SCALE
+    # per (op, dtype): bytes and calls; both fp8 messages travel as packed uint8, one call each
+    (gather_op,) = set(fp8_bytes.by_op) - {"all_to_all_single"}
+    assert fp8_bytes.by_dtype == {
+        ("all_to_all_single", torch.uint8): padded + world_size * _SCALE,
+        (gather_op, torch.uint8): padded // world_size + _SCALE,
+    }, fp8_bytes.by_dtype
+    assert fp8_bytes.calls == {("all_to_all_single", torch.uint8): 1, (gather_op, torch.uint8): 1}
     exact = torch.stack(odd).sum(0)
     rs_bound = torch.zeros(padded, dtype=torch.float64)
     for x in odd:
@@ -263,4 +270,6 @@ def _check_collectives(rank: int, world_size: int, device: torch.device) -> None
         for pending in dist.batch_isend_irecv(ops):
             pending.wait()
     assert p2p.by_op == {"batch_isend_irecv": 2 * 5 * 4}
+    assert p2p.by_dtype == {("batch_isend_irecv", torch.float32): 2 * 5 * 4}
+    assert p2p.calls == {("batch_isend_irecv", torch.float32): 1}
     assert dist.batch_isend_irecv is original

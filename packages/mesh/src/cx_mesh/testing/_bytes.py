@@ -40,23 +40,30 @@ class CollectiveBytes:
     """Bytes handed to each op (by its torch.distributed name) while the context was open."""
 
     by_op: dict[str, int] = field(default_factory=dict)
+    #: (op, dtype) -> bytes and -> calls: which payloads an fp8 path compressed (bf16 sums) and which it left alone
+    #: (a loss's float32 reductions), and how many calls carried them (each fp8 message adds its scales)
+    by_dtype: dict[tuple[str, torch.dtype], int] = field(default_factory=dict)
+    calls: dict[tuple[str, torch.dtype], int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
         return sum(self.by_op.values())
 
-    def add(self, op: str, nbytes: int) -> None:
+    def add(self, op: str, nbytes: int, dtype: torch.dtype | None = None) -> None:
         self.by_op[op] = self.by_op.get(op, 0) + nbytes
+        if dtype is not None:
+            self.by_dtype[op, dtype] = self.by_dtype.get((op, dtype), 0) + nbytes
+            self.calls[op, dtype] = self.calls.get((op, dtype), 0) + 1
 
 
-def _nbytes(value: Any) -> int:
+def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return [value]
     if isinstance(value, dist.P2POp):
-        return _nbytes(value.tensor)
+        return _tensors(value.tensor)
     if isinstance(value, (list, tuple)):
-        return sum(_nbytes(item) for item in value)
-    return 0
+        return [tensor for item in value for tensor in _tensors(item)]
+    return []
 
 
 def _counting(op: str, original: Callable[..., Any], counts: CollectiveBytes, state: threading.local) -> Any:
@@ -66,7 +73,14 @@ def _counting(op: str, original: Callable[..., Any], counts: CollectiveBytes, st
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         outermost = not getattr(state, "depth", 0)  # an op implemented by another counted op counts once
         if outermost:
-            counts.add(op, _nbytes(args[position] if len(args) > position else kwargs.get(keyword)))
+            tensors = _tensors(args[position] if len(args) > position else kwargs.get(keyword))
+            by_dtype: dict[torch.dtype, int] = {}
+            for tensor in tensors:
+                by_dtype[tensor.dtype] = by_dtype.get(tensor.dtype, 0) + tensor.numel() * tensor.element_size()
+            for dtype, nbytes in by_dtype.items():  # one call per dtype it carries (a batch may mix them)
+                counts.add(op, nbytes, dtype)
+            if not by_dtype:
+                counts.add(op, 0)
         state.depth = getattr(state, "depth", 0) + 1
         try:
             return original(*args, **kwargs)
@@ -81,8 +95,9 @@ def count_collective_bytes() -> Iterator[CollectiveBytes]:
     """Patch torch.distributed's collectives and p2p calls (all_gather_single/_into_tensor, all_gather,
     reduce_scatter_single/_tensor, all_reduce, all_to_all_single, broadcast, send/recv/isend/irecv,
     batch_isend_irecv; in `torch.distributed` and `distributed_c10d`) in this process and count the bytes this rank
-    hands to each: `.by_op` (op name -> bytes) and `.total`. batch_isend_irecv counts the tensors of all its ops,
-    sends and receives. For tests and benchmarks only: not thread-safe against other patchers."""
+    hands to each: `.by_op` (op name -> bytes), `.total`, and per (op, dtype) `.by_dtype` (bytes) and `.calls`.
+    batch_isend_irecv counts the tensors of all its ops, sends and receives. For tests and benchmarks only: not
+    thread-safe against other patchers."""
     counts = CollectiveBytes()
     state = threading.local()
     saved: list[tuple[Any, str, Any]] = []
