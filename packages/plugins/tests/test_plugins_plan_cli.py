@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from cx_plugins.models import GPTConfig
+from cx_plugins.plan import _memory_model as memory_model_module
 from cx_plugins.plan import _planner as planner
 from cx_plugins.plan._activations import ActivationTrace, trace_stage
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._cli import main
 from cx_plugins.plan._devices import Device, lookup_device
-from cx_plugins.plan._fits import memory_model
+from cx_plugins.plan._memory_model import memory_model
 from cx_plugins.plan._model_spec import ModelShape, shape_from_config
 from cx_plugins.plan._planner import MemoryModel
 from cx_plugins.plan._report import MemoryVerdict
@@ -101,7 +102,7 @@ def test_traced_memory_model_shares_traces(monkeypatch: pytest.MonkeyPatch) -> N
         traced.append(candidate)
         return real(shape, candidate, seq_len, stage)
 
-    monkeypatch.setattr(planner, "trace_stage", counting)
+    monkeypatch.setattr(memory_model_module, "trace_stage", counting)
     device = lookup_device("cpu")
     model = planner.traced_memory_model(shape, 16, device)
     candidates = [Candidate("hybrid", dp=2, zero_stage=stage, micro_batch_size=2) for stage in (0, 1, 2)]
@@ -109,6 +110,33 @@ def test_traced_memory_model_shares_traces(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(traced) == 1
     assert verdicts[2] == memory_model(shape, 16, device.memory_bytes)(candidates[2])
     assert verdicts[0].prediction.optimizer_states == 2 * verdicts[1].prediction.optimizer_states  # ZeRO-1, dp 2
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (ValueError("tp=3 does not divide the heads"), "cx refuses: tp=3 does not divide the heads"),
+        (NotImplementedError("no splitter"), "cx refuses: no splitter"),
+        (AttributeError("no attribute 'cx_sp_group'"), "trace failed: AttributeError: no attribute 'cx_sp_group'"),
+        (TypeError("bad operand"), "trace failed: TypeError: bad operand"),
+    ],
+    ids=["value", "not-implemented", "attribute", "type"],
+)
+def test_a_failing_trace_is_a_row_not_the_end_of_the_plan(
+    monkeypatch: pytest.MonkeyPatch, error: Exception, reason: str
+) -> None:
+    """cx's own refusals read "cx refuses: ..."; any other exception in a trace is a non-fitting "trace failed" row
+    and the search goes on (before, an AttributeError ended the whole plan and a TypeError read as a refusal)."""
+    shape = shape_from_config("gpt", GPTConfig(vocab_size=64, max_positions=17, hidden_size=32, num_layers=2))
+
+    def failing(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int) -> ActivationTrace:
+        raise error
+
+    monkeypatch.setattr(memory_model_module, "trace_stage", failing)
+    device = lookup_device("cpu")
+    report = planner.plan(shape, 2, 16, device, planner.traced_memory_model(shape, 16, device))
+    assert report.rows
+    assert all(not row.memory.fits and row.memory.reason == reason for row in report.rows)
 
 
 def test_plan_judges_memory_fastest_first_until_enough_fit() -> None:

@@ -10,7 +10,8 @@ from cx_plugins.demo._dry_run import plan_candidate
 from cx_plugins.demo._options import parse_options
 from cx_plugins.plan import Candidate, load_model_shape
 from cx_plugins.plan._devices import detect_device
-from cx_plugins.plan._fits import format_bytes, memory_model
+from cx_plugins.plan._fits import format_bytes
+from cx_plugins.plan._memory_model import memory_model
 from cx_plugins.plan._step_time import predict_step_time
 
 

@@ -23,8 +23,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from cx_mesh.testing import run_distributed
 from cx_plugins.plan import Candidate, load_model_shape
 from cx_plugins.plan._activations import ActivationTrace, PlanTraceError, _plugin, _trace_exact, stage_rank, trace_stage
-from cx_plugins.plan._fits import fits, memory_model
+from cx_plugins.plan._fits import fits
 from cx_plugins.plan._memory import predict_memory, predict_memory_from_traces
+from cx_plugins.plan._memory_model import memory_model
 from plan_test_helpers import measure_step_peak, read_peaks
 
 HIDDEN, LAYERS, SEQ = 64, 2, 32
@@ -83,7 +84,7 @@ def test_fits_boundary_and_reason() -> None:
     assert "try ZeRO" in short.reason
     refused = memory_model(shape, SEQ, 10**9)(Candidate("hybrid", tp=3, precision="fp32"))
     assert not refused.fits
-    assert "cx refuses it" in refused.reason
+    assert refused.reason.startswith("cx refuses: ")
 
 
 def test_trace_refuses_a_process_with_a_process_group() -> None:
@@ -171,3 +172,14 @@ def test_stage_rank_is_the_plugins_own_last_stage(fields: dict[str, Any], expect
         assert manager.is_last_stage()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_sequence_parallel_trace_leaves_the_shape_as_it_was() -> None:
+    # ShardFormer's Ulysses policy switches the model's attention implementation on its config; built from the
+    # shape's own config, that switch leaked into the next trace of the shape, whose attention then looked for the
+    # sequence-parallel group it never got (AttributeError 'cx_sp_group', seen in benchmarks/plan)
+    shape = load_model_shape("llama", hidden_size=32, num_layers=2, seq_len=16)
+    before = shape.config._attn_implementation
+    trace_stage(shape, Candidate("hybrid", sp=2, sp_mode="all_to_all", precision="fp32"), 16)
+    assert shape.config._attn_implementation == before
+    assert trace_stage(shape, Candidate("torch_ddp", dp=2, precision="fp32"), 16).activation_bytes > 0

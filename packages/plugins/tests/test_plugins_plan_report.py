@@ -33,7 +33,7 @@ def test_ranking_table_and_json() -> None:
         Candidate("gemini", dp=2, micro_batch_size=4): _Verdict(True, 2 * 10**9),
         Candidate("hybrid", tp=2, micro_batch_size=4): _Verdict(False, 90 * 10**9, "activations 85 GB > 80 GB; try"),
         Candidate("low_level_zero", dp=2, micro_batch_size=4): _Verdict(False, 81 * 10**9, "optimizer states ..."),
-        Candidate("hybrid", pp=2, num_microbatches=2, micro_batch_size=2): _Verdict(False, 0, "cx refuses it: ..."),
+        Candidate("hybrid", pp=2, num_microbatches=2, micro_batch_size=2): _Verdict(False, 0, "cx refuses: ..."),
         Candidate("gemini", dp=2, micro_batch_size=4, placement_policy="auto"): _Verdict(True, 2 * 10**9),
     }
     rows = [PlanRow(c, v, predict_step_time(c, shape, 32, device)) for c, v in verdicts.items()]

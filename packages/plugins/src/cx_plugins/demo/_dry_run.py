@@ -18,7 +18,8 @@ from cx_plugins.demo._config_file import resolved_toml
 from cx_plugins.demo._options import DemoOptions
 from cx_plugins.plan import Candidate, ModelShape, load_model_shape
 from cx_plugins.plan._devices import detect_device
-from cx_plugins.plan._fits import format_bytes, memory_model
+from cx_plugins.plan._fits import format_bytes
+from cx_plugins.plan._memory_model import memory_model
 from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION, predict_step_time
 
 __all__ = ["dense_dp", "dry_run_report", "layout_rows", "plan_candidate", "plan_lines"]

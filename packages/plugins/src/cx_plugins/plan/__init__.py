@@ -10,8 +10,9 @@ from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._cli import main
 from cx_plugins.plan._devices import Device, Link, Network, lookup_device, lookup_link, parse_memory
 from cx_plugins.plan._enumerate import NoLayoutError, SearchSpace, enumerate_candidates
-from cx_plugins.plan._fits import Verdict, fits, memory_model
+from cx_plugins.plan._fits import Verdict, fits
 from cx_plugins.plan._memory import MemoryPrediction, predict_memory
+from cx_plugins.plan._memory_model import memory_model
 from cx_plugins.plan._model_spec import ModelShape, ModelShapeError, ParameterCounts, load_model_shape
 from cx_plugins.plan._planner import judge, plan
 from cx_plugins.plan._report import PlanReport, PlanRow

@@ -7,14 +7,13 @@ library workspaces take the rest; 0.9 by default, stated in the report).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._memory import MemoryPrediction, predict_memory
-from cx_plugins.plan._model_spec import ModelShape
+from cx_plugins.plan._memory import MemoryPrediction
 
-__all__ = ["Verdict", "fits", "format_bytes", "memory_model"]
+__all__ = ["USABLE_FRACTION", "Verdict", "fits", "format_bytes"]
+
+USABLE_FRACTION = 0.9
 
 _SUGGESTIONS = {
     "activations": "activation checkpointing (checkpoint_ratio 1.0), a smaller micro-batch, or more tp / sp",
@@ -46,7 +45,7 @@ class Verdict:
     prediction: MemoryPrediction
 
 
-def fits(prediction: MemoryPrediction, device_memory: int, usable_fraction: float = 0.9) -> Verdict:
+def fits(prediction: MemoryPrediction, device_memory: int, usable_fraction: float = USABLE_FRACTION) -> Verdict:
     """Whether the prediction's peak fits `usable_fraction` of `device_memory` bytes; if not, which component
     (the largest) to cut and how."""
     if device_memory <= 0:
@@ -65,21 +64,3 @@ def fits(prediction: MemoryPrediction, device_memory: int, usable_fraction: floa
         f"try {_SUGGESTIONS[name]}"
     )
     return Verdict(False, peak, limit, reason, prediction)
-
-
-def memory_model(
-    shape: ModelShape, seq_len: int, device_memory: int, usable_fraction: float = 0.9
-) -> Callable[[Candidate], Verdict]:
-    """The planner's memory model (`plan(..., memory=...)`): trace, predict and judge each candidate. A candidate
-    the real composition refuses (e.g. a pipeline split cx cannot make of this model) does not fit, with cx's
-    reason."""
-
-    def judge(candidate: Candidate) -> Verdict:
-        try:
-            prediction = predict_memory(shape, candidate, seq_len)
-        except (ValueError, TypeError, NotImplementedError) as error:
-            refused = MemoryPrediction(candidate, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-            return Verdict(False, 0, int(device_memory * usable_fraction), f"cx refuses it: {error}", refused)
-        return fits(prediction, device_memory, usable_fraction)
-
-    return judge

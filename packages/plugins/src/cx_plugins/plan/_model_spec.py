@@ -9,6 +9,7 @@ missing field (transformers would silently fill in its defaults).
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,10 +141,13 @@ def _demo_config(model: str, hidden_size: int, num_layers: int, seq_len: int) ->
 
 def build_model(shape: ModelShape) -> nn.Module:
     """The model with fresh weights on the current default device (build under `torch.device("meta")` or a
-    FakeTensorMode to allocate nothing)."""
+    FakeTensorMode to allocate nothing). A transformers model gets its own copy of the config: the model shares the
+    config object it is built from, and ShardFormer's sequence-parallel policy switches its attention implementation
+    (Ulysses / ring), which would leak into every later trace of the shape (an AttributeError on `cx_sp_group` in a
+    plain candidate's attention)."""
     if isinstance(shape.config, GPTConfig):
         return GPT(shape.config)
-    model: nn.Module = _transformers().AutoModelForCausalLM.from_config(shape.config)
+    model: nn.Module = _transformers().AutoModelForCausalLM.from_config(copy.deepcopy(shape.config))
     return model
 
 

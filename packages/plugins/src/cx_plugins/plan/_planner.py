@@ -4,22 +4,20 @@ predict its step time, and rank them into a `PlanReport`. `judge(...)` does the 
 
 The memory model is passed in (any callable from a `Candidate` to a verdict with `fits`, `peak_bytes`, `reason`),
 so the measured figures of a harness, or a cheaper model, can stand in for the FakeTensor-traced one.
-`traced_memory_model` is the planner's own (`predict_memory` over FakeTensor traces, judged by `fits`), with each
-pipeline stage's trace made once per distinct trace and shared by the candidates that differ only in what a trace
-does not see (ZeRO stage, micro-batch count, data-parallel size, Gemini placement, offload): a search over a world's
-hundreds of candidates traces tens of times.
+`traced_memory_model` is the planner's own (`_memory_model.memory_model` for the device: FakeTensor traces shared by
+the candidates that differ only in what a trace does not see, so a search over a world's hundreds of candidates
+traces tens of times).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from cx_plugins.plan._activations import ActivationTrace, trace_stage
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._devices import Device, Network
 from cx_plugins.plan._enumerate import SearchSpace, enumerate_candidates
-from cx_plugins.plan._fits import Verdict, fits
-from cx_plugins.plan._memory import MemoryPrediction, predict_memory_from_traces
+from cx_plugins.plan._fits import Verdict
+from cx_plugins.plan._memory_model import memory_model
 from cx_plugins.plan._model_spec import ModelShape
 from cx_plugins.plan._report import MemoryVerdict, PlanReport, PlanRow, rank_rows
 from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION, predict_step_time
@@ -27,38 +25,11 @@ from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION, predict_step_time
 __all__ = ["MemoryModel", "judge", "plan", "traced_memory_model"]
 
 MemoryModel = Callable[[Candidate], MemoryVerdict]
-_USABLE = 0.9  # `fits`' default share of the device
-
-
-def _trace_key(candidate: Candidate, stage: int) -> tuple[object, ...]:
-    c = candidate
-    return (c.plugin, c.tp, c.pp, c.sp, c.sp_mode, c.ep, c.micro_batch_size, c.checkpoint_ratio, c.pp_style,
-            c.precision, stage)  # fmt: skip
 
 
 def traced_memory_model(shape: ModelShape, seq_len: int, device: Device) -> Callable[[Candidate], Verdict]:
-    """The planner's memory model with shared traces. A candidate the real composition refuses (a split cx cannot
-    make of this model, say) does not fit, with cx's reason, as in `_fits.memory_model`."""
-    traces: dict[tuple[object, ...], ActivationTrace | Exception] = {}
-    limit = int(device.memory_bytes * _USABLE)
-
-    def verdict(candidate: Candidate) -> Verdict:
-        made = []
-        for stage in sorted({0, candidate.pp - 1}):
-            key = _trace_key(candidate, stage)
-            if key not in traces:
-                try:
-                    traces[key] = trace_stage(shape, candidate, seq_len, stage)
-                except (ValueError, TypeError, NotImplementedError) as error:
-                    traces[key] = error
-            trace = traces[key]
-            if isinstance(trace, Exception):
-                refused = MemoryPrediction(candidate, stage, 0, 0, 0, 0, 0, 0, 0, 0)
-                return Verdict(False, 0, limit, f"cx refuses it: {trace}", refused)
-            made.append(trace)
-        return fits(predict_memory_from_traces(candidate, made), device.memory_bytes, _USABLE)
-
-    return verdict
+    """The planner's memory model for `device` (`_memory_model.memory_model` at the usable fraction `fits` uses)."""
+    return memory_model(shape, seq_len, device.memory_bytes)
 
 
 def judge(
