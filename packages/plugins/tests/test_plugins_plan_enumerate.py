@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cx_plugins.models import GPTConfig
+from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._enumerate import NoLayoutError, SearchSpace, enumerate_candidates
 from cx_plugins.plan._model_spec import ModelShape, ParameterCounts, shape_from_config
 
@@ -78,3 +79,24 @@ def test_no_layout_errors_name_the_reason() -> None:
         enumerate_candidates(gpt, 2, _SEQ, SearchSpace(plugins=("deepspeed",)))
     with pytest.raises(NoLayoutError, match="positive number of devices"):
         enumerate_candidates(gpt, 0, _SEQ)
+
+
+def test_data_parallel_plugins_checkpoint_all_or_none_and_gemini_does_not_accumulate() -> None:
+    # the trace checkpoints every layer under them (transformers' switch), so a ratio of 0.5 would be predicted as
+    # 1 and timed as 0.5; GeminiDDP refuses accumulation (and cx-train --grad-accum with gemini)
+    gpt = shape_from_config(
+        "gpt", GPTConfig(vocab_size=64, max_positions=33, hidden_size=32, num_layers=2, num_heads=2)
+    )
+    space = SearchSpace(checkpoint_ratios=(0.0, 0.5, 1.0), global_batch=8)
+    found = enumerate_candidates(gpt, 2, _SEQ, space)
+    for plugin in ("torch_ddp", "torch_fsdp", "low_level_zero", "gemini"):
+        assert {c.checkpoint_ratio for c in found if c.plugin == plugin} == {0.0, 1.0}
+    assert 0.5 in {c.checkpoint_ratio for c in found if c.plugin == "hybrid"}
+    assert {c.num_microbatches for c in found if c.plugin == "gemini"} == {1}
+    assert {c.num_microbatches for c in found if c.plugin == "low_level_zero"} == {1, 2, 4}
+    with pytest.raises(NoLayoutError, match="checkpoints all layers or none"):
+        enumerate_candidates(gpt, 2, _SEQ, SearchSpace(plugins=("torch_ddp",), checkpoint_ratios=(0.5,)))
+    with pytest.raises(ValueError, match="whole model or nothing"):
+        Candidate("low_level_zero", checkpoint_ratio=0.5)
+    with pytest.raises(ValueError, match="gemini runs one micro-batch"):
+        Candidate("gemini", num_microbatches=2)

@@ -95,6 +95,16 @@ class Candidate:
         allowed = _STAGES.get(self.plugin, (_FIXED_STAGE.get(self.plugin),))
         _require(stage in allowed, f"{self.plugin} runs ZeRO stage {' or '.join(map(str, allowed))}, not {stage}")
         _require(0.0 <= self.checkpoint_ratio <= 1.0, f"checkpoint_ratio {self.checkpoint_ratio} is not in [0, 1]")
+        _require(
+            parallel or self.checkpoint_ratio in (0.0, 1.0),
+            f"{self.plugin} checkpoints the whole model or nothing (transformers' switch), not a ratio of "
+            f"{self.checkpoint_ratio}: use 0 or 1 (a ratio of layers needs hybrid or moe_hybrid)",
+        )
+        _require(
+            self.plugin != "gemini" or self.num_microbatches == 1,
+            f"gemini runs one micro-batch per step (GeminiDDP refuses gradient accumulation without "
+            f"enable_gradient_accumulation, and cx-train refuses --grad-accum with it), not {self.num_microbatches}",
+        )
         _require(self.placement_policy in PLACEMENT_POLICIES, f"unknown placement_policy {self.placement_policy!r}")
         for name in ("offload_optim_frac", "offload_param_frac"):
             value = getattr(self, name)

@@ -10,7 +10,9 @@ The rules (each the one the code that would run it checks):
 - the global batch (sequences per step) splits over dp evenly, into micro-batches of every divisor size; a
   pipeline needs at least pp micro-batches;
 - ZeRO: LowLevelZero 1/2, hybrid and MoE hybrid 0/1/2; FSDP and Gemini shard everything; Gemini tries static
-  placement on the device, all optimizer state offloaded, and auto placement.
+  placement on the device, all optimizer state offloaded, and auto placement, with one micro-batch per step
+  (GeminiDDP refuses accumulation as cx-train configures it);
+- checkpointing: a ratio of layers under the hybrid plugins (ShardFormer); all or none under the others.
 When no candidate survives, `NoLayoutError` names, per plugin, why.
 """
 
@@ -82,7 +84,9 @@ def _batches(per_rank: int, pp: int) -> Iterator[tuple[int, int]]:
             yield micro, count
 
 
-def _data_parallel(plugin: str, world: int, per_rank: int, space: SearchSpace) -> Iterator[Candidate]:
+def _data_parallel(plugin: str, world: int, per_rank: int, space: SearchSpace, why: set[str]) -> Iterator[Candidate]:
+    """The data-parallel plugins checkpoint all layers or none (transformers' switch), and Gemini runs one
+    micro-batch per step (its GeminiDDP refuses accumulation as cx-train configures it)."""
     base = Candidate(plugin, dp=world, precision=space.precision)
     variants = [base]
     if plugin == "low_level_zero":
@@ -90,7 +94,11 @@ def _data_parallel(plugin: str, world: int, per_rank: int, space: SearchSpace) -
     elif plugin == "gemini":
         offloaded = dataclasses.replace(base, offload_optim_frac=1.0)
         variants = [base, offloaded, dataclasses.replace(base, placement_policy="auto")]
-    for variant, ratio, (micro, count) in itertools.product(variants, space.checkpoint_ratios, _batches(per_rank, 1)):
+    ratios = [r for r in space.checkpoint_ratios if r in (0.0, 1.0)]
+    if not ratios:
+        why.add(f"it checkpoints all layers or none, not a ratio of {', '.join(map(str, space.checkpoint_ratios))}")
+    batches = [(micro, count) for micro, count in _batches(per_rank, 1) if plugin != "gemini" or count == 1]
+    for variant, ratio, (micro, count) in itertools.product(variants, ratios, batches):
         yield dataclasses.replace(variant, micro_batch_size=micro, num_microbatches=count, checkpoint_ratio=ratio)
 
 
@@ -160,7 +168,7 @@ def enumerate_candidates(
         elif global_batch % world:
             why.add(f"the global batch {global_batch} does not split over dp={world}")
         else:
-            found += _data_parallel(plugin, world, global_batch // world, space)
+            found += _data_parallel(plugin, world, global_batch // world, space, why)
     if not found:
         lines = "; ".join(f"{p}: {', '.join(sorted(r)) or 'no layout'}" for p, r in reasons.items())
         raise NoLayoutError(
