@@ -53,7 +53,8 @@ def test_cx_plan_prints_a_ranked_plan(capsys: pytest.CaptureFixture[str]) -> Non
     steps = [row["step_s"] for row in plan["rows"] if row["fits"]]
     assert steps == sorted(steps)
     assert plan["best"]["label"] == plan["rows"][0]["label"]
-    assert plan["best"]["cx_train"].startswith("cx-train --model gpt ")
+    # the model cx-plan judged (hidden 32, 2 layers), not cx-train's default size
+    assert plan["best"]["cx_train"].startswith("cx-train --model gpt --hidden-size 32 --num-layers 2 ")
     # 300 KB: 450 KB of model states do not fit unsharded, 225 KB do; the rejected ones carry the reason
     flags = [*_GPT, "--world", "2", "--device", "cpu", "--device-memory", "300KB", "--plugins", "torch_ddp,gemini"]
     assert main([*flags, "--json"], memory_factory=_stub) == 0

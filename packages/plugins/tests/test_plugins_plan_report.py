@@ -77,12 +77,12 @@ def test_constructor_calls_and_cx_train_commands_parse() -> None:
         (moe, {"plugin": "moe_hybrid", "nproc": 8, "ep": 2, "sp": 2, "batch_size": 1, "grad_accum": 2}),
         (ddp, {"plugin": "torch_ddp", "nproc": 4, "batch_size": 2, "grad_accum": 3, "precision": "fp32"}),
     ):
-        command = train_command(candidate, "mixtral", 64)
+        command = train_command(candidate, "mixtral", 64, ("--hidden-size", "96", "--num-layers", "3"))
         assert "#" not in command
         arguments = parser.parse_args(shlex.split(command)[1:])
         for name, value in expected.items():
             assert getattr(arguments, name) == value, (name, command)
-        assert arguments.seq_len == 64
+        assert (arguments.seq_len, arguments.hidden_size, arguments.num_layers) == (64, 96, 3)
     assert hybrid.checkpoint_ratio == 1.0
     assert parser.parse_args(shlex.split(train_command(hybrid, "gpt", 32))[1:]).activation_checkpointing
     zbv = Candidate("hybrid", pp=2, num_microbatches=2, pp_style="zbv", sp_mode="split_gather", tp=2)

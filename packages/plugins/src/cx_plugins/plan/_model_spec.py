@@ -20,7 +20,7 @@ from torch import nn
 
 from cx_plugins.models import GPT, GPTConfig
 
-__all__ = ["ModelShape", "ModelShapeError", "ParameterCounts", "build_model", "load_model_shape"]
+__all__ = ["ModelShape", "ModelShapeError", "ParameterCounts", "build_model", "load_model_shape", "train_flags"]
 
 GPT_MODEL = "gpt"
 _PRESETS = ("gpt2", "llama", "mixtral", "qwen3_moe", "deepseek_v3")
@@ -251,3 +251,11 @@ def load_model_shape(model: str, *, hidden_size: int = 128, num_layers: int = 2,
             "config.json file"
         )
     return shape_from_config(model, _config_from_json(path))
+
+
+def train_flags(shape: ModelShape) -> tuple[str, ...]:
+    """The cx-train flags that size this model: `--hidden-size` / `--num-layers` for gpt and the presets (cx-train
+    builds their default size otherwise); none for a model folder or config.json, which its config sizes."""
+    if shape.name == GPT_MODEL or shape.name in _PRESETS:
+        return ("--hidden-size", str(shape.hidden_size), "--num-layers", str(shape.num_layers))
+    return ()

@@ -18,7 +18,7 @@ from cx_plugins.plan._devices import Device, Network
 from cx_plugins.plan._enumerate import SearchSpace, enumerate_candidates
 from cx_plugins.plan._fits import Verdict
 from cx_plugins.plan._memory_model import memory_model
-from cx_plugins.plan._model_spec import ModelShape
+from cx_plugins.plan._model_spec import ModelShape, train_flags
 from cx_plugins.plan._report import MemoryVerdict, PlanReport, PlanRow, rank_rows
 from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION, predict_step_time
 
@@ -77,4 +77,6 @@ def plan(
         fitting += row.memory.fits
         if enough is not None and fitting >= enough:
             break
-    return PlanReport(shape.name, world, seq_len, device, rank_rows(rows), considered=len(candidates))
+    return PlanReport(
+        shape.name, world, seq_len, device, rank_rows(rows), considered=len(candidates), model_flags=train_flags(shape)
+    )

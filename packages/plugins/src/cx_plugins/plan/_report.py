@@ -111,12 +111,12 @@ def constructor_call(candidate: Candidate) -> str:
     return call
 
 
-def train_command(candidate: Candidate, model: str, seq_len: int) -> str:
-    """The `cx-train` command line that runs `candidate`, with a trailing note naming what cx-train's flags cannot
-    say (then use the constructor call in your own script)."""
+def train_command(candidate: Candidate, model: str, seq_len: int, model_flags: Sequence[str] = ()) -> str:
+    """The `cx-train` command line that runs `candidate` on `model` sized by `model_flags` (`train_flags`), with a
+    trailing note naming what cx-train's flags cannot say (then use the constructor call in your own script)."""
     c = candidate
     per_rank = c.micro_batch_size * c.num_microbatches
-    parts = ["cx-train", f"--model {model}", f"--plugin {c.plugin}", f"--nproc {c.world_size}"]
+    parts = ["cx-train", f"--model {model}", *model_flags, f"--plugin {c.plugin}", f"--nproc {c.world_size}"]
     parts += [f"--seq-len {seq_len}", f"--precision {c.precision}"]
     if c.pp > 1:
         parts += [f"--batch-size {per_rank}", f"--microbatches {c.num_microbatches}"]
@@ -158,6 +158,7 @@ class PlanReport:
     device: Device
     rows: list[PlanRow]
     considered: int | None = None  # None: every enumerated candidate is in `rows`
+    model_flags: tuple[str, ...] = ()  # cx-train's flags that size the model (`_model_spec.train_flags`)
 
     @property
     def best(self) -> PlanRow | None:
@@ -186,7 +187,7 @@ class PlanReport:
             lines.append("nothing fits: see the reasons above")
         else:
             lines.append(f"best: {constructor_call(best.candidate)}")
-            lines.append(f"      {train_command(best.candidate, self.model, self.seq_len)}")
+            lines.append(f"      {train_command(best.candidate, self.model, self.seq_len, self.model_flags)}")
         return "\n".join(lines)
 
     def _judged(self) -> str:
@@ -211,7 +212,7 @@ class PlanReport:
             else {
                 "label": row_label(best.candidate),
                 "constructor": constructor_call(best.candidate),
-                "cx_train": train_command(best.candidate, self.model, self.seq_len),
+                "cx_train": train_command(best.candidate, self.model, self.seq_len, self.model_flags),
             },
             "rows": [r.as_json() for r in self.rows],
         }
