@@ -12,16 +12,18 @@ from pathlib import Path
 import pytest
 
 from cx_plugins.models import GPTConfig
+from cx_plugins.plan import _measure as measure_module
 from cx_plugins.plan import _memory_model as memory_model_module
 from cx_plugins.plan import _planner as planner
 from cx_plugins.plan._activations import ActivationTrace, trace_stage
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._cli import main
-from cx_plugins.plan._devices import Device, lookup_device
+from cx_plugins.plan._devices import Device, detect_device, lookup_device
+from cx_plugins.plan._measure import Measured
 from cx_plugins.plan._memory_model import memory_model
 from cx_plugins.plan._model_spec import ModelShape, shape_from_config
 from cx_plugins.plan._planner import MemoryModel
-from cx_plugins.plan._report import MemoryVerdict
+from cx_plugins.plan._report import MemoryVerdict, PlanReport, PlanRow
 
 _GPT = ["--model", "gpt", "--hidden-size", "32", "--num-layers", "2", "--seq-len", "32"]
 
@@ -65,6 +67,40 @@ def test_cx_plan_prints_a_ranked_plan(capsys: pytest.CaptureFixture[str]) -> Non
     table = capsys.readouterr().out
     assert "cx-plan: gpt on 2 x cpu (0.30 MB)" in table
     assert "best: GeminiPlugin(" in table
+
+
+def test_cx_plan_measure_refuses_another_device(capsys: pytest.CaptureFixture[str]) -> None:
+    """Measuring here a plan made for another device would print, say, H100 predictions beside CPU figures."""
+    here = detect_device().name
+    other = "a100" if here != "a100" else "h100"
+    assert main([*_GPT, "--world", "1", "--device", other, "--measure"], memory_factory=_stub) == 2
+    error = capsys.readouterr().err
+    assert f"this machine's device ({here})" in error
+    assert f"--device {other}" in error
+
+
+def test_cx_plan_json_with_measure_carries_the_measurements(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--json no longer returns before --measure runs: the JSON plan gains a 'measured' list (the measurement is
+    stubbed here; test_plugins_plan_measure runs a real one)."""
+    asked: list[int] = []
+
+    def fake_measure(
+        report: PlanReport, model: str, *, hidden: int, layers: int, top: int, steps: int
+    ) -> tuple[list[PlanRow], list[Measured]]:
+        asked.append(top)
+        rows = [row for row in report.rows if row.memory.fits][:top]
+        return rows, [Measured(row.candidate, [1000], [5000], 0.25) for row in rows]
+
+    monkeypatch.setattr(measure_module, "measure_report", fake_measure)
+    flags = [*_GPT, "--world", "1", "--device", detect_device().name, "--measure", "--json", "--top", "1"]
+    assert main(flags, memory_factory=_stub) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert asked == [1]
+    assert plan["best"]["label"] == plan["measured"][0]["label"]
+    assert plan["measured"][0]["measured_peak_bytes"] == 1000
+    assert plan["measured"][0]["measured_step_s"] == 0.25
 
 
 @pytest.mark.parametrize(

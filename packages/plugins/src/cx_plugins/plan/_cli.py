@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from cx_plugins.plan._candidate import PIPELINE_STYLES, PLUGINS, PRECISIONS
 from cx_plugins.plan._devices import (
@@ -16,6 +17,7 @@ from cx_plugins.plan._devices import (
     Device,
     Network,
     default_network,
+    detect_device,
     lookup_device,
     lookup_link,
     parse_memory,
@@ -23,7 +25,11 @@ from cx_plugins.plan._devices import (
 from cx_plugins.plan._enumerate import SearchSpace
 from cx_plugins.plan._model_spec import ModelShape, load_model_shape
 from cx_plugins.plan._planner import MemoryModel, plan, traced_memory_model
+from cx_plugins.plan._report import PlanRow, row_label
 from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION
+
+if TYPE_CHECKING:
+    from cx_plugins.plan._measure import Measured
 
 __all__ = ["build_parser", "main"]
 
@@ -70,8 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="judge the memory of every candidate (default: fastest predicted first, until --top fit)",
     )
-    parser.add_argument("--json", action="store_true", help="print the whole ranked plan as JSON")
-    parser.add_argument("--measure", action="store_true", help="also run the --top fitting ones here, side by side")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the ranked plan as JSON (with --measure, a 'measured' list too)",
+    )
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run the --top fitting ones here, side by side (--device must be this machine's)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="--measure: timed steps after one warm-up step")
     return parser
 
@@ -105,11 +119,41 @@ def _network(args: argparse.Namespace, device: Device) -> Network:
     return Network(intra, inter, per_node)
 
 
+def _check_measurable(device: Device) -> None:
+    """--measure runs here: a plan for another device would put its predictions beside this machine's figures."""
+    here = detect_device()
+    if device.name != here.name:
+        raise ValueError(
+            f"--measure runs the configurations on this machine's device ({here.name}), but the plan is for "
+            f"--device {device.name}: its predictions would stand beside {here.name} measurements; pass "
+            f"--device {here.name} to measure, or leave --measure out"
+        )
+
+
+def _measured_json(rows: Sequence[PlanRow], measured: Sequence[Measured]) -> list[dict[str, Any]]:
+    """--json --measure: each measured configuration's predicted and measured peak and step time."""
+    return [
+        {
+            "label": row_label(row.candidate),
+            "predicted_peak_bytes": row.memory.peak_bytes,
+            "measured_peak_bytes": result.peak,
+            "measured_peaks_bytes": list(result.peaks),
+            "rss_bytes": list(result.rss),
+            "predicted_step_s": row.step.step_s,
+            "measured_step_s": result.step_s,
+            "error": result.error,
+        }
+        for row, result in zip(rows, measured, strict=True)
+    ]
+
+
 def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
-    """The report text (or JSON) for parsed arguments."""
+    """The report text (or JSON) for parsed arguments; with --measure, the measurements beside it (both forms)."""
     memory_bytes = None if args.device_memory is None else parse_memory(args.device_memory)
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
     device = lookup_device(args.device, memory_bytes, peak)
+    if args.measure:
+        _check_measurable(device)
     network = _network(args, device)
     space = SearchSpace(
         plugins=_names(args.plugins),
@@ -132,15 +176,16 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
         efficiency=args.efficiency,
         enough=None if args.all else args.top,
     )
-    if args.json:
-        return json.dumps(report.as_json(), indent=1)
-    if args.measure:  # plan/_measure.py: spawns ranks, so imported only when asked for
-        from cx_plugins.plan._measure import measure_report, measure_table
+    if not args.measure:
+        return json.dumps(report.as_json(), indent=1) if args.json else report.table(top=args.top)
+    # plan/_measure.py spawns ranks, so it is imported only when asked for
+    from cx_plugins.plan._measure import measure_report, measure_table
 
-        measured = measure_report(report, args.model, hidden=args.hidden_size, layers=args.num_layers, top=args.top,
-                                  steps=args.steps)  # fmt: skip
-        return report.table(top=args.top) + "\n\n" + measure_table(*measured)
-    return report.table(top=args.top)
+    rows, measured = measure_report(report, args.model, hidden=args.hidden_size, layers=args.num_layers,
+                                    top=args.top, steps=args.steps)  # fmt: skip
+    if args.json:
+        return json.dumps({**report.as_json(), "measured": _measured_json(rows, measured)}, indent=1)
+    return report.table(top=args.top) + "\n\n" + measure_table(rows, measured)
 
 
 def main(argv: Sequence[str] | None = None, memory_factory: MemoryFactory | None = None) -> int:
