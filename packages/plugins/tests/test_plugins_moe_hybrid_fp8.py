@@ -20,7 +20,7 @@ from cx_mesh import fp8 as cx_fp8
 from cx_mesh.testing import count_collective_bytes, distributed
 from cx_plugins import Booster, MoeHybridParallelPlugin
 
-VOCAB, HIDDEN, EXPERTS, LAYERS, ROWS, LENGTH, STEPS = 64, 32, 4, 2, 4, 16, 30
+VOCAB, HIDDEN, EXPERTS, LAYERS, ROWS, LENGTH, STEPS, TOP_K = 64, 32, 4, 2, 4, 16, 30, 2
 
 
 def _mixtral() -> nn.Module:
@@ -29,7 +29,7 @@ def _mixtral() -> nn.Module:
     config = transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=HIDDEN, num_hidden_layers=LAYERS,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH, num_local_experts=EXPERTS,
-        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02, tie_word_embeddings=False,
+        num_experts_per_tok=TOP_K, output_router_logits=True, router_aux_loss_coef=0.02, tie_word_embeddings=False,
         use_cache=False,
     )  # fmt: skip
     model: nn.Module = transformers.MixtralForCausalLM(config)
@@ -53,7 +53,7 @@ def _fp8_linear_calls() -> Iterator[list[int]]:
         cx_fp8.fp8_linear = original
 
 
-def _train(layout: dict[str, int], fp8: bool = False) -> tuple[list[float], int, int]:
+def _train(layout: dict[str, int], fp8: bool = False) -> tuple[list[float], list[int], int]:
     """Losses of STEPS steps (`fp8`: use_fp8 and fp8_communication), cx-moe's fp8 matmul calls, and the
     all-to-all bytes of the first forward/backward (zero_stage 0 reduces gradients only at the step, so these are
     the MoE dispatch/combine exchanges alone)."""
@@ -85,7 +85,7 @@ def _train(layout: dict[str, int], fp8: bool = False) -> tuple[list[float], int,
             wrapped.step()
             wrapped.zero_grad()
             losses.append(float(loss.detach()))
-    return losses, len(calls), a2a_bytes
+    return losses, calls, a2a_bytes
 
 
 @distributed(world_size=2)
@@ -94,12 +94,19 @@ def test_plugins_moe_hybrid_fp8_trains_like_bf16(rank: int, world_size: int, lay
     """Both switches in one run (each is checked on its own: fp8_linear calls for use_fp8, bytes for
     fp8_communication), against the run without them."""
     reference, reference_calls, reference_bytes = _train(layout)
-    assert reference_calls == 0
+    assert not reference_calls
     assert reference[-1] < 0.8 * reference[0], "the run learns, so the comparison covers training, not noise"
     losses, fp8_calls, fp8_bytes = _train(layout, fp8=True)
-    # every step: two fp8 matmuls per expert that received rows, per layer
-    assert fp8_calls % 2 == 0
-    assert 0 < fp8_calls <= STEPS * LAYERS * 2 * EXPERTS // layout["ep_size"]
+    # every step: two fp8 matmuls (gate_up, down) per expert that received rows, per layer
+    assert len(fp8_calls) % 2 == 0
+    assert 0 < len(fp8_calls) <= STEPS * LAYERS * 2 * EXPERTS // layout["ep_size"]
+    # exactly: each token's TOP_K (token, expert) assignments go through both matmuls of their expert once, whatever
+    # the routing: at tp 2 every rank runs all ROWS rows through all experts; at ep 2 the ranks' local experts
+    # together run the ROWS rows the two data-parallel ranks split (summed, as routing moves rows between ranks)
+    rows = torch.tensor(sum(fp8_calls))
+    if layout["ep_size"] > 1:
+        dist.all_reduce(rows)
+    assert rows.item() == STEPS * LAYERS * 2 * ROWS * LENGTH * TOP_K, fp8_calls
     if layout["ep_size"] > 1:
         # summed over the ranks (a rank's share of the rows follows the routing, which fp8 changes after the first
         # layer; the sum does not): per layer and rank, the exact count exchange (EXPERTS int64), then 4 row
