@@ -1,17 +1,18 @@
 """`predict_memory`: the bytes one rank holds during a training step of a `Candidate`, by component, and the peak.
 
-The model states follow each plugin's sharding over its data-parallel ranks (the stage's trained parameters come
-from the trace, so tensor, pipeline and expert sharding are the policies' own): parameters at the compute precision
-(DDP / FSDP keep fp32 parameters and cast in autocast / MixedPrecision), gradients, AdamW's two fp32 moments, fp32
-master weights of the 16-bit plugins (LowLevelZero, Gemini, hybrid). Activations come from the FakeTensor trace of
-one micro-batch (`trace_stage`); a 1F1B pipeline stage s also keeps the saved activations of the pp - s - 1
+The model states follow each plugin's sharding over its gradient group (dp, x sp under all_to_all / ring_attn; the
+stage's trained parameters come from the trace, so tensor, pipeline and expert sharding are the policies' own).
+Parameters at the compute precision (DDP / FSDP keep fp32 parameters and cast in autocast / MixedPrecision), gradients
+(accumulation without a pipeline keeps the summed gradient live beside the next micro-batch's), AdamW's two fp32
+moments, fp32 master weights of the 16-bit plugins (LowLevelZero, Gemini, hybrid). Activations come from the FakeTensor
+trace of one micro-batch (`trace_stage`); a 1F1B pipeline stage s also keeps the saved activations of the pp - s - 1
 micro-batches it has started and not finished (interleaved / ZBV: one more per extra model chunk, bounded by the
-micro-batch count). Comm buffers: DDP's gradient buckets (a second copy of the gradients), FSDP's and Gemini's
-gathered parameters. The peak is the larger of two instants: the trace's peak inside the backward (model states,
-activations, the gradients live then) and, under ZeRO 1/2, the end of the backward (model states, the gradients
-packed into the reduce bucket and this rank's reduced fp32 shard; cx-zero keeps an fp32 master shard then even for
-fp32 weights); under hybrid ZeRO 0 over dp > 1, the gradients and their packed copy for the all-reduce; unsharded
-16-bit runs, the step's fp32 copy of the gradients beside the 16-bit ones.
+micro-batch count). Comm buffers: DDP's gradient buckets (a second copy of the gradients), FSDP's and Gemini's gathered
+parameters. The peak is the larger of two instants: the trace's peak inside the backward (model states, activations, the
+gradients live then) and, under ZeRO 1/2, the end of the backward (model states, the gradients packed into the reduce
+bucket and this rank's reduced fp32 shard; cx-zero keeps an fp32 master shard then even for fp32 weights); under hybrid
+ZeRO 0 over dp > 1, the gradients and their packed copy for the all-reduce; unsharded 16-bit runs, the step's fp32 copy
+of the gradients beside the 16-bit ones.
 """
 
 from __future__ import annotations
@@ -73,20 +74,38 @@ def _inflight(candidate: Candidate, stage: int) -> int:
     return min(started, candidate.num_microbatches - 1)
 
 
+def _gradient_ranks(c: Candidate) -> int:
+    """The ranks gradients are averaged and ZeRO states sharded over: dp, times sp under all_to_all / ring_attn (the
+    hybrid plugins' gradient group spans the sp axis, whose ranks hold the same whole parameters)."""
+    return c.dp * c.sp
+
+
 def _shard(c: Candidate, n: int, experts: int, itemsize: int) -> int:
-    """Bytes of `n` elements sharded by ZeRO: dense ones over dp, routed experts over moe_dp only (the ep ranks hold
-    different experts, so only the moe_dp ranks holding the same ones split their states; dp = moe_dp elsewhere)."""
-    return itemsize * (n - experts) // c.dp + itemsize * experts // c.moe_dp
+    """Bytes of `n` elements sharded by ZeRO: dense ones over the gradient group (dp x sp), routed experts under
+    ep > 1 over moe_dp only (the ep ranks hold different experts, so only the moe_dp ranks holding the same ones split
+    their states; with ep 1 the experts are in the one dense group)."""
+    dense = _gradient_ranks(c)
+    return itemsize * (n - experts) // dense + itemsize * experts // (c.moe_dp if c.ep > 1 else dense)
+
+
+def _accumulated(c: Candidate, itemsize: int, n: int) -> int:
+    """Gradient accumulation without a pipeline: the earlier micro-batches' summed gradient (`itemsize` x n) stays
+    live through the next micro-batch's backward, beside the new gradients autograd makes before adding them in.
+    Gemini runs one micro-batch; FSDP already keeps its sharded gradient; a pipeline's stage is traced as is."""
+    if c.pp > 1 or c.num_microbatches == 1 or c.plugin in ("gemini", "torch_fsdp"):
+        return 0
+    return itemsize * n
 
 
 def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction:
     c, n, e = candidate, trace.parameter_count, trace.expert_parameter_count
     w = _ITEMSIZE[c.precision]
-    dp = c.dp
+    dp = _gradient_ranks(c)
     live_grads = trace.gradient_bytes  # param.grad live at the trace's peak, at the compute precision
     optimizer, master, comm = _ADAM_MOMENTS * _FP32 * n, 0, 0
     if c.plugin == "torch_ddp":  # fp32 parameters; DDP's buckets hold a second copy of every gradient
-        parameters, gradients, comm = _FP32 * n, live_grads * _FP32 // w, _FP32 * n
+        parameters, comm = _FP32 * n, _FP32 * n
+        gradients = live_grads * _FP32 // w + _accumulated(c, _FP32, n)
     elif c.plugin == "torch_fsdp":  # fp32 shards; the one root unit gathers the whole model for compute
         parameters, optimizer = _FP32 * n // dp, optimizer // dp
         gradients, comm = live_grads * _FP32 // w + _FP32 * n // dp, w * n if dp > 1 else 0
@@ -99,7 +118,7 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction
         if c.plugin == "gemini":  # this rank's chunk shards; the gathered chunks in use take the gradients
             parameters, gradients, comm = w * n // dp, 0, w * n
         else:
-            gradients = live_grads
+            gradients = live_grads + _accumulated(c, w, n)
             if c.stage >= 1 and dp > 1:  # cx-zero keeps a separate fp32 master shard even for fp32 working weights
                 master = _shard(c, n, e, _FP32)
     # what is moved to the CPU leaves both instants below
