@@ -1,13 +1,14 @@
 """cx-plan's predictions against measurement on this CPU, over models, plugins and layouts; writes RESULTS.md.
 
 Run: `OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo HF_HUB_OFFLINE=1 .nox/tests/bin/python benchmarks/plan/measure_plan.py`
-(`CX_BENCH_SMOKE=1`: one model, one world; `CX_BENCH_REPORT_ONLY=1`: rewrite RESULTS.md from the stored
-results). For cx's GPT and the tiny HF Llama / Mixtral / DeepSeek-V3 presets of cx-train (hidden 64, 2 layers, seq
-32, fp32) on 1, 2 and 4 ranks, cx-plan ranks every candidate (`plan` with the traced memory model, the `cpu` device);
-the measured set is the top 3 by predicted step time plus each other plugin's best, each run through
-`cx_plugins.plan._measure.measure_candidate` (a warm-up step, then STEPS steps; peak of the live tensor storages per
-rank). Results stream to `results.jsonl` beside this file (a rerun resumes); RESULTS.md is rewritten from them with
-the predicted peaks recomputed by the memory model as it is now, followed by the hand-written `notes.md`.
+(`CX_BENCH_SMOKE=1`: one model, one world; `CX_BENCH_REPORT_ONLY=1`: rewrite RESULTS.md from the stored results;
+`CX_BENCH_REMEASURE=<plugin>`: measure that plugin's stored rows again). For cx's GPT and the tiny HF Llama / Mixtral /
+DeepSeek-V3 presets of cx-train (hidden 64, 2 layers, seq 32, fp32) on 1, 2 and 4 ranks, cx-plan ranks every candidate
+(`plan` with the traced memory model, the `cpu` device); the measured set is the top 3 by predicted step time plus each
+other plugin's best, each run through `cx_plugins.plan._measure.measure_candidate` (a warm-up step, then STEPS steps;
+peak of the live tensor storages per rank). Results stream to `results.jsonl` beside this file (a rerun resumes);
+RESULTS.md is rewritten from them with the predicted peaks recomputed by the memory model as it is now, followed by the
+hand-written `notes.md`.
 No assertion: this is a report.
 """
 
@@ -79,6 +80,24 @@ def measure_all() -> list[dict[str, Any]]:
                 with RESULTS.open("a") as out:
                     out.write(json.dumps(record) + "\n")
     return done
+
+
+def _remeasure(records: list[dict[str, Any]], plugin: str) -> None:
+    """Measure the stored rows of `plugin` again, in place (after a fix to the measurement itself), and rewrite
+    results.jsonl; the other rows and which rows were chosen stay as they were."""
+    for model, worlds in RUNS.items():
+        shape = load_model_shape(model, hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+        for world in worlds:
+            space = SearchSpace(global_batch=2 * world, checkpoint_ratios=(0.0,), precision="fp32")
+            by_label = {row_label(c): c for c in enumerate_candidates(shape, world, SEQ, space)}
+            for record in records:
+                if (record["model"], record["world"]) != (model, world) or record["label"].split()[0] != plugin:
+                    continue
+                print(f"{model} x{world}: {record['label']} (again)", file=sys.stderr, flush=True)
+                measured = measure_candidate(by_label[record["label"]], model, hidden=HIDDEN, layers=LAYERS,
+                                             seq_len=SEQ, steps=STEPS)  # fmt: skip
+                record.update(peaks=measured.peaks, rss=measured.rss, step_s=measured.step_s, error=measured.error)
+                RESULTS.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def _repredict(records: list[dict[str, Any]]) -> None:
@@ -153,6 +172,9 @@ def write_results(records: list[dict[str, Any]]) -> str:
 if __name__ == "__main__":
     if os.environ.get("CX_BENCH_REPORT_ONLY"):  # rewrite RESULTS.md from results.jsonl, measuring nothing
         records = [json.loads(line) for line in RESULTS.read_text().splitlines()]
+    elif os.environ.get("CX_BENCH_REMEASURE"):  # a plugin's stored rows measured again, e.g. torch_fsdp
+        records = [json.loads(line) for line in RESULTS.read_text().splitlines()]
+        _remeasure(records, os.environ["CX_BENCH_REMEASURE"])
     else:
         records = measure_all()
     _repredict(records)
