@@ -36,11 +36,21 @@ __all__ = ["build_parser", "main"]
 MemoryFactory = Callable[[ModelShape, int, Device], MemoryModel]
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where the help does not already say its default and there is one to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cx-plan",
         description="Rank every plugin configuration of a model on N devices by predicted memory fit and step time.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelpFormatter,
     )
     parser.add_argument("--model", required=True, help="gpt, a preset (gpt2, llama, mixtral, ...), DIR or config.json")
     parser.add_argument("--world", type=int, required=True, help="devices (ranks) in all")
