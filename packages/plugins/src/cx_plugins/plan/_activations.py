@@ -34,7 +34,7 @@ from cx_plugins.hybrid._model import compose_model
 from cx_plugins.models import GPTConfig
 from cx_plugins.moe_hybrid import MoeHybridParallelPlugin
 from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._model_spec import ModelShape, build_model
+from cx_plugins.plan._model_spec import ModelShape, build_model, checkpoint_whole_model
 from cx_plugins.plan._oracle import ValueOracle
 from cx_shardformer import GradientCheckpointConfig
 
@@ -128,23 +128,13 @@ def _to_fake(module: nn.Module, mode: FakeTensorMode, dtype: torch.dtype) -> Non
                 sub._buffers[name] = FakeTensor(mode, buffer.to("meta"), _CPU)
 
 
-def _enable_checkpointing(model: nn.Module) -> None:
-    enable: Any = getattr(model, "activation_checkpointing_enable", None) or getattr(
-        model, "gradient_checkpointing_enable", None
-    )
-    if enable is None:
-        raise ValueError(f"activation checkpointing: {type(model).__name__} has no switch for it outside ShardFormer")
-    keyword = "activation_checkpointing_kwargs" if hasattr(model, "activation_checkpointing_enable") else None
-    enable(**{keyword or "gradient_checkpointing_kwargs": {"use_reentrant": False}})
-
-
 def _stage_modules(shape: ModelShape, candidate: Candidate) -> tuple[list[nn.Module], bool, bool]:
     """The modules this rank runs (its stage's chunks, or the whole model), and whether it is first / last."""
     with torch.device("meta"):
         model = build_model(shape)
     if candidate.plugin not in ("hybrid", "moe_hybrid"):
         if candidate.checkpoint_ratio:
-            _enable_checkpointing(model)
+            checkpoint_whole_model(model)
         return [model], True, True
     plugin = _plugin(candidate)
     composed = compose_model(

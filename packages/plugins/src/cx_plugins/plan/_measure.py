@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from cx_plugins.plan._candidate import Candidate
+from cx_plugins.plan._model_spec import checkpoint_whole_model
 from cx_plugins.plan._report import PlanReport, PlanRow, row_label
 
 __all__ = ["LiveBytes", "Measured", "measure_candidate", "measure_report", "measure_table"]
@@ -145,17 +146,6 @@ def _plugin(candidate: Candidate) -> tuple[Any, str | None]:
     return cx_plugins.HybridParallelPlugin(**arguments), None
 
 
-def _checkpoint_whole_model(model: torch.nn.Module) -> None:
-    """Recompute every layer outside ShardFormer (the plugins without a policy): the model's own switch."""
-    enable: Any = getattr(model, "activation_checkpointing_enable", None) or getattr(
-        model, "gradient_checkpointing_enable", None
-    )
-    if enable is None:
-        raise ValueError(f"activation checkpointing: {type(model).__name__} has no switch for it outside ShardFormer")
-    name = "activation_checkpointing_kwargs" if hasattr(model, "activation_checkpointing_enable") else None
-    enable(**{name or "gradient_checkpointing_kwargs": {"use_reentrant": False}})
-
-
 def _prepare(candidate: Candidate, model: str, hidden: int, layers: int, seq_len: int) -> Callable[[], None]:
     from cx_plugins import Booster
     from cx_plugins.demo._models import ModelSpec, build_model, describe_model
@@ -163,7 +153,7 @@ def _prepare(candidate: Candidate, model: str, hidden: int, layers: int, seq_len
     described = describe_model(ModelSpec(model, hidden, layers, seq_len))
     module = build_model(described, seed=0)
     if candidate.checkpoint_ratio and candidate.plugin not in ("hybrid", "moe_hybrid"):
-        _checkpoint_whole_model(module)
+        checkpoint_whole_model(module)
     if torch.cuda.is_available():
         module = module.cuda()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
