@@ -102,6 +102,22 @@ def _weight_grad(grad: torch.Tensor, x: torch.Tensor, linear_layout: bool) -> to
     return _flat(grad).t() @ _flat(x) if linear_layout else _flat(x).t() @ _flat(grad)
 
 
+def _ring_sum(ring: _Ring, world: int, rank: int, part_of: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """A ring reduce-scatter fed by computation: at step k this rank computes its contribution to chunk
+    (rank + k + 1) % world, adds the partial sum received from its neighbour and passes it on while the next part is
+    computed; the last step's chunk is this rank's own, which it keeps (sums in ring order, the same on every rank)."""
+    pending: tuple[torch.Tensor, list[Any]] | None = None
+    for k in range(world):
+        part = part_of((rank + k + 1) % world)
+        if pending is not None:
+            ring.wait(pending[1])
+            part = part + pending[0]
+        if k == world - 1:
+            return part
+        pending = ring.start(part.contiguous(), backwards=True)
+    raise ValueError(f"a ring needs at least one rank, got {world}")
+
+
 class _ColumnRing(torch.autograd.Function):
     """Ring all-gather of a sequence shard, each chunk multiplied by every column layer as it arrives; backward: ring
     reduce-scatter of the summed input gradients, each step's chunk computed while the previous one travels."""
@@ -144,17 +160,12 @@ class _ColumnRing(torch.autograd.Function):
             param_grads.append(_flat(grad).sum(0) if grad is not None and want_b else None)
         grad_x: torch.Tensor | None = None
         if ctx.needs_input_grad[3]:
-            pending: tuple[torch.Tensor, list[Any]] | None = None
-            for k in range(world):
-                index = (rank + k + 1) % world  # ends at this rank's own chunk
-                part = _chunk_input_grad(layers, params, grads, grad_full, dim, index * length, length, full)
-                if pending is not None:
-                    ring.wait(pending[1])
-                    part = part + pending[0]
-                if k < world - 1:
-                    pending = ring.start(part.contiguous(), backwards=True)
-                else:
-                    grad_x = part
+            grad_x = _ring_sum(
+                ring,
+                world,
+                rank,
+                lambda index: _chunk_input_grad(layers, params, grads, grad_full, dim, index * length, length, full),
+            )
         return (None, None, None, grad_x, *param_grads)
 
 
@@ -214,18 +225,7 @@ class _RowRing(torch.autograd.Function):
                 f"by the group size {world}"
             )
         length = x.shape[dim] // world
-        pending: tuple[torch.Tensor, list[Any]] | None = None
-        out = x
-        for k in range(world):
-            index = (rank + k + 1) % world  # ends at this rank's own chunk
-            part = matmul(x.narrow(dim, index * length, length))
-            if pending is not None:
-                ring.wait(pending[1])
-                part = part + pending[0]
-            if k < world - 1:
-                pending = ring.start(part.contiguous(), backwards=True)
-            else:
-                out = part
+        out = _ring_sum(ring, world, rank, lambda index: matmul(x.narrow(dim, index * length, length)))
         ctx.linear_layout, ctx.dim, ctx.ring = linear_layout, dim, ring
         ctx.save_for_backward(x, weight)
         return out.contiguous()
