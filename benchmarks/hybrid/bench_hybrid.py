@@ -46,6 +46,7 @@ from cx_mesh.testing import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared tiny models
 from bench_models import tiny_llama
+from bench_timing import time_in_turns
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, INTER, VOCAB, SEQ, BATCH, MICRO = 4, 256, 8, 4, 688, 4096, 128, 8, 4
 WARMUP, STEPS = 2, 10
@@ -271,17 +272,11 @@ def _worker(rank: int, world_size: int, out: str) -> None:
 
 def _time(systems: dict[str, Step]) -> dict[str, list[float]]:
     """Step times in ms, the systems taking turns step by step (machine noise hits all alike)."""
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    for index in range(WARMUP + STEPS):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(index))
-        for name, step in systems.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step(ids)
-            dist.barrier()
-            if index >= WARMUP:
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return times
+    return time_in_turns(systems, _batch, WARMUP, STEPS)
+
+
+def _batch(index: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(index))
 
 
 def _worker_4(rank: int, world_size: int, out: str) -> None:

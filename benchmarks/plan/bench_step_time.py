@@ -16,7 +16,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,9 @@ from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._devices import lookup_device
 from cx_plugins.plan._model_spec import shape_from_config
 from cx_plugins.plan._step_time import predict_step_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared step timing
+from bench_timing import time_in_turns
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, GLOBAL_BATCH = 4, 256, 4, 4096, 128, 8
 WARMUP, STEPS = 2, 8
@@ -92,16 +94,7 @@ def _system(candidate: Candidate) -> Step:
 def _worker(rank: int, world_size: int, out: str) -> None:
     torch.set_num_threads(1)
     systems = {name: _system(candidate) for name, candidate in CANDIDATES.items()}
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    for index in range(WARMUP + STEPS):
-        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(index))
-        for name, step in systems.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step(ids)
-            dist.barrier()
-            if index >= WARMUP:
-                times[name].append((time.perf_counter() - start) * 1e3)
+    times = time_in_turns(systems, _batch, WARMUP, STEPS)
     if rank == 0:
         Path(out).write_text(json.dumps({name: statistics.median(v) for name, v in times.items()}))
 
@@ -137,6 +130,11 @@ def main() -> None:
     print(f"top 3 predicted: {top_p}")
     print(f"top 3 measured:  {top_m}")
     print(f"top-3 order agrees: {top_p == top_m}; top-3 sets agree: {set(top_p) == set(top_m)}")
+
+
+def _batch(index: int) -> torch.Tensor:
+    """The seeded batch of step `index`, the same on every rank and for every system."""
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(index))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from cx_mesh.testing import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared tiny models
 from bench_models import tiny_llama
+from bench_timing import time_in_turns
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, INTER, VOCAB, SEQ, BATCH = 4, 256, 8, 4, 688, 4096, 128, 8
 WARMUP, STEPS = 2, 10
@@ -106,16 +106,7 @@ def _worker(rank: int, world_size: int, out: str) -> None:
             enable_tensor_parallelism=False, enable_sequence_parallelism=True, sequence_parallelism_mode="ring"
         ),
     }
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    for index in range(WARMUP + STEPS):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(index))
-        for name, step in systems.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step(ids)
-            dist.barrier()
-            if index >= WARMUP:
-                times[name].append((time.perf_counter() - start) * 1e3)
+    times = time_in_turns(systems, _batch, WARMUP, STEPS)
     if rank == 0:
         result = {name: statistics.median(values) for name, values in times.items()}
         ratios = {
@@ -138,6 +129,11 @@ def main() -> None:
     for label, ratio in result["ratios"].items():
         print(f"ratio {label}: {ratio:.2f}")
     sys.stdout.flush()
+
+
+def _batch(index: int) -> torch.Tensor:
+    """The seeded batch of step `index`, the same on every rank and for every system."""
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(index))
 
 
 if __name__ == "__main__":
