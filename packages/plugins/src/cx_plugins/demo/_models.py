@@ -19,7 +19,7 @@ from torch import nn
 from cx_plugins.demo._data import CharTokenizer, TextEncoder
 from cx_plugins.demo._special_tokens import special_token_ids, write_special_tokens
 from cx_plugins.demo._text_tokenizers import ByteTokenizer
-from cx_plugins.models import GPT, GPTConfig
+from cx_plugins.models import GPT, GPT_MODEL, MODEL_CHOICES, PRESETS, GPTConfig
 
 __all__ = [
     "GPT_MODEL",
@@ -32,9 +32,6 @@ __all__ = [
     "describe_model",
 ]
 
-GPT_MODEL = "gpt"
-PRESETS = ("gpt2", "llama", "mixtral", "qwen3_moe", "deepseek_v3")
-MODEL_CHOICES = (GPT_MODEL, *PRESETS)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _EXPERT_COUNT_NAMES = ("num_local_experts", "num_experts", "n_routed_experts")
 

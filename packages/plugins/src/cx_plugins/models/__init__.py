@@ -6,8 +6,9 @@ picks it by class name.
 
 from cx_plugins.models._gpt import GPT, GPTConfig
 from cx_plugins.models._gpt_policy import GPTPolicy
+from cx_plugins.models._names import GPT_MODEL, MODEL_CHOICES, PRESETS
 from cx_shardformer.policies import register_policy
 
 register_policy("GPT", GPTPolicy)
 
-__all__ = ["GPT", "GPTConfig", "GPTPolicy"]
+__all__ = ["GPT", "GPT_MODEL", "MODEL_CHOICES", "PRESETS", "GPTConfig", "GPTPolicy"]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cx_plugins.models import GPT, GPTConfig
+from cx_plugins.models import GPT, GPT_MODEL, PRESETS, GPTConfig
 
 __all__ = [
     "ModelShape",
@@ -30,8 +30,6 @@ __all__ = [
     "train_flags",
 ]
 
-GPT_MODEL = "gpt"
-_PRESETS = ("gpt2", "llama", "mixtral", "qwen3_moe", "deepseek_v3")
 # (planner field, the config.json names that may hold it): the first present wins
 _REQUIRED = (
     ("vocab_size", ("vocab_size",)),
@@ -246,7 +244,7 @@ def shape_from_config(name: str, config: Any) -> ModelShape:
 def load_model_shape(model: str, *, hidden_size: int = 128, num_layers: int = 2, seq_len: int = 64) -> ModelShape:
     """The shape of `model`: `gpt` or a preset (sized by hidden_size / num_layers / seq_len, as cx-train's flags
     size them), a Hugging Face model folder, or a config.json file."""
-    if model == GPT_MODEL or model in _PRESETS:
+    if model == GPT_MODEL or model in PRESETS:
         return shape_from_config(model, _demo_config(model, hidden_size, num_layers, seq_len))
     path = Path(model)
     if path.is_dir():
@@ -255,7 +253,7 @@ def load_model_shape(model: str, *, hidden_size: int = 128, num_layers: int = 2,
         path = path / "config.json"
     elif not path.is_file():
         raise ModelShapeError(
-            f"--model {model}: neither a built-in model ({', '.join((GPT_MODEL, *_PRESETS))}), a model folder nor a "
+            f"--model {model}: neither a built-in model ({', '.join((GPT_MODEL, *PRESETS))}), a model folder nor a "
             "config.json file"
         )
     return shape_from_config(model, _config_from_json(path))
@@ -264,7 +262,7 @@ def load_model_shape(model: str, *, hidden_size: int = 128, num_layers: int = 2,
 def train_flags(shape: ModelShape) -> tuple[str, ...]:
     """The cx-train flags that size this model: `--hidden-size` / `--num-layers` for gpt and the presets (cx-train
     builds their default size otherwise); none for a model folder or config.json, which its config sizes."""
-    if shape.name == GPT_MODEL or shape.name in _PRESETS:
+    if shape.name == GPT_MODEL or shape.name in PRESETS:
         return ("--hidden-size", str(shape.hidden_size), "--num-layers", str(shape.num_layers))
     return ()
 
