@@ -22,9 +22,10 @@ import torch.distributed as dist
 import cx_plugins
 from cx_mesh.testing import distributed
 from cx_plugins.demo import DemoOptions, GrammarText, parse_options
+from cx_plugins.demo import _plugins as demo_plugins
 from cx_plugins.demo._data import CharTokenizer
 from cx_plugins.demo._models import ModelSpec, describe_model
-from cx_plugins.demo._plugins import hybrid_arguments
+from cx_plugins.demo._plugins import hybrid_arguments, make_plugin
 from cx_plugins.demo._progress import expert_counts
 from cx_plugins.demo._train import run
 
@@ -176,6 +177,12 @@ def test_plugins_demo_models_parallel_flags(
     assert "MoeHybridParallelPlugin is not available yet" in error
     assert "--tp applies to --plugin hybrid or moe_hybrid only (not gemini)" in _refused(["--tp", "2"], capsys)
     assert "--zero applies to --plugin hybrid" in _refused(["--plugin", "torch_ddp", "--zero", "1"], capsys)
+    error = _refused(["--plugin", "low_level_zero", "--zero", "0"], capsys)
+    assert "--zero 0 is not a LowLevelZero stage: --plugin low_level_zero runs --zero 1 or 2" in error
+    monkeypatch.setattr(demo_plugins, "LowLevelZeroPlugin", dict)  # its arguments, without a process group
+    llz = ["--plugin", "low_level_zero", "--nproc", "2"]
+    assert make_plugin(parse_options([*llz, "--zero", "1"]))[0] == {"stage": 1, "precision": "fp32"}
+    assert make_plugin(parse_options(llz))[0] == {"stage": 2, "precision": "fp32"}
 
     monkeypatch.setattr(cx_plugins, "HybridParallelPlugin", _FakePlugin, raising=False)
     monkeypatch.setattr(cx_plugins, "MoeHybridParallelPlugin", _FakePlugin, raising=False)

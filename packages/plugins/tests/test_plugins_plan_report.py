@@ -76,6 +76,7 @@ def test_constructor_calls_and_cx_train_commands_parse() -> None:
         (hybrid, {"plugin": "hybrid", "nproc": 8, "tp": 2, "pp": 2, "zero": 1, "batch_size": 8, "microbatches": 4}),
         (moe, {"plugin": "moe_hybrid", "nproc": 8, "ep": 2, "sp": 2, "batch_size": 1, "grad_accum": 2}),
         (ddp, {"plugin": "torch_ddp", "nproc": 4, "batch_size": 2, "grad_accum": 3, "precision": "fp32"}),
+        (Candidate("low_level_zero", dp=2, zero_stage=1), {"plugin": "low_level_zero", "zero": 1}),
     ):
         command = train_command(candidate, "mixtral", 64, ("--hidden-size", "96", "--num-layers", "3"))
         assert "#" not in command

@@ -60,7 +60,7 @@ class DemoOptions:
     pp: int = 1
     ep: int = 1
     sp: int = 1
-    zero: int = 0
+    zero: int = 0  # the ZeRO stage of hybrid / moe_hybrid, or of low_level_zero (where 0 means its default, 2)
     microbatches: int = 1  # pipeline micro-batches per step (the pipeline size unless --microbatches says)
     pp_style: str = PP_STYLES[0]
     timeout: float = DEFAULT_TIMEOUT.total_seconds()  # seconds: the process groups' and named collectives' timeout
@@ -114,6 +114,10 @@ def _divisors(value: int) -> str:
 
 def _flag_problem(args: argparse.Namespace) -> str | None:
     given = [name for name in _HYBRID_FLAGS if getattr(args, name) is not None]
+    if args.plugin == "low_level_zero" and args.zero is not None:  # LowLevelZero's stage is the one flag it takes
+        if args.zero == 0:
+            return "--zero 0 is not a LowLevelZero stage: --plugin low_level_zero runs --zero 1 or 2 (default 2)"
+        given.remove("zero")
     if given and args.plugin not in HYBRID_CLASSES:
         return f"{_flag(given[0])} applies to --plugin hybrid or moe_hybrid only (not {args.plugin})"
     if args.ep is not None and args.plugin != "moe_hybrid":

@@ -156,7 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     hybrid.add_argument("--pp", type=_positive, default=None, help="pipeline stages (default: 1)")
     hybrid.add_argument("--ep", type=_positive, default=None, help="expert-parallel size, moe_hybrid (default: 1)")
     hybrid.add_argument("--sp", type=_positive, default=None, help="sequence-parallel size, all_to_all (default: 1)")
-    hybrid.add_argument("--zero", type=int, choices=(0, 1, 2), default=None, help="ZeRO stage (default: 0)")
+    hybrid.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2),
+        default=None,
+        help="ZeRO stage (default: 0; low_level_zero: 1 or 2, default 2)",
+    )
     hybrid.add_argument(
         "--microbatches", type=_positive, default=None, help="micro-batches per step with --pp (default: --pp)"
     )

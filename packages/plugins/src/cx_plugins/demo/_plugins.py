@@ -50,7 +50,7 @@ def make_plugin(options: DemoOptions) -> tuple[Plugin, str | None]:
         # The demo model is small: small chunks, so that its parameters really are sharded over the ranks.
         return GeminiPlugin(precision=options.precision, search_range_m=1, min_chunk_size_m=0.05, hidden_dim=64), None
     if options.plugin == "low_level_zero":
-        return LowLevelZeroPlugin(stage=2, precision=options.precision), None
+        return LowLevelZeroPlugin(stage=options.zero or 2, precision=options.precision), None
     if options.plugin == "torch_fsdp":
         dtype = _DTYPES.get(options.precision)
         policy = None if dtype is None else MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)

@@ -130,6 +130,8 @@ def train_command(candidate: Candidate, model: str, seq_len: int, model_flags: S
         parts.append(f"--zero {c.stage}")
         if c.pp > 1 and c.pp_style != "1f1b":
             parts.append(f"--pp-style {c.pp_style}")
+    if c.plugin == "low_level_zero" and c.stage != 2:
+        parts.append(f"--zero {c.stage}")
     if c.checkpoint_ratio == 1.0:
         parts.append("--activation-checkpointing")
     missing = []
@@ -141,8 +143,8 @@ def train_command(candidate: Candidate, model: str, seq_len: int, model_flags: S
         missing.append(f"a checkpointing ratio of {c.checkpoint_ratio:g}")
     if c.plugin == "gemini" and (c.placement_policy != "static" or c.offload_optim_frac or c.offload_param_frac):
         missing.append("Gemini placement / offload")
-    if (c.plugin == "low_level_zero" and c.stage != 2) or c.cpu_offload:
-        missing.append("ZeRO stage / cpu_offload of LowLevelZero")
+    if c.cpu_offload:
+        missing.append("cpu_offload")
     command = " ".join(parts)
     return command + (f"  # cx-train has no flag for {', '.join(missing)}" if missing else "")
 
