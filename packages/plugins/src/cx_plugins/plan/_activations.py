@@ -26,6 +26,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cx_mesh import ProcessGroupMesh
 from cx_plugins._layout import Axis
@@ -46,6 +47,19 @@ _ACTIVATION_KINDS = ("ACT", "TEMP", "OTH", "INP")
 _EXACT_LAYERS = 4  # decoder layers per stage traced as they are; deeper stages are extrapolated (trace_stage)
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched under it (collectives, in other namespaces, are timed from `_comm_volume`);
+    `forward` holds the count when the forward ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = self.forward = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func.namespace == "aten"
+        return func(*args, **(kwargs or {}))
+
+
 class PlanTraceError(RuntimeError):
     """The trace cannot run here (e.g. torch.distributed is already initialised in this process)."""
 
@@ -63,6 +77,9 @@ class ActivationTrace:
     saved_bytes: int  # activations the forward leaves for the backward (what a pipeline keeps per micro-batch)
     parameter_count: int  # elements of the parameters the stage trains
     expert_parameter_count: int = 0  # of which routed experts' (reduced over moe_dp, not dp)
+    forward_ops: int = 0  # aten ops the micro-batch's forward dispatches (what a step's dispatch cost counts)
+    backward_ops: int = 0  # and its backward (recomputed forwards included)
+    parameter_tensors: int = 0  # the trained parameter tensors (what per-tensor optimizer and plugin work counts)
 
     @property
     def working_bytes(self) -> int:
@@ -165,7 +182,7 @@ def _backward(output: Any) -> None:
 
 
 def _run(modules: list[nn.Module], first: bool, shape: ModelShape, candidate: Candidate, seq_len: int,
-         oracle: ValueOracle, dtype: torch.dtype, tracker: MemTracker, saved: list[dict[str, int]],
+         oracle: ValueOracle, dtype: torch.dtype, tracker: MemTracker, saved: list[dict[str, int]], ops: _OpCount,
 ) -> None:  # fmt: skip
     """One micro-batch forward and backward through the rank's chunks (in turn, as a schedule would)."""
     batch = candidate.micro_batch_size
@@ -182,6 +199,7 @@ def _run(modules: list[nn.Module], first: bool, shape: ModelShape, candidate: Ca
             arguments["hidden_states"] = torch.empty(batch, local_seq, shape.hidden_size, dtype=dtype).requires_grad_()
         outputs.append(module(**arguments))
     saved.append(_categories(tracker.get_tracker_snapshot()))
+    ops.forward = ops.count
     for output in reversed(outputs):
         _backward(output)
 
@@ -233,8 +251,8 @@ def _trace_exact(shape: ModelShape, candidate: Candidate, seq_len: int, stage: i
         saved: list[dict[str, int]] = []
         for module in modules:
             tracker.track_external(module)
-        with mode, ValueOracle(mode) as oracle, tracker:
-            _run(modules, first, shape, candidate, seq_len, oracle, dtype, tracker, saved)
+        with mode, ValueOracle(mode) as oracle, tracker, _OpCount() as ops:
+            _run(modules, first, shape, candidate, seq_len, oracle, dtype, tracker, saved, ops)
         peak = _categories(tracker.get_tracker_snapshot("peak"))
         end = _categories(tracker.get_tracker_snapshot())
     parameters = peak.get("PARAM", 0) + peak.get("BUFFER", 0)
@@ -250,6 +268,7 @@ def _trace_exact(shape: ModelShape, candidate: Candidate, seq_len: int, stage: i
     return ActivationTrace(
         stage, parameters, activations, gradients, end.get("GRAD", 0), peak.get("Total", 0), forward_end,
         sum(count for count, _ in trained.values()), sum(count for count, expert in trained.values() if expert),
+        ops.forward, ops.count - ops.forward, len(trained),
     )  # fmt: skip
 
 
