@@ -26,18 +26,19 @@ from cx_plugins import (
     TorchFSDPPlugin,
 )
 from cx_plugins.demo._models import ModelSpec, build_model, describe_model
+from cx_plugins.fsdp import block_wrap_policy
 from cx_plugins.plan import Candidate
 from cx_plugins.plan._measure import LiveBytes  # follows storage resizes (FSDP, cx-chunk) too
 
 __all__ = ["measure_step_peak", "read_peaks"]
 
 
-def _plugin(candidate: Candidate) -> Plugin:
+def _plugin(candidate: Candidate, module: torch.nn.Module) -> Plugin:
     arguments: dict[str, Any] = candidate.plugin_arguments()
     if candidate.plugin == "torch_ddp":
         return TorchDDPPlugin()
-    if candidate.plugin == "torch_fsdp":
-        return TorchFSDPPlugin()
+    if candidate.plugin == "torch_fsdp":  # per block: each decoder layer its own fully_shard, as cx-train does
+        return TorchFSDPPlugin(auto_wrap_policy=block_wrap_policy(module) if candidate.fsdp_wrap == "block" else None)
     if candidate.plugin == "low_level_zero":
         return LowLevelZeroPlugin(**arguments)
     if candidate.plugin == "gemini":  # small chunks, as cx-train uses for its small models
@@ -65,7 +66,7 @@ def _prepare(rank: int, candidate: Candidate, model: str, hidden: int, layers: i
     module = build_model(described, seed=0)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     mixed = None if candidate.plugin not in ("torch_ddp", "torch_fsdp") or candidate.precision == "fp32" else "bf16"
-    booster = Booster(plugin=_plugin(candidate), mixed_precision=mixed)
+    booster = Booster(plugin=_plugin(candidate, module), mixed_precision=mixed)
     boosted, wrapped, *_ = booster.boost(module, optimizer)
     assert wrapped is not None
     vocab = described.tokenizer.vocab_size

@@ -51,8 +51,9 @@ def _measured(model: str, fields: dict[str, Any]) -> int:
         ("llama", dict(plugin="hybrid", pp=2, num_microbatches=2, precision="fp32")),
         ("mixtral", dict(plugin="moe_hybrid", dp=2, ep=2, precision="fp32")),
         ("llama", dict(plugin="hybrid", dp=2, zero_stage=1, precision="fp32")),  # peak at the end of the backward
+        ("llama", dict(plugin="torch_fsdp", dp=2, fsdp_wrap="block", precision="fp32")),  # a block gathered at a time
     ],
-    ids=["llama-tp2", "llama-pp2", "mixtral-ep2", "llama-zero1"],  # 2 ranks: one pool of test ranks for all three
+    ids=["llama-tp2", "llama-pp2", "mixtral-ep2", "llama-zero1", "llama-fsdp-block"],  # 2 ranks each
 )
 def test_predicted_peak_within_ten_percent_of_measured(model: str, fields: dict[str, Any]) -> None:
     shape = load_model_shape(model, hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)

@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import MixedPrecision
 
 import cx_plugins
 from cx_plugins import GeminiPlugin, LowLevelZeroPlugin, Plugin, TorchDDPPlugin, TorchFSDPPlugin
 from cx_plugins.demo._options import HYBRID_CLASSES, DemoOptions, plugin_missing
+from cx_plugins.fsdp import block_wrap_policy
 from cx_shardformer import GradientCheckpointConfig
 
 __all__ = ["hybrid_arguments", "make_plugin"]
@@ -42,8 +44,10 @@ def hybrid_arguments(options: DemoOptions) -> dict[str, Any]:
     return arguments
 
 
-def make_plugin(options: DemoOptions) -> tuple[Plugin, str | None]:
-    """The plugin and the Booster's `mixed_precision` (for the plugins that leave precision to the Booster)."""
+def make_plugin(options: DemoOptions, model: nn.Module | None = None) -> tuple[Plugin, str | None]:
+    """The plugin and the Booster's `mixed_precision` (for the plugins that leave precision to the Booster).
+    Given the `model`, torch_fsdp shards each of its decoder layers on its own (`block_wrap_policy`), as torchtitan
+    and every FSDP recipe do, so a step gathers a block at a time; without it, one root unit (the whole model)."""
     if options.plugin == "torch_ddp":
         return TorchDDPPlugin(), None if options.precision == "fp32" else options.precision
     if options.plugin == "gemini":
@@ -54,7 +58,8 @@ def make_plugin(options: DemoOptions) -> tuple[Plugin, str | None]:
     if options.plugin == "torch_fsdp":
         dtype = _DTYPES.get(options.precision)
         policy = None if dtype is None else MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
-        return TorchFSDPPlugin(mixed_precision=policy), None
+        wrap = None if model is None else block_wrap_policy(model)
+        return TorchFSDPPlugin(mixed_precision=policy, auto_wrap_policy=wrap), None
     if options.plugin in HYBRID_CLASSES:
         missing = plugin_missing(options.plugin)
         if missing is not None:

@@ -72,9 +72,9 @@ def run(options: DemoOptions) -> list[float]:
         length=options.seq_len + (1 if options.sp == 1 else 0),
         tokenizer=described.tokenizer,
     )
-    plugin, mixed_precision = make_plugin(options)
-    booster = Booster(mixed_precision=mixed_precision, plugin=plugin)
     model = prepare_model(build_model(described, seed=options.seed), options, described.spec.is_hf)
+    plugin, mixed_precision = make_plugin(options, model)  # torch_fsdp wraps the model's decoder layers
+    booster = Booster(mixed_precision=mixed_precision, plugin=plugin)
     parameters = sum(p.numel() for p in model.parameters())  # before boosting: Gemini shards them away
     model_name = type(model).__name__  # before boosting: FSDP2 renames the class
     model_flops = flops_per_token(active_parameters(model, described.num_experts, described.top_k))

@@ -14,11 +14,14 @@ from typing import Any
 
 __all__ = [
     "PIPELINE_STYLES",
+    "BLOCK_POLICY",
+    "FSDP_WRAPS",
     "PLACEMENT_POLICIES",
     "PLUGINS",
     "PRECISIONS",
     "SP_MODES",
     "Candidate",
+    "CodeText",
 ]
 
 PLUGINS = ("torch_ddp", "torch_fsdp", "low_level_zero", "gemini", "hybrid", "moe_hybrid")
@@ -26,11 +29,21 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 PIPELINE_STYLES = ("1f1b", "interleaved", "zbv")
 SP_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")
 PLACEMENT_POLICIES = ("static", "auto")
+FSDP_WRAPS = ("model", "block")  # TorchFSDPPlugin: one root unit, or each decoder layer its own fully_shard
+# the argument TorchFSDPPlugin takes for per-block wrapping, as printed (the class is the model's decoder layer)
+BLOCK_POLICY = "ModuleWrapPolicy({DecoderLayer})"
 _SP_AXIS_MODES = ("all_to_all", "ring_attn")
 _PARALLEL_PLUGINS = ("hybrid", "moe_hybrid")
 # the ZeRO stage each plugin runs: DDP replicates, FSDP (full shard) and Gemini shard everything
 _FIXED_STAGE = {"torch_ddp": 0, "torch_fsdp": 3, "gemini": 3}
 _STAGES = {"low_level_zero": (1, 2), "hybrid": (0, 1, 2), "moe_hybrid": (0, 1, 2)}
+
+
+class CodeText(str):
+    """An argument value printed as code (its repr is its text), e.g. the FSDP wrap policy of a constructor call."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -59,6 +72,7 @@ class Candidate:
     offload_param_frac: float = 0.0  # Gemini: fraction of fp32 master weights on the CPU
     cpu_offload: bool = False  # LowLevelZero / hybrid ZeRO: optimizer states on the CPU
     precision: str = "bf16"
+    fsdp_wrap: str = "model"  # torch_fsdp: "model" (one root unit, ColossalAI's default) or "block" (per layer)
 
     def __post_init__(self) -> None:
         _require(self.plugin in PLUGINS, f"unknown plugin {self.plugin!r}; one of {', '.join(PLUGINS)}")
@@ -111,6 +125,11 @@ class Candidate:
             _require(0.0 <= value <= 1.0, f"{name} {value} is not in [0, 1]")
             _require(value == 0.0 or self.plugin == "gemini", f"{name} is a GeminiPlugin setting")
         _require(not self.cpu_offload or stage in (1, 2), "cpu_offload offloads ZeRO stage 1/2 optimizer states")
+        _require(self.fsdp_wrap in FSDP_WRAPS, f"unknown fsdp_wrap {self.fsdp_wrap!r}; one of {', '.join(FSDP_WRAPS)}")
+        _require(
+            self.fsdp_wrap == "model" or self.plugin == "torch_fsdp",
+            f"fsdp_wrap {self.fsdp_wrap!r} is a TorchFSDPPlugin setting, not {self.plugin}'s",
+        )
 
     @property
     def stage(self) -> int:
@@ -151,7 +170,9 @@ class Candidate:
     def plugin_arguments(self) -> dict[str, Any]:
         """The plugin constructor's keyword arguments (ColossalAI's names) for this configuration."""
         arguments: dict[str, Any] = {}
-        if self.plugin == "gemini":
+        if self.plugin == "torch_fsdp" and self.fsdp_wrap == "block":
+            arguments = dict(auto_wrap_policy=CodeText(BLOCK_POLICY))
+        elif self.plugin == "gemini":
             arguments = dict(placement_policy=self.placement_policy, precision=self.precision)
             if self.offload_optim_frac or self.offload_param_frac:
                 arguments.update(offload_optim_frac=self.offload_optim_frac, offload_param_frac=self.offload_param_frac)
@@ -178,10 +199,12 @@ class Candidate:
         return arguments
 
     def label(self) -> str:
-        """A short row label: `hybrid dp2 tp2 pp1 mb1x4 ckpt1.0 bf16`."""
+        """A short row label: `hybrid dp2 tp2 pp1 mb1x4 ckpt1.0 bf16` (`torch_fsdp dp8 per-block ...` when each
+        decoder layer is its own FSDP unit)."""
         sizes = "".join(
             f" {name}{getattr(self, name)}" for name in ("dp", "tp", "pp", "sp", "ep") if getattr(self, name) > 1
         )
         zero = f" zero{self.stage}" if self.plugin in ("low_level_zero", *_PARALLEL_PLUGINS) else ""
+        zero += " per-block" if self.fsdp_wrap == "block" else ""
         ckpt = f" ckpt{self.checkpoint_ratio:g}" if self.checkpoint_ratio else ""
         return f"{self.plugin}{sizes}{zero} mb{self.micro_batch_size}x{self.num_microbatches}{ckpt} {self.precision}"

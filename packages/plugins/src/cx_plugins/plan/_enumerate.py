@@ -9,7 +9,8 @@ The rules (each the one the code that would run it checks):
 - pp stages x model chunks do not exceed the layers; interleaved needs micro-batches a multiple of pp;
 - the global batch (sequences per step) splits over dp evenly, into micro-batches of every divisor size; a
   pipeline needs at least pp micro-batches;
-- ZeRO: LowLevelZero 1/2, hybrid and MoE hybrid 0/1/2; FSDP and Gemini shard everything; Gemini tries static
+- ZeRO: LowLevelZero 1/2, hybrid and MoE hybrid 0/1/2; FSDP (per decoder layer and as one root unit) and Gemini
+  shard everything; Gemini tries static
   placement on the device, all optimizer state offloaded, and auto placement, with one micro-batch per step
   (GeminiDDP refuses accumulation as cx-train configures it);
 - checkpointing: a ratio of layers under the hybrid plugins (ShardFormer); all or none under the others.
@@ -91,6 +92,8 @@ def _data_parallel(plugin: str, world: int, per_rank: int, space: SearchSpace, w
     variants = [base]
     if plugin == "low_level_zero":
         variants = [dataclasses.replace(base, zero_stage=stage) for stage in (1, 2)]
+    elif plugin == "torch_fsdp":  # each decoder layer its own unit (cx-train's), and ColossalAI's one root unit
+        variants = [dataclasses.replace(base, fsdp_wrap="block"), base]
     elif plugin == "gemini":
         offloaded = dataclasses.replace(base, offload_optim_frac=1.0)
         variants = [base, offloaded, dataclasses.replace(base, placement_policy="auto")]

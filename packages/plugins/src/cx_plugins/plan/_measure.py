@@ -121,8 +121,8 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _plugin(candidate: Candidate) -> tuple[Any, str | None]:
-    """The candidate's plugin as cx-train builds it, and the Booster's mixed_precision (DDP only)."""
+def _plugin(candidate: Candidate, module: torch.nn.Module) -> tuple[Any, str | None]:
+    """The candidate's plugin as cx-train builds it for `module`, and the Booster's mixed_precision (DDP only)."""
     import cx_plugins  # the plugin families: imported in the rank, not when cx-plan starts
     from cx_shardformer import GradientCheckpointConfig
 
@@ -132,7 +132,8 @@ def _plugin(candidate: Candidate) -> tuple[Any, str | None]:
     if c.plugin == "torch_fsdp":
         dtype = _DTYPES.get(c.precision)
         policy = None if dtype is None else MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
-        return cx_plugins.TorchFSDPPlugin(mixed_precision=policy), None
+        wrap = cx_plugins.fsdp.block_wrap_policy(module) if c.fsdp_wrap == "block" else None
+        return cx_plugins.TorchFSDPPlugin(mixed_precision=policy, auto_wrap_policy=wrap), None
     if c.plugin == "low_level_zero":
         return cx_plugins.LowLevelZeroPlugin(**arguments), None
     if c.plugin == "gemini":  # small chunks, as cx-train uses for its small models
@@ -157,7 +158,7 @@ def _prepare(candidate: Candidate, model: str, hidden: int, layers: int, seq_len
     if torch.cuda.is_available():
         module = module.cuda()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    plugin, mixed = _plugin(candidate)
+    plugin, mixed = _plugin(candidate, module)
     booster = Booster(plugin=plugin, mixed_precision=mixed)
     boosted, wrapped, *_ = booster.boost(module, optimizer)
     assert wrapped is not None

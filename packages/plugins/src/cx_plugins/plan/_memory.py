@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from cx_plugins.plan._activations import ActivationTrace, trace_stage
 from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._model_spec import ModelShape
+from cx_plugins.plan._fsdp_memory import fsdp_bytes
+from cx_plugins.plan._model_spec import ModelShape, ParameterCounts
 
 __all__ = ["MemoryPrediction", "predict_memory", "predict_memory_from_traces"]
 
@@ -97,7 +98,7 @@ def _accumulated(c: Candidate, itemsize: int, n: int) -> int:
     return itemsize * n
 
 
-def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction:
+def _for_stage(candidate: Candidate, trace: ActivationTrace, counts: ParameterCounts | None) -> MemoryPrediction:
     c, n, e = candidate, trace.parameter_count, trace.expert_parameter_count
     w = _ITEMSIZE[c.precision]
     dp = _gradient_ranks(c)
@@ -106,9 +107,9 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction
     if c.plugin == "torch_ddp":  # fp32 parameters; DDP's buckets hold a second copy of every gradient
         parameters, comm = _FP32 * n, _FP32 * n
         gradients = live_grads * _FP32 // w + _accumulated(c, _FP32, n)
-    elif c.plugin == "torch_fsdp":  # fp32 shards; the one root unit gathers the whole model for compute
-        parameters, optimizer = _FP32 * n // dp, optimizer // dp
-        gradients, comm = live_grads * _FP32 // w + _FP32 * n // dp, w * n if dp > 1 else 0
+    elif c.plugin == "torch_fsdp":  # fp32 shards; the root unit, or each block, gathered for compute (_fsdp_memory)
+        fsdp = fsdp_bytes(c, n, live_grads, trace.saved_bytes, counts)
+        parameters, gradients, optimizer, comm = fsdp.parameters, fsdp.gradients, fsdp.optimizer_states, fsdp.gathered
     else:
         parameters = w * n
         master = _FP32 * n if c.half_precision else 0
@@ -134,7 +135,9 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction
             moved_optimizer + moved_master,
         )
     end = 0
-    if c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage >= 1 and dp > 1:
+    if c.plugin == "torch_fsdp":
+        end = fsdp.end_of_backward
+    elif c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage >= 1 and dp > 1:
         # the end of the backward: the activations are gone, the gradients (stage 1: all of them; stage 2: released
         # bucket by bucket) wait in the packed bucket being reduce-scattered into this rank's shard
         bucket = min(n, _ZERO_BUCKET_ELEMENTS) * w
@@ -166,14 +169,18 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace) -> MemoryPrediction
     )
 
 
-def predict_memory_from_traces(candidate: Candidate, traces: list[ActivationTrace]) -> MemoryPrediction:
-    """The busiest stage's prediction from already-made traces (one per stage traced)."""
+def predict_memory_from_traces(
+    candidate: Candidate, traces: list[ActivationTrace], counts: ParameterCounts | None = None
+) -> MemoryPrediction:
+    """The busiest stage's prediction from already-made traces (one per stage traced); `counts` (the shape's) are
+    needed for per-block FSDP, whose gathered bytes are the root unit's and the largest blocks'."""
     if not traces:
         raise ValueError("predict_memory_from_traces: no trace given")
-    return max((_for_stage(candidate, trace) for trace in traces), key=lambda prediction: prediction.peak)
+    return max((_for_stage(candidate, trace, counts) for trace in traces), key=lambda prediction: prediction.peak)
 
 
 def predict_memory(shape: ModelShape, candidate: Candidate, seq_len: int) -> MemoryPrediction:
     """Trace the first and the last pipeline stage (the others lie between) and predict the busiest."""
     stages = sorted({0, candidate.pp - 1})
-    return predict_memory_from_traces(candidate, [trace_stage(shape, candidate, seq_len, s) for s in stages])
+    traces = [trace_stage(shape, candidate, seq_len, s) for s in stages]
+    return predict_memory_from_traces(candidate, traces, shape.parameters)

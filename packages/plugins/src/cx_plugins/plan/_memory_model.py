@@ -58,6 +58,6 @@ def memory_model(
             if isinstance(trace, str):
                 return Verdict(False, 0, limit, trace, MemoryPrediction(candidate, stage, 0, 0, 0, 0, 0, 0, 0, 0))
             made.append(trace)
-        return fits(predict_memory_from_traces(candidate, made), device_memory, usable_fraction)
+        return fits(predict_memory_from_traces(candidate, made, shape.parameters), device_memory, usable_fraction)
 
     return judge

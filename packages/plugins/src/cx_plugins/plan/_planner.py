@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
+from cx_plugins.fsdp import block_classes
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._devices import Device, Network
 from cx_plugins.plan._enumerate import SearchSpace, enumerate_candidates
 from cx_plugins.plan._fits import Verdict
 from cx_plugins.plan._memory_model import memory_model
-from cx_plugins.plan._model_spec import ModelShape, train_flags
+from cx_plugins.plan._model_spec import ModelShape, build_model, train_flags
 from cx_plugins.plan._report import MemoryVerdict, PlanReport, PlanRow, rank_rows
 from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION, predict_step_time
 
@@ -77,6 +80,15 @@ def plan(
         fitting += row.memory.fits
         if enough is not None and fitting >= enough:
             break
+    ranked = rank_rows(rows)
     return PlanReport(
-        shape.name, world, seq_len, device, rank_rows(rows), considered=len(candidates), model_flags=train_flags(shape)
-    )
+        shape.name, world, seq_len, device, ranked, considered=len(candidates), model_flags=train_flags(shape),
+        block_class=_block_class(shape) if any(r.candidate.fsdp_wrap == "block" for r in ranked) else None,
+    )  # fmt: skip
+
+
+def _block_class(shape: ModelShape) -> str:
+    """The decoder layer's class name(s), for per-block FSDP's `ModuleWrapPolicy({...})` (built on meta)."""
+    with torch.device("meta"):
+        model = build_model(shape)
+    return ", ".join(cls.__name__ for cls in block_classes(model))

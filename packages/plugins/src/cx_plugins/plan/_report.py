@@ -87,21 +87,25 @@ def _bytes(count: int) -> str:
 def rank_rows(rows: Sequence[PlanRow]) -> list[PlanRow]:
     """Fitting candidates fastest first, then those that do not fit smallest peak first, then those cx refuses to
     build (no peak: the memory model could not trace them). Equal step times go to fewer, larger micro-batches (which
-    run matmuls nearer peak, as the one-fraction compute model cannot see), then by label, so the order is
-    deterministic."""
+    run matmuls nearer peak, as the one-fraction compute model cannot see), then per-block FSDP before one root unit,
+    then by label, so the order is deterministic."""
 
-    def key(row: PlanRow) -> tuple[int, float, int, str]:
+    def key(row: PlanRow) -> tuple[int, float, int, bool, str]:
         c = row.candidate
+        whole = c.fsdp_wrap == "model" and c.plugin == "torch_fsdp"  # per-block FSDP first: never more memory
         if row.memory.fits:
-            return 0, float(f"{row.step.step_s:.9g}"), c.num_microbatches, row_label(c)  # equal up to rounding
-        return (1 if row.memory.peak_bytes else 2), row.memory.peak_bytes, c.num_microbatches, row_label(c)
+            return 0, float(f"{row.step.step_s:.9g}"), c.num_microbatches, whole, row_label(c)  # equal up to rounding
+        return (1 if row.memory.peak_bytes else 2), row.memory.peak_bytes, c.num_microbatches, whole, row_label(c)
 
     return sorted(rows, key=key)
 
 
-def constructor_call(candidate: Candidate) -> str:
-    """`HybridParallelPlugin(tp_size=2, pp_size=2, ...)`, as the user writes it (cx_plugins or colossalai)."""
+def constructor_call(candidate: Candidate, block_class: str | None = None) -> str:
+    """`HybridParallelPlugin(tp_size=2, pp_size=2, ...)`, as the user writes it (cx_plugins or colossalai); per-block
+    FSDP names the model's decoder-layer class (`block_class`) in its `ModuleWrapPolicy`."""
     arguments = ", ".join(f"{k}={v!r}" for k, v in candidate.plugin_arguments().items())
+    if block_class is not None:
+        arguments = arguments.replace("{DecoderLayer}", "{" + block_class + "}")
     call = f"{_CLASSES[candidate.plugin]}({arguments})"
     if candidate.checkpoint_ratio and candidate.plugin in ("hybrid", "moe_hybrid"):
         ratio = f"GradientCheckpointConfig(gradient_checkpointing_ratio={candidate.checkpoint_ratio:g})"
@@ -141,6 +145,8 @@ def train_command(candidate: Candidate, model: str, seq_len: int, model_flags: S
         missing.append("pp_style=zbv")
     if c.checkpoint_ratio not in (0.0, 1.0):
         missing.append(f"a checkpointing ratio of {c.checkpoint_ratio:g}")
+    if c.plugin == "torch_fsdp" and c.fsdp_wrap == "model":
+        missing.append("one root FSDP unit (--plugin torch_fsdp shards each decoder layer)")
     if c.plugin == "gemini" and (c.placement_policy != "static" or c.offload_optim_frac or c.offload_param_frac):
         missing.append("Gemini placement / offload")
     if c.cpu_offload:
@@ -161,6 +167,7 @@ class PlanReport:
     rows: list[PlanRow]
     considered: int | None = None  # None: every enumerated candidate is in `rows`
     model_flags: tuple[str, ...] = ()  # cx-train's flags that size the model (`_model_spec.train_flags`)
+    block_class: str | None = None  # the decoder layer's class, named in per-block FSDP's constructor call
 
     @property
     def best(self) -> PlanRow | None:
@@ -188,7 +195,7 @@ class PlanReport:
         if best is None:
             lines.append("nothing fits: see the reasons above")
         else:
-            lines.append(f"best: {constructor_call(best.candidate)}")
+            lines.append(f"best: {constructor_call(best.candidate, self.block_class)}")
             lines.append(f"      {train_command(best.candidate, self.model, self.seq_len, self.model_flags)}")
         return "\n".join(lines)
 
@@ -213,7 +220,7 @@ class PlanReport:
             if best is None
             else {
                 "label": row_label(best.candidate),
-                "constructor": constructor_call(best.candidate),
+                "constructor": constructor_call(best.candidate, self.block_class),
                 "cx_train": train_command(best.candidate, self.model, self.seq_len, self.model_flags),
             },
             "rows": [r.as_json() for r in self.rows],

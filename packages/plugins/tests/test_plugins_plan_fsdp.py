@@ -1,0 +1,105 @@
+"""Per-block FSDP in cx-plan and cx-train: the Candidate's `fsdp_wrap`, its memory arithmetic (the root unit and the
+two largest blocks gathered, the root re-gathered when the backward starts, the root's reduce-scatter last), the
+decoder-layer wrap policy, the ranking's preference for it, and cx-train's `--plugin torch_fsdp` sharding each layer.
+The measured check (llama dp 2, within 10 %) is a case of test_plugins_plan_memory.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from cx_mesh.testing import run_distributed
+from cx_plugins import ModelWrapper
+from cx_plugins.demo._models import build_model, describe_model
+from cx_plugins.demo._options import parse_options
+from cx_plugins.demo._plugins import make_plugin
+from cx_plugins.fsdp import block_classes, block_wrap_policy
+from cx_plugins.models import GPT, GPTConfig
+from cx_plugins.plan import Candidate, load_model_shape
+from cx_plugins.plan._activations import ActivationTrace
+from cx_plugins.plan._memory import predict_memory_from_traces
+from cx_plugins.plan._model_spec import ParameterCounts
+from cx_plugins.plan._report import constructor_call, train_command
+
+# a synthetic model: root unit 100 parameters (embeddings, norm, head), blocks of 300, 500 and 400
+_COUNTS = ParameterCounts(1300, 100, 90, (300, 500, 400), (0, 0, 0), 0, False)
+_TRACE = ActivationTrace(0, 2 * 1300, 7000, 60, 2 * 1300, 0, 5000, 1300)
+
+
+def test_candidate_wrap_is_validated_labelled_and_printed() -> None:
+    block = Candidate("torch_fsdp", dp=8, fsdp_wrap="block")
+    assert "per-block" in block.label()
+    assert "per-block" not in Candidate("torch_fsdp", dp=8).label()
+    call = constructor_call(block, "LlamaDecoderLayer")
+    assert call == "TorchFSDPPlugin(auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))"
+    assert constructor_call(Candidate("torch_fsdp", dp=8)) == "TorchFSDPPlugin()"
+    assert "cx-train has no flag" not in train_command(block, "llama", 32)  # cx-train's torch_fsdp is per block
+    assert "one root FSDP unit" in train_command(Candidate("torch_fsdp", dp=8), "llama", 32)
+    with pytest.raises(ValueError, match="unknown fsdp_wrap 'layer'"):
+        Candidate("torch_fsdp", fsdp_wrap="layer")
+    with pytest.raises(ValueError, match="TorchFSDPPlugin setting, not hybrid's"):
+        Candidate("hybrid", fsdp_wrap="block")
+
+
+def test_per_block_memory_arithmetic() -> None:
+    # bf16 compute (2 bytes), dp 4; n = 1300, root unit 100, the two largest blocks 500 + 400
+    block = predict_memory_from_traces(Candidate("torch_fsdp", dp=4, fsdp_wrap="block"), [_TRACE], _COUNTS)
+    whole = predict_memory_from_traces(Candidate("torch_fsdp", dp=4), [_TRACE], _COUNTS)
+    shard, moments = 4 * 1300 // 4, 8 * 1300 // 4
+    assert (block.parameters, block.optimizer_states, block.gradients) == (shard, moments, 60)
+    assert block.comm_buffers == 2 * (100 + 500 + 400)  # the root unit and two blocks, in bf16
+    assert whole.comm_buffers == 2 * 1300  # one root unit: the whole model
+    regather = shard + moments + 5000 + 2 * 2 * 100  # all-gather output + unsharded root, saved activations
+    reduce = shard + moments + 4 * 1200 // 4 + 2 * 2 * 100 + 4 * 100 + 4 * 100 // 4  # the root's reduce-scatter
+    assert block.end_of_backward == max(regather, reduce)
+    whole_reduce = shard + moments + 2 * 2 * 1300 + 4 * 1300 + 4 * 1300 // 4
+    assert whole.end_of_backward == max(shard + moments + 5000 + 2 * 2 * 1300, whole_reduce)
+    assert block.peak < whole.peak
+    with pytest.raises(ValueError, match="per-block FSDP needs the model's parameter counts"):
+        predict_memory_from_traces(Candidate("torch_fsdp", dp=4, fsdp_wrap="block"), [_TRACE])
+
+
+def test_block_wrap_policy_finds_the_decoder_layers() -> None:
+    gpt = GPT(GPTConfig(vocab_size=64, max_positions=17, hidden_size=32, num_layers=2, num_heads=2))
+    assert [cls.__name__ for cls in block_classes(gpt)] == ["_Block"]
+    assert block_wrap_policy(gpt)(module=gpt.blocks[0], recurse=False, nonwrapped_numel=1)
+    assert not block_wrap_policy(gpt)(module=gpt.lm_head, recurse=False, nonwrapped_numel=1)
+    with torch.device("meta"):
+        llama = build_model(describe_model(parse_options(["--model", "llama"], world_size=1).model_spec), seed=0)
+    assert [cls.__name__ for cls in block_classes(llama)] == ["LlamaDecoderLayer"]
+    with pytest.raises(ValueError, match=r"no nn\.ModuleList of decoder layers"):
+        block_classes(nn.Linear(2, 2))
+
+
+def test_plan_prefers_per_block_fsdp_and_names_the_layer_class() -> None:
+    from cx_plugins.plan import SearchSpace, plan
+    from cx_plugins.plan._devices import lookup_device
+    from cx_plugins.plan._planner import traced_memory_model
+
+    shape = load_model_shape("llama", hidden_size=64, num_layers=2, seq_len=32)
+    device = lookup_device("cpu")
+    space = SearchSpace(plugins=("torch_fsdp",), global_batch=4, checkpoint_ratios=(0.0,), precision="fp32")
+    report = plan(shape, 2, 32, device, traced_memory_model(shape, 32, device), space=space)
+    assert {r.candidate.fsdp_wrap for r in report.rows} == {"block", "model"}
+    assert report.best is not None
+    assert report.best.candidate.fsdp_wrap == "block"
+    assert "auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer})" in report.table()
+
+
+def _cx_train_shards_each_layer(rank: int, world_size: int) -> None:
+    options = parse_options(["--model", "llama", "--plugin", "torch_fsdp", "--nproc", "1"], world_size=world_size)
+    model = build_model(describe_model(options.model_spec), seed=0)
+    plugin, _ = make_plugin(options, model)
+    boosted, *_ = plugin.configure(model, torch.optim.AdamW(model.parameters()))
+    assert isinstance(boosted, ModelWrapper)
+    layers = [m for m in boosted.unwrap().modules() if type(m).__name__.startswith("FSDPLlamaDecoderLayer")]
+    assert len(layers) == options.num_layers > 1
+    assert all(isinstance(layer, FSDPModule) for layer in layers)
+
+
+def test_cx_train_torch_fsdp_shards_each_decoder_layer() -> None:
+    outcomes = run_distributed(_cx_train_shards_each_layer, 1)
+    assert all(o.ok for o in outcomes.values()), [o.error for o in outcomes.values()]
