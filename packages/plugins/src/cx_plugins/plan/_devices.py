@@ -4,7 +4,13 @@
 Peaks are the vendors' datasheet dense figures (no structured sparsity); fp32 is the non-tensor-core figure, as
 PyTorch runs fp32 matmuls without TF32 by default. Link bandwidths are per direction, the number a ring collective
 is bounded by. The `cpu` and `loopback` rows are this repository's CPU machines (2 cores, gloo over loopback):
-measured figures (benchmarks/plan/bench_step_time.py re-measures them), not datasheet ones.
+measured figures (benchmarks/plan/bench_step_time.py re-measures the FLOP rates, benchmarks/plan/calibrate_cpu.py the
+per-op, per-tensor and per-collective costs), not datasheet ones.
+
+Host costs, which a tiny model's step is made of: `op_s`, the time eager PyTorch takes to dispatch one aten op;
+`optimizer_tensor_s`, torch AdamW's per-parameter-tensor loop; `cores`, the cores the ranks of one machine share (0:
+each rank has its own accelerator). On a GPU the host dispatches asynchronously, so its op time hides under the kernels
+unless it is longer than they are; on the CPU it adds, and more ranks than cores share them (world / cores slower).
 """
 
 from __future__ import annotations
@@ -38,6 +44,18 @@ class Device:
     memory_bytes: int
     memory_bandwidth: float
     source: str
+    op_s: float = 0.0  # host seconds per dispatched aten op
+    optimizer_tensor_s: float = 0.0  # host seconds per parameter tensor of one AdamW step (beyond its bytes)
+    cores: int = 0  # cores the ranks of one machine share (0: a device per rank, asynchronous dispatch)
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether host work adds to the step (a CPU) rather than overlapping the device's kernels (a GPU)."""
+        return self.cores > 0
+
+    def oversubscription(self, world_size: int) -> float:
+        """How much slower each rank's host work runs with `world_size` ranks on this machine's cores."""
+        return max(1.0, world_size / self.cores) if self.cores else 1.0
 
     def peak(self, precision: str) -> float:
         """The peak for `precision` (a ValueError naming the known ones otherwise)."""
@@ -83,14 +101,36 @@ _NVIDIA_A100 = (
 )
 _CPU = (
     "measured here: torch.matmul 512x512 on one thread of the 2-core Xeon dev machine (AMX): fp32 95, bf16 390, "
-    "fp16 58 GFLOP/s; a one-thread in-place add of 64 MB streams 7.6 GB/s; 8 GB assumed (pass --device-memory)"
+    "fp16 58 GFLOP/s; a one-thread in-place add of 64 MB streams 7.6 GB/s; 8 GB assumed (pass --device-memory); "
+    "calibrate_cpu.py on one process (2026-12-02): 12.1 us per aten op of a hidden-32 GPT's forward and backward "
+    "(440 ops), 65 us per tensor of a torch AdamW step over 256 small tensors; 4 processes on the 2 cores: 2.3x the "
+    "per-op time"
 )
+# Eager PyTorch launches each CUDA kernel from the host in ~5-10 us (the brief of issue 26; not measured here); it
+# overlaps the kernels, so it only shows when a step's kernels are shorter. AdamW on CUDA is foreach / fused: no
+# per-tensor loop.
+_GPU_OP_S = 5e-6
 
 DEVICES: dict[str, Device] = {
-    "h100": Device("h100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * _GB, 3.35e12, _NVIDIA_H100),
-    "h200": Device("h200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * _GB, 4.8e12, _NVIDIA_H200),
-    "a100": Device("a100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * _GB, 2.04e12, _NVIDIA_A100),
-    "cpu": Device("cpu", {"bf16": 390e9, "fp16": 58e9, "fp32": 95e9}, 8 * _GB, 7.6e9, _CPU),
+    "h100": Device(
+        "h100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * _GB, 3.35e12, _NVIDIA_H100, op_s=_GPU_OP_S
+    ),
+    "h200": Device(
+        "h200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * _GB, 4.8e12, _NVIDIA_H200, op_s=_GPU_OP_S
+    ),
+    "a100": Device(
+        "a100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * _GB, 2.04e12, _NVIDIA_A100, op_s=_GPU_OP_S
+    ),
+    "cpu": Device(
+        "cpu",
+        {"bf16": 390e9, "fp16": 58e9, "fp32": 95e9},
+        8 * _GB,
+        7.6e9,
+        _CPU,
+        op_s=12.1e-6,
+        optimizer_tensor_s=65e-6,
+        cores=2,
+    ),
 }
 
 LINKS: dict[str, Link] = {
@@ -106,9 +146,13 @@ LINKS: dict[str, Link] = {
     # PCIe Gen5 x16: 64 GB/s per direction; Gen4 x16: 32 GB/s (PCI-SIG specifications).
     "pcie5": Link("pcie5", 64e9, 5e-6, "PCI-SIG PCIe 5.0: 32 GT/s x16"),
     "pcie4": Link("pcie4", 32e9, 5e-6, "PCI-SIG PCIe 4.0: 16 GT/s x16"),
-    # gloo over loopback on the 2-core dev machine (shared, loaded): all-reduce of 16 MiB between 2 processes ran at
-    # 0.64 GB/s bus bandwidth, a 4-byte one took 0.7 ms.
-    "loopback": Link("loopback", 0.6e9, 0.7e-3, "measured here: gloo all_reduce between 2 processes on loopback"),
+    # gloo over loopback on the 2-core dev machine (calibrate_cpu.py, 2 processes, 2026-12-02): a 16 MiB all-reduce
+    # ran at 0.63 GB/s bus bandwidth; a 4-byte all_reduce (2 hops) took 0.21 ms, all_gather_into_tensor 0.24,
+    # reduce_scatter_tensor 0.30, all_to_all_single 0.17 (1 hop each): 0.2 ms a hop on average. On 4 processes (2 per
+    # core) the per-hop time doubled or more, which `Device.oversubscription` scales it by.
+    "loopback": Link(
+        "loopback", 0.63e9, 0.2e-3, "measured here: gloo collectives between 2 processes on loopback (calibrate_cpu.py)"
+    ),
 }
 
 _DEFAULT_NETWORK = {

@@ -17,6 +17,12 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
 - The optimizer step streams 28 bytes per fp32 master parameter (read weight, gradient, two moments; write weight
   and moments), plus the 16-bit weight copy, at the device's memory bandwidth; offloaded optimizer state crosses PCIe
   5 (gradients down, weights up) and steps at `HOST_BANDWIDTH`.
+- Host work (`_host_time`, given the trace's op and tensor counts): dispatching each micro-batch's aten ops, the
+  plugin's own per-parameter ops and AdamW's per-tensor loop, at the device's measured per-op and per-tensor costs.
+  On a host-bound device (the CPU) they add to the compute, and with more ranks than cores every rank's host work,
+  compute and collective latency run world / cores slower; on a GPU the host launches asynchronously, so dispatch
+  only counts where it exceeds the kernels it launches (per micro-batch forward and backward; the plugin's and the
+  optimizer's ops against the optimizer step).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from cx_pipeline import Action, ActionKind, schedule_orders, simulate
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._comm_volume import Collective, step_collectives, weight_bytes
 from cx_plugins.plan._devices import LINKS, Device, Network, default_network
+from cx_plugins.plan._host_time import OpCounts, host_time
 from cx_plugins.plan._model_spec import ModelShape
 
 __all__ = ["ACHIEVABLE_FRACTION", "HOST_BANDWIDTH", "StepTime", "flops_per_token", "predict_step_time"]
@@ -51,6 +58,11 @@ class StepTime:
     step_s: float = 0.0
     world_size: int = 1
     peak_flops: float = 0.0  # one device's, for MFU
+    dispatch_s: float = 0.0  # host time dispatching the model's aten ops, all micro-batches (hidden on a GPU where
+    # the kernels take longer)
+    plugin_s: float = 0.0  # the plugin's own per-parameter ops
+    optimizer_overhead_s: float = 0.0  # AdamW's per-tensor loop, beside `optimizer_s` (its bytes)
+    oversubscription: float = 1.0  # how much slower ranks sharing too few cores run (in every term above)
 
     @property
     def tokens_per_s(self) -> float:
@@ -73,9 +85,10 @@ def flops_per_token(shape: ModelShape, seq_len: int) -> tuple[float, float]:
     return in_layers + 6.0 * head, in_layers
 
 
-def _seconds(collective: Collective, network: Network) -> float:
+def _seconds(collective: Collective, network: Network, slow: float = 1.0) -> float:
+    """Hops at the link's latency (`slow` x: a peer waiting for its core) plus the bytes at its bandwidth."""
     link = network.link_for(collective.span)
-    return collective.hops * link.latency + collective.bytes / link.bandwidth
+    return collective.hops * link.latency * slow + collective.bytes / link.bandwidth
 
 
 def _optimizer_seconds(candidate: Candidate, shape: ModelShape, device: Device) -> float:
@@ -91,6 +104,11 @@ def _optimizer_seconds(candidate: Candidate, shape: ModelShape, device: Device) 
         return on_device + (held * offloaded * per_parameter / device.memory_bandwidth)
     pcie = LINKS["pcie5"].bandwidth
     return on_device + held * offloaded * ((4 + w) / pcie + _ADAM_BYTES / HOST_BANDWIDTH)
+
+
+def _with_host(device_s: float, host_s: float, host_bound: bool) -> float:
+    """Work the host dispatches beside the device's: added on a host-bound device, overlapped on an asynchronous one."""
+    return device_s + host_s if host_bound else max(device_s, host_s)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -120,41 +138,48 @@ def predict_step_time(
     device: Device,
     network: Network | None = None,
     efficiency: float = ACHIEVABLE_FRACTION,
+    ops: OpCounts | None = None,
 ) -> StepTime:
     """The predicted time of one optimizer step of `candidate` (global batch `candidate.global_batch_size`
-    sequences of `seq_len` tokens) on `world_size` devices of `device` connected by `network`."""
+    sequences of `seq_len` tokens) on `world_size` devices of `device` connected by `network`; `ops` (the trace's
+    counts for the candidate's busiest stage) adds the host's time, None leaves it out."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency (the achievable fraction of peak) must be in (0, 1], got {efficiency}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     c = candidate
     net = default_network(device) if network is None else network
+    host = host_time(c, ops, device)
+    slow = host.oversubscription
     peak = device.peak(c.precision)
-    rate = peak * efficiency
+    rate = peak * efficiency / slow  # ranks sharing cores share their FLOPs
     per_token, in_layers = flops_per_token(shape, seq_len)
     tokens = c.global_batch_size * seq_len
     model_s = tokens * per_token / c.world_size / rate
     recompute_s = tokens * in_layers / 3 * c.checkpoint_ratio / c.world_size / rate
     collectives = step_collectives(c, shape, seq_len)
-    times = {col.name: _seconds(col, net) for col in collectives}
+    times = {col.name: _seconds(col, net, slow) for col in collectives}
     in_layer = sum(times[col.name] for col in collectives if col.name.startswith(("tp ", "sp ", "expert ")))
     data_parallel = sum(t for name, t in times.items() if "gradient" in name or "weight" in name)
-    optimizer_s = _optimizer_seconds(c, shape, device)
+    optimizer_s = _optimizer_seconds(c, shape, device) * slow
     passes = 2 + c.checkpoint_ratio
     m = c.num_microbatches
-    forward = (model_s / 3 + in_layer / passes) / m
-    backward = (2 * model_s / 3 + recompute_s + in_layer * (1 + c.checkpoint_ratio) / passes) / m
+    bound = device.host_bound
+    forward = _with_host(model_s / 3 / m, host.forward_s, bound) + in_layer / passes / m
+    backward = _with_host((2 * model_s / 3 + recompute_s) / m, host.backward_s, bound)
+    backward += in_layer * (1 + c.checkpoint_ratio) / passes / m
+    optimizer_step = _with_host(optimizer_s, host.plugin_s + host.optimizer_s, bound)
     bubble_s = 0.0
     if c.pp > 1:
         p2p = next(col for col in collectives if col.pipelined)
-        hop = _seconds(p2p, net) / p2p.hops
+        hop = _seconds(p2p, net, slow) / p2p.hops
         makespan, busiest = _pipeline_makespan(c.pp_style, c.pp, m, c.num_model_chunks, forward, backward, hop)
         bubble_s = makespan - busiest
         times[p2p.name] = busiest - m * (forward + backward)
         body = makespan
     else:
         body = m * (forward + backward)
-    step_s = body + data_parallel + optimizer_s
+    step_s = body + data_parallel + optimizer_step
     return StepTime(
         flops_per_token=per_token,
         tokens_per_step=tokens,
@@ -166,4 +191,8 @@ def predict_step_time(
         step_s=step_s,
         world_size=c.world_size,
         peak_flops=peak,
+        dispatch_s=m * (host.forward_s + host.backward_s),
+        plugin_s=host.plugin_s,
+        optimizer_overhead_s=host.optimizer_s,
+        oversubscription=slow,
     )
