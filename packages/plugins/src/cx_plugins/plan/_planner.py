@@ -22,6 +22,7 @@ from cx_plugins.plan._enumerate import SearchSpace, enumerate_candidates
 from cx_plugins.plan._fits import Verdict
 from cx_plugins.plan._memory_model import memory_model
 from cx_plugins.plan._model_spec import ModelShape, build_model, train_flags
+from cx_plugins.plan._op_counts import OpCounter, op_counter
 from cx_plugins.plan._report import MemoryVerdict, PlanReport, PlanRow, rank_rows
 from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION, predict_step_time
 
@@ -43,9 +44,11 @@ def judge(
     memory: MemoryModel,
     network: Network | None = None,
     efficiency: float = ACHIEVABLE_FRACTION,
+    ops: OpCounter | None = None,
 ) -> PlanRow:
-    """One candidate's row: its memory verdict and predicted step time."""
-    step = predict_step_time(candidate, shape, seq_len, device, network, efficiency)
+    """One candidate's row: its memory verdict and predicted step time (`ops`: the op counts, traced by default)."""
+    counts = (op_counter(shape, seq_len) if ops is None else ops)(candidate)
+    step = predict_step_time(candidate, shape, seq_len, device, network, efficiency, counts)
     return PlanRow(candidate, memory(candidate), step)
 
 
@@ -60,17 +63,21 @@ def plan(
     network: Network | None = None,
     efficiency: float = ACHIEVABLE_FRACTION,
     enough: int | None = None,
+    ops: OpCounter | None = None,
 ) -> PlanReport:
     """The candidates for `world` devices, ranked: fitting ones by predicted step time, then the rest.
 
     The step time of every candidate is cheap; its memory verdict (a trace) is not. With `enough`, memory is judged
     in order of predicted step time and the search stops once `enough` candidates fit: the fastest fitting ones are
     then exactly those a full search would rank first, and the rows hold the misses met on the way. None judges all.
+    `ops` gives each candidate's op and tensor counts for the host terms (default: traced, one trace per distinct
+    split, see `_op_counts`).
     """
     if enough is not None and enough < 1:
         raise ValueError(f"enough must be a positive number of fitting candidates, got {enough}")
     candidates = enumerate_candidates(shape, world, seq_len, space)
-    timed = [(predict_step_time(c, shape, seq_len, device, network, efficiency), c) for c in candidates]
+    count = op_counter(shape, seq_len) if ops is None else ops
+    timed = [(predict_step_time(c, shape, seq_len, device, network, efficiency, count(c)), c) for c in candidates]
     timed.sort(key=lambda pair: pair[0].step_s)
     rows: list[PlanRow] = []
     fitting = 0

@@ -1,0 +1,67 @@
+"""`op_counter`: the aten ops one micro-batch dispatches on a candidate's busiest pipeline stage, and its trained
+parameter tensors, from the planner's FakeTensor trace of the real model under the real policy (`trace_stage`), for
+the step-time model's host terms (`_host_time`).
+
+Counts do not depend on what only moves data between ranks or sizes tensors: the data-parallel plugins (DDP, FSDP,
+LowLevelZero, Gemini) run the whole model, so they share one trace per checkpointing choice; the hybrid plugins one
+per split (tp, pp, sp, ep, schedule, checkpointing ratio). Each is traced at micro-batch size 1 (a larger batch
+dispatches the same ops: 86 and 88 for cx's GPT at 1 and 2 sequences), so a search over hundreds of candidates
+traces tens of times. A candidate whose trace fails gets None (no host terms); the memory model reports the failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from cx_plugins.plan._activations import PlanTraceError, trace_stage
+from cx_plugins.plan._candidate import Candidate
+from cx_plugins.plan._host_time import OpCounts
+from cx_plugins.plan._model_spec import ModelShape
+
+__all__ = ["OpCounter", "op_counter"]
+
+OpCounter = Callable[[Candidate], OpCounts | None]
+_SPLITTING = ("hybrid", "moe_hybrid")
+
+
+def _probe(candidate: Candidate) -> Candidate:
+    """The candidate whose trace stands for `candidate`'s counts."""
+    c = candidate
+    if c.plugin not in _SPLITTING:
+        return Candidate("torch_ddp", checkpoint_ratio=c.checkpoint_ratio, precision=c.precision)
+    return dataclasses.replace(c, micro_batch_size=1)
+
+
+def _key(candidate: Candidate) -> tuple[object, ...]:
+    c = candidate
+    if c.plugin not in _SPLITTING:
+        return ("whole model", c.checkpoint_ratio, c.precision)
+    return (c.plugin, c.tp, c.pp, c.sp, c.sp_mode, c.ep, c.checkpoint_ratio, c.pp_style, c.precision)
+
+
+def _count(shape: ModelShape, candidate: Candidate, seq_len: int) -> OpCounts | None:
+    probe = _probe(candidate)
+    found = []
+    for stage in sorted({0, probe.pp - 1}):
+        try:
+            trace = trace_stage(shape, probe, seq_len, stage)
+        except PlanTraceError:
+            raise
+        except Exception:  # the memory model traces the same candidate and reports why
+            return None
+        found.append(OpCounts(trace.forward_ops, trace.backward_ops, trace.parameter_tensors))
+    return max(found, key=lambda ops: (ops.forward + ops.backward, ops.parameter_tensors))
+
+
+def op_counter(shape: ModelShape, seq_len: int) -> OpCounter:
+    """Counts per candidate, traced once per distinct key (see above)."""
+    cache: dict[tuple[object, ...], OpCounts | None] = {}
+
+    def count(candidate: Candidate) -> OpCounts | None:
+        key = _key(candidate)
+        if key not in cache:
+            cache[key] = _count(shape, candidate, seq_len)
+        return cache[key]
+
+    return count
