@@ -7,12 +7,14 @@ Present: `Booster`, `Plugin`, `DPPluginBase`, `TorchDDPPlugin`, `TorchFSDPPlugin
 tensor-parallel slices), the wrappers (`EngineOptimizer`, the one boosted
 optimizer over any `OptimizerEngine`), `HybridCheckpointIO` with the faces it reads (`ParallelModelView`,
 `ParallelOptimizerView`) for models split by tensor and pipeline parallelism,
+`enable_activation_checkpointing(model, "full" | "selective-op")` (torchtitan's op policy, `SelectiveOpPolicy`),
 reference models in `cx_plugins.models`, ColossalAI's learning-rate schedulers in `cx_plugins.lr_scheduler`; every
 plugin saves and loads the canonical cx checkpoint format. `__version__` is the installed distribution's version.
 """
 
 from importlib import metadata as _metadata
 
+from cx_plugins._activation_checkpointing import SelectiveOpPolicy, enable_activation_checkpointing
 from cx_plugins._booster import Booster
 from cx_plugins._engine_optimizer import EngineOptimizer, OptimizerEngine
 from cx_plugins._plugin import DPPluginBase, Plugin
@@ -52,6 +54,8 @@ __all__ = [
     "Plugin",
     "Precision",
     "TorchDDPPlugin",
+    "SelectiveOpPolicy",
     "TorchFSDPPlugin",
+    "enable_activation_checkpointing",
     "is_compatible_with_meta",
 ]

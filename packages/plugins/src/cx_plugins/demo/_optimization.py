@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from cx_plugins._activation_checkpointing import enable_activation_checkpointing
 from cx_plugins._booster import Booster
 from cx_plugins._wrappers import OptimizerWrapper
 from cx_plugins.demo._models import DemoModel
@@ -62,13 +62,7 @@ def prepare_model(model: nn.Module, options: DemoOptions, is_hf: bool) -> nn.Mod
     if options.activation_checkpointing and options.plugin not in HYBRID_CLASSES:
         if not is_hf:  # refused before any process started (_training_checks)
             raise ValueError("--activation-checkpointing needs a transformers model")
-        non_reentrant = {"use_reentrant": False}  # the reentrant variant needs inputs that require grad
-        enable: Any = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name
-        if enable is not None:
-            enable(activation_checkpointing_kwargs=non_reentrant)
-        else:
-            older: Any = model.gradient_checkpointing_enable
-            older(gradient_checkpointing_kwargs=non_reentrant)
+        enable_activation_checkpointing(model, options.checkpoint_mode)  # non-reentrant; selective-op: the op policy
     if options.compile:
         model.compile(
             backend=options.compile_backend

@@ -75,6 +75,7 @@ class DemoOptions:
     grad_accum: int = 1  # micro-batches per optimizer step
     clip: float = 0.0  # max global gradient norm, 0 for no clipping
     activation_checkpointing: bool = False
+    checkpoint_mode: str = "full"  # --activation-checkpointing-mode: full or selective-op (which turns it on)
     compile: bool = False
     compile_backend: str = "inductor"  # torch.compile's backend (--compile-backend)
     dry_run: bool = False
@@ -278,7 +279,8 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         weight_decay=args.weight_decay,
         grad_accum=args.grad_accum,
         clip=args.clip,
-        activation_checkpointing=args.activation_checkpointing,
+        activation_checkpointing=args.activation_checkpointing or args.activation_checkpointing_mode != "full",
+        checkpoint_mode=args.activation_checkpointing_mode,
         compile=args.compile,
         compile_backend=args.compile_backend,
         dry_run=args.dry_run,

@@ -29,7 +29,15 @@ def training_problem(args: argparse.Namespace) -> str | None:
             "--grad-accum: the gemini plugin does not support gradient accumulation (no no_sync, as in ColossalAI); "
             "use --plugin low_level_zero, torch_ddp, torch_fsdp or hybrid, or a larger --batch-size"
         )
-    if args.activation_checkpointing and args.model == GPT_MODEL:
+    selective = args.activation_checkpointing_mode != "full"
+    if selective and args.plugin in ("hybrid", "moe_hybrid"):
+        return (
+            f"--activation-checkpointing-mode {args.activation_checkpointing_mode}: --plugin {args.plugin} "
+            "checkpoints whole layers through ShardFormer's policies, which take no op policy; use "
+            "--activation-checkpointing alone, or a data-parallel plugin (torch_fsdp, torch_ddp, low_level_zero, "
+            "gemini)"
+        )
+    if (args.activation_checkpointing or selective) and args.model == GPT_MODEL:
         return (
             "--activation-checkpointing: cx's reference GPT has no activation checkpointing; use a transformers "
             "model (--model llama, mixtral, ... or a model folder)"

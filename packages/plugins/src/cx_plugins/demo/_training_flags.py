@@ -64,6 +64,14 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "models only (default: off)",
     )
     training.add_argument(
+        "--activation-checkpointing-mode",
+        choices=("full", "selective-op"),  # cx_plugins._activation_checkpointing.CHECKPOINT_MODES (no torch here)
+        default="full",
+        help="what a checkpointed layer keeps: full recomputes all of it; selective-op keeps the outputs torchtitan's "
+        "op policy saves (every other matmul, attention) and recomputes the rest, and turns checkpointing on; not "
+        "with --plugin hybrid / moe_hybrid, which checkpoint whole layers through ShardFormer",
+    )
+    training.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile the model in place; --plugin torch_ddp only (default: off)",

@@ -29,13 +29,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cx_mesh import ProcessGroupMesh
+from cx_plugins._activation_checkpointing import enable_activation_checkpointing
 from cx_plugins._layout import Axis
 from cx_plugins.hybrid import HybridParallelPlugin
 from cx_plugins.hybrid._model import compose_model
 from cx_plugins.models import GPTConfig
 from cx_plugins.moe_hybrid import MoeHybridParallelPlugin
 from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._model_spec import ModelShape, build_model, checkpoint_whole_model
+from cx_plugins.plan._model_spec import ModelShape, build_model
 from cx_plugins.plan._oracle import ValueOracle
 from cx_shardformer import GradientCheckpointConfig
 
@@ -150,8 +151,8 @@ def _stage_modules(shape: ModelShape, candidate: Candidate) -> tuple[list[nn.Mod
     with torch.device("meta"):
         model = build_model(shape)
     if candidate.plugin not in ("hybrid", "moe_hybrid"):
-        if candidate.checkpoint_ratio:
-            checkpoint_whole_model(model)
+        if candidate.checkpoint_ratio:  # every layer, in full or under the selective op policy
+            enable_activation_checkpointing(model, candidate.checkpoint_mode)
         return [model], True, True
     plugin = _plugin(candidate)
     composed = compose_model(

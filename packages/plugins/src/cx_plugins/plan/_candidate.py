@@ -15,6 +15,7 @@ from typing import Any
 __all__ = [
     "PIPELINE_STYLES",
     "BLOCK_POLICY",
+    "CHECKPOINT_MODES",
     "FSDP_WRAPS",
     "PLACEMENT_POLICIES",
     "PLUGINS",
@@ -29,6 +30,7 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 PIPELINE_STYLES = ("1f1b", "interleaved", "zbv")
 SP_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")
 PLACEMENT_POLICIES = ("static", "auto")
+CHECKPOINT_MODES = ("full", "selective-op")  # how a checkpointed layer recomputes: all of it, or torchtitan's op policy
 FSDP_WRAPS = ("model", "block")  # TorchFSDPPlugin: one root unit, or each decoder layer its own fully_shard
 # the argument TorchFSDPPlugin takes for per-block wrapping, as printed (the class is the model's decoder layer)
 BLOCK_POLICY = "ModuleWrapPolicy({DecoderLayer})"
@@ -67,6 +69,7 @@ class Candidate:
     num_microbatches: int = 1  # per step and dp rank: pipeline micro-batches (pp > 1) or accumulation steps
     pp_style: str = "1f1b"
     checkpoint_ratio: float = 0.0  # fraction of decoder layers whose activations are recomputed
+    checkpoint_mode: str = "full"  # "selective-op": those layers keep torchtitan's op policy's outputs (ratio 1 only)
     placement_policy: str = "static"  # Gemini
     offload_optim_frac: float = 0.0  # Gemini: fraction of optimizer states on the CPU
     offload_param_frac: float = 0.0  # Gemini: fraction of fp32 master weights on the CPU
@@ -118,6 +121,16 @@ class Candidate:
             self.plugin != "gemini" or self.num_microbatches == 1,
             f"gemini runs one micro-batch per step (GeminiDDP refuses gradient accumulation without "
             f"enable_gradient_accumulation, and cx-train refuses --grad-accum with it), not {self.num_microbatches}",
+        )
+        _require(
+            self.checkpoint_mode in CHECKPOINT_MODES,
+            f"unknown checkpoint_mode {self.checkpoint_mode!r}; one of {', '.join(CHECKPOINT_MODES)}",
+        )
+        _require(
+            self.checkpoint_mode == "full" or (self.checkpoint_ratio == 1.0 and not parallel),
+            f"checkpoint_mode {self.checkpoint_mode} checkpoints every layer (checkpoint_ratio 1, not "
+            f"{self.checkpoint_ratio:g}) through transformers' switch; {self.plugin} "
+            + ("checkpoints through ShardFormer's policies, a ratio of whole layers only" if parallel else "can"),
         )
         _require(self.placement_policy in PLACEMENT_POLICIES, f"unknown placement_policy {self.placement_policy!r}")
         for name in ("offload_optim_frac", "offload_param_frac"):
@@ -207,4 +220,5 @@ class Candidate:
         zero = f" zero{self.stage}" if self.plugin in ("low_level_zero", *_PARALLEL_PLUGINS) else ""
         zero += " per-block" if self.fsdp_wrap == "block" else ""
         ckpt = f" ckpt{self.checkpoint_ratio:g}" if self.checkpoint_ratio else ""
+        ckpt = " ckpt-op" if self.checkpoint_mode == "selective-op" else ckpt
         return f"{self.plugin}{sizes}{zero} mb{self.micro_batch_size}x{self.num_microbatches}{ckpt} {self.precision}"

@@ -30,8 +30,8 @@ from torch.distributed.fsdp import MixedPrecision
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from cx_plugins._activation_checkpointing import enable_activation_checkpointing
 from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._model_spec import checkpoint_whole_model
 from cx_plugins.plan._report import PlanReport, PlanRow, row_label
 
 __all__ = ["LiveBytes", "Measured", "measure_candidate", "measure_report", "measure_table"]
@@ -154,7 +154,7 @@ def _prepare(candidate: Candidate, model: str, hidden: int, layers: int, seq_len
     described = describe_model(ModelSpec(model, hidden, layers, seq_len))
     module = build_model(described, seed=0)
     if candidate.checkpoint_ratio and candidate.plugin not in ("hybrid", "moe_hybrid"):
-        checkpoint_whole_model(module)
+        enable_activation_checkpointing(module, candidate.checkpoint_mode)
     if torch.cuda.is_available():
         module = module.cuda()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)

@@ -24,8 +24,8 @@ __all__ = ["memory_model"]
 def _trace_key(candidate: Candidate, stage: int) -> tuple[object, ...]:
     """What a trace sees: candidates equal here share it (ZeRO stage, dp, micro-batch count, offload are not)."""
     c = candidate
-    return (c.plugin, c.tp, c.pp, c.sp, c.sp_mode, c.ep, c.micro_batch_size, c.checkpoint_ratio, c.pp_style,
-            c.precision, stage)  # fmt: skip
+    return (c.plugin, c.tp, c.pp, c.sp, c.sp_mode, c.ep, c.micro_batch_size, c.checkpoint_ratio, c.checkpoint_mode,
+            c.pp_style, c.precision, stage)  # fmt: skip
 
 
 def _trace_or_reason(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int) -> ActivationTrace | str:

@@ -110,6 +110,8 @@ def constructor_call(candidate: Candidate, block_class: str | None = None) -> st
     if candidate.checkpoint_ratio and candidate.plugin in ("hybrid", "moe_hybrid"):
         ratio = f"GradientCheckpointConfig(gradient_checkpointing_ratio={candidate.checkpoint_ratio:g})"
         call = call[:-1] + (", " if arguments else "") + f"gradient_checkpoint_config={ratio})"
+    elif candidate.checkpoint_mode == "selective-op":
+        call += "  # and cx_plugins.enable_activation_checkpointing(model, 'selective-op') before boosting"
     elif candidate.checkpoint_ratio:
         call += "  # and model.gradient_checkpointing_enable() before boosting"
     return call
@@ -136,7 +138,9 @@ def train_command(candidate: Candidate, model: str, seq_len: int, model_flags: S
             parts.append(f"--pp-style {c.pp_style}")
     if c.plugin == "low_level_zero" and c.stage != 2:
         parts.append(f"--zero {c.stage}")
-    if c.checkpoint_ratio == 1.0:
+    if c.checkpoint_mode == "selective-op":
+        parts.append("--activation-checkpointing-mode selective-op")
+    elif c.checkpoint_ratio == 1.0:
         parts.append("--activation-checkpointing")
     missing = []
     if c.sp_mode not in (None, "all_to_all"):
