@@ -111,7 +111,8 @@ def _repredict(records: list[dict[str, Any]]) -> None:
             for record in records:
                 if record["model"] == model and record["world"] == world and record["label"] in by_label:
                     try:
-                        record["predicted_peak"] = predict_memory(shape, by_label[record["label"]], SEQ).peak
+                        candidate = by_label[record["label"]]  # measured on the CPU: offloaded states count
+                        record["predicted_peak"] = predict_memory(shape, candidate, SEQ, host_is_device=True).peak
                     except Exception as error:  # reported in the row, not raised
                         record["error"] = record["error"] or f"prediction failed: {error}"
 

@@ -94,7 +94,7 @@ def plan_lines(options: DemoOptions, world: int, shape: ModelShape | None = None
     candidate = plan_candidate(options, world)
     counts = shape.parameters
     experts = f" ({counts.experts:,} in routed experts, split over ep {options.ep})" if counts.experts else ""
-    verdict = memory_model(shape, options.seq_len, device.memory_bytes)(candidate)
+    verdict = memory_model(shape, options.seq_len, device.memory_bytes, host_is_device=device.name == "cpu")(candidate)
     parts = ", ".join(f"{n.replace('_', ' ')} {format_bytes(b)}" for n, b in verdict.prediction.components().items())
     fit = "fits" if verdict.fits else f"does not fit: {verdict.reason}"
     step = predict_step_time(candidate, shape, options.seq_len, device)

@@ -45,7 +45,7 @@ class MemoryPrediction:
     activations: int  # one micro-batch at the trace's peak
     pipeline_inflight: int  # saved activations of the other micro-batches a pipeline stage holds
     comm_buffers: int
-    cpu_offloaded: int  # optimizer states / master weights moved to the CPU (not in the device peak)
+    cpu_offloaded: int  # optimizer states / master weights moved to the CPU (in the peak only when the CPU is it)
     end_of_backward: int = 0  # everything live late in the backward, activations gone (0: not modelled)
 
     @property
@@ -98,7 +98,9 @@ def _accumulated(c: Candidate, itemsize: int, n: int) -> int:
     return itemsize * n
 
 
-def _for_stage(candidate: Candidate, trace: ActivationTrace, counts: ParameterCounts | None) -> MemoryPrediction:
+def _for_stage(
+    candidate: Candidate, trace: ActivationTrace, counts: ParameterCounts | None, host_is_device: bool
+) -> MemoryPrediction:
     c, n, e = candidate, trace.parameter_count, trace.expert_parameter_count
     w = _ITEMSIZE[c.precision]
     dp = _gradient_ranks(c)
@@ -122,18 +124,16 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace, counts: ParameterCo
             gradients = live_grads + _accumulated(c, w, n)
             if c.stage >= 1 and dp > 1:  # cx-zero keeps a separate fp32 master shard even for fp32 working weights
                 master = _shard(c, n, e, _FP32)
-    # what is moved to the CPU leaves both instants below
+    # what is moved to the CPU leaves both instants below, unless the CPU is the device (the same memory)
     offloaded = 0
     if c.cpu_offload:
-        offloaded, optimizer = optimizer, 0
+        offloaded, optimizer = optimizer, optimizer if host_is_device else 0
     if c.plugin == "gemini" and (c.offload_optim_frac or c.offload_param_frac):
         moved_optimizer = int(optimizer * c.offload_optim_frac)
         moved_master = int(master * c.offload_param_frac)
-        optimizer, master, offloaded = (
-            optimizer - moved_optimizer,
-            master - moved_master,
-            moved_optimizer + moved_master,
-        )
+        offloaded = moved_optimizer + moved_master
+        if not host_is_device:
+            optimizer, master = optimizer - moved_optimizer, master - moved_master
     end = 0
     if c.plugin == "torch_fsdp":
         end = fsdp.end_of_backward
@@ -170,17 +170,24 @@ def _for_stage(candidate: Candidate, trace: ActivationTrace, counts: ParameterCo
 
 
 def predict_memory_from_traces(
-    candidate: Candidate, traces: list[ActivationTrace], counts: ParameterCounts | None = None
+    candidate: Candidate,
+    traces: list[ActivationTrace],
+    counts: ParameterCounts | None = None,
+    host_is_device: bool = False,
 ) -> MemoryPrediction:
     """The busiest stage's prediction from already-made traces (one per stage traced); `counts` (the shape's) are
-    needed for per-block FSDP, whose gathered bytes are the root unit's and the largest blocks'."""
+    needed for per-block FSDP, whose gathered bytes are the root unit's and the largest blocks'. `host_is_device`:
+    the devices are the CPU (`--device cpu`), so "offloaded" optimizer states stay in the memory that peaks."""
     if not traces:
         raise ValueError("predict_memory_from_traces: no trace given")
-    return max((_for_stage(candidate, trace, counts) for trace in traces), key=lambda prediction: prediction.peak)
+    made = (_for_stage(candidate, trace, counts, host_is_device) for trace in traces)
+    return max(made, key=lambda prediction: prediction.peak)
 
 
-def predict_memory(shape: ModelShape, candidate: Candidate, seq_len: int) -> MemoryPrediction:
+def predict_memory(
+    shape: ModelShape, candidate: Candidate, seq_len: int, host_is_device: bool = False
+) -> MemoryPrediction:
     """Trace the first and the last pipeline stage (the others lie between) and predict the busiest."""
     stages = sorted({0, candidate.pp - 1})
     traces = [trace_stage(shape, candidate, seq_len, s) for s in stages]
-    return predict_memory_from_traces(candidate, traces, shape.parameters)
+    return predict_memory_from_traces(candidate, traces, shape.parameters, host_is_device)

@@ -40,9 +40,14 @@ def _trace_or_reason(shape: ModelShape, candidate: Candidate, seq_len: int, stag
 
 
 def memory_model(
-    shape: ModelShape, seq_len: int, device_memory: int, usable_fraction: float = USABLE_FRACTION
+    shape: ModelShape,
+    seq_len: int,
+    device_memory: int,
+    usable_fraction: float = USABLE_FRACTION,
+    host_is_device: bool = False,
 ) -> Callable[[Candidate], Verdict]:
-    """Trace, predict and judge each candidate against `usable_fraction` of `device_memory` bytes."""
+    """Trace, predict and judge each candidate against `usable_fraction` of `device_memory` bytes (`host_is_device`:
+    the devices are the CPU, where offloaded optimizer states count)."""
     if device_memory <= 0:
         raise ValueError(f"device memory must be positive, got {device_memory}")
     traces: dict[tuple[object, ...], ActivationTrace | str] = {}
@@ -58,6 +63,7 @@ def memory_model(
             if isinstance(trace, str):
                 return Verdict(False, 0, limit, trace, MemoryPrediction(candidate, stage, 0, 0, 0, 0, 0, 0, 0, 0))
             made.append(trace)
-        return fits(predict_memory_from_traces(candidate, made, shape.parameters), device_memory, usable_fraction)
+        prediction = predict_memory_from_traces(candidate, made, shape.parameters, host_is_device)
+        return fits(prediction, device_memory, usable_fraction)
 
     return judge
