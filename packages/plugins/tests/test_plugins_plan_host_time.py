@@ -14,7 +14,7 @@ from cx_plugins.plan._activations import trace_stage
 from cx_plugins.plan._agreement import Agreement, Timing, agreement, timing
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._devices import lookup_device
-from cx_plugins.plan._host_time import OpCounts, host_time, plugin_ops_per_tensor
+from cx_plugins.plan._host_time import OpCounts, host_time, plugin_ops_per_tensor, plugin_tensor_s
 from cx_plugins.plan._model_spec import ModelShape, shape_from_config
 from cx_plugins.plan._step_time import predict_step_time
 
@@ -58,7 +58,7 @@ def test_cpu_host_terms_add_and_scale_with_ops_tensors_and_oversubscription() ->
     more = predict_step_time(one, _TINY, _SEQ, cpu, ops=dataclasses.replace(_OPS, forward=400))
     assert more.step_s - base.step_s == pytest.approx(300 * cpu.op_s, rel=1e-9)  # added, not overlapped
     tensors = predict_step_time(one, _TINY, _SEQ, cpu, ops=dataclasses.replace(_OPS, parameter_tensors=56))
-    per_tensor = cpu.optimizer_tensor_s + plugin_ops_per_tensor(one) * cpu.op_s
+    per_tensor = cpu.optimizer_tensor_s + plugin_tensor_s(one, cpu)
     assert tensors.step_s - base.step_s == pytest.approx(28 * per_tensor, rel=1e-9)
     assert base.step_s == pytest.approx(
         base.compute_s + base.dispatch_s + base.plugin_s + base.optimizer_s + base.optimizer_overhead_s
@@ -74,8 +74,9 @@ def test_cpu_host_terms_add_and_scale_with_ops_tensors_and_oversubscription() ->
 
 
 def test_plugin_work_orders_the_data_parallel_plugins() -> None:
-    """Counted per parameter tensor: hybrid ZeRO 0 adds nothing on one rank, DDP / FSDP their hooks, ZeRO its bucket
-    and shard copies (more once sharded), Gemini its chunk copies."""
+    """Measured per parameter tensor on the CPU: hybrid ZeRO 0 adds nothing on one rank, DDP its hooks, ZeRO its
+    bucket and shard copies (more once sharded), Gemini its chunk copies, FSDP2 its DTensor dispatch (per-block FSDP
+    its per-unit hooks on top); a GPU row without measurements falls back to the counted ops at its per-op cost."""
     cpu = lookup_device("cpu")
     times = {
         name: predict_step_time(c, _TINY, _SEQ, cpu, ops=_OPS).step_s
@@ -84,11 +85,15 @@ def test_plugin_work_orders_the_data_parallel_plugins() -> None:
             "ddp": Candidate("torch_ddp", precision="fp32"),
             "zero1": Candidate("low_level_zero", zero_stage=1, precision="fp32"),
             "gemini": Candidate("gemini", precision="fp32"),
+            "fsdp": Candidate("torch_fsdp", precision="fp32"),
+            "fsdp per-block": Candidate("torch_fsdp", fsdp_wrap="block", precision="fp32"),
         }.items()
     }
-    assert times["hybrid0"] < times["ddp"] < times["zero1"] < times["gemini"]
+    assert times["hybrid0"] < times["ddp"] < times["zero1"] < times["gemini"] < times["fsdp"] < times["fsdp per-block"]
     assert plugin_ops_per_tensor(Candidate("low_level_zero", dp=2)) > plugin_ops_per_tensor(Candidate("low_level_zero"))
     assert host_time(Candidate("hybrid"), None, cpu).forward_s == 0.0  # no counts: no host terms
+    h100 = lookup_device("h100")
+    assert plugin_tensor_s(Candidate("low_level_zero", dp=2), h100) == 21 * h100.op_s
 
 
 def test_gpu_dispatch_hides_under_the_kernels_and_zero_rows_change_nothing() -> None:

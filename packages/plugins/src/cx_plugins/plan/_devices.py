@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "DEVICES",
@@ -47,6 +47,9 @@ class Device:
     op_s: float = 0.0  # host seconds per dispatched aten op
     optimizer_tensor_s: float = 0.0  # host seconds per parameter tensor of one AdamW step (beyond its bytes)
     cores: int = 0  # cores the ranks of one machine share (0: a device per rank, asynchronous dispatch)
+    # measured host seconds of a plugin's own work per parameter tensor and step (one rank, more ranks) by
+    # `_host_time.plugin_key`; "torch_fsdp block" per FSDP unit and micro-batch. Absent: counted ops x op_s.
+    plugin_tensor_s: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def host_bound(self) -> bool:
@@ -104,8 +107,21 @@ _CPU = (
     "fp16 58 GFLOP/s; a one-thread in-place add of 64 MB streams 7.6 GB/s; 8 GB assumed (pass --device-memory); "
     "calibrate_cpu.py on one process (2026-12-02): 12.1 us per aten op of a hidden-32 GPT's forward and backward "
     "(440 ops), 65 us per tensor of a torch AdamW step over 256 small tensors; 4 processes on the 2 cores: 2.3x the "
-    "per-op time"
+    "per-op time; each plugin's step on a hidden-32, 4-layer GPT (52 tensors) against hybrid ZeRO 0's, in turns"
 )
+# calibrate_cpu.calibrate_plugins (2026-12-02), seconds per parameter tensor and step beyond the model and AdamW, on
+# one rank / two ranks (the two-rank run under a load of ~3 on the 2 cores, scaled by 0.6, the ratio of hybrid ZeRO
+# 0's step between a quiet and that run; ZeRO 0 itself on two ranks: its 4 counted ops a tensor, 48 us):
+# DDP +0.72 ms / 52 tensors; FSDP2 (DTensor parameters: AdamW's ops go through DTensor dispatch) +14.6 ms; per-block
+# FSDP +7.4 ms more over 4 blocks; LowLevelZero 1 / 2 +1.8 / +0.8 ms; Gemini +7.3 ms.
+_CPU_PLUGINS = {
+    "torch_ddp": (14e-6, 19e-6),
+    "torch_fsdp": (280e-6, 470e-6),
+    "torch_fsdp block": (1.85e-3, 4.2e-3),
+    "zero": (25e-6, 135e-6),
+    "gemini": (140e-6, 300e-6),
+    "zero0": (0.0, 48e-6),
+}
 # Eager PyTorch launches each CUDA kernel from the host in ~5-10 us (the brief of issue 26; not measured here); it
 # overlaps the kernels, so it only shows when a step's kernels are shorter. AdamW on CUDA is foreach / fused: no
 # per-tensor loop.
@@ -130,6 +146,7 @@ DEVICES: dict[str, Device] = {
         op_s=12.1e-6,
         optimizer_tensor_s=65e-6,
         cores=2,
+        plugin_tensor_s=_CPU_PLUGINS,
     ),
 }
 

@@ -149,7 +149,7 @@ def predict_step_time(
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     c = candidate
     net = default_network(device) if network is None else network
-    host = host_time(c, ops, device)
+    host = host_time(c, ops, device, shape.num_layers)
     slow = host.oversubscription
     peak = device.peak(c.precision)
     rate = peak * efficiency / slow  # ranks sharing cores share their FLOPs
