@@ -6,6 +6,8 @@ The measured check (llama dp 2, within 10 %) is a case of test_plugins_plan_memo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -22,7 +24,7 @@ from cx_plugins.plan import Candidate, load_model_shape
 from cx_plugins.plan._activations import ActivationTrace
 from cx_plugins.plan._memory import predict_memory_from_traces
 from cx_plugins.plan._model_spec import ParameterCounts
-from cx_plugins.plan._report import constructor_call, train_command
+from cx_plugins.plan._report import constructor_call, rank_rows, train_command
 
 # a synthetic model: root unit 100 parameters (embeddings, norm, head), blocks of 300, 500 and 400
 _COUNTS = ParameterCounts(1300, 100, 90, (300, 500, 400), (0, 0, 0), 0, False)
@@ -53,9 +55,10 @@ def test_per_block_memory_arithmetic() -> None:
     assert block.comm_buffers == 2 * (100 + 500 + 400)  # the root unit and two blocks, in bf16
     assert whole.comm_buffers == 2 * 1300  # one root unit: the whole model
     regather = shard + moments + 5000 + 2 * 2 * 100  # all-gather output + unsharded root, saved activations
-    reduce = shard + moments + 4 * 1200 // 4 + 2 * 2 * 100 + 4 * 100 + 4 * 100 // 4  # the root's reduce-scatter
+    # the root's reduce-scatter, resharded first: its bf16 gradients, then the fp32 output, beside the fp32 input
+    reduce = shard + moments + 4 * 1200 // 4 + 4 * 100 + max(2 * 100, 4 * 100 // 4)
     assert block.end_of_backward == max(regather, reduce)
-    whole_reduce = shard + moments + 2 * 2 * 1300 + 4 * 1300 + 4 * 1300 // 4
+    whole_reduce = shard + moments + 4 * 1300 + max(2 * 1300, 4 * 1300 // 4)
     assert whole.end_of_backward == max(shard + moments + 5000 + 2 * 2 * 1300, whole_reduce)
     assert block.peak < whole.peak
     with pytest.raises(ValueError, match="per-block FSDP needs the model's parameter counts"):
@@ -74,7 +77,7 @@ def test_block_wrap_policy_finds_the_decoder_layers() -> None:
         block_classes(nn.Linear(2, 2))
 
 
-def test_plan_prefers_per_block_fsdp_and_names_the_layer_class() -> None:
+def test_plan_offers_both_ranks_per_block_first_on_ties_and_names_the_layer_class() -> None:
     from cx_plugins.plan import SearchSpace, plan
     from cx_plugins.plan._devices import lookup_device
     from cx_plugins.plan._planner import traced_memory_model
@@ -84,9 +87,13 @@ def test_plan_prefers_per_block_fsdp_and_names_the_layer_class() -> None:
     space = SearchSpace(plugins=("torch_fsdp",), global_batch=4, checkpoint_ratios=(0.0,), precision="fp32")
     report = plan(shape, 2, 32, device, traced_memory_model(shape, 32, device), space=space)
     assert {r.candidate.fsdp_wrap for r in report.rows} == {"block", "model"}
-    assert report.best is not None
-    assert report.best.candidate.fsdp_wrap == "block"
-    assert "auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer})" in report.table()
+    assert report.block_class == "LlamaDecoderLayer"
+    by_wrap = {r.candidate.fsdp_wrap: r for r in report.rows if r.candidate.micro_batch_size == 2}
+    assert by_wrap["block"].memory.peak_bytes < by_wrap["model"].memory.peak_bytes
+    # equal step times and verdicts: per block first, whichever order they come in
+    same = [dataclasses.replace(by_wrap[wrap], step=by_wrap["block"].step, memory=by_wrap["block"].memory)
+            for wrap in ("model", "block")]  # fmt: skip
+    assert [r.candidate.fsdp_wrap for r in rank_rows(same)] == ["block", "model"]
 
 
 def _cx_train_shards_each_layer(rank: int, world_size: int) -> None:

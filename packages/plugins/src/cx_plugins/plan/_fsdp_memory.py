@@ -11,11 +11,13 @@ the sharded gradients. Three instants compete for the peak:
   gradients live then (in the compute precision, MixedPrecisionPolicy's param_dtype) and the gathered parameters:
   the whole model under one root unit; per block, the root unit's plus the two largest blocks (the running one and
   the one prefetched);
-- at a unit's reduce-scatter, late in the backward: its gathered parameters, its unsharded gradients, their packed
-  copy in the reduce dtype (fp32) that is reduce-scattered, this rank's reduced shard, and the shards of the units
-  already reduced. For one root unit that is the whole model at once; per block it is the root unit, reduced last.
+- at a unit's reduce-scatter, late in the backward: FSDP2 has resharded the unit's parameters already; its unsharded
+  gradients and their packed copy in the reduce dtype (fp32), then that copy and this rank's reduced shard, beside
+  the shards of the units already reduced. For one root unit that is the whole model at once; per block it is the
+  root unit, reduced last.
 The first and the last go into `end_of_backward` (the larger of the two). Leaving them out made gpt's and llama's
-one-root-unit rows measure 9-16 % above the prediction (gpt dp 4 was the known -15.8 %).
+one-root-unit rows measure 9-16 % above the prediction (gpt dp 4 was the known -15.8 %); counting the gathered
+parameters at the reduce-scatter too put deepseek_v3's dp 2 row at micro-batch 1 12 % over.
 With one rank nothing is gathered (the shard is the parameter); the whole fp32 gradient is counted beside the
 activations instead, as for DDP without its buckets (measured within 3 % for one root unit, 5-10 % over per block).
 """
@@ -68,5 +70,8 @@ def fsdp_bytes(
         return FSDPBytes(shard, live_gradient_bytes + _FP32 * n, optimizer, 0, 0)
     regather = shard + optimizer + saved_bytes + 2 * w * last_unit  # all-gather output + unsharded parameters
     reduced_before = _FP32 * (n - last_unit) // dp  # the other units' reduced gradient shards
-    reduce = shard + optimizer + reduced_before + w * last_unit * 2 + _FP32 * last_unit + _FP32 * last_unit // dp
+    # FSDP2's post_backward reshards the unit first, then copies its gradients into the packed fp32 input, drops them,
+    # and only then allocates this rank's output: the gradients or the output beside the input, never all three
+    packed = _FP32 * last_unit + max(w * last_unit, _FP32 * last_unit // dp)
+    reduce = shard + optimizer + reduced_before + packed
     return FSDPBytes(shard, live_gradient_bytes, optimizer, w * gathered, max(regather, reduce))
