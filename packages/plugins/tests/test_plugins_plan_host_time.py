@@ -15,6 +15,7 @@ from cx_plugins.plan._agreement import Agreement, Timing, agreement, timing
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._devices import lookup_device
 from cx_plugins.plan._host_time import OpCounts, host_time, plugin_ops_per_tensor, plugin_tensor_s
+from cx_plugins.plan._measure import measure_candidate
 from cx_plugins.plan._model_spec import ModelShape, shape_from_config
 from cx_plugins.plan._step_time import predict_step_time
 
@@ -132,3 +133,12 @@ def test_agreement_counts_ties_within_the_spread() -> None:
     assert not agreement(order, chain).within_noise
     with pytest.raises(ValueError, match="no measurement for c"):
         agreement(order, {"a": clear["a"], "b": clear["b"]})
+
+
+def test_measure_runs_a_gpt_pipeline() -> None:
+    """cx's GPT returns its loss as a tensor, which the pipeline's loss function took `.loss` of (the ranking run's
+    gpt pp2 candidates failed with "'Tensor' object has no attribute 'loss'")."""
+    candidate = Candidate("hybrid", pp=2, num_microbatches=2, precision="fp32")
+    measured = measure_candidate(candidate, "gpt", hidden=32, layers=2, seq_len=_SEQ, steps=1)
+    assert measured.error == ""
+    assert len(measured.peaks) == 2

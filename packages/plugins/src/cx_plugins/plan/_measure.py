@@ -147,6 +147,11 @@ def _plugin(candidate: Candidate, module: torch.nn.Module) -> tuple[Any, str | N
     return cx_plugins.HybridParallelPlugin(**arguments), None
 
 
+def _loss(output: Any, _batch: object = None) -> torch.Tensor:
+    """The loss a model returned: cx's GPT returns it as a tensor, transformers models in `.loss`."""
+    return output if isinstance(output, torch.Tensor) else output.loss
+
+
 def _prepare(candidate: Candidate, model: str, hidden: int, layers: int, seq_len: int) -> Callable[[], None]:
     from cx_plugins import Booster
     from cx_plugins.demo._models import ModelSpec, build_model, describe_model
@@ -170,12 +175,11 @@ def _prepare(candidate: Candidate, model: str, hidden: int, layers: int, seq_len
     def step() -> None:
         if candidate.pp > 1:
             data = iter([{"input_ids": ids, "labels": ids}])
-            booster.execute_pipeline(data, boosted, lambda output, _: output.loss, wrapped)
+            booster.execute_pipeline(data, boosted, _loss, wrapped)
         else:
             for _ in range(candidate.num_microbatches):  # gradient accumulation over the micro-batches
                 output = boosted(input_ids=ids, labels=ids)
-                loss = output if isinstance(output, torch.Tensor) else output.loss
-                booster.backward(loss / candidate.num_microbatches, wrapped)
+                booster.backward(_loss(output) / candidate.num_microbatches, wrapped)
         wrapped.step()
         wrapped.zero_grad()
 
