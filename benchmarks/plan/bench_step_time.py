@@ -6,6 +6,8 @@ through the Booster on 2 processes with one thread each, the same global batch f
 step (machine noise hits all alike) and each figure is the median step (forward, backward, optimizer, barrier).
 The prediction is `predict_step_time` for the `cpu` device and the `loopback` link of `cx_plugins.plan._devices`
 (measured rows, default achievable fraction). Printed: predicted and measured ms, both rankings, the top-3 agreement.
+`--calibrate` instead measures the host costs the `cpu` / `loopback` rows hold (per aten op, per AdamW tensor, per
+gloo collective on 2 and 4 processes, each plugin's own work per tensor): see `calibrate_cpu.py`.
 No assertion: timing on a shared machine belongs in a benchmark, not a test.
 """
 
@@ -106,6 +108,12 @@ def _ranks(values: dict[str, float]) -> dict[str, int]:
 def main() -> None:
     if "--help" in sys.argv or "-h" in sys.argv:
         print(__doc__)
+        return
+    if "--calibrate" in sys.argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import calibrate_cpu
+
+        print(json.dumps({"costs": calibrate_cpu.calibrate(), "plugins": calibrate_cpu.calibrate_plugins()}, indent=1))
         return
     shape = shape_from_config("gpt", CONFIG)
     device = lookup_device("cpu")
