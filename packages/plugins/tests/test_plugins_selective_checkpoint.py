@@ -9,6 +9,8 @@ forward's own tensors, so every gradient is bit-identical to the run without che
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,7 +23,12 @@ from cx_plugins.demo._models import ModelSpec, build_model, describe_model
 from cx_plugins.demo._options import parse_options
 from cx_plugins.plan import Candidate, load_model_shape, predict_memory
 from cx_plugins.plan._activations import trace_stage
+from cx_plugins.plan._cli import main
+from cx_plugins.plan._devices import Device
+from cx_plugins.plan._enumerate import SearchSpace, enumerate_candidates
+from cx_plugins.plan._fits import Verdict
 from cx_plugins.plan._measure import measure_candidate
+from cx_plugins.plan._model_spec import ModelShape
 from cx_plugins.plan._report import train_command
 
 HIDDEN, LAYERS, SEQ = 64, 2, 32
@@ -86,6 +93,24 @@ def test_candidate_and_cx_train_flag() -> None:
     options = parse_options(flags, world_size=2)
     assert (options.activation_checkpointing, options.checkpoint_mode) == (True, "selective-op")
     assert parse_options(flags[:4], world_size=2).checkpoint_mode == "full"
+
+
+def test_cx_plan_tries_selective_op_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    llama = ["--model", "llama", "--hidden-size", "32", "--num-layers", "2", "--seq-len", "32", "--world", "2"]
+    flags = [*llama, "--device", "cpu", "--plugins", "torch_fsdp", "--checkpointing", "0,op", "--all", "--json"]
+    assert main(flags, memory_factory=_states_only) == 0
+    rows = [row["candidate"] for row in json.loads(capsys.readouterr().out)["rows"]]
+    assert {(row["checkpoint_ratio"], row["checkpoint_mode"]) for row in rows} == {(0.0, "full"), (1.0, "selective-op")}
+    shape = load_model_shape("llama", hidden_size=32, num_layers=2, seq_len=32)
+    modes = ("selective-op",)
+    space = SearchSpace(plugins=("hybrid", "low_level_zero"), checkpoint_ratios=(0.0,), checkpoint_modes=modes)
+    offered = enumerate_candidates(shape, 2, 32, space)
+    assert {c.plugin for c in offered if c.checkpoint_mode == "selective-op"} == {"low_level_zero"}  # not ShardFormer's
+
+
+def _states_only(shape: ModelShape, seq_len: int, device: Device) -> Callable[[Candidate], Verdict]:
+    """Every candidate fits (this test is about which candidates are offered, not their memory)."""
+    return lambda candidate: Verdict(True, 1, device.memory_bytes, "", None)  # type: ignore[arg-type]
 
 
 def test_cx_train_refuses_selective_op_under_the_hybrid_plugins(capsys: pytest.CaptureFixture[str]) -> None:

@@ -67,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hidden-size", type=int, default=128, help="built-in models only (as cx-train)")
     parser.add_argument("--num-layers", type=int, default=2, help="built-in models only (as cx-train)")
     parser.add_argument(
-        "--checkpointing", default="0,1", help="activation-checkpointing ratios to try, comma-separated"
+        "--checkpointing",
+        default="0,1",
+        help="activation-checkpointing ratios to try, comma-separated; 'op' adds every layer under torchtitan's "
+        "selective op policy (data-parallel plugins)",
     )
     parser.add_argument("--pp-styles", default=",".join(PIPELINE_STYLES), help="pipeline schedules to try")
     parser.add_argument("--max-tp", type=int, default=8, help="largest tensor-parallel size to try")
@@ -105,6 +108,11 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
         return tuple(float(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise ValueError(f"--{what} takes comma-separated numbers, got {text!r}") from None
+
+
+def _without_op(text: str) -> str:
+    """--checkpointing without its 'op' entry (the selective op policy, not a ratio)."""
+    return ",".join(part for part in _names(text) if part != "op")
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -168,7 +176,8 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
     space = SearchSpace(
         plugins=_names(args.plugins),
         global_batch=args.global_batch,
-        checkpoint_ratios=_floats(args.checkpointing, "checkpointing"),
+        checkpoint_ratios=_floats(_without_op(args.checkpointing), "checkpointing"),
+        checkpoint_modes=("full", "selective-op") if "op" in _names(args.checkpointing) else ("full",),
         pp_styles=_names(args.pp_styles),
         max_tp=args.max_tp,
         precision=args.precision,

@@ -13,7 +13,8 @@ The rules (each the one the code that would run it checks):
   shard everything; Gemini tries static
   placement on the device, all optimizer state offloaded, and auto placement, with one micro-batch per step
   (GeminiDDP refuses accumulation as cx-train configures it);
-- checkpointing: a ratio of layers under the hybrid plugins (ShardFormer); all or none under the others.
+- checkpointing: a ratio of layers under the hybrid plugins (ShardFormer); all or none under the others, and, when
+  asked for (`checkpoint_modes`), every layer under torchtitan's selective op policy (transformers' switch only).
 When no candidate survives, `NoLayoutError` names, per plugin, why.
 """
 
@@ -36,12 +37,14 @@ class NoLayoutError(ValueError):
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What to try: plugins, the global batch in sequences (None: 4 per rank), checkpointing ratios, pipeline styles,
-    and the largest tp / pp (tp rarely pays beyond a node's 8 devices)."""
+    """What to try: plugins, the global batch in sequences (None: 4 per rank), checkpointing ratios and modes
+    ("selective-op": every layer under the op policy, data-parallel plugins only), pipeline styles, and the largest
+    tp / pp (tp rarely pays beyond a node's 8 devices)."""
 
     plugins: Sequence[str] = PLUGINS
     global_batch: int | None = None
     checkpoint_ratios: Sequence[float] = (0.0, 1.0)
+    checkpoint_modes: Sequence[str] = ("full",)
     pp_styles: Sequence[str] = ("1f1b", "interleaved", "zbv")
     max_tp: int = 8
     max_pp: int = 16
@@ -97,12 +100,15 @@ def _data_parallel(plugin: str, world: int, per_rank: int, space: SearchSpace, w
     elif plugin == "gemini":
         offloaded = dataclasses.replace(base, offload_optim_frac=1.0)
         variants = [base, offloaded, dataclasses.replace(base, placement_policy="auto")]
-    ratios = [r for r in space.checkpoint_ratios if r in (0.0, 1.0)]
-    if not ratios:
+    settings = [(r, "full") for r in space.checkpoint_ratios if r in (0.0, 1.0)]
+    settings += [(1.0, mode) for mode in space.checkpoint_modes if mode != "full"]
+    if not settings:
         why.add(f"it checkpoints all layers or none, not a ratio of {', '.join(map(str, space.checkpoint_ratios))}")
     batches = [(micro, count) for micro, count in _batches(per_rank, 1) if plugin != "gemini" or count == 1]
-    for variant, ratio, (micro, count) in itertools.product(variants, ratios, batches):
-        yield dataclasses.replace(variant, micro_batch_size=micro, num_microbatches=count, checkpoint_ratio=ratio)
+    for variant, (ratio, mode), (micro, count) in itertools.product(variants, settings, batches):
+        yield dataclasses.replace(
+            variant, micro_batch_size=micro, num_microbatches=count, checkpoint_ratio=ratio, checkpoint_mode=mode
+        )
 
 
 def _parallel(
@@ -172,6 +178,9 @@ def enumerate_candidates(
             why.add(f"the global batch {global_batch} does not split over dp={world}")
         else:
             found += _data_parallel(plugin, world, global_batch // world, space, why)
+    if not space.checkpoint_ratios:
+        for plugin in ("hybrid", "moe_hybrid"):
+            reasons.get(plugin, set()).add("ShardFormer checkpoints a ratio of whole layers; no ratio was given")
     if not found:
         lines = "; ".join(f"{p}: {', '.join(sorted(r)) or 'no layout'}" for p, r in reasons.items())
         raise NoLayoutError(

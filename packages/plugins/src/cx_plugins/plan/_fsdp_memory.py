@@ -17,7 +17,8 @@ the sharded gradients. Three instants compete for the peak:
   root unit, reduced last.
 The first and the last go into `end_of_backward` (the larger of the two). Leaving them out made gpt's and llama's
 one-root-unit rows measure 9-16 % above the prediction (gpt dp 4 was the known -15.8 %); counting the gathered
-parameters at the reduce-scatter too put deepseek_v3's dp 2 row at micro-batch 1 12 % over.
+parameters at the reduce-scatter too put deepseek_v3's dp 2 row at micro-batch 1 12 % over; leaving out gloo's copy
+of the reduce-scatter input (CPU devices) put llama's bf16 one-root-unit row 25 % under.
 With one rank nothing is gathered (the shard is the parameter); the whole fp32 gradient is counted beside the
 activations instead, as for DDP without its buckets (measured within 3 % for one root unit, 5-10 % over per block).
 """
@@ -58,10 +59,11 @@ def _units(c: Candidate, n: int, counts: ParameterCounts | None) -> tuple[int, i
 
 
 def fsdp_bytes(
-    c: Candidate, n: int, live_gradient_bytes: int, saved_bytes: int, counts: ParameterCounts | None
+    c: Candidate, n: int, live_gradient_bytes: int, saved_bytes: int, counts: ParameterCounts | None, gloo: bool = False
 ) -> FSDPBytes:
     """Bytes of `n` trained parameters under `c` (torch_fsdp), given the trace's live gradients (compute precision)
-    and the activations the forward saves (`saved_bytes`)."""
+    and the activations the forward saves (`saved_bytes`). `gloo`: the devices are CPUs, whose gloo
+    reduce_scatter_tensor makes a full-size copy of its input while it runs (NCCL reduces in place)."""
     w = 2 if c.half_precision else _FP32
     dp = c.dp
     shard, optimizer = _FP32 * n // dp, _ADAM_MOMENTS * _FP32 * n // dp
@@ -72,6 +74,7 @@ def fsdp_bytes(
     reduced_before = _FP32 * (n - last_unit) // dp  # the other units' reduced gradient shards
     # FSDP2's post_backward reshards the unit first, then copies its gradients into the packed fp32 input, drops them,
     # and only then allocates this rank's output: the gradients or the output beside the input, never all three
-    packed = _FP32 * last_unit + max(w * last_unit, _FP32 * last_unit // dp)
+    output = _FP32 * last_unit // dp + (_FP32 * last_unit if gloo else 0)
+    packed = _FP32 * last_unit + max(w * last_unit, output)
     reduce = shard + optimizer + reduced_before + packed
     return FSDPBytes(shard, live_gradient_bytes, optimizer, w * gathered, max(regather, reduce))

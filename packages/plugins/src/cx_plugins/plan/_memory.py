@@ -110,7 +110,7 @@ def _for_stage(
         parameters, comm = _FP32 * n, _FP32 * n
         gradients = live_grads * _FP32 // w + _accumulated(c, _FP32, n)
     elif c.plugin == "torch_fsdp":  # fp32 shards; the root unit, or each block, gathered for compute (_fsdp_memory)
-        fsdp = fsdp_bytes(c, n, live_grads, trace.saved_bytes, counts)
+        fsdp = fsdp_bytes(c, n, live_grads, trace.saved_bytes, counts, gloo=host_is_device)  # CPU devices: gloo
         parameters, gradients, optimizer, comm = fsdp.parameters, fsdp.gradients, fsdp.optimizer_states, fsdp.gathered
     else:
         parameters = w * n
