@@ -25,7 +25,6 @@ __all__ = [
     "ModelShapeError",
     "ParameterCounts",
     "build_model",
-    "checkpoint_whole_model",
     "load_model_shape",
     "train_flags",
 ]
@@ -265,15 +264,3 @@ def train_flags(shape: ModelShape) -> tuple[str, ...]:
     if shape.name == GPT_MODEL or shape.name in PRESETS:
         return ("--hidden-size", str(shape.hidden_size), "--num-layers", str(shape.num_layers))
     return ()
-
-
-def checkpoint_whole_model(model: nn.Module) -> None:
-    """Recompute every layer outside ShardFormer (the plugins without a policy), through the model's own switch:
-    cx's GPT's `activation_checkpointing_enable` or transformers' `gradient_checkpointing_enable` (non-reentrant)."""
-    enable: Any = getattr(model, "activation_checkpointing_enable", None) or getattr(
-        model, "gradient_checkpointing_enable", None
-    )
-    if enable is None:
-        raise ValueError(f"activation checkpointing: {type(model).__name__} has no switch for it outside ShardFormer")
-    keyword = "activation_checkpointing_kwargs" if hasattr(model, "activation_checkpointing_enable") else None
-    enable(**{keyword or "gradient_checkpointing_kwargs": {"use_reentrant": False}})
