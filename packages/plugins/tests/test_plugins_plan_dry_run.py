@@ -28,6 +28,9 @@ def test_cx_train_flags_become_the_planners_candidate() -> None:
     moe = plan_candidate(parse_options([*flags, "--activation-checkpointing"]), 4)
     assert (moe.dp, moe.ep, moe.moe_dp, moe.sp, moe.sp_mode, moe.stage) == (2, 2, 1, 2, "all_to_all", 1)
     assert moe.checkpoint_ratio == 1.0
+    flags = ["--plugin", "torch_fsdp", "--model", "llama", "--activation-checkpointing-mode", "selective-op"]
+    fsdp = plan_candidate(parse_options([*flags, "--nproc", "2"]), 2)  # what cx-train runs: per block, the op policy
+    assert (fsdp.fsdp_wrap, fsdp.checkpoint_ratio, fsdp.checkpoint_mode) == ("block", 1.0, "selective-op")
 
 
 def test_cx_train_plan_prints_the_prediction(capsys: pytest.CaptureFixture[str]) -> None:

@@ -79,6 +79,7 @@ def plan_candidate(options: DemoOptions, world_size: int) -> Candidate:
         pp_style=options.pp_style if options.pp > 1 else "1f1b",
         checkpoint_ratio=1.0 if options.activation_checkpointing else 0.0,
         checkpoint_mode=options.checkpoint_mode if options.plugin not in ("hybrid", "moe_hybrid") else "full",
+        fsdp_wrap="block" if options.plugin == "torch_fsdp" else "model",  # cx-train shards each decoder layer
         precision=options.precision,
     )
 
