@@ -15,10 +15,8 @@ the sharded gradients. Three instants compete for the peak:
   gradients and their packed copy in the reduce dtype (fp32), then that copy and this rank's reduced shard, beside
   the shards of the units already reduced. For one root unit that is the whole model at once; per block it is the
   root unit, reduced last.
-The first and the last go into `end_of_backward` (the larger of the two). Leaving them out made gpt's and llama's
-one-root-unit rows measure 9-16 % above the prediction (gpt dp 4 was the known -15.8 %); counting the gathered
-parameters at the reduce-scatter too put deepseek_v3's dp 2 row at micro-batch 1 12 % over; leaving out gloo's copy
-of the reduce-scatter input (CPU devices) put llama's bf16 one-root-unit row 25 % under.
+The first and the last go into `end_of_backward` (the larger of the two); on CPU devices gloo's reduce-scatter also
+copies its whole input. Each was found by a measured miss (benchmarks/plan/notes.md).
 With one rank nothing is gathered (the shard is the parameter); the whole fp32 gradient is counted beside the
 activations instead, as for DDP without its buckets (measured within 3 % for one root unit, 5-10 % over per block).
 """
