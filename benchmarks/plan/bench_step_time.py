@@ -5,7 +5,8 @@ Run: `OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo .nox/tests/bin/python benchmarks/p
 through the Booster on 2 processes with one thread each, the same global batch for all; the systems take turns step by
 step (machine noise hits all alike) and each figure is the median step (forward, backward, optimizer, barrier).
 The prediction is `predict_step_time` for the `cpu` device and the `loopback` link of `cx_plugins.plan._devices`
-(measured rows, default achievable fraction). Printed: predicted and measured ms, both rankings, the top-3 agreement.
+(measured rows, default achievable fraction, the trace's op counts for the host terms). Printed: predicted and
+measured ms, both rankings, the top-3 agreement.
 `--calibrate` instead measures the host costs the `cpu` / `loopback` rows hold (per aten op, per AdamW tensor, per
 gloo collective on 2 and 4 processes, each plugin's own work per tensor): see `calibrate_cpu.py`.
 No assertion: timing on a shared machine belongs in a benchmark, not a test.
@@ -30,6 +31,7 @@ from cx_plugins.models import GPT, GPTConfig
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._devices import lookup_device
 from cx_plugins.plan._model_spec import shape_from_config
+from cx_plugins.plan._op_counts import op_counter
 from cx_plugins.plan._step_time import predict_step_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared step timing
@@ -117,7 +119,10 @@ def main() -> None:
         return
     shape = shape_from_config("gpt", CONFIG)
     device = lookup_device("cpu")
-    predicted = {name: predict_step_time(c, shape, SEQ, device).step_s * 1e3 for name, c in CANDIDATES.items()}
+    ops = op_counter(shape, SEQ)  # the host terms' op and tensor counts, from the trace
+    predicted = {
+        name: predict_step_time(c, shape, SEQ, device, ops=ops(c)).step_s * 1e3 for name, c in CANDIDATES.items()
+    }
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "result.json")
         spawn(_worker, 2, path, timeout=1800)
