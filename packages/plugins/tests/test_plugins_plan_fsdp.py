@@ -66,6 +66,13 @@ def test_per_block_memory_arithmetic() -> None:
     on_cpu = predict_memory_from_traces(Candidate("torch_fsdp", dp=4), [_TRACE], _COUNTS, host_is_device=True)
     gloo_reduce = shard + moments + 4 * 1300 + max(2 * 1300, 4 * 1300 // 4 + 4 * 1300)
     assert on_cpu.end_of_backward == max(shard + moments + 5000 + 2 * 2 * 1300, gloo_reduce)
+    # a trace whose peak is its piled-up unsharded gradients (a 70B model's outweigh its activations): per block FSDP
+    # holds only the root unit's and the largest block's, beside the forward's saved activations
+    piled = dataclasses.replace(_TRACE, activation_bytes=100, gradient_bytes=2 * 1300)
+    block_piled = predict_memory_from_traces(Candidate("torch_fsdp", dp=4, fsdp_wrap="block"), [piled], _COUNTS)
+    assert (block_piled.gradients, block_piled.activations) == (2 * (100 + 500), 5000)
+    whole_piled = predict_memory_from_traces(Candidate("torch_fsdp", dp=4), [piled], _COUNTS)
+    assert (whole_piled.gradients, whole_piled.activations) == (2 * 1300, 100)  # one root unit piles them up too
     with pytest.raises(ValueError, match="per-block FSDP needs the model's parameter counts"):
         predict_memory_from_traces(Candidate("torch_fsdp", dp=4, fsdp_wrap="block"), [_TRACE])
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cx_plugins.plan._activations import ActivationTrace
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._model_spec import ParameterCounts
 
@@ -38,36 +39,41 @@ _ADAM_MOMENTS = 2
 class FSDPBytes:
     parameters: int  # this rank's fp32 shard
     gradients: int  # unsharded gradients live at the backward's peak
+    activations: int  # the activations at that peak
     optimizer_states: int
     gathered: int  # unsharded parameters at the backward's peak (comm buffers)
     end_of_backward: int  # the backward's start or the last unit's reduce-scatter, the larger (0: one rank)
 
 
-def _units(c: Candidate, n: int, counts: ParameterCounts | None) -> tuple[int, int]:
+def _units(c: Candidate, n: int, counts: ParameterCounts | None) -> tuple[int, int, int]:
     """(parameters gathered at the backward's peak, parameters of the root unit: re-gathered when the backward
-    starts, reduce-scattered last)."""
+    starts, reduce-scattered last; the largest unit besides it, whose unsharded gradients wait beside the root's)."""
     if c.fsdp_wrap == "model":
-        return n, n
+        return n, n, 0
     if counts is None:
         raise ValueError("per-block FSDP needs the model's parameter counts (outer and per layer)")
     pairs = zip(counts.dense_per_layer, counts.experts_per_layer, strict=True)
     layers = sorted((dense + experts for dense, experts in pairs), reverse=True)
     outer = max(n - sum(layers), 0)  # embeddings, final norm, LM head (as the trace counts them)
-    return outer + sum(layers[:2]), outer
+    return outer + sum(layers[:2]), outer, layers[0] if layers else 0
 
 
-def fsdp_bytes(
-    c: Candidate, n: int, live_gradient_bytes: int, saved_bytes: int, counts: ParameterCounts | None, gloo: bool = False
-) -> FSDPBytes:
-    """Bytes of `n` trained parameters under `c` (torch_fsdp), given the trace's live gradients (compute precision)
-    and the activations the forward saves (`saved_bytes`). `gloo`: the devices are CPUs, whose gloo
-    reduce_scatter_tensor makes a full-size copy of its input while it runs (NCCL reduces in place)."""
+def fsdp_bytes(c: Candidate, trace: ActivationTrace, counts: ParameterCounts | None, gloo: bool = False) -> FSDPBytes:
+    """Bytes of the trace's `parameter_count` trained parameters under `c` (torch_fsdp). The trace runs the model
+    unsharded, so its gradients pile up as the backward goes; per block FSDP holds only the root unit's and one
+    block's unsharded, so where the trace's peak is theirs (a 70B model's gradients outweigh its activations) the
+    peak is taken with those and the larger of the peak's and the forward's saved activations. `gloo`: the devices
+    are CPUs, whose gloo reduce_scatter_tensor makes a full-size copy of its input while it runs (NCCL reduces in
+    place)."""
     w = 2 if c.half_precision else _FP32
-    dp = c.dp
+    n, dp, saved_bytes = trace.parameter_count, c.dp, trace.saved_bytes
     shard, optimizer = _FP32 * n // dp, _ADAM_MOMENTS * _FP32 * n // dp
-    gathered, last_unit = _units(c, n, counts)
+    gathered, last_unit, largest = _units(c, n, counts)
+    live, activations = trace.gradient_bytes, trace.activation_bytes
+    if c.fsdp_wrap == "block" and live > w * (last_unit + largest):
+        live, activations = w * (last_unit + largest), max(activations, saved_bytes)
     if dp == 1:  # measured as DDP without buckets: the shard is the parameter, an fp32 gradient beside it
-        return FSDPBytes(shard, live_gradient_bytes + _FP32 * n, optimizer, 0, 0)
+        return FSDPBytes(shard, live + _FP32 * n, activations, optimizer, 0, 0)
     regather = shard + optimizer + saved_bytes + 2 * w * last_unit  # all-gather output + unsharded parameters
     reduced_before = _FP32 * (n - last_unit) // dp  # the other units' reduced gradient shards
     # FSDP2's post_backward reshards the unit first, then copies its gradients into the packed fp32 input, drops them,
@@ -75,4 +81,4 @@ def fsdp_bytes(
     output = _FP32 * last_unit // dp + (_FP32 * last_unit if gloo else 0)
     packed = _FP32 * last_unit + max(w * last_unit, output)
     reduce = shard + optimizer + reduced_before + packed
-    return FSDPBytes(shard, live_gradient_bytes, optimizer, w * gathered, max(regather, reduce))
+    return FSDPBytes(shard, live, activations, optimizer, w * gathered, max(regather, reduce))

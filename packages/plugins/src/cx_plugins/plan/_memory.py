@@ -106,12 +106,14 @@ def _for_stage(
     dp = _gradient_ranks(c)
     live_grads = trace.gradient_bytes  # param.grad live at the trace's peak, at the compute precision
     optimizer, master, comm = _ADAM_MOMENTS * _FP32 * n, 0, 0
+    activations, end = trace.activation_bytes, 0
     if c.plugin == "torch_ddp":  # fp32 parameters; DDP's buckets hold a second copy of every gradient
         parameters, comm = _FP32 * n, _FP32 * n
         gradients = live_grads * _FP32 // w + _accumulated(c, _FP32, n)
     elif c.plugin == "torch_fsdp":  # fp32 shards; the root unit, or each block, gathered for compute (_fsdp_memory)
-        fsdp = fsdp_bytes(c, n, live_grads, trace.saved_bytes, counts, gloo=host_is_device)  # CPU devices: gloo
+        fsdp = fsdp_bytes(c, trace, counts, gloo=host_is_device)  # CPU devices: gloo
         parameters, gradients, optimizer, comm = fsdp.parameters, fsdp.gradients, fsdp.optimizer_states, fsdp.gathered
+        activations, end = fsdp.activations, fsdp.end_of_backward
     else:
         parameters = w * n
         master = _FP32 * n if c.half_precision else 0
@@ -134,10 +136,7 @@ def _for_stage(
         offloaded = moved_optimizer + moved_master
         if not host_is_device:
             optimizer, master = optimizer - moved_optimizer, master - moved_master
-    end = 0
-    if c.plugin == "torch_fsdp":
-        end = fsdp.end_of_backward
-    elif c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage >= 1 and dp > 1:
+    if c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage >= 1 and dp > 1:
         # the end of the backward: the activations are gone, the gradients (stage 1: all of them; stage 2: released
         # bucket by bucket) wait in the packed bucket being reduce-scattered into this rank's shard
         bucket = min(n, _ZERO_BUCKET_ELEMENTS) * w
@@ -161,7 +160,7 @@ def _for_stage(
         gradients=gradients,
         optimizer_states=optimizer,
         master_weights=master,
-        activations=trace.activation_bytes,
+        activations=activations,
         pipeline_inflight=_inflight(c, trace.stage) * trace.saved_bytes,
         comm_buffers=comm,
         cpu_offloaded=offloaded,
