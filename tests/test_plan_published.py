@@ -9,6 +9,11 @@ torchtitan's `train_configs/llama3_8b.toml` of that time: seq_len 8192, activati
 selective_ac_option 'op' (the tables override the local batch to 2). The published figure is the allocator's
 reserved peak (`max_reserved`), the prediction allocated tensor bytes, which reserved memory never undercuts: the
 gap is reported beside the rows in benchmarks/plan/RESULTS.md, not folded into the prediction.
+
+A second source gives a boundary, not a figure: torchtitan's `docs/performance.md` (2024, Llama 2 70B on 64 A100
+80 GB, FSDP2, seq 4096, bf16 / fp32 reduce): local batch 1 with selective op checkpointing and local batch 2 with
+full checkpointing ran; local batch 2 with selective op ran out of memory (its footnote 1). cx-plan must say the
+same with `fits` (90 % of 80 GB usable), from benchmarks/plan/llama2_70b_config.json (Meta's Llama-2-70b-hf config).
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ from pathlib import Path
 import pytest
 
 from cx_plugins.plan import Candidate, load_model_shape, predict_memory
+from cx_plugins.plan._devices import lookup_device
+from cx_plugins.plan._fits import fits
 
 CONFIG = Path(__file__).resolve().parents[1] / "benchmarks" / "plan" / "llama3_1_8b_config.json"
+LLAMA2_70B = CONFIG.with_name("llama2_70b_config.json")
 GIB = 2**30
 _TOLERANCE = 0.15
 # (GPUs, published GiB per GPU, where): the plain FSDP rows (no compile, no Float8) of Tables 1 and 3
@@ -38,3 +46,18 @@ def test_torchtitan_llama3_8b_fsdp_within_fifteen_percent(gpus: int, published: 
     )  # fmt: skip
     predicted = predict_memory(shape, torchtitan, seq_len=8192).peak / GIB
     assert abs(predicted - published) <= _TOLERANCE * published, f"{source}: {predicted:.1f} GiB vs {published}"
+
+
+@pytest.mark.parametrize(
+    ("local_batch", "mode", "ran"),
+    [(1, "selective-op", True), (2, "selective-op", False), (2, "full", True)],
+    ids=["mb1-op-ran", "mb2-op-oom", "mb2-full-ran"],
+)
+def test_torchtitan_llama2_70b_fsdp_boundary_on_a100(local_batch: int, mode: str, ran: bool) -> None:
+    shape = load_model_shape(str(LLAMA2_70B))
+    torchtitan = Candidate(
+        "torch_fsdp", dp=64, micro_batch_size=local_batch, precision="bf16", checkpoint_ratio=1.0,
+        checkpoint_mode=mode, fsdp_wrap="block",
+    )  # fmt: skip
+    verdict = fits(predict_memory(shape, torchtitan, seq_len=4096), lookup_device("a100").memory_bytes)
+    assert verdict.fits == ran, f"local batch {local_batch}, {mode}: {verdict.peak_bytes / 1e9:.1f} GB"
