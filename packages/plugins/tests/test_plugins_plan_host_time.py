@@ -142,3 +142,22 @@ def test_measure_runs_a_gpt_pipeline() -> None:
     measured = measure_candidate(candidate, "gpt", hidden=32, layers=2, seq_len=_SEQ, steps=1)
     assert measured.error == ""
     assert len(measured.peaks) == 2
+
+
+def test_gpu_planning_traces_the_whole_model_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the counts only matter for tiny models, so the planner shares one whole-model trace out over the
+    pipeline stages instead of tracing every split (an 8B search took 7.5 minutes with a trace per split)."""
+    calls: list[Candidate] = []
+
+    def traced(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int = 0) -> object:
+        calls.append(candidate)
+        return trace_stage(shape, candidate, seq_len, stage)
+
+    monkeypatch.setattr(_op_counts, "trace_stage", traced)
+    count = _op_counts.op_counter(_TINY, _SEQ, exact=False)
+    whole = count(Candidate("hybrid", tp=2, precision="fp32"))
+    half = count(Candidate("hybrid", pp=2, num_microbatches=2, precision="fp32"))
+    assert whole is not None
+    assert half is not None
+    assert len(calls) == 1
+    assert (half.forward, half.parameter_tensors) == (round(whole.forward / 2), whole.parameter_tensors // 2)

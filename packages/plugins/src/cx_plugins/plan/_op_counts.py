@@ -7,6 +7,10 @@ LowLevelZero, Gemini) run the whole model, so they share one trace per checkpoin
 per split (tp, pp, sp, ep, schedule, checkpointing ratio). Each is traced at micro-batch size 1 (a larger batch
 dispatches the same ops: 86 and 88 for cx's GPT at 1 and 2 sequences), so a search over hundreds of candidates
 traces tens of times. A candidate whose trace fails gets None (no host terms); the memory model reports the failure.
+
+`exact=False` (the planner's choice for a GPU, where dispatch overlaps the kernels and only shows for tiny models)
+traces the whole model once and gives a pipeline stage its share of the layers' ops and tensors: an 8B search over
+1,466 candidates on 8 GPUs took 7.5 minutes with a trace per split.
 """
 
 from __future__ import annotations
@@ -54,14 +58,39 @@ def _count(shape: ModelShape, candidate: Candidate, seq_len: int) -> OpCounts | 
     return max(found, key=lambda ops: (ops.forward + ops.backward, ops.parameter_tensors))
 
 
-def op_counter(shape: ModelShape, seq_len: int) -> OpCounter:
-    """Counts per candidate, traced once per distinct key (see above)."""
+def _share(whole: OpCounts | None, shape: ModelShape, candidate: Candidate) -> OpCounts | None:
+    """A pipeline stage's share of the whole model's counts (its layers over all of them)."""
+    if whole is None or candidate.pp == 1:
+        return whole
+    chunks = candidate.num_model_chunks
+    share = min(1.0, -(-shape.num_layers // (candidate.pp * chunks)) * chunks / shape.num_layers)
+    return OpCounts(round(whole.forward * share), round(whole.backward * share), round(whole.parameter_tensors * share))
+
+
+def op_counter(shape: ModelShape, seq_len: int, exact: bool = True) -> OpCounter:
+    """Counts per candidate, traced once per distinct key (see above); `exact=False`: one whole-model trace per
+    checkpointing choice, shared out over pipeline stages."""
     cache: dict[tuple[object, ...], OpCounts | None] = {}
 
-    def count(candidate: Candidate) -> OpCounts | None:
-        key = _key(candidate)
+    def traced(probe: Candidate) -> OpCounts | None:
+        key = _key(probe)
         if key not in cache:
-            cache[key] = _count(shape, candidate, seq_len)
+            cache[key] = _count(shape, probe, seq_len)
         return cache[key]
+
+    def count(candidate: Candidate) -> OpCounts | None:
+        if exact:
+            return traced(candidate)
+        c, ratio = candidate, candidate.checkpoint_ratio
+        low = traced(Candidate("torch_ddp", precision=c.precision))
+        high = traced(Candidate("torch_ddp", checkpoint_ratio=1.0, precision=c.precision)) if ratio else low
+        if low is None or high is None:
+            return None
+        mixed = OpCounts(  # a ratio of the layers recomputed: between none and all
+            round(low.forward + (high.forward - low.forward) * ratio),
+            round(low.backward + (high.backward - low.backward) * ratio),
+            low.parameter_tensors,
+        )
+        return _share(mixed, shape, candidate)
 
     return count

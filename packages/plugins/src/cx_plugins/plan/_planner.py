@@ -48,7 +48,7 @@ def judge(
     ops: OpCounter | None = None,
 ) -> PlanRow:
     """One candidate's row: its memory verdict and predicted step time (`ops`: the op counts, traced by default)."""
-    counts = (op_counter(shape, seq_len) if ops is None else ops)(candidate)
+    counts = (op_counter(shape, seq_len, device.host_bound) if ops is None else ops)(candidate)
     step = predict_step_time(candidate, shape, seq_len, device, network, efficiency, counts)
     return PlanRow(candidate, memory(candidate), step)
 
@@ -72,12 +72,12 @@ def plan(
     in order of predicted step time and the search stops once `enough` candidates fit: the fastest fitting ones are
     then exactly those a full search would rank first, and the rows hold the misses met on the way. None judges all.
     `ops` gives each candidate's op and tensor counts for the host terms (default: traced, one trace per distinct
-    split, see `_op_counts`).
+    split on a host-bound device, the whole model's shared out on a GPU, see `_op_counts`).
     """
     if enough is not None and enough < 1:
         raise ValueError(f"enough must be a positive number of fitting candidates, got {enough}")
     candidates = enumerate_candidates(shape, world, seq_len, space)
-    count = op_counter(shape, seq_len) if ops is None else ops
+    count = op_counter(shape, seq_len, device.host_bound) if ops is None else ops
     timed = [(predict_step_time(c, shape, seq_len, device, network, efficiency, count(c)), c) for c in candidates]
     timed.sort(key=lambda pair: pair[0].step_s)
     rows: list[PlanRow] = []
