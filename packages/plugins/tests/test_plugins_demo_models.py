@@ -24,7 +24,7 @@ from cx_mesh.testing import distributed
 from cx_plugins.demo import DemoOptions, GrammarText, parse_options
 from cx_plugins.demo import _plugins as demo_plugins
 from cx_plugins.demo._data import CharTokenizer
-from cx_plugins.demo._models import ModelSpec, describe_model
+from cx_plugins.demo._models import ModelError, ModelSpec, build_model, describe_model
 from cx_plugins.demo._plugins import hybrid_arguments, make_plugin
 from cx_plugins.demo._progress import expert_counts
 from cx_plugins.demo._train import run
@@ -118,6 +118,28 @@ def test_plugins_demo_models_folder_without_tokenizer_uses_the_character_encodin
     assert isinstance(described.tokenizer, CharTokenizer)
     options = parse_options([*TINY, "--model", str(tmp_path / "llama"), "--plugin", "torch_ddp"])
     assert options.model_spec.is_folder
+
+
+def test_plugins_demo_models_config_file_trains_from_fresh_weights(tmp_path: Path) -> None:
+    """`--model path/to/any.json` (what cx-plan reads and prints back in its cx-train command): the architecture from
+    the file, fresh seeded weights (the same on every rank and run), the demo's character encoding."""
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    path = tmp_path / "llama_tiny.json"
+    config.to_json_file(str(path))
+    options = parse_options([*TINY, "--model", str(path), "--plugin", "torch_ddp"])
+    assert options.model_spec.is_config_file
+    described = describe_model(options.model_spec)
+    assert isinstance(described.tokenizer, CharTokenizer)
+    assert (described.num_layers, described.num_kv_heads) == (2, 2)
+    first, second = build_model(described, seed=5), build_model(described, seed=5)
+    assert type(first).__name__ == "LlamaForCausalLM"
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters(), strict=True))
+    (tmp_path / "not_json.json").write_text("{ not json")
+    with pytest.raises(ModelError, match="transformers cannot read it as a model config"):
+        describe_model(ModelSpec(str(tmp_path / "not_json.json"), 0, 0, 16))
 
 
 def test_plugins_demo_models_expert_counts() -> None:

@@ -58,6 +58,11 @@ class ModelSpec:
     def is_hf(self) -> bool:
         return self.model != GPT_MODEL
 
+    @property
+    def is_config_file(self) -> bool:
+        """`--model path/to/config.json`: a transformers config alone, trained from fresh weights."""
+        return self.is_folder and Path(self.model).is_file()
+
 
 @dataclass(frozen=True)
 class DemoModel:
@@ -143,11 +148,24 @@ class _HFTokenizer:
         return torch.tensor(ids, dtype=torch.long)
 
 
+def _file_config(spec: ModelSpec) -> tuple[Any, TextEncoder]:
+    """A bare config.json (any file name, as cx-plan takes): the architecture only, no weights or tokenizer."""
+    transformers = _transformers(spec)
+    try:
+        config = transformers.AutoConfig.from_pretrained(spec.model, local_files_only=True)
+    except (ValueError, OSError, KeyError) as error:
+        raise ModelError(f"--model {spec.model}: transformers cannot read it as a model config: {error}") from None
+    return config, ByteTokenizer() if spec.own_data else CharTokenizer()
+
+
 def _folder_config(spec: ModelSpec) -> tuple[Any, TextEncoder]:
+    if spec.is_config_file:
+        return _file_config(spec)
     folder = Path(spec.model)
     if not folder.is_dir():
         raise ModelError(
-            f"--model {spec.model}: neither a built-in model ({', '.join(MODEL_CHOICES)}) nor a model folder"
+            f"--model {spec.model}: neither a built-in model ({', '.join(MODEL_CHOICES)}), a model folder nor a "
+            "config.json file"
         )
     if not (folder / "config.json").is_file():
         raise ModelError(f"--model {folder}: no config.json there; a transformers model folder needs one")
@@ -220,7 +238,8 @@ def _with_special_tokens(model: nn.Module, tokenizer: TextEncoder, keep_unknown:
 
 
 def build_model(described: DemoModel, seed: int) -> nn.Module:
-    """The model itself: seeded fresh weights for the GPT and the presets, the folder's weights (fp32) otherwise."""
+    """The model itself: seeded fresh weights for the GPT, the presets and a bare config file, the folder's weights
+    (fp32) otherwise."""
     spec = described.spec
     if not spec.is_hf:
         gpt_config = GPTConfig(
@@ -232,7 +251,7 @@ def build_model(described: DemoModel, seed: int) -> nn.Module:
         )
         return GPT(gpt_config, seed=seed)
     transformers = _transformers(spec)
-    if spec.is_folder:
+    if spec.is_folder and not spec.is_config_file:
         model: nn.Module = transformers.AutoModelForCausalLM.from_pretrained(
             spec.model, local_files_only=True, dtype=torch.float32
         )
