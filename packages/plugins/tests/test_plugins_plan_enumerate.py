@@ -9,6 +9,7 @@ from cx_plugins.models import GPTConfig
 from cx_plugins.plan._candidate import Candidate
 from cx_plugins.plan._enumerate import NoLayoutError, SearchSpace, enumerate_candidates
 from cx_plugins.plan._model_spec import ModelShape, ParameterCounts, shape_from_config
+from cx_plugins.plan._report import row_label
 
 _SEQ = 32
 _GPT = GPTConfig(vocab_size=64, max_positions=33, hidden_size=32, num_layers=2, num_heads=2)
@@ -25,6 +26,8 @@ def test_enumeration_obeys_the_layout_rules() -> None:
     found = enumerate_candidates(shape, world, _SEQ, SearchSpace(global_batch=16))
     assert {c.plugin for c in found} == {"torch_ddp", "torch_fsdp", "low_level_zero", "gemini", "hybrid", "moe_hybrid"}
     assert len(set(found)) == len(found)  # no duplicates
+    labels = [row_label(c) for c in found]
+    assert len(set(labels)) == len(labels), "two candidates share a report row label"
     for c in found:
         assert c.world_size == world
         assert c.global_batch_size == 16  # every candidate trains the same tokens per step

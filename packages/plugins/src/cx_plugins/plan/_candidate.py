@@ -212,11 +212,14 @@ class Candidate:
         return arguments
 
     def label(self) -> str:
-        """A short row label: `hybrid dp2 tp2 pp1 mb1x4 ckpt1.0 bf16` (`torch_fsdp dp8 per-block ...` when each
-        decoder layer is its own FSDP unit)."""
+        """A short row label that names everything two candidates may differ in, e.g.
+        `hybrid dp2 tp2 pp2 1f1b split_gather zero1 mb1x4 ckpt1 bf16` or `torch_fsdp dp8 per-block mb2x1 ckpt-op bf16`
+        (Gemini's placement and offload are added by the report's `row_label`)."""
         sizes = "".join(
             f" {name}{getattr(self, name)}" for name in ("dp", "tp", "pp", "sp", "ep") if getattr(self, name) > 1
         )
+        sizes += f" {self.pp_style}" if self.pp > 1 else ""  # and the schedule, so that no two rows read alike
+        sizes += f" {self.sp_mode}" if self.sp_mode is not None else ""
         zero = f" zero{self.stage}" if self.plugin in ("low_level_zero", *_PARALLEL_PLUGINS) else ""
         zero += " per-block" if self.fsdp_wrap == "block" else ""
         ckpt = f" ckpt{self.checkpoint_ratio:g}" if self.checkpoint_ratio else ""
