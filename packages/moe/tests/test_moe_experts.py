@@ -3,9 +3,12 @@ gradient, including experts that get no rows; unsupported dtypes fall back to th
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cx_moe import ExpertImplementation, GroupedExperts, grouped_linear, grouped_mm_supported
 
@@ -46,6 +49,12 @@ def test_grouped_experts_match_per_token_formula(implementation: ExpertImplement
 
 def test_grouped_mm_support_rules() -> None:
     assert grouped_mm_supported(torch.randn(4, 16), torch.randn(2, 8, 16))
+    with FakeTensorMode():  # cx-plan's trace: no address, the storage offset decides (and no data_ptr warning)
+        base = torch.randn(65, 16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert grouped_mm_supported(base[1:], torch.randn(2, 8, 16))  # 64 bytes in
+            assert not grouped_mm_supported(base.view(-1)[1:1025].view(64, 16), torch.randn(2, 8, 16))  # 4 bytes in
     assert not grouped_mm_supported(torch.randn(4, 16, dtype=torch.float64), torch.randn(2, 8, 16, dtype=torch.float64))
     assert not grouped_mm_supported(torch.randn(4, 6), torch.randn(2, 8, 6))  # 24-byte rows: not 16-byte aligned
     x, w = torch.randn(5, 6, dtype=torch.float64), torch.randn(2, 3, 6, dtype=torch.float64)

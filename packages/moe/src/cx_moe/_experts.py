@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from cx_mesh import fp8 as cx_fp8
 from cx_moe._grad_scale import scale_grad
@@ -47,7 +48,15 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     size = x.element_size()
     aligned = all((d * size) % 16 == 0 for d in weight.shape[1:])
-    return aligned and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+    return aligned and _address_aligned(x) and _address_aligned(weight)
+
+
+def _address_aligned(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's first element sits on a 16-byte boundary. A FakeTensor (cx-plan's memory trace) has no
+    address: its storage would come from the CPU allocator (64-byte aligned), so its offset decides."""
+    if isinstance(tensor, FakeTensor):
+        return (tensor.storage_offset() * tensor.element_size()) % 16 == 0
+    return tensor.data_ptr() % 16 == 0
 
 
 class _ContiguousGrad(torch.autograd.Function):
