@@ -9,7 +9,7 @@ from cx_plugins.demo import main
 from cx_plugins.demo._dry_run import plan_candidate
 from cx_plugins.demo._options import parse_options
 from cx_plugins.plan import Candidate, load_model_shape
-from cx_plugins.plan._devices import detect_device
+from cx_plugins.plan._devices import detect_device, memory_per_rank
 from cx_plugins.plan._fits import format_bytes
 from cx_plugins.plan._memory_model import memory_model
 from cx_plugins.plan._step_time import predict_step_time
@@ -45,7 +45,11 @@ def test_cx_train_plan_prints_the_prediction(capsys: pytest.CaptureFixture[str])
     assert "tp activation all-reduce" in out
     assert "pipeline bubble" in out
     # the memory figures are the planner's model (one memory model): a traced peak with activations, not a formula
-    verdict = memory_model(shape, 32, detect_device().memory_bytes)(plan_candidate(options, 4))
+    device = detect_device()
+    per_rank = memory_per_rank(device, 4)  # on the CPU: the host's memory shared by the 4 ranks
+    assert per_rank == (device.memory_bytes // 4 if device.name == "cpu" else device.memory_bytes)
+    verdict = memory_model(shape, 32, per_rank, host_is_device=device.name == "cpu")(plan_candidate(options, 4))
+    assert f"#   on {device.name} ({format_bytes(per_rank)}" in out
     assert f"activations {format_bytes(verdict.prediction.activations)}" in out
     assert f"; peak {format_bytes(verdict.peak_bytes)}\n" in out
     assert "fits" in out

@@ -17,7 +17,7 @@ from cx_plugins._layout import FILL, Axis, resolve_sizes
 from cx_plugins.demo._config_file import resolved_toml
 from cx_plugins.demo._options import DemoOptions
 from cx_plugins.plan import Candidate, ModelShape, load_model_shape
-from cx_plugins.plan._devices import detect_device
+from cx_plugins.plan._devices import detect_device, memory_per_rank
 from cx_plugins.plan._fits import format_bytes
 from cx_plugins.plan._memory_model import memory_model
 from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION, predict_step_time
@@ -95,16 +95,19 @@ def plan_lines(options: DemoOptions, world: int, shape: ModelShape | None = None
     candidate = plan_candidate(options, world)
     counts = shape.parameters
     experts = f" ({counts.experts:,} in routed experts, split over ep {options.ep})" if counts.experts else ""
-    verdict = memory_model(shape, options.seq_len, device.memory_bytes, host_is_device=device.name == "cpu")(candidate)
+    per_rank = memory_per_rank(device, world)  # on the CPU the ranks share the host's memory
+    verdict = memory_model(shape, options.seq_len, per_rank, host_is_device=device.name == "cpu")(candidate)
     parts = ", ".join(f"{n.replace('_', ' ')} {format_bytes(b)}" for n, b in verdict.prediction.components().items())
     fit = "fits" if verdict.fits else f"does not fit: {verdict.reason}"
     step = predict_step_time(candidate, shape, options.seq_len, device)
     comm = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in step.communication_s.items()) or "none"
     stage = f", busiest pipeline stage {verdict.prediction.stage}" if options.pp > 1 else ""
+    host = format_bytes(device.memory_bytes)
+    shared = f" a rank: {host} shared by {world}" if per_rank != device.memory_bytes else ""
     return [
         f"# parameters: {counts.total:,} in the model{experts}",
         f"# memory per rank (cx-plan, {options.precision}{stage}): {parts}; peak {format_bytes(verdict.peak_bytes)}",
-        f"#   on {device.name} ({format_bytes(device.memory_bytes)}, {format_bytes(verdict.limit)} usable): {fit}",
+        f"#   on {device.name} ({format_bytes(per_rank)}{shared}, {format_bytes(verdict.limit)} usable): {fit}",
         f"# predicted step on {world} x {device.name} (cx-plan, {ACHIEVABLE_FRACTION:.0%} of peak): "
         f"{step.step_s * 1e3:.2f} ms, {step.tokens_per_s:,.0f} tokens/s, MFU {step.mfu:.1%}",
         f"#   compute {step.compute_s * 1e3:.2f} ms (recompute {step.recompute_s * 1e3:.2f}), pipeline bubble "

@@ -16,6 +16,7 @@ unless it is longer than they are; on the CPU it adds, and more ranks than cores
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ __all__ = [
     "default_network",
     "lookup_device",
     "lookup_link",
+    "memory_per_rank",
     "parse_memory",
 ]
 
@@ -244,7 +246,8 @@ _CUDA_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))  # substrin
 
 def detect_device() -> Device:
     """This machine's device as the table knows it: the first CUDA device's row when its name matches one (H200,
-    H100, A100), with its real memory; otherwise the CPU row."""
+    H100, A100), with its real memory; otherwise the CPU row with this host's physical memory (which every rank
+    shares: `memory_per_rank`)."""
     import torch
 
     if torch.cuda.is_available():
@@ -252,4 +255,13 @@ def detect_device() -> Device:
         for key, row in _CUDA_NAMES:
             if key in name:
                 return lookup_device(row, memory_bytes=torch.cuda.get_device_properties(0).total_memory)
-    return DEVICES["cpu"]
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX host: the table's assumption
+        return DEVICES["cpu"]
+    return lookup_device("cpu", memory_bytes=host)
+
+
+def memory_per_rank(device: Device, ranks_here: int) -> int:
+    """Memory one rank may use: a GPU's own, or on the CPU the host's shared by the ranks running on it."""
+    return device.memory_bytes // ranks_here if device.name == "cpu" else device.memory_bytes
