@@ -155,6 +155,7 @@ def _loss(output: Any, _batch: object = None) -> torch.Tensor:
 def _prepare(candidate: Candidate, model: str, hidden: int, layers: int, seq_len: int) -> Callable[[], None]:
     from cx_plugins import Booster
     from cx_plugins.demo._models import ModelSpec, build_model, describe_model
+    from cx_plugins.demo._optimization import accumulated_step
 
     described = describe_model(ModelSpec(model, hidden, layers, seq_len))
     module = build_model(described, seed=0)
@@ -176,12 +177,11 @@ def _prepare(candidate: Candidate, model: str, hidden: int, layers: int, seq_len
         if candidate.pp > 1:
             data = iter([{"input_ids": ids, "labels": ids}])
             booster.execute_pipeline(data, boosted, _loss, wrapped)
-        else:
-            for _ in range(candidate.num_microbatches):  # gradient accumulation over the micro-batches
-                output = boosted(input_ids=ids, labels=ids)
-                booster.backward(_loss(output) / candidate.num_microbatches, wrapped)
-        wrapped.step()
-        wrapped.zero_grad()
+            wrapped.step()
+            wrapped.zero_grad()
+        else:  # cx-train's own step: gradients communicated on the last micro-batch only (booster.no_sync before)
+            batches = [ids] * candidate.num_microbatches
+            accumulated_step(booster, boosted, wrapped, batches, lambda m, b: _loss(m(input_ids=b, labels=b)))
 
     return step
 
