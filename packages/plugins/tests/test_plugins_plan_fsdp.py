@@ -73,6 +73,12 @@ def test_per_block_memory_arithmetic() -> None:
     assert (block_piled.gradients, block_piled.activations) == (2 * (100 + 500), 5000)
     whole_piled = predict_memory_from_traces(Candidate("torch_fsdp", dp=4), [piled], _COUNTS)
     assert (whole_piled.gradients, whole_piled.activations) == (2 * 1300, 100)  # one root unit piles them up too
+    # gradient accumulation under no_sync: every unit's unsharded gradient summed in fp32 through the last backward
+    accumulating = Candidate("torch_fsdp", dp=4, fsdp_wrap="block", num_microbatches=2)
+    acc = predict_memory_from_traces(accumulating, [_TRACE], _COUNTS)
+    assert acc.gradients == block.gradients + 4 * 1300
+    acc_reduce = shard + moments + 4 * 1200 // 4 + 4 * 100 + max(4 * 100, 4 * 100 // 4)
+    assert acc.end_of_backward == max(regather + 4 * 1300, acc_reduce)
     with pytest.raises(ValueError, match="per-block FSDP needs the model's parameter counts"):
         predict_memory_from_traces(Candidate("torch_fsdp", dp=4, fsdp_wrap="block"), [_TRACE])
 

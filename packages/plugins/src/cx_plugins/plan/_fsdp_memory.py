@@ -17,6 +17,9 @@ the sharded gradients. Three instants compete for the peak:
   root unit, reduced last.
 The first and the last go into `end_of_backward` (the larger of the two); on CPU devices gloo's reduce-scatter also
 copies its whole input. Each was found by a measured miss (benchmarks/plan/notes.md).
+Gradient accumulation runs the earlier micro-batches under `no_sync` (FSDP2's `set_requires_gradient_sync(False)`,
+what cx-train and `booster.no_sync` do): every unit keeps its unsharded gradient, summed in fp32 (the reduce dtype),
+until the last micro-batch's backward reduce-scatters it, so all three instants of that backward hold it too.
 With one rank nothing is gathered (the shard is the parameter); the whole fp32 gradient is counted beside the
 activations instead, as for DDP without its buckets (measured within 3 % for one root unit, 5-10 % over per block).
 """
@@ -72,13 +75,16 @@ def fsdp_bytes(c: Candidate, trace: ActivationTrace, counts: ParameterCounts | N
     live, activations = trace.gradient_bytes, trace.activation_bytes
     if c.fsdp_wrap == "block" and live > w * (last_unit + largest):
         live, activations = w * (last_unit + largest), max(activations, saved_bytes)
+    accumulated = _FP32 * n if c.num_microbatches > 1 else 0  # no_sync: the earlier micro-batches' gradients
     if dp == 1:  # measured as DDP without buckets: the shard is the parameter, an fp32 gradient beside it
-        return FSDPBytes(shard, live + _FP32 * n, activations, optimizer, 0, 0)
-    regather = shard + optimizer + saved_bytes + 2 * w * last_unit  # all-gather output + unsharded parameters
+        return FSDPBytes(shard, live + _FP32 * n + accumulated, activations, optimizer, 0, 0)
+    live += accumulated
+    regather = shard + optimizer + saved_bytes + accumulated + 2 * w * last_unit  # all-gather output + unsharded
     reduced_before = _FP32 * (n - last_unit) // dp  # the other units' reduced gradient shards
     # FSDP2's post_backward reshards the unit first, then copies its gradients into the packed fp32 input, drops them,
     # and only then allocates this rank's output: the gradients or the output beside the input, never all three
     output = _FP32 * last_unit // dp + (_FP32 * last_unit if gloo else 0)
-    packed = _FP32 * last_unit + max(w * last_unit, output)
+    unit_gradient = (_FP32 if accumulated else w) * last_unit  # summed in fp32 under no_sync
+    packed = _FP32 * last_unit + max(unit_gradient, output)
     reduce = shard + optimizer + reduced_before + packed
     return FSDPBytes(shard, live, activations, optimizer, w * gathered, max(regather, reduce))

@@ -92,7 +92,8 @@ def _shard(c: Candidate, n: int, experts: int, itemsize: int) -> int:
 def _accumulated(c: Candidate, itemsize: int, n: int) -> int:
     """Gradient accumulation without a pipeline: the earlier micro-batches' summed gradient (`itemsize` x n) stays
     live through the next micro-batch's backward, beside the new gradients autograd makes before adding them in.
-    Gemini runs one micro-batch; FSDP already keeps its sharded gradient; a pipeline's stage is traced as is."""
+    Gemini runs one micro-batch; FSDP counts its own (`_fsdp_memory`: no_sync's unsharded sums); a pipeline's
+    stage is traced as is."""
     if c.pp > 1 or c.num_microbatches == 1 or c.plugin in ("gemini", "torch_fsdp"):
         return 0
     return itemsize * n
