@@ -2,13 +2,14 @@
 
 Run: `OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo HF_HUB_OFFLINE=1 .nox/tests/bin/python benchmarks/plan/measure_plan.py`
 (`CX_BENCH_SMOKE=1`: one model, one world; `CX_BENCH_REPORT_ONLY=1`: rewrite RESULTS.md from the stored results;
-`CX_BENCH_REMEASURE=<plugin>`: measure that plugin's stored rows again). For cx's GPT and the tiny HF Llama / Mixtral /
-DeepSeek-V3 presets of cx-train (hidden 64, 2 layers, seq 32, fp32) on 1, 2 and 4 ranks, cx-plan ranks every candidate
-(`plan` with the traced memory model, the `cpu` device); the measured set is the top 3 by predicted step time plus each
-other plugin's best, each run through `cx_plugins.plan._measure.measure_candidate` (a warm-up step, then STEPS steps;
-peak of the live tensor storages per rank). Results stream to `results.jsonl` beside this file (a rerun resumes);
-RESULTS.md is rewritten from them with the predicted peaks recomputed by the memory model as it is now, followed by the
-hand-written `notes.md`.
+`CX_BENCH_REMEASURE=<word>`: measure again the stored rows whose label has that word, a plugin or e.g. `mb1x2`;
+`CX_BENCH_GROUPS=mixtral:1,deepseek_v3:4`: measure only those (model, ranks) groups, keeping the others' stored rows).
+For cx's GPT and the tiny HF Llama / Mixtral / DeepSeek-V3 presets of cx-train (hidden 64, 2 layers, seq 32, fp32) on 1,
+2 and 4 ranks, cx-plan ranks every candidate (`plan` with the traced memory model, the `cpu` device); the measured set
+is the top 3 by predicted step time plus each other plugin's best, each run through
+`cx_plugins.plan._measure.measure_candidate` (a warm-up step, then STEPS steps; peak of the live tensor storages per
+rank). Results stream to `results.jsonl` beside this file (a rerun resumes); RESULTS.md is rewritten from them with the
+predicted peaks recomputed by the memory model as it is now, followed by the hand-written `notes.md`.
 No assertion: this is a report.
 """
 
@@ -31,7 +32,7 @@ from cx_plugins.plan._planner import traced_memory_model
 from cx_plugins.plan._report import PlanRow, row_label
 
 HIDDEN, LAYERS, SEQ, STEPS = 64, 2, 32, 2
-RUNS = {"gpt": (1, 2, 4), "llama": (1, 2, 4), "mixtral": (2, 4), "deepseek_v3": (2, 4)}
+RUNS = {"gpt": (1, 2, 4), "llama": (1, 2, 4), "mixtral": (1, 2, 4), "deepseek_v3": (1, 2, 4)}
 if os.environ.get("CX_BENCH_SMOKE"):
     RUNS = {"gpt": (2,)}
 HERE = Path(__file__).resolve().parent
@@ -79,9 +80,12 @@ def measure_all() -> list[dict[str, Any]]:
     done = [json.loads(line) for line in RESULTS.read_text().splitlines()] if RESULTS.exists() else []
     seen = {(r["model"], r["world"], r["label"]) for r in done}
     device = lookup_device("cpu")
+    groups = {tuple(g.split(":")) for g in os.environ.get("CX_BENCH_GROUPS", "").split(",") if g}
     for model, worlds in RUNS.items():
         shape = load_model_shape(model, hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
         for world in worlds:
+            if groups and (model, str(world)) not in groups:
+                continue
             space = SearchSpace(global_batch=2 * world, checkpoint_ratios=(0.0,), precision="fp32")
             report = plan(shape, world, SEQ, device, traced_memory_model(shape, SEQ, device), space=space)
             for top, row in enumerate(_chosen(report.rows), 1):
@@ -95,16 +99,16 @@ def measure_all() -> list[dict[str, Any]]:
     return done
 
 
-def _remeasure(records: list[dict[str, Any]], plugin: str) -> None:
-    """Measure the stored rows of `plugin` again, in place (after a fix to the measurement itself), and rewrite
-    results.jsonl; the other rows and which rows were chosen stay as they were."""
+def _remeasure(records: list[dict[str, Any]], word: str) -> None:
+    """Measure the stored rows whose label has `word` (a plugin, `mb1x2`, ...) again, in place (after a fix to the
+    measurement itself), and rewrite results.jsonl; the other rows and which rows were chosen stay as they were."""
     for model, worlds in RUNS.items():
         shape = load_model_shape(model, hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
         for world in worlds:
             space = SearchSpace(global_batch=2 * world, checkpoint_ratios=(0.0,), precision="fp32")
             by_label = {row_label(c): c for c in enumerate_candidates(shape, world, SEQ, space)}
             for record in records:
-                if (record["model"], record["world"]) != (model, world) or record["label"].split()[0] != plugin:
+                if (record["model"], record["world"]) != (model, world) or word not in record["label"].split():
                     continue
                 print(f"{model} x{world}: {record['label']} (again)", file=sys.stderr, flush=True)
                 measured = measure_candidate(by_label[record["label"]], model, hidden=HIDDEN, layers=LAYERS,
