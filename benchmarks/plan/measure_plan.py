@@ -32,7 +32,12 @@ from cx_plugins.plan._planner import traced_memory_model
 from cx_plugins.plan._report import PlanRow, row_label
 
 HIDDEN, LAYERS, SEQ, STEPS = 64, 2, 32, 2
-RUNS = {"gpt": (1, 2, 4), "llama": (1, 2, 4), "mixtral": (1, 2, 4), "deepseek_v3": (1, 2, 4)}
+RUNS: dict[str, tuple[int, ...]] = {
+    "gpt": (1, 2, 4),
+    "llama": (1, 2, 4),
+    "mixtral": (1, 2, 4),
+    "deepseek_v3": (1, 2, 4),
+}
 if os.environ.get("CX_BENCH_SMOKE"):
     RUNS = {"gpt": (2,)}
 HERE = Path(__file__).resolve().parent

@@ -203,8 +203,8 @@ def test_plugins_demo_models_parallel_flags(
     assert "--zero 0 is not a LowLevelZero stage: --plugin low_level_zero runs --zero 1 or 2" in error
     monkeypatch.setattr(demo_plugins, "LowLevelZeroPlugin", dict)  # its arguments, without a process group
     llz = ["--plugin", "low_level_zero", "--nproc", "2"]
-    assert make_plugin(parse_options([*llz, "--zero", "1"]))[0] == {"stage": 1, "precision": "fp32"}
-    assert make_plugin(parse_options(llz))[0] == {"stage": 2, "precision": "fp32"}
+    arguments: list[object] = [make_plugin(parse_options(flags))[0] for flags in ([*llz, "--zero", "1"], llz)]
+    assert arguments == [{"stage": 1, "precision": "fp32"}, {"stage": 2, "precision": "fp32"}]
 
     monkeypatch.setattr(cx_plugins, "HybridParallelPlugin", _FakePlugin, raising=False)
     monkeypatch.setattr(cx_plugins, "MoeHybridParallelPlugin", _FakePlugin, raising=False)
