@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from rank_plan import RESULTS as RANKING
 from rank_plan import section as ranking_section
 
-from cx_plugins.plan import SearchSpace, load_model_shape, plan, predict_memory
+from cx_plugins.plan import Candidate, ModelShape, SearchSpace, load_model_shape, plan, predict_memory
 from cx_plugins.plan._devices import lookup_device
 from cx_plugins.plan._enumerate import enumerate_candidates
 from cx_plugins.plan._measure import measure_candidate
@@ -104,39 +105,41 @@ def measure_all() -> list[dict[str, Any]]:
     return done
 
 
-def _remeasure(records: list[dict[str, Any]], word: str) -> None:
-    """Measure the stored rows whose label has `word` (a plugin, `mb1x2`, ...) again, in place (after a fix to the
-    measurement itself), and rewrite results.jsonl; the other rows and which rows were chosen stay as they were."""
+def _candidates_by_label() -> Iterator[tuple[str, int, ModelShape, dict[str, Candidate]]]:
+    """Each (model, ranks) group of RUNS with every candidate the planner enumerates there, by row label (how the
+    stored records name the one they measured)."""
     for model, worlds in RUNS.items():
         shape = load_model_shape(model, hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
         for world in worlds:
             space = SearchSpace(global_batch=2 * world, checkpoint_ratios=(0.0,), precision="fp32")
-            by_label = {row_label(c): c for c in enumerate_candidates(shape, world, SEQ, space)}
-            for record in records:
-                if (record["model"], record["world"]) != (model, world) or word not in record["label"].split():
-                    continue
-                print(f"{model} x{world}: {record['label']} (again)", file=sys.stderr, flush=True)
-                measured = measure_candidate(by_label[record["label"]], model, hidden=HIDDEN, layers=LAYERS,
-                                             seq_len=SEQ, steps=STEPS)  # fmt: skip
-                record.update(peaks=measured.peaks, rss=measured.rss, step_s=measured.step_s, error=measured.error)
-                RESULTS.write_text("".join(json.dumps(r) + "\n" for r in records))
+            yield model, world, shape, {row_label(c): c for c in enumerate_candidates(shape, world, SEQ, space)}
+
+
+def _remeasure(records: list[dict[str, Any]], word: str) -> None:
+    """Measure the stored rows whose label has `word` (a plugin, `mb1x2`, ...) again, in place (after a fix to the
+    measurement itself), and rewrite results.jsonl; the other rows and which rows were chosen stay as they were."""
+    for model, world, _, by_label in _candidates_by_label():
+        for record in records:
+            if (record["model"], record["world"]) != (model, world) or word not in record["label"].split():
+                continue
+            print(f"{model} x{world}: {record['label']} (again)", file=sys.stderr, flush=True)
+            measured = measure_candidate(by_label[record["label"]], model, hidden=HIDDEN, layers=LAYERS,
+                                         seq_len=SEQ, steps=STEPS)  # fmt: skip
+            record.update(peaks=measured.peaks, rss=measured.rss, step_s=measured.step_s, error=measured.error)
+            RESULTS.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def _repredict(records: list[dict[str, Any]]) -> None:
     """The predicted peak of each record by the memory model as it is now (the candidates found again by label), so
     RESULTS.md follows changes to the model without re-measuring."""
-    for model, worlds in RUNS.items():
-        shape = load_model_shape(model, hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
-        for world in worlds:
-            space = SearchSpace(global_batch=2 * world, checkpoint_ratios=(0.0,), precision="fp32")
-            by_label = {row_label(c): c for c in enumerate_candidates(shape, world, SEQ, space)}
-            for record in records:
-                if record["model"] == model and record["world"] == world and record["label"] in by_label:
-                    try:
-                        candidate = by_label[record["label"]]  # measured on the CPU: offloaded states count
-                        record["predicted_peak"] = predict_memory(shape, candidate, SEQ, host_is_device=True).peak
-                    except Exception as error:  # reported in the row, not raised
-                        record["error"] = record["error"] or f"prediction failed: {error}"
+    for model, world, shape, by_label in _candidates_by_label():
+        for record in records:
+            if record["model"] == model and record["world"] == world and record["label"] in by_label:
+                try:
+                    candidate = by_label[record["label"]]  # measured on the CPU: offloaded states count
+                    record["predicted_peak"] = predict_memory(shape, candidate, SEQ, host_is_device=True).peak
+                except Exception as error:  # reported in the row, not raised
+                    record["error"] = record["error"] or f"prediction failed: {error}"
 
 
 def write_results(records: list[dict[str, Any]]) -> str:
