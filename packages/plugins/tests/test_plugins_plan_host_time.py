@@ -34,6 +34,13 @@ def test_the_trace_counts_ops_and_tensors_and_recompute_repeats_the_forward() ->
     # checkpointing re-runs the layers' forwards inside the backward (measured: 324 -> 606 backward ops, the forward
     # 236 -> 242 with the checkpoint wrappers' own)
     assert recomputed.backward_ops > plain.backward_ops
+    # selective op checkpointing recomputes only what its policy does not save: counted under its own policy
+    count = _op_counts.op_counter(llama, _SEQ)
+    full = count(Candidate("torch_ddp", precision="fp32", checkpoint_ratio=1.0))
+    selective = count(Candidate("torch_ddp", precision="fp32", checkpoint_ratio=1.0, checkpoint_mode="selective-op"))
+    assert full is not None
+    assert selective is not None
+    assert plain.backward_ops < selective.backward < full.backward
 
 
 def test_data_parallel_plugins_share_one_count(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,8 @@ the step-time model's host terms (`_host_time`).
 
 Counts do not depend on what only moves data between ranks or sizes tensors: the data-parallel plugins (DDP, FSDP,
 LowLevelZero, Gemini) run the whole model, so they share one trace per checkpointing choice; the hybrid plugins one
-per split (tp, pp, sp, ep, schedule, checkpointing ratio). Each is traced at micro-batch size 1 (a larger batch
+per split (tp, pp, sp, ep, schedule, checkpointing ratio); selective op checkpointing recomputes fewer ops than
+full, so the mode is part of the key. Each is traced at micro-batch size 1 (a larger batch
 dispatches the same ops: 86 and 88 for cx's GPT at 1 and 2 sequences), so a search over hundreds of candidates
 traces tens of times. A candidate whose trace fails gets None (no host terms); the memory model reports the failure.
 
@@ -33,14 +34,16 @@ def _probe(candidate: Candidate) -> Candidate:
     """The candidate whose trace stands for `candidate`'s counts."""
     c = candidate
     if c.plugin not in _SPLITTING:
-        return Candidate("torch_ddp", checkpoint_ratio=c.checkpoint_ratio, precision=c.precision)
+        return Candidate(
+            "torch_ddp", checkpoint_ratio=c.checkpoint_ratio, checkpoint_mode=c.checkpoint_mode, precision=c.precision
+        )
     return dataclasses.replace(c, micro_batch_size=1)
 
 
 def _key(candidate: Candidate) -> tuple[object, ...]:
     c = candidate
     if c.plugin not in _SPLITTING:
-        return ("whole model", c.checkpoint_ratio, c.precision)
+        return ("whole model", c.checkpoint_ratio, c.checkpoint_mode, c.precision)
     return (c.plugin, c.tp, c.pp, c.sp, c.sp_mode, c.ep, c.checkpoint_ratio, c.pp_style, c.precision)
 
 
@@ -83,7 +86,9 @@ def op_counter(shape: ModelShape, seq_len: int, exact: bool = True) -> OpCounter
             return traced(candidate)
         c, ratio = candidate, candidate.checkpoint_ratio
         low = traced(Candidate("torch_ddp", precision=c.precision))
-        high = traced(Candidate("torch_ddp", checkpoint_ratio=1.0, precision=c.precision)) if ratio else low
+        mode = c.checkpoint_mode
+        recomputing = Candidate("torch_ddp", checkpoint_ratio=1.0, checkpoint_mode=mode, precision=c.precision)
+        high = traced(recomputing) if ratio else low
         if low is None or high is None:
             return None
         mixed = OpCounts(  # a ratio of the layers recomputed: between none and all
