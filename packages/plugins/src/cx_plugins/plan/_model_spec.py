@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cx_plugins.fsdp import decoder_layers
 from cx_plugins.models import GPT, GPT_MODEL, PRESETS, GPTConfig
 
 __all__ = [
@@ -156,12 +157,12 @@ def build_model(shape: ModelShape) -> nn.Module:
     return model
 
 
-def _decoder_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]:
-    """The ModuleList of decoder layers: the largest list with one entry per layer."""
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
-    if not lists:
+def _decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
+    """The decoder layers as per-block FSDP finds them (`cx_plugins.fsdp.decoder_layers`), one per config layer."""
+    layers = decoder_layers(model)
+    if layers is None or len(layers) != num_layers:
         raise ModelShapeError(f"the model has no list of {num_layers} decoder layers the planner can find")
-    return max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    return layers
 
 
 def _is_routed_expert(name: str) -> bool:
@@ -171,7 +172,7 @@ def _is_routed_expert(name: str) -> bool:
 
 def count_parameters(model: nn.Module, num_layers: int, num_experts: int) -> ParameterCounts:
     """Parameter counts by part, shared parameters counted once."""
-    _, layers = _decoder_layers(model, num_layers)
+    layers = _decoder_layers(model, num_layers)
     dense, experts = [], []
     for layer in layers:
         routed = sum(p.numel() for n, p in layer.named_parameters() if num_experts and _is_routed_expert(n))
