@@ -10,27 +10,24 @@ parameter chunk (and the master chunk); chunks kept gathered take the whole tens
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from cx_checkpoint import TensorSpec
 from cx_chunk import Chunk
-
-if TYPE_CHECKING:
-    from cx_zero.gemini._ddp import GeminiDDP
+from cx_zero.gemini._chunked_model import ChunkedModel
 
 __all__ = ["expected", "is_saver", "load_full", "state_dict_shard", "write_own_slices", "write_parameter"]
 
 
-def is_saver(ddp: GeminiDDP) -> bool:
+def is_saver(ddp: ChunkedModel) -> bool:
     """Rank 0 of the zero group (and of the extra data-parallel group) holds what is saved."""
     groups = [ddp.zero_group] + ([ddp.extra_dp_group] if ddp.extra_dp_group is not None else [])
     return all(dist.get_rank(g) == 0 for g in groups)
 
 
-def _buffers(ddp: GeminiDDP) -> dict[str, torch.Tensor]:
+def _buffers(ddp: ChunkedModel) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for module_name, module in ddp.module.named_modules():
         for name, buf in module.named_buffers(recurse=False):
@@ -40,7 +37,7 @@ def _buffers(ddp: GeminiDDP) -> dict[str, torch.Tensor]:
 
 
 def state_dict_shard(
-    ddp: GeminiDDP, prefix: str, max_shard_size: int, only_rank_0: bool
+    ddp: ChunkedModel, prefix: str, max_shard_size: int, only_rank_0: bool
 ) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
     """Pieces of (tensors, bytes); max_shard_size <= 0 means one piece. Collective over the zero group."""
     keep = is_saver(ddp) or not only_rank_0
@@ -63,7 +60,7 @@ def state_dict_shard(
             yield piece, size
 
 
-def expected(ddp: GeminiDDP) -> dict[str, TensorSpec]:
+def expected(ddp: ChunkedModel) -> dict[str, TensorSpec]:
     """Every name this model loads: all names of every parameter (full shape, original dtype) and its buffers."""
     out: dict[str, TensorSpec] = {}
     for chunk in ddp.manager.chunks():
@@ -75,7 +72,7 @@ def expected(ddp: GeminiDDP) -> dict[str, TensorSpec]:
     return out
 
 
-def load_full(ddp: GeminiDDP, state_dict: Mapping[str, torch.Tensor], strict: bool) -> tuple[list[str], list[str]]:
+def load_full(ddp: ChunkedModel, state_dict: Mapping[str, torch.Tensor], strict: bool) -> tuple[list[str], list[str]]:
     """Write full tensors into this rank's chunk parts; returns (missing, unexpected) names."""
     known: set[str] = set()
     missing: list[str] = []
@@ -111,12 +108,12 @@ def load_full(ddp: GeminiDDP, state_dict: Mapping[str, torch.Tensor], strict: bo
     return missing, unexpected
 
 
-def write_parameter(ddp: GeminiDDP, param: torch.Tensor, value: torch.Tensor) -> None:
+def write_parameter(ddp: ChunkedModel, param: torch.Tensor, value: torch.Tensor) -> None:
     """Write one full parameter value into this rank's part of its chunk (and master chunk)."""
     _write_chunk(ddp, ddp.manager.get_chunk(param), {id(param): value})
 
 
-def _write_chunk(ddp: GeminiDDP, chunk: Chunk, values: Mapping[int, torch.Tensor]) -> None:
+def _write_chunk(ddp: ChunkedModel, chunk: Chunk, values: Mapping[int, torch.Tensor]) -> None:
     if chunk.is_gathered:
         for tensor in chunk.tensors:
             if id(tensor) in values:
