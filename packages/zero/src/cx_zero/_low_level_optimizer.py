@@ -9,7 +9,7 @@ the working parameters (`_gather`), optionally finished lazily before the next f
 With `fp8_communication` (ColossalAI's switch) both collectives, and the all-reduce over `extra_dp_group`, go through
 `cx_mesh.fp8`: gradients as E5M2, parameters as E4M3; the masters stay full precision.
 A group with a single replica skips all of that (`_local`): its gradients are used where they are, and in fp32 (no
-offload) its masters are the working parameters themselves.
+offload) its masters are the working parameters themselves. Parameter maps and state dicts: `_low_level_state`.
 
 Global decisions (inf/nan overflow and the gradient norm, one reduction of the summed squares) are reduced over the
 group that spans all the others (the dense DP group when experts use a sub-group) and over the TP/PP groups when
@@ -37,23 +37,22 @@ from cx_zero._comm import group_ranks
 from cx_zero._elementwise import require_elementwise
 from cx_zero._gather import DeferredGathers, GroupGatherer
 from cx_zero._grad_scaler import BaseGradScaler
-from cx_zero._local import LocalGatherer, LocalReducer, is_alias, local_master
+from cx_zero._local import LocalGatherer, LocalReducer, local_master
 from cx_zero._loss_scale import LossScaleOptions
+from cx_zero._low_level_state import LowLevelStateMixin
 from cx_zero._norm import NormType, clip_coefficient, norm_or_inf
 from cx_zero._options import LowLevelZeroOptions, ZeroStage
-from cx_zero._partition import ParamShard, shard_of
+from cx_zero._partition import ParamShard
 from cx_zero._pick import pick_options
 from cx_zero._reduce import GroupReducer
 from cx_zero._setup import decide_working_dtype, group_params, parameter_names, trainable_params
-from cx_zero._state_dict import sharded_optimizer_state, state_bytes, stream_full_states
 
 __all__ = ["LowLevelZeroOptimizer"]
 
-_MIB = 1024 * 1024
 _HOOK_ATTRIBUTE = "_cx_zero_grad_hook"  # the handle of the gradient hook of the optimizer that owns a parameter
 
 
-class LowLevelZeroOptimizer:
+class LowLevelZeroOptimizer(LowLevelStateMixin):
     """ZeRO stage 1 (`partition_grad=False`) or 2 (`partition_grad=True`) with ColossalAI's arguments.
 
     cx additions (keyword-only): `module` (an `nn.Module` or a name -> parameter mapping) names parameters in state
@@ -63,6 +62,7 @@ class LowLevelZeroOptimizer:
     gradient-norm and overflow reductions when the model is also split by tensor or pipeline parallelism;
     `grad_norm_weights` (id(param) -> weight, default 1) weighs a parameter's squared norm so that one replicated
     over k ranks of those groups (a tp-replicated norm weight, an embedding tied over k stages) counts once (1/k).
+    The parameter maps and state dicts come from `LowLevelStateMixin` (module `_low_level_state`).
     """
 
     def __init__(
@@ -461,88 +461,3 @@ class LowLevelZeroOptimizer:
     def synchronize_working_params(self) -> None:
         """Finish every deferred all-gather (`overlap_allgather`) so the working parameters are up to date."""
         self._deferred.finish_all()
-
-    # ---- maps -----------------------------------------------------------------------------------------------
-    def get_working_to_master_map(self) -> dict[int, torch.Tensor]:
-        """id(working parameter) -> this rank's master shard."""
-        return {id(s.working): s.master for s in self._shards}
-
-    def get_master_to_working_map(self) -> dict[int, nn.Parameter]:
-        """id(master shard) -> working parameter."""
-        return {id(s.master): s.working for s in self._shards}
-
-    def get_param_padding_map(self) -> dict[int, int]:
-        """id(working parameter) -> zeros appended before splitting it over its group."""
-        return {id(s.working): s.padding for s in self._shards}
-
-    def update_master_params(self, model: nn.Module) -> None:
-        """Copy the (e.g. freshly loaded) working parameters of `model` into this rank's master shards."""
-        self.synchronize_working_params()
-        with torch.no_grad():
-            for param in model.parameters():
-                shard = self._shard_of.get(id(param))
-                if shard is not None and not is_alias(shard):  # a master that is the parameter is up to date
-                    piece = shard_of(param.detach(), shard.group_size, shard.group_rank)
-                    shard.master.copy_(piece.to(device=shard.master.device, dtype=shard.master.dtype))
-
-    # ---- state dicts ----------------------------------------------------------------------------------------
-    def _shard_groups(self) -> list[list[ParamShard]]:
-        masters = {id(s.master): s for s in self._shards}
-        return [[masters[id(m)] for m in group["params"]] for group in self.optim.param_groups]
-
-    def state_shard(
-        self, prefix: str = "", max_shard_size: float = 1024, only_rank_0: bool = False
-    ) -> Iterator[tuple[dict[str, dict[str, Any]], int]]:
-        """Yield (full states by `prefix + name`, bytes) pieces of at most `max_shard_size` MiB.
-
-        Collective: every rank must iterate it to the end. With `only_rank_0`, other ranks yield nothing.
-        """
-        if max_shard_size <= 0:
-            raise ValueError(f"max_shard_size must be a positive number of MiB, got {max_shard_size}")
-        self.synchronize_working_params()
-        keep = not only_rank_0 or dist.get_rank() == 0
-        shards = [s for group in self._shard_groups() for s in group]
-        limit = int(max_shard_size * _MIB)
-        include_master = self._master_dtype != self._working_dtype  # mixed precision: resume from fp32 masters
-        yield from stream_full_states(shards, self.optim, self._groups, prefix, limit, keep, include_master)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Full optimizer state by parameter name, plus param groups and the loss scaler (collective)."""
-        state: dict[str, dict[str, Any]] = {}
-        for piece, _ in self.state_shard(max_shard_size=1 << 40):
-            state.update(piece)
-        return {
-            "state": state,
-            "param_groups": self.param_groups_by_name(),
-            "grad_scaler": self.grad_scaler.state_dict(),
-        }
-
-    def param_groups_by_name(self) -> list[dict[str, Any]]:
-        """Each param group's hyper-parameters with `params` as parameter names (local: no communication)."""
-        return [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": [s.key for s in shards]}
-            for group, shards in zip(self.optim.param_groups, self._shard_groups(), strict=True)
-        ]
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a full state dict (by name, from any world size); each rank keeps its slices."""
-        self.synchronize_working_params()
-        for key in ("state", "param_groups"):
-            if key not in state_dict:
-                raise KeyError(f"optimizer state dict needs a {key!r} entry, got {sorted(state_dict)}")
-        inner, masters = sharded_optimizer_state(state_dict, self._shard_groups())
-        self.optim.load_state_dict(inner)
-        with torch.no_grad():
-            for shard in self._shards:
-                master = masters.get(id(shard.master))
-                if master is not None:
-                    shard.master.copy_(master.to(device=shard.master.device, dtype=shard.master.dtype))
-        if "grad_scaler" in state_dict:
-            self.grad_scaler.load_state_dict(dict(state_dict["grad_scaler"]))
-
-    def local_state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for master shards and optimizer state (for memory accounting); a master that is the
-        working parameter itself (one replica, same dtype) holds none of its own."""
-        masters = sum(s.master.numel() * s.master.element_size() for s in self._shards if not is_alias(s))
-        state = sum(state_bytes(dict(v)) for v in self.optim.state.values())
-        return {"master": masters, "optimizer_state": state}
