@@ -12,16 +12,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from cx_shardformer._config import SequenceParallelMode
 from cx_shardformer._rng import add_dropout_region, dropout_stream
 from cx_shardformer._sharder import get_submodule_or_none
-
-if TYPE_CHECKING:
-    from cx_shardformer.policies._common import HFDecoderPolicy
+from cx_shardformer.policies._decoder import DecoderPolicy
 
 __all__ = ["install_dropout_streams"]
 
@@ -55,7 +53,7 @@ def _config_has_dropout(config: Any) -> bool:
     )
 
 
-def install_dropout_streams(policy: HFDecoderPolicy) -> None:
+def install_dropout_streams(policy: DecoderPolicy) -> None:
     """Add the dropout regions of the module docstring to every decoder layer of `policy.model`. A no-op when
     nothing is sharded (tp 1 and no sequence parallelism): then every dropout is replicated."""
     config = policy.shard_config

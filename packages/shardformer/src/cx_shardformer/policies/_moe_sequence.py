@@ -14,7 +14,7 @@ small next to the hidden states.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,16 +23,14 @@ from cx_shardformer._comm import gather_forward_split_backward, group_size
 from cx_shardformer._config import SequenceParallelMode
 from cx_shardformer._ring import zigzag_order
 from cx_shardformer._sharder import get_submodule_or_none
-
-if TYPE_CHECKING:
-    from cx_shardformer.policies._common import HFDecoderPolicy
+from cx_shardformer.policies._decoder import DecoderPolicy
 
 __all__ = ["gather_router_logits"]
 
 _BATCH = "cx_sp_batch_size"
 
 
-def gather_router_logits(policy: HFDecoderPolicy) -> int:
+def gather_router_logits(policy: DecoderPolicy) -> int:
     """Install the gather on the router (`block.gate`) of every MoE block; returns how many were found."""
     config = policy.shard_config
     mode, group = config.sp_mode, config.sp_group

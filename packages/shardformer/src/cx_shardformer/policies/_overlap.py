@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,9 +27,7 @@ from cx_shardformer._overlap import (
     stash_outputs,
     weights_present,
 )
-
-if TYPE_CHECKING:
-    from cx_shardformer.policies._common import HFDecoderPolicy
+from cx_shardformer.policies._decoder import DecoderPolicy
 
 __all__ = ["block_gather_hook"]
 
@@ -53,7 +51,7 @@ def _ring_hook(columns: list[_ColumnBase], group: ProcessGroup | None, gather: _
     return hook
 
 
-def _refusal(policy: HFDecoderPolicy, block: nn.Module, columns: list[_ColumnBase], rows: list[_RowBase]) -> str | None:
+def _refusal(policy: DecoderPolicy, block: nn.Module, columns: list[_ColumnBase], rows: list[_RowBase]) -> str | None:
     """Why `block` cannot run the ring, or None."""
     if not policy.shares_block_reductions:
         return (
@@ -72,7 +70,7 @@ def _refusal(policy: HFDecoderPolicy, block: nn.Module, columns: list[_ColumnBas
     return None
 
 
-def block_gather_hook(policy: HFDecoderPolicy, block: nn.Module, gather: _Hook) -> _Hook:
+def block_gather_hook(policy: DecoderPolicy, block: nn.Module, gather: _Hook) -> _Hook:
     """The forward pre-hook that brings `block` the full sequence: `gather` (split_gather's all-gather), or, with
     enable_sequence_overlap, the ring that also computes the block's column layers, its row layers switched to the
     ring reduce-scatter."""

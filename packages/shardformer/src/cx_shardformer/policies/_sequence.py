@@ -20,7 +20,7 @@ again (no collective: both are local index operations, whose backward passes the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from weakref import WeakKeyDictionary
 
 import torch
@@ -41,17 +41,15 @@ from cx_shardformer._linear import mark_input_grad_reduced, sync_grad_over
 from cx_shardformer._ring import ring_attention, zigzag_order, zigzag_positions
 from cx_shardformer._shard_spec import get_shard_spec
 from cx_shardformer._sharder import get_submodule_or_none
+from cx_shardformer.policies._decoder import DecoderPolicy
 from cx_shardformer.policies._overlap import block_gather_hook
-
-if TYPE_CHECKING:
-    from cx_shardformer.policies._common import HFDecoderPolicy
 
 __all__ = ["apply_sequence_parallelism", "check_sequence_parallelism", "shard_sequence_at_stage"]
 
 _ATTENTION_NAMES = {SequenceParallelMode.ALL_TO_ALL: "cx_ulysses", SequenceParallelMode.RING: "cx_ring"}
 
 
-def check_sequence_parallelism(policy: HFDecoderPolicy) -> None:
+def check_sequence_parallelism(policy: DecoderPolicy) -> None:
     """Head counts against tp * sp, and the transformers hooks the attention modes need."""
     config = policy.shard_config
     mode = config.sp_mode
@@ -267,7 +265,7 @@ def _register_attention() -> None:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
-def apply_sequence_parallelism(policy: HFDecoderPolicy) -> None:
+def apply_sequence_parallelism(policy: DecoderPolicy) -> None:
     """Install the hooks (and the attention function) of the configured mode on `policy.model`."""
     config = policy.shard_config
     mode = config.sp_mode
