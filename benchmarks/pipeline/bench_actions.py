@@ -2,8 +2,9 @@
 split backward (input-gradient pass I, weight-gradient pass W) of cx and of torch.distributed.pipelining.
 
 Run: `OMP_NUM_THREADS=1 .nox/tests/bin/python benchmarks/pipeline/bench_actions.py` (about 30 s). The stage
-bodies are `bench_pipeline`'s with two layers each (its 2-stage V and interleaved chunks): the first virtual stage
-(embedding, no input gradient: its W is the whole backward), a middle one, and the last (final norm, head, loss).
+bodies are `bench_pipeline`'s (from `bench_pipeline_model`) with two layers each (its 2-stage V and interleaved
+chunks): the first virtual stage (embedding, no input gradient: its W is the whole backward), a middle one, and the
+last (final norm, head, loss).
 cx and torch alternate action by action and the medians over many repeats are reported, so machine load hits both.
 `bench_pipeline` uses `measure_costs` to simulate cx's and torch's action orders with these costs.
 """
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_pipeline import HIDDEN, MICRO, SEQ, VOCAB, StageBody, _loss
+from bench_pipeline_model import HIDDEN, MICRO, SEQ, VOCAB, StageBody, lm_loss
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from cx_pipeline import Action, ActionKind
@@ -43,7 +44,7 @@ def _measure_position(position: str, repeats: int) -> dict[str, float]:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         out = body(x)
-        return _loss(out, targets) if last else out
+        return lm_loss(out, targets) if last else out
 
     def fresh_input() -> torch.Tensor:
         return tokens if first else torch.randn(MICRO, SEQ, HIDDEN, requires_grad=True)

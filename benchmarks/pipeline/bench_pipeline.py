@@ -30,7 +30,8 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from bench_actions import cost_model, measure_costs
+from bench_pipeline_model import MICRO, SEQ, VOCAB, StageBody, lm_loss
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
@@ -51,49 +52,13 @@ from cx_pipeline._actions import interleaved_order, one_f_one_b_order
 from cx_pipeline._simulation import unit_cost
 from cx_pipeline._zbv_order import zbv_order
 
-LAYERS, HIDDEN, HEADS, VOCAB, SEQ, MICRO = 8, 128, 4, 1024, 64, 4
+LAYERS = 8
 MICROBATCHES: tuple[int, ...] = (4, 8)
 WARMUP, STEPS = 2, 10
 REPEATS = int(os.environ.get("CX_BENCH_REPEATS", "3"))
 STYLES = tuple(os.environ.get("CX_BENCH_STYLES", "1f1b,interleaved,zbv").split(","))
 if os.environ.get("CX_BENCH_SMOKE"):
-    LAYERS, HIDDEN, VOCAB, SEQ, MICRO, MICROBATCHES, WARMUP, STEPS, REPEATS = 8, 32, 64, 8, 2, (4,), 1, 2, 2
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(HIDDEN)
-        self.c_attn = nn.Linear(HIDDEN, 3 * HIDDEN)
-        self.c_proj = nn.Linear(HIDDEN, HIDDEN)
-        self.ln_2 = nn.LayerNorm(HIDDEN)
-        self.fc = nn.Linear(HIDDEN, 4 * HIDDEN)
-        self.proj = nn.Linear(4 * HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, HEADS, d // HEADS).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.c_proj(y)
-        out: torch.Tensor = x + self.proj(F.gelu(self.fc(self.ln_2(x))))
-        return out
-
-
-class StageBody(nn.Module):
-    """Layers of one virtual stage, tensor in, tensor out (what torch's PipelineStage runs)."""
-
-    def __init__(self, layers: int, first: bool, last: bool) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN) if first else None
-        self.blocks = nn.ModuleList(Block() for _ in range(layers))
-        self.head = nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB)) if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.embed is not None else x
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h) if self.head is not None else h
+    LAYERS, MICROBATCHES, WARMUP, STEPS, REPEATS = 8, (4,), 1, 2, 2  # and bench_pipeline_model's smoke sizes
 
 
 class CxStage(nn.Module):
@@ -106,10 +71,6 @@ class CxStage(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, hidden_states: torch.Tensor | None = None) -> Any:
         out = self.body(tokens if self.body.embed is not None else hidden_states)
         return out if self.body.head is not None else {"hidden_states": out}
-
-
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def _bodies(style: str, p: int, stage: int) -> tuple[list[StageBody], list[int]]:
@@ -173,18 +134,18 @@ class Case:
         cx_model = PipelineModel([CxStage(b) for b in bodies])
 
         def cx_criterion(out: torch.Tensor, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-            return _loss(out, micro["targets"])
+            return lm_loss(out, micro["targets"])
 
         stages = [
             PipelineStage(body, v, num_virtual, torch.device("cpu"), group=dist.group.WORLD)
             for body, v in zip(torch_bodies, virtuals, strict=True)
         ]
         if style == "1f1b":
-            torch_schedule: Any = Schedule1F1B(stages[0], m, loss_fn=_loss)
+            torch_schedule: Any = Schedule1F1B(stages[0], m, loss_fn=lm_loss)
         elif style == "interleaved":
-            torch_schedule = ScheduleInterleaved1F1B(cast(Any, stages), m, loss_fn=_loss)
+            torch_schedule = ScheduleInterleaved1F1B(cast(Any, stages), m, loss_fn=lm_loss)
         else:
-            torch_schedule = ScheduleZBVZeroBubble(cast(Any, stages), m, loss_fn=_loss)
+            torch_schedule = ScheduleZBVZeroBubble(cast(Any, stages), m, loss_fn=lm_loss)
         first_here = 0 in virtuals
         last_here = num_virtual - 1 in virtuals
         self.torch_orders = _torch_orders(torch_schedule, world_size)
@@ -296,8 +257,6 @@ def _worker(rank: int, world_size: int, out: str) -> None:
 
 
 def main() -> None:
-    from bench_actions import cost_model, measure_costs  # it imports this module's model
-
     print(f"load average at the start: {os.getloadavg()}")
     costs = measure_costs(5 if os.environ.get("CX_BENCH_SMOKE") else 30)
     rows = []
