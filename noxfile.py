@@ -88,7 +88,7 @@ def demo(session: nox.Session) -> None:
 
     Flags after `--` go to cx-train, e.g. `nox -s demo -- --steps 50 --nproc 4`.
     """
-    session.install(*CONSTRAINTS, *_editable("plugins"))
+    session.install(*CONSTRAINTS, *_editable("train"))
     flags = session.posargs or ["--save", "cx-demo-checkpoint"]  # the default run leaves a checkpoint to look at
     session.run("cx-train", *flags, env={"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
 
@@ -215,8 +215,8 @@ DIST = ROOT / "dist"
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """The eight wheels, one per package, written to dist/ (old cx wheels there are removed first): a user installs
-    the whole stack from them with `pip install --find-links dist 'cx-plugins[hf]'` (README, "Install")."""
+    """The ten wheels, one per package, written to dist/ (old cx wheels there are removed first): a user installs
+    the whole stack from them with `pip install --find-links dist 'cx-train[hf]'` (README, "Install")."""
     session.install("hatchling>=1.18")
     DIST.mkdir(exist_ok=True)
     for old in DIST.glob("cx_*.whl"):
@@ -227,18 +227,20 @@ def build(session: nox.Session) -> None:
 
 @nox.session
 def install_check(session: nox.Session) -> None:
-    """The README's install, tested: `pip install --find-links dist 'cx-plugins[hf]'` from the wheels `nox -s build`
-    wrote, into this session's venv, then `cx-train --help` and a 2-process torchrun job (tools/install_check.py)
-    that imports every package from site-packages and all-reduces over gloo. Run as `nox -s build install_check`."""
+    """The README's install, tested: `pip install --find-links dist 'cx-train[hf]'` from the wheels `nox -s build`
+    wrote, into this session's venv, then `cx-train --help`, `cx-plan --help` and a 2-process torchrun job
+    (tools/install_check.py) that imports every package from site-packages and all-reduces over gloo. Run as
+    `nox -s build install_check`."""
     built = {w.name.split("-", 1)[0] for w in DIST.glob("cx_*.whl")}
     missing = sorted(f"cx_{p}" for p in PACKAGES if f"cx_{p}" not in built)
     if missing:
         session.error(f"no wheel in {DIST} for {', '.join(missing)}: run `nox -s build` first")
     # A reused venv already holds cx 0.1.0, which pip would keep: remove it so the wheels just built are installed.
     session.run_install("python", "-m", "pip", "uninstall", "--yes", *(f"cx-{p}" for p in PACKAGES), silent=True)
-    session.install(*CONSTRAINTS, "--find-links", str(DIST), "cx-plugins[hf]")
+    session.install(*CONSTRAINTS, "--find-links", str(DIST), "cx-train[hf]")
     session.chdir(session.create_tmp())  # outside the checkout, so nothing in it can be imported by accident
     session.run("cx-train", "--help", silent=True)
+    session.run("cx-plan", "--help", silent=True)
     script = str(ROOT / "tools" / "install_check.py")
     session.run("torchrun", "--standalone", "--nproc_per_node", "2", script, env=TEST_ENV)
 

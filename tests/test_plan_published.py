@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from cx_plugins.plan import Candidate, load_model_shape, predict_memory
-from cx_plugins.plan._devices import lookup_device
-from cx_plugins.plan._fits import fits
+from cx_plan import Candidate, load_model_shape, predict_memory
+from cx_plan._devices import lookup_device
+from cx_plan.memory._fits import fits
 
 CONFIG = Path(__file__).resolve().parents[1] / "benchmarks" / "plan" / "llama3_1_8b_config.json"
 LLAMA2_70B = CONFIG.with_name("llama2_70b_config.json")

@@ -1,9 +1,10 @@
-"""The `layers` check: cx packages import only siblings they declare, the declared graph has no cycle,
-and nobody imports another package's private modules (`cx_x._something`). Inside cx-plugins, the plugin families
+"""The `layers` check: cx packages import only siblings they declare, every declared edge points down the layer
+order (mesh at the bottom; checkpoint, chunk, moe, pipeline; zero, shardformer; plugins; plan; train on top), and
+nobody imports another package's private modules (`cx_x._something`). Inside cx-plugins, the plugin families
 (`cx_plugins/<family>/`) import each other only through the shared layers (MoeHybrid may extend Hybrid), and the
-shared layers (the top-level modules, `checkpoint_io/`, `lazy/`, `models/`, `lr_scheduler/`) import no family; only
-the package face (`cx_plugins/__init__.py`) and the applications, the demo (`cx-train`) and the planner (`plan/`,
-`cx-plan`), sit above them, and nothing below imports an application.
+shared layers (the top-level modules and the other folders) import no family; only the package face
+(`cx_plugins/__init__.py`) sits above them. No two files anywhere in packages/ import each other, directly or round
+a longer loop (`import_cycles`).
 
 Declared edges come from each packages/<name>/pyproject.toml `dependencies` (`cx-<name>` entries). Imports come
 from parsing every .py file under the package's src/ and tests/ with `ast`. Exit code 1 on any violation.
@@ -47,11 +48,15 @@ def imported_cx_modules(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+# Each package's layer: a declared dependency points to a lower layer (the developers' guide's direction).
+LAYERS = {
+    "mesh": 0, "checkpoint": 1, "chunk": 1, "moe": 1, "pipeline": 1, "zero": 2, "shardformer": 2, "plugins": 3,
+    "plan": 4, "train": 5,
+}  # fmt: skip
 PLUGINS_PACKAGE = "cx_plugins"
 PLUGIN_FAMILIES = frozenset({"ddp", "fsdp", "low_level_zero", "gemini", "hybrid", "moe_hybrid"})
 PLUGIN_FAMILY_EDGES = frozenset({("moe_hybrid", "hybrid")})  # (importer, imported) allowed between families
-PLUGINS_APPLICATIONS = frozenset({"demo", "plan"})  # may import every family and each other; nothing below imports them
-PLUGINS_ABOVE_FAMILIES = frozenset({"__init__", *PLUGINS_APPLICATIONS})  # may import every family
+PLUGINS_ABOVE_FAMILIES = frozenset({"__init__"})  # the package face may import every family
 
 
 def _module_name(source: Path, src: Path) -> str:
@@ -87,7 +92,7 @@ def _plugins_part(module: str) -> str | None:
 
 def check_plugin_families(root: Path) -> list[str]:
     """Dependency direction inside cx-plugins: a family imports no other family (but the allowed edges), a shared
-    layer imports no family, and neither imports the package face (which imports every family) nor an application."""
+    layer imports no family, and neither imports the package face (which imports every family)."""
     src = root / "packages" / "plugins" / "src"
     if not (src / PLUGINS_PACKAGE).is_dir():
         return []
@@ -114,8 +119,6 @@ def check_plugin_families(root: Path) -> list[str]:
                 continue
             if target == "__init__":
                 problem = f"imports the package face {PLUGINS_PACKAGE}; import the module that defines the name"
-            elif target in PLUGINS_APPLICATIONS:
-                problem = f"{importer} imports the application {target} ({imported}), which sits above it"
             elif target not in PLUGIN_FAMILIES or (importer, target) in PLUGIN_FAMILY_EDGES:
                 continue
             elif importer in PLUGIN_FAMILIES:
@@ -164,6 +167,10 @@ def check(root: Path) -> list[str]:
     cycle = find_cycle(graph)
     if cycle:
         problems.append("dependency cycle: " + " -> ".join(cycle))
+    for name, deps in sorted(graph.items()):
+        upward = sorted(d for d in deps if d in LAYERS and name in LAYERS and LAYERS[d] >= LAYERS[name])
+        if upward:
+            problems.append(f"{name}: declares {upward}, which do not sit below it (layer order: {_order()})")
     for name, path in packages.items():
         for source in sorted(path.rglob("*.py")):
             for line, module in imported_cx_modules(source):
@@ -174,7 +181,146 @@ def check(root: Path) -> list[str]:
                     problems.append(f"{where}: imports {module} but cx-{name} does not declare cx-{target}")
                 if target != name and any(part.startswith("_") for part in rest):
                     problems.append(f"{where}: imports private module {module} of cx-{target}")
-    return problems + check_plugin_families(root)
+    return problems + check_plugin_families(root) + import_cycles(root)
+
+
+def _order() -> str:
+    layers: dict[int, list[str]] = {}
+    for name, layer in LAYERS.items():
+        layers.setdefault(layer, []).append(name)
+    return " < ".join("/".join(sorted(names)) for _, names in sorted(layers.items()))
+
+
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that runs: at module level or inside functions (a lazy import is still a dependency),
+    but not under `if TYPE_CHECKING:`."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every package's sources (`cx_x.y._z`) and tests (by file name, as pytest
+    imports them)."""
+    modules: dict[str, Path] = {}
+    for package in sorted((root / "packages").iterdir()):
+        if (package / "src").is_dir():
+            for source in sorted((package / "src").rglob("*.py")):
+                modules[_module_name(source, package / "src")] = source
+        if (package / "tests").is_dir():
+            for source in sorted((package / "tests").rglob("*.py")):
+                if source.name not in ("__init__.py", "conftest.py"):
+                    modules[source.stem] = source
+    return modules
+
+
+def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the modules it imports (the most specific one an import names: a submodule when `from pkg import
+    name` names one, else the package's __init__)."""
+    graph: dict[str, set[str]] = {}
+    for module, source in modules.items():
+        is_package = source.name == "__init__.py"
+        targets: set[str] = set()
+        for node in _runtime_imports(ast.parse(source.read_text(), filename=str(source))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                    base = ".".join([*anchor, base] if base else anchor)
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for name in names:
+                while name and name not in modules:
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def _loop_through(start: str, graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """The shortest import loop from `start` back to it inside one strongly connected component."""
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph[node] & component):
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if nxt not in previous:
+                    previous[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    return [start]
+
+
+def import_cycles(root: Path) -> list[str]:
+    """One problem per group of files that import each other (a strongly connected component of the file-level
+    import graph of packages/), naming one loop through it."""
+    modules = _modules(root)
+    graph = _import_graph(modules)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+    for start in sorted(graph):  # Tarjan's algorithm, iteratively (import chains can be deep)
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(component)
+    problems = []
+    for component in components:
+        loop = _loop_through(min(component), graph, component)
+        files = " -> ".join(str(modules[m].relative_to(root)) for m in loop)
+        problems.append(f"import cycle between {len(component)} files: {files}")
+    return sorted(problems)
 
 
 def main() -> int:

@@ -1,14 +1,17 @@
 """The install check `nox -s install_check` runs under `torchrun --nproc_per_node 2`, in a venv holding only what
-`pip install --find-links dist 'cx-plugins[hf]'` put there.
+`pip install --find-links dist 'cx-train[hf]'` put there.
 
-Every rank imports each of the eight cx packages, checks that it came from the venv's site-packages (a checkout on
+Every rank imports each of the ten cx packages, checks that it came from the venv's site-packages (a checkout on
 sys.path would hide a broken wheel), and takes part in one all-reduce over gloo through cx_mesh: an install that
-resolves but cannot start a job fails here, not on the user's machine.
+resolves but cannot start a job fails here, not on the user's machine. Rank 0 also reads the installed metadata:
+cx-plugins requires none of the trainer's extras (pyarrow, datasets, tensorboard, matplotlib), which belong to
+cx-train.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 import sys
 import sysconfig
@@ -26,7 +29,10 @@ PACKAGES = (
     "cx_pipeline",
     "cx_shardformer",
     "cx_plugins",
+    "cx_plan",
+    "cx_train",
 )
+TRAINER_ONLY = ("pyarrow", "datasets", "tensorboard", "matplotlib")  # cx-train's extras, never cx-plugins'
 
 
 def _check_imports() -> None:
@@ -39,8 +45,17 @@ def _check_imports() -> None:
             raise SystemExit(f"install check: {name} was imported from {origin}, not from the venv's {site}")
 
 
+def _check_plugins_metadata() -> None:
+    """cx-plugins alone installs without the trainer's extras: none of them in any of its requirements."""
+    requirements = importlib.metadata.requires("cx-plugins") or []
+    leaked = [r for r in requirements if any(r.startswith(name) for name in TRAINER_ONLY)]
+    if leaked:
+        raise SystemExit(f"install check: cx-plugins requires the trainer's extras {leaked}; they belong to cx-train")
+
+
 def main() -> None:
     _check_imports()
+    _check_plugins_metadata()
     import cx_mesh  # imported by _check_imports; bound here for the typed calls below
 
     cx_mesh.launch_from_torch(backend="gloo", verbose=False)

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from cx_plugins.demo import GrammarText, parse_options
-from cx_plugins.demo._models import build_model, describe_model
-from cx_plugins.demo._text_tokenizers import ByteTokenizer, HFStreamTokenizer, StreamTokenizer
-from cx_plugins.demo._token_cache import token_stream
-from cx_plugins.demo._user_data import open_user_data
-from cx_plugins.demo._user_loader import UserLoader, window_length
+from cx_train import GrammarText, parse_options
+from cx_train.data._token_cache import token_stream
+from cx_train.data._tokenizers import ByteTokenizer, HFStreamTokenizer, StreamTokenizer
+from cx_train.data._user_data import open_user_data
+from cx_train.data._user_loader import UserLoader, window_length
+from cx_train.models._spec import build_model, describe_model
 
 
 def tokenizer_folder(folder: Path) -> Path:

@@ -4,7 +4,7 @@ Run: `OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo .nox/tests/bin/python benchmarks/p
 (`CX_BENCH_SMOKE=1` for a seconds-long check). cx's reference GPT (fp32, torch AdamW) is trained by each candidate
 through the Booster on 2 processes with one thread each, the same global batch for all; the systems take turns step by
 step (machine noise hits all alike) and each figure is the median step (forward, backward, optimizer, barrier).
-The prediction is `predict_step_time` for the `cpu` device and the `loopback` link of `cx_plugins.plan._devices`
+The prediction is `predict_step_time` for the `cpu` device and the `loopback` link of `cx_plan._devices`
 (measured rows, default achievable fraction, the trace's op counts for the host terms). Printed: predicted and
 measured ms, both rankings, the top-3 agreement.
 `--calibrate` instead measures the host costs the `cpu` / `loopback` rows hold (per aten op, per AdamW tensor, per
@@ -21,18 +21,16 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from cx_mesh.testing import spawn
+from cx_plan import Candidate, lookup_device, make_plugin
+from cx_plan.step_time._step_time import predict_step_time
+from cx_plan.trace._model_spec import shape_from_config
+from cx_plan.trace._op_counts import op_counter
 from cx_plugins.models import GPT, GPTConfig
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._devices import lookup_device
-from cx_plugins.plan._model_spec import shape_from_config
-from cx_plugins.plan._op_counts import op_counter
-from cx_plugins.plan._step_time import predict_step_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared step timing
 from bench_timing import time_in_turns
@@ -55,28 +53,12 @@ CANDIDATES = {
 Step = Callable[[torch.Tensor], None]
 
 
-def _plugin(candidate: Candidate) -> Any:
-    import cx_plugins
-
-    arguments = candidate.plugin_arguments()
-    if candidate.plugin == "gemini":  # the model is small: small chunks, so that it really is sharded
-        arguments.update(search_range_m=1, min_chunk_size_m=0.05, hidden_dim=64)
-    names = {
-        "torch_ddp": "TorchDDPPlugin",
-        "torch_fsdp": "TorchFSDPPlugin",
-        "low_level_zero": "LowLevelZeroPlugin",
-        "gemini": "GeminiPlugin",
-        "hybrid": "HybridParallelPlugin",
-    }
-    return getattr(cx_plugins, names[candidate.plugin])(**arguments)
-
-
 def _system(candidate: Candidate) -> Step:
     from cx_plugins import Booster
 
-    plugin = _plugin(candidate)
-    booster = Booster(plugin=plugin)
     net = GPT(CONFIG)
+    plugin, mixed_precision = make_plugin(candidate, net)  # the plugin cx-train and cx-plan --measure make
+    booster = Booster(plugin=plugin, mixed_precision=mixed_precision)
     model, optimizer, *_ = booster.boost(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
     assert optimizer is not None
     rows = candidate.micro_batch_size * candidate.num_microbatches  # sequences per data-parallel rank

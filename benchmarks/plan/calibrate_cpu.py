@@ -1,5 +1,5 @@
 """What this CPU machine charges for the work a tiny model's training step is made of, for the `cpu` / `loopback`
-rows of `cx_plugins.plan._devices` (run by `bench_step_time.py --calibrate`, or directly).
+rows of `cx_plan._devices` (run by `bench_step_time.py --calibrate`, or directly).
 
 Run: `OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo HF_HUB_OFFLINE=1 .nox/tests/bin/python benchmarks/plan/calibrate_cpu.py`
 (prints one JSON object; a minute or two). On 1, 2 and 4 processes at once (one thread each), every rank measures:
@@ -140,8 +140,8 @@ PLUGINS: dict[str, dict[str, Any]] = {
 def _plugin_rank(rank: int, world: int, out: str) -> None:
     """Each plugin's step on the calibration GPT (micro-batch 2), in turns, on this many processes."""
     from bench_timing import time_in_turns
-    from cx_plugins.plan._candidate import Candidate
-    from cx_plugins.plan._measure import _prepare
+    from cx_plan._candidate import Candidate
+    from cx_plan.measure._measure import _prepare
 
     torch.set_num_threads(1)
     systems = {}

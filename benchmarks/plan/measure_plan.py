@@ -7,7 +7,7 @@ Run: `OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo HF_HUB_OFFLINE=1 .nox/tests/bin/py
 For cx's GPT and the tiny HF Llama / Mixtral / DeepSeek-V3 presets of cx-train (hidden 64, 2 layers, seq 32, fp32) on 1,
 2 and 4 ranks, cx-plan ranks every candidate (`plan` with the traced memory model, the `cpu` device); the measured set
 is the top 3 by predicted step time plus each other plugin's best, each run through
-`cx_plugins.plan._measure.measure_candidate` (a warm-up step, then STEPS steps; peak of the live tensor storages per
+`cx_plan.measure._measure.measure_candidate` (a warm-up step, then STEPS steps; peak of the live tensor storages per
 rank). Results stream to `results.jsonl` beside this file (a rerun resumes); RESULTS.md is rewritten from them with the
 predicted peaks recomputed by the memory model as it is now, followed by the hand-written `notes.md`.
 No assertion: this is a report.
@@ -25,12 +25,12 @@ from typing import Any
 from rank_plan import RESULTS as RANKING
 from rank_plan import section as ranking_section
 
-from cx_plugins.plan import Candidate, ModelShape, SearchSpace, load_model_shape, plan, predict_memory
-from cx_plugins.plan._devices import lookup_device
-from cx_plugins.plan._enumerate import enumerate_candidates
-from cx_plugins.plan._measure import measure_candidate
-from cx_plugins.plan._planner import traced_memory_model
-from cx_plugins.plan._report import PlanRow, row_label
+from cx_plan import Candidate, ModelShape, SearchSpace, load_model_shape, plan, predict_memory
+from cx_plan._devices import lookup_device
+from cx_plan._enumerate import enumerate_candidates
+from cx_plan._planner import traced_memory_model
+from cx_plan._report import PlanRow, row_label
+from cx_plan.measure._measure import measure_candidate
 
 HIDDEN, LAYERS, SEQ, STEPS = 64, 2, 32, 2
 RUNS: dict[str, tuple[int, ...]] = {
@@ -52,7 +52,7 @@ RANKING_INTRO = (
     "the range of the 3 round medians. Strict: the measured medians sort into the predicted order. Within noise: "
     "every pair is in the predicted order or its medians differ by less than the larger of the two spreads, a "
     "difference the same configuration's median showed between rounds, so a re-measurement could reverse it "
-    "(`cx_plugins.plan._agreement`)."
+    "(`cx_plan.measure._agreement`)."
 )
 
 

@@ -8,7 +8,7 @@ AdamW, the `cpu` device). Protocol: the group's three configurations are built i
 its per-op bookkeeping would be timed too) and take turns step by step (`bench_timing.time_in_turns`, the same
 batch, between barriers), so drift on this shared machine hits all three alike; WARMUP steps each, then ROUNDS rounds
 of STEPS steps. Each configuration's time is the median of all its steps, its spread the range of its round medians
-(`cx_plugins.plan._agreement`: a tie when two medians differ by less than the larger spread).
+(`cx_plan.measure._agreement`: a tie when two medians differ by less than the larger spread).
 No assertion: this is a report.
 """
 
@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from cx_mesh.testing import spawn
-from cx_plugins.plan import SearchSpace, load_model_shape, plan
-from cx_plugins.plan._agreement import Timing, agreement, timing
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._devices import lookup_device
-from cx_plugins.plan._measure import _prepare
-from cx_plugins.plan._planner import traced_memory_model
-from cx_plugins.plan._report import row_label
+from cx_plan import SearchSpace, load_model_shape, plan
+from cx_plan._candidate import Candidate
+from cx_plan._devices import lookup_device
+from cx_plan._planner import traced_memory_model
+from cx_plan._report import row_label
+from cx_plan.measure._agreement import Timing, agreement, timing
+from cx_plan.measure._measure import _prepare
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared step timing
 from bench_timing import time_in_turns

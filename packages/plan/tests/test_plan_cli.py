@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from cx_plan import _planner as planner
+from cx_plan._candidate import Candidate
+from cx_plan._cli import main
+from cx_plan._devices import Device, detect_device, lookup_device
+from cx_plan._planner import MemoryModel
+from cx_plan._report import MemoryVerdict, PlanReport, PlanRow
+from cx_plan.measure import _measure as measure_module
+from cx_plan.measure._measure import Measured
+from cx_plan.memory import _memory_model as memory_model_module
+from cx_plan.memory._memory_model import memory_model
+from cx_plan.trace._activations import ActivationTrace, trace_stage
+from cx_plan.trace._model_spec import ModelShape, shape_from_config
 from cx_plugins.models import GPTConfig
-from cx_plugins.plan import _measure as measure_module
-from cx_plugins.plan import _memory_model as memory_model_module
-from cx_plugins.plan import _planner as planner
-from cx_plugins.plan._activations import ActivationTrace, trace_stage
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._cli import main
-from cx_plugins.plan._devices import Device, detect_device, lookup_device
-from cx_plugins.plan._measure import Measured
-from cx_plugins.plan._memory_model import memory_model
-from cx_plugins.plan._model_spec import ModelShape, shape_from_config
-from cx_plugins.plan._planner import MemoryModel
-from cx_plugins.plan._report import MemoryVerdict, PlanReport, PlanRow
 
 _GPT = ["--model", "gpt", "--hidden-size", "32", "--num-layers", "2", "--seq-len", "32"]
 
@@ -83,7 +83,7 @@ def test_cx_plan_json_with_measure_carries_the_measurements(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--json no longer returns before --measure runs: the JSON plan gains a 'measured' list (the measurement is
-    stubbed here; test_plugins_plan_measure runs a real one)."""
+    stubbed here; test_plan_measure runs a real one)."""
     asked: list[int] = []
 
     def fake_measure(

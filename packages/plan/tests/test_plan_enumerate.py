@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from cx_plan._candidate import Candidate
+from cx_plan._enumerate import NoLayoutError, SearchSpace, enumerate_candidates
+from cx_plan._report import row_label
+from cx_plan.trace._model_spec import ModelShape, ParameterCounts, shape_from_config
 from cx_plugins.models import GPTConfig
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._enumerate import NoLayoutError, SearchSpace, enumerate_candidates
-from cx_plugins.plan._model_spec import ModelShape, ParameterCounts, shape_from_config
-from cx_plugins.plan._report import row_label
 
 _SEQ = 32
 _GPT = GPTConfig(vocab_size=64, max_positions=33, hidden_size=32, num_layers=2, num_heads=2)

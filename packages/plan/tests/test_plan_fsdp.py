@@ -1,7 +1,8 @@
-"""Per-block FSDP in cx-plan and cx-train: the Candidate's `fsdp_wrap`, its memory arithmetic (the root unit and the
-two largest blocks gathered, the root re-gathered when the backward starts, the root's reduce-scatter last), the
-decoder-layer wrap policy, the ranking's preference for it, and cx-train's `--plugin torch_fsdp` sharding each layer.
-The measured check (llama dp 2, within 10 %) is a case of test_plugins_plan_memory.py.
+"""Per-block FSDP in cx-plan: the Candidate's `fsdp_wrap`, its memory arithmetic (the root unit and the two largest
+blocks gathered, the root re-gathered when the backward starts, the root's reduce-scatter last), the decoder-layer
+wrap policy and the classes it finds, and the ranking's preference for it. cx-train's `--plugin torch_fsdp` sharding
+each layer is tested with cx-train (test_train_plan_agreement.py); the measured check (llama dp 2, within 10 %) is a
+case of test_plan_memory.py.
 """
 
 from __future__ import annotations
@@ -11,20 +12,14 @@ import dataclasses
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from cx_mesh.testing import run_distributed
-from cx_plugins import ModelWrapper
-from cx_plugins.demo._models import build_model, describe_model
-from cx_plugins.demo._options import parse_options
-from cx_plugins.demo._plugins import make_plugin
+from cx_plan import Candidate, build_model, load_model_shape
+from cx_plan._report import constructor_call, rank_rows, train_command
+from cx_plan.memory._memory import predict_memory_from_traces
+from cx_plan.trace._activations import ActivationTrace
+from cx_plan.trace._model_spec import ParameterCounts
 from cx_plugins.fsdp import block_classes, block_wrap_policy
 from cx_plugins.models import GPT, GPTConfig
-from cx_plugins.plan import Candidate, load_model_shape
-from cx_plugins.plan._activations import ActivationTrace
-from cx_plugins.plan._memory import predict_memory_from_traces
-from cx_plugins.plan._model_spec import ParameterCounts
-from cx_plugins.plan._report import constructor_call, rank_rows, train_command
 
 # a synthetic model: root unit 100 parameters (embeddings, norm, head), blocks of 300, 500 and 400
 _COUNTS = ParameterCounts(1300, 100, 90, (300, 500, 400), (0, 0, 0), 0, False)
@@ -89,16 +84,16 @@ def test_block_wrap_policy_finds_the_decoder_layers() -> None:
     assert block_wrap_policy(gpt)(module=gpt.blocks[0], recurse=False, nonwrapped_numel=1)
     assert not block_wrap_policy(gpt)(module=gpt.lm_head, recurse=False, nonwrapped_numel=1)
     with torch.device("meta"):
-        llama = build_model(describe_model(parse_options(["--model", "llama"], world_size=1).model_spec), seed=0)
+        llama = build_model(load_model_shape("llama"))
     assert [cls.__name__ for cls in block_classes(llama)] == ["LlamaDecoderLayer"]
     with pytest.raises(ValueError, match=r"no nn\.ModuleList of decoder layers"):
         block_classes(nn.Linear(2, 2))
 
 
 def test_plan_offers_both_ranks_per_block_first_on_ties_and_names_the_layer_class() -> None:
-    from cx_plugins.plan import SearchSpace, plan
-    from cx_plugins.plan._devices import lookup_device
-    from cx_plugins.plan._planner import traced_memory_model
+    from cx_plan import SearchSpace, plan
+    from cx_plan._devices import lookup_device
+    from cx_plan._planner import traced_memory_model
 
     shape = load_model_shape("llama", hidden_size=64, num_layers=2, seq_len=32)
     device = lookup_device("cpu")
@@ -112,19 +107,3 @@ def test_plan_offers_both_ranks_per_block_first_on_ties_and_names_the_layer_clas
     same = [dataclasses.replace(by_wrap[wrap], step=by_wrap["block"].step, memory=by_wrap["block"].memory)
             for wrap in ("model", "block")]  # fmt: skip
     assert [r.candidate.fsdp_wrap for r in rank_rows(same)] == ["block", "model"]
-
-
-def _cx_train_shards_each_layer(rank: int, world_size: int) -> None:
-    options = parse_options(["--model", "llama", "--plugin", "torch_fsdp", "--nproc", "1"], world_size=world_size)
-    model = build_model(describe_model(options.model_spec), seed=0)
-    plugin, _ = make_plugin(options, model)
-    boosted, *_ = plugin.configure(model, torch.optim.AdamW(model.parameters()))
-    assert isinstance(boosted, ModelWrapper)
-    layers = [m for m in boosted.unwrap().modules() if type(m).__name__.startswith("FSDPLlamaDecoderLayer")]
-    assert len(layers) == options.num_layers > 1
-    assert all(isinstance(layer, FSDPModule) for layer in layers)
-
-
-def test_cx_train_torch_fsdp_shards_each_decoder_layer() -> None:
-    outcomes = run_distributed(_cx_train_shards_each_layer, 1)
-    assert all(o.ok for o in outcomes.values()), [o.error for o in outcomes.values()]

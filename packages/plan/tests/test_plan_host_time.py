@@ -8,16 +8,17 @@ import dataclasses
 
 import pytest
 
+from cx_plan import load_model_shape
+from cx_plan._candidate import Candidate
+from cx_plan._devices import lookup_device
+from cx_plan.measure._agreement import Agreement, Timing, agreement, timing
+from cx_plan.measure._measure import measure_candidate
+from cx_plan.step_time._host_time import OpCounts, host_time, plugin_ops_per_tensor, plugin_tensor_s
+from cx_plan.step_time._step_time import predict_step_time
+from cx_plan.trace import _op_counts
+from cx_plan.trace._activations import trace_stage
+from cx_plan.trace._model_spec import ModelShape, shape_from_config
 from cx_plugins.models import GPTConfig
-from cx_plugins.plan import _op_counts, load_model_shape
-from cx_plugins.plan._activations import trace_stage
-from cx_plugins.plan._agreement import Agreement, Timing, agreement, timing
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._devices import lookup_device
-from cx_plugins.plan._host_time import OpCounts, host_time, plugin_ops_per_tensor, plugin_tensor_s
-from cx_plugins.plan._measure import measure_candidate
-from cx_plugins.plan._model_spec import ModelShape, shape_from_config
-from cx_plugins.plan._step_time import predict_step_time
 
 _SEQ = 16
 _TINY = shape_from_config("gpt", GPTConfig(vocab_size=64, max_positions=17, hidden_size=32, num_layers=2, num_heads=4))

@@ -10,10 +10,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from cx_plugins.plan import load_model_shape
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._cli import main
-from cx_plugins.plan._measure import LiveBytes, measure_candidate
+from cx_plan import load_model_shape
+from cx_plan._candidate import Candidate
+from cx_plan._cli import main
+from cx_plan.measure._measure import LiveBytes, measure_candidate
 
 
 def test_live_bytes_counts_each_storage_once_until_it_is_freed() -> None:

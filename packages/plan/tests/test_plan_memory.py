@@ -1,6 +1,6 @@
 """The planner's memory model against measurement on this CPU: the predicted peak tensor bytes per rank (model
 states by the plugin's sharding + the FakeTensor trace of one micro-batch under the real policy) against the peak of
-live tensor storages during a real training step (`cx_plugins.plan._measure.measure_rank`, what `cx-plan --measure`
+live tensor storages during a real training step (`cx_plan.measure._measure.measure_rank`, what `cx-plan --measure`
 runs: cx-train's plugin and step), plus the fits boundary.
 
 Tolerance, 10% (the issue's bar): the trace sees the same ops, shapes and policies as the run, so what is left is
@@ -22,12 +22,12 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from cx_mesh.testing import run_distributed
-from cx_plugins.plan import Candidate, load_model_shape
-from cx_plugins.plan._activations import ActivationTrace, PlanTraceError, _plugin, _trace_exact, stage_rank, trace_stage
-from cx_plugins.plan._fits import fits
-from cx_plugins.plan._measure import measure_rank
-from cx_plugins.plan._memory import predict_memory, predict_memory_from_traces
-from cx_plugins.plan._memory_model import memory_model
+from cx_plan import Candidate, load_model_shape
+from cx_plan.measure._measure import measure_rank
+from cx_plan.memory._fits import fits
+from cx_plan.memory._memory import predict_memory, predict_memory_from_traces
+from cx_plan.memory._memory_model import memory_model
+from cx_plan.trace._activations import ActivationTrace, PlanTraceError, _plugin, _trace_exact, stage_rank, trace_stage
 
 HIDDEN, LAYERS, SEQ = 64, 2, 32
 _TOLERANCE = 0.10

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from cx_plan._candidate import Candidate
+from cx_plan._devices import Link, Network, default_network, lookup_device, lookup_link, parse_memory
+from cx_plan.step_time._comm_volume import step_collectives
+from cx_plan.step_time._step_time import flops_per_token, predict_step_time
+from cx_plan.trace._model_spec import ModelShape, ParameterCounts, shape_from_config
 from cx_plugins.models import GPT, GPTConfig
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._comm_volume import step_collectives
-from cx_plugins.plan._devices import Link, Network, default_network, lookup_device, lookup_link, parse_memory
-from cx_plugins.plan._model_spec import ModelShape, ParameterCounts, shape_from_config
-from cx_plugins.plan._step_time import flops_per_token, predict_step_time
 
 _CONFIG = GPTConfig(vocab_size=256, max_positions=33, hidden_size=64, num_layers=2, num_heads=4)
 _SEQ = 32

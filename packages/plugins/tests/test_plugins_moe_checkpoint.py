@@ -10,7 +10,7 @@ their own aux loss, the mean of the ranks' losses), so a resumed run must match 
 absolute bound of `tiny_model_adam_tolerance`: AdamW runs at TEST_ADAM_EPS, so its step is a smooth function of
 the gradient and layouts differ by rounding alone), and the saved Adam moments by name; pipeline stages x experts
 through the plugin. Then the clear errors: a checkpoint of another expert count refused by name for the model and
-the optimizer; and `cx-train --plugin moe_hybrid --ep 2`.
+the optimizer. (`cx-train --plugin moe_hybrid --ep 2` is tested with cx-train: test_train_moe_checkpoint.py.)
 
 The bit-for-bit round trips (bf16 / fp16 with fp32 masters across ep sizes; pipeline stages x experts on a
 test-local composition) are in test_plugins_moe_checkpoint_bitwise.py; the models, the rows, the tolerances and
@@ -20,9 +20,6 @@ test-local composition) are in test_plugins_moe_checkpoint_bitwise.py; the model
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,49 +305,3 @@ def test_plugins_moe_checkpoint_unequal_state_is_named(rank: int, world_size: in
         booster.save_optimizer(optimizer, tmp_path / "optimizer", shard=True)
     dist.barrier()
     assert not (tmp_path / "optimizer").exists()
-
-
-# ---- cx-train ------------------------------------------------------------------------------------------------------
-DEMO = ["--batch-size", "2", "--seq-len", "16", "--lr", "1e-2", "--hidden-size", "32", "--log-every", "100"]
-MOE_DEMO = ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2"]
-
-
-@distributed(world_size=2)
-def test_plugins_moe_checkpoint_demo_resumes_exactly(rank: int, world_size: int, tmp_path: Path) -> None:
-    """`cx-train --plugin moe_hybrid --ep 2`: 2 steps saved + 2 resumed give the losses of 4 straight steps, resumed
-    at ep 2, at ep 1 and under GeminiPlugin (the same two data-parallel ranks each time)."""
-    from cx_plugins.demo import parse_options
-    from cx_plugins.demo._train import run
-
-    checkpoint = str(tmp_path / "ckpt")
-    straight = run(parse_options([*DEMO, *MOE_DEMO, "--steps", "4"]))
-    first = run(parse_options([*DEMO, *MOE_DEMO, "--steps", "2", "--save", checkpoint]))
-    rest = run(parse_options([*DEMO, *MOE_DEMO, "--steps", "4", "--resume", checkpoint]))
-    ep1 = ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "1"]
-    rest_ep1 = run(parse_options([*DEMO, *ep1, "--steps", "4", "--resume", checkpoint]))
-    gemini = ["--model", "mixtral", "--plugin", "gemini"]
-    rest_gemini = run(parse_options([*DEMO, *gemini, "--steps", "4", "--resume", checkpoint]))
-    for resumed in (rest, rest_ep1, rest_gemini):
-        assert (len(first), len(resumed)) == (2, 2)
-        torch.testing.assert_close(torch.tensor(first + resumed), torch.tensor(straight), rtol=RTOL, atol=RTOL / 10)
-
-
-def test_plugins_moe_checkpoint_demo_command_line(tmp_path: Path) -> None:
-    """The command line itself: `--save` and then `--resume` with --ep 2 (refused before MoE checkpoints existed);
-    the saved model folder loads with MixtralForCausalLM."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1"}
-    checkpoint = tmp_path / "ckpt"
-
-    def cx_train(*flags: str) -> str:
-        command = [sys.executable, "-m", "cx_plugins.demo", *DEMO, *MOE_DEMO, *flags]
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-        return result.stdout
-
-    assert f"saved step 2 to {checkpoint}" in cx_train("--steps", "2", "--save", str(checkpoint))
-    assert f"resumed from {checkpoint} at step 2" in cx_train("--steps", "3", "--resume", str(checkpoint))
-    _, info = transformers.MixtralForCausalLM.from_pretrained(
-        str(checkpoint / "model"), local_files_only=True, output_loading_info=True
-    )
-    assert not info["missing_keys"], info
-    assert not info["unexpected_keys"], info

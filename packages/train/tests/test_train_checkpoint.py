@@ -12,9 +12,9 @@ import torch
 from cx_checkpoint import GeneralCheckpointIO
 from cx_mesh.testing import distributed
 from cx_plugins import Booster
-from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_checkpoint
 from cx_plugins.models import GPT
-from plugins_test_helpers import CONFIG, boosted, data, train
+from cx_train.checkpoint._checkpointing import TrainerState, load_checkpoint, save_checkpoint
+from train_test_helpers import CONFIG, boosted, data, train
 
 
 class _Killed(BaseException):
@@ -23,7 +23,7 @@ class _Killed(BaseException):
 
 @distributed(world_size=2)
 @pytest.mark.parametrize("interrupt_at", ["after_model", "after_optimizer"])
-def test_plugins_demo_checkpoint_interrupted_between_parts_keeps_previous(
+def test_train_checkpoint_interrupted_between_parts_keeps_previous(
     rank: int, world_size: int, tmp_path: Path, interrupt_at: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     booster, plain, model, optimizer = boosted("torch_ddp")

@@ -9,12 +9,12 @@ import torch
 
 from cx_checkpoint import CHECKSUMS_FILE, VerifyOutcome, verify_checkpoints
 from cx_mesh.testing import distributed
-from cx_plugins.demo._checkpointing import TrainerState, save_checkpoint
-from plugins_test_helpers import boosted, data, train
+from cx_train.checkpoint._checkpointing import TrainerState, save_checkpoint
+from train_test_helpers import boosted, data, train
 
 
 @distributed(world_size=2)
-def test_plugins_demo_checkpoint_trainer_json_is_verified(rank: int, world_size: int, tmp_path: Path) -> None:
+def test_train_checkpoint_trainer_json_is_verified(rank: int, world_size: int, tmp_path: Path) -> None:
     booster, _, model, optimizer = boosted("torch_ddp")
     train(rank, world_size, booster, model, optimizer, data(1))
     directory = tmp_path / "ckpt"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cx_plugins.demo import main, parse_options
-from cx_plugins.demo._dry_run import layout_rows
+from cx_train import main, parse_options
+from cx_train._dry_run import layout_rows
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -17,7 +17,7 @@ def _write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_plugins_demo_config_file_sets_flags_and_the_command_line_wins(tmp_path: Path) -> None:
+def test_train_config_file_sets_flags_and_the_command_line_wins(tmp_path: Path) -> None:
     config = _write(
         tmp_path,
         'plugin = "torch_ddp"\nsteps = 30\nbatch-size = 4\nlr_schedule = "cosine"\nwarmup-steps = 3\n'
@@ -31,7 +31,7 @@ def test_plugins_demo_config_file_sets_flags_and_the_command_line_wins(tmp_path:
     assert parse_options(["--steps", "40", "--config", str(config)]).steps == 40  # wherever --config stands
 
 
-def test_plugins_demo_config_file_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_config_file_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for text, message in [
         ("warmup = 5\n", "unknown key 'warmup' (the closest flag is --warmup-steps)"),
         ("batch = 5\n", "unknown key 'batch' (the closest flag is --batch-size)"),
@@ -51,7 +51,7 @@ def test_plugins_demo_config_file_refusals(tmp_path: Path, capsys: pytest.Captur
     assert "no such file" in capsys.readouterr().err
 
 
-def test_plugins_demo_dry_run_prints_the_layout_and_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_dry_run_prints_the_layout_and_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = _write(tmp_path, 'plugin = "hybrid"\nnproc = 8\ntp = 2\npp = 2\nzero = 1\n')
     assert main(["--config", str(config), "--dry-run", "--steps", "7"]) == 0
     out = capsys.readouterr().out
@@ -62,12 +62,12 @@ def test_plugins_demo_dry_run_prints_the_layout_and_figures(tmp_path: Path, caps
     assert "#   rank 0: dp=0 pp=0 tp=0 sp=0" in out
     assert "#   rank 5: dp=1 pp=0 tp=1 sp=0" in out  # (dp, pp, tp, sp) row-major: 5 = 1*4 + 0*2 + 1
     assert "#   rank 7: dp=1 pp=1 tp=1 sp=0" in out
-    # the figures are the planner's (tested in test_plugins_plan_dry_run.py)
+    # the figures are the planner's (tested in test_train_dry_run.py)
     assert "# memory per rank (cx-plan, fp32, busiest pipeline stage" in out
     assert "optimizer states" in out
 
 
-def test_plugins_demo_dry_run_shows_the_dense_dp_rank_under_moe_hybrid(capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_dry_run_shows_the_dense_dp_rank_under_moe_hybrid(capsys: pytest.CaptureFixture[str]) -> None:
     # tp 2, ep 2 on 4 ranks: one moe_dp group, but the two ep coordinates train on different data, so the dense
     # parameters' data-parallel rank is (moe_dp, ep) row-major (the plugin's dp_size = moe_dp x ep = 2)
     argv = ["--plugin", "moe_hybrid", "--model", "mixtral", "--nproc", "4", "--tp", "2", "--ep", "2", "--dry-run"]
@@ -84,11 +84,11 @@ def test_plugins_demo_dry_run_shows_the_dense_dp_rank_under_moe_hybrid(capsys: p
     assert len(set(dense)) == options.data_parallel_size(8)
 
 
-def test_plugins_demo_config_file_lists_and_the_resolved_config_round_trip(tmp_path: Path) -> None:
+def test_train_config_file_lists_and_the_resolved_config_round_trip(tmp_path: Path) -> None:
     import tomllib
 
-    from cx_plugins.demo._config_file import expand_config, resolved_toml
-    from cx_plugins.demo._parser import build_parser
+    from cx_train.config._config_file import expand_config, resolved_toml
+    from cx_train.config._parser import build_parser
 
     config = _write(tmp_path, 'data = ["a.txt", "b/*.jsonl"]\nsteps = 5\n')
     tokens = expand_config(["--config", str(config), "--steps", "6"], build_parser())

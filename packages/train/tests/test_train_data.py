@@ -1,5 +1,5 @@
 """cx-train --data: formats, the token cache, the world-size independent order, bad-data errors (each naming the file
-and line or row) and evaluation; the training runs are in test_plugins_demo_data_training.py."""
+and line or row) and evaluation; the training runs are in test_train_data_training.py."""
 
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ from typing import Any
 import pytest
 import torch
 
-from cx_plugins.demo import parse_options
-from cx_plugins.demo._data_order import DataPosition, WindowOrder
-from cx_plugins.demo._text_sources import DataError, resolve_data_paths
-from cx_plugins.demo._text_tokenizers import ByteTokenizer, HFStreamTokenizer, data_tokenizer
-from cx_plugins.demo._token_cache import CACHE_FOLDER, token_stream
-from cx_plugins.demo._user_data import DataSettings, open_user_data
-from data_test_helpers import tiny_llama_folder, write_jsonl, write_text
+from cx_train import parse_options
+from cx_train.data._order import DataPosition, WindowOrder
+from cx_train.data._text_sources import DataError, resolve_data_paths
+from cx_train.data._token_cache import CACHE_FOLDER, token_stream
+from cx_train.data._tokenizers import ByteTokenizer, HFStreamTokenizer, data_tokenizer
+from cx_train.data._user_data import DataSettings, open_user_data
+from train_data_helpers import tiny_llama_folder, write_jsonl, write_text
 
 
 def _stream(paths: list[Path], **kwargs: object) -> list[int]:
     return token_stream(paths, ByteTokenizer(), **kwargs).tokens.tolist()  # type: ignore[arg-type]
 
 
-def test_plugins_demo_data_text_and_jsonl_documents_are_joined_with_eos(tmp_path: Path) -> None:
+def test_train_data_text_and_jsonl_documents_are_joined_with_eos(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("ab\ncd\n")
     (tmp_path / "b.jsonl").write_text('{"text": "x"}\n\n{"text": "yz", "id": 3}\n')
     (tmp_path / "c.jsonl").write_text('{"body": "q"}\n')
@@ -35,7 +35,7 @@ def test_plugins_demo_data_text_and_jsonl_documents_are_joined_with_eos(tmp_path
     assert token_stream([tmp_path / "c.jsonl"], ByteTokenizer(), "body").tokens.tolist() == [*b"q", eos]
 
 
-def test_plugins_demo_data_cache_is_reused_and_keyed_by_the_files(tmp_path: Path) -> None:
+def test_train_data_cache_is_reused_and_keyed_by_the_files(tmp_path: Path) -> None:
     data = write_text(tmp_path / "corpus.txt", 3000)
     first = token_stream([data], ByteTokenizer())
     assert not first.reused
@@ -53,17 +53,17 @@ def test_plugins_demo_data_cache_is_reused_and_keyed_by_the_files(tmp_path: Path
     assert not token_stream([data], ByteTokenizer(), "other_field").reused  # the settings are part of the key
 
 
-def test_plugins_demo_data_cache_goes_to_the_cache_dir_when_the_data_folder_is_read_only(
+def test_train_data_cache_goes_to_the_cache_dir_when_the_data_folder_is_read_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data = write_text(tmp_path / "corpus.txt", 500)
-    monkeypatch.setattr("cx_plugins.demo._token_cache.os.access", lambda path, mode: False)
+    monkeypatch.setattr("cx_train.data._token_cache.os.access", lambda path, mode: False)
     stream = token_stream([data], ByteTokenizer(), cache_root=tmp_path / "cache")
     assert stream.path.parent == tmp_path / "cache"
 
 
-def test_plugins_demo_data_workers_give_the_same_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("cx_plugins.demo._token_cache._BATCH_CHARS", 500)  # several batches
+def test_train_data_workers_give_the_same_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("cx_train.data._token_cache._BATCH_CHARS", 500)  # several batches
     data = write_jsonl(tmp_path / "docs.jsonl", 40)
     one = token_stream([data], ByteTokenizer(), cache_root=None, workers=1).tokens.clone()
     (tmp_path / CACHE_FOLDER).rename(tmp_path / "old")
@@ -72,7 +72,7 @@ def test_plugins_demo_data_workers_give_the_same_stream(tmp_path: Path, monkeypa
     assert torch.equal(one, two.tokens)
 
 
-def test_plugins_demo_data_hf_tokenizer_stream(tmp_path: Path) -> None:
+def test_train_data_hf_tokenizer_stream(tmp_path: Path) -> None:
     folder = tiny_llama_folder(tmp_path / "llama")
     data = write_jsonl(tmp_path / "docs.jsonl", 3)
     tokenizer = data_tokenizer(str(folder), is_folder=True)
@@ -85,7 +85,7 @@ def test_plugins_demo_data_hf_tokenizer_stream(tmp_path: Path) -> None:
     assert tokenizer.eos_id == 1
 
 
-def test_plugins_demo_data_order_is_independent_of_the_data_parallel_size() -> None:
+def test_train_data_order_is_independent_of_the_data_parallel_size() -> None:
     """A global batch of 8 windows split over 1, 2 or 4 ranks: the same windows per step, and the same windows after
     resuming from a position; each epoch visits every window at most once."""
     orders = {dp: WindowOrder(50, 8, seed=3) for dp in (1, 2, 4)}
@@ -118,13 +118,13 @@ def test_plugins_demo_data_order_is_independent_of_the_data_parallel_size() -> N
         ("nothing.jsonl", '{"text": "a"}\n{"text": ""}\n', "nothing.jsonl:line 2: the document is empty or only"),
     ],
 )
-def test_plugins_demo_data_bad_data_names_file_and_line(tmp_path: Path, name: str, content: str, message: str) -> None:
+def test_train_data_bad_data_names_file_and_line(tmp_path: Path, name: str, content: str, message: str) -> None:
     (tmp_path / name).write_text(content)
     with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")):
         token_stream([tmp_path / name], ByteTokenizer())
 
 
-def test_plugins_demo_data_document_of_only_special_tokens(tmp_path: Path) -> None:
+def test_train_data_document_of_only_special_tokens(tmp_path: Path) -> None:
     tokenizer = data_tokenizer(str(tiny_llama_folder(tmp_path / "llama")), is_folder=True)
     data = tmp_path / "special.jsonl"
     data.write_text('{"text": "the cat sees the moon"}\n{"text": "</s> </s>"}\n')
@@ -132,7 +132,7 @@ def test_plugins_demo_data_document_of_only_special_tokens(tmp_path: Path) -> No
         token_stream([data], tokenizer)
 
 
-def test_plugins_demo_data_missing_paths_and_short_corpus(tmp_path: Path) -> None:
+def test_train_data_missing_paths_and_short_corpus(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"--data .*nothing\*\.txt: the pattern matches no file"):
         resolve_data_paths([str(tmp_path / "nothing*.txt")])
     with pytest.raises(DataError, match=r"--data .*missing.txt: no such file"):
@@ -146,7 +146,7 @@ def test_plugins_demo_data_missing_paths_and_short_corpus(tmp_path: Path) -> Non
         open_user_data(DataSettings((str(short),)), "gpt", False, 17)
 
 
-def test_plugins_demo_data_parquet(tmp_path: Path) -> None:
+def test_train_data_parquet(tmp_path: Path) -> None:
     pyarrow = pytest.importorskip("pyarrow")
     parquet = pytest.importorskip("pyarrow.parquet")
     parquet.write_table(pyarrow.table({"text": ["ab", "c"], "n": [1, 2]}), str(tmp_path / "a.parquet"))
@@ -159,7 +159,7 @@ def test_plugins_demo_data_parquet(tmp_path: Path) -> None:
         token_stream([tmp_path / "c.parquet"], ByteTokenizer())
 
 
-def test_plugins_demo_data_saved_dataset(tmp_path: Path) -> None:
+def test_train_data_saved_dataset(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"text": ["ab", "c"]}).save_to_disk(str(tmp_path / "saved"))
     paths = resolve_data_paths([str(tmp_path / "saved")])
@@ -169,7 +169,7 @@ def test_plugins_demo_data_saved_dataset(tmp_path: Path) -> None:
         token_stream(resolve_data_paths([str(tmp_path / "other")]), ByteTokenizer())
 
 
-def test_plugins_demo_data_eval_fraction_holds_out_the_last_windows(tmp_path: Path) -> None:
+def test_train_data_eval_fraction_holds_out_the_last_windows(tmp_path: Path) -> None:
     data = write_text(tmp_path / "corpus.txt", 16 * 20 - 1)  # + EOS: exactly 20 windows of 16
     user = open_user_data(DataSettings((str(data),), eval_fraction=0.1), "gpt", False, 16)
     assert len(user.train) == 18
@@ -179,9 +179,7 @@ def test_plugins_demo_data_eval_fraction_holds_out_the_last_windows(tmp_path: Pa
     assert torch.equal(user.evaluation.batch(torch.tensor([1])), whole[19 * 16 :].view(1, 16).long())
 
 
-def test_plugins_demo_data_refused_before_any_process_starts(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_train_data_refused_before_any_process_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = write_text(tmp_path / "corpus.txt", 16 * 20 - 1)  # 20 windows of 16 tokens
     (tmp_path / "field.jsonl").write_text('{"body": "x"}\n')
     for argv, message in [
@@ -202,7 +200,7 @@ def _open_together(data: str, start: Any, reused: Any) -> None:
     reused.put(token_stream([Path(data)], ByteTokenizer()).reused)
 
 
-def test_plugins_demo_data_processes_starting_together_tokenise_once(tmp_path: Path) -> None:
+def test_train_data_processes_starting_together_tokenise_once(tmp_path: Path) -> None:
     """Ranks under an outside torchrun open the cache at the same moment: one tokenises, the others reuse its cache."""
     data = write_jsonl(tmp_path / "docs.jsonl", 3000)
     context = multiprocessing.get_context("spawn")

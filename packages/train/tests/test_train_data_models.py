@@ -10,10 +10,10 @@ import math
 from pathlib import Path
 
 from cx_mesh.testing import run_distributed
-from cx_plugins.demo import parse_options
-from cx_plugins.demo._metrics_file import read_metrics
-from cx_plugins.demo._train import run
-from data_test_helpers import TINY_GPT, assert_same_weights, tiny_llama_folder, write_jsonl, write_text
+from cx_train import parse_options
+from cx_train._train import run
+from cx_train.metrics._metrics_file import read_metrics
+from train_data_helpers import TINY_GPT, assert_same_weights, tiny_llama_folder, write_jsonl, write_text
 
 
 def _train(rank: int, world_size: int, flags: list[str], out: str) -> None:
@@ -45,7 +45,7 @@ def _whole_and_resumed(tmp_path: Path, world_size: int, flags: list[str], stop: 
     return whole
 
 
-def test_plugins_demo_data_mixtral_learns_resumes_and_reports_experts(tmp_path: Path) -> None:
+def test_train_data_mixtral_learns_resumes_and_reports_experts(tmp_path: Path) -> None:
     data = write_text(tmp_path / "a.txt", 2000, seed=4)
     metrics = tmp_path / "metrics.jsonl"
     flags = [*TINY_GPT, "--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2", "--nproc", "2"]
@@ -64,7 +64,7 @@ def test_plugins_demo_data_mixtral_learns_resumes_and_reports_experts(tmp_path: 
         assert 1 <= record["expert_balance"] <= 2, record
 
 
-def test_plugins_demo_data_llama_folder_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+def test_train_data_llama_folder_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
     folder = tiny_llama_folder(tmp_path / "llama")
     data = write_jsonl(tmp_path / "docs.jsonl", 60, seed=5)
     flags = ["--model", str(folder), "--data", str(data), "--seq-len", "32", "--batch-size", "2", "--lr", "3e-3"]

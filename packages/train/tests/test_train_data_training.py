@@ -15,18 +15,18 @@ from unittest.mock import patch
 import pytest
 import torch
 
-import cx_plugins.demo._train as train_module
+import cx_train._train as train_module
 from cx_mesh.testing import run_distributed, sum_tolerance
-from cx_plugins.demo import parse_options
-from cx_plugins.demo._evaluation import evaluate
-from cx_plugins.demo._models import build_model, describe_model
-from cx_plugins.demo._optimization import micro_step
-from cx_plugins.demo._plugins import make_plugin
-from cx_plugins.demo._text_sources import DataError
-from cx_plugins.demo._train import run
-from cx_plugins.demo._user_data import open_user_data
-from cx_plugins.demo._user_loader import open_loader
-from data_test_helpers import TINY_GPT, assert_same_weights, tiny_llama_folder, write_jsonl, write_text
+from cx_train import parse_options
+from cx_train._train import run
+from cx_train.data._text_sources import DataError
+from cx_train.data._user_data import open_user_data
+from cx_train.data._user_loader import open_loader
+from cx_train.models._plugins import make_plugin
+from cx_train.models._spec import build_model, describe_model
+from cx_train.step._evaluation import evaluate
+from cx_train.step._optimization import micro_step
+from train_data_helpers import TINY_GPT, assert_same_weights, tiny_llama_folder, write_jsonl, write_text
 
 
 def _train(rank: int, world_size: int, flags: list[str], out: str, batches: str | None = None) -> None:
@@ -62,7 +62,7 @@ def _losses(path: Path) -> list[float]:
     return [float(v) for v in json.loads(path.read_text())]
 
 
-def test_plugins_demo_data_resume_mid_epoch_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+def test_train_data_resume_mid_epoch_equals_the_uninterrupted_run(tmp_path: Path) -> None:
     write_text(tmp_path / "a.txt", 600, seed=1)  # 601 + 5 x 121 tokens: 70 windows of 17, 7 held out for eval
     write_jsonl(tmp_path / "b.jsonl", 5, seed=2)
     data = ["--data", str(tmp_path / "*.txt"), str(tmp_path / "b.jsonl"), "--eval-fraction", "0.1"]
@@ -99,7 +99,7 @@ def test_plugins_demo_data_resume_mid_epoch_equals_the_uninterrupted_run(tmp_pat
     run_distributed(_refused, 1, flags=[*resume, "--batch-size", "4"])
 
 
-def test_plugins_demo_data_llama_folder_with_its_tokenizer(tmp_path: Path) -> None:
+def test_train_data_llama_folder_with_its_tokenizer(tmp_path: Path) -> None:
     folder = tiny_llama_folder(tmp_path / "llama")
     data = write_jsonl(tmp_path / "docs.jsonl", 200, seed=3)
     flags = ["--model", str(folder), "--data", str(data), "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3"]
@@ -132,7 +132,7 @@ def _evaluate_exactly(rank: int, world_size: int, data: str) -> None:
     assert (result.step, result.windows) == (7, 3)
 
 
-def test_plugins_demo_data_evaluation_is_the_mean_over_the_fixed_set(tmp_path: Path) -> None:
+def test_train_data_evaluation_is_the_mean_over_the_fixed_set(tmp_path: Path) -> None:
     data = tmp_path / "corpus.txt"
     data.write_text("abcdefghijklmnopqrstuvwxyz0123456789" * 7 + "?" * 3)  # 255 + EOS: 15 windows of 17, 3 held out
     parse_options([*TINY_GPT, "--data", str(data), "--eval-fraction", "0.2", "--batch-size", "4"], world_size=2)
@@ -156,7 +156,7 @@ def _replica_batches(rank: int, world_size: int, flags: list[str]) -> None:
         assert torch.equal(batches[other], first) == (int(dp_ranks[other]) == dp_rank), (other, dp_ranks)
 
 
-def test_plugins_demo_data_is_sharded_by_data_parallel_rank_only(tmp_path: Path) -> None:
+def test_train_data_is_sharded_by_data_parallel_rank_only(tmp_path: Path) -> None:
     data = write_text(tmp_path / "a.txt", 2000)
     flags = ["--model", "llama", "--plugin", "hybrid", "--tp", "2", "--nproc", "4", "--hidden-size", "32"]
     flags += ["--seq-len", "16", "--batch-size", "2", "--data", str(data)]
@@ -169,7 +169,7 @@ def _refused_as(rank: int, world_size: int, flags: list[str], message: str) -> N
         run(parse_options(flags, world_size=world_size))
 
 
-def test_plugins_demo_data_refuses_an_embedded_text_checkpoint_for_bytes(tmp_path: Path) -> None:
+def test_train_data_refuses_an_embedded_text_checkpoint_for_bytes(tmp_path: Path) -> None:
     """The GPT trained on the grammar's character ids cannot continue on UTF-8 bytes (another vocabulary): a clear
     error instead of a shape mismatch deep in the checkpoint loader."""
     ckpt = tmp_path / "ckpt"

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from cx_plugins.demo import main
-from cx_plugins.demo._dry_run import plan_candidate
-from cx_plugins.demo._options import parse_options
-from cx_plugins.plan import Candidate, load_model_shape
-from cx_plugins.plan._devices import detect_device, memory_per_rank
-from cx_plugins.plan._fits import format_bytes
-from cx_plugins.plan._memory_model import memory_model
-from cx_plugins.plan._step_time import predict_step_time
+from cx_plan import (
+    Candidate,
+    detect_device,
+    format_bytes,
+    load_model_shape,
+    memory_model,
+    memory_per_rank,
+    predict_step_time,
+)
+from cx_train import main
+from cx_train.config._options import parse_options
+from cx_train.models._plugins import plan_candidate
 
 
 def test_cx_train_flags_become_the_planners_candidate() -> None:

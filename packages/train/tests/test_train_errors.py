@@ -1,6 +1,6 @@
 """cx-train's errors a user can read: bad numbers, damaged trainer.json, unusable --save / --resume paths, pipeline
 sizes that really work, --help that shows every default, and a damaged checkpoint refused before any process starts.
-(Ctrl-C is in test_plugins_demo_interrupt.py.)"""
+(Ctrl-C is in test_train_interrupt.py.)"""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from cx_mesh.testing import run_distributed
-from cx_plugins.demo import main, parse_options
-from cx_plugins.demo._cli import _verified
-from cx_plugins.demo._parser import build_parser
-from cx_plugins.demo._train import run
+from cx_train import main, parse_options
+from cx_train._cli import _verified
+from cx_train._train import run
+from cx_train.config._parser import build_parser
 
 TINY = ["--nproc", "1", "--plugin", "torch_ddp", "--batch-size", "2", "--seq-len", "16", "--hidden-size", "32"]
 
@@ -42,13 +42,13 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--save-every", "1.5"], "argument --save-every: must be an integer, got '1.5'"),
     ],
 )
-def test_plugins_demo_errors_numbers(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_errors_numbers(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     error = _refused(argv, capsys)
     assert message in error
     assert "expected one argument" not in error
 
 
-def test_plugins_demo_errors_negative_numbers_still_parse_where_allowed() -> None:
+def test_train_errors_negative_numbers_still_parse_where_allowed() -> None:
     assert parse_options(["--seed", "-5", "--lr", "2e-3"]).seed == -5
     assert parse_options(["--lr", "2e-3"]).lr == 2e-3
 
@@ -76,7 +76,7 @@ _VALID = json.dumps(
         ("[5]", "expected a JSON object, got list"),
     ],
 )
-def test_plugins_demo_errors_damaged_trainer_json_names_the_file(
+def test_train_errors_damaged_trainer_json_names_the_file(
     tmp_path: Path, content: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     folder = _checkpoint_folder(tmp_path, content)
@@ -85,16 +85,14 @@ def test_plugins_demo_errors_damaged_trainer_json_names_the_file(
     assert message in error
 
 
-def test_plugins_demo_errors_resume_of_a_missing_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_errors_resume_of_a_missing_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     error = _refused(["--resume", str(tmp_path / "nowhere")], capsys)
     assert f"--resume {tmp_path / 'nowhere'}: no such directory" in error
     assert "trainer.json" not in error
 
 
 @pytest.mark.parametrize("steps", ["5", "3"])
-def test_plugins_demo_errors_resume_at_or_past_steps(
-    tmp_path: Path, steps: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_train_errors_resume_at_or_past_steps(tmp_path: Path, steps: str, capsys: pytest.CaptureFixture[str]) -> None:
     """It exited 0 having trained and saved nothing; now it is refused (exit 2) saying why."""
     folder = _checkpoint_folder(tmp_path, _VALID)
     error = _refused([*TINY, "--resume", str(folder), "--steps", steps], capsys)
@@ -103,9 +101,7 @@ def test_plugins_demo_errors_resume_at_or_past_steps(
     assert parse_options([*TINY, "--resume", str(folder), "--steps", "6"]).steps == 6
 
 
-def test_plugins_demo_errors_save_path_checked_before_training(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_train_errors_save_path_checked_before_training(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a_file = tmp_path / "file"
     a_file.write_text("")
     assert "exists and is not a directory" in _refused(["--save", str(a_file)], capsys)
@@ -114,7 +110,7 @@ def test_plugins_demo_errors_save_path_checked_before_training(
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write in any directory")
-def test_plugins_demo_errors_save_in_a_read_only_parent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_errors_save_in_a_read_only_parent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
@@ -138,7 +134,7 @@ def _suggested_pp(error: str) -> list[str]:
         ["--pp", "4", "--num-layers", "6", "--nproc", "4"],
     ],
 )
-def test_plugins_demo_errors_pipeline_suggestions_work(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_errors_pipeline_suggestions_work(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """Every suggested --pp parses with the same flags (it used to suggest the failing value, and 1)."""
     flags = ["--plugin", "hybrid", *argv]
     error = _refused(flags, capsys)
@@ -154,7 +150,7 @@ def test_plugins_demo_errors_pipeline_suggestions_work(argv: list[str], capsys: 
         assert parse_options([*flags, "--num-layers", "4"]).pp == 2
 
 
-def test_plugins_demo_errors_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_errors_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         main(["--help"])
     assert caught.value.code == 0
@@ -193,7 +189,7 @@ def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def test_plugins_demo_errors_resume_verifies_the_checkpoint(
+def test_train_errors_resume_verifies_the_checkpoint(
     saved_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A flipped bit in a shard loaded without a word; now the launcher refuses it before starting any process,

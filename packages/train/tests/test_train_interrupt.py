@@ -18,10 +18,10 @@ from cx_checkpoint import VerifyOutcome, verify_checkpoints
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="process groups and SIGINT are POSIX")
-def test_plugins_demo_interrupt_stops_every_rank_with_one_line(tmp_path: Path) -> None:
+def test_train_interrupt_stops_every_rank_with_one_line(tmp_path: Path) -> None:
     save = tmp_path / "ckpt"
     command = [
-        sys.executable, "-m", "cx_plugins.demo", "--nproc", "2", "--plugin", "torch_ddp", "--steps", "100000",
+        sys.executable, "-m", "cx_train", "--nproc", "2", "--plugin", "torch_ddp", "--steps", "100000",
         "--batch-size", "2", "--seq-len", "16", "--hidden-size", "32", "--log-every", "1",
         "--save", str(save), "--save-every", "1",  # a save every step: the interrupt most likely lands in one
     ]  # fmt: skip

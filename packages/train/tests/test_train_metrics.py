@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from cx_mesh.testing import distributed, run_distributed
-from cx_plugins.demo import parse_options
-from cx_plugins.demo._cli import main
-from cx_plugins.demo._log_record import LogRecord
-from cx_plugins.demo._memory import MemorySample
-from cx_plugins.demo._metrics_file import read_metrics
-from cx_plugins.demo._mfu import active_parameters, peak_flops
-from cx_plugins.demo._plot import plot_metrics
-from cx_plugins.demo._progress import Progress
-from cx_plugins.demo._train import run
-from data_test_helpers import TINY_GPT, write_text
+from cx_train import parse_options
+from cx_train._cli import main
+from cx_train._train import run
+from cx_train.metrics._log_record import LogRecord
+from cx_train.metrics._memory import MemorySample
+from cx_train.metrics._metrics_file import read_metrics
+from cx_train.metrics._mfu import active_parameters, peak_flops
+from cx_train.metrics._plot import plot_metrics
+from cx_train.metrics._progress import Progress
+from train_data_helpers import TINY_GPT, write_text
 
 TINY = ["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--hidden-size", "32", "--log-every", "2"]
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "elapsed_s", "memory_kind", "memory_bytes"}
@@ -43,7 +43,7 @@ def _run(*flags: str) -> str:
 
 
 @distributed(world_size=2)
-def test_plugins_demo_metrics_file_lines_and_resume(rank: int, world_size: int, tmp_path: Path) -> None:
+def test_train_metrics_file_lines_and_resume(rank: int, world_size: int, tmp_path: Path) -> None:
     """Two ranks, 4 steps logged every 2: two lines with every key, memory of both ranks, the progress line's fields;
     a run stopped after an unsaved step 6 (its line written, then a torn line) and resumed from the step-4 checkpoint
     keeps steps 2 and 4 and writes 6 once."""
@@ -74,7 +74,7 @@ def test_plugins_demo_metrics_file_lines_and_resume(rank: int, world_size: int, 
 
 
 @distributed(world_size=2)
-def test_plugins_demo_metrics_grad_norm_is_global(rank: int, world_size: int, tmp_path: Path) -> None:
+def test_train_metrics_grad_norm_is_global(rank: int, world_size: int, tmp_path: Path) -> None:
     """The logged norm is over every rank's gradients: ZeRO (each rank holds half of them) logs DDP's norm. The
     plugins reduce the same numbers in another order: fp32 sums of a few thousand terms agree to ~1e-6 relative."""
     norms = {}
@@ -89,7 +89,7 @@ def test_plugins_demo_metrics_grad_norm_is_global(rank: int, world_size: int, tm
 
 
 @distributed(world_size=2)
-def test_plugins_demo_metrics_grad_norm_before_clipping(rank: int, world_size: int, tmp_path: Path) -> None:
+def test_train_metrics_grad_norm_before_clipping(rank: int, world_size: int, tmp_path: Path) -> None:
     """With --clip the logged norm is the clipping's own measurement, before it scales: step 1 (the same weights and
     batch with or without clipping) logs the same norm, far above the bound; the run without --clip measures it."""
     norms = []
@@ -103,7 +103,7 @@ def test_plugins_demo_metrics_grad_norm_before_clipping(rank: int, world_size: i
         assert abs(norms[0] - norms[1]) <= 1e-6 * norms[0], norms  # the same computation on the same gradients
 
 
-def test_plugins_demo_metrics_progress_line_fields() -> None:
+def test_train_metrics_progress_line_fields() -> None:
     """The line names what its memory is (RSS on the CPU, allocated / reserved on CUDA) and shows MFU when known."""
     cpu = MemorySample("rss", [3 * 2**20, 5 * 2**20], None)
     record = LogRecord(
@@ -126,7 +126,7 @@ def test_plugins_demo_metrics_progress_line_fields() -> None:
     assert moe.json()["eval_loss"] == 2.75
 
 
-def test_plugins_demo_metrics_peak_flops_table(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_metrics_peak_flops_table(monkeypatch: pytest.MonkeyPatch) -> None:
     assert peak_flops(torch.device("cpu"), "bf16") is None
     for name, peak in [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
                        ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 4090", None)]:  # fmt: skip
@@ -135,7 +135,7 @@ def test_plugins_demo_metrics_peak_flops_table(monkeypatch: pytest.MonkeyPatch) 
     assert peak_flops(torch.device("cuda", 0), "fp32") is None  # the bf16 peak would understate fp32 badly
 
 
-def test_plugins_demo_metrics_active_parameters_of_experts() -> None:
+def test_train_metrics_active_parameters_of_experts() -> None:
     """A routed expert counts top_k / experts of its parameters, a shared expert and the rest fully."""
     model = torch.nn.ModuleDict(
         {
@@ -157,7 +157,7 @@ def _write_metrics(path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_plugins_demo_metrics_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_metrics_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     _write_metrics(tmp_path / "m.jsonl")
     written = plot_metrics(tmp_path / "m.jsonl")
@@ -167,7 +167,7 @@ def test_plugins_demo_metrics_plot(tmp_path: Path, capsys: pytest.CaptureFixture
     assert (tmp_path / "out" / "x.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_plugins_demo_metrics_plot_without_matplotlib(
+def test_train_metrics_plot_without_matplotlib(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`cx-train plot` is a subcommand ahead of the training flags; without matplotlib it says how to install it."""
@@ -176,32 +176,32 @@ def test_plugins_demo_metrics_plot_without_matplotlib(
     with pytest.raises(SystemExit) as stopped:
         main(["plot", str(tmp_path / "m.jsonl")])
     assert stopped.value.code == 1
-    assert "pip install 'cx-plugins[plot]'" in capsys.readouterr().err
+    assert "pip install 'cx-train[plot]'" in capsys.readouterr().err
     assert not (tmp_path / "m.png").exists()
 
 
-def test_plugins_demo_metrics_tensorboard_missing_is_refused(
+def test_train_metrics_tensorboard_missing_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(SystemExit) as stopped:
         parse_options([*TINY, "--tensorboard", str(tmp_path / "tb")])
     assert stopped.value.code == 2
-    assert "pip install 'cx-plugins[tensorboard]'" in capsys.readouterr().err
+    assert "pip install 'cx-train[tensorboard]'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_options([*TINY, "--metrics", str(tmp_path)])  # a directory
     assert "is a directory" in capsys.readouterr().err
 
 
 @distributed(world_size=2)
-def test_plugins_demo_metrics_tensorboard_events(rank: int, world_size: int, tmp_path: Path) -> None:
+def test_train_metrics_tensorboard_events(rank: int, world_size: int, tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     _run("--tensorboard", str(tmp_path / "tb"))
     if rank == 0:
         assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no event file"
 
 
-def test_plugins_demo_metrics_eval_loss_reaches_the_next_log_step() -> None:
+def test_train_metrics_eval_loss_reaches_the_next_log_step() -> None:
     """An evaluation between log steps is reported once, by the next log step, with the step it ran at."""
     progress = Progress(10, torch.device("cpu"))
     memory = MemorySample("rss", [1], None)
@@ -216,7 +216,7 @@ def _train(rank: int, world_size: int, flags: list[str]) -> None:
     run(parse_options(flags, world_size=world_size))
 
 
-def test_plugins_demo_metrics_eval_loss_of_user_data(tmp_path: Path) -> None:
+def test_train_metrics_eval_loss_of_user_data(tmp_path: Path) -> None:
     """`--eval-every 2` on `--data`: every logged step carries the evaluation that ran at it (it runs first)."""
     data, metrics = write_text(tmp_path / "a.txt", 3000), tmp_path / "m.jsonl"
     flags = [*TINY_GPT, "--data", str(data), "--eval-fraction", "0.1", "--eval-every", "2", "--log-every", "2"]

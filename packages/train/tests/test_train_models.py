@@ -21,13 +21,12 @@ import torch.distributed as dist
 
 import cx_plugins
 from cx_mesh.testing import distributed
-from cx_plugins.demo import DemoOptions, GrammarText, parse_options
-from cx_plugins.demo import _plugins as demo_plugins
-from cx_plugins.demo._data import CharTokenizer
-from cx_plugins.demo._models import ModelError, ModelSpec, build_model, describe_model
-from cx_plugins.demo._plugins import hybrid_arguments, make_plugin
-from cx_plugins.demo._progress import expert_counts
-from cx_plugins.demo._train import run
+from cx_train import GrammarText, TrainOptions, parse_options
+from cx_train._train import run
+from cx_train.data._grammar import CharTokenizer
+from cx_train.metrics._progress import expert_counts
+from cx_train.models._plugins import plan_candidate
+from cx_train.models._spec import ModelError, ModelSpec, build_model, describe_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,7 +35,7 @@ SMALL = ["--hidden-size", "32"]  # for the built-in models (a folder brings its 
 RTOL = 1e-4
 
 
-def _options(*flags: str) -> DemoOptions:
+def _options(*flags: str) -> TrainOptions:
     return parse_options([*TINY, "--log-every", "100", *flags])
 
 
@@ -58,7 +57,7 @@ def _assert_same_losses(losses: list[float], expected: list[float], what: str) -
         ("deepseek_v3", "low_level_zero"),
     ],
 )
-def test_plugins_demo_models_preset_trains_as_under_ddp(rank: int, world_size: int, model: str, plugin: str) -> None:
+def test_train_models_preset_trains_as_under_ddp(rank: int, world_size: int, model: str, plugin: str) -> None:
     reference = run(_options(*SMALL, "--model", model, "--plugin", "torch_ddp"))  # same seed: weights and batches
     losses = run(_options(*SMALL, "--model", model, "--plugin", plugin))
     _assert_same_losses(losses, reference, f"{model} under {plugin}")
@@ -84,9 +83,7 @@ def _model_folder(folder: Path, vocab_size: int = 96, with_tokenizer: bool = Tru
 
 
 @distributed(world_size=2)
-def test_plugins_demo_models_folder_trains_saves_and_resumes_exactly(
-    rank: int, world_size: int, tmp_path: Path
-) -> None:
+def test_train_models_folder_trains_saves_and_resumes_exactly(rank: int, world_size: int, tmp_path: Path) -> None:
     source, checkpoint = tmp_path / "llama", tmp_path / "ckpt"
     if rank == 0:
         _model_folder(source)
@@ -110,7 +107,7 @@ def test_plugins_demo_models_folder_trains_saves_and_resumes_exactly(
     assert any(not torch.equal(p, trained[n]) for n, p in original.named_parameters()), "the weights did not train"
 
 
-def test_plugins_demo_models_folder_without_tokenizer_uses_the_character_encoding(tmp_path: Path) -> None:
+def test_train_models_folder_without_tokenizer_uses_the_character_encoding(tmp_path: Path) -> None:
     """A folder with weights and config only: the demo's own character encoding feeds it (its vocabulary of 96 holds
     every id), and the windows it trains on are those ids."""
     _model_folder(tmp_path / "llama", with_tokenizer=False)
@@ -120,7 +117,7 @@ def test_plugins_demo_models_folder_without_tokenizer_uses_the_character_encodin
     assert options.model_spec.is_folder
 
 
-def test_plugins_demo_models_config_file_trains_from_fresh_weights(tmp_path: Path) -> None:
+def test_train_models_config_file_trains_from_fresh_weights(tmp_path: Path) -> None:
     """`--model path/to/any.json` (what cx-plan reads and prints back in its cx-train command): the architecture from
     the file, fresh seeded weights (the same on every rank and run), the demo's character encoding."""
     config = transformers.LlamaConfig(
@@ -142,7 +139,7 @@ def test_plugins_demo_models_config_file_trains_from_fresh_weights(tmp_path: Pat
         describe_model(ModelSpec(str(tmp_path / "not_json.json"), 0, 0, 16))
 
 
-def test_plugins_demo_models_expert_counts() -> None:
+def test_train_models_expert_counts() -> None:
     layer0 = torch.tensor([[5.0, 1.0, 0.0], [0.0, 5.0, 1.0], [4.0, 0.0, 3.0]])  # top-2: {0,1} {1,2} {0,2}
     layer1 = torch.tensor([[1.0, 0.0, 0.0], [2.0, 0.0, 1.0], [0.0, 3.0, 0.0]])  # top-1: 0, 0, 1
     assert torch.equal(expert_counts([layer0], 2), torch.tensor([[2.0, 2.0, 2.0]], dtype=torch.float64))
@@ -160,7 +157,7 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().err
 
 
-def test_plugins_demo_models_refuses_bad_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_models_refuses_bad_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "--model nope: neither a built-in model" in _refused(["--model", "nope"], capsys)
     (tmp_path / "empty").mkdir()
     assert "no config.json there" in _refused(["--model", str(tmp_path / "empty")], capsys)
@@ -189,9 +186,7 @@ def test_plugins_demo_models_refuses_bad_models(tmp_path: Path, capsys: pytest.C
     assert "multiple of 8 for --model llama" in _refused(["--model", "llama", "--hidden-size", "36"], capsys)
 
 
-def test_plugins_demo_models_parallel_flags(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_train_models_parallel_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.delattr(cx_plugins, "HybridParallelPlugin", raising=False)
     monkeypatch.delattr(cx_plugins, "MoeHybridParallelPlugin", raising=False)
     assert "HybridParallelPlugin is not available yet" in _refused(["--plugin", "hybrid"], capsys)
@@ -201,9 +196,8 @@ def test_plugins_demo_models_parallel_flags(
     assert "--zero applies to --plugin hybrid" in _refused(["--plugin", "torch_ddp", "--zero", "1"], capsys)
     error = _refused(["--plugin", "low_level_zero", "--zero", "0"], capsys)
     assert "--zero 0 is not a LowLevelZero stage: --plugin low_level_zero runs --zero 1 or 2" in error
-    monkeypatch.setattr(demo_plugins, "LowLevelZeroPlugin", dict)  # its arguments, without a process group
-    llz = ["--plugin", "low_level_zero", "--nproc", "2"]
-    arguments: list[object] = [make_plugin(parse_options(flags))[0] for flags in ([*llz, "--zero", "1"], llz)]
+    llz = ["--plugin", "low_level_zero", "--nproc", "2"]  # the plugin's arguments, without a process group
+    arguments: list[object] = [_arguments(parse_options(flags)) for flags in ([*llz, "--zero", "1"], llz)]
     assert arguments == [{"stage": 1, "precision": "fp32"}, {"stage": 2, "precision": "fp32"}]
 
     monkeypatch.setattr(cx_plugins, "HybridParallelPlugin", _FakePlugin, raising=False)
@@ -228,24 +222,24 @@ def test_plugins_demo_models_parallel_flags(
     error = _refused([*moe, "--model", "deepseek_v3", "--pp", "2", "--nproc", "2"], capsys)
     assert "--pp with a DeepSeek-V3 model is not supported by cx yet" in error
     options = parse_options([*moe, "--model", "qwen3_moe", "--nproc", "4", "--sp", "2", "--ep", "2"])
-    assert hybrid_arguments(options)["sp_size"] == 2
-    assert hybrid_arguments(options)["ep_size"] == 2
+    assert _arguments(options)["sp_size"] == 2
+    assert _arguments(options)["ep_size"] == 2
     options = parse_options([*moe, "--model", "mixtral", "--nproc", "8", "--tp", "2", "--pp", "2", "--ep", "2"])
-    assert hybrid_arguments(replace(options, zero=1)) == {
+    assert _arguments(replace(options, zero=1)) == {
         "tp_size": 2, "pp_size": 2, "ep_size": 2, "zero_stage": 1, "precision": "fp32", "pp_style": "1f1b",
         "num_model_chunks": 1, "num_microbatches": 2,
     }  # fmt: skip
     options = parse_options([*hybrid, "--nproc", "2", "--sp", "2"])
-    assert hybrid_arguments(options)["sp_size"] == 2
-    assert hybrid_arguments(options)["sequence_parallelism_mode"] == "all_to_all"
+    assert _arguments(options)["sp_size"] == 2
+    assert _arguments(options)["sequence_parallelism_mode"] == "all_to_all"
 
 
-def test_plugins_demo_models_mixtral_end_to_end(tmp_path: Path) -> None:
+def test_train_models_mixtral_end_to_end(tmp_path: Path) -> None:
     """The command line itself: the MoE numbers on the progress line, and a checkpoint Mixtral loads."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1"}
     flags = [*TINY, *SMALL, "--model", "mixtral", "--log-every", "5", "--save", str(tmp_path / "ckpt")]
     result = subprocess.run(
-        [sys.executable, "-m", "cx_plugins.demo", *flags], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "cx_train", *flags], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "model=mixtral (MixtralForCausalLM) plugin=gemini ranks=2" in result.stdout
@@ -258,13 +252,13 @@ def test_plugins_demo_models_mixtral_end_to_end(tmp_path: Path) -> None:
     assert not info["unexpected_keys"], info
 
 
-def test_plugins_demo_models_moe_hybrid_end_to_end() -> None:
+def test_train_models_moe_hybrid_end_to_end() -> None:
     """`cx-train --model mixtral --plugin moe_hybrid --ep 2`: experts split over two processes, the MoE numbers on the
     progress line, the loss falls (its checkpoints: test_plugins_moe_checkpoint.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1"}
     flags = ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2", "--steps", "30", "--log-every", "10"]
     result = subprocess.run(
-        [sys.executable, "-m", "cx_plugins.demo", *flags], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "cx_train", *flags], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "plugin=moe_hybrid ranks=2" in result.stdout
@@ -287,7 +281,7 @@ def _progress_numbers(*flags: str) -> list[tuple[float, ...]]:
 
 
 @distributed(world_size=2)
-def test_plugins_demo_models_moe_numbers_under_pipeline_and_sequence_parallelism(rank: int, world_size: int) -> None:
+def test_train_models_moe_numbers_under_pipeline_and_sequence_parallelism(rank: int, world_size: int) -> None:
     """`--pp` reports the aux loss and expert balance from the last stage, and `--sp` trains on the same windows:
     both print the numbers of tensor parallelism (dp 1 everywhere, so the same batches; windows of 16 tokens)."""
     base = [*SMALL, "--model", "mixtral", "--plugin", "moe_hybrid", "--log-every", "1", "--steps", "3"]
@@ -302,3 +296,8 @@ def test_plugins_demo_models_moe_numbers_under_pipeline_and_sequence_parallelism
         assert len(numbers) == len(reference), f"{name}: {numbers}"
         for step, (got, want) in enumerate(zip(numbers, reference, strict=True)):
             assert all(abs(g - w) <= 2e-3 for g, w in zip(got, want, strict=True)), f"{name} step {step}: {got} {want}"
+
+
+def _arguments(options: TrainOptions) -> dict[str, object]:
+    """The plugin constructor's arguments for the flags: their candidate's (what make_plugin passes)."""
+    return plan_candidate(options, options.nproc).plugin_arguments()

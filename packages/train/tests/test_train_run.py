@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cx_plugins.demo import CharTokenizer, GrammarText, TokenWindows, parse_options
+from cx_train import CharTokenizer, GrammarText, TokenWindows, parse_options
 
 
-def test_plugins_demo_data_is_deterministic_and_round_trips() -> None:
+def test_train_data_is_deterministic_and_round_trips() -> None:
     text = GrammarText(seed=3).generate(500)
     assert text == GrammarText(seed=3).generate(500)
     assert text != GrammarText(seed=4).generate(500)
@@ -27,7 +27,7 @@ def test_plugins_demo_data_is_deterministic_and_round_trips() -> None:
     assert torch.equal(windows[3], TokenWindows(n_windows=10, length=17)[3])
 
 
-def test_plugins_demo_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, message in [
         (["--nproc", "0"], "must be a positive integer"),
         (["--plugin", "nope"], "invalid choice: 'nope'"),
@@ -42,7 +42,7 @@ def test_plugins_demo_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> N
 
 def _cx_train(*flags: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    command = [sys.executable, "-m", "cx_plugins.demo", "--log-every", "20", *flags]
+    command = [sys.executable, "-m", "cx_train", "--log-every", "20", *flags]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout
@@ -54,7 +54,7 @@ def _loss_change(output: str) -> tuple[float, float]:
     return float(match.group(1)), float(match.group(2))
 
 
-def test_plugins_demo_trains_saves_and_resumes_under_another_plugin_and_world_size(tmp_path: Path) -> None:
+def test_train_trains_saves_and_resumes_under_another_plugin_and_world_size(tmp_path: Path) -> None:
     first_run = _cx_train("--steps", "60", "--save", str(tmp_path / "ckpt"), "--save-every", "40")
     assert "ranks=2" in first_run
     assert "step 60/60" in first_run
@@ -77,13 +77,13 @@ def test_plugins_demo_trains_saves_and_resumes_under_another_plugin_and_world_si
     assert resumed_start < start - 0.5, "the resumed run must start from the trained weights, not from scratch"
 
 
-def test_plugins_demo_refuses_an_incomplete_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_refuses_an_incomplete_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_options(["--resume", str(tmp_path)])
     assert "not a complete cx-train checkpoint" in capsys.readouterr().err
 
 
-def test_plugins_demo_hybrid_trains_saves_and_resumes_at_another_layout(tmp_path: Path) -> None:
+def test_train_hybrid_trains_saves_and_resumes_at_another_layout(tmp_path: Path) -> None:
     """`cx-train --plugin hybrid` at tp 2 saves a checkpoint (TP shards gathered); pipeline parallelism at pp 2 (its
     loss reported from the last stage) resumes from it and keeps training; the loss falls."""
     first = _cx_train("--plugin", "hybrid", "--steps", "60", "--tp", "2", "--save", str(tmp_path / "ckpt"))
@@ -98,7 +98,7 @@ def test_plugins_demo_hybrid_trains_saves_and_resumes_at_another_layout(tmp_path
     assert resumed_start < start - 0.5, "the resumed run must start from the trained weights, not from scratch"
 
 
-def test_plugins_demo_hybrid_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_hybrid_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, message in (
         (["--tp", "2"], "--tp applies to --plugin hybrid or moe_hybrid only"),
         (["--plugin", "hybrid", "--tp", "3"], "2 processes do not split into tp 3 x pp 1 x sp 1 = 3"),

@@ -18,18 +18,23 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from cx_plan import (
+    Candidate,
+    Device,
+    ModelShape,
+    SearchSpace,
+    Verdict,
+    enumerate_candidates,
+    load_model_shape,
+    main,
+    measure_candidate,
+    predict_memory,
+    trace_stage,
+    train_command,
+)
 from cx_plugins import SelectiveOpPolicy, enable_activation_checkpointing
-from cx_plugins.demo._models import ModelSpec, build_model, describe_model
-from cx_plugins.demo._options import parse_options
-from cx_plugins.plan import Candidate, load_model_shape, predict_memory
-from cx_plugins.plan._activations import trace_stage
-from cx_plugins.plan._cli import main
-from cx_plugins.plan._devices import Device
-from cx_plugins.plan._enumerate import SearchSpace, enumerate_candidates
-from cx_plugins.plan._fits import Verdict
-from cx_plugins.plan._measure import measure_candidate
-from cx_plugins.plan._model_spec import ModelShape
-from cx_plugins.plan._report import train_command
+from cx_train.config._options import parse_options
+from cx_train.models._spec import ModelSpec, build_model, describe_model
 
 HIDDEN, LAYERS, SEQ = 64, 2, 32
 _TOLERANCE = 0.10  # the bar for predicted against measured peaks

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from cx_mesh.testing import distributed, run_distributed
-from cx_plugins.demo import CharTokenizer, GrammarText, parse_options
-from cx_plugins.demo._train import run
-from data_test_helpers import write_text
+from cx_train import CharTokenizer, GrammarText, parse_options
+from cx_train._train import run
+from train_data_helpers import write_text
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,7 +27,7 @@ def _saved(folder: Path, name: str) -> dict[str, object]:
 
 
 @distributed(world_size=1)
-def test_plugins_demo_special_tokens_of_the_character_encoding(rank: int, world_size: int, tmp_path: Path) -> None:
+def test_train_special_tokens_of_the_character_encoding(rank: int, world_size: int, tmp_path: Path) -> None:
     run(parse_options([*TINY, "--model", "llama", "--hidden-size", "32", "--save", str(tmp_path / "ckpt")]))
     for name in ("config.json", "generation_config.json"):
         saved = _saved(tmp_path / "ckpt", name)
@@ -65,7 +65,7 @@ def _folder_with_eos(folder: Path) -> int:
 
 
 @distributed(world_size=1)
-def test_plugins_demo_special_tokens_of_a_folder_tokenizer(rank: int, world_size: int, tmp_path: Path) -> None:
+def test_train_special_tokens_of_a_folder_tokenizer(rank: int, world_size: int, tmp_path: Path) -> None:
     eos = _folder_with_eos(tmp_path / "llama")
     dist.barrier()
     run(parse_options([*TINY, "--model", str(tmp_path / "llama"), "--save", str(tmp_path / "ckpt")]))
@@ -80,7 +80,7 @@ def _train(rank: int, world_size: int, flags: list[str]) -> None:
     run(parse_options(flags, world_size=world_size))
 
 
-def test_plugins_demo_special_tokens_of_the_byte_encoding(tmp_path: Path) -> None:
+def test_train_special_tokens_of_the_byte_encoding(tmp_path: Path) -> None:
     """A preset trained on `--data` (UTF-8 bytes, documents ended by id 256) saves EOS 256."""
     data = write_text(tmp_path / "a.txt", 3000)
     flags = [*TINY, "--model", "llama", "--hidden-size", "32", "--data", str(data), "--save", str(tmp_path / "ckpt")]

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from cx_mesh import DEFAULT_TIMEOUT
-from cx_plugins.demo import _train, main, parse_options
+from cx_train import _train, main, parse_options
 
 
-def test_plugins_demo_timeout_parsed_with_the_default_shown(capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_timeout_parsed_with_the_default_shown(capsys: pytest.CaptureFixture[str]) -> None:
     assert parse_options([]).timeout == DEFAULT_TIMEOUT.total_seconds() == 600
     assert parse_options(["--timeout", "30"]).timeout == 30.0
     assert parse_options(["--timeout", "0.5"]).timeout == 0.5
@@ -28,7 +28,7 @@ def test_plugins_demo_timeout_parsed_with_the_default_shown(capsys: pytest.Captu
     assert "(default: 600.0)" in text[text.index("--timeout TIMEOUT seconds") :]
 
 
-def test_plugins_demo_timeout_is_the_launch_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_timeout_is_the_launch_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     launched: dict[str, Any] = {}
     monkeypatch.setattr(_train, "launch_from_torch", lambda **kwargs: launched.update(kwargs))
     monkeypatch.setattr(_train, "run", lambda options: [])

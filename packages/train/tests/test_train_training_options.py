@@ -12,14 +12,20 @@ import torch
 import torch.distributed as dist
 
 from cx_mesh.testing import TEST_ADAM_EPS, distributed, sum_tolerance, tiny_model_adam_tolerance
-from cx_plugins import Booster, LowLevelZeroPlugin
-from cx_plugins.demo import parse_options
-from cx_plugins.demo._checkpointing import CONFIG_FILE, SCHEDULER_FILE, TrainerState, load_checkpoint, save_checkpoint
-from cx_plugins.demo._optimization import accumulated_step, make_optimizer, make_scheduler, prepare_model
-from cx_plugins.demo._parser import build_parser
-from cx_plugins.demo._plugins import hybrid_arguments
+from cx_plugins import Booster, LowLevelZeroPlugin, accumulated_step
 from cx_plugins.models import GPT
-from plugins_test_helpers import CONFIG, make_plugin
+from cx_train import parse_options
+from cx_train.checkpoint._checkpointing import (
+    CONFIG_FILE,
+    SCHEDULER_FILE,
+    TrainerState,
+    load_checkpoint,
+    save_checkpoint,
+)
+from cx_train.config._parser import build_parser
+from cx_train.models._plugins import plan_candidate
+from cx_train.step._optimization import make_optimizer, make_scheduler, prepare_model
+from train_test_helpers import CONFIG, make_plugin
 
 LR = 1e-2
 
@@ -36,7 +42,7 @@ def _refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().err
 
 
-def test_plugins_demo_every_training_flag_shows_its_default() -> None:
+def test_train_every_training_flag_shows_its_default() -> None:
     text = " ".join(build_parser().format_help().split())
     for flag, default in [
         ("--lr-schedule", "constant"),
@@ -55,7 +61,7 @@ def test_plugins_demo_every_training_flag_shows_its_default() -> None:
         assert shown.startswith(f"(default: {default}"), (flag, shown[:80])
 
 
-def test_plugins_demo_training_flags_refused_where_they_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_training_flags_refused_where_they_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--compile is not supported with --plugin gemini" in _refusal(["--compile"], capsys)
     assert "gemini plugin does not support gradient accumulation" in _refusal(["--grad-accum", "2"], capsys)
     err = _refusal(["--plugin", "torch_ddp", "--activation-checkpointing"], capsys)
@@ -67,7 +73,7 @@ def test_plugins_demo_training_flags_refused_where_they_cannot_run(capsys: pytes
     assert (options.compile, options.grad_accum, options.clip) == (True, 3, 1.0)
 
 
-def test_plugins_demo_lr_schedules_follow_their_curves() -> None:
+def test_train_lr_schedules_follow_their_curves() -> None:
     def rates(schedule: str) -> list[float]:
         options = parse_options(["--steps", "10", "--warmup-steps", "2", "--lr-schedule", schedule])
         optimizer = make_optimizer(torch.nn.Linear(2, 2), options)
@@ -91,15 +97,15 @@ def test_plugins_demo_lr_schedules_follow_their_curves() -> None:
     assert cosine[-1] < 0.05 * lr
 
 
-def test_plugins_demo_weight_decay_reaches_adamw() -> None:
+def test_train_weight_decay_reaches_adamw() -> None:
     options = parse_options(["--weight-decay", "0.1"])
     assert make_optimizer(torch.nn.Linear(2, 2), options).param_groups[0]["weight_decay"] == 0.1
 
 
-def test_plugins_demo_activation_checkpointing_switches() -> None:
+def test_train_activation_checkpointing_switches() -> None:
     pytest.importorskip("transformers")
     options = parse_options(["--plugin", "torch_ddp", "--model", "llama", "--activation-checkpointing"])
-    from cx_plugins.demo._models import build_model, describe_model
+    from cx_train.models._spec import build_model, describe_model
 
     model = prepare_model(build_model(describe_model(options.model_spec), seed=0), options, is_hf=True)
     name = (
@@ -107,8 +113,7 @@ def test_plugins_demo_activation_checkpointing_switches() -> None:
     )
     assert getattr(model, name)
     hybrid = parse_options(["--plugin", "hybrid", "--model", "llama", "--activation-checkpointing", "--tp", "2"])
-    config = hybrid_arguments(hybrid)["gradient_checkpoint_config"]
-    assert config.gradient_checkpointing_ratio == 1.0
+    assert plan_candidate(hybrid, 2).checkpoint_ratio == 1.0  # make_plugin: every layer through ShardFormer
 
 
 def _plain(seed: int = 0) -> GPT:
@@ -117,7 +122,7 @@ def _plain(seed: int = 0) -> GPT:
 
 @distributed(world_size=2)
 @pytest.mark.parametrize("plugin", ["torch_ddp", "low_level_zero"])
-def test_plugins_demo_grad_accum_equals_the_larger_batch(rank: int, world_size: int, plugin: str) -> None:
+def test_train_grad_accum_equals_the_larger_batch(rank: int, world_size: int, plugin: str) -> None:
     """N micro-steps of batch b (no_sync on all but the last, loss / N) and one step of batch N*b: same losses, same
     parameters, within the rounding of summing the gradient in another order."""
     accumulate, micro, length, steps = 3, 2, CONFIG.max_positions, 3
@@ -154,7 +159,7 @@ def test_plugins_demo_grad_accum_equals_the_larger_batch(rank: int, world_size: 
 
 
 @distributed(world_size=2)
-def test_plugins_demo_clip_bounds_the_update(rank: int, world_size: int) -> None:
+def test_train_clip_bounds_the_update(rank: int, world_size: int) -> None:
     """With SGD the update is lr * the clipped gradient, so its norm is at most lr * --clip; the returned norm is the
     one before clipping (larger than the clip here)."""
     booster = Booster(plugin=make_plugin("torch_ddp"))
@@ -172,7 +177,7 @@ def test_plugins_demo_clip_bounds_the_update(rank: int, world_size: int) -> None
 
 
 @distributed(world_size=2)
-def test_plugins_demo_checkpoint_keeps_the_schedule_and_the_config(rank: int, world_size: int, tmp_path: Path) -> None:
+def test_train_checkpoint_keeps_the_schedule_and_the_config(rank: int, world_size: int, tmp_path: Path) -> None:
     """The resumed scheduler is where the saved one was, so the rates continue the same curve; the resolved config
     is saved beside it and reads back as a --config file."""
     argv = ["--plugin", "torch_ddp", "--steps", "10", "--warmup-steps", "2", "--lr-schedule", "cosine"]
@@ -192,7 +197,7 @@ def test_plugins_demo_checkpoint_keeps_the_schedule_and_the_config(rank: int, wo
     for _ in range(4):
         accumulated_step(booster, model, optimizer, [batch], _gpt_loss)  # type: ignore[arg-type]
         scheduler.step()
-    from cx_plugins.demo._config_file import resolved_toml
+    from cx_train.config._config_file import resolved_toml
 
     text = resolved_toml(dict(options.resolved))
     state = TrainerState(4, "torch_ddp", world_size)
@@ -215,7 +220,7 @@ def test_plugins_demo_checkpoint_keeps_the_schedule_and_the_config(rank: int, wo
     assert read_back == {k: v for k, v in options.resolved if k != "config"}
 
 
-def test_plugins_demo_compile_trains(tmp_path: Path) -> None:
+def test_train_compile_trains(tmp_path: Path) -> None:
     """--compile on the simplest plugin: torch.compile of the reference GPT on CPU, a few steps. Dynamo traces the
     boosted model either way; the aot_eager backend skips inductor's code generation (177 s of C++ compiles on 2
     busy cores), which is torch's to test, not cx's."""
@@ -228,14 +233,14 @@ def test_plugins_demo_compile_trains(tmp_path: Path) -> None:
     flags += ["--compile-backend", "aot_eager"]
     flags += ["--hidden-size", "32", "--num-layers", "1", "--seq-len", "16", "--batch-size", "2"]
     result = subprocess.run(
-        [sys.executable, "-m", "cx_plugins.demo", *flags], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "cx_train", *flags], env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert re.search(r"step 3/3 loss [0-9.]+", result.stdout), result.stdout
 
 
 @distributed(world_size=2)
-def test_plugins_demo_resume_continues_schedule_and_accumulation_exactly(
+def test_train_resume_continues_schedule_and_accumulation_exactly(
     rank: int, world_size: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run stopped at step 2 of 5 (cosine schedule with warm-up, 2 micro-batches a step) and resumed gives the
@@ -244,7 +249,7 @@ def test_plugins_demo_resume_continues_schedule_and_accumulation_exactly(
     the rate of step 3 by itself; a scheduler that restarted would show from step 5's loss on."""
     import shutil
 
-    from cx_plugins.demo import _train
+    from cx_train import _train
 
     flags = ["--plugin", "torch_ddp", "--hidden-size", "16", "--num-layers", "1", "--seq-len", "8"]
     flags += ["--batch-size", "2", "--grad-accum", "2", "--lr-schedule", "cosine", "--warmup-steps", "1"]

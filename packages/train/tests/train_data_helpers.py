@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from cx_plugins.demo import GrammarText
+from cx_train import GrammarText
 
 TINY_GPT = ["--hidden-size", "32", "--num-layers", "1", "--seq-len", "16", "--lr", "3e-3"]
 

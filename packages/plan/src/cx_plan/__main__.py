@@ -1,7 +1,7 @@
-"""`python -m cx_plugins.plan` is `cx-plan`."""
+"""`python -m cx_plan` is `cx-plan`."""
 
 import sys
 
-from cx_plugins.plan._cli import main
+from cx_plan._cli import main
 
 sys.exit(main())

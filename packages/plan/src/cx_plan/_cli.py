@@ -10,8 +10,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cx_plugins.plan._candidate import PIPELINE_STYLES, PLUGINS, PRECISIONS
-from cx_plugins.plan._devices import (
+from cx_plan._candidate import PIPELINE_STYLES, PLUGINS, PRECISIONS
+from cx_plan._devices import (
     DEVICES,
     LINKS,
     Device,
@@ -22,14 +22,14 @@ from cx_plugins.plan._devices import (
     lookup_link,
     parse_memory,
 )
-from cx_plugins.plan._enumerate import SearchSpace
-from cx_plugins.plan._model_spec import ModelShape, load_model_shape
-from cx_plugins.plan._planner import MemoryModel, plan, traced_memory_model
-from cx_plugins.plan._report import PlanRow, row_label
-from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION
+from cx_plan._enumerate import SearchSpace
+from cx_plan._planner import MemoryModel, plan, traced_memory_model
+from cx_plan._report import PlanRow, row_label
+from cx_plan.step_time._step_time import ACHIEVABLE_FRACTION
+from cx_plan.trace._model_spec import ModelShape, load_model_shape
 
 if TYPE_CHECKING:
-    from cx_plugins.plan._measure import Measured
+    from cx_plan.measure._measure import Measured
 
 __all__ = ["build_parser", "main"]
 
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
     if not args.measure:
         return json.dumps(report.as_json(), indent=1) if args.json else report.table(top=args.top)
     # plan/_measure.py spawns ranks, so it is imported only when asked for
-    from cx_plugins.plan._measure import measure_report, measure_table
+    from cx_plan.measure._measure import measure_report, measure_table
 
     rows, measured = measure_report(report, args.model, hidden=args.hidden_size, layers=args.num_layers,
                                     top=args.top, steps=args.steps)  # fmt: skip

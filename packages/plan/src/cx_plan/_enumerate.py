@@ -25,8 +25,8 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from cx_plugins.plan._candidate import PLUGINS, Candidate
-from cx_plugins.plan._model_spec import ModelShape
+from cx_plan._candidate import PLUGINS, Candidate
+from cx_plan.trace._model_spec import ModelShape
 
 __all__ = ["NoLayoutError", "SearchSpace", "enumerate_candidates"]
 

@@ -15,16 +15,16 @@ from collections.abc import Callable
 
 import torch
 
+from cx_plan._candidate import Candidate
+from cx_plan._devices import Device, Network
+from cx_plan._enumerate import SearchSpace, enumerate_candidates
+from cx_plan._report import MemoryVerdict, PlanReport, PlanRow, rank_rows
+from cx_plan.memory._fits import Verdict
+from cx_plan.memory._memory_model import memory_model
+from cx_plan.step_time._step_time import ACHIEVABLE_FRACTION, predict_step_time
+from cx_plan.trace._model_spec import ModelShape, build_model, train_flags
+from cx_plan.trace._op_counts import OpCounter, op_counter
 from cx_plugins.fsdp import block_classes
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._devices import Device, Network
-from cx_plugins.plan._enumerate import SearchSpace, enumerate_candidates
-from cx_plugins.plan._fits import Verdict
-from cx_plugins.plan._memory_model import memory_model
-from cx_plugins.plan._model_spec import ModelShape, build_model, train_flags
-from cx_plugins.plan._op_counts import OpCounter, op_counter
-from cx_plugins.plan._report import MemoryVerdict, PlanReport, PlanRow, rank_rows
-from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION, predict_step_time
 
 __all__ = ["MemoryModel", "judge", "plan", "traced_memory_model"]
 

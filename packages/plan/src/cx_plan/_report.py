@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._devices import Device
-from cx_plugins.plan._step_time import StepTime
+from cx_plan._candidate import Candidate
+from cx_plan._devices import Device
+from cx_plan.step_time._step_time import StepTime
 
 __all__ = ["MemoryVerdict", "PlanReport", "PlanRow", "constructor_call", "rank_rows", "row_label", "train_command"]
 

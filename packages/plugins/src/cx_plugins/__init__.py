@@ -7,16 +7,20 @@ Present: `Booster`, `Plugin`, `DPPluginBase`, `TorchDDPPlugin`, `TorchFSDPPlugin
 tensor-parallel slices), the wrappers (`EngineOptimizer`, the one boosted
 optimizer over any `OptimizerEngine`), `HybridCheckpointIO` with the faces it reads (`ParallelModelView`,
 `ParallelOptimizerView`) for models split by tensor and pipeline parallelism,
+`accumulated_step` (one optimizer step over micro-batches, communicating on the last),
 `enable_activation_checkpointing(model, "full" | "selective-op")` (torchtitan's op policy, `SelectiveOpPolicy`),
 reference models in `cx_plugins.models`, ColossalAI's learning-rate schedulers in `cx_plugins.lr_scheduler`; every
-plugin saves and loads the canonical cx checkpoint format. `__version__` is the installed distribution's version.
+plugin saves and loads the canonical cx checkpoint format. `ParallelLayout` (with `Axis`, `FILL`, `resolve_sizes`)
+is the one object that owns a plugin's mesh and its named axes. `__version__` is the installed distribution's version.
 """
 
 from importlib import metadata as _metadata
 
+from cx_plugins._accumulation import accumulated_step
 from cx_plugins._activation_checkpointing import SelectiveOpPolicy, enable_activation_checkpointing
 from cx_plugins._booster import Booster
 from cx_plugins._engine_optimizer import EngineOptimizer, OptimizerEngine
+from cx_plugins._layout import FILL, Axis, LayoutError, ParallelLayout, resolve_sizes
 from cx_plugins._plugin import DPPluginBase, Plugin
 from cx_plugins._precision import Precision
 from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
@@ -36,6 +40,12 @@ except _metadata.PackageNotFoundError:  # imported from a source tree that was n
 
 __all__ = [
     "__version__",
+    "accumulated_step",
+    "Axis",
+    "FILL",
+    "LayoutError",
+    "ParallelLayout",
+    "resolve_sizes",
     "Booster",
     "DPPluginBase",
     "EngineOptimizer",

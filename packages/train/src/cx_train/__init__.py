@@ -1,8 +1,15 @@
-"""The `cx-train` demo: a language model (cx's reference GPT, a tiny transformers preset or a local transformers
-model folder) trained on embedded text with any cx plugin on N local processes."""
+"""cx-train: the trainer. A language model (cx's reference GPT, a tiny transformers preset, a local transformers
+model folder or a bare config.json) trained on the embedded text or the user's own data with any cx plugin, on N
+local processes or several nodes, with evaluation, exact resume, config files and metrics.
 
-from cx_plugins.demo._cli import main
-from cx_plugins.demo._data import CharTokenizer, GrammarText, TextEncoder, TokenWindows
-from cx_plugins.demo._options import DemoOptions, parse_options
+Laid out by concern, like torchtitan's trainer: the entry point (`_cli.py`: launcher and rank) and the training loop
+(`_train.py`) at the top; `config/` (flags, config files, the validated `TrainOptions`), `data/`, `models/` (the
+model and its plugin), `step/` (optimizer, schedule, accumulation, evaluation), `checkpoint/`, `metrics/` (progress
+line, metrics file, TensorBoard, plots) in folders; `--dry-run` / `--plan` ask cx-plan (`_dry_run.py`).
+"""
 
-__all__ = ["CharTokenizer", "DemoOptions", "GrammarText", "TextEncoder", "TokenWindows", "main", "parse_options"]
+from cx_train._cli import main
+from cx_train.config._options import TrainOptions, parse_options
+from cx_train.data._grammar import CharTokenizer, GrammarText, TextEncoder, TokenWindows
+
+__all__ = ["CharTokenizer", "GrammarText", "TextEncoder", "TokenWindows", "TrainOptions", "main", "parse_options"]

@@ -1,7 +1,7 @@
-"""`python -m cx_plugins.demo` is `cx-train` (also the module torchrun runs on each rank)."""
+"""`python -m cx_train` is `cx-train` (also the module torchrun runs on each rank)."""
 
 import sys
 
-from cx_plugins.demo._cli import main
+from cx_train._cli import main
 
 sys.exit(main())

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import SignalException
 
 from cx_checkpoint import remove_stale_staging
-from cx_plugins.demo._dry_run import dry_run_report
-from cx_plugins.demo._options import DemoOptions, parse_options
-from cx_plugins.demo._plot import plot_main
-from cx_plugins.demo._verification import verification_problem
+from cx_train._dry_run import dry_run_report
+from cx_train.checkpoint._verification import verification_problem
+from cx_train.config._options import TrainOptions, parse_options
+from cx_train.metrics._plot import plot_main
 
 __all__ = ["main"]
 
@@ -34,8 +34,8 @@ INTERRUPTED = 128 + signal.SIGINT  # the shell's status of a process stopped by 
 
 
 def _run_rank(argv: Sequence[str], launched_here: bool) -> int:
-    from cx_plugins.demo._interrupt import Interrupted, install_stop_handler
-    from cx_plugins.demo._train import train
+    from cx_train._train import train
+    from cx_train.step._interrupt import Interrupted, install_stop_handler
 
     install_stop_handler()
     options = parse_options(argv, world_size=int(os.environ["WORLD_SIZE"]))  # the layout of the real world
@@ -63,7 +63,7 @@ def _run_rank(argv: Sequence[str], launched_here: bool) -> int:
     return 0
 
 
-def _verified(options: DemoOptions) -> bool:
+def _verified(options: TrainOptions) -> bool:
     """Verify a `--resume` checkpoint unless `--no-verify`; prints the problem and returns False when it fails."""
     if options.resume is None or not options.verify:
         return True
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--signals_to_handle",  # SIGINT is handled here (_stop_once), not by the agent's own handler
         "SIGTERM,SIGHUP,SIGQUIT",
         "-m",
-        "cx_plugins.demo",
+        "cx_train",
     ]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[_ARGS_VARIABLE] = json.dumps(arguments)

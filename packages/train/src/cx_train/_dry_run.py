@@ -6,26 +6,33 @@ prediction for this configuration. The layout is computed from the sizes, in the
 one data axis), ranks row-major over it as `ProcessGroupMesh` numbers them; no process group is made. The memory per
 rank (parameters, gradients, optimizer states, master weights, activations from a FakeTensor trace of the real model
 under the real policy, pipeline in-flight micro-batches, communication buffers, the peak) and the step time are the
-planner's (`cx_plugins.plan`), on this machine's device: one memory model for cx-plan and cx-train.
+planner's (`cx_plan`), on this machine's device: one memory model for cx-plan and cx-train.
 """
 
 from __future__ import annotations
 
 import itertools
 
-from cx_plugins._layout import FILL, Axis, resolve_sizes
-from cx_plugins.demo._config_file import resolved_toml
-from cx_plugins.demo._options import DemoOptions
-from cx_plugins.plan import Candidate, ModelShape, load_model_shape
-from cx_plugins.plan._devices import detect_device, memory_per_rank
-from cx_plugins.plan._fits import format_bytes
-from cx_plugins.plan._memory_model import memory_model
-from cx_plugins.plan._step_time import ACHIEVABLE_FRACTION, predict_step_time
+from cx_plan import (
+    ACHIEVABLE_FRACTION,
+    ModelShape,
+    detect_device,
+    format_bytes,
+    load_model_shape,
+    memory_model,
+    memory_per_rank,
+    predict_step_time,
+)
+from cx_plugins import FILL, Axis, resolve_sizes
+from cx_train.config._config_file import resolved_toml
+from cx_train.config._options import TrainOptions
+from cx_train.models._plugins import plan_candidate
+from cx_train.models._spec import describe_model
 
-__all__ = ["dense_dp", "dry_run_report", "layout_rows", "plan_candidate", "plan_lines"]
+__all__ = ["dense_dp", "dry_run_report", "layout_rows", "plan_lines"]
 
 
-def _axes(options: DemoOptions) -> list[tuple[Axis, int]]:
+def _axes(options: TrainOptions) -> list[tuple[Axis, int]]:
     if options.plugin == "hybrid":
         return [(Axis.DP, FILL), (Axis.PP, options.pp), (Axis.TP, options.tp), (Axis.SP, options.sp)]
     if options.plugin == "moe_hybrid":
@@ -40,7 +47,7 @@ def dense_dp(coordinates: dict[Axis, int], sizes: dict[Axis, int]) -> int:
     return coordinates[Axis.MOE_DP] * sizes[Axis.EP] + coordinates[Axis.EP]
 
 
-def layout_rows(options: DemoOptions, world_size: int) -> list[str]:
+def layout_rows(options: TrainOptions, world_size: int) -> list[str]:
     """One line per rank: `rank 3: dp=1 pp=0 tp=1 sp=0` (mesh order, outermost first); under moe_hybrid the dense
     data-parallel rank `dp` follows `moe_dp` (ranks of one moe_dp group but another ep coordinate see other data)."""
     axes = _axes(options)
@@ -58,38 +65,17 @@ def layout_rows(options: DemoOptions, world_size: int) -> list[str]:
     return rows
 
 
-def plan_candidate(options: DemoOptions, world_size: int) -> Candidate:
-    """The planner's description of the run these options start on `world_size` ranks (cx-plan judges the same)."""
-    hybrid = options.plugin in ("hybrid", "moe_hybrid")
-    if options.pp > 1:  # the pipeline splits each rank's batch into --microbatches
-        micro, count = options.batch_size // options.microbatches, options.microbatches * options.grad_accum
-    else:
-        micro, count = options.batch_size, options.grad_accum
-    return Candidate(
-        options.plugin,
-        dp=options.data_parallel_size(world_size),
-        tp=options.tp,
-        pp=options.pp,
-        sp=options.sp,
-        sp_mode="all_to_all" if options.sp > 1 else None,
-        ep=options.ep,
-        zero_stage=options.zero if hybrid else (2 if options.plugin == "low_level_zero" else None),
-        micro_batch_size=max(1, micro),
-        num_microbatches=count,
-        pp_style=options.pp_style if options.pp > 1 else "1f1b",
-        checkpoint_ratio=1.0 if options.activation_checkpointing else 0.0,
-        checkpoint_mode=options.checkpoint_mode if options.plugin not in ("hybrid", "moe_hybrid") else "full",
-        fsdp_wrap="block" if options.plugin == "torch_fsdp" else "model",  # cx-train shards each decoder layer
-        precision=options.precision,
-    )
-
-
-def plan_lines(options: DemoOptions, world: int, shape: ModelShape | None = None) -> list[str]:
-    """cx-plan's prediction of this run on this machine's device (`cx_plugins.plan`): parameters, memory per rank
+def plan_lines(options: TrainOptions, world: int, shape: ModelShape | None = None) -> list[str]:
+    """cx-plan's prediction of this run on this machine's device (`cx_plan`): parameters, memory per rank
     by component with the fit against the device, and the step time."""
     if shape is None:
+        vocab = describe_model(options.model_spec).tokenizer.vocab_size  # the run's own encoding (--data: bytes)
         shape = load_model_shape(
-            options.model, hidden_size=options.hidden_size, num_layers=options.num_layers, seq_len=options.seq_len
+            options.model,
+            hidden_size=options.hidden_size,
+            num_layers=options.num_layers,
+            seq_len=options.seq_len,
+            vocab_size=vocab,
         )
     device = detect_device()
     candidate = plan_candidate(options, world)
@@ -115,7 +101,7 @@ def plan_lines(options: DemoOptions, world: int, shape: ModelShape | None = None
     ]
 
 
-def dry_run_report(options: DemoOptions, world_size: int | None = None) -> str:
+def dry_run_report(options: TrainOptions, world_size: int | None = None) -> str:
     world = options.nproc if world_size is None else world_size
     lines = ["# cx-train --dry-run: nothing is trained", resolved_toml(dict(options.resolved)).rstrip()]
     lines.append(f"# parallel layout: {options.plugin} on {world} ranks (mesh order, outermost first)")

@@ -1,4 +1,4 @@
-"""One rank of the demo: build the model, boost it with the chosen plugin, train, report progress on rank 0."""
+"""One rank of cx-train: build the model, boost it with the chosen plugin, train, report progress on rank 0."""
 
 from __future__ import annotations
 
@@ -12,26 +12,30 @@ import torch.distributed as dist
 
 from cx_mesh import get_accelerator, launch_from_torch
 from cx_plugins import Booster, OptimizerWrapper
-from cx_plugins.demo._checkpointing import TrainerState, load_checkpoint, save_checkpoint
-from cx_plugins.demo._config_file import resolved_toml
-from cx_plugins.demo._data import TokenWindows
-from cx_plugins.demo._grad_norm import clip_bound
-from cx_plugins.demo._interrupt import Interrupted, stop_requested
-from cx_plugins.demo._memory import memory_per_rank
-from cx_plugins.demo._mfu import active_parameters, flops_per_token, peak_flops
-from cx_plugins.demo._models import DemoModel, build_model, describe_model
-from cx_plugins.demo._optimization import make_optimizer, make_scheduler, micro_step, prepare_model
-from cx_plugins.demo._options import DemoOptions
-from cx_plugins.demo._plugins import make_plugin
-from cx_plugins.demo._progress import Progress, StepOutput, expert_counts
-from cx_plugins.demo._reporting import Reporting
-from cx_plugins.demo._user_loader import open_loader
+from cx_train.checkpoint._checkpointing import TrainerState, load_checkpoint, save_checkpoint
+from cx_train.config._config_file import resolved_toml
+from cx_train.config._options import TrainOptions
+from cx_train.data._grammar import TokenWindows
+from cx_train.data._user_loader import open_loader
+from cx_train.metrics._memory import memory_per_rank
+from cx_train.metrics._mfu import active_parameters, flops_per_token, peak_flops
+from cx_train.metrics._progress import Progress, StepOutput, expert_counts
+from cx_train.metrics._reporting import Reporting
+from cx_train.models._plugins import make_plugin
+from cx_train.models._spec import DescribedModel, build_model, describe_model
+from cx_train.step._grad_norm import clip_bound
+from cx_train.step._interrupt import Interrupted, stop_requested
+from cx_train.step._optimization import make_optimizer, make_scheduler, micro_step, prepare_model
 
 __all__ = ["run", "train"]
 
 
 def _pipeline_step(
-    booster: Booster, model: torch.nn.Module, optimizer: OptimizerWrapper, batch: torch.Tensor, described: DemoModel
+    booster: Booster,
+    model: torch.nn.Module,
+    optimizer: OptimizerWrapper,
+    batch: torch.Tensor,
+    described: DescribedModel,
 ) -> StepOutput:
     """One step through the plugin's pipeline schedule (ColossalAI's `execute_pipeline`). The loss is on the last
     stage only; so are the MoE numbers, which the criterion reads off each micro-batch's outputs there (the router
@@ -54,14 +58,14 @@ def _pipeline_step(
     )
 
 
-def train(options: DemoOptions) -> list[float]:
-    """Run the demo on this rank (torch.distributed from torchrun's environment); returns the step losses."""
+def train(options: TrainOptions) -> list[float]:
+    """Run cx-train on this rank (torch.distributed from torchrun's environment); returns the step losses."""
     launch_from_torch(seed=options.seed, timeout=timedelta(seconds=options.timeout))  # every group cx makes too
     return run(options)
 
 
-def run(options: DemoOptions) -> list[float]:
-    """The demo on this rank of an initialised process group; returns the step losses (mean over the ranks).
+def run(options: TrainOptions) -> list[float]:
+    """cx-train on this rank of an initialised process group; returns the step losses (mean over the ranks).
     Raises `Interrupted` on every rank at the same step when any rank was asked to stop (Ctrl-C)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     described = describe_model(options.model_spec)

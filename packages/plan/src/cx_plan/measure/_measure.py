@@ -2,7 +2,8 @@
 memory per rank and step time beside the prediction, so the planner's error is seen, not assumed.
 
 Each configuration runs on fresh local ranks (cx_mesh.testing's `spawn`: gloo on CPU, NCCL on CUDA), with the model
-cx-train builds, the candidate's plugin and torch AdamW, on deterministic token ids. The first step is a warm-up (the
+cx-train builds, the candidate's plugin (`make_plugin`, as cx-train makes it), cx-train's accumulated step and torch
+AdamW, on deterministic token ids. The first step is a warm-up (the
 optimizer states exist from then on, as in every later step); the peak is taken over the steps after it. On CPU the
 peak is that of the live tensor storages (`LiveBytes`, a dispatch-level tracker entered before the model is built,
 because ZeRO partitions and Gemini chunks are reachable from no module, which torch's `MemTracker` needs); the
@@ -26,17 +27,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecision
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from cx_plugins._activation_checkpointing import enable_activation_checkpointing
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._report import PlanReport, PlanRow, row_label
+from cx_plan._candidate import Candidate
+from cx_plan._plugin import make_plugin
+from cx_plan._report import PlanReport, PlanRow, row_label
+from cx_plan.trace._model_spec import build_model, load_model_shape
+from cx_plugins import Booster, accumulated_step, enable_activation_checkpointing
 
 __all__ = ["LiveBytes", "Measured", "measure_candidate", "measure_report", "measure_table"]
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -121,57 +121,28 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _plugin(candidate: Candidate, module: torch.nn.Module) -> tuple[Any, str | None]:
-    """The candidate's plugin as cx-train builds it for `module`, and the Booster's mixed_precision (DDP only)."""
-    import cx_plugins  # the plugin families: imported in the rank, not when cx-plan starts
-    from cx_shardformer import GradientCheckpointConfig
-
-    c, arguments = candidate, candidate.plugin_arguments()
-    if c.plugin == "torch_ddp":
-        return cx_plugins.TorchDDPPlugin(), None if c.precision == "fp32" else c.precision
-    if c.plugin == "torch_fsdp":
-        dtype = _DTYPES.get(c.precision)
-        policy = None if dtype is None else MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
-        wrap = cx_plugins.fsdp.block_wrap_policy(module) if c.fsdp_wrap == "block" else None
-        return cx_plugins.TorchFSDPPlugin(mixed_precision=policy, auto_wrap_policy=wrap), None
-    if c.plugin == "low_level_zero":
-        return cx_plugins.LowLevelZeroPlugin(**arguments), None
-    if c.plugin == "gemini":  # small chunks, as cx-train uses for its small models
-        return cx_plugins.GeminiPlugin(search_range_m=1, min_chunk_size_m=0.05, hidden_dim=64, **arguments), None
-    if c.checkpoint_ratio:
-        arguments["gradient_checkpoint_config"] = GradientCheckpointConfig(
-            gradient_checkpointing_ratio=c.checkpoint_ratio
-        )
-    if c.plugin == "moe_hybrid":
-        return cx_plugins.MoeHybridParallelPlugin(**arguments), None
-    return cx_plugins.HybridParallelPlugin(**arguments), None
-
-
 def _loss(output: Any, _batch: object = None) -> torch.Tensor:
     """The loss a model returned: cx's GPT returns it as a tensor, transformers models in `.loss`."""
     return output if isinstance(output, torch.Tensor) else output.loss
 
 
 def _prepare(candidate: Candidate, model: str, hidden: int, layers: int, seq_len: int) -> Callable[[], None]:
-    from cx_plugins import Booster
-    from cx_plugins.demo._models import ModelSpec, build_model, describe_model
-    from cx_plugins.demo._optimization import accumulated_step
-
-    described = describe_model(ModelSpec(model, hidden, layers, seq_len))
-    module = build_model(described, seed=0)
+    shape = load_model_shape(model, hidden_size=hidden, num_layers=layers, seq_len=seq_len)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # the same fresh weights on every rank
+        module = build_model(shape)
     if candidate.checkpoint_ratio and candidate.plugin not in ("hybrid", "moe_hybrid"):
         enable_activation_checkpointing(module, candidate.checkpoint_mode)
     if torch.cuda.is_available():
         module = module.cuda()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    plugin, mixed = _plugin(candidate, module)
+    plugin, mixed = make_plugin(candidate, module)
     booster = Booster(plugin=plugin, mixed_precision=mixed)
     boosted, wrapped, *_ = booster.boost(module, optimizer)
     assert wrapped is not None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    vocab = described.tokenizer.vocab_size
     rows = candidate.micro_batch_size * (candidate.num_microbatches if candidate.pp > 1 else 1)
-    ids = ((torch.arange(rows * seq_len) * 7) % vocab).reshape(rows, seq_len).to(device)
+    ids = ((torch.arange(rows * seq_len) * 7) % shape.vocab_size).reshape(rows, seq_len).to(device)
 
     def step() -> None:
         if candidate.pp > 1:

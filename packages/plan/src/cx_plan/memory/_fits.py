@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cx_plugins.plan._memory import MemoryPrediction
+from cx_plan.memory._memory import MemoryPrediction
 
 __all__ = ["USABLE_FRACTION", "Verdict", "fits", "format_bytes"]
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cx_plugins.plan._activations import ActivationTrace
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._model_spec import ParameterCounts
+from cx_plan._candidate import Candidate
+from cx_plan.trace._activations import ActivationTrace
+from cx_plan.trace._model_spec import ParameterCounts
 
 __all__ = ["FSDPBytes", "fsdp_bytes"]
 

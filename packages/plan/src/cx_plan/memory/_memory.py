@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cx_plugins.plan._activations import ActivationTrace, trace_stage
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._fsdp_memory import fsdp_bytes
-from cx_plugins.plan._model_spec import ModelShape, ParameterCounts
+from cx_plan._candidate import Candidate
+from cx_plan.memory._fsdp_memory import fsdp_bytes
+from cx_plan.trace._activations import ActivationTrace, trace_stage
+from cx_plan.trace._model_spec import ModelShape, ParameterCounts
 
 __all__ = ["MemoryPrediction", "predict_memory", "predict_memory_from_traces"]
 

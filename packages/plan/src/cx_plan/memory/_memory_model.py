@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cx_plugins.plan._activations import ActivationTrace, PlanTraceError, trace_stage
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._fits import USABLE_FRACTION, Verdict, fits
-from cx_plugins.plan._memory import MemoryPrediction, predict_memory_from_traces
-from cx_plugins.plan._model_spec import ModelShape
+from cx_plan._candidate import Candidate
+from cx_plan.memory._fits import USABLE_FRACTION, Verdict, fits
+from cx_plan.memory._memory import MemoryPrediction, predict_memory_from_traces
+from cx_plan.trace._activations import ActivationTrace, PlanTraceError, trace_stage
+from cx_plan.trace._model_spec import ModelShape
 
 __all__ = ["memory_model"]
 

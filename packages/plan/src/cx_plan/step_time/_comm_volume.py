@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._model_spec import ModelShape
+from cx_plan._candidate import Candidate
+from cx_plan.trace._model_spec import ModelShape
 
 __all__ = ["BUCKET_BYTES", "Collective", "step_collectives", "weight_bytes"]
 

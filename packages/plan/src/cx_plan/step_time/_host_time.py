@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._devices import Device
+from cx_plan._candidate import Candidate
+from cx_plan._devices import Device
 
 __all__ = ["HostTime", "OpCounts", "host_time", "plugin_key", "plugin_ops_per_tensor", "plugin_tensor_s"]
 

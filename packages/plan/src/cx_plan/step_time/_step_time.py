@@ -31,11 +31,11 @@ import functools
 from dataclasses import dataclass, field
 
 from cx_pipeline import Action, ActionKind, schedule_orders, simulate
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._comm_volume import Collective, step_collectives, weight_bytes
-from cx_plugins.plan._devices import LINKS, Device, Network, default_network
-from cx_plugins.plan._host_time import OpCounts, host_time
-from cx_plugins.plan._model_spec import ModelShape
+from cx_plan._candidate import Candidate
+from cx_plan._devices import LINKS, Device, Network, default_network
+from cx_plan.step_time._comm_volume import Collective, step_collectives, weight_bytes
+from cx_plan.step_time._host_time import OpCounts, host_time
+from cx_plan.trace._model_spec import ModelShape
 
 __all__ = ["ACHIEVABLE_FRACTION", "HOST_BANDWIDTH", "StepTime", "flops_per_token", "predict_step_time"]
 

@@ -29,15 +29,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cx_mesh import ProcessGroupMesh
-from cx_plugins._activation_checkpointing import enable_activation_checkpointing
-from cx_plugins._layout import Axis
-from cx_plugins.hybrid import HybridParallelPlugin
-from cx_plugins.hybrid._model import compose_model
+from cx_plan._candidate import Candidate
+from cx_plan.trace._model_spec import ModelShape, build_model
+from cx_plan.trace._oracle import ValueOracle
+from cx_plugins import Axis, enable_activation_checkpointing
+from cx_plugins.hybrid import HybridParallelPlugin, compose_model
 from cx_plugins.models import GPTConfig
 from cx_plugins.moe_hybrid import MoeHybridParallelPlugin
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._model_spec import ModelShape, build_model
-from cx_plugins.plan._oracle import ValueOracle
 from cx_shardformer import GradientCheckpointConfig
 
 __all__ = ["ActivationTrace", "PlanTraceError", "stage_rank", "trace_stage"]

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from cx_plugins.fsdp import decoder_layers
-from cx_plugins.models import GPT, GPT_MODEL, PRESETS, GPTConfig
+from cx_plugins.models import GPT, GPT_MODEL, PRESETS, GPTConfig, preset_config
 
 __all__ = [
+    "TEXT_VOCAB_SIZE",
     "ModelShape",
     "ModelShapeError",
     "ParameterCounts",
@@ -37,6 +38,9 @@ _REQUIRED = (
     ("num_hidden_layers", ("num_hidden_layers", "n_layer", "num_layers")),
     ("num_attention_heads", ("num_attention_heads", "n_head", "num_heads")),
 )
+# The vocabulary of the built-in models as cx-train trains them on its embedded text: the character encoding's 50
+# ids (cx-train's tests check the two agree; its --dry-run passes the vocabulary of the run's own tokenizer).
+TEXT_VOCAB_SIZE = 50
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
@@ -94,7 +98,7 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise ModelShapeError("reading a Hugging Face model needs transformers: pip install 'cx-plugins[hf]'") from None
+        raise ModelShapeError("reading a Hugging Face model needs transformers: pip install 'cx-plan[hf]'") from None
     return transformers
 
 
@@ -130,19 +134,17 @@ def _config_from_json(path: Path) -> Any:
         raise ModelShapeError(f"{path}: transformers cannot make a config of it: {error}") from None
 
 
-def _demo_config(model: str, hidden_size: int, num_layers: int, seq_len: int) -> Any:
-    """The config cx-train builds for `--model gpt|<preset>` with these sizes (the demo's own code, so the planner
-    sees the model that trains)."""
-    from cx_plugins.demo._models import ModelError, ModelSpec, describe_model
-
+def _builtin_config(model: str, hidden_size: int, num_layers: int, seq_len: int, vocab_size: int) -> Any:
+    """The config cx-train builds for `--model gpt|<preset>` with these sizes: cx's GPT (4 heads) or the preset from
+    `cx_plugins.models.preset_config`, the one definition both use, so the planner sees the model that trains."""
+    if model == GPT_MODEL:
+        return GPTConfig(vocab_size=vocab_size, max_positions=seq_len + 1, hidden_size=hidden_size,
+                         num_layers=num_layers, num_heads=4)  # fmt: skip
     try:
-        described = describe_model(ModelSpec(model, hidden_size, num_layers, seq_len))
-    except ModelError as error:
-        raise ModelShapeError(str(error)) from None
-    if described.config is not None:
-        return described.config
-    vocab = described.tokenizer.vocab_size
-    return GPTConfig(vocab_size=vocab, max_positions=seq_len + 1, hidden_size=hidden_size, num_layers=num_layers)
+        return preset_config(model, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                             seq_len=seq_len)  # fmt: skip
+    except (ImportError, ValueError) as error:
+        raise ModelShapeError(f"--model {model}: {error}") from None
 
 
 def build_model(shape: ModelShape) -> nn.Module:
@@ -241,11 +243,14 @@ def shape_from_config(name: str, config: Any) -> ModelShape:
                       positions, counts, config)  # fmt: skip
 
 
-def load_model_shape(model: str, *, hidden_size: int = 128, num_layers: int = 2, seq_len: int = 64) -> ModelShape:
-    """The shape of `model`: `gpt` or a preset (sized by hidden_size / num_layers / seq_len, as cx-train's flags
-    size them), a Hugging Face model folder, or a config.json file."""
+def load_model_shape(
+    model: str, *, hidden_size: int = 128, num_layers: int = 2, seq_len: int = 64, vocab_size: int = TEXT_VOCAB_SIZE
+) -> ModelShape:
+    """The shape of `model`: `gpt` or a preset (sized by hidden_size / num_layers / seq_len / vocab_size, as
+    cx-train's flags and its text encoding size them), a Hugging Face model folder, or a config.json file (which
+    size themselves)."""
     if model == GPT_MODEL or model in PRESETS:
-        return shape_from_config(model, _demo_config(model, hidden_size, num_layers, seq_len))
+        return shape_from_config(model, _builtin_config(model, hidden_size, num_layers, seq_len, vocab_size))
     path = Path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():

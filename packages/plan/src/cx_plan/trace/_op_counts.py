@@ -19,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from cx_plugins.plan._activations import PlanTraceError, trace_stage
-from cx_plugins.plan._candidate import Candidate
-from cx_plugins.plan._host_time import OpCounts
-from cx_plugins.plan._model_spec import ModelShape
+from cx_plan._candidate import Candidate
+from cx_plan.step_time._host_time import OpCounts
+from cx_plan.trace._activations import PlanTraceError, trace_stage
+from cx_plan.trace._model_spec import ModelShape
 
 __all__ = ["OpCounter", "op_counter"]
 

@@ -1,4 +1,4 @@
-"""The demo's checkpoints: a directory with the model and optimizer (sharded, safetensors) and `trainer.json`.
+"""cx-train's checkpoints: a directory with the model and optimizer (sharded, safetensors) and `trainer.json`.
 
 The three are committed as ONE unit: everything is written into a hidden staging sibling of the checkpoint
 directory (`.<name>.cx-staging-step<N>`), `trainer.json` (the step reached, the plugin and world size that wrote it)
@@ -30,7 +30,7 @@ from cx_checkpoint import (
     staging_path,
 )
 from cx_plugins import Booster, OptimizerWrapper
-from cx_plugins.demo._trainer_state import STATE_FILE, TrainerState, read_trainer_state
+from cx_train.checkpoint._trainer_state import STATE_FILE, TrainerState, read_trainer_state
 
 __all__ = ["CONFIG_FILE", "SCHEDULER_FILE", "TrainerState", "load_checkpoint", "save_checkpoint"]
 

@@ -1,6 +1,6 @@
-"""`trainer.json`, the demo checkpoint's record of the step reached and the run that wrote it: its fields, and reading
-it back with an error that names the file and what is wrong (a truncated file, text after the object, a missing,
-unknown or mistyped field) instead of a bare `JSONDecodeError` / `TypeError`."""
+"""`trainer.json`, a cx-train checkpoint's record of the step reached and the run that wrote it: its fields, and
+reading it back with an error that names the file and what is wrong (a truncated file, text after the object, a
+missing, unknown or mistyped field) instead of a bare `JSONDecodeError` / `TypeError`."""
 
 from __future__ import annotations
 

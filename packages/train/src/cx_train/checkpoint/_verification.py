@@ -15,7 +15,7 @@ __all__ = ["VERIFY_COST", "verification_problem"]
 # low_level_zero and torch_ddp loading it on 1 process of a busy 2-core CPU, warm page cache, 5 runs each): verify
 # 13-34 ms, the load 7-47 ms. It reads and checksums every byte once more, so it costs about as much as the load's
 # own reading; docs/quickstart.md has the figures.
-VERIFY_COST = "it reads every file once more: 13-34 ms against 7-47 ms for the load of the 4.9 MB demo checkpoint"
+VERIFY_COST = "it reads every file once more: 13-34 ms against 7-47 ms for the load of the 4.9 MB default checkpoint"
 
 
 def verification_problem(resume: Path) -> str | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cx_plugins.demo._user_data import DataSettings
+from cx_train.data._user_data import DataSettings
 
 __all__ = ["add_data_arguments", "data_problem", "data_settings"]
 

@@ -1,4 +1,4 @@
-"""The demo's command line, parsed and validated once into a frozen `DemoOptions`.
+"""cx-train's command line, parsed and validated once into a frozen `TrainOptions`.
 
 Everything that can be checked before a process starts is checked here, with errors that name the flag and the
 values that would work: the flags against the plugin, the `--save` / `--resume` paths and the resumed `trainer.json`
@@ -18,10 +18,9 @@ from typing import Any
 
 import cx_plugins
 from cx_mesh import DEFAULT_TIMEOUT
-from cx_plugins.demo._config_file import expand_config
-from cx_plugins.demo._data_flags import data_problem, data_settings
-from cx_plugins.demo._models import GPT_MODEL, MODEL_CHOICES, PRESETS, DemoModel, ModelError, ModelSpec, describe_model
-from cx_plugins.demo._parser import (
+from cx_train.config._config_file import expand_config
+from cx_train.config._data_flags import data_problem, data_settings
+from cx_train.config._parser import (
     DEFAULT_HIDDEN,
     DEFAULT_LAYERS,
     HYBRID_CLASSES,
@@ -30,16 +29,25 @@ from cx_plugins.demo._parser import (
     build_parser,
     join_negative_values,
 )
-from cx_plugins.demo._paths import resume_problem, save_problem
-from cx_plugins.demo._reporting_flags import reporting_problem
-from cx_plugins.demo._training_checks import training_problem
-from cx_plugins.demo._user_data import DataSettings, prepared_data_problem
+from cx_train.config._paths import resume_problem, save_problem
+from cx_train.config._reporting_flags import reporting_problem
+from cx_train.config._training_checks import training_problem
+from cx_train.data._user_data import DataSettings, prepared_data_problem
+from cx_train.models._spec import (
+    GPT_MODEL,
+    MODEL_CHOICES,
+    PRESETS,
+    DescribedModel,
+    ModelError,
+    ModelSpec,
+    describe_model,
+)
 
-__all__ = ["HYBRID_CLASSES", "PLUGINS", "DemoOptions", "parse_options", "plugin_missing"]
+__all__ = ["HYBRID_CLASSES", "PLUGINS", "TrainOptions", "parse_options", "plugin_missing"]
 
 
 @dataclass(frozen=True)
-class DemoOptions:
+class TrainOptions:
     plugin: str
     nproc: int
     steps: int
@@ -137,7 +145,7 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _layout_problem(options: DemoOptions, world_size: int) -> str | None:
+def _layout_problem(options: TrainOptions, world_size: int) -> str | None:
     dense = options.tp * options.pp * options.sp
     if world_size % dense:
         return (
@@ -169,7 +177,7 @@ def _layout_problem(options: DemoOptions, world_size: int) -> str | None:
     return None
 
 
-def _stages_problem(options: DemoOptions, layers: int, world_size: int, microbatches: int | None) -> str | None:
+def _stages_problem(options: TrainOptions, layers: int, world_size: int, microbatches: int | None) -> str | None:
     """The layers split into pp stages of `chunks` model chunks each (interleaved: 2). The suggested --pp values work
     with the other flags: they split the layers under the chosen style (a pipeline style needs --pp 2 or more), fit
     the processes, and their micro-batches (--microbatches, or by default --pp) split the batch (and, interleaved,
@@ -197,7 +205,9 @@ def _stages_problem(options: DemoOptions, layers: int, world_size: int, microbat
     return f"{problem}: use {' or '.join(fixes)}"
 
 
-def _model_problem(options: DemoOptions, described: DemoModel, world_size: int, microbatches: int | None) -> str | None:
+def _model_problem(
+    options: TrainOptions, described: DescribedModel, world_size: int, microbatches: int | None
+) -> str | None:
     problem = _stages_problem(options, described.num_layers, world_size, microbatches)
     if problem is not None:
         return problem
@@ -221,7 +231,7 @@ def _model_problem(options: DemoOptions, described: DemoModel, world_size: int, 
     return None
 
 
-def parse_options(argv: Sequence[str] | None = None, world_size: int | None = None) -> DemoOptions:
+def parse_options(argv: Sequence[str] | None = None, world_size: int | None = None) -> TrainOptions:
     """Parse and validate; `world_size` is the real one under an external torchrun (default: `--nproc`)."""
     parser = build_parser()
     try:
@@ -245,7 +255,7 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         problem = resume_problem(args.resume, args.model, sizes, args.steps)
     if problem is not None:
         parser.error(problem)
-    options = DemoOptions(
+    options = TrainOptions(
         plugin=args.plugin,
         nproc=args.nproc,
         steps=args.steps,

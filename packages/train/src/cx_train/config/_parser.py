@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cx_mesh import DEFAULT_TIMEOUT
-from cx_plugins.demo._data_flags import add_data_arguments
-from cx_plugins.demo._models import GPT_MODEL, MODEL_CHOICES
-from cx_plugins.demo._reporting_flags import add_reporting_arguments
-from cx_plugins.demo._training_flags import add_training_arguments
-from cx_plugins.demo._verification import VERIFY_COST
+from cx_train.checkpoint._verification import VERIFY_COST
+from cx_train.config._data_flags import add_data_arguments
+from cx_train.config._reporting_flags import add_reporting_arguments
+from cx_train.config._training_flags import add_training_arguments
+from cx_train.models._spec import GPT_MODEL, MODEL_CHOICES
 
 __all__ = [
     "DEFAULT_HIDDEN",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cx_plugins.demo._models import MODEL_CHOICES
-from cx_plugins.demo._trainer_state import TrainerStateError, read_trainer_state
+from cx_train.checkpoint._trainer_state import TrainerStateError, read_trainer_state
+from cx_train.models._spec import MODEL_CHOICES
 
 __all__ = ["resume_problem", "save_problem"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cx_plugins.demo._tensorboard import tensorboard_missing
+from cx_train.metrics._tensorboard import tensorboard_missing
 
 __all__ = ["add_reporting_arguments", "reporting_problem"]
 

@@ -1,4 +1,4 @@
-"""The demo's embedded dataset: text from a small seeded grammar, tokenised by character. Needs no download.
+"""cx-train's embedded dataset: text from a small seeded grammar, tokenised by character. Needs no download.
 
 The grammar has enough structure (agreement between subject and verb, fixed phrase shapes, punctuation) that a small
 model's loss falls from ln(vocab) toward ~1 nat per character within a few hundred steps on a CPU, which is what a
@@ -53,7 +53,7 @@ class GrammarText:
 
 
 class TextEncoder(Protocol):
-    """What the demo needs of a tokenizer: its vocabulary size and text -> a 1-D tensor of token ids."""
+    """What cx-train needs of a tokenizer: its vocabulary size and text -> a 1-D tensor of token ids."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -79,7 +79,7 @@ class CharTokenizer:
         try:
             return torch.tensor([self._ids[c] for c in text], dtype=torch.long)
         except KeyError as missing:
-            raise ValueError(f"character {missing} is not in the demo alphabet") from None
+            raise ValueError(f"character {missing} is not in the character alphabet") from None
 
     def decode(self, ids: torch.Tensor) -> str:
         return "".join(self.alphabet[int(i)] for i in ids)

@@ -138,7 +138,7 @@ def _optional(module: str, extra_for: str) -> Any:
     except ImportError:
         raise DataError(
             f"{extra_for} needs the {module.split('.')[0]} library, which is not installed: "
-            "pip install 'cx-plugins[data]'"
+            "pip install 'cx-train[data]'"
         ) from None
 
 

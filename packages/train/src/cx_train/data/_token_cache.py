@@ -27,8 +27,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from cx_plugins.demo._text_sources import DataError, iter_documents
-from cx_plugins.demo._text_tokenizers import StreamTokenizer
+from cx_train.data._text_sources import DataError, iter_documents
+from cx_train.data._tokenizers import StreamTokenizer
 
 __all__ = ["CACHE_FOLDER", "TokenStream", "cache_key", "default_cache_root", "token_stream"]
 

@@ -52,7 +52,7 @@ def _bytes(text: str | bytes) -> torch.Tensor:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids, EOS = 256. Also a demo `TextEncoder` (vocab_size, encode)."""
+    """UTF-8 bytes as token ids, EOS = 256. Also a `TextEncoder` (vocab_size, encode)."""
 
     fingerprint = "utf8-bytes-eos256-v1"
     eos_id = 256

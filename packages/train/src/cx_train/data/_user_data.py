@@ -13,16 +13,16 @@ from pathlib import Path
 
 import torch
 
-from cx_plugins.demo._text_sources import DataError, resolve_data_paths
-from cx_plugins.demo._text_tokenizers import StreamTokenizer, data_tokenizer
-from cx_plugins.demo._token_cache import TokenStream, token_stream
+from cx_train.data._text_sources import DataError, resolve_data_paths
+from cx_train.data._token_cache import TokenStream, token_stream
+from cx_train.data._tokenizers import StreamTokenizer, data_tokenizer
 
 __all__ = ["DataSettings", "UserData", "open_user_data", "prepared_data_problem"]
 
 
 @dataclass(frozen=True)
 class DataSettings:
-    """The data flags, as `DemoOptions` carries them."""
+    """The data flags, as `TrainOptions` carries them."""
 
     data: tuple[str, ...]
     text_field: str = "text"

@@ -14,19 +14,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cx_plugins.demo._data_order import DataPosition, WindowOrder
-from cx_plugins.demo._evaluation import EvalResult, evaluate
-from cx_plugins.demo._models import DemoModel
-from cx_plugins.demo._options import DemoOptions
-from cx_plugins.demo._text_sources import DataError
-from cx_plugins.demo._text_tokenizers import ByteTokenizer
-from cx_plugins.demo._trainer_state import TrainerState, read_trainer_state
-from cx_plugins.demo._user_data import UserData, open_user_data
+from cx_train.checkpoint._trainer_state import TrainerState, read_trainer_state
+from cx_train.config._options import TrainOptions
+from cx_train.data._order import DataPosition, WindowOrder
+from cx_train.data._text_sources import DataError
+from cx_train.data._tokenizers import ByteTokenizer
+from cx_train.data._user_data import UserData, open_user_data
+from cx_train.models._spec import DescribedModel
+from cx_train.step._evaluation import EvalResult, evaluate
 
 __all__ = ["UserLoader", "data_parallel", "open_loader", "window_length"]
 
 
-def window_length(options: DemoOptions) -> int:
+def window_length(options: TrainOptions) -> int:
     """Tokens per window: the models shift the labels themselves (--seq-len + 1); under sequence parallelism the
     window is the sequence that splits into --sp equal shards (--seq-len), as for the embedded data."""
     return options.seq_len + (1 if options.sp == 1 else 0)
@@ -42,7 +42,7 @@ def data_parallel(plugin: Any) -> tuple[int, int]:
 
 
 class UserLoader:
-    def __init__(self, data: UserData, options: DemoOptions, dp: tuple[int, int]) -> None:
+    def __init__(self, data: UserData, options: TrainOptions, dp: tuple[int, int]) -> None:
         self.data, self.options, self.dp = data, options, dp
         self.order = WindowOrder(len(data.train), dp[1] * options.batch_size, options.seed)
         self.sampler = self
@@ -79,7 +79,7 @@ class UserLoader:
             if isinstance(self.data.tokenizer, ByteTokenizer):
                 raise DataError(
                     f"--resume {self.options.resume}: that checkpoint was trained on the embedded text, whose model "
-                    f"reads the demo's character ids; --data with --model {self.options.model} reads UTF-8 bytes "
+                    f"reads the built-in character ids; --data with --model {self.options.model} reads UTF-8 bytes "
                     "(another vocabulary): start a new run on --data, or resume without --data"
                 )
             return  # a model folder's own tokenizer: the same ids, so training continues on the new data
@@ -94,7 +94,7 @@ class UserLoader:
                 "run that saved it, and the same --data, --seq-len and --seed"
             )
 
-    def maybe_evaluate(self, model: nn.Module, described: DemoModel, step: int, device: torch.device) -> None:
+    def maybe_evaluate(self, model: nn.Module, described: DescribedModel, step: int, device: torch.device) -> None:
         """Evaluate every --eval-every steps and at the last step (collective); rank 0 prints the result."""
         every, last = self.options.eval_every, step == self.options.steps
         if self.data.evaluation is None or not (last or (every and step % every == 0)):
@@ -104,7 +104,7 @@ class UserLoader:
             print(self.last_eval.line(), flush=True)
 
 
-def open_loader(options: DemoOptions, plugin: Any) -> UserLoader:
+def open_loader(options: TrainOptions, plugin: Any) -> UserLoader:
     """The `--data` loader of this rank (the cache is normally built already: parse_options tokenised it)."""
     assert options.data is not None
     data = open_user_data(options.data, options.model, options.model_spec.is_folder, window_length(options))

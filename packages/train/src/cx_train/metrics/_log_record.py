@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from cx_plugins.demo._memory import MemorySample
+from cx_train.metrics._memory import MemorySample
 
 __all__ = ["LogRecord"]
 

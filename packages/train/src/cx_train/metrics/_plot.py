@@ -1,6 +1,6 @@
 """Curves of a `--metrics` file as one PNG: the loss (train, and eval where logged), tokens/s, and memory per rank
 against the step. Written at the end of a run beside the metrics file (`FILE.png`) and by `cx-train plot FILE.jsonl
-[-o OUT.png]`. matplotlib is the optional extra `cx-plugins[plot]`, imported only here, with the Agg backend (no
+[-o OUT.png]`. matplotlib is the optional extra `cx-train[plot]`, imported only here, with the Agg backend (no
 display needed)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cx_plugins.demo._metrics_file import read_metrics
+from cx_train.metrics._metrics_file import read_metrics
 
 __all__ = ["PLOT_HINT", "PlotError", "plot_main", "plot_metrics"]
 
-PLOT_HINT = "pip install 'cx-plugins[plot]' (or pip install matplotlib)"
+PLOT_HINT = "pip install 'cx-train[plot]' (or pip install matplotlib)"
 
 
 class PlotError(RuntimeError):

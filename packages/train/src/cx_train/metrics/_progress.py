@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cx_plugins.demo._log_record import LogRecord
-from cx_plugins.demo._memory import MemorySample
-from cx_plugins.demo._models import DemoModel
+from cx_train.metrics._log_record import LogRecord
+from cx_train.metrics._memory import MemorySample
+from cx_train.models._spec import DescribedModel
 
 __all__ = ["Progress", "StepOutput", "expert_counts", "forward_step"]
 
@@ -42,7 +42,7 @@ def expert_counts(router_logits: Sequence[torch.Tensor], top_k: int) -> torch.Te
     return torch.stack(counts).to(torch.float64)
 
 
-def forward_step(model: nn.Module, batch: torch.Tensor, described: DemoModel) -> StepOutput:
+def forward_step(model: nn.Module, batch: torch.Tensor, described: DescribedModel) -> StepOutput:
     """The loss of next-token prediction on `batch` (and the MoE numbers when the model has experts)."""
     if not described.spec.is_hf:
         return StepOutput(model(batch, labels=batch), None, None)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from cx_plugins.demo._log_record import LogRecord
-from cx_plugins.demo._metrics_file import MetricsFile
-from cx_plugins.demo._plot import PlotError, plot_metrics
-from cx_plugins.demo._tensorboard import TensorBoardLog
+from cx_train.metrics._log_record import LogRecord
+from cx_train.metrics._metrics_file import MetricsFile
+from cx_train.metrics._plot import PlotError, plot_metrics
+from cx_train.metrics._tensorboard import TensorBoardLog
 
 __all__ = ["Reporting"]
 

@@ -1,5 +1,5 @@
 """`--tensorboard DIR`: the log steps' numbers as TensorBoard scalars (torch.utils.tensorboard, which needs the
-`tensorboard` package: the optional extra `cx-plugins[tensorboard]`). A resumed run purges the events past its step,
+`tensorboard` package: the optional extra `cx-train[tensorboard]`). A resumed run purges the events past its step,
 so TensorBoard shows each step once."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 __all__ = ["TENSORBOARD_HINT", "TensorBoardLog", "tensorboard_missing"]
 
-TENSORBOARD_HINT = "pip install 'cx-plugins[tensorboard]' (or pip install tensorboard)"
+TENSORBOARD_HINT = "pip install 'cx-train[tensorboard]' (or pip install tensorboard)"
 
 
 def tensorboard_missing() -> str | None:

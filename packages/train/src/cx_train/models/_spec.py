@@ -1,7 +1,7 @@
-"""The demo's models: cx's reference GPT, a tiny transformers architecture built from a preset config (no download),
+"""cx-train's models: cx's reference GPT, a tiny transformers architecture built from a preset config (no download),
 or a local transformers model folder (`from_pretrained` on that path only, its tokenizer when it has one).
 
-transformers is imported only for the last two, so the default demo needs nothing beyond cx. Every question the
+transformers is imported only for the last two, so the default run needs nothing beyond cx. Every question the
 training loop asks of an HF model (its loss, whether it routes tokens to experts) goes through the config or the
 model's standard outputs: there is no model-specific code past the preset configs.
 """
@@ -16,16 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from cx_plugins.demo._data import CharTokenizer, TextEncoder
-from cx_plugins.demo._special_tokens import special_token_ids, write_special_tokens
-from cx_plugins.demo._text_tokenizers import ByteTokenizer
-from cx_plugins.models import GPT, GPT_MODEL, MODEL_CHOICES, PRESETS, GPTConfig
+from cx_plugins.models import GPT, GPT_MODEL, MODEL_CHOICES, PRESETS, GPTConfig, preset_config
+from cx_train.data._grammar import CharTokenizer, TextEncoder
+from cx_train.data._tokenizers import ByteTokenizer
+from cx_train.models._special_tokens import special_token_ids, write_special_tokens
 
 __all__ = [
     "GPT_MODEL",
     "MODEL_CHOICES",
     "PRESETS",
-    "DemoModel",
+    "DescribedModel",
     "ModelError",
     "ModelSpec",
     "build_model",
@@ -65,7 +65,7 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class DemoModel:
+class DescribedModel:
     """A described (not yet built) model: its HF config (None for the GPT), the text encoder, its shape facts."""
 
     spec: ModelSpec
@@ -84,53 +84,23 @@ def _transformers(spec: ModelSpec) -> ModuleType:
     except ImportError:
         raise ModelError(
             f"--model {spec.model} needs Hugging Face transformers, which is not installed: "
-            "pip install 'cx-plugins[hf]' (or pip install 'transformers>=5')"
+            "pip install 'cx-train[hf]' (or pip install 'transformers>=5')"
         ) from None
     return transformers
 
 
 def _preset_config(spec: ModelSpec, vocab_size: int) -> Any:
-    """A tiny but real config of the preset architecture: 4 attention heads, 4 experts with top-2 routing."""
-    transformers = _transformers(spec)
-    hidden, layers, positions = spec.hidden_size, spec.num_layers, spec.seq_len + 1
-    head_dim = hidden // 4
-    common: dict[str, Any] = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        max_position_embeddings=positions,
-        intermediate_size=2 * hidden,
-        use_cache=False,  # the special token ids are the tokenizer's (build_model)
-    )
-    # the aux loss on by default, so that a pipeline (which reads the config, not a forward argument) trains with it
-    experts: dict[str, Any] = dict(num_experts_per_tok=2, output_router_logits=True)
-    if spec.model == "gpt2":
-        no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        return transformers.GPT2Config(
-            vocab_size=vocab_size, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=4,
-            use_cache=False, **no_dropout,
-        )  # fmt: skip
-    if spec.model == "llama":
-        return transformers.LlamaConfig(**common, num_key_value_heads=2)
-    if spec.model == "mixtral":
-        return transformers.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4, **experts)
-    if spec.model == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(
-            **common, num_key_value_heads=2, head_dim=head_dim, num_experts=4, moe_intermediate_size=hidden, **experts
-        )
-    if spec.model == "deepseek_v3":  # one dense layer first, then MoE layers with a shared expert
-        return transformers.DeepseekV3Config(
-            **common, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=hidden,
-            first_k_dense_replace=min(1, layers - 1), n_group=1, topk_group=1, q_lora_rank=None,
-            kv_lora_rank=hidden // 2, qk_rope_head_dim=head_dim, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
-            **experts,
-        )  # fmt: skip
-    raise ModelError(f"--model {spec.model}: not a preset ({', '.join(PRESETS)})")
+    """The preset's tiny config (`cx_plugins.models.preset_config`, which cx-plan plans from too)."""
+    _transformers(spec)  # the install hint for --model when transformers is missing
+    try:
+        return preset_config(spec.model, vocab_size=vocab_size, hidden_size=spec.hidden_size,
+                             num_layers=spec.num_layers, seq_len=spec.seq_len)  # fmt: skip
+    except ValueError as error:
+        raise ModelError(f"--model {spec.model}: {error}") from None
 
 
 class _HFTokenizer:
-    """A model folder's own tokenizer, as the demo's `TextEncoder`."""
+    """A model folder's own tokenizer, as a `TextEncoder`."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
@@ -191,12 +161,12 @@ def _first_int(config: Any, names: tuple[str, ...], default: int) -> int:
     return default
 
 
-def describe_model(spec: ModelSpec) -> DemoModel:
+def describe_model(spec: ModelSpec) -> DescribedModel:
     """Resolve `--model` to a config and a tokenizer and check they fit the data (raises `ModelError`)."""
     if not spec.is_hf:
         config = None
         tokenizer: TextEncoder = ByteTokenizer() if spec.own_data else CharTokenizer()
-        return DemoModel(spec, None, tokenizer, spec.num_layers, 4, 4, 0, 0)
+        return DescribedModel(spec, None, tokenizer, spec.num_layers, 4, 4, 0, 0)
     if spec.is_folder:
         config, tokenizer = _folder_config(spec)
     else:
@@ -204,7 +174,7 @@ def describe_model(spec: ModelSpec) -> DemoModel:
         config = _preset_config(spec, tokenizer.vocab_size)
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < tokenizer.vocab_size:
-        source = "its tokenizer" if isinstance(tokenizer, _HFTokenizer) else "the demo's character encoding"
+        source = "its tokenizer" if isinstance(tokenizer, _HFTokenizer) else "the built-in character encoding"
         raise ModelError(
             f"--model {spec.model}: the model's vocab_size {vocab} is smaller than the {tokenizer.vocab_size} "
             f"token ids {source} produces; token ids past the embedding would fail"
@@ -216,7 +186,7 @@ def describe_model(spec: ModelSpec) -> DemoModel:
             " or less"
         )
     heads = _first_int(config, ("num_attention_heads",), 1)
-    return DemoModel(
+    return DescribedModel(
         spec=spec,
         config=config,
         tokenizer=tokenizer,
@@ -237,7 +207,7 @@ def _with_special_tokens(model: nn.Module, tokenizer: TextEncoder, keep_unknown:
     return model
 
 
-def build_model(described: DemoModel, seed: int) -> nn.Module:
+def build_model(described: DescribedModel, seed: int) -> nn.Module:
     """The model itself: seeded fresh weights for the GPT, the presets and a bare config file, the folder's weights
     (fp32) otherwise."""
     spec = described.spec

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cx_plugins.demo._models import DemoModel
-from cx_plugins.demo._progress import forward_step
-from cx_plugins.demo._user_data import UserData
+from cx_train.data._user_data import UserData
+from cx_train.metrics._progress import forward_step
+from cx_train.models._spec import DescribedModel
 
 __all__ = ["EvalResult", "evaluate"]
 
@@ -36,7 +36,7 @@ class EvalResult:
 def evaluate(
     model: nn.Module,
     data: UserData,
-    described: DemoModel,
+    described: DescribedModel,
     batch_size: int,
     dp: tuple[int, int],
     device: torch.device,

@@ -2,34 +2,30 @@
 scheduler (cx_plugins.lr_scheduler), `--activation-checkpointing` and `--compile` applied to the model before it is
 boosted, and one optimizer step over `--grad-accum` micro-batches with `--clip`.
 
-Accumulation: each micro-batch's loss is scaled by 1/N before its backward and all but the last backward run under
-`booster.no_sync` (no gradient communication), so with equal-sized micro-batches the step equals one step on their
-concatenation (a mean loss over N*b sequences). The scheduler steps once per optimizer step; its position is saved
+Accumulation is cx-plugins' `accumulated_step` (all but the last micro-batch under `booster.no_sync`, the loss
+scaled by 1/N), the step cx-plan measures. The scheduler steps once per optimizer step; its position is saved
 with the checkpoint (`lr_scheduler.json`), so a resumed run continues the same curve.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from cx_plugins._activation_checkpointing import enable_activation_checkpointing
-from cx_plugins._booster import Booster
-from cx_plugins._wrappers import OptimizerWrapper
-from cx_plugins.demo._models import DemoModel
-from cx_plugins.demo._options import HYBRID_CLASSES, DemoOptions
-from cx_plugins.demo._progress import StepOutput, forward_step
+from cx_plugins import Booster, OptimizerWrapper, accumulated_step, enable_activation_checkpointing
 from cx_plugins.lr_scheduler import CosineAnnealingWarmupLR, LambdaLR, LinearWarmupLR
+from cx_train.config._options import HYBRID_CLASSES, TrainOptions
+from cx_train.metrics._progress import StepOutput, forward_step
+from cx_train.models._spec import DescribedModel
 
-__all__ = ["accumulated_step", "make_optimizer", "make_scheduler", "micro_step", "prepare_model"]
+__all__ = ["make_optimizer", "make_scheduler", "micro_step", "prepare_model"]
 
 
-def make_optimizer(model: nn.Module, options: DemoOptions, eps: float = 1e-8) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, options: TrainOptions, eps: float = 1e-8) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay, eps=eps)
 
 
@@ -44,7 +40,7 @@ class _WarmupThenConstant:
         return (step + 1) / self.warmup_steps if step < self.warmup_steps else 1.0
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, options: DemoOptions) -> LRScheduler:
+def make_scheduler(optimizer: torch.optim.Optimizer, options: TrainOptions) -> LRScheduler:
     """The schedule over `--steps` optimizer steps (the total to reach, also when resuming)."""
     total, warmup = options.steps, options.warmup_steps
     if options.lr_schedule == "cosine":
@@ -56,7 +52,7 @@ def make_scheduler(optimizer: torch.optim.Optimizer, options: DemoOptions) -> LR
     raise ValueError(f"--lr-schedule {options.lr_schedule!r}: not one of constant, linear, cosine")
 
 
-def prepare_model(model: nn.Module, options: DemoOptions, is_hf: bool) -> nn.Module:
+def prepare_model(model: nn.Module, options: TrainOptions, is_hf: bool) -> nn.Module:
     """The model with `--activation-checkpointing` / `--compile` applied, before boosting. The hybrid plugins
     checkpoint through ShardFormer instead (`_plugins.hybrid_arguments`), which replaces the layers' forwards."""
     if options.activation_checkpointing and options.plugin not in HYBRID_CLASSES:
@@ -70,41 +66,15 @@ def prepare_model(model: nn.Module, options: DemoOptions, is_hf: bool) -> nn.Mod
     return model
 
 
-def accumulated_step(
-    booster: Booster,
-    model: nn.Module,
-    optimizer: OptimizerWrapper,
-    batches: Sequence[torch.Tensor],
-    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor],
-    clip: float = 0.0,
-) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """Forward and backward over `batches` (one optimizer step), gradients communicated on the last only; then
-    clipping (when `clip` > 0; returns the norm before it) and `optimizer.step()` / `zero_grad()`. Returns each
-    micro-batch's unscaled loss and the gradient norm."""
-    losses: list[torch.Tensor] = []
-    scale = 1.0 / len(batches)
-    for index, batch in enumerate(batches):
-        last = index == len(batches) - 1
-        silent = booster.no_sync(model, optimizer) if not last else contextlib.nullcontext()
-        with silent:
-            loss = forward(model, batch)
-            booster.backward(loss * scale if len(batches) > 1 else loss, optimizer)
-        losses.append(loss.detach())
-    norm = optimizer.clip_grad_by_norm(clip) if clip > 0 else None
-    optimizer.step()
-    optimizer.zero_grad()
-    return losses, None if norm is None else torch.as_tensor(norm)
-
-
 def micro_step(
     booster: Booster,
     model: nn.Module,
     optimizer: OptimizerWrapper,
     batches: Sequence[torch.Tensor],
-    described: DemoModel,
+    described: DescribedModel,
     clip: float = 0.0,
 ) -> StepOutput:
-    """`accumulated_step` with the demo's forward; the step's loss and MoE aux loss are the micro-batches' mean,
+    """`accumulated_step` with cx-train's forward; the step's loss and MoE aux loss are the micro-batches' mean,
     the expert counts their sum."""
     outputs: list[StepOutput] = []
 

@@ -1,0 +1,57 @@
+"""`make_plugin`: a `Candidate` turned into the cx plugin that runs it, the one translation from the planner's terms
+to a constructor call. cx-train builds its plugin here from the flags' candidate, cx-plan's `--measure` runs the
+candidates it ranks with it, and the benchmarks time them with it, so what is planned is what trains.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecision
+
+from cx_plan._candidate import Candidate
+from cx_plugins import (
+    GeminiPlugin,
+    HybridParallelPlugin,
+    LowLevelZeroPlugin,
+    MoeHybridParallelPlugin,
+    Plugin,
+    TorchDDPPlugin,
+    TorchFSDPPlugin,
+)
+from cx_plugins.fsdp import block_wrap_policy
+from cx_shardformer import GradientCheckpointConfig
+
+__all__ = ["make_plugin"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_plugin(candidate: Candidate, model: nn.Module | None = None) -> tuple[Plugin, str | None]:
+    """The plugin for `candidate` and the Booster's `mixed_precision` (set only for DDP,
+    which leaves precision to the Booster). Per-block FSDP (`fsdp_wrap="block"`) wraps each decoder layer of `model`
+    (`fsdp.block_wrap_policy`), so it needs the model; checkpointing a ratio of layers under the hybrid
+    plugins goes through ShardFormer (`GradientCheckpointConfig`), while the data-parallel plugins checkpoint the
+    model itself before boosting (`enable_activation_checkpointing`)."""
+    c, arguments = candidate, candidate.plugin_arguments()
+    if c.plugin == "torch_ddp":
+        return TorchDDPPlugin(), None if c.precision == "fp32" else c.precision
+    if c.plugin == "torch_fsdp":
+        dtype = _DTYPES.get(c.precision)
+        policy = None if dtype is None else MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
+        if c.fsdp_wrap == "block" and model is None:
+            raise ValueError("per-block FSDP wraps the model's decoder layers: make_plugin needs the model")
+        wrap = block_wrap_policy(model) if c.fsdp_wrap == "block" and model is not None else None
+        return TorchFSDPPlugin(mixed_precision=policy, auto_wrap_policy=wrap), None
+    if c.plugin == "low_level_zero":
+        return LowLevelZeroPlugin(**arguments), None
+    if c.plugin == "gemini":
+        # cx's models are small next to the chunk search's defaults: small chunks, so they really are sharded
+        return GeminiPlugin(search_range_m=1, min_chunk_size_m=0.05, hidden_dim=64, **arguments), None
+    if c.checkpoint_ratio:
+        arguments["gradient_checkpoint_config"] = GradientCheckpointConfig(
+            gradient_checkpointing_ratio=c.checkpoint_ratio
+        )
+    if c.plugin == "moe_hybrid":
+        return MoeHybridParallelPlugin(**arguments), None
+    return HybridParallelPlugin(**arguments), None

@@ -1,0 +1,1 @@
+"""`cx-plan --measure`: the ranked candidates run on this machine, measured beside their predictions."""

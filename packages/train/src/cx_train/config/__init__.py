@@ -1,0 +1,1 @@
+"""cx-train's flags, config files and the validated `TrainOptions` they become."""

@@ -1,0 +1,1 @@
+"""What cx-train reports: the progress line, `--metrics` JSON Lines, TensorBoard scalars, memory, MFU and plots."""
