@@ -101,15 +101,21 @@ def tests(session: nox.Session) -> None:
     paths = [f"packages/{p}/tests" for p in PACKAGES if (ROOT / "packages" / p / "tests").is_dir()]
     if (ROOT / "tests").is_dir() and any((ROOT / "tests").glob("test_*.py")):
         paths.append("tests")
-    session.run("pytest", *paths, *session.posargs, env=TEST_ENV)
+    session.run("pytest", "--durations=20", *paths, *session.posargs, env=TEST_ENV)
 
 
 @nox.session
 @nox.parametrize("package", PACKAGES)
 def package_tests(session: nox.Session, package: str) -> None:
-    """One package alone, with only what it declares: an undeclared sibling import fails here."""
+    """One package alone, with only what it declares: every module of it imports and its tests collect (each test
+    module imported), so a dependency it uses without declaring fails here by name. The tests themselves run in
+    `tests` (the whole stack, once); `-- --run` runs them here too, e.g. before releasing one package alone."""
     session.install(*CONSTRAINTS, *TEST_TOOLS, *_editable(package))
-    session.run("pytest", f"packages/{package}/tests", *session.posargs, env=TEST_ENV)
+    session.run("python", str(ROOT / "tools" / "import_package.py"), package, env=TEST_ENV)
+    run = "--run" in session.posargs
+    arguments = [a for a in session.posargs if a != "--run"]
+    collect = [] if run else ["--collect-only", "-q"]
+    session.run("pytest", f"packages/{package}/tests", *collect, *arguments, env=TEST_ENV)
 
 
 # The tests whose results depend on how ATen's CPU kernels round: a parallel or sharded run compared against one
