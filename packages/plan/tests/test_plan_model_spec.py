@@ -50,10 +50,11 @@ def test_candidate_validates_and_derives() -> None:
     assert Candidate("gemini").stage == 3
     assert Candidate("low_level_zero").stage == 2
     assert Candidate("hybrid", tp=2, sp_mode="split_gather").sequence_split == 2
+    assert Candidate("hybrid", pp=2, num_microbatches=1).num_microbatches == 1  # 1F1B runs one (cx-train allows it)
     for bad, match in [
         (dict(plugin="gemini", tp=2), "data parallelism only"),
         (dict(plugin="hybrid", ep=2, dp=2), "moe_hybrid"),
-        (dict(plugin="hybrid", pp=4, num_microbatches=2), "num_microbatches >= pp"),
+        (dict(plugin="hybrid", pp=4, num_microbatches=2, pp_style="interleaved"), "a multiple of pp=4"),
         (dict(plugin="hybrid", sp=2), "sp_mode"),
         (dict(plugin="low_level_zero", zero_stage=3), "stage 1 or 2"),
         (dict(plugin="hybrid", checkpoint_ratio=1.5), "checkpoint_ratio"),

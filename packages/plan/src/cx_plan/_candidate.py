@@ -104,9 +104,9 @@ class Candidate:
         )
         _require(self.pp_style in PIPELINE_STYLES, f"unknown pp_style {self.pp_style!r}")
         _require(self.pp > 1 or self.pp_style == "1f1b", f"pp_style {self.pp_style} needs pp > 1")
-        _require(
-            self.pp == 1 or self.num_microbatches >= self.pp,
-            f"a {self.pp}-stage pipeline needs num_microbatches >= pp, got {self.num_microbatches}",
+        _require(  # cx-pipeline's interleaved order; 1F1B and ZBV run any count (fewer than pp: mostly bubble)
+            self.pp_style != "interleaved" or self.num_microbatches % self.pp == 0,
+            f"pp_style interleaved needs num_microbatches a multiple of pp={self.pp}, got {self.num_microbatches}",
         )
         stage = self.stage
         allowed = _STAGES.get(self.plugin, (_FIXED_STAGE.get(self.plugin),))
