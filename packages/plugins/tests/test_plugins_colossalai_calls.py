@@ -11,10 +11,10 @@ import torch
 
 from cx_mesh.testing import TEST_ADAM_EPS, distributed
 from cx_plugins import Booster, HybridParallelPlugin, ModelWrapper
-from cx_plugins._zero_wrappers import ZeroOptimizerWrapper
 from cx_plugins.gemini._plugin import GeminiModel
 from cx_plugins.hybrid._optimizer import HybridParallelOptimizer
 from cx_plugins.models import GPT
+from cx_plugins.wrappers._zero import ZeroOptimizerWrapper
 from plugins_test_helpers import ATOL, CONFIG, GLOBAL_BATCH, RTOL, data, make_plugin, reference
 
 

@@ -13,9 +13,9 @@ from torch import nn
 
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, OptimizerWrapper
-from cx_plugins._zero_wrappers import ZeroOptimizerWrapper
 from cx_plugins.gemini._plugin import GeminiOptimizerWrapper
 from cx_plugins.models import GPT
+from cx_plugins.wrappers._zero import ZeroOptimizerWrapper
 from plugins_test_helpers import CONFIG, GLOBAL_BATCH, LR, data, full_state, make_plugin
 
 INITIAL_SCALE = 2.0**8

@@ -191,7 +191,7 @@ def test_plugins_fp8_zero_refuses_a_device_without_fp8_matmuls(rank: int, world_
     the first forward (stood in for here by making the capability check say no)."""
     model = nn.Sequential(nn.Linear(32, 32))
     with (
-        mock.patch("cx_plugins._use_fp8.fp8_matmul_supported", return_value=False),
+        mock.patch("cx_plugins.fp8._use_fp8.fp8_matmul_supported", return_value=False),
         pytest.raises(ValueError, match=r"GeminiPlugin\(use_fp8=True\): fp8 matmuls do not run on cpu"),
     ):
         Booster(plugin=GeminiPlugin(precision="bf16", use_fp8=True)).boost(model)

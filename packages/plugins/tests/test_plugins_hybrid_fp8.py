@@ -20,7 +20,7 @@ from torch import nn
 from cx_mesh.fp8 import Fp8Linear
 from cx_mesh.testing import CollectiveBytes, count_collective_bytes, distributed
 from cx_plugins import Booster, HybridParallelPlugin
-from cx_plugins._zero_wrappers import ZeroOptimizerWrapper
+from cx_plugins.wrappers._zero import ZeroOptimizerWrapper
 from fp8_test_helpers import assert_first_step_within_adam, assert_fp8_bytes, parameters_now
 
 transformers = pytest.importorskip("transformers")

@@ -19,11 +19,9 @@ from importlib import metadata as _metadata
 from cx_plugins._accumulation import accumulated_step
 from cx_plugins._activation_checkpointing import SelectiveOpPolicy, enable_activation_checkpointing
 from cx_plugins._booster import Booster
-from cx_plugins._engine_optimizer import EngineOptimizer, OptimizerEngine
 from cx_plugins._layout import FILL, Axis, LayoutError, ParallelLayout, resolve_sizes
 from cx_plugins._plugin import DPPluginBase, Plugin
 from cx_plugins._precision import Precision
-from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_plugins.checkpoint_io import ParallelModelView, ParallelOptimizerView
 from cx_plugins.ddp import TorchDDPPlugin
 from cx_plugins.fsdp import TorchFSDPPlugin
@@ -32,6 +30,8 @@ from cx_plugins.hybrid import HybridCheckpointIO, HybridParallelModule, HybridPa
 from cx_plugins.lazy import LazyInitContext, is_compatible_with_meta
 from cx_plugins.low_level_zero import LowLevelZeroPlugin
 from cx_plugins.moe_hybrid import MoeHybridParallelPlugin
+from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
+from cx_plugins.wrappers._engine_optimizer import EngineOptimizer, OptimizerEngine
 
 try:
     __version__ = _metadata.version("cx-plugins")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from cx_plugins._booster import Booster
-from cx_plugins._wrappers import OptimizerWrapper
+from cx_plugins.wrappers._base import OptimizerWrapper
 
 __all__ = ["accumulated_step"]
 

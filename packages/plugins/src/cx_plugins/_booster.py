@@ -27,10 +27,10 @@ from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, CheckpointIO, LoadResult
 from cx_mesh import all_gather_flat, all_reduce, communication_device, get_accelerator
 from cx_plugins._plugin import Boosted, Plugin
 from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
-from cx_plugins._settings import check_boost_settings
-from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_plugins.checkpoint_io._capabilities import KeepsLossScaler, SavesLora
 from cx_plugins.lazy._context import is_lazy, materialize
+from cx_plugins.options._settings import check_boost_settings
+from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
 
 __all__ = ["Booster"]
 

@@ -20,7 +20,7 @@ from cx_mesh import require_initialized
 from cx_plugins._layout import ParallelLayout
 from cx_plugins._lora import apply_lora
 from cx_plugins._precision import Precision
-from cx_plugins._wrappers import OptimizerWrapper
+from cx_plugins.wrappers._base import OptimizerWrapper
 
 __all__ = ["ZERO_PRECISIONS", "Boosted", "DPPluginBase", "Plugin", "ZeroPluginBase"]
 

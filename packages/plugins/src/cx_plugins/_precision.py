@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from cx_mesh import get_accelerator
-from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
 from cx_zero import Precision
 
 __all__ = ["AutocastModel", "Precision", "ScaledOptimizer"]

@@ -40,7 +40,7 @@ from cx_checkpoint import (
 )
 from cx_mesh import DistCoordinator
 from cx_plugins._lora import require_lora, save_lora
-from cx_plugins._wrappers import ModelWrapper
+from cx_plugins.wrappers._base import ModelWrapper
 
 __all__ = [
     "SCALER_KEY",

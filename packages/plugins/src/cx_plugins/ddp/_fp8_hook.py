@@ -3,7 +3,8 @@
 Each gradient bucket is averaged over the group with `cx_mesh.fp8.all_reduce_fp8` in E5M2 (gradients need the
 range): an fp8 reduce-scatter with one scale per destination slice, float32 sums, then an fp8 all-gather of the
 reduced slice, so every replica ends with the same values and about half the bytes of a bf16 all-reduce move.
-TorchDDPPlugin and the hybrid plugins' ZeRO-stage-0 DDP path register it the same way (`register_fp8_comm_hook`).
+Only TorchDDPPlugin registers it (`register_fp8_comm_hook`), so it lives in ddp/; the hybrid plugins' zero_stage 0
+has no torch DDP and averages in fp8 in its own optimizer.
 """
 
 import torch

@@ -15,12 +15,12 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import CheckpointIO, attach_param_names
 from cx_mesh import assert_same_across_ranks, get_accelerator
-from cx_plugins._ddp_options import DDPOptions
-from cx_plugins._fp8_communication import warn_if_nothing_to_compress
-from cx_plugins._fp8_ddp_hook import register_fp8_comm_hook
 from cx_plugins._plugin import Boosted, DPPluginBase
-from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
 from cx_plugins.checkpoint_io._replicated import ReplicatedCheckpointIO
+from cx_plugins.ddp._fp8_hook import register_fp8_comm_hook
+from cx_plugins.fp8._communication import warn_if_nothing_to_compress
+from cx_plugins.options._ddp import DDPOptions
+from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
 from cx_zero import Precision
 
 __all__ = ["DDPOptions", "TorchDDPModel", "TorchDDPPlugin"]

@@ -46,7 +46,7 @@ from cx_mesh.fp8 import (
     fp8_matmul_supported,
     reduce_scatter_flat_fp8,
 )
-from cx_plugins._use_fp8 import convert_linears_to_fp8, warn_nothing_converted
+from cx_plugins.fp8._use_fp8 import convert_linears_to_fp8, warn_nothing_converted
 
 __all__ = [
     "Fp8AllGather",
@@ -104,7 +104,7 @@ def fp8_linears_for_device() -> str:
 
 def convert_linears(module: nn.Module, linears: str, float8_all_gather: bool) -> list[str]:
     """Swap the eligible linears of `module` for `linears`' fp8 ones (TORCHAO or CX_MESH); returns their names. As
-    every plugin's use_fp8 (cx_plugins._use_fp8): a device without fp8 GEMMs is a ValueError at boost, and a model
+    every plugin's use_fp8 (cx_plugins.fp8._use_fp8): a device without fp8 GEMMs is a ValueError at boost, and a model
     with nothing converted a warning naming the switch."""
     if linears == CX_MESH:
         return convert_linears_to_fp8(module, "TorchFSDPPlugin")

@@ -29,14 +29,14 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import CheckpointIO
 from cx_mesh import assert_same_across_ranks, get_accelerator
-from cx_plugins._fp8_communication import warn_if_nothing_to_compress
 from cx_plugins._plugin import Boosted, DPPluginBase
-from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_plugins.fp8._communication import warn_if_nothing_to_compress
 from cx_plugins.fsdp._checkpoint_io import FSDPCheckpointIO
 from cx_plugins.fsdp._options import FSDPOptions
 from cx_plugins.fsdp._wrap import cast_buffers, repoint_optimizer, shard_module, sync_module_states
 from cx_plugins.lazy._context import LazyModel, is_lazy
 from cx_plugins.lazy._fsdp import materialise_into_fsdp_shards
+from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
 
 __all__ = ["FSDPOptimizerWrapper", "TorchFSDPModel", "TorchFSDPPlugin"]
 

@@ -26,7 +26,6 @@ from cx_checkpoint import (
     write_sharded,
     write_side_files,
 )
-from cx_plugins._wrappers import ModelWrapper
 from cx_plugins.checkpoint_io._replicated import (
     ShardedOptimizerCheckpointIO,
     StateView,
@@ -34,6 +33,7 @@ from cx_plugins.checkpoint_io._replicated import (
     states_by_name,
     with_scaler,
 )
+from cx_plugins.wrappers._base import ModelWrapper
 from cx_zero import GeminiDDP, GeminiOptimizer
 
 __all__ = ["GeminiCheckpointIO"]

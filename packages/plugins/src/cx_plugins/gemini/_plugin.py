@@ -29,19 +29,19 @@ from torch.utils.data import DataLoader
 from cx_checkpoint import CheckpointIO
 from cx_chunk import MemStats
 from cx_mesh import assert_same_across_ranks, get_accelerator
-from cx_plugins._engine_optimizer import EngineOptimizer
-from cx_plugins._fp8_communication import warn_if_nothing_to_compress
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
-from cx_plugins._shardformer_options import ShardFormerOptions
-from cx_plugins._use_fp8 import convert_linears_to_fp8
 from cx_plugins._weak_lookup import WeakLookup
-from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_plugins.fp8._communication import warn_if_nothing_to_compress
+from cx_plugins.fp8._use_fp8 import convert_linears_to_fp8
 from cx_plugins.gemini._checkpoint_io import GeminiCheckpointIO
 from cx_plugins.gemini._tp import shard_for_gemini, tp_split_names
 from cx_plugins.gemini._tp_checkpoint_io import GeminiTPCheckpointIO
 from cx_plugins.lazy._context import LazyModel, is_lazy
 from cx_plugins.lazy._tp import SlicedSource
+from cx_plugins.options._shardformer import ShardFormerOptions
+from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
+from cx_plugins.wrappers._engine_optimizer import EngineOptimizer
 from cx_zero import (
     ClipOptions,
     GeminiDDP,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from cx_plugins._layout import Axis, ParallelLayout
-from cx_plugins._shardformer_options import ShardFormerOptions
+from cx_plugins.options._shardformer import ShardFormerOptions
 from cx_shardformer import ShardFormer, get_shard_spec
 from cx_shardformer.policies import NoPolicyError
 

@@ -7,8 +7,6 @@ from collections.abc import Sequence
 
 import torch
 
-from cx_plugins._ddp_options import DDPOptions
-from cx_plugins._shardformer_options import ShardFormerOptions
 from cx_plugins.hybrid._options import (
     HybridParallelOptions,
     PipelineOptions,
@@ -16,6 +14,8 @@ from cx_plugins.hybrid._options import (
     check_custom_policy,
     parse_pipeline_style,
 )
+from cx_plugins.options._ddp import DDPOptions
+from cx_plugins.options._shardformer import ShardFormerOptions
 from cx_shardformer import GradientCheckpointConfig, Policy
 from cx_zero import LossScaleOptions
 

@@ -28,10 +28,10 @@ from cx_pipeline import (
     split_model,
 )
 from cx_plugins._layout import ParallelLayout
-from cx_plugins._wrappers import ModelWrapper
 from cx_plugins.hybrid._batch_check import BatchCheck
 from cx_plugins.lazy._context import LazyModel
 from cx_plugins.lazy._tp import materialise_sliced
+from cx_plugins.wrappers._base import ModelWrapper
 from cx_shardformer import Policy, ShardConfig, ShardFormer, shard_sequence_at_stage
 from cx_shardformer.policies import NoPolicyError
 

@@ -33,8 +33,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from cx_mesh import ProcessGroup, all_reduce
 from cx_mesh.fp8 import all_reduce_fp8
-from cx_plugins._wrappers import OptimizerWrapper, finite_or_raise
-from cx_plugins._zero_wrappers import ZeroOptimizerWrapper
+from cx_plugins.wrappers._base import OptimizerWrapper, finite_or_raise
+from cx_plugins.wrappers._zero import ZeroOptimizerWrapper
 from cx_zero import BaseGradScaler, LossScaleOptions, NormType, clip_coefficient, reduce_norm
 
 __all__ = ["HybridParallelOptimizer", "HybridZeroOptimizer", "weighted_norm_term"]

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cx_plugins._ddp_options import DDPOptions
 from cx_plugins._plugin import ZERO_PRECISIONS
 from cx_plugins._precision import Precision
-from cx_plugins._shardformer_options import ShardFormerOptions
+from cx_plugins.options._ddp import DDPOptions
+from cx_plugins.options._shardformer import ShardFormerOptions
 from cx_shardformer import Policy
 from cx_zero import LossScaleOptions
 

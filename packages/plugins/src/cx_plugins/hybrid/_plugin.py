@@ -24,11 +24,10 @@ from torch.utils.data import DataLoader
 from cx_checkpoint import CheckpointIO
 from cx_mesh import ProcessGroup, assert_same_across_ranks, get_accelerator
 from cx_pipeline import PipelineSchedule, PipelineStageManager
-from cx_plugins._fp8_communication import warn_if_nothing_to_compress
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import Boosted, ZeroPluginBase
-from cx_plugins._use_fp8 import convert_linears_to_fp8
-from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
+from cx_plugins.fp8._communication import warn_if_nothing_to_compress
+from cx_plugins.fp8._use_fp8 import convert_linears_to_fp8
 from cx_plugins.hybrid._arguments import hybrid_options
 from cx_plugins.hybrid._batch_check import BatchCheck
 from cx_plugins.hybrid._boosted import BoostedParts, HybridOptimizer
@@ -46,6 +45,7 @@ from cx_plugins.hybrid._model import ComposedModel, HybridParallelModule, broadc
 from cx_plugins.hybrid._optimizer import HybridParallelOptimizer, HybridZeroOptimizer
 from cx_plugins.hybrid._options import HybridParallelOptions, SequenceParallelism
 from cx_plugins.lazy._context import LazyModel, is_lazy
+from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
 from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig
 
 __all__ = ["HybridParallelPlugin"]

@@ -23,9 +23,9 @@ from cx_checkpoint import (
     TensorSpec,
     require_names,
 )
-from cx_plugins._zero_wrappers import CastModel
 from cx_plugins.checkpoint_io._replicated import ShardedOptimizerCheckpointIO
 from cx_plugins.checkpoint_io._state_parts import zero_state_from_parts, zero_state_to_parts
+from cx_plugins.wrappers._zero import CastModel
 from cx_zero import LowLevelZeroOptimizer
 
 __all__ = ["ZeroCheckpointIO"]

@@ -23,14 +23,14 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import CheckpointIO
 from cx_mesh import assert_same_across_ranks, get_accelerator
-from cx_plugins._fp8_communication import warn_if_nothing_to_compress
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
-from cx_plugins._use_fp8 import convert_linears_to_fp8
 from cx_plugins._weak_lookup import WeakLookup
-from cx_plugins._wrappers import ModelWrapper, OptimizerWrapper
-from cx_plugins._zero_wrappers import CastModel, ZeroOptimizerWrapper
+from cx_plugins.fp8._communication import warn_if_nothing_to_compress
+from cx_plugins.fp8._use_fp8 import convert_linears_to_fp8
 from cx_plugins.low_level_zero._checkpoint_io import ZeroCheckpointIO
+from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
+from cx_plugins.wrappers._zero import CastModel, ZeroOptimizerWrapper
 from cx_zero import ClipOptions, LossScaleOptions, LowLevelZeroOptimizer, LowLevelZeroOptions, Precision, ZeroStage
 
 __all__ = ["LowLevelZeroPlugin", "LowLevelZeroPluginOptions"]

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim import Optimizer
 
-from cx_plugins._wrappers import OptimizerWrapper, finite_or_raise
+from cx_plugins.wrappers._base import OptimizerWrapper, finite_or_raise
 from cx_zero import BaseGradScaler, DynamicGradScaler
 
 __all__ = ["EngineOptimizer", "OptimizerEngine"]

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from cx_plugins._engine_optimizer import EngineOptimizer
-from cx_plugins._wrappers import ModelWrapper
+from cx_plugins.wrappers._base import ModelWrapper
+from cx_plugins.wrappers._engine_optimizer import EngineOptimizer
 from cx_zero import LowLevelZeroOptimizer
 
 __all__ = ["CastModel", "ZeroOptimizerWrapper"]
