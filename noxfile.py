@@ -101,7 +101,14 @@ def tests(session: nox.Session) -> None:
     paths = [f"packages/{p}/tests" for p in PACKAGES if (ROOT / "packages" / p / "tests").is_dir()]
     if (ROOT / "tests").is_dir() and any((ROOT / "tests").glob("test_*.py")):
         paths.append("tests")
+    if any(_is_test_path(argument) for argument in session.posargs):
+        paths = []  # `nox -s tests -- path/to/test_file.py`: the path narrows the run
     session.run("pytest", "--durations=20", *paths, *session.posargs, env=TEST_ENV)
+
+
+def _is_test_path(argument: str) -> bool:
+    """A pytest argument naming a file or folder (with or without a `::test` node id), not an option."""
+    return not argument.startswith("-") and (ROOT / argument.split("::")[0]).exists()
 
 
 @nox.session
