@@ -170,17 +170,29 @@ def _cpu_flags() -> set[str]:
 
 
 @nox.session
-@nox.parametrize("kernel", list(KERNELS))
-def numerics(session: nox.Session, kernel: str) -> None:
-    """The numerics-heavy tests (NUMERICS_TESTS) under another ATen CPU kernel set: a tolerance that holds only for
-    one CPU's rounding fails here on any machine. `nox -s numerics` runs every kernel set this CPU can run;
-    `nox -s "numerics(kernel='avx2')"` one of them."""
-    needed = KERNELS[kernel]
-    if needed is not None and needed not in _cpu_flags():
-        session.skip(f"this CPU has no {needed}: ATen cannot run its {kernel} kernels here")
+def numerics(session: nox.Session) -> None:
+    """The numerics-heavy tests (NUMERICS_TESTS) under the other ATen CPU kernel sets: a tolerance that holds only for
+    one CPU's rounding fails here on any machine. One venv; each kernel set this CPU can run, except the one ATen
+    already picks here (the `tests` session ran under it), e.g. only `default` on an AVX2 machine. `CX_KERNELS=avx2`
+    (comma-separated) names the sets instead."""
     _install_all(session)
     session.install(*CONSTRAINTS, *INTEGRATION_TOOLS)
-    session.run("pytest", *NUMERICS_TESTS, *session.posargs, env={**TEST_ENV, "ATEN_CPU_CAPABILITY": kernel})
+    native = session.run(
+        "python", "-c", "import torch; print(torch.backends.cpu.get_cpu_capability().lower())", silent=True
+    )
+    native = str(native or "").strip().splitlines()[-1] if native else ""
+    chosen = os.environ.get("CX_KERNELS")
+    kernels = chosen.split(",") if chosen else [k for k in KERNELS if k != native]
+    flags = _cpu_flags()
+    for kernel in kernels:
+        if kernel not in KERNELS:
+            session.error(f"CX_KERNELS: unknown kernel set {kernel!r}; one of {', '.join(KERNELS)}")
+        needed = KERNELS[kernel]
+        if needed is not None and needed not in flags:
+            session.log(f"skipped {kernel}: this CPU has no {needed}, so ATen cannot run those kernels here")
+            continue
+        session.log(f"numerics under ATen's {kernel} kernels (this CPU's own: {native or 'unknown'})")
+        session.run("pytest", *NUMERICS_TESTS, *session.posargs, env={**TEST_ENV, "ATEN_CPU_CAPABILITY": kernel})
 
 
 @nox.session
