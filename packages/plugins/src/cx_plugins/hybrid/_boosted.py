@@ -32,6 +32,8 @@ class BoostedParts:
     def remember(self, optimizer: Optimizer, module: HybridParallelModule, wrapped: HybridOptimizer) -> None:
         self._module_of[optimizer] = module
         self._wrapper_of[optimizer] = wrapped
+        if isinstance(wrapped, HybridZeroOptimizer):  # overlap_allgather: reads wait for the step's gathers
+            module.settle_on_read(wrapped.zero.synchronize_working_params)
 
     def remember_dtype(self, module: HybridParallelModule, dtype: torch.dtype) -> None:
         """The dtype the user's model had before the mixed-precision cast (what its checkpoints hold)."""

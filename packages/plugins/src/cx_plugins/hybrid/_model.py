@@ -11,6 +11,8 @@ model and checkpoint IO skips what is not held). The module implements the face 
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +70,27 @@ class HybridParallelModule(ModelWrapper):
         self._held_buffers = frozenset(
             name for name, buffer in module.named_buffers() if name in persistent and id(buffer) in held_buffers
         )
+        self.__dict__["_settlers"] = []  # not module state: callables, held weakly
+        self.register_state_dict_pre_hook(lambda *_: self.settle_parameters())
 
     pipeline: PipelineModel | None
+
+    def settle_on_read(self, settle: Callable[[], None]) -> None:
+        """Run `settle` (held weakly, a bound method) before the weights are read: `overlap_allgather` leaves the
+        step's updated shards in flight until the next forward, and a save, a load, `state_dict()` or `unwrap()` in
+        between must see (or replace) the updated weights, not the previous step's."""
+        self.__dict__["_settlers"].append(weakref.WeakMethod(settle))
+
+    def settle_parameters(self) -> None:
+        """Finish whatever is still writing the weights (the deferred all-gathers of a ZeRO step)."""
+        for reference in self.__dict__["_settlers"]:
+            settle = reference()
+            if settle is not None:
+                settle()
+
+    def unwrap(self) -> nn.Module:
+        self.settle_parameters()  # whoever unwraps reads or writes the weights next
+        return super().unwrap()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is not None:
