@@ -21,6 +21,7 @@ from cx_shardformer._sharder import get_submodule_or_none, set_submodule
 from cx_shardformer._vocab import VocabParallelEmbedding1D, VocabParallelLMHead1D
 from cx_shardformer.policies._dropout import install_dropout_streams
 from cx_shardformer.policies._fused import apply_jit_fused
+from cx_shardformer.policies._fused_norm import fuse_rms_norms
 
 __all__ = [
     "HFDecoderPolicy",
@@ -211,24 +212,6 @@ class HFDecoderPolicy(Policy):
             count = config.gradient_checkpoint_config.get_num_ckpt_layers(len(layers))
             for layer in layers[:count]:
                 enable_checkpointing(layer)
-
-
-def fuse_rms_norms(model: nn.Module) -> int:
-    """Replace every Hugging Face `*RMSNorm` (weight, epsilon) by torch's `nn.RMSNorm` holding the same Parameter;
-    LayerNorm already runs torch's fused kernel. Returns how many were replaced."""
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.RMSNorm) or not type(module).__name__.endswith("RMSNorm"):
-            continue
-        weight = getattr(module, "weight", None)
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        if not isinstance(weight, nn.Parameter) or not isinstance(eps, float) or weight.dim() != 1:
-            raise TypeError(f"enable_fused_normalization: cannot fuse {type(module).__name__} at {name!r}")
-        fused = nn.RMSNorm(weight.shape[0], eps=eps, elementwise_affine=True, device=weight.device, dtype=weight.dtype)
-        fused.weight = weight
-        set_submodule(model, name, fused)
-        replaced += 1
-    return replaced
 
 
 def enable_checkpointing(layer: nn.Module) -> None:
