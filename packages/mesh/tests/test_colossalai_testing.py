@@ -3,7 +3,11 @@ change is its imports (spawn(run_dist, n) with run_dist(rank, world_size, port) 
 
 from __future__ import annotations
 
+import inspect
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,3 +156,27 @@ def _fails_on_rank_one(rank: int, world_size: int, port: int) -> None:
 def test_colossalai_style_spawn_reports_failures_by_rank() -> None:
     with pytest.raises(DistributedTestFailure, match="rank one failed"):
         spawn(_fails_on_rank_one, 2, timeout=30)
+
+
+def test_colossalai_decorators_under_pytest_collection(tmp_path: Path) -> None:
+    """A ColossalAI test module (imports changed only) whose test functions are decorated with `parameterize` and
+    `clear_cache_before_run`, collected and run by pytest itself: the parameterized arguments are not fixtures (they
+    failed at setup with "fixture 'use_safetensors' not found" while the decorators copied the whole signature)."""
+    (tmp_path / "test_colossalai_style.py").write_text(
+        "from cx_mesh.testing import clear_cache_before_run, parameterize\n"
+        "SEEN = []\n\n"
+        "@clear_cache_before_run()\n"
+        "@parameterize('use_safetensors', [True, False])\n"
+        "@parameterize('shard', [1, 2])\n"
+        "def test_unsharded_checkpoint(use_safetensors: bool, shard: int):\n"
+        "    SEEN.append((use_safetensors, shard))\n\n"
+        "def test_all_cases_ran():\n"
+        "    assert sorted(SEEN) == [(False, 1), (False, 2), (True, 1), (True, 2)]\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_colossalai_style.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "2 passed" in result.stdout
+    assert list(inspect.signature(parameterize("a", [1])(lambda a, b: None)).parameters) == ["b"]

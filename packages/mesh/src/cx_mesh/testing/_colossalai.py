@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -53,9 +54,22 @@ def parameterize(argument: str, values: Sequence[Any]) -> Callable[[Callable[...
             for value in values:
                 function(*args, **{**kwargs, argument: value})
 
+        _drop_parameter(each, function, argument)
         return each
 
     return decorate
+
+
+def _drop_parameter(wrapper: Callable[..., Any], function: Callable[..., Any], argument: str) -> None:
+    """`wrapper` keeps `function`'s name and docs (`functools.wraps`) but not the parameterized `argument` in its
+    signature: pytest asks for every parameter a test's signature names as a fixture, so a ColossalAI test collected
+    by pytest failed at setup with "fixture 'use_safetensors' not found" (ColossalAI's own decorator exposes none)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # no signature to read: nothing for pytest to ask for either
+        return
+    kept = [parameter for name, parameter in signature.parameters.items() if name != argument]
+    wrapper.__signature__ = signature.replace(parameters=kept)  # type: ignore[attr-defined]
 
 
 def rerun_if_address_is_in_use(max_try: int = 5) -> Callable[[_F], _F]:
