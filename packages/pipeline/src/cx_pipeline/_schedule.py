@@ -103,7 +103,7 @@ class PipelineSchedule(ABC):
     def _unpack(self, model: nn.Module) -> tuple[list[nn.Module], list[SharedParameter]]:
         if isinstance(model, PipelineModel):
             chunks, shared = list(model.chunks), model.shared
-        elif isinstance(model, nn.ModuleList):
+        elif isinstance(model, nn.ModuleList) and not _runs_itself(model, self.stage_manager.num_model_chunks):
             chunks, shared = list(model), []
         else:
             chunks, shared = [model], []
@@ -220,3 +220,9 @@ def _reduce_accumulated(chunks: list[nn.Module], optimizer: Any) -> None:
         return
     anchor = torch.stack([p.reshape(-1)[0].float() for p in params]).sum()
     optimizer.backward_by_grad(anchor, torch.zeros_like(anchor))
+
+
+def _runs_itself(model: nn.ModuleList, num_model_chunks: int) -> bool:
+    """A ModuleList subclass with its own `forward`, given where one chunk per stage runs, is that one chunk (as
+    ColossalAI's 1F1B calls it); a plain ModuleList, or any list where several chunks run, lists the chunks."""
+    return num_model_chunks == 1 and type(model).forward is not nn.ModuleList.forward
