@@ -22,7 +22,7 @@ from cx_mesh.testing._pool import shutdown_pools
 from cx_mesh.testing._processes import DistributedTestFailure
 from cx_mesh.testing._pytest import distributed
 from cx_mesh.testing._seeding import seed_all
-from cx_mesh.testing._spawn import DEFAULT_TIMEOUT_SECONDS, run_distributed, spawn
+from cx_mesh.testing._spawn import DEFAULT_TIMEOUT_SECONDS, default_timeout, run_distributed, spawn
 from cx_mesh.testing._tolerances import (
     TEST_ADAM_EPS,
     adam_parameter_tolerance,
@@ -35,6 +35,7 @@ from cx_mesh.testing._tolerances import (
 __all__ = [
     "CollectiveBytes",
     "DEFAULT_TIMEOUT_SECONDS",
+    "default_timeout",
     "DistributedTestFailure",
     "TEST_ADAM_EPS",
     "PerTestCache",

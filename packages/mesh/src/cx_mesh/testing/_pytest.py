@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from cx_mesh.testing._pool import run_in_pool
-from cx_mesh.testing._spawn import DEFAULT_TIMEOUT_SECONDS, spawn
+from cx_mesh.testing._spawn import default_timeout, spawn
 from cx_mesh.testing._worker import INNER_ATTRIBUTE, FunctionRef
 
 __all__ = ["distributed"]
@@ -26,7 +26,7 @@ def distributed(
     world_size: int | Sequence[int] = 2,
     *,
     backend: str = "gloo",
-    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    timeout: float | None = None,
     fresh: bool = False,
     threads: int = 1,
     init_process_group: bool = True,
@@ -45,14 +45,15 @@ def distributed(
         reference = FunctionRef.of(function)
 
         def run(size: int, kwargs: dict[str, Any]) -> None:
+            timeout_s = default_timeout(size) if timeout is None else timeout
             if use_pool:
-                outcomes = run_in_pool(reference, size, kwargs, backend=backend, timeout=timeout, threads=threads)
+                outcomes = run_in_pool(reference, size, kwargs, backend=backend, timeout=timeout_s, threads=threads)
             else:
                 outcomes = spawn(
                     function,
                     size,
                     backend=backend,
-                    timeout=timeout,
+                    timeout=timeout_s,
                     threads=threads,
                     init_process_group=init_process_group,
                     **kwargs,

@@ -17,9 +17,28 @@ from cx_mesh.testing._pool import run_in_pool
 from cx_mesh.testing._processes import RankHandle, collect, context, kill_all
 from cx_mesh.testing._worker import FunctionRef, Outcome, Task, single_worker_main
 
-__all__ = ["DEFAULT_TIMEOUT_SECONDS", "run_distributed", "spawn"]
+__all__ = ["DEFAULT_TIMEOUT_SECONDS", "default_timeout", "run_distributed", "spawn"]
 
-DEFAULT_TIMEOUT_SECONDS = 120.0
+DEFAULT_TIMEOUT_SECONDS = 120.0  # for as many ranks as CPU cores; more ranks than cores scale it (`default_timeout`)
+TIMEOUT_VARIABLE = "CX_TEST_TIMEOUT"
+
+
+def default_timeout(world_size: int) -> float:
+    """How long a run of `world_size` ranks may take when the caller names no timeout: `CX_TEST_TIMEOUT` seconds
+    when set, otherwise 120 s scaled by how many ranks share each CPU core this process may use (4 ranks on a
+    2-core machine: 240 s), since oversubscribed ranks run in turns. ColossalAI's `spawn` has no limit at all; a 4-rank
+    ColossalAI test on a busy 2-core machine was killed at a flat 120 s although it passes alone."""
+    configured = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    if configured:
+        try:
+            seconds = float(configured)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_VARIABLE}={configured!r}: not a number of seconds") from None
+        if not seconds > 0:
+            raise ValueError(f"{TIMEOUT_VARIABLE}={configured!r}: must be a positive number of seconds")
+        return seconds
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return DEFAULT_TIMEOUT_SECONDS * max(1.0, world_size / max(1, cores))
 
 
 def spawn(
@@ -28,7 +47,7 @@ def spawn(
     *args: Any,
     nprocs: int | None = None,
     backend: str = "gloo",
-    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    timeout: float | None = None,
     threads: int = 1,
     init_process_group: bool | None = None,
     **kwargs: Any,
@@ -36,7 +55,8 @@ def spawn(
     """Run `function(rank, world_size, *args, **kwargs)` on `world_size` new processes; return each rank's outcome.
 
     The processes join one process group (`backend`, default gloo) unless `init_process_group=False`. Any rank that
-    raises, exits early or is still running after `timeout` seconds fails the call with
+    raises, exits early or is still running after `timeout` seconds (default: `default_timeout(world_size)`) fails the
+    call with
     `DistributedTestFailure`, naming the ranks and carrying their tracebacks; no process outlives the call.
     `function` must be defined at module level.
 
@@ -55,6 +75,7 @@ def spawn(
     init_process_group = True if init_process_group is None else init_process_group
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    timeout = default_timeout(world_size) if timeout is None else timeout
     task = Task(FunctionRef.of(function), tuple(args), dict(kwargs))
     workdir = tempfile.mkdtemp(prefix="cx-spawn-")
     store_path = os.path.join(workdir, "store")
@@ -97,7 +118,7 @@ def run_distributed(
     *,
     fresh: bool = False,
     backend: str = "gloo",
-    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    timeout: float | None = None,
     threads: int = 1,
     **kwargs: Any,
 ) -> dict[int, Outcome]:
@@ -105,6 +126,7 @@ def run_distributed(
 
     For tests that orchestrate several distributed phases, e.g. save at 2 ranks then load at 4.
     """
+    timeout = default_timeout(world_size) if timeout is None else timeout
     if fresh:
         return spawn(function, world_size, backend=backend, timeout=timeout, threads=threads, **kwargs)
     return run_in_pool(FunctionRef.of(function), world_size, kwargs, backend=backend, timeout=timeout, threads=threads)
