@@ -111,6 +111,7 @@ def test_train_data_order_is_independent_of_the_data_parallel_size() -> None:
     [
         ("empty.txt", "", "empty.txt: the file is empty"),
         ("blank.txt", "\n  \n", "blank.txt: the file holds only whitespace"),
+        ("nul.txt", "\x00" * 64, "nul.txt: holds NUL bytes (a preallocated or crashed file), not text"),
         ("empty.jsonl", "\n\n", "empty.jsonl: the file holds no JSON lines"),
         ("field.jsonl", '{"text": "ok"}\n{"body": "no"}\n', 'field.jsonl:line 2: no "text" field (it has: body)'),
         ("bad.jsonl", '{"text": "ok"}\n\n{"text": \n', "bad.jsonl:line 3: not a JSON object"),
@@ -139,6 +140,11 @@ def test_train_data_missing_paths_and_short_corpus(tmp_path: Path) -> None:
         resolve_data_paths([str(tmp_path / "missing.txt")])
     (tmp_path / "folder").mkdir()
     with pytest.raises(DataError, match=r"not one written by datasets\.Dataset\.save_to_disk"):
+        resolve_data_paths([str(tmp_path / "folder")])
+    with pytest.raises(DataError, match=r"--data /dev/zero: not a regular file \(a device, pipe or socket\)"):
+        resolve_data_paths(["/dev/zero"])
+    (tmp_path / "folder" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    with pytest.raises(DataError, match=r"a datasets\.DatasetDict folder \(splits: train, test\); pass one split's"):
         resolve_data_paths([str(tmp_path / "folder")])
     short = tmp_path / "short.txt"
     short.write_text("abc")  # 3 bytes + EOS: shorter than a window of 17

@@ -45,6 +45,16 @@ def resolve_data_paths(patterns: Sequence[str], flag: str = "--data") -> list[Pa
         path = Path(pattern)
         if not path.exists():
             raise DataError(f"{flag} {pattern}: no such file or folder")
+        if not path.is_dir() and not path.is_file():  # /dev/zero would be read forever as one line of NULs
+            raise DataError(
+                f"{flag} {pattern}: not a regular file (a device, pipe or socket); {flag} reads files, globs of "
+                "files or datasets.save_to_disk folders"
+            )
+        if path.is_dir() and (path / "dataset_dict.json").is_file():
+            raise DataError(
+                f"{flag} {pattern}: a datasets.DatasetDict folder ({_splits(path)}); pass one split's folder, "
+                f"e.g. {flag} '{path / _first_split(path)}'"
+            )
         if path.is_dir() and not _is_saved_dataset(path):
             raise DataError(
                 f"{flag} {pattern}: a folder, but not one written by datasets.Dataset.save_to_disk (no state.json); "
@@ -52,6 +62,27 @@ def resolve_data_paths(patterns: Sequence[str], flag: str = "--data") -> list[Pa
             )
         paths.append(path)
     return [p for p in dict.fromkeys(p.resolve() for p in paths)]
+
+
+def _split_names(folder: Path) -> list[str]:
+    """The splits a DatasetDict.save_to_disk folder lists (its dataset_dict.json), else its sub-folders."""
+    try:
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits")
+    except (OSError, ValueError, AttributeError):
+        splits = None
+    if isinstance(splits, list) and all(isinstance(s, str) for s in splits) and splits:
+        return splits
+    return sorted(p.name for p in folder.iterdir() if p.is_dir())
+
+
+def _splits(folder: Path) -> str:
+    names = _split_names(folder)
+    return "splits: " + ", ".join(names) if names else "no splits listed"
+
+
+def _first_split(folder: Path) -> str:
+    names = _split_names(folder)
+    return "train" if "train" in names or not names else names[0]
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -92,6 +123,8 @@ def _text_documents(path: Path) -> Iterator[Document]:
         size = 0
         try:
             for line in file:
+                if "\x00" in line:  # valid UTF-8, but a preallocated or crashed file, not text
+                    raise DataError(f"{path}: holds NUL bytes (a preallocated or crashed file), not text")
                 block.append(line)
                 size += len(line)
                 if size >= _TEXT_BLOCK:
