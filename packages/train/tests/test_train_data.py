@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,20 @@ def test_train_data_cache_is_reused_and_keyed_by_the_files(tmp_path: Path) -> No
     assert not third.reused
     assert third.path != first.path
     assert not token_stream([data], ByteTokenizer(), "other_field").reused  # the settings are part of the key
+
+
+def test_train_data_cache_with_ids_outside_the_vocabulary_is_named(tmp_path: Path) -> None:
+    """A damaged cache (or one not written for this tokenizer) is refused on open, naming the file, instead of
+    torch's `IndexError: index out of range in self` from the embedding at the first step."""
+    data = write_text(tmp_path / "corpus.txt", 300)
+    stream = token_stream([data], ByteTokenizer())
+    with stream.path.open("r+b") as file:
+        file.seek(8)
+        file.write((5000).to_bytes(4, sys.byteorder))
+    with pytest.raises(
+        DataError, match=r"\.tokens: the token cache holds ids \d+\.\.5000, outside the tokenizer's 257"
+    ):
+        token_stream([data], ByteTokenizer())
 
 
 def test_train_data_cache_goes_to_the_cache_dir_when_the_data_folder_is_read_only(

@@ -97,7 +97,21 @@ def token_stream(
             os.replace(temporary, description_path)
     count = int(description["tokens"])
     ids = torch.from_file(str(tokens_path), shared=False, size=count, dtype=torch.int32)
+    _check_range(ids, tokenizer.vocab_size, tokens_path)
     return TokenStream(tokens_path, ids, int(description["documents"]), reused, tuple(paths))
+
+
+def _check_range(ids: torch.Tensor, vocab_size: int, tokens_path: Path) -> None:
+    """Every id within the tokenizer's vocabulary (one pass over the mapped file, at memory speed): an id past it
+    would fail deep in the embedding as torch's `IndexError: index out of range in self`."""
+    if ids.numel() == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        raise DataError(
+            f"{tokens_path}: the token cache holds ids {low}..{high}, outside the tokenizer's {vocab_size} ids; it "
+            "was not written for this tokenizer or is damaged: delete it and the run tokenises the data again"
+        )
 
 
 def _complete(tokens_path: Path, description_path: Path) -> dict[str, Any] | None:
