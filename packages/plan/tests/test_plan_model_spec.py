@@ -43,6 +43,28 @@ def test_missing_fields_are_named(tmp_path: Path) -> None:
         load_model_shape("no-such-model")
 
 
+# configs transformers refuses to make (a validator) or to build (an unknown rope type): one line each, not a traceback
+REJECTED = {"hidden_size": 30}
+UNBUILDABLE = {"rope_scaling": {"rope_type": "nonsense"}}
+LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "intermediate_size": 64, "max_position_embeddings": 128}  # fmt: skip
+
+
+def test_configs_transformers_rejects_are_one_line(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA, **REJECTED}))
+    with pytest.raises(
+        ModelShapeError, match=r"transformers rejects this config: .*hidden size \(30\) is not a multiple"
+    ):
+        load_model_shape(str(config))
+    config.write_text(json.dumps({**LLAMA, **UNBUILDABLE}))
+    with pytest.raises(
+        ModelShapeError, match=r"transformers cannot build a model of this config: KeyError: 'nonsense'"
+    ):
+        load_model_shape(str(config))
+
+
 def test_candidate_validates_and_derives() -> None:
     candidate = Candidate("moe_hybrid", dp=4, ep=2, tp=2, pp=2, num_microbatches=4, micro_batch_size=2)
     assert (candidate.world_size, candidate.moe_dp, candidate.global_batch_size) == (16, 2, 32)

@@ -26,7 +26,7 @@ from cx_train._train import run
 from cx_train.data._grammar import CharTokenizer
 from cx_train.metrics._progress import expert_counts
 from cx_train.models._plugins import plan_candidate
-from cx_train.models._spec import ModelError, ModelSpec, build_model, describe_model
+from cx_train.models._spec import ModelError, ModelSpec, build_model, check_builds, describe_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -137,6 +137,16 @@ def test_train_models_config_file_trains_from_fresh_weights(tmp_path: Path) -> N
     (tmp_path / "not_json.json").write_text("{ not json")
     with pytest.raises(ModelError, match="transformers cannot read it as a model config"):
         describe_model(ModelSpec(str(tmp_path / "not_json.json"), 0, 0, 16))
+    # configs transformers refuses to make (a validator) or to build (an unknown rope type): refused before any
+    # process starts, in one line (they were a 30-line traceback, the second one in every rank)
+    raw = json.loads(path.read_text())
+    (tmp_path / "rejected.json").write_text(json.dumps({**raw, "hidden_size": 30}))
+    with pytest.raises(ModelError, match=r"cannot read it as a model config: .*hidden size \(30\) is not a multiple"):
+        describe_model(ModelSpec(str(tmp_path / "rejected.json"), 0, 0, 16))
+    (tmp_path / "unbuildable.json").write_text(json.dumps({**raw, "rope_scaling": {"rope_type": "nonsense"}}))
+    described = describe_model(ModelSpec(str(tmp_path / "unbuildable.json"), 0, 0, 16))
+    with pytest.raises(ModelError, match=r"cannot build a model of this config: KeyError: 'nonsense'"):
+        check_builds(described)
 
 
 def test_train_models_expert_counts() -> None:

@@ -130,8 +130,14 @@ def _config_from_json(path: Path) -> Any:
     fields = {k: v for k, v in raw.items() if k != "model_type"}
     try:
         return transformers.AutoConfig.for_model(raw["model_type"], **fields)
-    except (ValueError, KeyError, TypeError) as error:
-        raise ModelShapeError(f"{path}: transformers cannot make a config of it: {error}") from None
+    except Exception as error:  # transformers' and huggingface_hub's validators raise types of their own
+        raise ModelShapeError(f"{path}: transformers rejects this config: {one_line(error)}") from None
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its type and its message's lines joined (a validator's message spans several)."""
+    message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def _builtin_config(model: str, hidden_size: int, num_layers: int, seq_len: int, vocab_size: int) -> Any:
@@ -238,7 +244,13 @@ def shape_from_config(name: str, config: Any) -> ModelShape:
     with torch.device("meta"):
         shape = ModelShape(name, model_type, vocab, hidden, layers, heads, kv, head_dim, intermediate, experts, top_k,
                            positions, ParameterCounts(0, 0, 0, (), (), 0, False), config)  # fmt: skip
-        counts = count_parameters(build_model(shape), layers, experts)
+        try:
+            model = build_model(shape)
+        except Exception as error:  # a config transformers accepts but cannot build (an unknown rope type, ...)
+            raise ModelShapeError(
+                f"{name}: transformers cannot build a model of this config: {one_line(error)}"
+            ) from None
+        counts = count_parameters(model, layers, experts)
     return ModelShape(name, model_type, vocab, hidden, layers, heads, kv, head_dim, intermediate, experts, top_k,
                       positions, counts, config)  # fmt: skip
 

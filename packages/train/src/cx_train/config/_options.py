@@ -40,6 +40,7 @@ from cx_train.models._spec import (
     DescribedModel,
     ModelError,
     ModelSpec,
+    check_builds,
     describe_model,
 )
 
@@ -302,6 +303,7 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         parser.error(problem)
     try:
         described = describe_model(options.model_spec)
+        check_builds(described)
     except ModelError as error:
         parser.error(str(error))
     problem = _model_problem(options, described, world_size, args.microbatches)

@@ -8,6 +8,7 @@ model's standard outputs: there is no model-specific code past the preset config
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -29,6 +30,7 @@ __all__ = [
     "ModelError",
     "ModelSpec",
     "build_model",
+    "check_builds",
     "describe_model",
 ]
 
@@ -123,8 +125,10 @@ def _file_config(spec: ModelSpec) -> tuple[Any, TextEncoder]:
     transformers = _transformers(spec)
     try:
         config = transformers.AutoConfig.from_pretrained(spec.model, local_files_only=True)
-    except (ValueError, OSError, KeyError) as error:
-        raise ModelError(f"--model {spec.model}: transformers cannot read it as a model config: {error}") from None
+    except Exception as error:  # transformers' and huggingface_hub's validators raise types of their own
+        raise ModelError(
+            f"--model {spec.model}: transformers cannot read it as a model config: {one_line(error)}"
+        ) from None
     return config, ByteTokenizer() if spec.own_data else CharTokenizer()
 
 
@@ -142,15 +146,37 @@ def _folder_config(spec: ModelSpec) -> tuple[Any, TextEncoder]:
     transformers = _transformers(spec)
     try:
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    except (ValueError, OSError, KeyError) as error:
-        raise ModelError(f"--model {folder}: transformers cannot read its config.json: {error}") from None
+    except Exception as error:  # as above
+        raise ModelError(f"--model {folder}: transformers cannot read its config.json: {one_line(error)}") from None
     tokenizer: TextEncoder = ByteTokenizer() if spec.own_data else CharTokenizer()
     if any((folder / name).is_file() for name in _TOKENIZER_FILES):
         try:
             tokenizer = _HFTokenizer(transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
-        except (ValueError, OSError, KeyError) as error:
-            raise ModelError(f"--model {folder}: transformers cannot load its tokenizer: {error}") from None
+        except Exception as error:  # as above
+            raise ModelError(f"--model {folder}: transformers cannot load its tokenizer: {one_line(error)}") from None
     return config, tokenizer
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its type and its message's lines joined (a validator's message spans several)."""
+    message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def check_builds(described: DescribedModel) -> None:
+    """Build the model's architecture on the meta device (no memory, no weights read), before any process starts:
+    a config transformers accepts but cannot build (an unknown rope type, ...) fails here with one line, not in
+    every rank's traceback."""
+    if described.config is None:  # cx's GPT: its config was checked when it was made
+        return
+    transformers = _transformers(described.spec)
+    try:
+        with torch.device("meta"):
+            transformers.AutoModelForCausalLM.from_config(copy.deepcopy(described.config))
+    except Exception as error:  # whatever the model's constructor raises
+        raise ModelError(
+            f"--model {described.spec.model}: transformers cannot build a model of this config: {one_line(error)}"
+        ) from None
 
 
 def _first_int(config: Any, names: tuple[str, ...], default: int) -> int:
