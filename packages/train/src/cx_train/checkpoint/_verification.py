@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cx_checkpoint import VerifyOutcome, verify_checkpoints
+from cx_checkpoint import ChecksumMismatchError, VerifyOutcome, verify_checkpoints
 
 __all__ = ["VERIFY_COST", "verification_problem"]
 
@@ -25,10 +25,11 @@ def verification_problem(resume: Path) -> str | None:
         return f"--resume {resume}: no model or optimizer checkpoint found in it"
     for result in results:
         if result.outcome is VerifyOutcome.FAILED:
-            return (
-                f"--resume {resume}: the checkpoint is damaged: {result.detail} "
-                "(--no-verify loads it anyway, at your own risk)"
-            )
+            # only damaged bytes under intact structure load without verification; a refused index, path, link or
+            # pickle is refused by the load itself, so --no-verify would not help there
+            loads_anyway = result.detail.startswith(f"{ChecksumMismatchError.__name__}:")
+            hint = "--no-verify loads it anyway, at your own risk" if loads_anyway else "loading refuses it too"
+            return f"--resume {resume}: the checkpoint is damaged: {result.detail} ({hint})"
         if result.outcome is VerifyOutcome.UNVERIFIABLE:
             return f"--resume {resume}: {result.detail}; pass --no-verify to load it without verification"
     return None
