@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from cx_checkpoint import GeneralCheckpointIO
+from cx_checkpoint import CheckpointSaveError, GeneralCheckpointIO
 from cx_mesh.testing import distributed
 from cx_plugins import Booster
 from cx_plugins.models import GPT
+from cx_train import parse_options
+from cx_train._train import run
 from cx_train.checkpoint._checkpointing import TrainerState, load_checkpoint, save_checkpoint
+from cx_train.checkpoint._save_lock import hold_save_folder
 from train_test_helpers import CONFIG, boosted, data, train
 
 
@@ -73,3 +76,21 @@ def test_train_checkpoint_interrupted_between_parts_keeps_previous(
     for name, value in saved.state_dict().items():
         assert torch.equal(value, plain.state_dict()[name]), name
     assert not [p.name for p in tmp_path.iterdir() if ".cx-staging-" in p.name]
+
+
+@distributed(world_size=2)
+def test_train_checkpoint_one_run_per_save_folder(rank: int, world_size: int, tmp_path: Path) -> None:
+    """A second run saving into a folder another live run holds stops before its first step, on every rank, naming
+    the folder and the holder (the two used to clear each other's staging: `FileNotFoundError: 'optimizer'`); once
+    the holder ends, the folder is free."""
+    save = tmp_path / "ckpt"
+    tiny = ["--steps", "1", "--batch-size", "2", "--seq-len", "16", "--hidden-size", "32", "--save", str(save)]
+    other = hold_save_folder(save) if rank == 1 else None  # another process holds it: rank 0 must not take it
+    torch.distributed.barrier()  # held before rank 0 tries
+    with pytest.raises(CheckpointSaveError, match=r"another cx-train run is writing there \(process \d+\)"):
+        run(parse_options(tiny, world_size=world_size))
+    if other is not None:
+        other.close()
+    torch.distributed.barrier()
+    run(parse_options(tiny, world_size=world_size))
+    assert json.loads((save / "trainer.json").read_text())["step"] == 1

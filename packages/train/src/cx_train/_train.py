@@ -13,6 +13,7 @@ import torch.distributed as dist
 from cx_mesh import get_accelerator, launch_from_torch
 from cx_plugins import Booster, OptimizerWrapper
 from cx_train.checkpoint._checkpointing import TrainerState, load_checkpoint, save_checkpoint
+from cx_train.checkpoint._save_lock import save_folder_lock
 from cx_train.config._config_file import resolved_toml
 from cx_train.config._options import TrainOptions
 from cx_train.data._grammar import TokenWindows
@@ -66,7 +67,13 @@ def train(options: TrainOptions) -> list[float]:
 
 def run(options: TrainOptions) -> list[float]:
     """cx-train on this rank of an initialised process group; returns the step losses (mean over the ranks).
-    Raises `Interrupted` on every rank at the same step when any rank was asked to stop (Ctrl-C)."""
+    Raises `Interrupted` on every rank at the same step when any rank was asked to stop (Ctrl-C). Rank 0 holds the
+    `--save` folder for the whole run, so a second run saving there stops before its first step."""
+    with save_folder_lock(options.save, master=dist.get_rank() == 0):
+        return _run(options)
+
+
+def _run(options: TrainOptions) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     described = describe_model(options.model_spec)
     # the model shifts the labels itself, so a window is --seq-len + 1 tokens; under sequence parallelism the window
