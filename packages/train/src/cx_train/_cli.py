@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 
 from cx_checkpoint import remove_stale_staging
 from cx_train._dry_run import dry_run_report
+from cx_train._launcher_watch import exit_with_parent
 from cx_train.checkpoint._verification import verification_problem
 from cx_train.config._options import TrainOptions, parse_options
 from cx_train.metrics._plot import plot_main
@@ -38,6 +39,7 @@ def _run_rank(argv: Sequence[str], launched_here: bool) -> int:
     from cx_train.step._interrupt import Interrupted, install_stop_handler
 
     install_stop_handler()
+    exit_with_parent(f"rank {os.environ['RANK']}")  # a launcher killed with SIGKILL takes its ranks with it
     options = parse_options(argv, world_size=int(os.environ["WORLD_SIZE"]))  # the layout of the real world
     if options.dry_run:  # under an outside torchrun: rank 0 reports the real world's layout
         if os.environ["RANK"] == "0":

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from cx_train._launcher_watch import exit_with_parent
 from cx_train.data._text_sources import DataError, iter_documents
 from cx_train.data._tokenizers import StreamTokenizer
 
@@ -149,7 +150,10 @@ def _encoded(
         for batch in _batches(paths, text_field):
             yield batch, tokenizer.encode_batch([text for text, _, _ in batch])
         return
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("fork")) as pool:
+    # a forked worker shares the cache lock's file: it must not outlive its parent (exit_with_parent)
+    with ProcessPoolExecutor(
+        max_workers=workers, mp_context=get_context("fork"), initializer=exit_with_parent, initargs=("tokenising",)
+    ) as pool:
         pending: list[tuple[list[tuple[str, str, bool]], Future[Encoded]]] = []
         for batch in _batches(paths, text_field):
             pending.append((batch, pool.submit(tokenizer.encode_batch, [text for text, _, _ in batch])))
