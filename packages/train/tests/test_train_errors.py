@@ -107,6 +107,15 @@ def test_train_errors_save_path_checked_before_training(tmp_path: Path, capsys: 
     assert "exists and is not a directory" in _refused(["--save", str(a_file)], capsys)
     assert f"{a_file} is not a directory" in _refused(["--save", str(a_file / "ckpt")], capsys)
     assert parse_options(["--save", str(tmp_path / "new" / "ckpt")]).save == tmp_path / "new" / "ckpt"
+    # the other paths a run writes, checked up front too (--metrics was checked only after the ranks started, the
+    # token cache's folder by a bare OSError from its lock file)
+    assert f"--metrics {a_file / 'm.jsonl'}: {a_file} is not a directory" in _refused(
+        ["--metrics", str(a_file / "m.jsonl")], capsys
+    )
+    assert f"--data-cache-dir {a_file / 'cache'}: {a_file} is not a directory" in _refused(
+        ["--data-cache-dir", str(a_file / "cache")], capsys
+    )
+    assert parse_options(["--metrics", str(tmp_path / "new" / "m.jsonl")]).metrics == tmp_path / "new" / "m.jsonl"
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write in any directory")
@@ -116,6 +125,8 @@ def test_train_errors_save_in_a_read_only_parent(tmp_path: Path, capsys: pytest.
     locked.chmod(0o500)
     try:
         assert f"cannot write in {locked}" in _refused(["--save", str(locked / "ckpt")], capsys)
+        assert f"cannot write in {locked}" in _refused(["--metrics", str(locked / "m.jsonl")], capsys)
+        assert f"cannot write in {locked}" in _refused(["--data-cache-dir", str(locked)], capsys)
     finally:
         locked.chmod(0o700)
 

@@ -29,7 +29,7 @@ from cx_train.config._parser import (
     build_parser,
     join_negative_values,
 )
-from cx_train.config._paths import resume_problem, save_problem
+from cx_train.config._paths import outputs_problem, resume_problem, save_problem
 from cx_train.config._reporting_flags import reporting_problem
 from cx_train.config._training_checks import training_problem
 from cx_train.data._user_data import DataSettings, prepared_data_problem
@@ -248,6 +248,7 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
     if args.save_every < 0 or (args.save_every and args.save is None):
         parser.error("--save-every needs --save DIR and a non-negative step count")
     problem = None if args.save is None else save_problem(args.save)
+    problem = problem or outputs_problem(args.metrics, args.tensorboard, args.data_cache_dir)
     if problem is None and args.resume is not None:
         sizes = {
             "--hidden-size": args.hidden_size or DEFAULT_HIDDEN,

@@ -1,5 +1,5 @@
-"""Checks on `--save` and `--resume` made before any process starts, so that a run does not train for an hour and then
-fail to save, or start, do nothing and exit as if it had trained."""
+"""Checks on `--save`, `--resume` and the other paths a run writes, made before any process starts, so that a run
+does not train for an hour and then fail to save, or start, do nothing and exit as if it had trained."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from cx_train.checkpoint._trainer_state import TrainerStateError, read_trainer_state
 from cx_train.models._spec import MODEL_CHOICES
 
-__all__ = ["resume_problem", "save_problem"]
+__all__ = ["outputs_problem", "resume_problem", "save_problem", "writable_problem"]
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -21,16 +21,37 @@ def _nearest_existing(path: Path) -> Path:
     return Path(absolute.anchor)
 
 
+def writable_problem(flag: str, path: Path, inside: bool, what: str) -> str | None:
+    """Why `path` cannot be written (None when it can): a file or folder created at `path`, or with `inside`, files
+    created in the folder `path`. The nearest existing folder on the way must be a directory this process may write
+    in; `what` names the thing for the message."""
+    parent = _nearest_existing(path if inside else path.parent)
+    if not parent.is_dir():
+        return f"{flag} {path}: {parent} is not a directory, so the {what} cannot be created under it"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{flag} {path}: cannot write in {parent} (permission denied); choose a writable path"
+    return None
+
+
 def save_problem(save: Path) -> str | None:
     """Why a checkpoint cannot be written to `save` (None when it can): the save writes a staging sibling of
     `save` and renames it over `save`, so `save` must be a directory or not exist, and its parent writable."""
     if save.exists() and not save.is_dir():
         return f"--save {save}: exists and is not a directory (a checkpoint is a directory); choose another path"
-    parent = _nearest_existing(save.parent)
-    if not parent.is_dir():
-        return f"--save {save}: {parent} is not a directory, so the checkpoint cannot be created under it"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"--save {save}: cannot write in {parent} (permission denied); choose a writable path"
+    return writable_problem("--save", save, False, "checkpoint")
+
+
+def outputs_problem(metrics: Path | None, tensorboard: Path | None, cache_dir: Path | None) -> str | None:
+    """Why `--metrics`, `--tensorboard` or `--data-cache-dir` cannot be written, checked before any process starts
+    as `--save` is (the ranks used to find out after starting; the token cache with a bare OSError)."""
+    for flag, path, inside, what in (
+        ("--metrics", metrics, False, "metrics file"),
+        ("--tensorboard", tensorboard, True, "event files"),
+        ("--data-cache-dir", cache_dir, True, "token cache"),
+    ):
+        problem = None if path is None else writable_problem(flag, path, inside, what)
+        if problem is not None:
+            return problem
     return None
 
 
