@@ -3,6 +3,7 @@ interruption between the parts leaves the previous checkpoint whole (and `--resu
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -94,3 +95,26 @@ def test_train_checkpoint_one_run_per_save_folder(rank: int, world_size: int, tm
     torch.distributed.barrier()
     run(parse_options(tiny, world_size=world_size))
     assert json.loads((save / "trainer.json").read_text())["step"] == 1
+
+
+@distributed(world_size=2)
+def test_train_checkpoint_failed_save_leaves_no_staging(
+    rank: int, world_size: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that fails (a full disk: ENOSPC from the optimizer's write) raises on every rank and removes its
+    staging folder at once (it stayed until the next save), leaving the previous checkpoint whole."""
+    booster, _, model, optimizer = boosted("torch_ddp")
+    directory = tmp_path / "ckpt"
+    train(rank, world_size, booster, model, optimizer, data(1))
+    save_checkpoint(booster, model, optimizer, directory, TrainerState(step=1, plugin="torch_ddp", world_size=2))
+
+    def full_disk(self: Booster, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Booster, "save_optimizer", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        save_checkpoint(booster, model, optimizer, directory, TrainerState(step=2, plugin="torch_ddp", world_size=2))
+    monkeypatch.undo()
+    torch.distributed.barrier()
+    assert not [p.name for p in tmp_path.iterdir() if ".cx-staging-" in p.name]
+    assert json.loads((directory / "trainer.json").read_text())["step"] == 1

@@ -13,6 +13,7 @@ format.
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -58,6 +59,26 @@ def save_checkpoint(
         staging.mkdir()
 
     run_and_agree(prepare if master else None, f"preparing {staging}")
+    try:
+        _write(booster, model, optimizer, staging, directory, state, lr_scheduler, config_text)
+    except Exception:
+        if master:  # a failed save (a full disk, a refused write) leaves nothing behind; the previous one stays
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _write(
+    booster: Booster,
+    model: nn.Module,
+    optimizer: OptimizerWrapper,
+    staging: Path,
+    directory: Path,
+    state: TrainerState,
+    lr_scheduler: LRScheduler | None,
+    config_text: str | None,
+) -> None:
+    """Everything into `staging`, then the one atomic commit over `directory` (collective)."""
+    master = dist.get_rank() == 0
     booster.save_model(model, staging / "model", shard=True, use_safetensors=True)
     booster.save_optimizer(optimizer, staging / "optimizer", shard=True)
     if lr_scheduler is not None:
