@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore  # public as dist.*; the stub does not declare them
 
 from cx_mesh._accelerator import get_accelerator
 from cx_mesh._failures import install_failure_hook
@@ -46,8 +47,11 @@ def launch(
     verbose: bool = True,
     *,
     timeout: timedelta = DEFAULT_TIMEOUT,
+    store_prefix: str = "",
 ) -> None:
-    """Join the job as `rank` of `world_size`, rendezvousing at tcp://host:port (rank 0 hosts the store).
+    """Join the job as `rank` of `world_size`, rendezvousing at tcp://host:port (rank 0 hosts the store, or torchrun's
+    agent does: `TORCHELASTIC_USE_AGENT_STORE`). A `store_prefix` keeps this job's keys apart from those of an earlier
+    job on the same store (`launch_from_torch` names each torchrun restart).
 
     `backend=None` is the accelerator's (NCCL on CUDA, gloo without), which is what ColossalAI's default `"nccl"`
     runs. A backend this machine cannot run (NCCL without CUDA) falls back to the accelerator's with a warning, so
@@ -72,13 +76,24 @@ def launch(
     if local_rank is not None and accelerator.device_count() > 0:
         accelerator.set_device(local_rank % accelerator.device_count())
     chosen_backend = _runnable_backend(backend, accelerator.communication_backend)
-    dist.init_process_group(
-        backend=chosen_backend,
-        init_method=f"tcp://{host}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-    )
+    if store_prefix:
+        agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        store = TCPStore(host, port, world_size, is_master=rank == 0 and not agent_hosts_it, timeout=timeout)
+        dist.init_process_group(
+            backend=chosen_backend,
+            store=PrefixStore(store_prefix, store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+    else:
+        dist.init_process_group(
+            backend=chosen_backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
     set_collective_timeout(timeout)  # every group cx creates later uses it too (torch's new_group would not)
     install_failure_hook()  # a rank that raises stops its peers at once, its error first (not at the timeout)
     set_seed(seed)
@@ -119,6 +134,9 @@ def launch_from_torch(
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     except ValueError as error:
         raise RuntimeError(f"launch_from_torch: malformed torchrun environment variable: {error}") from None
+    # torchrun's agent keeps its store across restarts of the ranks: each restart's keys go under their own prefix,
+    # or a restarted rank reads a dead rank's address and fails to connect (Gloo connectFullMesh: refused)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     launch(
         rank,
         world_size,
@@ -128,5 +146,6 @@ def launch_from_torch(
         backend=backend,
         seed=seed,
         timeout=timeout,
+        store_prefix=f"cx-restart-{restart}/",
         verbose=verbose,
     )

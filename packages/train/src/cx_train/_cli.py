@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from cx_checkpoint import remove_stale_staging
 from cx_train._dry_run import dry_run_report
 from cx_train._launcher_watch import exit_with_parent
+from cx_train.checkpoint._restart import restarted
 from cx_train.checkpoint._verification import verification_problem
 from cx_train.config._options import TrainOptions, parse_options
 from cx_train.metrics._plot import plot_main
@@ -40,7 +41,7 @@ def _run_rank(argv: Sequence[str], launched_here: bool) -> int:
 
     install_stop_handler()
     exit_with_parent(f"rank {os.environ['RANK']}")  # a launcher killed with SIGKILL takes its ranks with it
-    options = parse_options(argv, world_size=int(os.environ["WORLD_SIZE"]))  # the layout of the real world
+    options = restarted(parse_options(argv, world_size=int(os.environ["WORLD_SIZE"])))  # the real world's layout
     if options.dry_run:  # under an outside torchrun: rank 0 reports the real world's layout
         if os.environ["RANK"] == "0":
             print(dry_run_report(options, int(os.environ["WORLD_SIZE"])), end="", flush=True)
@@ -114,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         str(options.nproc),
         "--signals_to_handle",  # SIGINT is handled here (_stop_once), not by the agent's own handler
         "SIGTERM,SIGHUP,SIGQUIT",
+        "--max-restarts",  # a restart resumes from --save by itself (checkpoint._restart)
+        str(options.max_restarts),
         "-m",
         "cx_train",
     ]

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from cx_mesh import get_accelerator, launch_from_torch
 from cx_plugins import Booster, OptimizerWrapper
 from cx_train.checkpoint._checkpointing import TrainerState, load_checkpoint, save_checkpoint
+from cx_train.checkpoint._restart import note_reached, restart_line
 from cx_train.checkpoint._save_lock import save_folder_lock
 from cx_train.config._config_file import resolved_toml
 from cx_train.config._options import TrainOptions
@@ -110,11 +111,14 @@ def _run(options: TrainOptions) -> list[float]:
     saved: int | None = None  # the last step this run checkpointed
     if options.resume is not None:
         step = load_checkpoint(booster, boosted, boosted_optimizer, options.resume, scheduler).step
-        if rank == 0:
+        if rank == 0 and not options.restart:
             print(f"cx-train: resumed from {options.resume} at step {step}", flush=True)
+    if rank == 0 and options.restart:
+        print(restart_line(options, step), flush=True)
     peak = peak_flops(device, options.precision)
     progress = Progress(options.steps, device, options.pp > 1, step, model_flops, peak and peak * world)
-    reporting = Reporting(options.metrics, options.tensorboard, step if options.resume else None, rank == 0)
+    resumed_at = step if options.resume is not None or options.restart else None  # later lines are trained again
+    reporting = Reporting(options.metrics, options.tensorboard, resumed_at, rank == 0)
     data_parallel = options.data_parallel_size(world)
     epoch, skip = divmod(step * options.grad_accum, len(loader))  # batches consumed: grad_accum per step
     pending: list[torch.Tensor] = []  # the micro-batches of the next optimizer step
@@ -141,6 +145,8 @@ def _run(options: TrainOptions) -> list[float]:
             else:
                 output = micro_step(booster, boosted, boosted_optimizer, batches, described, bound)
             scheduler.step()
+            if rank == 0:
+                note_reached(options, step + 1)
             stopping = progress.record(output, sum(b.numel() for b in batches) * data_parallel, stop_requested())
             step += 1
             if user_data is not None:  # before the log line, which reports this evaluation

@@ -63,6 +63,8 @@ class TrainOptions:
     save: Path | None
     save_every: int
     resume: Path | None
+    max_restarts: int = 0  # --max-restarts: torchrun restarts the ranks, which resume from --save
+    restart: int = 0  # which restart this run is (torchrun's TORCHELASTIC_RESTART_COUNT), set on the ranks
     verify: bool = True  # --resume checks the checkpoint's checksums first (--no-verify skips it)
     model: str = GPT_MODEL  # "gpt", a preset name, or a transformers model folder
     tp: int = 1
@@ -247,6 +249,8 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         parser.error(reporting)
     if args.save_every < 0 or (args.save_every and args.save is None):
         parser.error("--save-every needs --save DIR and a non-negative step count")
+    if args.max_restarts < 0 or (args.max_restarts and args.save is None):
+        parser.error("--max-restarts needs --save DIR (a restart resumes from its latest checkpoint) and N >= 0")
     problem = None if args.save is None else save_problem(args.save)
     problem = problem or outputs_problem(args.metrics, args.tensorboard, args.data_cache_dir)
     if problem is None and args.resume is not None:
@@ -271,6 +275,7 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         log_every=args.log_every,
         save=args.save,
         save_every=args.save_every,
+        max_restarts=args.max_restarts,
         resume=args.resume,
         verify=args.verify,
         timeout=args.timeout,

@@ -145,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", type=Path, default=None, help="continue from a cx-train checkpoint directory (default: none)"
     )
     parser.add_argument(
+        "--max-restarts",
+        type=_integer,
+        default=0,
+        help="when a rank dies or a collective fails, restart the ranks and resume from the latest checkpoint in "
+        "--save, up to N times (needs --save)",
+    )
+    parser.add_argument(
         "--no-verify",
         dest="verify",
         action="store_false",
