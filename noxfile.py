@@ -104,6 +104,8 @@ def tests(session: nox.Session) -> None:
     if any(_is_test_path(argument) for argument in session.posargs):
         paths = []  # `nox -s tests -- path/to/test_file.py`: the path narrows the run
     session.run("pytest", "--durations=20", *paths, *session.posargs, env=TEST_ENV)
+    if os.environ.get("CX_NUMERICS") == "1":  # the numerics session's runs, in this venv (CI)
+        _run_numerics(session, [])
 
 
 def _is_test_path(argument: str) -> bool:
@@ -174,9 +176,14 @@ def numerics(session: nox.Session) -> None:
     """The numerics-heavy tests (NUMERICS_TESTS) under the other ATen CPU kernel sets: a tolerance that holds only for
     one CPU's rounding fails here on any machine. One venv; each kernel set this CPU can run, except the one ATen
     already picks here (the `tests` session ran under it), e.g. only `default` on an AVX2 machine. `CX_KERNELS=avx2`
-    (comma-separated) names the sets instead."""
+    (comma-separated) names the sets instead. `CX_NUMERICS=1 nox -s tests` runs the same after the suite, in its
+    venv (CI does: one venv fewer to build)."""
     _install_all(session)
     session.install(*CONSTRAINTS, *INTEGRATION_TOOLS)
+    _run_numerics(session, session.posargs)
+
+
+def _run_numerics(session: nox.Session, arguments: list[str]) -> None:
     native = session.run(
         "python", "-c", "import torch; print(torch.backends.cpu.get_cpu_capability().lower())", silent=True
     )
@@ -192,7 +199,7 @@ def numerics(session: nox.Session) -> None:
             session.log(f"skipped {kernel}: this CPU has no {needed}, so ATen cannot run those kernels here")
             continue
         session.log(f"numerics under ATen's {kernel} kernels (this CPU's own: {native or 'unknown'})")
-        session.run("pytest", *NUMERICS_TESTS, *session.posargs, env={**TEST_ENV, "ATEN_CPU_CAPABILITY": kernel})
+        session.run("pytest", *NUMERICS_TESTS, *arguments, env={**TEST_ENV, "ATEN_CPU_CAPABILITY": kernel})
 
 
 @nox.session
