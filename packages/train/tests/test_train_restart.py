@@ -15,6 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from cx_train import parse_options
+from cx_train.checkpoint._restart import RESTART_VARIABLE, restarted
 from test_train_launcher_death import _alive, _children
 
 FLAGS = ["--nproc", "2", "--steps", "24", "--log-every", "1", "--batch-size", "2", "--seq-len", "16",
@@ -63,3 +67,24 @@ def test_train_restart_after_a_killed_rank_resumes_and_finishes(tmp_path: Path) 
     for step in range(1, 25):
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
     assert json.loads((tmp_path / "restarted" / "trainer.json").read_text())["step"] == 24
+
+
+def test_train_restart_flag_and_config_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--max-restarts` needs `--save` (a restart resumes from it) and is a config key like every flag; a restarted
+    rank (torchrun's TORCHELASTIC_RESTART_COUNT) resumes from --save once it holds a checkpoint, else from the start."""
+    config = tmp_path / "run.toml"
+    config.write_text(f'max_restarts = 2\nsave = "{tmp_path / "ckpt"}"\n')
+    options = parse_options(["--config", str(config)])
+    assert (options.max_restarts, options.save) == (2, tmp_path / "ckpt")
+    with pytest.raises(SystemExit):
+        parse_options(["--max-restarts", "1"])
+    assert "--max-restarts needs --save DIR" in capsys.readouterr().err
+    assert restarted(options) is options  # the first start: nothing changes
+    monkeypatch.setenv(RESTART_VARIABLE, "1")
+    assert restarted(options).resume is None  # nothing saved yet: from the start
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "trainer.json").write_text("{}")
+    assert restarted(options).resume == tmp_path / "ckpt"
+    assert restarted(options).restart == 1
