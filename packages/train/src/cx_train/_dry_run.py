@@ -15,6 +15,7 @@ import itertools
 
 from cx_plan import (
     ACHIEVABLE_FRACTION,
+    TEXT_VOCAB_SIZE,
     ModelShape,
     detect_device,
     format_bytes,
@@ -69,7 +70,8 @@ def plan_lines(options: TrainOptions, world: int, shape: ModelShape | None = Non
     """cx-plan's prediction of this run on this machine's device (`cx_plan`): parameters, memory per rank
     by component with the fit against the device, and the step time."""
     if shape is None:
-        vocab = describe_model(options.model_spec).tokenizer.vocab_size  # the run's own encoding (--data: bytes)
+        spec = options.model_spec  # a folder or config.json sizes itself; a built-in model takes the run's encoding
+        vocab = TEXT_VOCAB_SIZE if spec.is_folder else describe_model(spec).tokenizer.vocab_size  # --data: bytes
         shape = load_model_shape(
             options.model,
             hidden_size=options.hidden_size,

@@ -17,6 +17,7 @@ import threading
 __all__ = ["exit_with_parent"]
 
 _INTERVAL_S = 1.0
+_watching: int | None = None  # the process that started a watch (a forked child starts its own)
 
 
 def exit_with_parent(what: str) -> None:
@@ -36,6 +37,3 @@ def exit_with_parent(what: str) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="cx-exit-with-parent", daemon=True).start()
-
-
-_watching: int | None = None
