@@ -2,8 +2,8 @@
 memory per rank and step time beside the prediction, so the planner's error is seen, not assumed.
 
 Each configuration runs on fresh local ranks (cx_mesh.testing's `spawn`: gloo on CPU, NCCL on CUDA), with the model
-cx-train builds, the candidate's plugin (`make_plugin`, as cx-train makes it), cx-train's accumulated step and torch
-AdamW, on deterministic token ids. The first step is a warm-up (the
+cx-train builds, the candidate's plugin (`make_plugin`, as cx-train makes it), cx-train's accumulated step
+(`cx_plugins.accumulated_step`) and torch AdamW, on deterministic token ids. The first step is a warm-up (the
 optimizer states exist from then on, as in every later step); the peak is taken over the steps after it. On CPU the
 peak is that of the live tensor storages (`LiveBytes`, a dispatch-level tracker entered before the model is built,
 because ZeRO partitions and Gemini chunks are reachable from no module, which torch's `MemTracker` needs); the
