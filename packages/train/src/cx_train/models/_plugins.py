@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch.distributed as dist
 from torch import nn
 
@@ -49,10 +47,6 @@ def plan_candidate(options: TrainOptions, world_size: int) -> Candidate:
 def make_plugin(options: TrainOptions, model: nn.Module | None = None) -> tuple[Plugin, str | None]:
     """The plugin and the Booster's `mixed_precision` (for DDP, which leaves precision to the Booster), on this
     process group's world (or `--nproc` before one exists). torch_fsdp shards each decoder layer of `model` on its
-    own, as torchtitan and every FSDP recipe do, so a step gathers a block at a time; without the model, one root
-    unit."""
+    own, as torchtitan and every FSDP recipe do, so a step gathers a block at a time: it needs the model."""
     world = dist.get_world_size() if dist.is_initialized() else options.nproc
-    candidate = plan_candidate(options, world)
-    if model is None and candidate.fsdp_wrap == "block":
-        candidate = replace(candidate, fsdp_wrap="model")
-    return plugin_for(candidate, model)
+    return plugin_for(plan_candidate(options, world), model)  # torch_fsdp without the model: a clear error there
