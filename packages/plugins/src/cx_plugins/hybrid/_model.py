@@ -3,8 +3,10 @@
 `compose_model` runs, in order: ShardFormer (tensor/sequence parallelism, in place: parameter names and objects are
 kept), the pipeline split (this rank's stage chunks; `PipelineModel`, each told to take sequence shards under sequence
 parallelism), the cast to the training precision of what this rank runs, and the release of the parameters of other
-stages (swapped for meta tensors of the same shape under the same names, so `named_parameters()` still lists the whole
-model and checkpoint IO skips what is not held). The module implements the face checkpoint IO reads
+stages (swapped for meta tensors of the same shape under the same names, so `unwrap().named_parameters()` still lists
+the whole model and checkpoint IO skips what is not held). The boosted module's own `parameters()` / `buffers()` list
+only what this rank holds, as ColossalAI's do (it drops other stages' tensors): a placeholder has no values to compare,
+sum or clip. The module implements the face checkpoint IO reads
 (`ParallelModelView` in `cx_plugins/checkpoint_io/_parallel_view.py`: `unwrap`, `layout`, `held_parameter_names`,
 `held_buffer_names`).
 """
@@ -12,7 +14,7 @@ model and checkpoint IO skips what is not held). The module implements the face 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +73,9 @@ class HybridParallelModule(ModelWrapper):
             name for name, buffer in module.named_buffers() if name in persistent and id(buffer) in held_buffers
         )
         self.__dict__["_settlers"] = []  # not module state: callables, held weakly
+        self.__dict__["_released"] = frozenset(  # other stages' placeholders: ids, not module state
+            id(t) for t in (*module.parameters(), *module.buffers()) if t.device.type == "meta"
+        )
         self.register_state_dict_pre_hook(lambda *_: self.settle_parameters())
 
     pipeline: PipelineModel | None
@@ -87,6 +92,24 @@ class HybridParallelModule(ModelWrapper):
             settle = reference()
             if settle is not None:
                 settle()
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters this rank holds (its pipeline stages'); `unwrap()` still lists the whole model's."""
+        released = self.__dict__["_released"]
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            if id(param) not in released:
+                yield name, param
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The buffers this rank holds, as `named_parameters`."""
+        released = self.__dict__["_released"]
+        for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
+            if id(buffer) not in released:
+                yield name, buffer
 
     def unwrap(self) -> nn.Module:
         self.settle_parameters()  # whoever unwraps reads or writes the weights next
