@@ -117,3 +117,29 @@ def _launch_with_nccl_on_cpu(rank: int, world_size: int, port: int) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without CUDA")
 def test_launch_nccl_without_cuda_falls_back_to_gloo() -> None:
     spawn(_launch_with_nccl_on_cpu, 2, free_port(), init_process_group=False, timeout=60)
+
+
+_ENDS_WITHOUT_DESTROY = textwrap.dedent(
+    """
+    import atexit, sys, torch, torch.distributed as dist
+    from cx_mesh import launch
+    from cx_mesh.testing import free_port
+    # registered before launch, so it runs after launch's own exit handler (atexit runs last-in first-out)
+    atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+    launch(0, 1, "127.0.0.1", free_port(), backend="gloo", verbose=False)
+    group = dist.new_group([0])
+    pending = dist.all_reduce(torch.ones(4), group=group, async_op=True)  # never waited for
+    print("done", flush=True)
+    """
+)
+
+
+def test_launch_destroys_the_groups_of_a_script_that_ends_without_destroying_them(tmp_path: Path) -> None:
+    """A script that ends normally with live groups (and work never waited for) has them destroyed while the
+    interpreter is whole: left to interpreter teardown, gloo's threads could abort the finished process."""
+    script = tmp_path / "job.py"
+    script.write_text(_ENDS_WITHOUT_DESTROY)
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=environment)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["done", "initialized at exit: False"], done.stdout

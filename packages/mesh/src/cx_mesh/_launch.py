@@ -3,13 +3,18 @@
 The backend follows the accelerator (NCCL on CUDA, gloo on CPU) unless given; every rank seeds torch and Python's
 `random` identically so that model initialisation agrees across ranks; the collective timeout is configurable. An
 uncaught exception on a rank ends that rank at once and is recorded for its peers, which then stop within moments
-naming it (`_failures.install_failure_hook`) instead of waiting for the timeout.
+naming it (`_failures.install_failure_hook`) instead of waiting for the timeout. A rank that ends normally without
+`dist.destroy_process_group()` has its groups destroyed at exit, while the interpreter is still whole: gloo's worker
+threads otherwise outlive it and can abort the finished process ("terminate called without an active exception", one
+run in two of a Hybrid tp 2 script that had printed its results).
 Defaults match ColossalAI's: its `backend="nccl"` default runs the accelerator's backend (here `None`: NCCL on
 CUDA, gloo without), and `verbose=True` logs "Distributed environment is initialized, world size: N" on rank 0.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import random
 import warnings
@@ -96,6 +101,8 @@ def launch(
         )
     set_collective_timeout(timeout)  # every group cx creates later uses it too (torch's new_group would not)
     install_failure_hook()  # a rank that raises stops its peers at once, its error first (not at the timeout)
+    atexit.unregister(_destroy_groups_at_exit)  # one entry, however often a process launches
+    atexit.register(_destroy_groups_at_exit)
     set_seed(seed)
     if verbose:
         get_dist_logger().info(
@@ -103,6 +110,14 @@ def launch(
             f"(backend {chosen_backend} on {accelerator.name}, seed {seed})",
             ranks=[0],
         )
+
+
+def _destroy_groups_at_exit() -> None:
+    """Destroy the default group and every group made from it, unless the script did; never raises (the process is
+    ending, and a peer that is gone must not turn a finished run into a failed one)."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _runnable_backend(requested: str | None, fallback: str) -> str:
