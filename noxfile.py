@@ -232,7 +232,8 @@ def layers(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """The CUDA/NCCL subset (tests marked `gpu`); they skip on machines without CUDA.
 
-    Installs torch without the CPU pin so a GPU machine keeps (or gets) its CUDA build.
+    Installs torch without the CPU pin so a GPU machine keeps (or gets) its CUDA build. On a machine that has its CUDA
+    torch but no package index, `tools/gpu_check.sh` runs these tests and more with the torch installed there.
     """
     args: list[str] = []
     for package in PACKAGES:
