@@ -47,9 +47,12 @@ class CollectiveRecord(NamedTuple):
         return f"#{self.sequence} {self.kind}{size}"
 
 
-_ring: deque[CollectiveRecord] = deque(maxlen=RING_SIZE)
-_latest: dict[str, CollectiveRecord] = {}
+# Entries are plain tuples with CollectiveRecord's fields (a NamedTuple costs a Python-level __new__ per collective).
+_Entry = tuple[str, int, str, int | None, str | None]
+_ring: deque[_Entry] = deque(maxlen=RING_SIZE)
+_latest: dict[str, _Entry] = {}
 _descriptions: dict[str, str] = {}  # group key -> describe_group(group), taken at its first collective
+_default_key: str | None = None  # the default group's key, looked up once (torch's lookup costs a microsecond)
 _enabled = True
 
 
@@ -58,27 +61,33 @@ def record_collective(kind: str, group: dist.ProcessGroup | None = None, tensor:
     collectives call it; a package whose collective runs inside torch (DDP, FSDP2) calls it where that phase starts."""
     if not _enabled:
         return
-    key = group_key(group)
+    key = group.group_name if group is not None else _default_key or _find_default_key()
     last = _latest.get(key)
     if last is None:
         _descriptions[key] = describe_group(group)
-    sequence = 1 if last is None else last.sequence + 1
+    sequence = 1 if last is None else last[1] + 1
     if tensor is None:
-        entry = CollectiveRecord(key, sequence, kind)
+        entry: _Entry = (key, sequence, kind, None, None)
     else:
-        entry = CollectiveRecord(key, sequence, kind, tensor.numel(), _DTYPE_NAMES[tensor.dtype])
+        entry = (key, sequence, kind, tensor.numel(), _DTYPE_NAMES[tensor.dtype])
     _latest[key] = entry
     _ring.append(entry)
 
 
+def _find_default_key() -> str:
+    global _default_key
+    _default_key = group_key(None)
+    return _default_key
+
+
 def last_collectives() -> list[CollectiveRecord]:
     """This rank's last `RING_SIZE` recorded collectives, oldest first."""
-    return list(_ring)
+    return [CollectiveRecord(*entry) for entry in _ring]
 
 
 def latest_by_group() -> dict[str, CollectiveRecord]:
     """This rank's latest recorded collective on each group it has used, by group key."""
-    return dict(_latest)
+    return {key: CollectiveRecord(*entry) for key, entry in _latest.items()}
 
 
 def group_description(key: str) -> str:
@@ -95,6 +104,8 @@ def set_collective_recording(enabled: bool) -> bool:
 
 def clear_collective_log() -> None:
     """Forget every record (`launch` calls it: a new process group starts its groups' numbering again)."""
+    global _default_key
+    _default_key = None
     _ring.clear()
     _latest.clear()
     _descriptions.clear()

@@ -11,7 +11,7 @@ __all__ = ["describe_group", "group_key", "group_ranks"]
 
 def describe_group(group: dist.ProcessGroup | None) -> str:
     """A short human name for a group: its description (cx names its groups by mesh axis) and its global ranks."""
-    if group is None:
+    if group is None or group is dist.group.WORLD:
         return "the default group (all ranks)"
     try:
         ranks = dist.get_process_group_ranks(group)
