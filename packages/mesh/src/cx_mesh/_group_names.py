@@ -28,7 +28,8 @@ def group_key(group: dist.ProcessGroup | None) -> str:
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
-    """The global ranks of `group` (every rank for `None`)."""
-    if group is None:
-        return list(range(dist.get_world_size()))
-    return dist.get_process_group_ranks(group)
+    """The global ranks of `group` (every rank for `None`); none for a group torch no longer knows (destroyed)."""
+    try:
+        return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError):
+        return []
