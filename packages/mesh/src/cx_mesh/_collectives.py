@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cx_mesh._collective_log import record_collective
 from cx_mesh._timeouts import named_collective, wait_named
 
 __all__ = [
@@ -52,6 +53,7 @@ def all_gather_flat(
     the old one. Every cx package gathers through here so that choice lives in one place.
     """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    record_collective("all-gather", group, tensor)
     with named_collective("all-gather", group):
         work: dist.Work = gather(output, tensor, group=group, async_op=True)
     return _finish(work, "all-gather", group, async_op)
@@ -62,11 +64,15 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    what: str = "all-reduce",
 ) -> dist.Work | None:
-    """`dist.all_reduce`, with a timeout reported as a `CollectiveTimeoutError` naming the group."""
-    with named_collective("all-reduce", group):
+    """`dist.all_reduce`, with a timeout or a failed peer named by group and by `what` (e.g. "progress-line
+    all-reduce": the caller's words for what is being reduced)."""
+    record_collective(what, group, tensor)
+    with named_collective(what, group):
         work: dist.Work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return _finish(work, "all-reduce", group, async_op)
+    return _finish(work, what, group, async_op)
 
 
 def all_to_all_single(
@@ -78,6 +84,7 @@ def all_to_all_single(
     async_op: bool = False,
 ) -> dist.Work | None:
     """`dist.all_to_all_single` (uneven splits allowed), with a timeout or a failed peer named by group."""
+    record_collective("all-to-all", group, tensor)
     with named_collective("all-to-all", group):
         work: dist.Work = dist.all_to_all_single(
             output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=True
@@ -171,6 +178,7 @@ def reduce_scatter_flat(
     """Reduce a flat tensor over `group` and keep this rank's equal-sized slice, via `reduce_scatter_single` where
     torch has it (torch 2.13 warns on `reduce_scatter_tensor`; torch 2.4 has only that); a SUM over gloo goes
     through one all-to-all and a local sum (see `_sums_by_exchange`), with a scratch buffer of `tensor`'s size."""
+    record_collective("reduce-scatter", group, tensor)
     if _sums_by_exchange(op, group):
         received = torch.empty_like(tensor)
         with named_collective("reduce-scatter (all-to-all)", group):

@@ -21,7 +21,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["FAILURE_KEY", "PeerFailedError", "failure_of_peer", "install_failure_hook", "report_failure"]
+__all__ = [
+    "FAILURE_KEY",
+    "PeerFailedError",
+    "default_store",
+    "failure_of_peer",
+    "install_failure_hook",
+    "report_failure",
+]
 
 FAILURE_KEY = "cx/first_failure"  # in the default group's store; its value is "rank N raised Type: message"
 _MESSAGE_LIMIT = 2000  # characters of the failed rank's message kept in the record
@@ -31,7 +38,7 @@ class PeerFailedError(RuntimeError):
     """A rank this one was waiting for has failed (raised, or its process ended): the run cannot continue."""
 
 
-def _store() -> Any | None:
+def default_store() -> Any | None:
     """The default group's store (no public accessor in torch; best effort), or None when there is none."""
     if not dist.is_available() or not dist.is_initialized():
         return None
@@ -46,7 +53,7 @@ def report_failure(error: BaseException) -> None:
 
     Never raises: a failing rank must get on with failing (a store that is gone, e.g. because the rank hosting it
     ended, just leaves nothing recorded)."""
-    store = _store()
+    store = default_store()
     if store is None:
         return
     text = f"rank {dist.get_rank()} raised {type(error).__name__}: {error}"[:_MESSAGE_LIMIT]
@@ -56,7 +63,7 @@ def report_failure(error: BaseException) -> None:
 
 def failure_of_peer() -> str | None:
     """The recorded failure of another rank ("rank N raised Type: message"), or None (none recorded, or no store)."""
-    store = _store()
+    store = default_store()
     if store is None:
         return None
     try:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore  # public as dist.*; the stub does not declare them
 
 from cx_mesh._accelerator import get_accelerator
+from cx_mesh._collective_log import clear_collective_log
 from cx_mesh._failures import install_failure_hook
 from cx_mesh._logging import get_dist_logger
 from cx_mesh._timeouts import set_collective_timeout
@@ -100,6 +101,7 @@ def launch(
             timeout=timeout,
         )
     set_collective_timeout(timeout)  # every group cx creates later uses it too (torch's new_group would not)
+    clear_collective_log()  # a new process group numbers its groups' collectives from 1 again
     install_failure_hook()  # a rank that raises stops its peers at once, its error first (not at the timeout)
     atexit.unregister(_destroy_groups_at_exit)  # one entry, however often a process launches
     atexit.register(_destroy_groups_at_exit)

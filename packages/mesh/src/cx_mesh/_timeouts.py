@@ -7,7 +7,8 @@ the job was launched with, so a stuck or out-of-step rank would hang cx's reduct
 not a group: `named_collective` turns it into a `CollectiveTimeoutError` naming the group, its ranks and the operation.
 A peer that failed is not waited for: its closed connection, or the failure it recorded in the store (`_failures`),
 becomes a `PeerFailedError` naming it; `wait_named` waits for a gloo collective in short slices and checks the store
-between them.
+between them. A timeout's message also says where the group's other ranks are: which one is behind, at which
+collective (`_peer_positions`, from each rank's `_collective_log`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cx_mesh._failure_messages import peer_failed_message, peer_gone_message, timed_out_message
 from cx_mesh._failures import PeerFailedError, failure_of_peer
+from cx_mesh._group_names import describe_group
+from cx_mesh._peer_positions import publish_position, withdraw_position
 
 __all__ = [
     "CollectiveTimeoutError",
     "collective_timeout",
-    "describe_group",
     "is_timeout_error",
     "is_peer_gone_error",
     "named_collective",
@@ -94,18 +97,6 @@ def group_timeout(group: dist.ProcessGroup | None) -> timedelta:
     return known if known is not None else collective_timeout()
 
 
-def describe_group(group: dist.ProcessGroup | None) -> str:
-    """A short human name for a group: its description (cx names its groups by mesh axis) and its global ranks."""
-    if group is None:
-        return "the default group (all ranks)"
-    try:
-        ranks = dist.get_process_group_ranks(group)
-    except (RuntimeError, ValueError):
-        ranks = []
-    description = getattr(group, "group_desc", "") or getattr(group, "group_name", "")
-    return f"group {description!r} (ranks {ranks})" if description else f"group of ranks {ranks}"
-
-
 def is_timeout_error(error: BaseException) -> bool:
     """Whether a backend error reports a collective that ran out of time."""
     text = str(error).lower()
@@ -120,10 +111,7 @@ def is_peer_gone_error(error: BaseException) -> bool:
 
 def peer_failed(what: str, group: dist.ProcessGroup | None, failed: str) -> PeerFailedError:
     """The error of a collective that cannot complete because a peer recorded a failure (`failed`)."""
-    return PeerFailedError(
-        f"{what} on {describe_group(group)} cannot complete: {failed} (its traceback is in its own output); "
-        "this rank stops too"
-    )
+    return PeerFailedError(peer_failed_message(what, group, failed))
 
 
 @contextlib.contextmanager
@@ -142,14 +130,8 @@ def named_collective(what: str, group: dist.ProcessGroup | None) -> Iterator[Non
         if failed is not None:
             raise peer_failed(what, group, failed) from error
         if gone:
-            raise PeerFailedError(
-                f"{what} on {describe_group(group)} failed: a rank of this group ended (its connection closed) "
-                f"without recording an error; see that rank's own output. Backend said: {error}"
-            ) from error
-        raise CollectiveTimeoutError(
-            f"{what} on {describe_group(group)} timed out after {group_timeout(group)}: a rank of this group is "
-            f"stuck or running a different collective (ranks out of step). Backend said: {error}"
-        ) from error
+            raise PeerFailedError(peer_gone_message(what, group, error)) from error
+        raise CollectiveTimeoutError(timed_out_message(what, group, group_timeout(group), error)) from error
 
 
 def wait_named(work: dist.Work, what: str, group: dist.ProcessGroup | None) -> None:
@@ -161,13 +143,19 @@ def wait_named(work: dist.Work, what: str, group: dist.ProcessGroup | None) -> N
         if dist.get_backend(group) != "gloo":
             work.wait()  # NCCL: torch's watchdog ends a collective that a failed peer left (at the group timeout)
             return
+        published = False
         while True:
             try:
                 work.wait(POLL_SLICE)
-                return
+                break
             except Exception as error:
                 if _SLICE_EXPIRED not in str(error).lower():
                     raise  # the collective itself failed (its own timeout included): named above
             failed = failure_of_peer()
             if failed is not None:
                 raise peer_failed(what, group, failed)
+            if not published:  # slow already: say where this rank is, for a peer whose collective times out
+                publish_position(f"is waiting in {what} on {describe_group(group)}")
+                published = True
+        if published:
+            withdraw_position()

@@ -96,7 +96,7 @@ class Booster:
         if self.mixed_precision is not Precision.FP32 and not isinstance(boosted_model, AutocastModel):
             boosted_model = AutocastModel(boosted_model, self.mixed_precision)
             if self.mixed_precision is Precision.FP16 and boosted_optimizer is not None:
-                scaled = ScaledOptimizer(boosted_optimizer.unwrap())
+                scaled = ScaledOptimizer(boosted_optimizer.unwrap(), boosted_optimizer.phases)  # DDP's names kept
                 boosted_optimizer = scaled
                 io = self.checkpoint_io
                 if isinstance(io, KeepsLossScaler):  # checkpoints keep the loss scale

@@ -15,6 +15,7 @@ from torch import nn
 
 from cx_mesh import get_accelerator
 from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
+from cx_plugins.wrappers._named_phases import UNNAMED, NamedPhases
 from cx_zero import Precision
 
 __all__ = ["AutocastModel", "Precision", "ScaledOptimizer"]
@@ -35,18 +36,20 @@ class AutocastModel(ModelWrapper):
 class ScaledOptimizer(OptimizerWrapper):
     """fp16 loss scaling around a torch optimizer: scale in backward, unscale and skip on overflow in step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(optimizer)
+    def __init__(self, optimizer: torch.optim.Optimizer, phases: NamedPhases = UNNAMED) -> None:
+        super().__init__(optimizer, phases)
         self.scaler = torch.amp.GradScaler(get_accelerator().name)
         self._unscaled = False
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        self.scaler.scale(loss).backward(retain_graph=retain_graph)
+        with self.phases.during(self.phases.backward):
+            self.scaler.scale(loss).backward(retain_graph=retain_graph)
 
     def step(self, closure: Callable[[], float] | None = None) -> None:
         if closure is not None:
             raise ValueError("ScaledOptimizer.step does not take a closure (loss scaling needs backward first)")
-        self.scaler.step(self.optim)
+        with self.phases.during(self.phases.step):
+            self.scaler.step(self.optim)
         self.scaler.update()
         self._unscaled = False
 

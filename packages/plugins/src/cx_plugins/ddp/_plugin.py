@@ -1,4 +1,8 @@
-"""`TorchDDPPlugin`: PyTorch's DistributedDataParallel behind the Booster, arguments as in ColossalAI."""
+"""`TorchDDPPlugin`: PyTorch's DistributedDataParallel behind the Booster, arguments as in ColossalAI.
+
+DDP communicates inside torch (its forward's buffer broadcast and bucket rebuild, its backward's gradient
+all-reduce), so the boosted model and optimizer run those phases named (`_PHASES`): a stuck or killed peer gives a
+`CollectiveTimeoutError` / `PeerFailedError` naming the phase, the default group and this rank."""
 
 from __future__ import annotations
 
@@ -21,9 +25,16 @@ from cx_plugins.ddp._fp8_hook import register_fp8_comm_hook
 from cx_plugins.fp8._communication import warn_if_nothing_to_compress
 from cx_plugins.options._ddp import DDPOptions
 from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
+from cx_plugins.wrappers._named_phases import NamedPhases
 from cx_zero import Precision
 
 __all__ = ["DDPOptions", "TorchDDPModel", "TorchDDPPlugin"]
+
+_PHASES = NamedPhases(
+    group=None,  # DistributedDataParallel without a process group: the default group
+    forward="DDP forward (buffer broadcast, bucket rebuild)",
+    backward="gradient all-reduce in DDP backward",
+)  # the step is local: the gradients are already reduced
 
 
 class TorchDDPModel(ModelWrapper):
@@ -35,7 +46,7 @@ class TorchDDPModel(ModelWrapper):
         ddp = DistributedDataParallel(module.to(device), **options.ddp_kwargs(device))
         if fp8_communication:
             register_fp8_comm_hook(ddp)
-        super().__init__(ddp)
+        super().__init__(ddp, _PHASES)
 
 
 class TorchDDPPlugin(DPPluginBase):
@@ -96,7 +107,7 @@ class TorchDDPPlugin(DPPluginBase):
         boosted = (
             model if isinstance(model, ModelWrapper) else TorchDDPModel(model, self.options, self.fp8_communication)
         )
-        wrapped = None if optimizer is None else OptimizerWrapper(optimizer)
+        wrapped = None if optimizer is None else OptimizerWrapper(optimizer, _PHASES)
         return boosted, wrapped, criterion, dataloader, lr_scheduler
 
     def get_checkpoint_io(self) -> CheckpointIO:

@@ -2,7 +2,9 @@
 
 Composition: validate the FSDP1-style arguments into `FSDPOptions`, optionally sync rank 0's weights, shard the
 submodules the wrap policy picks and then the root, and repoint the user's optimizer at the sharded parameters
-(its param groups kept). Checkpoints are the canonical cx format (`FSDPCheckpointIO`).
+(its param groups kept). Checkpoints are the canonical cx format (`FSDPCheckpointIO`). FSDP2 communicates inside
+torch (hooks around forward and backward; DTensor maths in clipping): those phases run named (`_phases`), so a
+stuck or killed peer gives a `CollectiveTimeoutError` / `PeerFailedError` naming the phase, the group and this rank.
 """
 
 from __future__ import annotations
@@ -37,8 +39,21 @@ from cx_plugins.fsdp._wrap import cast_buffers, repoint_optimizer, shard_module,
 from cx_plugins.lazy._context import LazyModel, is_lazy
 from cx_plugins.lazy._fsdp import materialise_into_fsdp_shards
 from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
+from cx_plugins.wrappers._named_phases import NamedPhases
 
 __all__ = ["FSDPOptimizerWrapper", "TorchFSDPModel", "TorchFSDPPlugin"]
+
+_CLIPPING = "gradient-norm all-reduce in FSDP clipping"
+
+
+def _phases(group: dist.ProcessGroup | None) -> NamedPhases:
+    """FSDP2's communication over `group`: parameters gathered in forward (and again in backward when resharded),
+    gradients reduce-scattered in backward. The step is local to each shard."""
+    return NamedPhases(
+        group=group,
+        forward="parameter all-gather in FSDP forward",
+        backward="parameter all-gather and gradient reduce-scatter in FSDP backward",
+    )
 
 
 class TorchFSDPModel(ModelWrapper):
@@ -51,8 +66,9 @@ class FSDPOptimizerWrapper(OptimizerWrapper):
     def clip_grad_by_norm(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        norm = super().clip_grad_by_norm(max_norm, norm_type, error_if_nonfinite)  # DTensor maths: global norm
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        with self.phases.during(_CLIPPING):
+            norm = super().clip_grad_by_norm(max_norm, norm_type, error_if_nonfinite)  # DTensor maths: global norm
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 class TorchFSDPPlugin(DPPluginBase):
@@ -141,11 +157,11 @@ class TorchFSDPPlugin(DPPluginBase):
                 shard_module(model, self.options)
             if optimizer is not None:
                 repoint_optimizer(optimizer, names, model)
-            model = TorchFSDPModel(model)
+            model = TorchFSDPModel(model, _phases(self.options.process_group))
         wrapped = None
         if optimizer is not None:
             self._owner[optimizer] = model.unwrap()
-            wrapped = FSDPOptimizerWrapper(optimizer)
+            wrapped = FSDPOptimizerWrapper(optimizer, _phases(self.options.process_group))
         return model, wrapped, criterion, dataloader, lr_scheduler
 
     def get_checkpoint_io(self) -> CheckpointIO:

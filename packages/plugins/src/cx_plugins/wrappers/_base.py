@@ -14,22 +14,27 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from cx_plugins.wrappers._named_phases import UNNAMED, NamedPhases
+
 __all__ = ["ModelWrapper", "OptimizerWrapper", "finite_or_raise"]
 
 
 class ModelWrapper(nn.Module):
-    """A boosted model: forwards to the wrapped module; `unwrap()` returns the user's original module."""
+    """A boosted model: forwards to the wrapped module; `unwrap()` returns the user's original module. `phases` names
+    what the plugin's forward communicates inside torch (its errors then name the group and rank)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, phases: NamedPhases = UNNAMED) -> None:
         super().__init__()
         self.module = module
+        self.phases = phases
 
     def unwrap(self) -> nn.Module:
         inner = self.module
         return inner.unwrap() if isinstance(inner, ModelWrapper) else _strip_ddp(inner)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with self.phases.during(self.phases.forward):
+            return self.module(*args, **kwargs)
 
 
 def _strip_ddp(module: nn.Module) -> nn.Module:
@@ -40,10 +45,12 @@ def _strip_ddp(module: nn.Module) -> nn.Module:
 
 
 class OptimizerWrapper:
-    """A boosted optimizer: `backward(loss)`, `step()`, `zero_grad()`, and the torch optimizer's public face."""
+    """A boosted optimizer: `backward(loss)`, `step()`, `zero_grad()`, and the torch optimizer's public face.
+    `phases` names what the plugin's backward and step communicate inside torch (DDP's gradient all-reduce)."""
 
-    def __init__(self, optimizer: Optimizer) -> None:
+    def __init__(self, optimizer: Optimizer, phases: NamedPhases = UNNAMED) -> None:
         self.optim = optimizer
+        self.phases = phases
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -54,7 +61,8 @@ class OptimizerWrapper:
         return self.optim.state
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        loss.backward(retain_graph=retain_graph)
+        with self.phases.during(self.phases.backward):
+            loss.backward(retain_graph=retain_graph)
 
     def backward_by_grad(
         self,
@@ -65,10 +73,12 @@ class OptimizerWrapper:
     ) -> None:
         """Backward from an intermediate `tensor` with its upstream `grad`, used as given (ColossalAI's call; a
         pipeline stage's upstream gradient already carries any loss scale)."""
-        torch.autograd.backward(tensor, grad, inputs=inputs, retain_graph=retain_graph)
+        with self.phases.during(self.phases.backward):
+            torch.autograd.backward(tensor, grad, inputs=inputs, retain_graph=retain_graph)
 
     def step(self, closure: Callable[[], float] | None = None) -> None:
-        self.optim.step(closure)
+        with self.phases.during(self.phases.step):
+            self.optim.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)

@@ -5,6 +5,7 @@ already includes `router_aux_loss_coef * aux_loss` for MoE models). For a model 
 `output_router_logits=True` and counts, per MoE layer, the tokens each expert receives (the top-k of the router
 logits: exact for softmax and plain sigmoid routers). Ranks are combined with ONE all-reduce per step; under a
 pipeline only the last stage has the MoE numbers, so a second, two-number all-reduce first agrees on their shape.
+Both are cx-mesh's named all-reduce: a stuck or failed peer is reported by name, not as a bare gloo error.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cx_mesh import all_reduce
 from cx_train.metrics._log_record import LogRecord
 from cx_train.metrics._memory import MemorySample
 from cx_train.models._spec import DescribedModel
@@ -94,7 +96,7 @@ class Progress:
         if counts is not None:
             parts.append(counts.to(self._device, torch.float64).flatten())
         packed = torch.cat([p.to(torch.float64) for p in parts])
-        dist.all_reduce(packed)
+        all_reduce(packed, what="progress-line all-reduce (the step's loss, aux loss, stop flag, expert counts)")
         loss_sum, loss_ranks, aux_sum, aux_ranks, stops = (float(v) for v in packed[:5])
         self.losses.append(loss_sum / max(loss_ranks, 1.0))
         self._window_losses += 1
@@ -109,7 +111,7 @@ class Progress:
     def _agreed_counts(self, counts: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's counts, or zeros of the shape the ranks holding counts have (None when no rank has any)."""
         shape = torch.tensor(counts.shape if counts is not None else (0, 0), dtype=torch.int64, device=self._device)
-        dist.all_reduce(shape, op=dist.ReduceOp.MAX)
+        all_reduce(shape, op=dist.ReduceOp.MAX, what="progress-line all-reduce (the expert counts' shape)")
         layers, experts = (int(v) for v in shape)
         if counts is not None or layers == 0:
             return counts

@@ -12,9 +12,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from cx_mesh import all_reduce
 from cx_train.data._user_data import UserData
 from cx_train.metrics._progress import forward_step
 from cx_train.models._spec import DescribedModel
@@ -62,6 +62,7 @@ def evaluate(
             total[0] += loss.detach().to(total.device, torch.float64) * weight  # on the device: no sync per batch
             total[1] += weight
     model.train(was_training)
-    dist.all_reduce(total)  # tp / pp / sp ranks of a replica add the same numbers: the ratio is unchanged
+    # tp / pp / sp ranks of a replica add the same numbers: the ratio is unchanged
+    all_reduce(total, what="evaluation all-reduce (loss sum, windows)")
     mean = float(total[0] / total[1])
     return EvalResult(step, mean, math.exp(min(mean, 700.0)), len(windows))
