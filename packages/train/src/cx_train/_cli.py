@@ -41,10 +41,11 @@ def _run_rank(argv: Sequence[str], launched_here: bool) -> int:
 
     install_stop_handler()
     exit_with_parent(f"rank {os.environ['RANK']}")  # a launcher killed with SIGKILL takes its ranks with it
-    options = restarted(parse_options(argv, world_size=int(os.environ["WORLD_SIZE"])))  # the real world's layout
+    world_size = int(os.environ["WORLD_SIZE"])
+    options = restarted(parse_options(argv, world_size=world_size), world_size)  # the real world's layout
     if options.dry_run:  # under an outside torchrun: rank 0 reports the real world's layout
         if os.environ["RANK"] == "0":
-            print(dry_run_report(options, int(os.environ["WORLD_SIZE"])), end="", flush=True)
+            print(dry_run_report(options, world_size), end="", flush=True)
         return 0
     if not launched_here and not _verified(options):  # under an outside torchrun, no launcher verified it
         return 2
@@ -110,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.run import main as torchrun
 
     launcher = [
-        "--standalone",
+        *(["--standalone"] if options.rendezvous is None else options.rendezvous.torchrun_arguments()),
         "--nproc_per_node",
         str(options.nproc),
         "--signals_to_handle",  # SIGINT is handled here (_stop_once), not by the agent's own handler

@@ -114,7 +114,7 @@ def _run(options: TrainOptions) -> list[float]:
         if rank == 0 and not options.restart:
             print(f"cx-train: resumed from {options.resume} at step {step}", flush=True)
     if rank == 0 and options.restart:
-        print(restart_line(options, step), flush=True)
+        print(restart_line(options, step, options.data_parallel_size(world)), flush=True)
     peak = peak_flops(device, options.precision)
     progress = Progress(options.steps, device, options.pp > 1, step, model_flops, peak and peak * world)
     resumed_at = step if options.resume is not None or options.restart else None  # later lines are trained again

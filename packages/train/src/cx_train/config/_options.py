@@ -20,6 +20,7 @@ import cx_plugins
 from cx_mesh import DEFAULT_TIMEOUT
 from cx_train.config._config_file import expand_config
 from cx_train.config._data_flags import data_problem, data_settings
+from cx_train.config._launch_flags import Rendezvous, rendezvous_of
 from cx_train.config._parser import (
     DEFAULT_HIDDEN,
     DEFAULT_LAYERS,
@@ -65,6 +66,8 @@ class TrainOptions:
     resume: Path | None
     max_restarts: int = 0  # --max-restarts: torchrun restarts the ranks, which resume from --save
     restart: int = 0  # which restart this run is (torchrun's TORCHELASTIC_RESTART_COUNT), set on the ranks
+    rendezvous: Rendezvous | None = None  # --nnodes and its flags (_launch_flags); None: this machine alone
+    resized_from: int | None = None  # a restart at another data-parallel size: the checkpoint's (checkpoint._restart)
     verify: bool = True  # --resume checks the checkpoint's checksums first (--no-verify skips it)
     model: str = GPT_MODEL  # "gpt", a preset name, or a transformers model folder
     tp: int = 1
@@ -251,6 +254,9 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         parser.error("--save-every needs --save DIR and a non-negative step count")
     if args.max_restarts < 0 or (args.max_restarts and args.save is None):
         parser.error("--max-restarts needs --save DIR (a restart resumes from its latest checkpoint) and N >= 0")
+    rendezvous = rendezvous_of(args)
+    if isinstance(rendezvous, str):
+        parser.error(rendezvous)
     problem = None if args.save is None else save_problem(args.save)
     problem = problem or outputs_problem(args.metrics, args.tensorboard, args.data_cache_dir)
     if problem is None and args.resume is not None:
@@ -276,6 +282,7 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         save=args.save,
         save_every=args.save_every,
         max_restarts=args.max_restarts,
+        rendezvous=rendezvous,
         resume=args.resume,
         verify=args.verify,
         timeout=args.timeout,
@@ -303,7 +310,8 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         dry_run=args.dry_run,
         resolved=tuple(vars(args).items()),
     )
-    world_size = options.nproc if world_size is None else world_size
+    if world_size is None:  # the launcher: this machine's ranks, times the fewest machines an elastic job runs on
+        world_size = options.nproc * (1 if rendezvous is None else rendezvous.min_nodes)
     problem = plugin_missing(options.plugin) or _layout_problem(options, world_size)
     if problem is not None:
         parser.error(problem)

@@ -12,6 +12,7 @@ from pathlib import Path
 from cx_mesh import DEFAULT_TIMEOUT
 from cx_train.checkpoint._verification import VERIFY_COST
 from cx_train.config._data_flags import add_data_arguments
+from cx_train.config._launch_flags import add_launch_arguments
 from cx_train.config._reporting_flags import add_reporting_arguments
 from cx_train.config._training_flags import add_training_arguments
 from cx_train.models._spec import GPT_MODEL, MODEL_CHOICES
@@ -108,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="cx's reference GPT, a tiny transformers preset built from a config (no download), "
         "or a local transformers model folder (config.json and weights; its tokenizer when present)",
     )
-    parser.add_argument("--nproc", type=_positive, default=2, help="processes on this machine")
+    parser.add_argument(
+        "--nproc", type=_positive, default=2, help="processes on this machine (with --nnodes: on each machine)"
+    )
     parser.add_argument(
         "--steps",
         type=_positive,
@@ -177,4 +180,5 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_arguments(parser)
     add_training_arguments(parser)
     add_reporting_arguments(parser)
+    add_launch_arguments(parser)
     return parser
