@@ -6,6 +6,7 @@ folder, so the checkpoint it committed is whole."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 from collections.abc import Callable
@@ -15,9 +16,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from cx_checkpoint import write_sharded
 from cx_mesh.testing import distributed
-from cx_plugins.hybrid import _save_jobs
 from cx_train import _train, parse_options
 from cx_train.checkpoint import _run_saves
 
@@ -28,15 +27,17 @@ FLAGS += ["--seq-len", "16", "--batch-size", "2", "--log-every", "4", "--lr", "0
 
 
 def _hold_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """The hybrid IO's writer thread waits, before each write, until the returned event is set."""
+    """Every fsync off the training thread (the checkpoint writer's, before it commits anything) waits until the
+    returned event is set."""
     opened = threading.Event()
+    real_fsync = os.fsync
 
-    def held(*args: Any, **kwargs: Any) -> Any:
-        if threading.current_thread().name.startswith("cx-checkpoint-writer"):
+    def held(fd: int) -> None:
+        if threading.current_thread() is not threading.main_thread():
             assert opened.wait(timeout=300), "the test never let the writes go"
-        return write_sharded(*args, **kwargs)
+        real_fsync(fd)
 
-    monkeypatch.setattr(_save_jobs, "write_sharded", held)
+    monkeypatch.setattr(os, "fsync", held)
     return opened
 
 
