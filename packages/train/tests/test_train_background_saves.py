@@ -19,6 +19,8 @@ import torch.distributed as dist
 from cx_mesh.testing import distributed
 from cx_train import _train, parse_options
 from cx_train.checkpoint import _run_saves
+from cx_train.checkpoint._checkpointing import save_checkpoint
+from cx_train.step._grad_norm import clip_bound
 
 pytest.importorskip("transformers")
 
@@ -49,7 +51,7 @@ def test_train_save_every_trains_on_while_writing_and_resumes_exactly(
     they end); released, it holds step 2's state: resumed from a copy of it, steps 3 and 4 repeat the run's losses."""
     saved, at_step_2 = tmp_path / "run", tmp_path / "step2"
     opened = _hold_writes(monkeypatch)
-    real_save = _run_saves.save_checkpoint
+    real_save = save_checkpoint  # what the run's saves call, replaced there below
     committed_before_release: list[bool] = []
 
     def save(*args: Any, **kwargs: Any) -> None:
@@ -87,13 +89,12 @@ def test_train_failed_run_waits_for_its_pending_save(
 
     monkeypatch.setattr(_run_saves.RunSaves, "wait_for_writes", wait_for_writes)
     steps: list[int] = []
-    real_bound = _train.clip_bound
 
     def failing_at_step_3(clip: float, logging: bool) -> float:
         steps.append(len(steps) + 1)
         if len(steps) == 3:
             raise RuntimeError("step 3 failed")
-        return real_bound(clip, logging)
+        return clip_bound(clip, logging)
 
     monkeypatch.setattr(_train, "clip_bound", failing_at_step_3)
     with pytest.raises(RuntimeError, match="step 3 failed"):
