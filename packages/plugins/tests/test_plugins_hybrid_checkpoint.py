@@ -158,8 +158,6 @@ def _bad_inputs(rank: int, world_size: int, directory: str) -> None:
     view, _, io = compose("llama", 2, 1, "torch")
     with pytest.raises(TypeError, match="ParallelModelView"):
         io.save_model(view.module, Path(directory, "m"), shard=True)
-    with pytest.raises(NotImplementedError, match="use_async"):
-        io.save_model(view, Path(directory, "m"), shard=True, use_async=True)
     with pytest.raises(NotImplementedError, match="save_lora_as_pretrained"):
         io.save_lora_as_pretrained(view, Path(directory, "lora"))
     with pytest.raises(ValueError, match="not boosted by this plugin"):

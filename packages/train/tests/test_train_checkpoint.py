@@ -46,8 +46,14 @@ def test_train_checkpoint_interrupted_between_parts_keeps_previous(
             raise _Killed()
         real_save_optimizer(self, *args, **kwargs)  # type: ignore[arg-type]
 
+    real_synchronize = Booster.synchronize
+    waits: list[Booster] = []
+
     def interrupted_synchronize(self: Booster) -> None:
-        raise _Killed()
+        waits.append(self)
+        if len(waits) > 1:  # the first waits for the previous save; the second ends the writes, just before the commit
+            raise _Killed()
+        real_synchronize(self)
 
     monkeypatch.setattr(Booster, "save_optimizer", interrupted_optimizer_save)
     monkeypatch.setattr(Booster, "synchronize", interrupted_synchronize)  # just before trainer.json

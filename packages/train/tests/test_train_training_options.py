@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -250,21 +251,24 @@ def test_train_resume_continues_schedule_and_accumulation_exactly(
     import shutil
 
     from cx_train import _train
+    from cx_train.checkpoint import _run_saves
 
     flags = ["--plugin", "torch_ddp", "--hidden-size", "16", "--num-layers", "1", "--seq-len", "8"]
     flags += ["--batch-size", "2", "--grad-accum", "2", "--lr-schedule", "cosine", "--warmup-steps", "1"]
     flags += ["--steps", "5", "--log-every", "5", "--lr", "0.01"]
     saved, at_step_2 = tmp_path / "run", tmp_path / "step2"
-    real_save = save_checkpoint  # what _train calls, replaced there below
+    real_save = save_checkpoint  # what the run's saves call, replaced there below
 
-    def save_and_keep_step_2(*args: object) -> None:
-        real_save(*args)  # type: ignore[arg-type]
+    def save_and_keep_step_2(*args: Any, **kwargs: Any) -> None:
+        real_save(*args, **kwargs)
         state = args[4]
-        if getattr(state, "step", None) == 2 and rank == 0:
-            shutil.copytree(saved, at_step_2)
+        if getattr(state, "step", None) == 2:
+            args[0].synchronize()  # a --save-every save is written in the background
+            if rank == 0:
+                shutil.copytree(saved, at_step_2)
         dist.barrier()
 
-    monkeypatch.setattr(_train, "save_checkpoint", save_and_keep_step_2)
+    monkeypatch.setattr(_run_saves, "save_checkpoint", save_and_keep_step_2)
     whole = _train.run(parse_options([*flags, "--save", str(saved), "--save-every", "2"]))
     monkeypatch.undo()
     resumed = _train.run(parse_options([*flags, "--resume", str(at_step_2), "--no-verify"]))

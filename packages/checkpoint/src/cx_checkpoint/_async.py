@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from cx_checkpoint._errors import CheckpointSaveError
 from cx_checkpoint._files import alias_key
 from cx_mesh import get_accelerator
 
@@ -61,19 +62,35 @@ class AsyncWriter:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cx-checkpoint-writer")
         self._futures.append(self._executor.submit(job))
 
+    def submit_after_success(self, job: Callable[[], None]) -> None:
+        """Queue `job` behind the jobs queued so far; it runs only if none of them failed, else it fails itself (with
+        the first failure as its cause) and does nothing: a commit that must not publish a half-written save."""
+        earlier = list(self._futures)
+
+        def guarded() -> None:
+            failed = [error for future in earlier if (error := future.exception()) is not None]
+            if failed:
+                raise CheckpointSaveError(
+                    f"skipped: an earlier asynchronous save failed ({type(failed[0]).__name__}: {failed[0]})"
+                ) from failed[0]
+            job()
+
+        self.submit(guarded)
+
     def drain(self) -> None:
         """Wait until every submitted job has finished, leaving their errors for `synchronize`."""
         wait(self._futures)
 
     def raise_finished_failures(self) -> None:
-        """Raise the error of a job that already failed (called at the start of every save): a failed asynchronous
-        save whose result nobody awaited surfaces here rather than being lost. Jobs still running are left alone."""
+        """Raise the error of a job that already failed (called at the start of every save and load): a failed
+        asynchronous save whose result nobody awaited surfaces here rather than being lost. Jobs still running are
+        left alone."""
         done = [future for future in self._futures if future.done()]
         errors = [error for future in done if (error := future.exception()) is not None]
         if errors:
             self._futures = [future for future in self._futures if not future.done()]
             for error in errors:
-                error.add_note("cx-checkpoint: an earlier asynchronous save failed; reported at the next save")
+                error.add_note("cx-checkpoint: an earlier asynchronous save failed; reported at the next save or load")
             _raise_first(errors)
 
     def synchronize(self) -> None:

@@ -2,7 +2,8 @@
 
 The public methods validate arguments and dispatch to the sharded or unsharded hooks a subclass implements;
 learning-rate schedulers are handled here (their state is plain data, stored as tagged JSON). Asynchronous saves go
-through one background writer per `CheckpointIO`; `synchronize()` waits for them and re-raises their errors.
+through one background writer per `CheckpointIO`; `synchronize()` waits for them and re-raises their errors, and
+every load first waits for them (raising the error of one that failed), so it never reads a half-finished save.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class CheckpointIO(ABC):
         """Load weights into `model` from a file, an index file or a checkpoint directory.
 
         `verify=True` first compares every file with the checksum recorded when it was saved."""
+        self._settle_async()
         path = _existing(checkpoint)
         with _verifying(verify):
             if path.is_dir() or path.name.endswith(".index.json"):
@@ -128,6 +130,7 @@ class CheckpointIO(ABC):
         """Load optimizer state from a `.safetensors` file, an index file or a checkpoint directory.
 
         `verify=True` first compares every file with the checksum recorded when it was saved."""
+        self._settle_async()
         path = _existing(checkpoint)
         with _verifying(verify):
             if path.is_dir() or path.name.endswith(".index.json"):
@@ -146,6 +149,7 @@ class CheckpointIO(ABC):
         self._run(lambda: write_file_atomic(Path(checkpoint), lambda tmp: tmp.write_text(text)), False)
 
     def load_lr_scheduler(self, lr_scheduler: Stateful, checkpoint: PathLike) -> None:
+        self._settle_async()
         path = _existing(checkpoint)
         data = parse_json(path.read_bytes(), str(path), CheckpointKindError, "the LR scheduler checkpoint (not JSON)")
         if not isinstance(data, dict) or data.get("format") != _SCHEDULER_FORMAT:
@@ -156,6 +160,25 @@ class CheckpointIO(ABC):
     def synchronize(self) -> None:
         """Wait for every asynchronous save of this CheckpointIO; re-raise the first error a writer hit."""
         self._async.synchronize()
+
+    def queue_after_saves(self, job: Callable[[], None]) -> None:
+        """Run `job` on the background writer once the asynchronous saves queued so far have finished, and only if
+        they all succeeded (else it fails, with their error as its cause, and does nothing); its error is reported
+        like theirs. For a caller that commits several asynchronous saves as one unit without waiting for them."""
+        self._async.submit_after_success(job)
+
+    def wait_for_writes(self) -> None:
+        """Wait until this process's asynchronous saves have ended, raising nothing (their errors stay for
+        `synchronize()`) and communicating with no other rank: for exit paths that must not leave a write running
+        behind them (a lock on the folder released too early) yet cannot rely on the other ranks."""
+        self._async.drain()
+
+    def _settle_async(self, wait: bool = True) -> None:
+        """Raise the error of an asynchronous save that failed, after waiting for the pending ones when `wait` (before
+        every load; a plugin whose saves are collective overrides it to agree on the outcome across ranks)."""
+        if wait:
+            self._async.drain()
+        self._async.raise_finished_failures()
 
     def _sync_d2h(self) -> None:
         """ColossalAI's name for waiting on the device-to-host copies of asynchronous saves: `synchronize()`."""

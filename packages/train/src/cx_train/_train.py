@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -12,8 +13,9 @@ import torch.distributed as dist
 
 from cx_mesh import get_accelerator, launch_from_torch
 from cx_plugins import Booster, OptimizerWrapper
-from cx_train.checkpoint._checkpointing import TrainerState, load_checkpoint, save_checkpoint
+from cx_train.checkpoint._checkpointing import TrainerState, load_checkpoint
 from cx_train.checkpoint._restart import note_reached, restart_line
+from cx_train.checkpoint._run_saves import RunSaves
 from cx_train.checkpoint._save_lock import save_folder_lock
 from cx_train.config._config_file import resolved_toml
 from cx_train.config._options import TrainOptions
@@ -69,12 +71,13 @@ def train(options: TrainOptions) -> list[float]:
 def run(options: TrainOptions) -> list[float]:
     """cx-train on this rank of an initialised process group; returns the step losses (mean over the ranks).
     Raises `Interrupted` on every rank at the same step when any rank was asked to stop (Ctrl-C). Rank 0 holds the
-    `--save` folder for the whole run, so a second run saving there stops before its first step."""
-    with save_folder_lock(options.save, master=dist.get_rank() == 0):
-        return _run(options)
+    `--save` folder for the whole run, so a second run saving there stops before its first step; no background write
+    of this run outlives it."""
+    with save_folder_lock(options.save, master=dist.get_rank() == 0), contextlib.ExitStack() as on_exit:
+        return _run(options, on_exit)
 
 
-def _run(options: TrainOptions) -> list[float]:
+def _run(options: TrainOptions, on_exit: contextlib.ExitStack) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     described = describe_model(options.model_spec)
     # the model shifts the labels itself, so a window is --seq-len + 1 tokens; under sequence parallelism the window
@@ -108,7 +111,8 @@ def _run(options: TrainOptions) -> list[float]:
         )
     device = get_accelerator().current_device()
     step = 0
-    saved: int | None = None  # the last step this run checkpointed
+    saves = RunSaves(booster, boosted, boosted_optimizer, options.save, scheduler, rank == 0)
+    on_exit.callback(saves.wait_for_writes)  # before the --save lock is released, an error included
     if options.resume is not None:
         step = load_checkpoint(booster, boosted, boosted_optimizer, options.resume, scheduler).step
         if rank == 0 and not options.restart:
@@ -164,12 +168,9 @@ def _run(options: TrainOptions) -> list[float]:
                 state = TrainerState(step, options.plugin, world, options.model, *sizes)
                 state = state if user_data is None else user_data.with_position(state)
                 config = resolved_toml(dict(options.resolved), header=f"cx-train's resolved config (step {step})")
-                save_checkpoint(booster, boosted, boosted_optimizer, options.save, state, scheduler, config)
-                saved = step
-                if rank == 0:
-                    print(f"cx-train: saved step {step} to {options.save}", flush=True)
+                saves.save(state, config, final=step == options.steps)  # --save-every: in the background
             if stopping and step < options.steps:  # every rank agreed in progress.record; a due save is done
-                raise Interrupted(step, options.steps, saved, options.save)
+                raise Interrupted(step, options.steps, saves.finish(), options.save)
             if step >= options.steps:
                 break
         epoch, skip = epoch + 1, 0

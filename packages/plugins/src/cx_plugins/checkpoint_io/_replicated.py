@@ -4,11 +4,12 @@ The files are the canonical cx format (cx_checkpoint.GeneralCheckpointIO), so th
 world size. Every save ends with an exchange of outcomes (`run_and_agree`), which is also its barrier: no rank runs
 ahead of a checkpoint still being written, and a save that fails on one rank (bad path, full disk, I/O error, an
 earlier asynchronous save's error) raises the same `CheckpointSaveError` on every rank, after which training can go
-on. Asynchronous saves are waited for with `synchronize()`, which shares its outcome the same way.
+on. Asynchronous saves are waited for with `synchronize()`, which shares its outcome the same way, and by every load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import weakref
@@ -24,6 +25,7 @@ from cx_checkpoint import (
     DEFAULT_SIZE_PER_SHARD,
     CheckpointKind,
     CheckpointReader,
+    CheckpointSaveError,
     FileFormat,
     GeneralCheckpointIO,
     LoadResult,
@@ -220,6 +222,21 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         """Wait for this rank's asynchronous writes (the master's), then for every rank; an asynchronous save's
         error is raised on every rank."""
         run_and_agree(super().synchronize, "an asynchronous save (reported by synchronize)")
+
+    def _settle_async(self, wait: bool = True) -> None:
+        """Collective: every rank waits for its asynchronous writes when `wait` (before a load, so that no rank reads a
+        folder the master is still writing), and an asynchronous save's failure on any rank is raised on every rank.
+        Then each rank waits for the rest of its writes and drops their errors: the one raised stands for them all,
+        and no rank reports a failure later that the others have already raised."""
+        try:
+            run_and_agree(
+                lambda: super(ReplicatedCheckpointIO, self)._settle_async(wait), "an earlier asynchronous save"
+            )
+        except CheckpointSaveError:
+            self._async.drain()
+            with contextlib.suppress(Exception):
+                self._async.raise_finished_failures()
+            raise
 
 
 def _plain(model: nn.Module) -> nn.Module:

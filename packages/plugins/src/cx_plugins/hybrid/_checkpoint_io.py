@@ -13,16 +13,19 @@ Composition over cx-checkpoint's streaming writer and lazy reader:
 The files are what `GeneralCheckpointIO` writes for the unsharded model: full tensors under the model's own (Hugging
 Face) names, `config.json` beside them, so `from_pretrained`, every cx plugin and this IO at any tp / pp / dp / ep
 layout load them. Optimizer state is by parameter name (`state.<param>.<key>`), gathered the same way.
+`use_async=True`: the gathers run before the save returns, into CPU copies, and the same write job then runs on the
+writer thread (`_save_jobs.py`: preparation and job; `_writer_group.py`: the group its status exchanges use), behind
+the earlier ones. A synchronous save or a load first waits for them; every save and load raises an asynchronous
+save's failure on every rank.
 The adapters live in `cx_plugins.checkpoint_io`; a stage's tensor streams and sink in `_stage_tensors.py`; what the
 ranks check and merge collectively in `_stage_agreement.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,36 +35,26 @@ from torch import nn
 from cx_checkpoint import (
     CheckpointKind,
     CheckpointReader,
-    FileFormat,
-    GeneralCheckpointIO,
     KeyMismatchError,
     LoadResult,
-    OptimizerMeta,
+    Stateful,
     check_optimizer_class,
-    file_names,
-    hf_side_files,
     load_into,
-    optimizer_tensor_name,
     read_optimizer_meta,
     require_names,
-    write_sharded,
-    write_side_files,
+    run_and_agree,
 )
+from cx_mesh import ProcessGroup
 from cx_plugins._layout import Axis
 from cx_plugins.checkpoint_io._expert_shards import ExpertParallelShards
 from cx_plugins.checkpoint_io._parallel_view import ParallelModelView, ParallelOptimizerView
-from cx_plugins.checkpoint_io._replicated import ShardedOptimizerCheckpointIO, StateView, split_scaler, with_scaler
-from cx_plugins.checkpoint_io._stage_names import StagePlan, module_tensor_names
+from cx_plugins.checkpoint_io._replicated import ShardedOptimizerCheckpointIO, split_scaler
+from cx_plugins.checkpoint_io._stage_names import module_tensor_names
 from cx_plugins.checkpoint_io._tp_shards import TensorParallelShards
-from cx_plugins.hybrid._stage_agreement import (
-    agree_load,
-    check_state_shapes,
-    class_of,
-    merge_descriptions,
-    require_same_entries,
-    world,
-)
-from cx_plugins.hybrid._stage_tensors import StageSink, stage_tensors, state_tensors
+from cx_plugins.hybrid._save_jobs import WriteJob, merge_model, merge_optimizer, model_save, optimizer_save
+from cx_plugins.hybrid._stage_agreement import agree_load, check_state_shapes, class_of, world
+from cx_plugins.hybrid._stage_tensors import StageSink
+from cx_plugins.hybrid._writer_group import WriterGroup
 
 __all__ = ["HybridCheckpointIO"]
 
@@ -88,6 +81,7 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         self._parts_of = parts_of
         self._after_model_load = after_model_load
         self._model_dtype = model_dtype
+        self._writer_group = WriterGroup()
 
     def _dtype(self, view: ParallelModelView) -> torch.dtype | None:
         dtype = self._model_dtype
@@ -103,14 +97,6 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
             )
         return model
 
-    @staticmethod
-    def _refuse_async(use_async: bool, what: str) -> None:
-        if use_async:
-            raise NotImplementedError(
-                f"HybridCheckpointIO: use_async=True is not supported for {what} yet (the TP / pipeline gathers are "
-                "collective and the writer thread cannot take part in them); save with use_async=False"
-            )
-
     def _tp(self, view: ParallelModelView) -> ExpertParallelShards:
         """TP shards and expert slices of the model (the expert part is empty without expert parallelism)."""
         module = view.unwrap()
@@ -123,32 +109,66 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         """Where a single-file save first gathers its sharded parts (a hidden sibling, removed afterwards)."""
         return checkpoint.parent / f".{checkpoint.name}.cx-parts"
 
-    # ---- model --------------------------------------------------------------------------------------------
-    def _model_stream(self, view: ParallelModelView) -> Iterator[tuple[str, torch.Tensor]]:
-        plan = StagePlan.build(view)  # collective over the pipeline group: before the writer starts
-        tp = self._tp(view)
-        return stage_tensors(plan, tp, self._dtype(view))
-
-    def _write_model(
+    # ---- saves: prepared on the training thread, written now or by the writer thread ---------------------------
+    def _save(
         self,
-        view: ParallelModelView,
-        directory: Path,
+        write: WriteJob,
+        checkpoint: Path,
+        shard: bool,
+        merge: Callable[[Path, Path], None],
+        what: str,
+        use_async: bool,
+    ) -> None:
+        """Run a prepared save: sharded straight into `checkpoint`; one file by writing the parts into a hidden
+        sibling first (the stages in parallel), then the master rank merging them into the file and removing them.
+        With `use_async`, on the writer thread (every rank queues it; see `_writer_group.py`)."""
+        master = self._coordinator.is_master()
+
+        def job(group: ProcessGroup) -> None:
+            if shard:
+                write(checkpoint, group)
+                return
+            parts = self._parts_dir(checkpoint)
+            write(parts, group)
+
+            def merge_parts() -> None:
+                try:
+                    merge(parts, checkpoint)
+                finally:
+                    shutil.rmtree(parts, ignore_errors=True)
+
+            run_and_agree(merge_parts if master else None, what, group)
+
+        if not use_async:
+            job(world())
+            return
+        group = self._writer_group.get()
+        self._async.submit(lambda: job(group))
+
+    # ---- model --------------------------------------------------------------------------------------------
+    def _save_model(
+        self,
+        model: nn.Module,
+        checkpoint: Path,
+        shard: bool,
+        gather_dtensor: bool,
         prefix: str | None,
         size_per_shard: float,
         use_safetensors: bool,
+        use_async: bool,
     ) -> None:
-        stream = self._model_stream(view)
-        side = hf_side_files(view.unwrap())
-        write_sharded(
-            directory,
-            stream,
-            kind=CheckpointKind.MODEL,
-            file_format=FileFormat.SAFETENSORS if use_safetensors else FileFormat.BIN,
-            size_per_shard=size_per_shard,
-            prefix=prefix,
-            group=world(),
-            extra_files=lambda staging: write_side_files(staging, side),
-        )
+        view = self._view(model)
+        # a synchronous save waits for the asynchronous ones (an asynchronous one queues behind them); a failure
+        # among them is raised here, on every rank
+        self._settle_async(wait=not use_async)
+        if shard:
+            write = model_save(
+                view, self._tp(view), self._dtype(view), prefix, size_per_shard, use_safetensors, use_async
+            )
+        else:  # the parts of a single file: safetensors, in shards of the default size
+            write = model_save(view, self._tp(view), self._dtype(view), None, 1024, True, use_async)
+        merge = merge_model(view.unwrap(), gather_dtensor, use_safetensors)
+        self._save(write, checkpoint, shard, merge, f"saving the model to {checkpoint}", use_async)
 
     def save_sharded_model(
         self,
@@ -160,33 +180,12 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         use_safetensors: bool,
         use_async: bool,
     ) -> None:
-        view = self._view(model)
-        self._refuse_async(use_async, "the model")
-        self._write_model(view, checkpoint, prefix, size_per_shard, use_safetensors)
+        self._save_model(model, checkpoint, True, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async)
 
     def save_unsharded_model(
         self, model: nn.Module, checkpoint: Path, gather_dtensor: bool, use_safetensors: bool, use_async: bool
     ) -> None:
-        """One file needs every tensor on one rank: the stages first write their parts in parallel (as a sharded
-        save), then the master rank reads them into the single file and removes the parts."""
-        view = self._view(model)
-        self._refuse_async(use_async, "the model")
-        parts = self._parts_dir(checkpoint)
-        self._write_model(view, parts, None, 1024, True)
-        owner = view.unwrap()
-
-        def merge() -> None:
-            try:
-                with CheckpointReader.open(parts, CheckpointKind.MODEL) as reader:
-                    state = {name: reader.read(name).clone() for name in reader.names()}
-                # GeneralCheckpointIO's writer itself: this already runs on the master only
-                GeneralCheckpointIO.save_unsharded_model(
-                    self, StateView(state, owner), checkpoint, gather_dtensor, use_safetensors, False
-                )
-            finally:
-                shutil.rmtree(parts, ignore_errors=True)
-
-        self._on_master(merge, f"saving the model to {checkpoint}")
+        self._save_model(model, checkpoint, False, gather_dtensor, None, 1024, use_safetensors, use_async)
 
     def _load_model(self, model: nn.Module, checkpoint: Path, strict: bool) -> LoadResult:
         if not isinstance(model, ParallelModelView):
@@ -244,67 +243,17 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
         use_async: bool,
     ) -> None:
         view, face = self._pair(optimizer)
-        self._refuse_async(use_async, "the optimizer")
+        self._settle_async(wait=not use_async)
         kind = class_of(optimizer)
-        if shard:
-            self._write_optimizer(view, face, checkpoint, prefix, size_per_shard, kind)
-            return
-        parts = self._parts_dir(checkpoint)
-        self._write_optimizer(view, face, parts, None, 1024, kind)
+        if not shard:  # the parts of a single file, in shards of the default size
+            prefix, size_per_shard = None, 1024
+        write = optimizer_save(view, face, self._tp(view), kind, prefix, size_per_shard, use_async)
+        self._save(write, checkpoint, shard, merge_optimizer, f"saving the optimizer to {checkpoint}", use_async)
 
-        def merge() -> None:
-            try:
-                meta, tensors = self.load_optimizer_parts(parts)
-                tensors = {name: tensor.clone() for name, tensor in tensors.items()}
-                self.save_optimizer_parts(meta, tensors, checkpoint, shard=False)
-            finally:
-                shutil.rmtree(parts, ignore_errors=True)
-
-        self._on_master(merge, f"saving the optimizer to {checkpoint}")
-
-    def _write_optimizer(
-        self,
-        view: ParallelModelView,
-        face: ParallelOptimizerView,
-        directory: Path,
-        prefix: str | None,
-        size_per_shard: float,
-        optimizer_class: str | None,
-    ) -> None:
-        state_dict = face.state_dict_by_name()  # collective over the data-parallel group
-        plan = StagePlan.build(view)
-        tp = self._tp(view)
-        state: dict[str, dict[str, Any]] = state_dict.get("state", {})
-        order = [name for name, _, _ in plan.entries if name in state]
-        require_same_entries(view.layout.rank(Axis.PP), state, order, plan.gathers)
-        described = {
-            name: {
-                key: {"tensor": optimizer_tensor_name(name, key)}
-                if isinstance(value, torch.Tensor)
-                else {"value": value}
-                for key, value in state[name].items()
-            }
-            for index, name in enumerate(order)
-            if plan.writes(index)
-        }
-        groups = [
-            {**{k: v for k, v in group.items() if k != "params"}, "param_names": [str(n) for n in group["params"]]}
-            for group in state_dict.get("param_groups", [])
-        ]
-        mine = OptimizerMeta(groups, described) if plan.gathers else None
-        meta = merge_descriptions(mine, list(dict(view.unwrap().named_parameters())))
-        meta = with_scaler(dataclasses.replace(meta, optimizer_class=optimizer_class), state_dict.get("grad_scaler"))
-        json_name = file_names(CheckpointKind.OPTIMIZER, FileFormat.SAFETENSORS, prefix).optimizer_json
-        text = meta.to_json()
-        write_sharded(
-            directory,
-            state_tensors(plan, tp, state, order),
-            kind=CheckpointKind.OPTIMIZER,
-            size_per_shard=size_per_shard,
-            prefix=prefix,
-            group=world(),
-            extra_files=lambda staging: (staging / json_name).write_text(text),
-        )
+    def save_lr_scheduler(self, lr_scheduler: Stateful, checkpoint: str | os.PathLike[str]) -> None:
+        """As every synchronous save: the asynchronous ones end first, a failure among them raised on every rank."""
+        self._settle_async()
+        super().save_lr_scheduler(lr_scheduler, checkpoint)
 
     def _load_optimizer(self, optimizer: torch.optim.Optimizer, checkpoint: Path, prefix: str | None) -> None:
         view, face = self._pair(optimizer)

@@ -50,10 +50,11 @@ def stored_dtype(tensor: torch.Tensor, model_dtype: torch.dtype | None) -> torch
 
 
 def stage_tensors(
-    plan: StagePlan, tp: ExpertParallelShards, model_dtype: torch.dtype | None
+    plan: StagePlan, tp: ExpertParallelShards, model_dtype: torch.dtype | None, copy: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's stream: the TP / ep gathers of its stage's tensors (on every rank of the writing ep x tp block), each
-    yielded by its writer under every name of the tensor (copies, since writers refuse shared storage)."""
+    yielded by its writer under every name of the tensor (copies, since writers refuse shared storage). With `copy`
+    every tensor yielded is a private copy, never the live parameter itself (an asynchronous save keeps them)."""
     if not plan.gathers:
         return
     with torch.no_grad():
@@ -61,14 +62,15 @@ def stage_tensors(
             full = tp.gather(name, tensor.detach())
             if not plan.writes(index):
                 continue
-            on_cpu = full.detach().to("cpu", stored_dtype(full, model_dtype)).contiguous()  # written before return
+            on_cpu = full.detach().to("cpu", stored_dtype(full, model_dtype), copy=copy).contiguous()
             for number, alias in enumerate(names):
                 yield alias, on_cpu if number == 0 else on_cpu.clone()
 
 
 def state_tensors(
-    plan: StagePlan, tp: ExpertParallelShards, state: dict[str, dict[str, Any]], order: list[str]
+    plan: StagePlan, tp: ExpertParallelShards, state: dict[str, dict[str, Any]], order: list[str], copy: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The same for the optimizer state of the stage's parameters, by `optimizer_tensor_name`."""
     if not plan.gathers:
         return
     for index, name in enumerate(order):
@@ -78,4 +80,4 @@ def state_tensors(
             tensor_name = optimizer_tensor_name(name, key)
             full = tp.gather(tensor_name, value.detach())
             if plan.writes(index):
-                yield tensor_name, full.detach().to("cpu").contiguous()
+                yield tensor_name, full.detach().to("cpu", copy=copy).contiguous()

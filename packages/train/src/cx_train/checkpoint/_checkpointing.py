@@ -8,6 +8,11 @@ directory in one atomic step (`cx_checkpoint.commit_directory`). A process kille
 checkpoint whole (model, optimizer and step from the same step); the leftover staging directory is removed by the
 next save. Any plugin at any world size can resume from any other's checkpoint: the files are the canonical cx
 format.
+
+`use_async=True` (`--save-every`, see `_run_saves.py`): the model and optimizer are gathered into CPU copies before the
+call returns; the checkpoint IO's writer thread writes them and then runs the same commit, queued behind the writes
+and run only if they all succeeded. Every save first waits for the previous one (collective: a failure of the
+previous one is raised on every rank there), so its staging directory is never mistaken for a stale one.
 """
 
 from __future__ import annotations
@@ -47,9 +52,12 @@ def save_checkpoint(
     state: TrainerState,
     lr_scheduler: LRScheduler | None = None,
     config_text: str | None = None,
+    use_async: bool = False,
 ) -> None:
     """Save model, optimizer, LR scheduler (`lr_scheduler.json`), the run's resolved config (`config.toml`, which
-    `--config` reads) and trainer state, committed together (collective: every rank calls it)."""
+    `--config` reads) and trainer state, committed together (collective: every rank calls it); with `use_async`,
+    written and committed in the background (`booster.synchronize()` waits for it)."""
+    booster.synchronize()  # the previous save is on disk first (or its error raised on every rank)
     staging = staging_path(directory, f"step{state.step}")
     master = dist.get_rank() == 0
 
@@ -60,8 +68,9 @@ def save_checkpoint(
 
     run_and_agree(prepare if master else None, f"preparing {staging}")
     try:
-        _write(booster, model, optimizer, staging, directory, state, lr_scheduler, config_text)
+        _write(booster, model, optimizer, staging, directory, state, lr_scheduler, config_text, use_async)
     except Exception:
+        booster.checkpoint_io.wait_for_writes()  # none may still be writing into the staging directory
         if master:  # a failed save (a full disk, a refused write) leaves nothing behind; the previous one stays
             shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -76,14 +85,15 @@ def _write(
     state: TrainerState,
     lr_scheduler: LRScheduler | None,
     config_text: str | None,
+    use_async: bool,
 ) -> None:
-    """Everything into `staging`, then the one atomic commit over `directory` (collective)."""
+    """Everything into `staging`, then the one atomic commit over `directory` (collective; with `use_async` the
+    master rank queues the commit behind the background writes instead)."""
     master = dist.get_rank() == 0
-    booster.save_model(model, staging / "model", shard=True, use_safetensors=True)
-    booster.save_optimizer(optimizer, staging / "optimizer", shard=True)
-    if lr_scheduler is not None:
+    if lr_scheduler is not None:  # first: a synchronous save waits for the writer
         booster.save_lr_scheduler(lr_scheduler, staging / SCHEDULER_FILE)
-    booster.synchronize()
+    booster.save_model(model, staging / "model", shard=True, use_safetensors=True, use_async=use_async)
+    booster.save_optimizer(optimizer, staging / "optimizer", shard=True, use_async=use_async)
 
     def commit() -> None:
         written = [STATE_FILE]
@@ -98,6 +108,11 @@ def _write(
         record_checksums(staging, written)  # cx-checkpoint-verify checks these too
         commit_directory(staging, directory)  # model, optimizer and trainer.json become visible at once
 
+    if use_async:
+        if master:  # runs once the writes of every rank are on disk (the master's end with the others')
+            booster.checkpoint_io.queue_after_saves(commit)
+        return
+    booster.synchronize()
     run_and_agree(commit if master else None, f"committing the checkpoint {directory}")
 
 

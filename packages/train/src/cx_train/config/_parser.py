@@ -142,7 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--save", type=Path, default=None, help="checkpoint directory, written at the end (default: none)"
     )
     parser.add_argument(
-        "--save-every", type=_integer, default=0, help="also checkpoint every N steps, 0 for never (needs --save)"
+        "--save-every",
+        type=_integer,
+        default=0,
+        help="also checkpoint every N steps, written in the background while training goes on; 0 for never (needs "
+        "--save)",
     )
     parser.add_argument(
         "--resume", type=Path, default=None, help="continue from a cx-train checkpoint directory (default: none)"
