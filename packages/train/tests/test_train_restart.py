@@ -93,14 +93,16 @@ def test_train_restart_flag_and_config_key(
     monkeypatch.setenv(RESTART_VARIABLE, "1")
     assert restarted(options, 2).resume is None  # nothing saved yet: from the start
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "trainer.json").write_text("{}")
+    (tmp_path / "ckpt" / "trainer.json").write_text('{"step": 8, "plugin": "gemini", "world_size": 2}')
     assert restarted(options, 2).resume == tmp_path / "ckpt"
     assert restarted(options, 2).restart == 1
 
 
-def _node(tmp_path: Path, name: str, endpoint: str, *extra: str) -> subprocess.Popen[bytes]:
-    """One machine of an elastic job (`--nnodes 1:2`): a cx-train launcher with one rank, meeting at `endpoint`."""
-    elastic = ["--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-conf", "last_call_timeout=3"]
+def _node(tmp_path: Path, name: str, endpoint: str, *extra: str, host: bool) -> subprocess.Popen[bytes]:
+    """One machine of an elastic job (`--nnodes 1:2`): a cx-train launcher with one rank, meeting at `endpoint`,
+    whose rendezvous store the `host` machine holds (both are this machine: the first to bind would win)."""
+    settings = f"last_call_timeout=3,is_host={int(host)}"
+    elastic = ["--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-conf", settings]
     return _cx_train(tmp_path, "elastic", "--nproc", "1", *elastic, "--max-restarts", "1", *extra, out=name)
 
 
@@ -112,8 +114,8 @@ def test_train_restart_at_a_smaller_world_keeps_the_global_batch(tmp_path: Path)
     straight = _cx_train(tmp_path, "straight", "--steps", "48")
     assert straight.wait(timeout=WAIT_S) == 0, (tmp_path / "straight.out").read_text()[-3000:]
     endpoint = f"127.0.0.1:{free_port()}"
-    first = _node(tmp_path, "first", endpoint, "--steps", "48")
-    second = _node(tmp_path, "second", endpoint, "--steps", "48")
+    first = _node(tmp_path, "first", endpoint, "--steps", "48", host=True)
+    second = _node(tmp_path, "second", endpoint, "--steps", "48", host=False)  # the machine that is lost
     nodes, ranks = [first, second], []
     try:
         deadline = time.monotonic() + WAIT_S
