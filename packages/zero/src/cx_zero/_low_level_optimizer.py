@@ -427,10 +427,17 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
 
     def _agree_on_used(self) -> None:
         """A parameter takes part in the step when any rank of its group produced a gradient for it (the flags
-        travelled with the gradient buckets, so every rank of the group reads the same answer)."""
-        flagged = [s for s in self._shards if s.used_anywhere is not None]
-        values = torch.cat([s.used_anywhere for s in flagged if s.used_anywhere is not None]).cpu() if flagged else None
-        used = {id(s): bool(values[i]) for i, s in enumerate(flagged)} if values is not None else {}
+        travelled with the gradient buckets, so every rank of the group reads the same answer).
+
+        When this rank used every parameter itself the answer is known without reading the flags (any rank's use
+        counts), so the usual step reads nothing on the host; otherwise the flags are read once, in one transfer."""
+        if all(s.used and s.used_anywhere is not None for s in self._shards):
+            used = {id(s): True for s in self._shards}
+        else:
+            flagged = [s for s in self._shards if s.used_anywhere is not None]
+            flags = torch.cat([s.used_anywhere for s in flagged if s.used_anywhere is not None]) if flagged else None
+            values: list[bool] = [bool(v) for v in flags.tolist()] if flags is not None else []
+            used = {id(s): values[i] for i, s in enumerate(flagged)}
         for shard in self._shards:
             if not used.get(id(shard), False):
                 shard.grad_shard = None
