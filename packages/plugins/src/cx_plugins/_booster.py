@@ -3,13 +3,13 @@ training objects, and routes backward, no_sync and checkpointing through the plu
 
 It also refuses what would otherwise go wrong quietly: boosting a module or optimizer a second time, `backward`
 with an optimizer that was never boosted, and (in bf16, which has no loss scaling to skip a bad step) a NaN or
-infinite loss, which would turn every parameter into NaN: `backward` stops with an error naming the step and ranks.
+infinite loss, which would turn every parameter into NaN: `backward` stops with an error naming the step and ranks
+(read on the first calls, then every `finite_loss_check_every` calls and before a save: `_finite_loss`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import warnings
 import weakref
@@ -17,14 +17,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, CheckpointIO, LoadResult
-from cx_mesh import all_gather_flat, all_reduce, communication_device, get_accelerator
+from cx_mesh import get_accelerator
+from cx_plugins._finite_loss import FINITE_LOSS_CHECK_EVERY, FiniteLossWatch
 from cx_plugins._plugin import Boosted, Plugin
 from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
 from cx_plugins.checkpoint_io._capabilities import KeepsLossScaler, SavesLora
@@ -59,7 +59,9 @@ class Booster:
         accepted = tuple(Precision(p) for p in plugin.supported_precisions())
         self.mixed_precision = Precision.parse(mixed_precision, accepted)
         self._checkpoint_io: CheckpointIO | None = None
-        self._backward_calls: weakref.WeakKeyDictionary[OptimizerWrapper, int] = weakref.WeakKeyDictionary()
+        self._finite_loss: weakref.WeakKeyDictionary[OptimizerWrapper, FiniteLossWatch] = weakref.WeakKeyDictionary()
+        #: bf16: after the first backward calls, every how many the non-finite-loss record is read (docs/plugins.md)
+        self.finite_loss_check_every = FINITE_LOSS_CHECK_EVERY
         self._steps: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
 
     @property
@@ -106,19 +108,18 @@ class Booster:
     def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
         """Backward through the optimizer wrapper, so loss scaling and gradient reduction happen where they must.
 
-        In bf16 a NaN or infinite loss on any rank stops every rank here, before the backward, with a
-        `FloatingPointError` naming the step and the ranks (cost: a one-element all-reduce and a host sync per
-        call, in bf16 only)."""
+        In bf16 a NaN or infinite loss on any rank stops every rank with a `FloatingPointError` naming the step and
+        the ranks: before its backward on the first calls, else at the next check (every `finite_loss_check_every`
+        calls and before a save); in between nothing is read on the host (`_finite_loss`)."""
         if not isinstance(optimizer, OptimizerWrapper):
             raise TypeError(
                 f"booster.backward(loss, optimizer) needs the optimizer booster.boost returned, got a "
                 f"{type(optimizer).__module__}.{type(optimizer).__qualname__}: call "
                 "`model, optimizer, *_ = booster.boost(model, optimizer)` first and use what it returns"
             )
-        calls = self._backward_calls.get(optimizer, 0) + 1
-        self._backward_calls[optimizer] = calls
         if self.training_precision is Precision.BF16:
-            self._check_finite_loss(loss, calls, optimizer)
+            watch = self._finite_loss.setdefault(optimizer, FiniteLossWatch())
+            watch.record(loss, self._steps.get(optimizer.unwrap(), 0) + 1, self.finite_loss_check_every)
         optimizer.backward(loss)
 
     def _count_steps(self, optimizer: Optimizer) -> None:
@@ -129,33 +130,10 @@ class Booster:
 
         optimizer.register_step_post_hook(count)
 
-    def _check_finite_loss(self, loss: torch.Tensor, calls: int, optimizer: OptimizerWrapper) -> None:
-        """bf16 has no loss scaler to skip a step: a non-finite loss anywhere stops all ranks (chosen over
-        silently skipping, since bf16 overflow means the run itself is diverging)."""
-        distributed = dist.is_initialized() and dist.get_world_size() > 1
-        device = communication_device(None) if distributed else loss.device
-        mine = (~torch.isfinite(loss.detach().float())).any().to(device=device, dtype=torch.float32).reshape(1)
-        flag = mine.clone()
-        if distributed:
-            all_reduce(flag, op=dist.ReduceOp.MAX)  # one element per call; the ranks are named only on failure
-        ranks: list[int] = []
-        if flag.item():
-            if distributed:
-                flags = torch.empty(dist.get_world_size(), dtype=torch.float32, device=device)
-                all_gather_flat(flags, mine)
-                ranks = [r for r, bad in enumerate(flags.tolist()) if bad]
-            else:
-                ranks = [0]
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if ranks:
-            value = float(loss.detach().float().flatten()[0]) if rank in ranks else math.nan
-            step = self._steps.get(optimizer.unwrap(), 0) + 1
-            raise FloatingPointError(
-                f"bf16 training: the loss is not finite on rank(s) {ranks} (here: {value}) at optimizer step {step} "
-                f"(backward call {calls}); stopped before backward, which would turn every parameter into NaN. bf16 "
-                "has no loss scaling that could skip this step: lower the learning rate, clip gradients, or check "
-                "the data of this step; resume from the last checkpoint"
-            )
+    def _check_losses_before_saving(self) -> None:
+        """bf16: a checkpoint is never written from parameters a non-finite loss may have spoilt (`_finite_loss`)."""
+        for watch in list(self._finite_loss.values()):
+            watch.check("before saving a checkpoint")
 
     def no_sync(
         self, model: nn.Module, optimizer: OptimizerWrapper | None = None
@@ -230,6 +208,7 @@ class Booster:
         use_async: bool = False,
     ) -> None:
         """Save full weights by parameter name (Hugging Face layout); `size_per_shard` is in MB."""
+        self._check_losses_before_saving()
         self.checkpoint_io.save_model(
             model, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async
         )
@@ -273,6 +252,7 @@ class Booster:
         use_async: bool = False,
     ) -> None:
         """Save optimizer state keyed by parameter name (safetensors + JSON, no pickle)."""
+        self._check_losses_before_saving()
         self.checkpoint_io.save_optimizer(
             optimizer.unwrap(), checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_async
         )

@@ -26,8 +26,10 @@ def cross_entropy_1d(
     vocab_size: int | None = None,
     dtype: torch.dtype | None = None,
     mode: str = "mean",
+    exact_label_check: bool = True,
 ) -> torch.Tensor:
-    """Cross entropy of `vocab_logits` [..., V_local] (this rank's vocabulary slice) against `labels` [...]."""
+    """Cross entropy of `vocab_logits` [..., V_local] (this rank's vocabulary slice) against `labels` [...].
+    `exact_label_check=False`: a label outside the vocabulary is caught by a device-side assert (`_ids`)."""
     if mode not in ("mean", "sum"):
         raise ValueError(f"cross_entropy_1d: mode must be 'mean' or 'sum', got {mode!r}")
     if vocab_logits.shape[:-1] != labels.shape:
@@ -40,7 +42,7 @@ def cross_entropy_1d(
     flat_labels = labels.reshape(-1)
     local_vocab = logits.shape[-1]
     vocab = vocab_size if vocab_size is not None else local_vocab * group_size(process_group)
-    check_ids_in_vocabulary(flat_labels, vocab, "cross_entropy_1d", "label", ignore_index)
+    check_ids_in_vocabulary(flat_labels, vocab, "cross_entropy_1d", "label", ignore_index, exact_label_check)
     start = group_rank(process_group) * local_vocab
     if vocab_size is not None and vocab_size < start + local_vocab:
         columns = torch.arange(start, start + local_vocab, device=logits.device)

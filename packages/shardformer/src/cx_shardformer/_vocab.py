@@ -16,7 +16,7 @@ from torch import nn
 
 from cx_mesh import ProcessGroup
 from cx_shardformer._comm import group_rank, group_size, reduce_forward
-from cx_shardformer._ids import check_ids_in_vocabulary
+from cx_shardformer._ids import FirstCalls, check_ids_in_vocabulary
 from cx_shardformer._linear import _ColumnBase
 from cx_shardformer._parallel_module import ParallelModule
 from cx_shardformer._shard_spec import make_spec, shard_parameter_
@@ -71,6 +71,7 @@ class VocabParallelEmbedding1D(ParallelModule):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
         self.process_group = process_group
+        self._exact_id_check = FirstCalls()  # the first forwards name a bad id; later ones assert on the device
         world = group_size(process_group)
         self.num_embeddings_padded = padded_vocab_size(num_embeddings, make_vocab_size_divisible_by, world)
         self.num_embeddings_per_partition = self.num_embeddings_padded // world
@@ -105,7 +106,8 @@ class VocabParallelEmbedding1D(ParallelModule):
         )
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        check_ids_in_vocabulary(input_, self.num_embeddings, type(self).__name__, "input id")
+        exact = self._exact_id_check()
+        check_ids_in_vocabulary(input_, self.num_embeddings, type(self).__name__, "input id", exact=exact)
         start, count = self.vocab_start_index, self.num_embeddings_per_partition
         outside = (input_ < start) | (input_ >= start + count)
         local_ids = (input_ - start).masked_fill(outside, 0)

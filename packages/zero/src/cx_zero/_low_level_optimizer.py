@@ -34,6 +34,7 @@ from cx_mesh import ProcessGroup, assert_same_across_ranks, get_dist_logger, req
 from cx_zero._buckets import plan_buckets
 from cx_zero._clipping import ClipOptions
 from cx_zero._comm import group_ranks
+from cx_zero._device_norm import device_clip_coefficient, device_norm_or_inf
 from cx_zero._elementwise import require_elementwise
 from cx_zero._gather import DeferredGathers, GroupGatherer
 from cx_zero._grad_scaler import BaseGradScaler
@@ -207,7 +208,7 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
         self._require_grad_sync = True
         self._in_backward = False
         self._unreduced = False
-        self._grad_norm: float | None = None
+        self._grad_norm: float | torch.Tensor | None = None  # a tensor until read (`_step_with_device_norm`)
         self._last_overflow = False
         self._deferred = DeferredGathers()
         for shard in self._shards:
@@ -353,7 +354,14 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
         self.synchronize_working_params()
         self._agree_on_used()
         grads, weights = self._grads_and_weights()
-        # One reduction answers both questions: an inf/nan anywhere makes the norm non-finite.
+        # One reduction answers both questions: an inf/nan anywhere makes the norm non-finite. Without fp16 there is
+        # no overflow to decide on the host: the norm stays on the device (`_device_norm`).
+        on_device = None
+        if not self._fp16:
+            on_device = device_norm_or_inf(grads, self.options.clipping.norm_type, self._norm_groups, weights)
+        if on_device is not None:
+            self._step_with_device_norm(grads, on_device)
+            return
         scaled_norm = norm_or_inf(grads, self.options.clipping.norm_type, self._norm_groups, weights)
         overflow = self._fp16 and not math.isfinite(scaled_norm)
         scale = self.grad_scaler.scale
@@ -371,6 +379,22 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
             factor *= clip_coefficient(norm, self.options.clipping.max_norm)
         if factor != 1.0 and grads:
             torch._foreach_mul_(grads, factor)
+        self._step_shards()
+
+    def _step_with_device_norm(self, grads: list[torch.Tensor], scaled_norm: torch.Tensor) -> None:
+        """bf16/fp32: unscale and clip with the norm left on the device; `get_grad_norm` reads it when asked."""
+        scale = self.grad_scaler.scale
+        self.grad_scaler.update(False)
+        self._last_overflow = False
+        norm = scaled_norm / scale
+        self._grad_norm = norm
+        if self.options.clipping.enabled and grads:
+            torch._foreach_mul_(grads, device_clip_coefficient(norm, self.options.clipping.max_norm) / scale)
+        elif scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        self._step_shards()
+
+    def _step_shards(self) -> None:
         for shard in self._shards:
             shard.master.grad = shard.grad_shard
         self.optim.step()
@@ -427,10 +451,17 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
 
     def _agree_on_used(self) -> None:
         """A parameter takes part in the step when any rank of its group produced a gradient for it (the flags
-        travelled with the gradient buckets, so every rank of the group reads the same answer)."""
-        flagged = [s for s in self._shards if s.used_anywhere is not None]
-        values = torch.cat([s.used_anywhere for s in flagged if s.used_anywhere is not None]).cpu() if flagged else None
-        used = {id(s): bool(values[i]) for i, s in enumerate(flagged)} if values is not None else {}
+        travelled with the gradient buckets, so every rank of the group reads the same answer).
+
+        When this rank used every parameter itself the answer is known without reading the flags (any rank's use
+        counts), so the usual step reads nothing on the host; otherwise the flags are read once, in one transfer."""
+        if all(s.used and s.used_anywhere is not None for s in self._shards):
+            used = {id(s): True for s in self._shards}
+        else:
+            flagged = [s for s in self._shards if s.used_anywhere is not None]
+            flags = torch.cat([s.used_anywhere for s in flagged if s.used_anywhere is not None]) if flagged else None
+            values: list[bool] = [bool(v) for v in flags.tolist()] if flags is not None else []
+            used = {id(s): values[i] for i, s in enumerate(flagged)}
         for shard in self._shards:
             if not used.get(id(shard), False):
                 shard.grad_shard = None
@@ -456,6 +487,8 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
 
     def get_grad_norm(self) -> float | None:
         """The unscaled global norm (norm_type) of the gradients of the last completed step (None before any)."""
+        if isinstance(self._grad_norm, torch.Tensor):
+            self._grad_norm = float(self._grad_norm)  # the step left it on the device: read it now, once
         return self._grad_norm
 
     def synchronize_working_params(self) -> None:

@@ -5,7 +5,8 @@ Every package's distributed tests use this. See docs/mesh.md for examples. Colos
 `check_state_dict_equal`, `assert_close_loose`, `free_port`, `seed_all`) are here too, so its tests move by changing
 imports. Tolerances for comparing a parallel run with one process follow from the arithmetic (`sum_tolerance`,
 `adam_parameter_tolerance`, `TEST_ADAM_EPS`; the derivation is in `_tolerances`). `count_collective_bytes` counts
-the bytes each collective is handed (what the fp8 tests check).
+the bytes each collective is handed (what the fp8 tests check); `count_host_reads` counts the tensor reads each cx
+module makes on the host (the hot path makes none).
 """
 
 from cx_mesh.testing._bytes import CollectiveBytes, count_collective_bytes
@@ -17,6 +18,7 @@ from cx_mesh.testing._colossalai import (
     parameterize,
     rerun_if_address_is_in_use,
 )
+from cx_mesh.testing._host_reads import READING_METHODS, HostReads, count_host_reads
 from cx_mesh.testing._per_test import PerTestCache
 from cx_mesh.testing._pool import shutdown_pools
 from cx_mesh.testing._processes import DistributedTestFailure
@@ -37,6 +39,8 @@ __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "default_timeout",
     "DistributedTestFailure",
+    "HostReads",
+    "READING_METHODS",
     "TEST_ADAM_EPS",
     "PerTestCache",
     "adam_parameter_tolerance",
@@ -45,6 +49,7 @@ __all__ = [
     "check_state_dict_equal",
     "clear_cache_before_run",
     "count_collective_bytes",
+    "count_host_reads",
     "distributed",
     "free_port",
     "parameterize",

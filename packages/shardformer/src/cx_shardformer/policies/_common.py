@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cx_shardformer._comm import copy_to_parallel
 from cx_shardformer._config import SequenceParallelMode, ShardConfig
+from cx_shardformer._ids import FirstCalls
 from cx_shardformer._linear import mark_input_grad_reduced
 from cx_shardformer._loss import cross_entropy_1d
 from cx_shardformer._policy import Policy
@@ -58,6 +59,7 @@ class VocabParallelCausalLMLoss:
 
     def __init__(self, shard_config: ShardConfig) -> None:
         self.group = shard_config.tensor_parallel_process_group
+        self._exact_label_check = FirstCalls()  # the first calls name a bad label; later ones assert on the device
 
     def __call__(
         self,
@@ -73,9 +75,12 @@ class VocabParallelCausalLMLoss:
             padded = nn.functional.pad(labels, (0, 1), value=ignore_index)
             shift_labels = padded[..., 1:]
         shift_labels = shift_labels.to(logits.device)
+        exact = self._exact_label_check()
         if num_items_in_batch is None:
-            return cross_entropy_1d(logits, shift_labels, ignore_index, self.group, vocab_size)
-        total = cross_entropy_1d(logits, shift_labels, ignore_index, self.group, vocab_size, mode="sum")
+            return cross_entropy_1d(logits, shift_labels, ignore_index, self.group, vocab_size, exact_label_check=exact)
+        total = cross_entropy_1d(
+            logits, shift_labels, ignore_index, self.group, vocab_size, mode="sum", exact_label_check=exact
+        )
         return total / torch.as_tensor(num_items_in_batch, device=total.device)
 
 

@@ -10,7 +10,8 @@ chunk takes the gradients into its own gathered buffer (a parameter's values are
 so backward holds one full-size buffer per chunk in flight, not two. A callback at
 the end of backward checks that every rank produced gradients for the same parameters and issued the same chunk
 collectives in the same order (a clear error instead of mixed collectives; the end of a forward is checked the
-same way), then reduces the chunks whose parameters were partly unused (missing gradients are zero).
+same way; the answer is read on the first three steps, then every 50: `_agreement`), then reduces the chunks whose
+parameters were partly unused (missing gradients are zero).
 """
 
 from __future__ import annotations
@@ -26,23 +27,14 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from cx_chunk import Chunk, ChunkManager, ChunkScheduler, TensorState
-from cx_mesh import ProcessGroup, all_gather_bytes, all_gather_flat, communication_device, get_accelerator
+from cx_mesh import ProcessGroup, all_gather_bytes, get_accelerator
+from cx_zero.gemini._agreement import DigestAgreement
 from cx_zero.gemini._outputs import OpaqueOutputError, grad_tensors_in
 from cx_zero.gemini._units import Unit
 
 __all__ = ["GeminiDriver", "PathMismatchError"]
 
 _S = TensorState
-
-
-def _same_digest(digest: bytes, group: ProcessGroup | None) -> bool:
-    """One all-gather of a fixed-size digest: whether every rank of `group` holds the same one."""
-    device = communication_device(group)
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
-    gathered = torch.empty(len(digest) * torch.distributed.get_world_size(group), dtype=torch.uint8, device=device)
-    all_gather_flat(gathered, mine, group)
-    rows = gathered.view(-1, len(digest))
-    return bool((rows == rows[0]).all().item())
 
 
 class PathMismatchError(RuntimeError):
@@ -102,6 +94,7 @@ class GeminiDriver:
         self.units = list(units)
         self.names = names
         self.check_groups = list(check_groups)
+        self._agreement = DigestAgreement(self.check_groups)
         self.eager_reduce = eager_reduce
         self.allow_accumulation = allow_accumulation
         self.trainable = [p for unit in units for p in unit.params if p.requires_grad]
@@ -394,15 +387,18 @@ class GeminiDriver:
         mine = _Report(tuple(sorted(used)), tuple(self._sequence), tuple(sorted(unfrozen)))
         payload = mine.encode()
         digest = hashlib.sha256(payload).digest()
-        for group in self.check_groups:
-            if torch.distributed.get_world_size(group) == 1 or _same_digest(digest, group):
-                continue
-            reports = [_Report.decode(raw) for raw in all_gather_bytes(payload, group)]
+        for index, group in enumerate(self.check_groups):
+            if torch.distributed.get_world_size(group) > 1:
+                self._agreement.compare(index, digest, payload, phase)
+        found = self._agreement.end_check()  # read on the first checks, then every READ_EVERY-th (`_agreement`)
+        if found is not None:
+            reports = [_Report.decode(raw) for raw in all_gather_bytes(found.payload, found.group)]
             if any(r.unfrozen for r in reports):
                 self._raise_unfrozen(reports)
+            late = f" (found {found.checks_ago} check(s) later)" if found.checks_ago else ""
             if len({r.used for r in reports}) > 1:
-                self._broken(self._set_message([set(r.used) for r in reports], _PHASES[phase]))
-            self._broken(self._order_message([r.sequence for r in reports], phase))
+                self._broken(self._set_message([set(r.used) for r in reports], _PHASES[found.phase]) + late)
+            self._broken(self._order_message([r.sequence for r in reports], found.phase) + late)
         if mine.unfrozen:
             self._raise_unfrozen([mine])
 
