@@ -21,7 +21,7 @@ from cx_mesh import all_gather_flat, all_reduce, communication_device
 __all__ = ["FIRST_CHECKED_CALLS", "FINITE_LOSS_CHECK_EVERY", "FiniteLossWatch"]
 
 FIRST_CHECKED_CALLS = 3
-FINITE_LOSS_CHECK_EVERY = 100
+FINITE_LOSS_CHECK_EVERY = 10  # one host read per 10 steps: a bad loss is named within a few steps
 
 
 class FiniteLossWatch:
