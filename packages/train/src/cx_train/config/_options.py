@@ -31,6 +31,7 @@ from cx_train.config._parser import (
 )
 from cx_train.config._paths import outputs_problem, resume_problem, save_problem
 from cx_train.config._reporting_flags import reporting_problem
+from cx_train.config._resumed_model import resumed_model_problem
 from cx_train.config._training_checks import training_problem
 from cx_train.data._user_data import DataSettings, prepared_data_problem
 from cx_train.models._spec import (
@@ -320,7 +321,8 @@ def validated_options(args: argparse.Namespace, world_size: int | None = None) -
         check_builds(described)
     except ModelError as error:
         parser.error(str(error))
-    problem = _model_problem(options, described, world_size, args.microbatches)
+    problem = None if options.resume is None else resumed_model_problem(options.resume, options.model, described.config)
+    problem = problem or _model_problem(options, described, world_size, args.microbatches)
     if problem is not None:
         parser.error(problem)
     if options.data is not None:  # tokenised here, once, before any process starts (later runs read the cache)
