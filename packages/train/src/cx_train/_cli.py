@@ -42,6 +42,7 @@ def _run_rank(argv: Sequence[str], launched_here: bool) -> int:
     from cx_train._train import train
     from cx_train.checkpoint._restart import restarted
     from cx_train.config._options import parse_options
+    from cx_train.metrics._progress import loss_summary
     from cx_train.step._interrupt import Interrupted, install_stop_handler
 
     install_stop_handler()
@@ -64,9 +65,9 @@ def _run_rank(argv: Sequence[str], launched_here: bool) -> int:
         dist.barrier()
         dist.destroy_process_group()
         return INTERRUPTED
-    if dist.get_rank() == 0 and len(losses) >= 20:
-        first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-        print(f"cx-train: loss {first:.3f} -> {last:.3f}", flush=True)
+    summary = loss_summary(losses)
+    if dist.get_rank() == 0 and summary is not None:
+        print(summary, flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0
