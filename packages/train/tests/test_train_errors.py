@@ -220,6 +220,8 @@ def test_train_errors_resume_verifies_the_checkpoint(
     assert f"--resume {damaged}: the checkpoint is damaged" in error
     assert str(shard) in error
     assert "--no-verify" in error
+    assert main([*resume, "--resume", str(damaged), "--dry-run"]) == 2  # a dry run checks what the run would load
+    assert f"--resume {damaged}: the checkpoint is damaged" in capsys.readouterr().err
 
     skipping = parse_options([*resume, "--resume", str(damaged), "--no-verify"])
     assert not skipping.verify

@@ -119,11 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cx_train.config._options import validated_options
 
     options = validated_options(args)  # everything else checked before starting any process
+    if not _verified(options):  # a --dry-run too: it says whether the run would start
+        return 2
     if options.dry_run:
         print(dry_run_report(options), end="", flush=True)
         return 0
-    if not _verified(options):
-        return 2
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.run import main as torchrun
 
