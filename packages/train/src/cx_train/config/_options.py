@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import cx_plugins
+from cx_train.checkpoint._saved_shapes import saved_shapes
 from cx_train.config._arguments import parse_arguments
 from cx_train.config._data_flags import data_problem, data_settings
 from cx_train.config._launch_flags import Rendezvous, rendezvous_of
@@ -34,6 +35,7 @@ from cx_train.config._reporting_flags import reporting_problem
 from cx_train.config._resumed_model import resumed_model_problem
 from cx_train.config._training_checks import training_problem
 from cx_train.data._user_data import DataSettings, prepared_data_problem
+from cx_train.models._shapes import model_shapes
 from cx_train.models._spec import (
     GPT_MODEL,
     MODEL_CHOICES,
@@ -237,6 +239,14 @@ def _model_problem(
     return None
 
 
+def _resume_problem(options: TrainOptions, resume: Path, described: DescribedModel) -> str | None:
+    """The checkpoint's model against this run's, tensor by tensor (the model built on the meta device)."""
+    saved = saved_shapes(resume / "model")
+    expected = model_shapes(described) if saved else {}
+    flags = {name: getattr(options, name) for name in ("model", "seq_len", "hidden_size", "num_layers")}
+    return resumed_model_problem(resume, flags, described.config, saved, expected)
+
+
 def parse_options(argv: Sequence[str] | None = None, world_size: int | None = None) -> TrainOptions:
     """Parse and validate; `world_size` is the real one under an external torchrun (default: `--nproc`)."""
     return validated_options(parse_arguments(argv), world_size)
@@ -321,7 +331,7 @@ def validated_options(args: argparse.Namespace, world_size: int | None = None) -
         check_builds(described)
     except ModelError as error:
         parser.error(str(error))
-    problem = None if options.resume is None else resumed_model_problem(options.resume, options.model, described.config)
+    problem = None if options.resume is None else _resume_problem(options, options.resume, described)
     problem = problem or _model_problem(options, described, world_size, args.microbatches)
     if problem is not None:
         parser.error(problem)
