@@ -18,6 +18,7 @@ from typing import Any
 
 import cx_plugins
 from cx_train.checkpoint._saved_shapes import saved_shapes
+from cx_train.checkpoint._trainer_state import read_trainer_state
 from cx_train.config._arguments import parse_arguments
 from cx_train.config._data_flags import data_problem, data_settings
 from cx_train.config._launch_flags import Rendezvous, rendezvous_of
@@ -32,8 +33,9 @@ from cx_train.config._parser import (
 )
 from cx_train.config._paths import outputs_problem, resume_problem, save_problem
 from cx_train.config._reporting_flags import reporting_problem
-from cx_train.config._resumed_model import resumed_model_problem
+from cx_train.config._resumed_model import embedded_text_message, resumed_model_problem
 from cx_train.config._training_checks import training_problem
+from cx_train.data._tokenizers import ByteTokenizer
 from cx_train.data._user_data import DataSettings, prepared_data_problem
 from cx_train.models._shapes import model_shapes
 from cx_train.models._spec import (
@@ -241,6 +243,9 @@ def _model_problem(
 
 def _resume_problem(options: TrainOptions, resume: Path, described: DescribedModel) -> str | None:
     """The checkpoint's model against this run's, tensor by tensor (the model built on the meta device)."""
+    bytes_read = options.data is not None and isinstance(described.tokenizer, ByteTokenizer)
+    if bytes_read and read_trainer_state(resume).data_epoch is None:  # trained on the embedded text's character ids
+        return embedded_text_message(resume, options.model)
     saved = saved_shapes(resume / "model")
     expected = model_shapes(described) if saved else {}
     flags = {name: getattr(options, name) for name in ("model", "seq_len", "hidden_size", "num_layers")}

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["resumed_model_problem"]
+__all__ = ["embedded_text_message", "resumed_model_problem"]
 
 # the config fields that set a parameter's shape or count (vocab_size is left out: the tokenizer may extend it)
 _SHAPE_FIELDS = (
@@ -26,6 +26,15 @@ _SHAPE_FIELDS = (
     "n_routed_experts",
 )
 _SIZE_FLAGS = ("model", "seq_len", "hidden_size", "num_layers")  # what a hint compares with the checkpoint's run
+
+
+def embedded_text_message(resume: Path, model: str) -> str:
+    """The refusal of a checkpoint trained on the embedded text resumed with `--data` read as UTF-8 bytes."""
+    return (
+        f"--resume {resume}: that checkpoint was trained on the embedded text, whose model reads the built-in "
+        f"character ids; --data with --model {model} reads UTF-8 bytes (another vocabulary): start a new run on "
+        "--data, or resume without --data"
+    )
 
 
 def _config_problem(resume: Path, model: str, config: Any) -> str | None:
