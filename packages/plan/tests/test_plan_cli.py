@@ -13,7 +13,7 @@ import pytest
 
 from cx_plan import _planner as planner
 from cx_plan._candidate import Candidate
-from cx_plan._cli import main
+from cx_plan._cli import build_parser, main
 from cx_plan._devices import Device, detect_device, lookup_device
 from cx_plan._planner import MemoryModel
 from cx_plan._report import MemoryVerdict, PlanReport, PlanRow
@@ -45,6 +45,16 @@ def _stub(shape: ModelShape, seq_len: int, device: Device) -> MemoryModel:
         return _Verdict(fits, peak, "" if fits else f"model states {peak} B > {device.memory_bytes} B")
 
     return verdict
+
+
+def test_cx_plan_help_shows_every_default() -> None:
+    """Every flag that is neither required nor an on/off switch says its default in --help."""
+    parser = build_parser()
+    formatter = parser.formatter_class(prog="cx-plan")
+    for action in parser._actions:  # argparse has no public list of its actions
+        if action.required or action.nargs == 0:
+            continue
+        assert "(default" in (formatter._get_help_string(action) or ""), action.option_strings
 
 
 def test_cx_plan_prints_a_ranked_plan(capsys: pytest.CaptureFixture[str]) -> None:

@@ -200,6 +200,19 @@ def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+def test_train_errors_resume_with_another_seq_len_names_the_tensor(
+    saved_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The GPT's learned position table follows --seq-len: resumed at another, every rank used to start, load and
+    fail with a tensor-shape traceback; now one line names the tensor, both shapes and the checkpoint's --seq-len."""
+    error = _refused([*TINY, "--steps", "5", "--seq-len", "32", "--resume", str(saved_checkpoint)], capsys)
+    assert (
+        f"--resume {saved_checkpoint}: the checkpoint's embed_positions.weight is [17, 32], this run's model has "
+        "[33, 32] (its run had --seq-len 16)"
+    ) in error
+    assert parse_options([*TINY, "--steps", "5", "--resume", str(saved_checkpoint)]).resume == saved_checkpoint
+
+
 def test_train_errors_resume_verifies_the_checkpoint(
     saved_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -220,6 +233,8 @@ def test_train_errors_resume_verifies_the_checkpoint(
     assert f"--resume {damaged}: the checkpoint is damaged" in error
     assert str(shard) in error
     assert "--no-verify" in error
+    assert main([*resume, "--resume", str(damaged), "--dry-run"]) == 2  # a dry run checks what the run would load
+    assert f"--resume {damaged}: the checkpoint is damaged" in capsys.readouterr().err
 
     skipping = parse_options([*resume, "--resume", str(damaged), "--no-verify"])
     assert not skipping.verify

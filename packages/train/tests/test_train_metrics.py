@@ -24,7 +24,7 @@ from cx_train.metrics._memory import MemorySample
 from cx_train.metrics._metrics_file import read_metrics
 from cx_train.metrics._mfu import active_parameters, peak_flops
 from cx_train.metrics._plot import plot_metrics
-from cx_train.metrics._progress import Progress
+from cx_train.metrics._progress import Progress, loss_summary
 from train_data_helpers import TINY_GPT, write_text
 
 TINY = ["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--hidden-size", "32", "--log-every", "2"]
@@ -124,6 +124,12 @@ def test_train_metrics_progress_line_fields() -> None:
     assert moe.line().endswith("mem alloc/reserved r0:1024/2048MiB"), moe.line()
     assert moe.json()["memory_reserved_bytes"] == [2 * 2**30]
     assert moe.json()["eval_loss"] == 2.75
+
+
+def test_train_metrics_closing_line_says_what_it_averages() -> None:
+    losses = [4.0] * 10 + [9.0] * 5 + [1.0] * 10
+    assert loss_summary(losses) == "cx-train: loss 4.000 -> 1.000 (mean of this run's first and last 10 steps)"
+    assert loss_summary(losses[:19]) is None  # too short for two disjoint means
 
 
 def test_train_metrics_peak_flops_table(monkeypatch: pytest.MonkeyPatch) -> None:

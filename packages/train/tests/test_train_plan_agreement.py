@@ -12,10 +12,11 @@ from torch.distributed.fsdp import FSDPModule
 
 from cx_mesh.testing import run_distributed
 from cx_plan import TEXT_VOCAB_SIZE, Candidate, load_model_shape, train_command
+from cx_plan import build_parser as plan_parser
 from cx_plugins import GeminiPlugin, LowLevelZeroPlugin, ModelWrapper, TorchDDPPlugin
 from cx_train import CharTokenizer
 from cx_train.config._options import parse_options
-from cx_train.config._parser import build_parser
+from cx_train.config._parser import DEFAULT_HIDDEN, DEFAULT_LAYERS, build_parser
 from cx_train.models._plugins import make_plugin, plan_candidate
 from cx_train.models._spec import ModelSpec, build_model, describe_model
 
@@ -35,6 +36,14 @@ def test_train_plan_counts_match_the_model_cx_train_builds(name: str) -> None:
     if shape.is_moe:
         assert counts.per_expert * shape.num_experts == max(counts.experts_per_layer)
     assert counts.tied == (name == "gpt")
+
+
+def test_train_plan_defaults_are_cx_train_defaults() -> None:
+    """A plan without flags is of the run cx-train makes without them (cx-plan planned bf16 while cx-train trained
+    fp32)."""
+    planned, trained = plan_parser().parse_args(["--model", "gpt", "--world", "2"]), build_parser().parse_args([])
+    assert planned.precision == trained.precision == "fp32"
+    assert (planned.hidden_size, planned.num_layers) == (DEFAULT_HIDDEN, DEFAULT_LAYERS)
 
 
 def test_train_plan_text_vocabulary_is_the_character_encoding() -> None:

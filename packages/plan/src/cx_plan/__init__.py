@@ -11,7 +11,7 @@ and the command line at the top.
 """
 
 from cx_plan._candidate import Candidate
-from cx_plan._cli import main
+from cx_plan._cli import build_parser, main
 from cx_plan._devices import (
     Device,
     Link,
@@ -83,4 +83,5 @@ __all__ = [
     "judge",
     "plan",
     "main",
+    "build_parser",  # cx-plan's flags and defaults (cx-train's tests compare them with its own)
 ]

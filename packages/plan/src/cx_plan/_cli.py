@@ -62,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--global-batch", type=int, default=None, help="sequences per optimizer step (default: 4 per rank)"
     )
-    parser.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",  # cx-train's default, so a plan without flags is of the run cx-train makes without them
+        help="parameter / compute precision, as cx-train's --precision (bf16 for a GPU run)",
+    )
     parser.add_argument("--plugins", default=",".join(PLUGINS), help="comma-separated plugins to consider")
     parser.add_argument("--hidden-size", type=int, default=128, help="built-in models only (as cx-train)")
     parser.add_argument("--num-layers", type=int, default=2, help="built-in models only (as cx-train)")
@@ -74,14 +79,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--pp-styles", default=",".join(PIPELINE_STYLES), help="pipeline schedules to try")
     parser.add_argument("--max-tp", type=int, default=8, help="largest tensor-parallel size to try")
-    parser.add_argument("--intra-link", default=None, help=f"link inside a node, one of {', '.join(LINKS)}")
-    parser.add_argument("--inter-link", default=None, help="link between nodes (same names)")
+    parser.add_argument(
+        "--intra-link", default=None, help=f"link inside a node, one of {', '.join(LINKS)} (default: the device's)"
+    )
+    parser.add_argument("--inter-link", default=None, help="link between nodes (same names) (default: the device's)")
     parser.add_argument("--devices-per-node", type=int, default=None, help="ranks per node (default: the device's)")
-    parser.add_argument("--intra-bandwidth", type=float, default=None, help="override, GB/s per direction")
-    parser.add_argument("--inter-bandwidth", type=float, default=None, help="override, GB/s per direction")
-    parser.add_argument("--intra-latency", type=float, default=None, help="override, microseconds")
-    parser.add_argument("--inter-latency", type=float, default=None, help="override, microseconds")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="override the device's peak, TFLOP/s")
+    parser.add_argument(
+        "--intra-bandwidth", type=float, default=None, help="override, GB/s per direction (default: the link's)"
+    )
+    parser.add_argument(
+        "--inter-bandwidth", type=float, default=None, help="override, GB/s per direction (default: the link's)"
+    )
+    parser.add_argument(
+        "--intra-latency", type=float, default=None, help="override, microseconds (default: the link's)"
+    )
+    parser.add_argument(
+        "--inter-latency", type=float, default=None, help="override, microseconds (default: the link's)"
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="override the device's peak, TFLOP/s (default: the device's)"
+    )
     parser.add_argument("--efficiency", type=float, default=ACHIEVABLE_FRACTION, help="achievable fraction of peak")
     parser.add_argument("--top", type=int, default=10, help="fitting rows to print")
     parser.add_argument(

@@ -7,6 +7,9 @@ directory of an unfinished save is removed. Exit status: 0 trained, 2 refused fl
 130 interrupted.
 
 `cx-train plot FILE.jsonl [-o OUT.png]` draws a `--metrics` file instead of training.
+
+torch, cx-plugins and the data are imported only once the flags are read (`config._arguments`), so `--help` and a
+flag error answer in well under a second instead of after seconds of imports.
 """
 
 from __future__ import annotations
@@ -18,17 +21,12 @@ import signal
 import sys
 from collections.abc import Sequence
 from types import FrameType
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing import SignalException
+from cx_train.config._arguments import parse_arguments
 
-from cx_checkpoint import remove_stale_staging
-from cx_train._dry_run import dry_run_report
-from cx_train._launcher_watch import exit_with_parent
-from cx_train.checkpoint._restart import restarted
-from cx_train.checkpoint._verification import verification_problem
-from cx_train.config._options import TrainOptions, parse_options
-from cx_train.metrics._plot import plot_main
+if TYPE_CHECKING:
+    from cx_train.config._options import TrainOptions
 
 __all__ = ["main"]
 
@@ -36,7 +34,15 @@ INTERRUPTED = 128 + signal.SIGINT  # the shell's status of a process stopped by 
 
 
 def _run_rank(argv: Sequence[str], launched_here: bool) -> int:
+    import torch.distributed as dist
+
+    from cx_checkpoint import remove_stale_staging
+    from cx_train._dry_run import dry_run_report
+    from cx_train._launcher_watch import exit_with_parent
     from cx_train._train import train
+    from cx_train.checkpoint._restart import restarted
+    from cx_train.config._options import parse_options
+    from cx_train.metrics._progress import loss_summary
     from cx_train.step._interrupt import Interrupted, install_stop_handler
 
     install_stop_handler()
@@ -59,9 +65,9 @@ def _run_rank(argv: Sequence[str], launched_here: bool) -> int:
         dist.barrier()
         dist.destroy_process_group()
         return INTERRUPTED
-    if dist.get_rank() == 0 and len(losses) >= 20:
-        first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-        print(f"cx-train: loss {first:.3f} -> {last:.3f}", flush=True)
+    summary = loss_summary(losses)
+    if dist.get_rank() == 0 and summary is not None:
+        print(summary, flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -71,6 +77,8 @@ def _verified(options: TrainOptions) -> bool:
     """Verify a `--resume` checkpoint unless `--no-verify`; prints the problem and returns False when it fails."""
     if options.resume is None or not options.verify:
         return True
+    from cx_train.checkpoint._verification import verification_problem
+
     problem = verification_problem(options.resume)
     if problem is not None:
         print(f"cx-train: error: {problem}", file=sys.stderr, flush=True)
@@ -80,6 +88,8 @@ def _verified(options: TrainOptions) -> bool:
 def _stop_once(signum: int, frame: FrameType | None) -> None:
     """The launcher's SIGINT: torch's agent passes it on to the ranks and waits for them (SignalException); a second
     Ctrl-C while they stop is ignored (the agent still kills ranks that do not stop within its shutdown timeout)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for name in list(logging.root.manager.loggerDict):  # its warnings about the shutdown it is asked for
         if name.startswith("torch.distributed.elastic"):
@@ -93,6 +103,8 @@ _ARGS_VARIABLE = "CX_TRAIN_ARGS"  # flags travel to the ranks here: torchrun's o
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["plot"]:  # `cx-train plot FILE.jsonl`: no training flag is a bare word, so no clash
+        from cx_train.metrics._plot import plot_main
+
         return plot_main(arguments[1:])
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         launched_here = _ARGS_VARIABLE in os.environ
@@ -102,13 +114,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # skip interpreter teardown: torch 2.13 CPU can abort there after a clean run
-    options = parse_options(arguments)  # validate flags before starting any process
+    args = parse_arguments(arguments)  # --help and flag errors end here, before torch is imported
+    from cx_train._dry_run import dry_run_report
+    from cx_train.config._options import validated_options
+
+    options = validated_options(args)  # everything else checked before starting any process
+    if not _verified(options):  # a --dry-run too: it says whether the run would start
+        return 2
     if options.dry_run:
         print(dry_run_report(options), end="", flush=True)
         return 0
-    if not _verified(options):
-        return 2
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.run import main as torchrun
+
+    from cx_checkpoint import remove_stale_staging
 
     launcher = [
         *(["--standalone"] if options.rendezvous is None else options.rendezvous.torchrun_arguments()),

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cx_checkpoint import ChecksumMismatchError, VerifyOutcome, verify_checkpoints
-
 __all__ = ["VERIFY_COST", "verification_problem"]
 
 # measured on the default demo checkpoint (GPT, hidden 128, 2 layers: model 1.7 MB, optimizer 3.2 MB; gemini,
@@ -20,6 +18,8 @@ VERIFY_COST = "it reads every file once more: 13-34 ms against 7-47 ms for the l
 
 def verification_problem(resume: Path) -> str | None:
     """Why the checkpoint in `resume` must not be loaded (None when every file matches its recorded checksum)."""
+    from cx_checkpoint import ChecksumMismatchError, VerifyOutcome, verify_checkpoints  # torch: after the flags
+
     results = verify_checkpoints(resume)
     if not results:
         return f"--resume {resume}: no model or optimizer checkpoint found in it"

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cx_train.data._user_data import DataSettings
+if TYPE_CHECKING:  # imports torch: only the validated options need it, after the flags are read
+    from cx_train.data._user_data import DataSettings
 
 __all__ = ["add_data_arguments", "data_problem", "data_settings"]
 
@@ -79,6 +81,8 @@ def data_problem(args: argparse.Namespace) -> str | None:
 def data_settings(args: argparse.Namespace) -> DataSettings | None:
     if args.data is None:
         return None
+    from cx_train.data._user_data import DataSettings
+
     return DataSettings(
         data=tuple(args.data),
         text_field=args.text_field,

@@ -3,37 +3,41 @@
 Everything that can be checked before a process starts is checked here, with errors that name the flag and the
 values that would work: the flags against the plugin, the `--save` / `--resume` paths and the resumed `trainer.json`
 (`_paths`), the parallel layout against the world size, and `--model` against the data (its config and tokenizer are
-read, no weights). The flags themselves, their value types and --help are `_parser`'s.
+read, no weights). The flags themselves, their value types and --help are `_parser`'s, read from the command line by
+`_arguments` before this module's imports (torch, cx-plugins) are paid for.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import cx_plugins
-from cx_mesh import DEFAULT_TIMEOUT
-from cx_train.config._config_file import expand_config
+from cx_train.checkpoint._saved_shapes import saved_shapes
+from cx_train.checkpoint._trainer_state import read_trainer_state
+from cx_train.config._arguments import parse_arguments
 from cx_train.config._data_flags import data_problem, data_settings
 from cx_train.config._launch_flags import Rendezvous, rendezvous_of
 from cx_train.config._parser import (
     DEFAULT_HIDDEN,
     DEFAULT_LAYERS,
+    DEFAULT_TIMEOUT_S,
     HYBRID_CLASSES,
     PLUGINS,
     PP_STYLES,
     build_parser,
-    join_negative_values,
 )
 from cx_train.config._paths import outputs_problem, resume_problem, save_problem
 from cx_train.config._reporting_flags import reporting_problem
+from cx_train.config._resumed_model import embedded_text_message, resumed_model_problem
 from cx_train.config._training_checks import training_problem
+from cx_train.data._tokenizers import ByteTokenizer
 from cx_train.data._user_data import DataSettings, prepared_data_problem
+from cx_train.models._shapes import model_shapes
 from cx_train.models._spec import (
     GPT_MODEL,
     MODEL_CHOICES,
@@ -45,7 +49,7 @@ from cx_train.models._spec import (
     describe_model,
 )
 
-__all__ = ["HYBRID_CLASSES", "PLUGINS", "TrainOptions", "parse_options", "plugin_missing"]
+__all__ = ["HYBRID_CLASSES", "PLUGINS", "TrainOptions", "parse_options", "plugin_missing", "validated_options"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ class TrainOptions:
     zero: int = 0  # the ZeRO stage of hybrid / moe_hybrid, or of low_level_zero (where 0 means its default, 2)
     microbatches: int = 1  # pipeline micro-batches per step (the pipeline size unless --microbatches says)
     pp_style: str = PP_STYLES[0]
-    timeout: float = DEFAULT_TIMEOUT.total_seconds()  # seconds: the process groups' and named collectives' timeout
+    timeout: float = DEFAULT_TIMEOUT_S  # seconds: the process groups' and named collectives' timeout
     data: DataSettings | None = None  # --data and its flags (_data_flags); None: the embedded grammar text
     eval_every: int = 0  # steps between evaluations (0: only at the end), with --eval-data / --eval-fraction
     metrics: Path | None = None  # --metrics FILE.jsonl (_reporting)
@@ -237,14 +241,26 @@ def _model_problem(
     return None
 
 
+def _resume_problem(options: TrainOptions, resume: Path, described: DescribedModel) -> str | None:
+    """The checkpoint's model against this run's, tensor by tensor (the model built on the meta device)."""
+    bytes_read = options.data is not None and isinstance(described.tokenizer, ByteTokenizer)
+    if bytes_read and read_trainer_state(resume).data_epoch is None:  # trained on the embedded text's character ids
+        return embedded_text_message(resume, options.model)
+    saved = saved_shapes(resume / "model")
+    expected = model_shapes(described) if saved else {}
+    flags = {name: getattr(options, name) for name in ("model", "seq_len", "hidden_size", "num_layers")}
+    return resumed_model_problem(resume, flags, described.config, saved, expected)
+
+
 def parse_options(argv: Sequence[str] | None = None, world_size: int | None = None) -> TrainOptions:
     """Parse and validate; `world_size` is the real one under an external torchrun (default: `--nproc`)."""
+    return validated_options(parse_arguments(argv), world_size)
+
+
+def validated_options(args: argparse.Namespace, world_size: int | None = None) -> TrainOptions:
+    """`parse_arguments`' values checked together, against the paths, the model and the data (exits 2 on a problem,
+    one line under the short usage)."""
     parser = build_parser()
-    try:
-        expanded = expand_config(join_negative_values(sys.argv[1:] if argv is None else argv), parser)
-    except ValueError as error:
-        parser.error(str(error))
-    args = parser.parse_args(expanded)
     problem = _flag_problem(args) or training_problem(args) or data_problem(args)
     if problem is not None:
         parser.error(problem)
@@ -320,7 +336,8 @@ def parse_options(argv: Sequence[str] | None = None, world_size: int | None = No
         check_builds(described)
     except ModelError as error:
         parser.error(str(error))
-    problem = _model_problem(options, described, world_size, args.microbatches)
+    problem = None if options.resume is None else _resume_problem(options, options.resume, described)
+    problem = problem or _model_problem(options, described, world_size, args.microbatches)
     if problem is not None:
         parser.error(problem)
     if options.data is not None:  # tokenised here, once, before any process starts (later runs read the cache)

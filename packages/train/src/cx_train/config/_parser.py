@@ -1,31 +1,29 @@
-"""cx-train's flags: their value types, defaults and help (every flag shows its default), and reading the command
-line so that a negative number is a value (`--lr -1e-3`), not a flag. What the values mean together is checked in
-`_options`."""
+"""cx-train's flags: their value types, defaults and help (every flag shows its default). Built without importing
+torch or cx-plugins, so that `--help` and a flag error answer at once (`_arguments` reads the command line with it);
+what the values mean together is checked in `_options`."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Sequence
 from pathlib import Path
 
-from cx_mesh import DEFAULT_TIMEOUT
 from cx_train.checkpoint._verification import VERIFY_COST
 from cx_train.config._data_flags import add_data_arguments
 from cx_train.config._launch_flags import add_launch_arguments
 from cx_train.config._reporting_flags import add_reporting_arguments
 from cx_train.config._training_flags import add_training_arguments
-from cx_train.models._spec import GPT_MODEL, MODEL_CHOICES
+from cx_train.models._names import GPT_MODEL, MODEL_CHOICES
 
 __all__ = [
     "DEFAULT_HIDDEN",
     "DEFAULT_LAYERS",
+    "DEFAULT_TIMEOUT_S",
     "HYBRID_CLASSES",
     "PLUGINS",
     "PP_STYLES",
     "PRECISIONS",
     "build_parser",
-    "join_negative_values",
 ]
 
 HYBRID_CLASSES = {"hybrid": "HybridParallelPlugin", "moe_hybrid": "MoeHybridParallelPlugin"}
@@ -33,6 +31,8 @@ PLUGINS = ("gemini", "low_level_zero", "torch_ddp", "torch_fsdp", *HYBRID_CLASSE
 PRECISIONS = ("fp32", "bf16", "fp16")
 PP_STYLES = ("1f1b", "interleaved")
 DEFAULT_HIDDEN, DEFAULT_LAYERS = 128, 2
+DEFAULT_TIMEOUT_S = 600.0  # cx_mesh.DEFAULT_TIMEOUT (10 minutes), without importing torch; a test asserts they agree
+_USAGE = "%(prog)s [--FLAG VALUE ...]  (--help lists every flag and its default)"
 
 
 def _positive(text: str) -> int:
@@ -64,27 +64,6 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def join_negative_values(argv: Sequence[str]) -> list[str]:
-    """`--lr -1e-3` as `--lr=-1e-3`: argparse takes a negative number in exponent form (or -inf) for an option and
-    says "expected one argument"; joined, the flag's own check says what is wrong with the value."""
-    joined: list[str] = []
-    for token in argv:
-        previous = joined[-1] if joined else ""
-        if token.startswith("-") and _is_number(token) and previous.startswith("--") and "=" not in previous:
-            joined[-1] = f"{previous}={token}"
-        else:
-            joined.append(token)
-    return joined
-
-
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every flag shows its default: argparse's own "(default: X)", unless the help already says it (the flags
     whose real default depends on others, or that default to None to tell "not given" apart)."""
@@ -98,6 +77,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cx-train",
+        usage=_USAGE,  # argparse's own lists every flag: 24 lines above each one-line error
         description="Train a language model on an embedded text dataset with a chosen plugin on N local processes.",
         formatter_class=_HelpFormatter,
     )
@@ -134,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout",
         type=_positive_float,
-        default=DEFAULT_TIMEOUT.total_seconds(),
+        default=DEFAULT_TIMEOUT_S,
         help="seconds a rank waits for a peer that is alive but stuck (a collective or a pipeline transfer) before "
         "failing with an error naming the group; a peer that raised or died stops the run within seconds",
     )

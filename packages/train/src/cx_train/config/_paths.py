@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from cx_train.checkpoint._trainer_state import TrainerStateError, read_trainer_state
-from cx_train.models._spec import MODEL_CHOICES
+from cx_train.models._names import MODEL_CHOICES
 
 __all__ = ["outputs_problem", "resume_problem", "save_problem", "writable_problem"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cx_train.models._spec import GPT_MODEL
+from cx_train.models._names import GPT_MODEL
 
 __all__ = ["COMPILE_PLUGINS", "training_problem"]
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from cx_train.checkpoint._trainer_state import TrainerState, read_trainer_state
 from cx_train.config._options import TrainOptions
+from cx_train.config._resumed_model import embedded_text_message
 from cx_train.data._order import DataPosition, WindowOrder
 from cx_train.data._text_sources import DataError
 from cx_train.data._tokenizers import ByteTokenizer
@@ -77,11 +78,7 @@ class UserLoader:
         state = read_trainer_state(self.options.resume)
         if state.data_epoch is None or state.data_offset is None:  # trained on the embedded text
             if isinstance(self.data.tokenizer, ByteTokenizer):
-                raise DataError(
-                    f"--resume {self.options.resume}: that checkpoint was trained on the embedded text, whose model "
-                    f"reads the built-in character ids; --data with --model {self.options.model} reads UTF-8 bytes "
-                    "(another vocabulary): start a new run on --data, or resume without --data"
-                )
+                raise DataError(embedded_text_message(self.options.resume, self.options.model))
             return  # a model folder's own tokenizer: the same ids, so training continues on the new data
         recorded = DataPosition(state.data_epoch, state.data_offset)
         here = self.position_after(state.step)

@@ -24,7 +24,9 @@ from cx_train.metrics._log_record import LogRecord
 from cx_train.metrics._memory import MemorySample
 from cx_train.models._spec import DescribedModel
 
-__all__ = ["Progress", "StepOutput", "expert_counts", "forward_step"]
+__all__ = ["SUMMARY_STEPS", "Progress", "StepOutput", "expert_counts", "forward_step", "loss_summary"]
+
+SUMMARY_STEPS = 10  # the closing line compares the mean loss of this many first and last steps
 
 
 @dataclass(frozen=True)
@@ -162,3 +164,13 @@ class Progress:
         if dist.get_rank() == 0:
             print(record.line(), file=sys.stdout, flush=True)
         return record
+
+
+def loss_summary(losses: Sequence[float]) -> str | None:
+    """The closing line: the mean loss of this run's first and last `SUMMARY_STEPS` steps (a mean, as one step's loss
+    is noisy), saying so; None for a run too short to have both."""
+    n = SUMMARY_STEPS
+    if len(losses) < 2 * n:
+        return None
+    first, last = sum(losses[:n]) / n, sum(losses[-n:]) / n
+    return f"cx-train: loss {first:.3f} -> {last:.3f} (mean of this run's first and last {n} steps)"
