@@ -10,11 +10,14 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from cx_checkpoint import VerifyOutcome, verify_checkpoints
+
+FIRST_STEP_S = 900.0  # seconds to the first progress line: a few here, over 10 minutes once in a starved CI run
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="process groups and SIGINT are POSIX")
@@ -29,6 +32,9 @@ def test_train_interrupt_stops_every_rank_with_one_line(tmp_path: Path) -> None:
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    # a launcher that never prints (starved on a loaded machine, or stuck) must fail the test, not hang it
+    watchdog = threading.Timer(FIRST_STEP_S, lambda: os.killpg(process.pid, signal.SIGKILL))
+    watchdog.start()
     try:
         assert process.stdout is not None
         for line in process.stdout:  # the first progress line: the ranks are training
@@ -36,9 +42,11 @@ def test_train_interrupt_stops_every_rank_with_one_line(tmp_path: Path) -> None:
                 break
         else:
             pytest.fail(f"cx-train ended before training: {process.stderr.read() if process.stderr else ''}")
+        watchdog.cancel()
         os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         stdout, stderr = process.communicate(timeout=120)
     finally:
+        watchdog.cancel()
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
