@@ -75,9 +75,10 @@ def test_train_forked_worker_stops_when_its_parent_is_gone() -> None:
     script = (
         "import os, sys, time\n"
         "from cx_train._launcher_watch import exit_with_parent\n"
+        "parent = os.getpid()\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    exit_with_parent('tokenising')\n"
+        "    exit_with_parent('tokenising', parent)\n"  # as the pool passes it: the child may start after the exit
         "    time.sleep(120)\n"
         "    os._exit(0)\n"
         "print(pid, flush=True)\n"

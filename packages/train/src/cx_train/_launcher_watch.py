@@ -20,14 +20,15 @@ _INTERVAL_S = 1.0
 _watching: int | None = None  # the process that started a watch (a forked child starts its own)
 
 
-def exit_with_parent(what: str) -> None:
+def exit_with_parent(what: str, parent: int | None = None) -> None:
     """Start watching this process's parent; when it is gone, say so on stderr (naming `what` this process is) and
-    exit with status 1 at once. Idempotent per process."""
+    exit with status 1 at once. Idempotent per process. `parent`, the pid the creator knew itself by, closes a race:
+    a child that starts only after its parent died would otherwise watch its new parent (init) for ever."""
     global _watching
     if _watching == os.getpid():
         return
     _watching = os.getpid()
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
 
     def watch() -> None:
         stop = threading.Event()

@@ -152,7 +152,10 @@ def _encoded(
         return
     # a forked worker shares the cache lock's file: it must not outlive its parent (exit_with_parent)
     with ProcessPoolExecutor(
-        max_workers=workers, mp_context=get_context("fork"), initializer=exit_with_parent, initargs=("tokenising",)
+        max_workers=workers,
+        mp_context=get_context("fork"),
+        initializer=exit_with_parent,
+        initargs=("tokenising", os.getpid()),  # this process: a worker may start only after it died
     ) as pool:
         pending: list[tuple[list[tuple[str, str, bool]], Future[Encoded]]] = []
         for batch in _batches(paths, text_field):
