@@ -19,6 +19,10 @@ ROOT = Path(__file__).parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
+# What the shared venvs hold (`_shared_base`): torch, the test tools, and hatchling + editables so that editable
+# installs build without an isolated build env; the second adds transformers for the packages that test with it.
+SHARED = ("torch", "hatchling>=1.18", "editables", *TEST_TOOLS)
+SHARED_HF = (*SHARED, "transformers>=5")
 # Optional integrations exercised by the full suite (their tests skip where these are absent): transformers models,
 # LoRA, cx-train's Parquet / save_to_disk data, TensorBoard events and metric plots, torchao's float8 training
 # (TorchFSDPPlugin's use_fp8 and fp8 all-gather).
@@ -99,7 +103,9 @@ def _shared_base(session: nox.Session, requirements: tuple[str, ...]) -> None:
 
 
 def _install_all(session: nox.Session) -> None:
-    args: list[str] = []
+    """Every cx package (editable, with its test extra) over the shared venv holding torch and transformers."""
+    _shared_base(session, SHARED_HF)
+    args: list[str] = ["--no-build-isolation"]
     for package in PACKAGES:
         extras = _extras(package)
         args += ["-e", f"packages/{package}[{','.join(extras)}]" if extras else f"packages/{package}"]
@@ -128,7 +134,7 @@ def tests(session: nox.Session) -> None:
         paths.append("tests")
     if any(_is_test_path(argument) for argument in session.posargs):
         paths = []  # `nox -s tests -- path/to/test_file.py`: the path narrows the run
-    session.run("pytest", "--durations=20", *paths, *session.posargs, env=TEST_ENV)
+    session.run("python", "-m", "pytest", "--durations=20", *paths, *session.posargs, env=TEST_ENV)
     if os.environ.get("CX_NUMERICS") == "1":  # the numerics session's runs, in this venv (CI)
         _run_numerics(session, [])
 
@@ -146,9 +152,7 @@ def package_tests(session: nox.Session, package: str) -> None:
     `tests` (the whole stack, once); `-- --run` runs them here too, e.g. before releasing one package alone."""
     test_extra = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())["project"]
     hf = any(r.startswith("transformers") for r in test_extra.get("optional-dependencies", {}).get("test", []))
-    # hatchling (+ editables, its editable-install hook) in the shared venv too: the editable builds run without an
-    # isolated build env each (~4 s a package)
-    _shared_base(session, ("torch", "hatchling>=1.18", "editables", *TEST_TOOLS, *(("transformers>=5",) if hf else ())))
+    _shared_base(session, SHARED_HF if hf else SHARED)
     session.install("--no-build-isolation", *CONSTRAINTS, *TEST_TOOLS, *_editable(package))
     session.run("python", str(ROOT / "tools" / "import_package.py"), package, env=TEST_ENV)
     run = "--run" in session.posargs
@@ -230,7 +234,9 @@ def _run_numerics(session: nox.Session, arguments: list[str]) -> None:
             session.log(f"skipped {kernel}: this CPU has no {needed}, so ATen cannot run those kernels here")
             continue
         session.log(f"numerics under ATen's {kernel} kernels (this CPU's own: {native or 'unknown'})")
-        session.run("pytest", *NUMERICS_TESTS, *arguments, env={**TEST_ENV, "ATEN_CPU_CAPABILITY": kernel})
+        session.run(
+            "python", "-m", "pytest", *NUMERICS_TESTS, *arguments, env={**TEST_ENV, "ATEN_CPU_CAPABILITY": kernel}
+        )
 
 
 @nox.session
