@@ -24,6 +24,7 @@ import hybrid_test_helpers
 import moe_hybrid_test_helpers
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, HybridParallelModule, HybridParallelPlugin, MoeHybridParallelPlugin
+from cx_shardformer import KeySpans
 from packed_test_helpers import (
     LOSS_TOL,
     PARAM_TOL,
@@ -82,6 +83,19 @@ def _pipeline_loss(total: int, microbatches: int) -> Any:
     return criterion
 
 
+def _record_masks(boosted: HybridParallelModule) -> list[Any]:
+    """The attention mask each attention module this rank holds is called with."""
+    masks: list[Any] = []
+
+    def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        masks.append(kwargs.get("attention_mask"))
+
+    for name, module in boosted.unwrap().named_modules():
+        if name.endswith("self_attn"):
+            module.register_forward_pre_hook(record, with_kwargs=True)
+    return masks
+
+
 LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2": {"tp_size": 2},
     "pp2": {"pp_size": 2, "num_microbatches": 2},
@@ -102,6 +116,7 @@ def test_plugins_packed_documents(rank: int, world_size: int, layout: str) -> No
     model = llama()
     reference = copy.deepcopy(model)
     booster, boosted, optimizer = _boost(plugin, model)
+    masks = _record_masks(boosted)
     if plugin.pp_size > 1:
         criterion = _pipeline_loss(counted(docs), 2)
         result = booster.execute_pipeline(iter([batch]), boosted, criterion, optimizer, return_loss=True)
@@ -113,6 +128,10 @@ def test_plugins_packed_documents(rank: int, world_size: int, layout: str) -> No
     expected = per_document_loss(reference, docs)
     if loss is not None:  # pp: the last stage holds it
         assert abs(float(loss) - float(expected)) < LOSS_TOL, (layout, float(loss), float(expected))
+    # ring attention keeps the documents as key spans ([B, S] each); the other layouts run transformers' sdpa path
+    # with its dense block-diagonal boolean mask
+    assert masks, "the attention modules ran"
+    assert all(isinstance(m, KeySpans if layout == "ring_attn" else torch.Tensor) for m in masks), masks
     _reference_step(reference, expected)
     hybrid_test_helpers.compare_parameters(boosted, reference, plugin, rtol=PARAM_TOL, atol=PARAM_TOL)
 
