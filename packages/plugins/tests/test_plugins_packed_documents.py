@@ -35,6 +35,7 @@ from packed_test_helpers import (
     packed_batch,
     per_document_loss,
 )
+from plugins_test_helpers import full_state, make_plugin
 
 pytest.importorskip("transformers")
 
@@ -100,6 +101,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2": {"tp_size": 2},
     "pp2": {"pp_size": 2, "num_microbatches": 2},
     "split_gather": {"tp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "split_gather"},
+    "ring": {"tp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "ring"},
     "all_to_all": {"sp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all"},
     "ring_attn": {"sp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "ring_attn"},
 }
@@ -108,8 +110,23 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 @distributed(world_size=2)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_plugins_packed_documents(rank: int, world_size: int, layout: str) -> None:
-    sizes = {"tp_size": 1, "pp_size": 1, **LAYOUTS[layout]}
-    plugin = HybridParallelPlugin(precision="fp32", **sizes)
+    _hybrid_matches_documents(
+        layout, HybridParallelPlugin(precision="fp32", **{"tp_size": 1, "pp_size": 1, **LAYOUTS[layout]})
+    )
+
+
+@distributed(world_size=4)
+def test_plugins_packed_documents_pp2_ring_attn(rank: int, world_size: int) -> None:
+    """pp 2 x sp 2 ring_attn: the later stage rebuilds the full-length key spans from the position_ids every stage
+    receives with the micro-batch, and takes its sequence shard of the hidden states."""
+    plugin = HybridParallelPlugin(
+        tp_size=1, pp_size=2, num_microbatches=2, sp_size=2, precision="fp32", enable_sequence_parallelism=True,
+        sequence_parallelism_mode="ring_attn",
+    )  # fmt: skip
+    _hybrid_matches_documents("ring_attn", plugin)
+
+
+def _hybrid_matches_documents(layout: str, plugin: HybridParallelPlugin) -> None:
     assert plugin.dp_size == 1  # every rank (tp, sp or pp) sees the whole batch
     docs = documents()
     batch = packed_batch(docs)
@@ -154,3 +171,25 @@ def test_plugins_packed_documents_ep2(rank: int, world_size: int) -> None:
     assert abs(float(loss) - float(window_losses[dp_rank])) < LOSS_TOL, (float(loss), float(window_losses[dp_rank]))
     _reference_step(reference, torch.stack(window_losses).mean())
     moe_hybrid_test_helpers.compare_parameters(boosted, reference, plugin, PARAM_TOL)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("plugin_name", ["torch_ddp", "zero2", "gemini"])
+def test_plugins_packed_documents_data_parallel(rank: int, world_size: int, plugin_name: str) -> None:
+    """The data-parallel plugins run transformers' own forward: each rank's window (one each) has its documents'
+    token mean, and one SGD step on the mean of the two equals one process's on the per-document losses."""
+    booster = Booster(plugin=make_plugin(plugin_name))
+    docs = documents()
+    model = llama()
+    reference = copy.deepcopy(model)
+    boosted, optimizer, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=LR))
+    assert optimizer is not None
+    loss = boosted(**packed_batch(docs[rank : rank + 1])).loss
+    booster.backward(loss, optimizer)
+    optimizer.step()
+    window_losses = [per_document_loss(reference, docs[w : w + 1]) for w in range(2)]
+    assert abs(float(loss) - float(window_losses[rank])) < LOSS_TOL, (float(loss), float(window_losses[rank]))
+    _reference_step(reference, torch.stack(window_losses).mean())
+    state, want = full_state(boosted), reference.state_dict()
+    for name, value in want.items():
+        torch.testing.assert_close(state[name].float(), value, rtol=PARAM_TOL, atol=PARAM_TOL, msg=name)
