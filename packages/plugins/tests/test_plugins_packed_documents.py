@@ -1,14 +1,17 @@
-"""Packed documents on every parallel layout: a batch of two 32-token windows holding 3 and 4 documents, given as
-`model(input_ids, labels, position_ids)` with positions restarting at each document and -100 on each document's first
-label (packed_test_helpers.py), trains exactly as the documents one at a time on one process (fp32, HF Llama; Mixtral
-under expert parallelism). Checked: the loss (against transformers run document by document) and every parameter
-after one SGD step (against one process's step on the per-document loss).
+"""Packed documents on every plugin and parallel layout: a batch of two 32-token windows holding 3 and 4 documents,
+given as `model(input_ids, labels, position_ids)` with positions restarting at each document and -100 on each
+document's first label (packed_test_helpers.py), trains exactly as the documents one at a time on one process (fp32,
+HF Llama; Mixtral under expert parallelism). Checked: the loss (against transformers run document by document) and
+every parameter after one SGD step (against one process's step on the per-document loss), under one process, hybrid
+tp 2, pp 2 (1F1B, interleaved, zero bubble V), sp split_gather / ring (tp group), all_to_all / ring_attn (sp 2),
+pp 2 x ring_attn (4 ranks), MoeHybrid ep 2, and the data-parallel TorchDDP, TorchFSDP, LowLevelZero 2 and Gemini.
 
 The compared loss is the token mean over the batch's counted targets. Where one forward sees the whole batch (one
 process, tp 2, every sp mode: the sequence is gathered back before the head) the model's own loss already is that.
 The pipeline returns the mean over micro-batches of the criterion, so the criterion weights each micro-batch's token
-mean by its share of the counted targets. Under ep 2 the plugin is data parallel over 2 ranks: each rank's loss is
-its own window's token mean, and the gradient the mean of the two ranks' (the reference trains on that mean).
+mean by its share of the counted targets. Data-parallel plugins (and ep 2, data parallel over its 2 ranks) give each
+rank one window: its loss is that window's token mean, the gradient the mean of the two ranks' (the reference trains
+on that mean of means).
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import hybrid_test_helpers
 import moe_hybrid_test_helpers
 from cx_mesh.testing import distributed
-from cx_plugins import Booster, HybridParallelModule, HybridParallelPlugin, MoeHybridParallelPlugin
+from cx_plugins import Booster, HybridParallelModule, HybridParallelPlugin, MoeHybridParallelPlugin, TorchFSDPPlugin
 from cx_shardformer import KeySpans
 from packed_test_helpers import (
     LOSS_TOL,
@@ -100,6 +104,8 @@ def _record_masks(boosted: HybridParallelModule) -> list[Any]:
 LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2": {"tp_size": 2},
     "pp2": {"pp_size": 2, "num_microbatches": 2},
+    "pp2_interleaved": {"pp_size": 2, "num_microbatches": 2, "pp_style": "interleaved", "num_model_chunks": 2},
+    "pp2_zbv": {"pp_size": 2, "num_microbatches": 2, "pp_style": "zbv", "num_model_chunks": 2},
     "split_gather": {"tp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "split_gather"},
     "ring": {"tp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "ring"},
     "all_to_all": {"sp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all"},
@@ -130,7 +136,7 @@ def _hybrid_matches_documents(layout: str, plugin: HybridParallelPlugin) -> None
     assert plugin.dp_size == 1  # every rank (tp, sp or pp) sees the whole batch
     docs = documents()
     batch = packed_batch(docs)
-    model = llama()
+    model = llama(layers=4)  # 2 stages x 2 chunks under interleaved / zbv
     reference = copy.deepcopy(model)
     booster, boosted, optimizer = _boost(plugin, model)
     masks = _record_masks(boosted)
@@ -174,11 +180,11 @@ def test_plugins_packed_documents_ep2(rank: int, world_size: int) -> None:
 
 
 @distributed(world_size=2)
-@pytest.mark.parametrize("plugin_name", ["torch_ddp", "zero2", "gemini"])
+@pytest.mark.parametrize("plugin_name", ["torch_ddp", "torch_fsdp", "zero2", "gemini"])
 def test_plugins_packed_documents_data_parallel(rank: int, world_size: int, plugin_name: str) -> None:
     """The data-parallel plugins run transformers' own forward: each rank's window (one each) has its documents'
     token mean, and one SGD step on the mean of the two equals one process's on the per-document losses."""
-    booster = Booster(plugin=make_plugin(plugin_name))
+    booster = Booster(plugin=TorchFSDPPlugin() if plugin_name == "torch_fsdp" else make_plugin(plugin_name))
     docs = documents()
     model = llama()
     reference = copy.deepcopy(model)
@@ -192,4 +198,6 @@ def test_plugins_packed_documents_data_parallel(rank: int, world_size: int, plug
     _reference_step(reference, torch.stack(window_losses).mean())
     state, want = full_state(boosted), reference.state_dict()
     for name, value in want.items():
-        torch.testing.assert_close(state[name].float(), value, rtol=PARAM_TOL, atol=PARAM_TOL, msg=name)
+        mine = state[name]
+        mine = mine.full_tensor() if isinstance(mine, DTensor) else mine  # FSDP's shards
+        torch.testing.assert_close(mine.float(), value, rtol=PARAM_TOL, atol=PARAM_TOL, msg=name)
