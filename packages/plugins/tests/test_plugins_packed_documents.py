@@ -4,7 +4,8 @@ document's first label (packed_test_helpers.py), trains exactly as the documents
 HF Llama; Mixtral under expert parallelism). Checked: the loss (against transformers run document by document) and
 every parameter after one SGD step (against one process's step on the per-document loss), under one process, hybrid
 tp 2, pp 2 (1F1B, interleaved, zero bubble V), sp split_gather / ring (tp group), all_to_all / ring_attn (sp 2),
-pp 2 x ring_attn (4 ranks), MoeHybrid ep 2, and the data-parallel TorchDDP, TorchFSDP, LowLevelZero 2 and Gemini.
+pp 2 x ring_attn (4 ranks), MoeHybrid ep 2 (and ep 2 x sp 2 ring_attn on 4 ranks), and the data-parallel
+TorchDDP, TorchFSDP, LowLevelZero 2 and Gemini.
 
 The compared loss is the token mean over the batch's counted targets. Where one forward sees the whole batch (one
 process, tp 2, every sp mode: the sequence is gathered back before the head) the model's own loss already is that.
@@ -159,10 +160,14 @@ def _hybrid_matches_documents(layout: str, plugin: HybridParallelPlugin) -> None
     hybrid_test_helpers.compare_parameters(boosted, reference, plugin, rtol=PARAM_TOL, atol=PARAM_TOL)
 
 
-@distributed(world_size=2)
+@distributed(world_size=(2, 4))
 def test_plugins_packed_documents_ep2(rank: int, world_size: int) -> None:
-    """ep 2 (data parallel over the two ranks: one window each) with a tiny Mixtral, experts split over ep."""
-    plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32")
+    """ep 2 (data parallel over the ep ranks: one window each) with a tiny Mixtral, experts split over ep; on 4 ranks
+    with sp 2 ring_attn as well (each rank routes its sequence shard; attention masked by key spans)."""
+    sp: dict[str, Any] = {}
+    if world_size == 4:
+        sp = {"sp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "ring_attn"}
+    plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", **sp)
     dp_rank, dp_size = plugin.data_parallel_rank_and_size()
     assert dp_size == 2
     docs = documents()
@@ -170,11 +175,13 @@ def test_plugins_packed_documents_ep2(rank: int, world_size: int) -> None:
     model = mixtral()
     reference = copy.deepcopy(model)
     booster, boosted, optimizer = _boost(plugin, model)
+    masks = _record_masks(boosted)
     loss = boosted(**mine).loss
     booster.backward(loss, optimizer)
     optimizer.step()
     window_losses = [per_document_loss(reference, docs[w : w + 1]) for w in range(2)]
     assert abs(float(loss) - float(window_losses[dp_rank])) < LOSS_TOL, (float(loss), float(window_losses[dp_rank]))
+    assert all(isinstance(m, KeySpans if sp else torch.Tensor) for m in masks), masks
     _reference_step(reference, torch.stack(window_losses).mean())
     moe_hybrid_test_helpers.compare_parameters(boosted, reference, plugin, PARAM_TOL)
 
