@@ -33,17 +33,15 @@ class KeySpans:
         return ((kv_pos >= start) & (kv_pos < stop)).unsqueeze(1)
 
 
-def spans_of_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(start, stop) [B, R] of a boolean mask block [B, 1, R, K], or None when some row's allowed keys are not one
-    contiguous range (the mask cannot be kept as spans)."""
+def spans_of_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(start, stop, contiguous) of a boolean mask block [B, 1, R, K]: [B, R] each, and a 0-d boolean tensor saying
+    whether every row's allowed keys are one contiguous range (else the spans do not describe the mask). No host
+    read: the caller reads `contiguous` once for all its blocks."""
     rows = mask[:, 0]
     width = rows.shape[-1]
     count = rows.sum(dim=-1)
     first = rows.to(torch.uint8).argmax(dim=-1)
     last = width - 1 - rows.flip(-1).to(torch.uint8).argmax(dim=-1)
     empty = count == 0
-    if not bool(((last - first + 1 == count) | empty).all()):
-        return None
-    start = first.masked_fill(empty, 0)
-    stop = (last + 1).masked_fill(empty, 0)
-    return start, stop
+    contiguous = ((last - first + 1 == count) | empty).all()
+    return first.masked_fill(empty, 0), (last + 1).masked_fill(empty, 0), contiguous

@@ -3,7 +3,8 @@ documents from restarting position_ids, padding, sliding window: whatever transf
 `KeySpans` when every query row attends to one contiguous range of keys, so ring attention never holds an [S, S] mask.
 
 transformers' `sdpa_mask` builds the boolean mask; it is called on blocks of rows (about 16M elements each), whose
-spans are read off and the block dropped, so the peak is one block rather than B * S^2. A plain causal mask gives
+spans are read off and the block dropped, so the peak is one block rather than B * S^2 (one host read per mask, for
+the whole sequence). A plain causal mask gives
 None (ring attention's causal path, as SDPA's `is_causal`); a mask whose rows are not contiguous ranges, or one with
 a cache offset, falls back to the dense mask sdpa would use.
 """
@@ -43,20 +44,26 @@ def ring_mask(
     if q_length != kv_length or q_offset != 0 or kv_offset != 0:
         return dense()
     block = max(1, _BLOCK_ELEMENTS // max(1, batch_size * kv_length))
-    starts, stops = [], []
+    starts, stops, contiguous = [], [], []
     for first in range(0, q_length, block):
         rows = min(block, q_length - first)
         mask = sdpa_mask(
             batch_size=batch_size, q_length=rows, kv_length=kv_length, q_offset=first, kv_offset=0,
             allow_is_causal_skip=False, **kwargs,
         )  # fmt: skip
-        found = spans_of_rows(mask.expand(batch_size, 1, rows, kv_length)) if mask is not None else None
-        if found is None:
+        if mask is None:
             return dense()
-        starts.append(found[0])
-        stops.append(found[1])
+        start, stop, whole = spans_of_rows(mask.expand(batch_size, 1, rows, kv_length))
+        starts.append(start)
+        stops.append(stop)
+        contiguous.append(whole)
     start, stop = torch.cat(starts, dim=1), torch.cat(stops, dim=1)
     diagonal = torch.arange(1, q_length + 1, device=stop.device)
-    if allow_is_causal_skip and bool((start == 0).all()) and bool((stop == diagonal).all()):
+    plain = (start == 0).all() & (stop == diagonal).all()
+    # one host read for the whole mask: are the spans exact, is it plain causal, does every span end by its diagonal
+    exact, is_plain, causal = torch.stack([torch.stack(contiguous).all(), plain, (stop <= diagonal).all()]).tolist()
+    if not exact:
+        return dense()
+    if allow_is_causal_skip and is_plain:
         return None
-    return KeySpans(start=start, stop=stop, causal=bool((stop <= diagonal).all()))
+    return KeySpans(start=start, stop=stop, causal=bool(causal))
