@@ -62,8 +62,9 @@ def llama(layers: int = 2) -> nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, num_hidden_layers=layers, use_cache=False, attention_dropout=0.0,
+        max_position_embeddings=64, num_hidden_layers=layers, attention_dropout=0.0,
     )  # fmt: skip
+    assert config.use_cache  # as in most pretrained configs: boosted models must not let it turn packing off
     return transformers.LlamaForCausalLM(config)
 
 
@@ -76,7 +77,7 @@ def mixtral(layers: int = 2) -> nn.Module:
     config = transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
-        output_router_logits=False, router_jitter_noise=0.0, tie_word_embeddings=False, use_cache=False,
+        output_router_logits=False, router_jitter_noise=0.0, tie_word_embeddings=False,
     )  # fmt: skip
     model: nn.Module = transformers.MixtralForCausalLM(config)
     return model

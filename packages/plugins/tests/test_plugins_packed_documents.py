@@ -29,6 +29,7 @@ import hybrid_test_helpers
 import moe_hybrid_test_helpers
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, HybridParallelModule, HybridParallelPlugin, MoeHybridParallelPlugin, TorchFSDPPlugin
+from cx_plugins._no_cache import forward_without_cache
 from cx_shardformer import KeySpans
 from packed_test_helpers import (
     LOSS_TOL,
@@ -49,20 +50,38 @@ LR = 0.1
 
 def test_packed_batch_one_process_matches_documents() -> None:
     """The reference itself: transformers builds the block-diagonal causal mask from restarting position_ids (sdpa
-    and eager), and without position_ids the documents leak into each other (so the check can fail)."""
+    and eager) when it builds no cache; without position_ids the documents leak into each other (so the check can
+    fail), and so they do when the config's use_cache=True makes transformers build a cache (which boost turns off)."""
     docs = documents()
     batch = packed_batch(docs)
     model: Any = llama()
     with torch.no_grad():
         expected = float(per_document_loss(model, docs))
-    for implementation in ("sdpa", "eager"):
-        model.set_attn_implementation(implementation)
-        with torch.no_grad():
-            loss = float(model(**batch).loss)
-        assert abs(loss - expected) < LOSS_TOL, (implementation, loss, expected)
+        for implementation in ("sdpa", "eager"):
+            model.set_attn_implementation(implementation)
+            loss = float(model(**batch, use_cache=False).loss)
+            assert abs(loss - expected) < LOSS_TOL, (implementation, loss, expected)
+        leaked = float(model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss)
+        assert abs(leaked - expected) > 50 * LOSS_TOL
+        cached = float(model(**batch).loss)  # the config's use_cache=True: a cache, so no packing detection
+        assert abs(cached - expected) > 50 * LOSS_TOL
+
+
+def test_boost_turns_the_cache_off_for_loss_forwards() -> None:
+    """`forward_without_cache`: training forwards and forwards with labels pass use_cache=False unless the caller
+    chose; a plain eval forward (as generation's) keeps the config's cache."""
+    docs = documents()
+    batch = packed_batch(docs)
+    model: Any = llama()
+    expected = float(per_document_loss(model, docs))
+    forward_without_cache(model)
+    model.train()
+    assert abs(float(model(**batch).loss) - expected) < LOSS_TOL
+    model.eval()
     with torch.no_grad():
-        leaked = float(model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
-    assert abs(leaked - expected) > 50 * LOSS_TOL
+        assert abs(float(model(**batch).loss) - expected) < LOSS_TOL
+        assert model(input_ids=batch["input_ids"]).past_key_values is not None
+        assert model(**batch, use_cache=True).past_key_values is not None
 
 
 def _reference_step(reference: nn.Module, loss: torch.Tensor) -> None:
