@@ -29,6 +29,7 @@ import hybrid_test_helpers
 import moe_hybrid_test_helpers
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, HybridParallelModule, HybridParallelPlugin, MoeHybridParallelPlugin, TorchFSDPPlugin
+from cx_plugins._flash_packing import refuse_flash_packing_hook
 from cx_plugins._no_cache import forward_without_cache
 from cx_shardformer import KeySpans
 from packed_test_helpers import (
@@ -82,6 +83,21 @@ def test_boost_turns_the_cache_off_for_loss_forwards() -> None:
         assert abs(float(model(**batch).loss) - expected) < LOSS_TOL
         assert model(input_ids=batch["input_ids"]).past_key_values is not None
         assert model(**batch, use_cache=True).past_key_values is not None
+
+
+def test_flash_attention_refuses_packed_rows() -> None:
+    """Flash attention with several packed rows and no mask would attend across documents: refused by name. One row,
+    a padding mask, or positions that do not restart pass (transformers handles those)."""
+    model: Any = llama()
+    model.config._attn_implementation = "flash_attention_2"
+    batch = packed_batch(documents())
+    with pytest.raises(ValueError, match=r"flash_attention_2.*packed documents.*2 rows"):
+        refuse_flash_packing_hook(model, (), dict(batch))
+    refuse_flash_packing_hook(model, (), {**batch, "position_ids": batch["position_ids"][:1]})
+    refuse_flash_packing_hook(model, (), {**batch, "attention_mask": torch.ones_like(batch["input_ids"])})
+    refuse_flash_packing_hook(model, (), {**batch, "position_ids": torch.arange(32).expand(2, 32)})
+    model.config._attn_implementation = "sdpa"
+    refuse_flash_packing_hook(model, (), dict(batch))
 
 
 def _reference_step(reference: nn.Module, loss: torch.Tensor) -> None:
