@@ -1,7 +1,7 @@
 """Packed documents on every plugin and parallel layout: a batch of two 32-token windows holding 3 and 4 documents,
 given as `model(input_ids, labels, position_ids)` with positions restarting at each document and -100 on each
 document's first label (packed_test_helpers.py), trains exactly as the documents one at a time on one process (fp32,
-HF Llama; Mixtral under expert parallelism). Checked: the loss (against transformers run document by document) and
+HF Llama; Mixtral under expert parallelism; GPT-2 under pp 2 and ring_attn). Checked: the loss (against transformers run document by document) and
 every parameter after one SGD step (against one process's step on the per-document loss), under one process, hybrid
 tp 2, pp 2 (1F1B, interleaved, zero bubble V), sp split_gather / ring (tp group), all_to_all / ring_attn (sp 2),
 pp 2 x ring_attn (4 ranks), MoeHybrid ep 2 (and ep 2 x sp 2 ring_attn on 4 ranks), and the data-parallel
@@ -133,7 +133,7 @@ def _record_masks(boosted: HybridParallelModule) -> list[Any]:
         masks.append(kwargs.get("attention_mask"))
 
     for name, module in boosted.unwrap().named_modules():
-        if name.endswith("self_attn"):
+        if name.endswith(("self_attn", ".attn")):  # Llama-style, GPT-2
             module.register_forward_pre_hook(record, with_kwargs=True)
     return masks
 
@@ -147,6 +147,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "ring": {"tp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "ring"},
     "all_to_all": {"sp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all"},
     "ring_attn": {"sp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "ring_attn"},
+    # GPT-2: learned positions read the restarting position_ids; under pp its own stage module (GPT2Splitter)
+    "pp2_gpt2": {"pp_size": 2, "num_microbatches": 2},
+    "ring_attn_gpt2": {"sp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "ring_attn"},
 }
 
 
@@ -173,7 +176,7 @@ def _hybrid_matches_documents(layout: str, plugin: HybridParallelPlugin) -> None
     assert plugin.dp_size == 1  # every rank (tp, sp or pp) sees the whole batch
     docs = documents()
     batch = packed_batch(docs)
-    model = llama(layers=4)  # 2 stages x 2 chunks under interleaved / zbv
+    model = hybrid_test_helpers.gpt2() if layout.endswith("gpt2") else llama(layers=4)  # 2 x 2 chunks: zbv
     reference = copy.deepcopy(model)
     booster, boosted, optimizer = _boost(plugin, model)
     masks = _record_masks(boosted)
@@ -191,7 +194,7 @@ def _hybrid_matches_documents(layout: str, plugin: HybridParallelPlugin) -> None
     # ring attention keeps the documents as key spans ([B, S] each); the other layouts run transformers' sdpa path
     # with its dense block-diagonal boolean mask
     assert masks, "the attention modules ran"
-    assert all(isinstance(m, KeySpans if layout == "ring_attn" else torch.Tensor) for m in masks), masks
+    assert all(isinstance(m, KeySpans if layout.startswith("ring_attn") else torch.Tensor) for m in masks), masks
     _reference_step(reference, expected)
     hybrid_test_helpers.compare_parameters(boosted, reference, plugin, rtol=PARAM_TOL, atol=PARAM_TOL)
 
