@@ -12,6 +12,7 @@ import torch
 
 from cx_mesh.testing import distributed
 from cx_pipeline import GPT2Splitter, HFDecoderSplitter, PipelineConfigError, PipelineSplittable, split_model
+from cx_pipeline._hf import check_packed_rows
 from pipeline_helpers import assert_grads_match, batches, build_schedule, names_by_identity
 
 transformers = pytest.importorskip("transformers")
@@ -123,3 +124,18 @@ def test_unsupported_structure_is_refused() -> None:
     gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(num_hidden_layers=2, head_dim=8, **SMALL))
     with pytest.raises(PipelineConfigError, match="not 'gemma'"):
         HFDecoderSplitter(gemma)
+
+
+def test_flash_attention_refuses_packed_rows() -> None:
+    """A stage under a flash attention implementation refuses several packed rows (restarting positions, no mask),
+    which transformers would attend across; one row, a mask, or plain positions pass."""
+    config = _model("llama", 2).config
+    config._attn_implementation = "flash_attention_2"
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]])
+    with pytest.raises(PipelineConfigError, match=r"flash_attention_2.*2 rows"):
+        check_packed_rows(config, None, packed)
+    check_packed_rows(config, None, packed[:1])
+    check_packed_rows(config, torch.ones(2, 6), packed)
+    check_packed_rows(config, None, torch.arange(6).expand(2, 6))
+    config._attn_implementation = "sdpa"
+    check_packed_rows(config, None, packed)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from cx_mesh.testing import distributed
-from cx_shardformer import ring_attention, zigzag_positions
+from cx_shardformer import KeySpans, ring_attention, zigzag_positions
 from shardformer_helpers import assert_close
 
 B, H, S, D = 2, 4, 16, 4
@@ -76,4 +76,41 @@ def test_shardformer_ring_attention_fully_masked_rows(rank: int, world_size: int
         assert local.grad is not None
         assert full.grad is not None
         assert bool(torch.isfinite(local.grad).all()), f"{name} grad is finite"
+        assert_close(local.grad, full.grad[:, :, pos], f"{name} grad")
+
+
+def _packed_spans(lengths: tuple[tuple[int, ...], ...]) -> tuple[KeySpans, torch.Tensor]:
+    """Key spans of causal attention within packed documents, and the same mask dense [B, 1, S, S]."""
+    document = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(row)]) for row in lengths])
+    rows = torch.arange(document.shape[1])
+    starts = torch.stack([torch.cat([torch.full((n,), sum(row[:i])) for i, n in enumerate(row)]) for row in lengths])
+    spans = KeySpans(start=starts, stop=(rows + 1).expand_as(starts).clone(), causal=True)
+    dense = (document[:, :, None] == document[:, None, :]) & (rows[:, None] >= rows[None, :])
+    return spans, dense.unsqueeze(1)
+
+
+@distributed(world_size=(2, 4))
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_shardformer_ring_attention_packed_documents(rank: int, world_size: int, kv_heads: int) -> None:
+    """Key spans of packed documents (causal within each, documents straddling the zig-zag chunks, with the skipped
+    half-blocks) against SDPA with the dense block-diagonal causal mask: output and q/k/v gradients."""
+    torch.manual_seed(0)
+    spans, dense = _packed_spans(((5, 3, 8), (1, 6, 7, 2)))
+    q, k, v = torch.randn(B, H, S, D), torch.randn(B, kv_heads, S, D), torch.randn(B, kv_heads, S, D)
+    g = torch.randn(B, H, S, D)
+    q_ref, k_ref, v_ref = (t.clone().requires_grad_() for t in (q, k, v))
+    groups = H // kv_heads
+    ref = F.scaled_dot_product_attention(
+        q_ref, k_ref.repeat_interleave(groups, 1), v_ref.repeat_interleave(groups, 1), attn_mask=dense
+    )
+    (ref * g).sum().backward()
+
+    pos = zigzag_positions(S, rank, world_size)
+    q_l, k_l, v_l = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
+    out = ring_attention(q_l, k_l, v_l, None, D**-0.5, spans)
+    assert_close(out, ref[:, :, pos].detach(), "output")
+    (out * g[:, :, pos]).sum().backward()
+    for name, local, full in (("q", q_l, q_ref), ("k", k_l, k_ref), ("v", v_l, v_ref)):
+        assert local.grad is not None
+        assert full.grad is not None
         assert_close(local.grad, full.grad[:, :, pos], f"{name} grad")

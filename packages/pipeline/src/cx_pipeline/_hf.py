@@ -83,6 +83,22 @@ class _LossParts:
         return moe_output(loss=loss, aux_loss=aux_loss, logits=logits, router_logits=router_logits or None)
 
 
+def check_packed_rows(config: Any, attention_mask: Any, position_ids: Any) -> None:
+    """Refuse packed rows (several, positions restarting, no mask) under a flash attention implementation: transformers
+    finds packed documents there only in a batch of one row, and would let these attend to each other."""
+    implementation = getattr(config, "_attn_implementation", None)
+    if not isinstance(implementation, str) or "flash" not in implementation or attention_mask is not None:
+        return
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] == 1:
+        return
+    if position_ids.shape[1] > 1 and bool((position_ids.diff(dim=-1) != 1).any()):
+        raise PipelineConfigError(
+            f"attn_implementation={implementation!r} with restarting position_ids (packed documents) in a micro-batch "
+            f"of {position_ids.shape[0]} rows: transformers' flash attention finds packed documents only in one row, "
+            "so these would attend to each other; use attn_implementation='sdpa' or micro-batches of one row"
+        )
+
+
 class HFDecoderStage(nn.Module):
     """Layers [start, end) of a transformers causal LM (with embeddings when first, norm and head when last)."""
 
@@ -113,6 +129,7 @@ class HFDecoderStage(nn.Module):
         collect = self._loss.moe and bool(config.output_router_logits)
         if self._loss.moe:
             extra["output_router_logits"] = collect
+        check_packed_rows(config, attention_mask, position_ids)
         if self.first:
             out = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False, **extra)  # fmt: skip

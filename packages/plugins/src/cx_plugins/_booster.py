@@ -25,6 +25,8 @@ from torch.utils.data import DataLoader
 from cx_checkpoint import DEFAULT_SIZE_PER_SHARD, CheckpointIO, LoadResult
 from cx_mesh import get_accelerator
 from cx_plugins._finite_loss import FINITE_LOSS_CHECK_EVERY, FiniteLossWatch
+from cx_plugins._flash_packing import refuse_flash_packing
+from cx_plugins._no_cache import forward_without_cache
 from cx_plugins._plugin import Boosted, Plugin
 from cx_plugins._precision import AutocastModel, Precision, ScaledOptimizer
 from cx_plugins.checkpoint_io._capabilities import KeepsLossScaler, SavesLora
@@ -84,6 +86,9 @@ class Booster:
         """Returns (model, optimizer, criterion, dataloader, lr_scheduler), each ready for distributed training."""
         _refuse_boosted(model, optimizer)
         check_boost_settings(self.plugin, self.mixed_precision.value, optimizer)
+        if not isinstance(model, ModelWrapper):
+            forward_without_cache(model)  # transformers skips packed-document masks when it builds a cache
+            refuse_flash_packing(model)  # and its flash attention sees packed documents only in one row
         if is_lazy(model) and not self.plugin.materialises_lazy_models():
             materialize(model)  # built under LazyInitContext: real values now, before the plugin places or shards them
         boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(

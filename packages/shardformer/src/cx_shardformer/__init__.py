@@ -16,6 +16,7 @@ from cx_shardformer._policy import ModulePolicyDescription, Policy, SubModuleRep
 from cx_shardformer._ring import ring_attention, zigzag_positions
 from cx_shardformer._shard_spec import ShardSpec, get_shard_spec, shard_tensor, unshard_tensor
 from cx_shardformer._shardformer import ShardFormer
+from cx_shardformer._spans import KeySpans
 from cx_shardformer._vocab import VocabParallelEmbedding1D, VocabParallelLMHead1D
 from cx_shardformer.policies._sequence import shard_sequence_at_stage
 
@@ -39,6 +40,7 @@ __all__ = [
     "VocabParallelLMHead1D",
     "cross_entropy_1d",
     # sequence parallelism
+    "KeySpans",
     "ring_attention",
     "shard_sequence_at_stage",
     "zigzag_positions",

@@ -8,7 +8,8 @@ logits and loss cover the full sequence. In between:
   layers reduce-scatter their outputs; norms work on sequence shards.
 - all_to_all (Ulysses, SP group): the registered `cx_ulysses` attention swaps sequence for heads before attention and
   back after it; key/value heads that do not divide the SP size are repeated first (grouped-query attention).
-- ring (SP group): the registered `cx_ring` attention runs ring attention on a zig-zag split.
+- ring (SP group): the registered `cx_ring` attention runs ring attention on a zig-zag split; its registered mask
+  function keeps the model's mask as key spans (packed documents: causal within each document, no [S, S] mask).
 Replicated parameters applied to sequence shards get their gradients summed over the group (`sync_grad_over`), so
 every rank ends backward with the full-sequence gradient (a data-parallel average over sp is then a no-op).
 
@@ -41,8 +42,10 @@ from cx_shardformer._linear import mark_input_grad_reduced, sync_grad_over
 from cx_shardformer._ring import ring_attention, zigzag_order, zigzag_positions
 from cx_shardformer._shard_spec import get_shard_spec
 from cx_shardformer._sharder import get_submodule_or_none
+from cx_shardformer._spans import KeySpans
 from cx_shardformer.policies._decoder import DecoderPolicy
 from cx_shardformer.policies._overlap import block_gather_hook
+from cx_shardformer.policies._ring_mask import ring_mask
 
 __all__ = ["apply_sequence_parallelism", "check_sequence_parallelism", "shard_sequence_at_stage"]
 
@@ -242,12 +245,12 @@ def ring_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: torch.Tensor | KeySpans | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ring attention on the zig-zag split."""
+    """transformers attention function: ring attention on the zig-zag split (the mask from `ring_mask`)."""
     if dropout > 0.0:
         raise NotImplementedError("ring sequence parallelism: attention dropout is not supported; set it to 0")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -261,8 +264,10 @@ def _register_attention() -> None:
 
     AttentionInterface.register("cx_ulysses", ulysses_attention_forward)
     AttentionInterface.register("cx_ring", ring_attention_forward)
-    for name in _ATTENTION_NAMES.values():
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    # Ulysses runs SDPA on the whole sequence with transformers' own (dense, when not plain causal) mask; ring
+    # attention takes the same mask as key spans when it can (packed documents: no [S, S] tensor)
+    AttentionMaskInterface.register("cx_ulysses", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register("cx_ring", ring_mask)
 
 
 def apply_sequence_parallelism(policy: DecoderPolicy) -> None:
