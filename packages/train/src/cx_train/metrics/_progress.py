@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,7 +67,10 @@ def forward_step(model: nn.Module, batch: torch.Tensor | PackedBatch, described:
     if isinstance(batch, PackedBatch):
         if not described.spec.is_hf:
             return StepOutput(model(batch.input_ids, labels=batch.labels), None, None, targets=targets)
-        inputs = {"input_ids": batch.input_ids, "labels": batch.labels, "position_ids": batch.position_ids}
+        # use_cache=False: with a cache (a model folder's config has use_cache=True) transformers skips the packed-
+        # sequence mask that restarting position ids select, and documents would attend to each other
+        inputs: dict[str, Any] = {"input_ids": batch.input_ids, "labels": batch.labels,
+                                  "position_ids": batch.position_ids, "use_cache": False}  # fmt: skip
     else:
         if not described.spec.is_hf:
             return StepOutput(model(batch, labels=batch), None, None, targets=targets)
