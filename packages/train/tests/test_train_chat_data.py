@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from cx_train import parse_options
 from cx_train.data._text_sources import DataError
 from cx_train.data._token_cache import START, TARGET, cache_key, token_stream
 from cx_train.data._tokenizers import HFStreamTokenizer
@@ -161,3 +162,19 @@ def test_train_chat_and_text_files_together(tmp_path: Path) -> None:
     tail = stream.flags[-7:]  # the text's 6 words and its EOS
     assert (tail & TARGET).tolist() == [1] * 7
     assert (tail & START).tolist() == [START] + [0] * 6
+
+
+def test_train_chat_overlong_flag_reaches_the_data_and_refuses_before_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tiny_chat_llama_folder(tmp_path / "model")
+    long = {"messages": [{"role": "user", "content": "the cat sees the moon . " * 12}, *chat_record(4)["messages"]]}
+    data = str(_jsonl(tmp_path / "chats.jsonl", [chat_record(2), chat_record(4), long, chat_record(6)]))
+    flags = ["--model", str(folder), "--data", data, "--seq-len", "31", "--batch-size", "1"]
+    with pytest.raises(SystemExit) as caught:
+        parse_options(flags, world_size=1)
+    assert caught.value.code == 2
+    assert "chats.jsonl:line 3: " in capsys.readouterr().err
+    options = parse_options([*flags, "--overlong", "drop"], world_size=1)
+    assert options.data is not None
+    assert options.data.overlong == "drop"
