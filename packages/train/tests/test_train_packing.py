@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
 
+import cx_train.data._packing as packing
 from cx_mesh.testing import run_distributed, sum_tolerance
 from cx_train import GrammarText, parse_options
 from cx_train.data._packing import IGNORE, build_batch, document_bounds, fixed_windows, packed_windows
@@ -34,6 +36,8 @@ def test_train_packing_restarts_positions_and_ignores_boundaries_and_padding() -
     flags = _flags([3, 2, 4], [0, 1, 2])  # the second and third documents begin with 1 and 2 prompt tokens
     starts, ends = document_bounds(flags, 0, 9)
     assert (starts.tolist(), ends.tolist()) == ([0, 3, 5], [3, 5, 9])
+    with patch.object(packing, "_BLOCK", 2):  # scanned in blocks: the same documents
+        assert [t.tolist() for t in document_bounds(flags, 1, 9)] == [[1, 3, 5], [3, 5, 9]]
     layout = packed_windows(starts, ends, 6, "error", str)
     assert (layout.starts.tolist(), layout.counts.tolist()) == ([0, 5], [5, 4])  # greedy, in order
     batch = build_batch(tokens, flags, layout, torch.arange(2), 6, pad_id=0)

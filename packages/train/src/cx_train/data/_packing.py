@@ -24,8 +24,8 @@ import torch
 from cx_train.data._chat_records import DataError
 from cx_train.data._token_cache import START, TARGET
 
-__all__ = ["IGNORE", "OVERLONG", "Layout", "PackedBatch", "build_batch", "document_bounds", "fixed_windows",
-           "packed_windows"]  # fmt: skip
+__all__ = ["IGNORE", "OVERLONG", "Layout", "PackedBatch", "build_batch", "document_bounds", "document_starts",
+           "fixed_windows", "packed_windows"]  # fmt: skip
 
 IGNORE = -100
 OVERLONG = ("error", "truncate", "drop")
@@ -73,9 +73,18 @@ def fixed_windows(first: int, stop: int, length: int) -> Layout:
     return Layout(starts, torch.full_like(starts, length))
 
 
+_BLOCK = 1 << 26  # flags are scanned in blocks of this many tokens: no temporary as large as a big stream
+
+
+def document_starts(flags: torch.Tensor, first: int, stop: int) -> torch.Tensor:
+    """The tokens in [first, stop) where a document starts (int64)."""
+    found = [torch.nonzero(flags[a : min(a + _BLOCK, stop)] & START).flatten() + a for a in range(first, stop, _BLOCK)]
+    return torch.cat(found) if found else torch.zeros(0, dtype=torch.int64)
+
+
 def document_bounds(flags: torch.Tensor, first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The (starts, ends) of the documents in tokens [first, stop), a document beginning at `first`."""
-    starts = torch.nonzero(flags[first:stop] & START).flatten() + first
+    starts = document_starts(flags, first, stop)
     if starts.numel() == 0 or int(starts[0]) != first:
         starts = torch.cat([torch.tensor([first]), starts])
     return starts, torch.cat([starts[1:], torch.tensor([stop])])

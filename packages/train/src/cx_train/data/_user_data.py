@@ -17,7 +17,15 @@ from pathlib import Path
 
 import torch
 
-from cx_train.data._packing import Layout, PackedBatch, build_batch, document_bounds, fixed_windows, packed_windows
+from cx_train.data._packing import (
+    Layout,
+    PackedBatch,
+    build_batch,
+    document_bounds,
+    document_starts,
+    fixed_windows,
+    packed_windows,
+)
 from cx_train.data._text_sources import DataError, iter_documents, resolve_data_paths
 from cx_train.data._token_cache import TokenStream, token_stream
 from cx_train.data._tokenizers import StreamTokenizer, data_tokenizer
@@ -92,12 +100,13 @@ def _too_short(stream: TokenStream, length: int, flag: str) -> DataError:
     )
 
 
-def _where(paths: tuple[Path, ...], text_field: str, first: int) -> Callable[[int], str]:
-    """Document `first + i`'s place in the files (read again only for an error message)."""
+def _where(stream: TokenStream, text_field: str, token: int) -> Callable[[int], str]:
+    """The place in the files of the i-th document from token `token` on (read again only for an error message)."""
 
     def where(index: int) -> str:
+        first = document_starts(stream.flags, 0, token).numel()  # documents starting before `token`
         seen = 0
-        for path in paths:
+        for path in stream.sources:
             for _, place, end in iter_documents(path, text_field):
                 seen += end
                 if seen > first + index:
@@ -112,9 +121,8 @@ def _packed(
 ) -> Layout:
     """Whole documents of tokens [first, end) packed; text in an evaluation set split rather than refused."""
     starts, ends = document_bounds(stream.flags, first, stream.tokens.numel())
-    before = 0 if first == 0 else int(((stream.flags[:first] & 2) != 0).sum())  # documents before `first`
     rule = "split" if evaluation and not stream.chats else overlong
-    return packed_windows(starts, ends, length, rule, _where(stream.sources, settings.text_field, before))
+    return packed_windows(starts, ends, length, rule, _where(stream, settings.text_field, first))
 
 
 def _evaluation(settings: DataSettings, tokenizer: StreamTokenizer, length: int) -> Windows:
