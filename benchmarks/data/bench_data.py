@@ -119,7 +119,7 @@ def loader_cost(corpus: Path, steps: int) -> None:
         batch = next(batches)
         load.append(time.perf_counter() - start)
         start = time.perf_counter()
-        model(batch, labels=batch).backward()
+        model(batch.input_ids, labels=batch.labels).backward()
         optimizer.step()
         optimizer.zero_grad()
         step.append(time.perf_counter() - start)

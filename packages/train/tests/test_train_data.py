@@ -195,9 +195,15 @@ def test_train_data_eval_fraction_holds_out_the_last_windows(tmp_path: Path) -> 
     user = open_user_data(DataSettings((str(data),), eval_fraction=0.1), "gpt", False, 16)
     assert len(user.train) == 18
     assert user.evaluation is not None
-    assert len(user.evaluation) == 2
-    whole = user.train.stream.tokens
-    assert torch.equal(user.evaluation.batch(torch.tensor([1])), whole[19 * 16 :].view(1, 16).long())
+    # the held-out 32 tokens packed whole, split into windows that overlap by one token (the last one partial):
+    # [288, 304), [303, 319), [318, 320) + padding; every held-out token but the first is a target exactly once
+    assert len(user.evaluation) == 3
+    whole = user.train.stream.tokens.long()
+    batch = user.evaluation.batch(torch.arange(3))
+    assert torch.equal(batch.input_ids[1], whole[303:319])
+    assert torch.equal(batch.input_ids[2, :2], whole[318:])
+    assert torch.equal(batch.labels[:, 1:][batch.labels[:, 1:] != -100], whole[289:])
+    assert batch.position_ids[2].tolist() == [0, 1, *range(14)]  # the padding is a segment of its own
 
 
 def test_train_data_refused_before_any_process_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

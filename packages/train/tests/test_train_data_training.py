@@ -19,6 +19,7 @@ import cx_train._train as train_module
 from cx_mesh.testing import run_distributed, sum_tolerance
 from cx_train import parse_options
 from cx_train._train import run
+from cx_train.data._packing import PackedBatch
 from cx_train.data._text_sources import DataError
 from cx_train.data._user_data import open_user_data
 from cx_train.data._user_loader import open_loader
@@ -34,8 +35,8 @@ def _train(rank: int, world_size: int, flags: list[str], out: str, batches: str 
     step it trained on (what the model saw, after the loop's mid-epoch skip) to `<batches>.<rank>.pt`."""
     seen: list[torch.Tensor] = []
 
-    def recording(booster: Any, model: Any, optimizer: Any, step_batches: list[torch.Tensor], *rest: Any) -> Any:
-        seen.append(torch.cat(step_batches))
+    def recording(booster: Any, model: Any, optimizer: Any, step_batches: list[PackedBatch], *rest: Any) -> Any:
+        seen.append(torch.cat([torch.stack([b.input_ids, b.labels, b.position_ids], dim=1) for b in step_batches]))
         return micro_step(booster, model, optimizer, step_batches, *rest)
 
     patched = patch.object(train_module, "micro_step", recording) if batches is not None else nullcontext()
@@ -86,7 +87,7 @@ def test_train_data_resume_mid_epoch_equals_the_uninterrupted_run(tmp_path: Path
     other = [*resume, "--batch-size", "8", "--plugin", "low_level_zero"]
     run_distributed(_train, 1, flags=other, out=str(tmp_path / "c.json"), batches=str(batches / "c"))
     together = torch.cat([_batches(batches / "whole", 0), _batches(batches / "whole", 1)], dim=1)
-    assert together.shape == (12, 8, 17)
+    assert together.shape == (12, 8, 3, 17)  # input ids, labels, position ids
     assert torch.equal(_batches(batches / "c", 0), together[5:])
     # Its first loss comes from the same parameters (the checkpoint) on the same 8 windows: only the mean over the
     # 8 x 16 token losses is taken in another order (two ranks' means of 64, then their mean). Later steps differ by
@@ -111,8 +112,8 @@ def test_train_data_llama_folder_with_its_tokenizer(tmp_path: Path) -> None:
 
 
 def _evaluate_exactly(rank: int, world_size: int, data: str) -> None:
-    """3 evaluation windows over 2 ranks x batch 4: rank 1 has none (it runs one window with weight 0). The result is
-    the mean of the windows' own losses, as one process computes them one at a time."""
+    """4 evaluation windows over 2 ranks x batch 4: rank 1 has none (it runs one window with weight 0). The result is
+    the mean over every target token of the windows, as one process computes them one at a time."""
     options = parse_options(
         [*TINY_GPT, "--data", data, "--eval-fraction", "0.2", "--batch-size", "4"], world_size=world_size
     )
@@ -120,16 +121,20 @@ def _evaluate_exactly(rank: int, world_size: int, data: str) -> None:
     assert options.data is not None
     user = open_user_data(options.data, options.model, False, options.seq_len + 1)
     assert user.evaluation is not None
-    assert len(user.evaluation) == 3
+    # the 52 held-out tokens [204, 256) split into windows overlapping by one token: 17 + 17 + 17 + 4
+    assert len(user.evaluation) == 4
     model = build_model(described, seed=0)
     result = evaluate(model, user, described, 4, (rank, world_size), torch.device("cpu"), step=7)
+    batch = user.evaluation.batch(torch.arange(4))
     with torch.no_grad():
-        losses = [float(model(w, labels=w)) for w in user.evaluation.batch(torch.arange(3)).split(1)]
-    expected = sum(losses) / 3
-    # float32 means over 16 tokens taken in another order (3 rows at once vs 1): a few ulps of a loss near 5.5
+        sums = [float(model(ids, labels=labels)) * int((labels[:, 1:] != -100).sum())
+                for ids, labels in zip(batch.input_ids.split(1), batch.labels.split(1), strict=True)]  # fmt: skip
+    assert batch.targets() == 51  # every held-out token but the first, once
+    expected = sum(sums) / 51
+    # float32 means over up to 16 tokens taken in another order (4 rows at once vs 1): a few ulps of a loss near 5.5
     assert result.loss == pytest.approx(expected, rel=1e-6)
     assert result.perplexity == pytest.approx(math.exp(expected), rel=1e-5)
-    assert (result.step, result.windows) == (7, 3)
+    assert (result.step, result.windows) == (7, 4)
 
 
 def test_train_data_evaluation_is_the_mean_over_the_fixed_set(tmp_path: Path) -> None:
@@ -147,7 +152,7 @@ def _replica_batches(rank: int, world_size: int, flags: list[str]) -> None:
     loader = open_loader(options, plugin)
     dp_rank, dp_size = loader.dp
     assert dp_size == 2
-    first = next(iter(loader))
+    first = next(iter(loader)).input_ids
     batches = [torch.empty_like(first) for _ in range(world_size)]
     torch.distributed.all_gather(batches, first)
     dp_ranks = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]

@@ -60,3 +60,48 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert expected.keys() == actual.keys()
     for name, tensor in expected.items():
         assert torch.equal(actual[name], tensor), name
+
+
+CHAT_TEMPLATE = (  # role headers and an end-of-turn token, all special tokens of the word-level tokenizer
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+MARKED_CHAT_TEMPLATE = (  # the same rendering, the assistant's text and end of turn inside generation markers
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|> {% generation %}{{ m['content'] }} "
+    "<|end|>{% endgeneration %} {% else %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+CHAT_SPECIALS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+
+
+def tiny_chat_llama_folder(folder: Path, template: str | None = CHAT_TEMPLATE) -> Path:
+    """`tiny_llama_folder` with role and end-of-turn special tokens and `template` as its chat template."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tiny_llama_folder(folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIALS)})
+    if template is not None:
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(folder))
+    config = LlamaConfig.from_pretrained(str(folder))
+    config.vocab_size = len(tokenizer)
+    LlamaForCausalLM(config).save_pretrained(str(folder))
+    return folder
+
+
+def chat_record(seed: int, turns: int = 1) -> dict[str, list[dict[str, str]]]:
+    """A chat of `turns` user/assistant exchanges of grammar sentences (a system turn first for odd seeds)."""
+    grammar = GrammarText(seed)
+    messages = [{"role": "system", "content": "be brief"}] if seed % 2 else []
+    for _ in range(turns):
+        messages += [
+            {"role": "user", "content": grammar.sentence()},
+            {"role": "assistant", "content": grammar.sentence()},
+        ]
+    return {"messages": messages}
+
+
+def write_chat_jsonl(path: Path, records: int, seed: int = 0) -> Path:
+    path.write_text("".join(json.dumps(chat_record(seed + i, 1 + (seed + i) % 2)) + "\n" for i in range(records)))
+    return path

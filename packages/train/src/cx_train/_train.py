@@ -20,10 +20,11 @@ from cx_train.checkpoint._save_lock import save_folder_lock
 from cx_train.config._config_file import resolved_toml
 from cx_train.config._options import TrainOptions
 from cx_train.data._grammar import TokenWindows
+from cx_train.data._packing import PackedBatch
 from cx_train.data._user_loader import open_loader
 from cx_train.metrics._memory import memory_per_rank
 from cx_train.metrics._mfu import active_parameters, flops_per_token, peak_flops
-from cx_train.metrics._progress import Progress, StepOutput, expert_counts
+from cx_train.metrics._progress import Progress, StepOutput, batch_targets, expert_counts
 from cx_train.metrics._reporting import Reporting
 from cx_train.models._plugins import make_plugin
 from cx_train.models._spec import DescribedModel, build_model, describe_model
@@ -38,7 +39,7 @@ def _pipeline_step(
     booster: Booster,
     model: torch.nn.Module,
     optimizer: OptimizerWrapper,
-    batch: torch.Tensor,
+    batch: torch.Tensor | PackedBatch,
     described: DescribedModel,
 ) -> StepOutput:
     """One step through the plugin's pipeline schedule (ColossalAI's `execute_pipeline`). The loss is on the last
@@ -54,11 +55,20 @@ def _pipeline_step(
             counts.append(expert_counts(outputs.router_logits, described.top_k))
         return cast(torch.Tensor, getattr(outputs, "loss", outputs))
 
-    inputs: Iterator[dict[str, torch.Tensor]] = iter([{"input_ids": batch, "labels": batch}])
+    if isinstance(batch, PackedBatch):  # cx's reference GPT stages take no position ids (see forward_step)
+        one = {"input_ids": batch.input_ids, "labels": batch.labels}
+        if described.spec.is_hf:
+            one["position_ids"] = batch.position_ids
+    else:
+        one = {"input_ids": batch, "labels": batch}
+    inputs: Iterator[dict[str, torch.Tensor]] = iter([one])
     result = booster.execute_pipeline(inputs, model, criterion, optimizer, return_loss=True)
     loss = result.get("loss") if isinstance(result, dict) else None
     return StepOutput(
-        loss, torch.stack(aux).mean() if aux else None, torch.stack(counts).sum(dim=0) if counts else None
+        loss,
+        torch.stack(aux).mean() if aux else None,
+        torch.stack(counts).sum(dim=0) if counts else None,
+        targets=float(batch_targets(batch)),
     )
 
 
@@ -109,6 +119,8 @@ def _run(options: TrainOptions, on_exit: contextlib.ExitStack) -> list[float]:
             f"precision={options.precision} params={parameters / 1e6:.2f}M steps={options.steps}",
             flush=True,
         )
+        if user_data is not None:
+            print(user_data.data.summary(), flush=True)
     device = get_accelerator().current_device()
     step = 0
     saves = RunSaves(booster, boosted, boosted_optimizer, options.save, scheduler, rank == 0)
@@ -125,7 +137,7 @@ def _run(options: TrainOptions, on_exit: contextlib.ExitStack) -> list[float]:
     reporting = Reporting(options.metrics, options.tensorboard, resumed_at, rank == 0)
     data_parallel = options.data_parallel_size(world)
     epoch, skip = divmod(step * options.grad_accum, len(loader))  # batches consumed: grad_accum per step
-    pending: list[torch.Tensor] = []  # the micro-batches of the next optimizer step
+    pending: list[torch.Tensor | PackedBatch] = []  # the micro-batches of the next optimizer step
     while step < options.steps:
         sampler = getattr(loader, "sampler", None)
         if sampler is not None and hasattr(sampler, "set_epoch"):

@@ -1,6 +1,6 @@
 """cx-train's data flags (`--data`, `--text-field`, `--eval-data`, `--eval-fraction`, `--eval-every`,
-`--data-cache-dir`, `--tokenize-workers`) as one argument group of `_parser`'s parser, their combinations checked,
-and the `DataSettings` they make."""
+`--data-cache-dir`, `--tokenize-workers`, `--overlong`) as one argument group of `_parser`'s parser, their
+combinations checked, and the `DataSettings` they make."""
 
 from __future__ import annotations
 
@@ -46,6 +46,13 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
         "bytes for the built-in models) and cached beside the data (default: none)",
     )
     data.add_argument("--text-field", default="text", help="the JSON Lines field / Parquet or dataset column")
+    data.add_argument(
+        "--overlong",
+        choices=("error", "truncate", "drop"),
+        default="error",
+        help="a chat record longer than the window (--seq-len + 1 tokens): refuse it, keep its first tokens or "
+        "leave it out; the data line counts what was truncated or dropped (default: error)",
+    )
     data.add_argument("--eval-data", nargs="+", default=None, metavar="FILE", help="evaluation files (default: none)")
     data.add_argument(
         "--eval-fraction", type=_fraction, default=0.0, help="hold out this fraction of --data's windows for eval"
@@ -90,4 +97,5 @@ def data_settings(args: argparse.Namespace) -> DataSettings | None:
         eval_fraction=args.eval_fraction,
         cache_dir=args.data_cache_dir,
         workers=max(1, args.tokenize_workers),
+        overlong=args.overlong,
     )

@@ -1,6 +1,8 @@
 """`--data` / `--eval-data` read as documents: plain text files (one document per file), JSON Lines (one document per
 line, its `text` field or `--text-field`), Parquet (one per row of that column) and folders written by
 `datasets.Dataset.save_to_disk`. pyarrow and datasets are imported only for their formats, with an install hint.
+A JSON line, row or dataset with `messages` or `prompt` / `completion` is a chat record (`_chat_records`), read as a
+`Conversation`; a file holds one kind of record.
 
 Every document comes with where it is (`file:line N` / `file: row N`), so that bad data is refused with an error
 naming the file and the line or row: an empty file, a JSON line that is not JSON or lacks the field, a Parquet file
@@ -15,17 +17,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DataError", "Document", "data_format", "iter_documents", "resolve_data_paths"]
+from cx_train.data._chat_records import CHAT_KINDS, Conversation, DataError, conversation, record_kind
 
-# (text, where it is: "file:line N", "file: row N" or "file", whether the document ends here: a plain text file is
-# one document read in several blocks)
-Document = tuple[str, str, bool]
+__all__ = ["DataError", "Document", "data_format", "file_kind", "iter_documents", "resolve_data_paths"]
+
+# (text or chat, where it is: "file:line N", "file: row N" or "file", whether the document ends here: a plain text
+# file is one document read in several blocks)
+Document = tuple[str | Conversation, str, bool]
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _TEXT_BLOCK = 1 << 20  # plain text is read in blocks of whole lines of about this many characters
-
-
-class DataError(ValueError):
-    """Data that cannot be trained on; the message names the file and the line or row."""
 
 
 def resolve_data_paths(patterns: Sequence[str], flag: str = "--data") -> list[Path]:
@@ -141,6 +141,7 @@ def _text_documents(path: Path) -> Iterator[Document]:
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[Document]:
     documents = 0
+    kind: tuple[str, int] | None = None  # the file's kind and the line that set it
     with path.open(encoding="utf-8") as file:
         for number, line in enumerate(file, start=1):
             if not line.strip():
@@ -150,13 +151,30 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[Document]:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise DataError(f"{where}: not a JSON object ({error.msg})") from None
-            if not isinstance(record, dict) or text_field not in record:
+            this = record_kind(record, text_field) if isinstance(record, dict) else None
+            if this is None:
                 keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                raise DataError(f'{where}: no "{text_field}" field (it has: {keys}); name the field with --text-field')
-            yield _text_value(record[text_field], where, text_field), where, True
+                raise DataError(
+                    f'{where}: no "{text_field}" field (it has: {keys}); name the field with --text-field, or give '
+                    'chat records "messages" or "prompt" and "completion"'
+                )
+            if kind is None:
+                kind = (this, number)
+            elif this != kind[0]:
+                raise DataError(
+                    f"{where}: a {this} record in a file of {kind[0]} records (line {kind[1]}); a file holds one "
+                    "kind of record"
+                )
+            yield _value(record, this, where, text_field), where, True
             documents += 1
     if not documents:
         raise DataError(f"{path}: the file holds no JSON lines")
+
+
+def _value(record: dict[str, Any], kind: str, where: str, text_field: str) -> str | Conversation:
+    if kind in CHAT_KINDS:
+        return conversation(record, kind, where)
+    return _text_value(record[text_field], where, text_field)
 
 
 def _text_value(value: Any, where: str, field: str) -> str:
@@ -175,19 +193,34 @@ def _optional(module: str, extra_for: str) -> Any:
         ) from None
 
 
+def _table_kind(path: Path, names: list[str], text_field: str, what: str) -> tuple[str, list[str]]:
+    """The kind of a Parquet file's or dataset's rows (from its columns) and the columns to read."""
+    kind = record_kind(names, text_field)
+    if kind is None:
+        raise DataError(f'{path}: no "{text_field}" {what} (it has: {", ".join(names)}); name it with --text-field')
+    columns = {"messages": ["messages"], "prompt-completion": ["prompt", "completion"]}.get(kind, [text_field])
+    return kind, columns
+
+
+def _rows(
+    path: Path, kind: str, columns: list[str], text_field: str, rows: Iterator[dict[str, list[Any]]]
+) -> Iterator[Document]:
+    row = 0
+    for batch in rows:
+        for values in zip(*(batch[name] for name in columns), strict=True):
+            where = f"{path}: row {row}"
+            yield _value(dict(zip(columns, values, strict=True)), kind, where, text_field), where, True
+            row += 1
+
+
 def _parquet_documents(path: Path, text_field: str) -> Iterator[Document]:
     parquet = _optional("pyarrow.parquet", f"{path} (Parquet)")
     file = parquet.ParquetFile(str(path))
-    names = list(file.schema_arrow.names)
-    if text_field not in names:
-        raise DataError(f'{path}: no "{text_field}" column (it has: {", ".join(names)}); name it with --text-field')
+    kind, columns = _table_kind(path, list(file.schema_arrow.names), text_field, "column")
     if file.metadata.num_rows == 0:
         raise DataError(f"{path}: the Parquet file has no rows")
-    row = 0
-    for batch in file.iter_batches(columns=[text_field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            yield _text_value(value, f"{path}: row {row}", text_field), f"{path}: row {row}", True
-            row += 1
+    batches = (batch.to_pydict() for batch in file.iter_batches(columns=columns, batch_size=1024))
+    yield from _rows(path, kind, columns, text_field, batches)
 
 
 def _dataset_documents(path: Path, text_field: str) -> Iterator[Document]:
@@ -195,13 +228,14 @@ def _dataset_documents(path: Path, text_field: str) -> Iterator[Document]:
     dataset = datasets.load_from_disk(str(path))
     if not hasattr(dataset, "column_names") or isinstance(dataset.column_names, dict):
         raise DataError(f"{path}: a DatasetDict; pass one split's folder (e.g. {path}/train)")
-    if text_field not in dataset.column_names:
-        names = ", ".join(dataset.column_names)
-        raise DataError(f'{path}: no "{text_field}" column (it has: {names}); name it with --text-field')
+    kind, columns = _table_kind(path, list(dataset.column_names), text_field, "column")
     if len(dataset) == 0:
         raise DataError(f"{path}: the dataset has no rows")
-    row = 0
-    for batch in dataset.select_columns([text_field]).iter(batch_size=1024):
-        for value in batch[text_field]:
-            yield _text_value(value, f"{path}: row {row}", text_field), f"{path}: row {row}", True
-            row += 1
+    yield from _rows(path, kind, columns, text_field, dataset.select_columns(columns).iter(batch_size=1024))
+
+
+def file_kind(path: Path, text_field: str) -> str:
+    """ "text" or "chat": what `path`'s documents are (its first record decides; `iter_documents` checks the rest)."""
+    for content, _, _ in iter_documents(path, text_field):
+        return "chat" if isinstance(content, Conversation) else "text"
+    return "text"

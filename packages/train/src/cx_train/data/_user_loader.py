@@ -18,6 +18,7 @@ from cx_train.checkpoint._trainer_state import TrainerState, read_trainer_state
 from cx_train.config._options import TrainOptions
 from cx_train.config._resumed_model import embedded_text_message
 from cx_train.data._order import DataPosition, WindowOrder
+from cx_train.data._packing import PackedBatch
 from cx_train.data._text_sources import DataError
 from cx_train.data._tokenizers import ByteTokenizer
 from cx_train.data._user_data import UserData, open_user_data
@@ -57,7 +58,7 @@ class UserLoader:
     def __len__(self) -> int:
         return self.order.steps_per_epoch()
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[PackedBatch]:
         position = DataPosition(self.epoch, 0)
         for _ in range(len(self)):
             indices, position = self.order.take(position)

@@ -1,10 +1,13 @@
 """One training step's numbers and the progress line rank 0 prints.
 
-The loss comes from the model's own forward (`model(input_ids=..., labels=...).loss` for transformers models, which
-already includes `router_aux_loss_coef * aux_loss` for MoE models). For a model with experts the step also asks for
-`output_router_logits=True` and counts, per MoE layer, the tokens each expert receives (the top-k of the router
-logits: exact for softmax and plain sigmoid routers). Ranks are combined with ONE all-reduce per step; under a
-pipeline only the last stage has the MoE numbers, so a second, two-number all-reduce first agrees on their shape.
+The loss comes from the model's own forward (`model(input_ids=..., labels=..., position_ids=...).loss` for
+transformers models, which already includes `router_aux_loss_coef * aux_loss` for MoE models): a mean over the
+batch's target tokens. The logged loss is the mean over every target token of the step: each micro-batch's and each
+data-parallel rank's mean weighted by its number of targets (sum of mean_i x n_i / sum of n_i is exact).
+For a model with experts the step also asks for `output_router_logits=True` and counts, per MoE layer, the tokens
+each expert receives (the top-k of the router logits: exact for softmax and plain sigmoid routers). Ranks are
+combined with ONE all-reduce per step; under a pipeline only the last stage has the MoE numbers, so a second,
+two-number all-reduce first agrees on their shape.
 Both are cx-mesh's named all-reduce: a stuck or failed peer is reported by name, not as a bare gloo error.
 """
 
@@ -14,17 +17,19 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from cx_mesh import all_reduce
+from cx_train.data._packing import PackedBatch
 from cx_train.metrics._log_record import LogRecord
 from cx_train.metrics._memory import MemorySample
 from cx_train.models._spec import DescribedModel
 
-__all__ = ["SUMMARY_STEPS", "Progress", "StepOutput", "expert_counts", "forward_step", "loss_summary"]
+__all__ = ["SUMMARY_STEPS", "Progress", "StepOutput", "batch_targets", "expert_counts", "forward_step", "loss_summary"]
 
 SUMMARY_STEPS = 10  # the closing line compares the mean loss of this many first and last steps
 
@@ -35,6 +40,7 @@ class StepOutput:
     aux: torch.Tensor | None  # the MoE load-balancing loss (unscaled), when the model reports one
     expert_counts: torch.Tensor | None  # [MoE layers, experts]: tokens routed to each expert this step
     grad_norm: torch.Tensor | None = None  # the global norm before clipping, where the step measured it
+    targets: float = 1.0  # the tokens `loss` is a mean over (the weight of this rank's loss in the step's mean)
 
 
 def expert_counts(router_logits: Sequence[torch.Tensor], top_k: int) -> torch.Tensor:
@@ -46,15 +52,34 @@ def expert_counts(router_logits: Sequence[torch.Tensor], top_k: int) -> torch.Te
     return torch.stack(counts).to(torch.float64)
 
 
-def forward_step(model: nn.Module, batch: torch.Tensor, described: DescribedModel) -> StepOutput:
-    """The loss of next-token prediction on `batch` (and the MoE numbers when the model has experts)."""
-    if not described.spec.is_hf:
-        return StepOutput(model(batch, labels=batch), None, None)
+def batch_targets(batch: torch.Tensor | PackedBatch) -> int:
+    """The tokens the loss of `batch` is a mean over (a plain [B, L] tensor: every token after the first)."""
+    if isinstance(batch, PackedBatch):
+        return batch.targets()
+    return batch.shape[0] * (batch.shape[1] - 1)
+
+
+def forward_step(model: nn.Module, batch: torch.Tensor | PackedBatch, described: DescribedModel) -> StepOutput:
+    """The loss of next-token prediction on `batch` (and the MoE numbers when the model has experts). A packed batch
+    goes in with its labels and position ids (transformers masks attention at the documents' boundaries); cx's
+    reference GPT takes the labels only (its positions and attention run across the window)."""
+    targets = float(batch_targets(batch))
+    if isinstance(batch, PackedBatch):
+        if not described.spec.is_hf:
+            return StepOutput(model(batch.input_ids, labels=batch.labels), None, None, targets=targets)
+        # use_cache=False: with a cache (a model folder's config has use_cache=True) transformers skips the packed-
+        # sequence mask that restarting position ids select, and documents would attend to each other
+        inputs: dict[str, Any] = {"input_ids": batch.input_ids, "labels": batch.labels,
+                                  "position_ids": batch.position_ids, "use_cache": False}  # fmt: skip
+    else:
+        if not described.spec.is_hf:
+            return StepOutput(model(batch, labels=batch), None, None, targets=targets)
+        inputs = {"input_ids": batch, "labels": batch}
     moe = described.num_experts > 0
-    outputs = model(input_ids=batch, labels=batch, **({"output_router_logits": True} if moe else {}))
+    outputs = model(**inputs, **({"output_router_logits": True} if moe else {}))
     router = getattr(outputs, "router_logits", None)
     counts = expert_counts(router, described.top_k) if moe and router else None
-    return StepOutput(outputs.loss, getattr(outputs, "aux_loss", None), counts)
+    return StepOutput(outputs.loss, getattr(outputs, "aux_loss", None), counts, targets=targets)
 
 
 class Progress:
@@ -90,17 +115,18 @@ class Progress:
         ranks agree to stop at this step without a collective of its own. Returns that agreement."""
         counts = self._agreed_counts(output.expert_counts) if self._stages_differ else output.expert_counts
         parts = []
-        for value in (output.loss, output.aux):
+        for value, weight in ((output.loss, output.targets), (output.aux, 1.0)):
             present = value is not None
-            number = value.detach().to(torch.float64).reshape(1) if value is not None else torch.zeros(1)
-            parts += [number.to(self._device), torch.tensor([float(present)], device=self._device)]
+            weight = weight if present else 0.0
+            number = value.detach().to(torch.float64).reshape(1) * weight if value is not None else torch.zeros(1)
+            parts += [number.to(self._device), torch.tensor([weight], device=self._device)]
         parts.append(torch.tensor([float(stop)], device=self._device))
         if counts is not None:
             parts.append(counts.to(self._device, torch.float64).flatten())
         packed = torch.cat([p.to(torch.float64) for p in parts])
         all_reduce(packed, what="progress-line all-reduce (the step's loss, aux loss, stop flag, expert counts)")
-        loss_sum, loss_ranks, aux_sum, aux_ranks, stops = (float(v) for v in packed[:5])
-        self.losses.append(loss_sum / max(loss_ranks, 1.0))
+        loss_sum, loss_targets, aux_sum, aux_ranks, stops = (float(v) for v in packed[:5])
+        self.losses.append(loss_sum / loss_targets if loss_targets else 0.0)
         self._window_losses += 1
         if aux_ranks:
             self._aux.append(aux_sum / aux_ranks)

@@ -3,7 +3,9 @@ scheduler (cx_plugins.lr_scheduler), `--activation-checkpointing` and `--compile
 boosted, and one optimizer step over `--grad-accum` micro-batches with `--clip`.
 
 Accumulation is cx-plugins' `accumulated_step` (all but the last micro-batch under `booster.no_sync`, the loss
-scaled by 1/N), the step cx-plan measures. The scheduler steps once per optimizer step; its position is saved
+scaled by 1/N), the step cx-plan measures. The gradient is the mean of the micro-batches' per-token means (a
+micro-batch with fewer target tokens, as packed chats have, weighs as much as one with more); the logged loss is the
+mean over all their target tokens. The scheduler steps once per optimizer step; its position is saved
 with the checkpoint (`lr_scheduler.json`), so a resumed run continues the same curve.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -19,6 +22,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from cx_plugins import Booster, OptimizerWrapper, accumulated_step, enable_activation_checkpointing
 from cx_plugins.lr_scheduler import CosineAnnealingWarmupLR, LambdaLR, LinearWarmupLR
 from cx_train.config._options import HYBRID_CLASSES, TrainOptions
+from cx_train.data._packing import PackedBatch
 from cx_train.metrics._progress import StepOutput, forward_step
 from cx_train.models._spec import DescribedModel
 
@@ -70,26 +74,31 @@ def micro_step(
     booster: Booster,
     model: nn.Module,
     optimizer: OptimizerWrapper,
-    batches: Sequence[torch.Tensor],
+    batches: Sequence[torch.Tensor | PackedBatch],
     described: DescribedModel,
     clip: float = 0.0,
 ) -> StepOutput:
-    """`accumulated_step` with cx-train's forward; the step's loss and MoE aux loss are the micro-batches' mean,
-    the expert counts their sum."""
+    """`accumulated_step` with cx-train's forward; the step's loss is the mean over the micro-batches' target tokens,
+    the MoE aux loss the micro-batches' mean, the expert counts their sum."""
     outputs: list[StepOutput] = []
 
     def forward(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        outputs.append(forward_step(module, batch, described))
+        outputs.append(forward_step(module, cast(torch.Tensor | PackedBatch, batch), described))
         loss = outputs[-1].loss
         assert loss is not None
         return loss
 
-    losses, norm = accumulated_step(booster, model, optimizer, batches, forward, clip)
+    # accumulated_step hands each micro-batch to `forward` untouched, whatever it is
+    losses, norm = accumulated_step(booster, model, optimizer, cast(Sequence[torch.Tensor], batches), forward, clip)
     aux = [o.aux.detach() for o in outputs if o.aux is not None]
     counts = [o.expert_counts for o in outputs if o.expert_counts is not None]
+    weights = torch.tensor([o.targets for o in outputs], dtype=torch.float64)
+    total = float(weights.sum())
+    mean = sum(loss.to(torch.float64) * w for loss, w in zip(losses, weights.tolist(), strict=True)) / max(total, 1.0)
     return StepOutput(
-        torch.stack(losses).mean(),
+        torch.as_tensor(mean),
         torch.stack(aux).mean() if aux else None,
         torch.stack(counts).sum(dim=0) if counts else None,
         norm,
+        targets=total,
     )
