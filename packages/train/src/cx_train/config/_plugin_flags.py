@@ -175,7 +175,8 @@ def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
         "--offload-param-fraction",
         type=_fraction,
         default=None,
-        help="gemini, static placement: fraction of the fp32 master weights on the CPU (default: 0.0)",
+        help="gemini, static placement: fraction of the fp32 master weights on the CPU; needs "
+        "--offload-optim-fraction 1 and --shard-fraction 1 (default: 0.0)",
     )
     switches.add_argument(
         "--cpu-offload",
@@ -274,6 +275,13 @@ def plugin_switch_problem(args: argparse.Namespace) -> str | None:
         return _not_for(given[0], plugin, ("gemini",))
     if args.placement == "auto" and len(given) > 1:
         return f"{given[1]} sets a static placement's fractions; --placement auto moves chunks itself"
+    if (args.offload_param_fraction or 0.0) > 0 and (
+        (args.shard_fraction or 1.0) != 1.0 or args.offload_optim_fraction != 1.0
+    ):
+        return (
+            "--offload-param-fraction offloads master weights only with every parameter sharded and every "
+            "optimizer state offloaded: give --offload-optim-fraction 1 (and --shard-fraction 1, the default)"
+        )
     if args.fsdp_wrap is not None and plugin != "torch_fsdp":
         return _not_for(f"--fsdp-wrap {args.fsdp_wrap}", plugin, ("torch_fsdp",))
     if args.activation_checkpointing_ratio is not None and plugin not in _HYBRID:
