@@ -8,7 +8,6 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -39,7 +38,8 @@ def _hybrid_switches(rank: int, world_size: int) -> None:
     assert isinstance(plugin, HybridParallelPlugin)
     o = plugin.options
     assert (o.tp_size, o.sp_mode.value) == (2, "split_gather")
-    assert o.shardformer.enable_sequence_overlap and o.shardformer.enable_jit_fused
+    assert o.shardformer.enable_sequence_overlap
+    assert o.shardformer.enable_jit_fused
     assert o.shardformer.enable_fused_normalization
     assert o.shardformer.gradient_checkpoint_config is not None
     assert o.shardformer.gradient_checkpoint_config.gradient_checkpointing_ratio == 0.5
@@ -48,14 +48,18 @@ def _hybrid_switches(rank: int, world_size: int) -> None:
     assert isinstance(plugin, HybridParallelPlugin)
     o = plugin.options
     assert (o.sp_size, o.sp_mode.value, o.zero.stage, o.zero.cpu_offload) == (2, "ring_attn", 1, True)
-    assert o.shardformer.use_fp8 and o.zero.fp8_communication and o.pipeline.fp8_communication
+    assert o.shardformer.use_fp8
+    assert o.zero.fp8_communication
+    assert o.pipeline.fp8_communication
 
 
 def _data_parallel_switches(rank: int, world_size: int) -> None:
     flags = ["--plugin", "low_level_zero", "--nproc", "1", "--cpu-offload", "--fp8", "--fp8-communication"]
     plugin, _ = make_plugin(parse_options(flags))
     assert isinstance(plugin, LowLevelZeroPlugin)
-    assert plugin.options.zero.cpu_offload and plugin.options.use_fp8 and plugin.options.zero.fp8_communication
+    assert plugin.options.zero.cpu_offload
+    assert plugin.options.use_fp8
+    assert plugin.options.zero.fp8_communication
     flags = ["--plugin", "gemini", "--nproc", "1", "--shard-fraction", "0.5", "--offload-optim-fraction", "0.25"]
     plugin, _ = make_plugin(parse_options([*flags, "--fp8"]))
     assert isinstance(plugin, GeminiPlugin)
@@ -67,12 +71,15 @@ def _data_parallel_switches(rank: int, world_size: int) -> None:
     assert isinstance(plugin, GeminiPlugin)
     assert (plugin.options.ddp.offload_optim_frac, plugin.options.ddp.offload_param_frac) == (1.0, 0.75)
     plugin, _ = make_plugin(parse_options(["--plugin", "gemini", "--nproc", "1", "--placement", "auto"]))
-    assert isinstance(plugin, GeminiPlugin) and plugin.options.ddp.placement.value == "auto"
+    assert isinstance(plugin, GeminiPlugin)
+    assert plugin.options.ddp.placement.value == "auto"
     plugin, _ = make_plugin(parse_options(["--plugin", "torch_ddp", "--nproc", "1", "--fp8-communication"]))
-    assert isinstance(plugin, TorchDDPPlugin) and plugin.fp8_communication
+    assert isinstance(plugin, TorchDDPPlugin)
+    assert plugin.fp8_communication
     options = parse_options([*LLAMA, "--plugin", "torch_fsdp", "--nproc", "1", "--fsdp-wrap", "model"])
     plugin, _ = make_plugin(options, build_model(describe_model(options.model_spec), seed=0))
-    assert isinstance(plugin, TorchFSDPPlugin) and plugin.options.wrap_policy is None  # one root unit
+    assert isinstance(plugin, TorchFSDPPlugin)
+    assert plugin.options.wrap_policy is None
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # fp8 communication on one rank: nothing to compress
@@ -90,14 +97,16 @@ def test_train_switches_reach_the_data_parallel_plugins() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "kind"), [("adamw", "AdamW"), ("hybrid_adam", HybridAdam), ("fused_adam", FusedAdam), ("cpu_adam", CPUAdam)]
+    ("name", "kind"),
+    [("adamw", "AdamW"), ("hybrid_adam", HybridAdam), ("fused_adam", FusedAdam), ("cpu_adam", CPUAdam)],
 )
 def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> None:
     options = parse_options(["--nproc", "1", "--optimizer", name, "--weight-decay", "0.1", "--lr", "2e-3"])
     model = build_model(describe_model(options.model_spec), seed=0)
     optimizer = make_optimizer(model, options)
     assert type(optimizer).__name__ == kind if isinstance(kind, str) else type(optimizer) is kind
-    assert optimizer.param_groups[0]["lr"] == 2e-3 and optimizer.param_groups[0]["weight_decay"] == 0.1
+    assert optimizer.param_groups[0]["lr"] == 2e-3
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1
 
 
 @pytest.mark.parametrize(
@@ -134,14 +143,13 @@ def test_train_switches_refused_by_name(flags: list[str], message: str, capsys: 
 
 
 def test_train_switch_refused_before_any_rank_starts(tmp_path: Path) -> None:
-    """The refusal comes from the launcher: no rank starts, so it is quick and leaves no output behind."""
-    started = time.monotonic()
+    """The refusal comes from the launcher: no rank starts, and nothing is written."""
     command = [sys.executable, "-m", "cx_train", "--plugin", "torch_fsdp", "--fp8", "--save", str(tmp_path / "c")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "cx-train: error: --fp8 is not supported by --plugin torch_fsdp" in result.stderr
-    assert "rank" not in result.stdout and not (tmp_path / "c").exists()
-    assert time.monotonic() - started < 120
+    assert "rank" not in result.stdout
+    assert not (tmp_path / "c").exists()
 
 
 @pytest.mark.parametrize(

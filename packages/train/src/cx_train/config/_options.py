@@ -224,8 +224,8 @@ def _layout_problem(options: TrainOptions, world_size: int) -> str | None:
 
 
 def _stages_problem(options: TrainOptions, layers: int, world_size: int, microbatches: int | None) -> str | None:
-    """The layers split into pp stages of `chunks` model chunks each (interleaved, zbv: 2). The suggested --pp values work
-    with the other flags: they split the layers under the chosen style (a pipeline style needs --pp 2 or more), fit
+    """The layers split into pp stages of `chunks` model chunks each (interleaved, zbv: 2). The suggested --pp values
+    work with the other flags: they split the layers under the chosen style (a pipeline style needs --pp 2 or more), fit
     the processes, and their micro-batches (--microbatches, or by default --pp) split the batch (and, interleaved,
     are a multiple of the stages)."""
     chunks = 1 if options.pp_style == "1f1b" else 2  # interleaved and zbv: two model chunks per stage
