@@ -29,6 +29,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from cx_checkpoint import (
+    CHECKSUMS_FILE,
     commit_directory,
     fsync_file,
     record_checksums,
@@ -107,16 +108,22 @@ def _write(
     if lora is None:
         booster.save_model(model, staging / "model", shard=True, use_safetensors=True, use_async=use_async)
     else:  # the adapters alone (the base weights are --model's), and with --merge-lora the merged weights
-        booster.save_lora_as_pretrained(model, staging / ADAPTER_FOLDER)
+        booster.save_lora_as_pretrained(model, staging / ADAPTER_FOLDER, use_safetensors=True)
         if lora.merge:
             plain = model.unwrap() if isinstance(model, ModelWrapper) else model
             run_and_agree((lambda: save_merged(plain, staging / "model")) if master else None, "merging LoRA")
     booster.save_optimizer(optimizer, staging / "optimizer", shard=True, use_async=use_async)
 
     def commit() -> None:
-        if tokenizer is not None:  # beside the weights' config.json: AutoTokenizer.from_pretrained(ckpt / "model")
-            held = staging / "model"
-            save_tokenizer(tokenizer, held if held.is_dir() else staging / ADAPTER_FOLDER)
+        held = staging / "model" if (staging / "model").is_dir() else staging / ADAPTER_FOLDER
+        # beside the weights' config.json: AutoTokenizer.from_pretrained(ckpt / "model")
+        side_files = [] if tokenizer is None else save_tokenizer(tokenizer, held)
+        if lora is not None:  # peft's and save_pretrained's files: no cx index records their checksums
+            side_files = _plain_files(held)
+            if held.name != ADAPTER_FOLDER:
+                record_checksums(staging / ADAPTER_FOLDER, _plain_files(staging / ADAPTER_FOLDER))
+        if side_files:  # cx-checkpoint-verify (and --resume) checks them with the rest
+            record_checksums(held, side_files)
         written = [STATE_FILE]
         if lr_scheduler is not None:
             written.append(SCHEDULER_FILE)
@@ -135,6 +142,10 @@ def _write(
         return
     booster.synchronize()
     run_and_agree(commit if master else None, f"committing the checkpoint {directory}")
+
+
+def _plain_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != CHECKSUMS_FILE)
 
 
 def load_checkpoint(

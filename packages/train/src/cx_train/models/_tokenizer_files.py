@@ -21,7 +21,7 @@ __all__ = ["TokenizerIdentity", "save_tokenizer", "tokenizer_identity"]
 
 
 class TokenizerIdentity(str):
-    """`<kind>:<vocab size>:<sha256 prefix>`, e.g. `hf-PreTrainedTokenizerFast:300:1f2e...`."""
+    """`<kind>:<vocab size>:<sha256 prefix>`, e.g. `transformers:300:1f2e...` or `ByteTokenizer:257:...`."""
 
     @property
     def vocab_size(self) -> int:
@@ -44,7 +44,7 @@ def tokenizer_identity(tokenizer: Any) -> TokenizerIdentity:
     inner = getattr(tokenizer, "hf_tokenizer", None)
     ids = json.dumps(special_token_ids(tokenizer), sort_keys=True)
     if inner is not None:
-        kind, content = f"hf-{type(inner).__name__}", _hf_content(inner)
+        kind, content = "transformers", _hf_content(inner)  # not the class: a reload may pick another one
     else:
         kind = type(tokenizer).__name__
         content = str(getattr(tokenizer, "alphabet", None) or getattr(tokenizer, "fingerprint", kind))
