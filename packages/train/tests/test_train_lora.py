@@ -26,7 +26,7 @@ def _train(rank: int, world_size: int, flags: list[str]) -> None:
     run(parse_options(flags, world_size=world_size))
 
 
-def test_train_lora_saves_the_adapters_and_merged_weights(tmp_path: Path) -> None:
+def test_train_lora_saves_the_adapters_and_merged_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("peft")
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     flags = [*FLAGS, "--steps", "2", "--merge-lora", "--save", str(first)]

@@ -42,6 +42,7 @@ from cx_train.config._plugin_flags import (
 )
 from cx_train.config._reporting_flags import reporting_problem
 from cx_train.config._resumed_model import (
+    adapter_problem,
     embedded_text_message,
     resumed_model_problem,
     resumed_run_problem,
@@ -289,6 +290,8 @@ def _resume_problem(options: TrainOptions, resume: Path, described: DescribedMod
             else f"--resume {resume}: the checkpoint holds the full weights, not LoRA adapters; to fine-tune them "
             f"with LoRA, start a new run with --model {resume / 'model'} --lora-rank N"
         )
+    if options.lora is not None and (problem := adapter_problem(resume, options.lora.rank, options.lora.alpha)):
+        return problem
     if bytes_read and state.data_epoch is None:  # trained on the embedded text's character ids
         return embedded_text_message(resume, options.model)
     problem = tokenizer_problem(resume, state.tokenizer, tokenizer_identity(described.tokenizer), options.model)

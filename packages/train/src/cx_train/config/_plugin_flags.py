@@ -162,18 +162,21 @@ def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
     switches.add_argument(
         "--shard-fraction",
         type=_fraction,
+        metavar="F",
         default=None,
         help="gemini, static placement: fraction of the parameters sharded (shard_param_frac) (default: 1.0)",
     )
     switches.add_argument(
         "--offload-optim-fraction",
         type=_fraction,
+        metavar="F",
         default=None,
         help="gemini, static placement: fraction of the optimizer states on the CPU (default: 0.0)",
     )
     switches.add_argument(
         "--offload-param-fraction",
         type=_fraction,
+        metavar="F",
         default=None,
         help="gemini, static placement: fraction of the fp32 master weights on the CPU; needs "
         "--offload-optim-fraction 1 and --shard-fraction 1 (default: 0.0)",
@@ -194,6 +197,7 @@ def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
     switches.add_argument(
         "--activation-checkpointing-ratio",
         type=_fraction,
+        metavar="F",
         default=None,
         help="hybrid / moe_hybrid: recompute this fraction of the decoder layers (ShardFormer's "
         "gradient_checkpointing_ratio); 1 is --activation-checkpointing (default: 0, or 1 with it)",
@@ -209,12 +213,14 @@ def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
     lora.add_argument(
         "--lora-rank",
         type=_rank,
+        metavar="N",
         default=0,
         help="train LoRA adapters of this rank instead of the weights; checkpoints hold the adapters (default: 0, off)",
     )
     lora.add_argument(
         "--lora-alpha",
         type=_positive_int,
+        metavar="A",
         default=None,
         help="LoRA's scale numerator: adapters add alpha / rank x B A (default: 2 x --lora-rank)",
     )

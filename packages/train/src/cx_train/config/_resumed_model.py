@@ -15,6 +15,7 @@ from cx_train.models._tokenizer_files import TokenizerIdentity
 
 __all__ = [
     "DECAYING_SCHEDULES",
+    "adapter_problem",
     "embedded_text_message",
     "resumed_model_problem",
     "resumed_run_problem",
@@ -87,6 +88,23 @@ def resumed_run_problem(resume: Path, flags: Mapping[str, object]) -> str | None
             return (
                 f"--resume {resume}: the checkpoint's run had {flag} {trained}, this run has {flag} {given}; "
                 f"resume with {flag} {trained} (or start a new run)"
+            )
+    return None
+
+
+def adapter_problem(resume: Path, rank: int, alpha: int) -> str | None:
+    """Why this run's --lora-rank / --lora-alpha are not those of the checkpoint's adapters (peft's
+    adapter_config.json), which a resume loads as they are."""
+    try:
+        saved = json.loads((resume / "adapter" / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for flag, key, given in (("--lora-rank", "r", rank), ("--lora-alpha", "lora_alpha", alpha)):
+        trained = saved.get(key) if isinstance(saved, dict) else None
+        if trained is not None and trained != given:
+            return (
+                f"--resume {resume}: the checkpoint's adapters have {flag} {trained}, this run has {flag} {given}; "
+                f"resume with {flag} {trained}"
             )
     return None
 
