@@ -15,6 +15,7 @@ import pytest
 from cx_mesh.testing import run_distributed
 from cx_plan import Candidate, train_command
 from cx_plugins import GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
+from cx_train.config._arguments import parse_arguments
 from cx_train.config._options import parse_options
 from cx_train.models._plugins import make_plugin, plan_candidate
 from cx_train.models._spec import build_model, describe_model
@@ -176,3 +177,18 @@ def test_train_every_printed_plan_command_parses_into_its_layout(candidate: Cand
     assert "#" not in command
     options = parse_options(shlex.split(command)[1:])
     assert plan_candidate(options, candidate.world_size) == candidate
+
+
+def test_train_switches_are_config_file_keys(tmp_path: Path) -> None:
+    """Every switch has its --config key (the flag's name with - or _), read before the command line."""
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'plugin = "hybrid"\ntp = 2\nsp-mode = "split_gather"\nsequence_overlap = true\njit-fused = true\n'
+        'optimizer = "fused_adam"\nactivation_checkpointing_ratio = 0.5\n'
+    )
+    arguments = parse_arguments(["--config", str(config), "--optimizer", "cpu_adam"])
+    assert (arguments.sp_mode, arguments.sequence_overlap, arguments.jit_fused) == ("split_gather", True, True)
+    assert (arguments.optimizer, arguments.activation_checkpointing_ratio) == ("cpu_adam", 0.5)  # the command line wins
+    config.write_text('plugin = "low_level_zero"\nlora-rank = 4\nlora_targets = "q_proj,v_proj"\nmerge-lora = true\n')
+    arguments = parse_arguments(["--config", str(config)])
+    assert (arguments.lora_rank, arguments.lora_targets, arguments.merge_lora) == (4, "q_proj,v_proj", True)
