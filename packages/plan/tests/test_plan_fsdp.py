@@ -33,8 +33,8 @@ def test_candidate_wrap_is_validated_labelled_and_printed() -> None:
     call = constructor_call(block, "LlamaDecoderLayer")
     assert call == "TorchFSDPPlugin(auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))"
     assert constructor_call(Candidate("torch_fsdp", dp=8)) == "TorchFSDPPlugin()"
-    assert "cx-train has no flag" not in train_command(block, "llama", 32)  # cx-train's torch_fsdp is per block
-    assert "one root FSDP unit" in train_command(Candidate("torch_fsdp", dp=8), "llama", 32)
+    assert "--fsdp-wrap" not in train_command(block, "llama", 32)  # cx-train's torch_fsdp is per block by default
+    assert train_command(Candidate("torch_fsdp", dp=8), "llama", 32).endswith("--fsdp-wrap model")
     with pytest.raises(ValueError, match="unknown fsdp_wrap 'layer'"):
         Candidate("torch_fsdp", fsdp_wrap="layer")
     with pytest.raises(ValueError, match="TorchFSDPPlugin setting, not hybrid's"):

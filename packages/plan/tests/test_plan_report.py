@@ -69,12 +69,10 @@ def test_constructor_calls_and_cx_train_commands() -> None:
     )
     assert "#" not in train_command(hybrid, "mixtral", 64, ("--hidden-size", "96", "--num-layers", "3"))
     zbv = Candidate("hybrid", pp=2, num_microbatches=2, pp_style="zbv", sp_mode="split_gather", tp=2)
-    assert train_command(zbv, "gpt", 32).endswith(
-        "# cx-train has no flag for sequence_parallelism_mode=split_gather, pp_style=zbv"
-    )
+    assert train_command(zbv, "gpt", 32).endswith("--tp 2 --pp 2 --zero 0 --pp-style zbv --sp-mode split_gather")
     offload = Candidate("gemini", dp=2, offload_optim_frac=1.0)
     assert "offload_optim_frac=1.0" in constructor_call(offload)
-    assert "Gemini placement / offload" in train_command(offload, "gpt", 32)
+    assert train_command(offload, "gpt", 32).endswith("--offload-optim-fraction 1")
 
 
 def test_equal_step_times_prefer_larger_micro_batches() -> None:

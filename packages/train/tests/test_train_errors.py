@@ -201,14 +201,23 @@ def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_train_errors_resume_with_another_seq_len_names_the_tensor(
-    saved_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+    saved_checkpoint: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """The GPT's learned position table follows --seq-len: resumed at another, every rank used to start, load and
-    fail with a tensor-shape traceback; now one line names the tensor, both shapes and the checkpoint's --seq-len."""
+    fail with a tensor-shape traceback; now one line names both --seq-len values (from the checkpoint's config.toml),
+    and, for a checkpoint without its config, the tensor and both shapes."""
     error = _refused([*TINY, "--steps", "5", "--seq-len", "32", "--resume", str(saved_checkpoint)], capsys)
     assert (
-        f"--resume {saved_checkpoint}: the checkpoint's embed_positions.weight is [17, 32], this run's model has "
-        "[33, 32] (its run had --seq-len 16)"
+        f"--resume {saved_checkpoint}: the checkpoint's run had --seq-len 16, this run has --seq-len 32; resume "
+        "with --seq-len 16"
+    ) in error
+    bare = tmp_path / "bare"
+    shutil.copytree(saved_checkpoint, bare)
+    (bare / "config.toml").unlink()
+    error = _refused([*TINY, "--steps", "5", "--seq-len", "32", "--no-verify", "--resume", str(bare)], capsys)
+    assert (
+        f"--resume {bare}: the checkpoint's embed_positions.weight is [17, 32], this run's model has [33, 32]; "
+        "resume with the sizes it was trained with"
     ) in error
     assert parse_options([*TINY, "--steps", "5", "--resume", str(saved_checkpoint)]).resume == saved_checkpoint
 

@@ -5,6 +5,9 @@ candidates it ranks with it, and the benchmarks time them with it, so what is pl
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecision
@@ -27,16 +30,21 @@ __all__ = ["make_plugin"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_plugin(candidate: Candidate, model: nn.Module | None = None) -> tuple[Plugin, str | None]:
+def make_plugin(
+    candidate: Candidate, model: nn.Module | None = None, extra: Mapping[str, Any] | None = None
+) -> tuple[Plugin, str | None]:
     """The plugin for `candidate` and the Booster's `mixed_precision` (set only for DDP,
     which leaves precision to the Booster). Per-block FSDP (`fsdp_wrap="block"`) wraps each decoder layer of `model`
     (`fsdp.block_wrap_policy`), so it needs the model; checkpointing a ratio of layers under the hybrid
     plugins goes through ShardFormer (`GradientCheckpointConfig`), while the data-parallel plugins checkpoint the
-    model itself before boosting (`enable_activation_checkpointing`)."""
-    c, arguments = candidate, candidate.plugin_arguments()
+    model itself before boosting (`enable_activation_checkpointing`). `extra` are further constructor arguments the
+    planner does not judge (fp8, fused kernels, ...: cx-train's switches), passed as they are."""
+    c, arguments = candidate, {**candidate.plugin_arguments(), **(extra or {})}
     if c.plugin == "torch_ddp":
-        return TorchDDPPlugin(), None if c.precision == "fp32" else c.precision
+        return TorchDDPPlugin(**(extra or {})), None if c.precision == "fp32" else c.precision
     if c.plugin == "torch_fsdp":
+        if extra:
+            raise ValueError(f"TorchFSDPPlugin takes none of {', '.join(extra)} here")
         dtype = _DTYPES.get(c.precision)
         policy = None if dtype is None else MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
         if c.fsdp_wrap == "block" and model is None:

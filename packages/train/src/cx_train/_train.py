@@ -19,6 +19,7 @@ from cx_train.checkpoint._run_saves import RunSaves
 from cx_train.checkpoint._save_lock import save_folder_lock
 from cx_train.config._config_file import resolved_toml
 from cx_train.config._options import TrainOptions
+from cx_train.config._resumed_model import schedule_note
 from cx_train.data._grammar import TokenWindows
 from cx_train.data._packing import PackedBatch
 from cx_train.data._user_loader import open_loader
@@ -26,8 +27,10 @@ from cx_train.metrics._memory import memory_per_rank
 from cx_train.metrics._mfu import active_parameters, flops_per_token, peak_flops
 from cx_train.metrics._progress import Progress, StepOutput, batch_targets, expert_counts
 from cx_train.metrics._reporting import Reporting
+from cx_train.models._lora import ADAPTER_FOLDER, lora_config
 from cx_train.models._plugins import make_plugin
 from cx_train.models._spec import DescribedModel, build_model, describe_model
+from cx_train.models._tokenizer_files import tokenizer_identity
 from cx_train.step._grad_norm import clip_bound
 from cx_train.step._interrupt import Interrupted, stop_requested
 from cx_train.step._optimization import make_optimizer, make_scheduler, micro_step, prepare_model
@@ -94,12 +97,16 @@ def _run(options: TrainOptions, on_exit: contextlib.ExitStack) -> list[float]:
     # is the sequence that splits into --sp equal shards, so it is --seq-len tokens (validated as a multiple of --sp)
     dataset = TokenWindows(
         n_windows=max(512, options.batch_size * world * 16),
-        length=options.seq_len + (1 if options.sp == 1 else 0),
+        length=options.window_length,
         tokenizer=described.tokenizer,
     )
     model = prepare_model(build_model(described, seed=options.seed), options, described.spec.is_hf)
     plugin, mixed_precision = make_plugin(options, model)  # torch_fsdp wraps the model's decoder layers
     booster = Booster(mixed_precision=mixed_precision, plugin=plugin)
+    if options.lora is not None:  # the adapters alone train: resumed from the checkpoint's, or new
+        adapters = None if options.resume is None else options.resume / ADAPTER_FOLDER
+        config = None if adapters is not None else lora_config(options.lora)
+        model = booster.enable_lora(model, pretrained_dir=adapters, lora_config=config)
     parameters = sum(p.numel() for p in model.parameters())  # before boosting: Gemini shards them away
     model_name = type(model).__name__  # before boosting: FSDP2 renames the class
     model_flops = flops_per_token(active_parameters(model, described.num_experts, described.top_k))
@@ -122,13 +129,19 @@ def _run(options: TrainOptions, on_exit: contextlib.ExitStack) -> list[float]:
         if user_data is not None:
             print(user_data.data.summary(), flush=True)
     device = get_accelerator().current_device()
+    tokenizer = tokenizer_identity(described.tokenizer)  # recorded with each checkpoint: --resume compares it
     step = 0
-    saves = RunSaves(booster, boosted, boosted_optimizer, options.save, scheduler, rank == 0)
+    saves = RunSaves(
+        booster, boosted, boosted_optimizer, options.save, scheduler, rank == 0, described.tokenizer, options.lora
+    )
     on_exit.callback(saves.wait_for_writes)  # before the --save lock is released, an error included
     if options.resume is not None:
         step = load_checkpoint(booster, boosted, boosted_optimizer, options.resume, scheduler).step
         if rank == 0 and not options.restart:
             print(f"cx-train: resumed from {options.resume} at step {step}", flush=True)
+            note = schedule_note(options.resume, options.lr_schedule, options.steps)
+            if note is not None:
+                print(note, flush=True)
     if rank == 0 and options.restart:
         print(restart_line(options, step, options.data_parallel_size(world)), flush=True)
     peak = peak_flops(device, options.precision)
@@ -176,8 +189,16 @@ def _run(options: TrainOptions, on_exit: contextlib.ExitStack) -> list[float]:
             if options.save is not None and (
                 step == options.steps or (options.save_every and step % options.save_every == 0)
             ):
-                sizes = (None, None) if options.model_spec.is_folder else (options.hidden_size, options.num_layers)
-                state = TrainerState(step, options.plugin, world, options.model, *sizes)
+                built_in = not options.model_spec.is_folder  # a folder has its own sizes
+                state = TrainerState(
+                    step,
+                    options.plugin,
+                    world,
+                    options.model,
+                    hidden_size=options.hidden_size if built_in else None,
+                    num_layers=options.num_layers if built_in else None,
+                    tokenizer=tokenizer,
+                )
                 state = state if user_data is None else user_data.with_position(state)
                 config = resolved_toml(dict(options.resolved), header=f"cx-train's resolved config (step {step})")
                 saves.save(state, config, final=step == options.steps)  # --save-every: in the background

@@ -13,6 +13,7 @@ prints "saved step N" once a checkpoint is known to be on disk.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
@@ -20,6 +21,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from cx_plugins import Booster, OptimizerWrapper
 from cx_train.checkpoint._checkpointing import save_checkpoint
 from cx_train.checkpoint._trainer_state import TrainerState
+from cx_train.config._plugin_flags import LoraSettings
 
 __all__ = ["RunSaves"]
 
@@ -35,6 +37,8 @@ class RunSaves:
         directory: Path | None,
         lr_scheduler: LRScheduler | None,
         master: bool,
+        tokenizer: Any = None,
+        lora: LoraSettings | None = None,
     ) -> None:
         self._booster = booster
         self._model = model
@@ -42,6 +46,8 @@ class RunSaves:
         self._directory = directory
         self._scheduler = lr_scheduler
         self._master = master
+        self._tokenizer = tokenizer  # its files go into each checkpoint's model/ folder
+        self._lora = lora  # --lora-rank: the adapters are saved instead of the weights
         self._pending: int | None = None
         self.saved: int | None = None
         """The last step known to be on disk."""
@@ -58,6 +64,8 @@ class RunSaves:
             self._scheduler,
             config_text,
             use_async=not final,
+            tokenizer=self._tokenizer,
+            lora=self._lora,
         )
         self._confirm()  # the save waited for the previous one first
         self._pending = state.step

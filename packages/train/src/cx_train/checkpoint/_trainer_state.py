@@ -24,6 +24,7 @@ class TrainerState:
     num_layers: int | None = None
     data_epoch: int | None = None  # --data: the epoch of the window order and the windows taken in it (_data_order)
     data_offset: int | None = None
+    tokenizer: str | None = None  # the tokenizer's identity (models._tokenizer_files); None in older checkpoints
 
 
 class TrainerStateError(ValueError):
@@ -40,6 +41,7 @@ _TYPES: dict[str, tuple[type, bool]] = {
     "num_layers": (int, True),
     "data_epoch": (int, True),
     "data_offset": (int, True),
+    "tokenizer": (str, True),
 }
 _REQUIRED = ("step", "plugin", "world_size")  # the rest have defaults (older checkpoints lack them)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +32,26 @@ from cx_train.config._parser import (
     build_parser,
 )
 from cx_train.config._paths import outputs_problem, resume_problem, save_problem
+from cx_train.config._plugin_flags import (
+    SP_AXIS_MODES,
+    LoraSettings,
+    PluginSwitches,
+    lora_settings,
+    plugin_switch_problem,
+    plugin_switches,
+)
 from cx_train.config._reporting_flags import reporting_problem
-from cx_train.config._resumed_model import embedded_text_message, resumed_model_problem
+from cx_train.config._resumed_model import (
+    adapter_problem,
+    embedded_text_message,
+    resumed_model_problem,
+    resumed_run_problem,
+    tokenizer_problem,
+)
 from cx_train.config._training_checks import training_problem
 from cx_train.data._tokenizers import ByteTokenizer
 from cx_train.data._user_data import DataSettings, prepared_data_problem
+from cx_train.models._plugins import plan_candidate
 from cx_train.models._shapes import model_shapes
 from cx_train.models._spec import (
     GPT_MODEL,
@@ -48,6 +63,7 @@ from cx_train.models._spec import (
     check_builds,
     describe_model,
 )
+from cx_train.models._tokenizer_files import tokenizer_identity
 
 __all__ = ["HYBRID_CLASSES", "PLUGINS", "TrainOptions", "parse_options", "plugin_missing", "validated_options"]
 
@@ -97,11 +113,31 @@ class TrainOptions:
     compile: bool = False
     compile_backend: str = "inductor"  # torch.compile's backend (--compile-backend)
     dry_run: bool = False
+    switches: PluginSwitches = field(default_factory=PluginSwitches)  # the plugin switches (_plugin_flags)
+    optimizer: str = "adamw"  # --optimizer
+    lora: LoraSettings | None = None  # --lora-rank and its flags; None: the weights themselves train
     resolved: tuple[tuple[str, Any], ...] = ()  # every flag's value after --config and the command line
 
     @property
     def model_spec(self) -> ModelSpec:
         return ModelSpec(self.model, self.hidden_size, self.num_layers, self.seq_len, own_data=self.data is not None)
+
+    @property
+    def sp_mode(self) -> str | None:
+        """The sequence-parallel mode that runs: --sp-mode, or all_to_all where --sp alone is given."""
+        return self.switches.sp_mode or ("all_to_all" if self.sp > 1 else None)
+
+    @property
+    def sequence_split(self) -> int:
+        """How many ways one sequence is split: over --sp (all_to_all, ring_attn) or over --tp (split_gather, ring)."""
+        mode = self.sp_mode
+        return 1 if mode is None else self.sp if mode in SP_AXIS_MODES else self.tp
+
+    @property
+    def window_length(self) -> int:
+        """Tokens per training window: --seq-len + 1 (the model shifts the labels itself), or --seq-len when the
+        sequence is split, which must then divide evenly."""
+        return self.seq_len + (self.sequence_split == 1)
 
     def data_parallel_size(self, world_size: int) -> int:
         """Ranks that see different batches: the world over the tensor, pipeline and sequence groups."""
@@ -182,17 +218,18 @@ def _layout_problem(options: TrainOptions, world_size: int) -> str | None:
             f"--pp-style interleaved needs --microbatches to be a multiple of --pp {options.pp}, got "
             f"{options.microbatches}: use {fix}"
         )
-    if options.seq_len % options.sp:
-        return f"--seq-len {options.seq_len} must be a multiple of --sp {options.sp}"
+    if options.seq_len % options.sequence_split:
+        over = f"--sp {options.sp}" if options.sp > 1 else f"--tp {options.tp} (--sp-mode {options.sp_mode})"
+        return f"--seq-len {options.seq_len} must be a multiple of {over}"
     return None
 
 
 def _stages_problem(options: TrainOptions, layers: int, world_size: int, microbatches: int | None) -> str | None:
-    """The layers split into pp stages of `chunks` model chunks each (interleaved: 2). The suggested --pp values work
-    with the other flags: they split the layers under the chosen style (a pipeline style needs --pp 2 or more), fit
+    """The layers split into pp stages of `chunks` model chunks each (interleaved, zbv: 2). The suggested --pp values
+    work with the other flags: they split the layers under the chosen style (a pipeline style needs --pp 2 or more), fit
     the processes, and their micro-batches (--microbatches, or by default --pp) split the batch (and, interleaved,
     are a multiple of the stages)."""
-    chunks = 2 if options.pp_style == "interleaved" else 1
+    chunks = 1 if options.pp_style == "1f1b" else 2  # interleaved and zbv: two model chunks per stage
     if layers % (options.pp * chunks) == 0:
         return None
 
@@ -244,8 +281,23 @@ def _model_problem(
 def _resume_problem(options: TrainOptions, resume: Path, described: DescribedModel) -> str | None:
     """The checkpoint's model against this run's, tensor by tensor (the model built on the meta device)."""
     bytes_read = options.data is not None and isinstance(described.tokenizer, ByteTokenizer)
-    if bytes_read and read_trainer_state(resume).data_epoch is None:  # trained on the embedded text's character ids
+    state = read_trainer_state(resume)
+    adapters = (resume / "adapter").is_dir()  # models._lora.ADAPTER_FOLDER: a LoRA run's checkpoint
+    if adapters != (options.lora is not None):
+        return (
+            f"--resume {resume}: the checkpoint holds LoRA adapters (adapter/); resume with --lora-rank"
+            if adapters
+            else f"--resume {resume}: the checkpoint holds the full weights, not LoRA adapters; to fine-tune them "
+            f"with LoRA, start a new run with --model {resume / 'model'} --lora-rank N"
+        )
+    if options.lora is not None and (problem := adapter_problem(resume, options.lora.rank, options.lora.alpha)):
+        return problem
+    if bytes_read and state.data_epoch is None:  # trained on the embedded text's character ids
         return embedded_text_message(resume, options.model)
+    problem = tokenizer_problem(resume, state.tokenizer, tokenizer_identity(described.tokenizer), options.model)
+    problem = problem or resumed_run_problem(resume, {"seq_len": options.seq_len, "seed": options.seed})
+    if problem is not None:
+        return problem
     saved = saved_shapes(resume / "model")
     expected = model_shapes(described) if saved else {}
     flags = {name: getattr(options, name) for name in ("model", "seq_len", "hidden_size", "num_layers")}
@@ -261,7 +313,7 @@ def validated_options(args: argparse.Namespace, world_size: int | None = None) -
     """`parse_arguments`' values checked together, against the paths, the model and the data (exits 2 on a problem,
     one line under the short usage)."""
     parser = build_parser()
-    problem = _flag_problem(args) or training_problem(args) or data_problem(args)
+    problem = _flag_problem(args) or plugin_switch_problem(args) or training_problem(args) or data_problem(args)
     if problem is not None:
         parser.error(problem)
     if (reporting := reporting_problem(args)) is not None:
@@ -324,6 +376,9 @@ def validated_options(args: argparse.Namespace, world_size: int | None = None) -
         compile=args.compile,
         compile_backend=args.compile_backend,
         dry_run=args.dry_run,
+        switches=plugin_switches(args),
+        optimizer=args.optimizer,
+        lora=lora_settings(args),
         resolved=tuple(vars(args).items()),
     )
     if world_size is None:  # the launcher: this machine's ranks, times the fewest machines an elastic job runs on
@@ -331,6 +386,10 @@ def validated_options(args: argparse.Namespace, world_size: int | None = None) -
     problem = plugin_missing(options.plugin) or _layout_problem(options, world_size)
     if problem is not None:
         parser.error(problem)
+    try:  # the planner's own checks of the combination (the plugin's own run when the ranks build it)
+        plan_candidate(options, world_size)
+    except ValueError as error:
+        parser.error(f"--plugin {options.plugin} cannot run these flags together: {error}")
     try:
         described = describe_model(options.model_spec)
         check_builds(described)
@@ -342,7 +401,7 @@ def validated_options(args: argparse.Namespace, world_size: int | None = None) -
         parser.error(problem)
     if options.data is not None:  # tokenised here, once, before any process starts (later runs read the cache)
         global_batch = options.data_parallel_size(world_size) * options.batch_size
-        length = options.seq_len + (options.sp == 1)
+        length = options.window_length
         problem = prepared_data_problem(options.data, options.model, options.model_spec.is_folder, length, global_batch)
         if problem is not None:
             parser.error(problem)

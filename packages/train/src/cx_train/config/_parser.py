@@ -11,6 +11,7 @@ from pathlib import Path
 from cx_train.checkpoint._verification import VERIFY_COST
 from cx_train.config._data_flags import add_data_arguments
 from cx_train.config._launch_flags import add_launch_arguments
+from cx_train.config._plugin_flags import add_plugin_arguments
 from cx_train.config._reporting_flags import add_reporting_arguments
 from cx_train.config._training_flags import add_training_arguments
 from cx_train.models._names import GPT_MODEL, MODEL_CHOICES
@@ -29,7 +30,7 @@ __all__ = [
 HYBRID_CLASSES = {"hybrid": "HybridParallelPlugin", "moe_hybrid": "MoeHybridParallelPlugin"}
 PLUGINS = ("gemini", "low_level_zero", "torch_ddp", "torch_fsdp", *HYBRID_CLASSES)
 PRECISIONS = ("fp32", "bf16", "fp16")
-PP_STYLES = ("1f1b", "interleaved")
+PP_STYLES = ("1f1b", "interleaved", "zbv")  # zbv: the zero-bubble V schedule, two chunks per stage
 DEFAULT_HIDDEN, DEFAULT_LAYERS = 128, 2
 DEFAULT_TIMEOUT_S = 600.0  # cx_mesh.DEFAULT_TIMEOUT (10 minutes), without importing torch; a test asserts they agree
 _USAGE = "%(prog)s [--FLAG VALUE ...]  (--help lists every flag and its default)"
@@ -149,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     hybrid.add_argument("--tp", type=_positive, default=None, help="tensor-parallel size (default: 1)")
     hybrid.add_argument("--pp", type=_positive, default=None, help="pipeline stages (default: 1)")
     hybrid.add_argument("--ep", type=_positive, default=None, help="expert-parallel size, moe_hybrid (default: 1)")
-    hybrid.add_argument("--sp", type=_positive, default=None, help="sequence-parallel size, all_to_all (default: 1)")
+    hybrid.add_argument(
+        "--sp",
+        type=_positive,
+        default=None,
+        help="sequence-parallel axis size, all_to_all / ring_attn (--sp-mode) (default: 1)",
+    )
     hybrid.add_argument(
         "--zero",
         type=int,
@@ -161,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--microbatches", type=_positive, default=None, help="micro-batches per step with --pp (default: --pp)"
     )
     hybrid.add_argument("--pp-style", choices=PP_STYLES, default=None, help="pipeline schedule (default: 1f1b)")
+    add_plugin_arguments(parser)
     add_data_arguments(parser)
     add_training_arguments(parser)
     add_reporting_arguments(parser)

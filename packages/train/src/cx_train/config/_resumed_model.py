@@ -11,7 +11,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["embedded_text_message", "resumed_model_problem"]
+from cx_train.models._tokenizer_files import TokenizerIdentity
+
+__all__ = [
+    "DECAYING_SCHEDULES",
+    "adapter_problem",
+    "embedded_text_message",
+    "resumed_model_problem",
+    "resumed_run_problem",
+    "saved_run_config",
+    "schedule_note",
+    "tokenizer_problem",
+]
+
+DECAYING_SCHEDULES = ("linear", "cosine")  # --lr-schedule curves that end at --steps
+_RUN_FLAGS = ("seq_len", "seed")  # what a resumed run must share with the checkpoint's (its data windows and order)
 
 # the config fields that set a parameter's shape or count (vocab_size is left out: the tokenizer may extend it)
 _SHAPE_FIELDS = (
@@ -52,6 +66,72 @@ def _config_problem(resume: Path, model: str, config: Any) -> str | None:
                 f"{wanted}; resume with the model it was trained with"
             )
     return None
+
+
+def saved_run_config(resume: Path) -> dict[str, Any]:
+    """The checkpoint's resolved `config.toml` (empty for a checkpoint without one, or an unreadable one: the
+    checksums the verification checks first catch a damaged file)."""
+    try:
+        return tomllib.loads((resume / "config.toml").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def resumed_run_problem(resume: Path, flags: Mapping[str, object]) -> str | None:
+    """Why this run's --seq-len or --seed (in `flags`) cannot continue the checkpoint's run: its windows and its data
+    order follow from them, so another value trains on other data than the checkpoint's position says."""
+    saved = saved_run_config(resume)
+    for name in _RUN_FLAGS:
+        trained, given = saved.get(name), flags[name]
+        if trained is not None and trained != given:
+            flag = "--" + name.replace("_", "-")
+            return (
+                f"--resume {resume}: the checkpoint's run had {flag} {trained}, this run has {flag} {given}; "
+                f"resume with {flag} {trained} (or start a new run)"
+            )
+    return None
+
+
+def adapter_problem(resume: Path, rank: int, alpha: int) -> str | None:
+    """Why this run's --lora-rank / --lora-alpha are not those of the checkpoint's adapters (peft's
+    adapter_config.json), which a resume loads as they are."""
+    try:
+        saved = json.loads((resume / "adapter" / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for flag, key, given in (("--lora-rank", "r", rank), ("--lora-alpha", "lora_alpha", alpha)):
+        trained = saved.get(key) if isinstance(saved, dict) else None
+        if trained is not None and trained != given:
+            return (
+                f"--resume {resume}: the checkpoint's adapters have {flag} {trained}, this run has {flag} {given}; "
+                f"resume with {flag} {trained}"
+            )
+    return None
+
+
+def tokenizer_problem(resume: Path, trained: str | None, given: str, model: str) -> str | None:
+    """Why the checkpoint's tokenizer (`trained`, its recorded identity) is not this run's (`given`): the same ids
+    would be other text."""
+    if trained is None or trained == given:
+        return None
+    was, now = TokenizerIdentity(trained), TokenizerIdentity(given)
+    same = " (the same vocabulary size, other tokens)" if was.vocab_size == now.vocab_size else ""
+    return (
+        f"--resume {resume}: the checkpoint was trained with a {was.describe()}, but --model {model} has a "
+        f"{now.describe()}{same}; resume with the model folder it was trained with, e.g. --model {resume / 'model'}"
+    )
+
+
+def schedule_note(resume: Path, schedule: str, steps: int) -> str | None:
+    """The log line of a resume under a decaying schedule with another --steps: the curve is rebuilt over the new
+    total (cx-train's choice, documented in docs/training.md), so the rate moves to the new curve at once."""
+    saved = saved_run_config(resume).get("steps")
+    if schedule not in DECAYING_SCHEDULES or saved is None or saved == steps:
+        return None
+    return (
+        f"cx-train: --steps {steps} is not the checkpoint's run's {saved}: the {schedule} learning-rate curve is "
+        f"rebuilt to end at step {steps}, and the rate moves onto it from the resumed step"
+    )
 
 
 def _differing_flags(resume: Path, flags: Mapping[str, object]) -> str:

@@ -37,7 +37,8 @@ def training_problem(args: argparse.Namespace) -> str | None:
             "--activation-checkpointing alone, or a data-parallel plugin (torch_fsdp, torch_ddp, low_level_zero, "
             "gemini)"
         )
-    if (args.activation_checkpointing or selective) and args.model == GPT_MODEL:
+    ratio = args.activation_checkpointing_ratio or 0.0
+    if (args.activation_checkpointing or selective or ratio > 0) and args.model == GPT_MODEL:
         return (
             "--activation-checkpointing: cx's reference GPT has no activation checkpointing; use a transformers "
             "model (--model llama, mixtral, ... or a model folder)"

@@ -25,12 +25,26 @@ from cx_train.config._options import HYBRID_CLASSES, TrainOptions
 from cx_train.data._packing import PackedBatch
 from cx_train.metrics._progress import StepOutput, forward_step
 from cx_train.models._spec import DescribedModel
+from cx_zero import CPUAdam, FusedAdam, HybridAdam
 
 __all__ = ["make_optimizer", "make_scheduler", "micro_step", "prepare_model"]
 
 
+_OPTIMIZERS: dict[str, type[CPUAdam]] = {
+    "hybrid_adam": HybridAdam,
+    "fused_adam": FusedAdam,
+    "cpu_adam": CPUAdam,
+}
+
+
 def make_optimizer(model: nn.Module, options: TrainOptions, eps: float = 1e-8) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay, eps=eps)
+    """`--optimizer` over the trainable parameters (under LoRA, the adapters): torch's AdamW or one of cx-zero's
+    fused Adam(W)s in AdamW mode, the same update."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    if options.optimizer == "adamw":
+        return torch.optim.AdamW(parameters, lr=options.lr, weight_decay=options.weight_decay, eps=eps)
+    kind = _OPTIMIZERS[options.optimizer]
+    return kind(parameters, lr=options.lr, weight_decay=options.weight_decay, eps=eps, adamw_mode=True)
 
 
 @dataclass(frozen=True)

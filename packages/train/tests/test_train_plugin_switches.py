@@ -1,0 +1,194 @@
+"""Every plugin switch cx-train has a flag for reaches the plugin it builds (the plugin's own option objects compared,
+built in-process from the parsed flags, no training), the switches a plugin has not are refused by name before any
+process starts, --optimizer picks the optimizer, and every layout cx-plan prints a command for parses with
+cx-train's flags back into that layout."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cx_mesh.testing import run_distributed
+from cx_plan import Candidate, train_command
+from cx_plugins import GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
+from cx_train.config._arguments import parse_arguments
+from cx_train.config._options import parse_options
+from cx_train.models._plugins import make_plugin, plan_candidate
+from cx_train.models._spec import build_model, describe_model
+from cx_train.step._optimization import make_optimizer
+from cx_zero import CPUAdam, FusedAdam, HybridAdam
+
+LLAMA = ["--model", "llama", "--seq-len", "16", "--batch-size", "2"]
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_options(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def _hybrid_switches(rank: int, world_size: int) -> None:
+    flags = [*LLAMA, "--plugin", "hybrid", "--nproc", "2", "--tp", "2", "--sp-mode", "split_gather"]
+    flags += ["--sequence-overlap", "--jit-fused", "--fused-normalization", "--activation-checkpointing-ratio", "0.5"]
+    plugin, _ = make_plugin(parse_options(flags))
+    assert isinstance(plugin, HybridParallelPlugin)
+    o = plugin.options
+    assert (o.tp_size, o.sp_mode.value) == (2, "split_gather")
+    assert o.shardformer.enable_sequence_overlap
+    assert o.shardformer.enable_jit_fused
+    assert o.shardformer.enable_fused_normalization
+    assert o.shardformer.gradient_checkpoint_config is not None
+    assert o.shardformer.gradient_checkpoint_config.gradient_checkpointing_ratio == 0.5
+    flags = [*LLAMA, "--plugin", "hybrid", "--nproc", "2", "--sp", "2", "--sp-mode", "ring_attn", "--zero", "1"]
+    plugin, _ = make_plugin(parse_options([*flags, "--cpu-offload", "--fp8", "--fp8-communication"]))
+    assert isinstance(plugin, HybridParallelPlugin)
+    o = plugin.options
+    assert (o.sp_size, o.sp_mode.value, o.zero.stage, o.zero.cpu_offload) == (2, "ring_attn", 1, True)
+    assert o.shardformer.use_fp8
+    assert o.zero.fp8_communication
+    assert o.pipeline.fp8_communication
+
+
+def _data_parallel_switches(rank: int, world_size: int) -> None:
+    flags = ["--plugin", "low_level_zero", "--nproc", "1", "--cpu-offload", "--fp8", "--fp8-communication"]
+    plugin, _ = make_plugin(parse_options(flags))
+    assert isinstance(plugin, LowLevelZeroPlugin)
+    assert plugin.options.zero.cpu_offload
+    assert plugin.options.use_fp8
+    assert plugin.options.zero.fp8_communication
+    flags = ["--plugin", "gemini", "--nproc", "1", "--shard-fraction", "0.5", "--offload-optim-fraction", "0.25"]
+    plugin, _ = make_plugin(parse_options([*flags, "--fp8"]))
+    assert isinstance(plugin, GeminiPlugin)
+    ddp = plugin.options.ddp
+    assert (ddp.placement.value, ddp.shard_param_frac, ddp.offload_optim_frac) == ("static", 0.5, 0.25)
+    assert plugin.options.use_fp8
+    flags = ["--plugin", "gemini", "--nproc", "1", "--offload-optim-fraction", "1", "--offload-param-fraction", "0.75"]
+    plugin, _ = make_plugin(parse_options(flags))
+    assert isinstance(plugin, GeminiPlugin)
+    assert (plugin.options.ddp.offload_optim_frac, plugin.options.ddp.offload_param_frac) == (1.0, 0.75)
+    plugin, _ = make_plugin(parse_options(["--plugin", "gemini", "--nproc", "1", "--placement", "auto"]))
+    assert isinstance(plugin, GeminiPlugin)
+    assert plugin.options.ddp.placement.value == "auto"
+    plugin, _ = make_plugin(parse_options(["--plugin", "torch_ddp", "--nproc", "1", "--fp8-communication"]))
+    assert isinstance(plugin, TorchDDPPlugin)
+    assert plugin.fp8_communication
+    options = parse_options([*LLAMA, "--plugin", "torch_fsdp", "--nproc", "1", "--fsdp-wrap", "model"])
+    plugin, _ = make_plugin(options, build_model(describe_model(options.model_spec), seed=0))
+    assert isinstance(plugin, TorchFSDPPlugin)
+    assert plugin.options.wrap_policy is None
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # fp8 communication on one rank: nothing to compress
+def test_train_switches_reach_the_hybrid_plugin() -> None:
+    pytest.importorskip("transformers")
+    outcomes = run_distributed(_hybrid_switches, 2)
+    assert all(o.ok for o in outcomes.values()), [o.error for o in outcomes.values()]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_train_switches_reach_the_data_parallel_plugins() -> None:
+    pytest.importorskip("transformers")
+    outcomes = run_distributed(_data_parallel_switches, 1)
+    assert all(o.ok for o in outcomes.values()), [o.error for o in outcomes.values()]
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("adamw", "AdamW"), ("hybrid_adam", HybridAdam), ("fused_adam", FusedAdam), ("cpu_adam", CPUAdam)],
+)
+def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> None:
+    options = parse_options(["--nproc", "1", "--optimizer", name, "--weight-decay", "0.1", "--lr", "2e-3"])
+    model = build_model(describe_model(options.model_spec), seed=0)
+    optimizer = make_optimizer(model, options)
+    assert type(optimizer).__name__ == kind if isinstance(kind, str) else type(optimizer) is kind
+    assert optimizer.param_groups[0]["lr"] == 2e-3
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--plugin", "torch_fsdp", "--fp8"], "--fp8 is not supported by --plugin torch_fsdp; use --plugin"),
+        (["--plugin", "torch_fsdp", "--fp8-communication"], "--fp8-communication is not supported by --plugin"),
+        (["--plugin", "gemini", "--sp-mode", "ring"], "--sp-mode ring is not supported by --plugin gemini"),
+        (["--plugin", "hybrid", "--sp-mode", "split_gather"], "--sp-mode split_gather splits the sequence over"),
+        (["--plugin", "hybrid", "--sp-mode", "all_to_all"], "--sp-mode all_to_all splits the sequence over its own"),
+        (
+            ["--plugin", "hybrid", "--tp", "2", "--sp-mode", "split_gather", "--sequence-overlap", "--fp8"],
+            "--sequence-overlap cannot go with --fp8",
+        ),
+        (["--plugin", "hybrid", "--tp", "2", "--sequence-overlap"], "--sequence-overlap overlaps split_gather's"),
+        (["--plugin", "gemini", "--jit-fused"], "--jit-fused is not supported by --plugin gemini"),
+        (["--plugin", "low_level_zero", "--placement", "auto"], "--placement is not supported by --plugin"),
+        (
+            ["--plugin", "gemini", "--placement", "auto", "--shard-fraction", "0.5"],
+            "--shard-fraction sets a static placement's fractions",
+        ),
+        (["--plugin", "gemini", "--offload-param-fraction", "0.5"], "--offload-param-fraction offloads master"),
+        (["--plugin", "torch_ddp", "--cpu-offload"], "--cpu-offload is not supported by --plugin torch_ddp"),
+        (["--plugin", "hybrid", "--cpu-offload"], "--cpu-offload offloads ZeRO 1/2 optimizer states"),
+        (["--plugin", "gemini", "--fsdp-wrap", "model"], "--fsdp-wrap model is not supported by --plugin gemini"),
+        (["--plugin", "gemini", "--lora-rank", "4"], "--lora-rank is not supported by --plugin gemini"),
+        (["--plugin", "torch_ddp", "--lora-rank", "4"], "--lora-rank: LoRA goes through peft"),
+        (["--merge-lora"], "--merge-lora needs --lora-rank N"),
+        (["--plugin", "hybrid", "--tp", "2", "--sp-mode", "ring", "--seq-len", "15"], "--seq-len 15 must be a"),
+    ],
+)
+def test_train_switches_refused_by_name(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert message in _refused([*flags, "--nproc", "2"], capsys)
+
+
+def test_train_switch_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    """The refusal comes from the launcher: no rank starts, and nothing is written."""
+    command = [sys.executable, "-m", "cx_train", "--plugin", "torch_fsdp", "--fp8", "--save", str(tmp_path / "c")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "cx-train: error: --fp8 is not supported by --plugin torch_fsdp" in result.stderr
+    assert "rank" not in result.stdout
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    "candidate",
+    [
+        Candidate("hybrid", tp=2, pp=2, zero_stage=0, num_microbatches=2, pp_style="zbv", sp_mode="split_gather"),
+        Candidate("hybrid", dp=2, tp=2, sp_mode="ring", zero_stage=1, cpu_offload=True, precision="fp32"),
+        Candidate("hybrid", dp=2, sp=2, sp_mode="ring_attn", zero_stage=0, checkpoint_ratio=0.5, micro_batch_size=2),
+        Candidate("moe_hybrid", dp=2, ep=2, sp=2, sp_mode="all_to_all", zero_stage=2, num_microbatches=2),
+        Candidate("gemini", dp=2, offload_optim_frac=1.0, offload_param_frac=0.5),
+        Candidate("gemini", dp=4, placement_policy="auto", precision="fp16"),
+        Candidate("torch_fsdp", dp=2),
+        Candidate("torch_fsdp", dp=2, fsdp_wrap="block", checkpoint_ratio=1.0, checkpoint_mode="selective-op"),
+        Candidate("low_level_zero", dp=2, zero_stage=1, cpu_offload=True),
+    ],
+    ids=lambda c: c.label(),
+)
+def test_train_every_printed_plan_command_parses_into_its_layout(candidate: Candidate) -> None:
+    """cx-plan's printed command has no "cx-train has no flag" note left: cx-train's parser reads it back into the
+    very candidate (validated with the model, as the launcher does)."""
+    pytest.importorskip("transformers")
+    model = "mixtral" if candidate.plugin == "moe_hybrid" else "llama"
+    command = train_command(candidate, model, 32, ("--num-layers", "4"))
+    assert "#" not in command
+    options = parse_options(shlex.split(command)[1:])
+    assert plan_candidate(options, candidate.world_size) == candidate
+
+
+def test_train_switches_are_config_file_keys(tmp_path: Path) -> None:
+    """Every switch has its --config key (the flag's name with - or _), read before the command line."""
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'plugin = "hybrid"\ntp = 2\nsp-mode = "split_gather"\nsequence_overlap = true\njit-fused = true\n'
+        'optimizer = "fused_adam"\nactivation_checkpointing_ratio = 0.5\n'
+    )
+    arguments = parse_arguments(["--config", str(config), "--optimizer", "cpu_adam"])
+    assert (arguments.sp_mode, arguments.sequence_overlap, arguments.jit_fused) == ("split_gather", True, True)
+    assert (arguments.optimizer, arguments.activation_checkpointing_ratio) == ("cpu_adam", 0.5)  # the command line wins
+    config.write_text('plugin = "low_level_zero"\nlora-rank = 4\nlora_targets = "q_proj,v_proj"\nmerge-lora = true\n')
+    arguments = parse_arguments(["--config", str(config)])
+    assert (arguments.lora_rank, arguments.lora_targets, arguments.merge_lora) == (4, "q_proj,v_proj", True)
