@@ -25,13 +25,7 @@ from cx_train.data._user_data import UserData, open_user_data
 from cx_train.models._spec import DescribedModel
 from cx_train.step._evaluation import EvalResult, evaluate
 
-__all__ = ["UserLoader", "data_parallel", "open_loader", "window_length"]
-
-
-def window_length(options: TrainOptions) -> int:
-    """Tokens per window: the models shift the labels themselves (--seq-len + 1); under sequence parallelism the
-    window is the sequence that splits into --sp equal shards (--seq-len), as for the embedded data."""
-    return options.seq_len + (1 if options.sp == 1 else 0)
+__all__ = ["UserLoader", "data_parallel", "open_loader"]
 
 
 def data_parallel(plugin: Any) -> tuple[int, int]:
@@ -105,7 +99,7 @@ class UserLoader:
 def open_loader(options: TrainOptions, plugin: Any) -> UserLoader:
     """The `--data` loader of this rank (the cache is normally built already: parse_options tokenised it)."""
     assert options.data is not None
-    data = open_user_data(options.data, options.model, options.model_spec.is_folder, window_length(options))
+    data = open_user_data(options.data, options.model, options.model_spec.is_folder, options.window_length)
     loader = UserLoader(data, options, data_parallel(plugin))
     loader.check_resume()
     return loader
