@@ -25,7 +25,7 @@ from cx_train import GrammarText, parse_options
 from cx_train.data._token_cache import token_stream
 from cx_train.data._tokenizers import ByteTokenizer, HFStreamTokenizer, StreamTokenizer
 from cx_train.data._user_data import open_user_data
-from cx_train.data._user_loader import UserLoader, window_length
+from cx_train.data._user_loader import UserLoader
 from cx_train.models._spec import build_model, describe_model
 
 
@@ -108,7 +108,7 @@ def loader_cost(corpus: Path, steps: int) -> None:
     options = parse_options(["--data", str(corpus), "--nproc", "1", "--plugin", "torch_ddp"], world_size=1)
     described = describe_model(options.model_spec)
     assert options.data is not None
-    data = open_user_data(options.data, options.model, False, window_length(options))
+    data = open_user_data(options.data, options.model, False, options.window_length)
     loader = UserLoader(data, options, (0, 1))
     model = build_model(described, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -1,11 +1,11 @@
 """Packed documents on every plugin and parallel layout: a batch of two 32-token windows holding 3 and 4 documents,
 given as `model(input_ids, labels, position_ids)` with positions restarting at each document and -100 on each
 document's first label (packed_test_helpers.py), trains exactly as the documents one at a time on one process (fp32,
-HF Llama; Mixtral under expert parallelism; GPT-2 under pp 2 and ring_attn). Checked: the loss (against transformers run document by document) and
-every parameter after one SGD step (against one process's step on the per-document loss), under one process, hybrid
-tp 2, pp 2 (1F1B, interleaved, zero bubble V), sp split_gather / ring (tp group), all_to_all / ring_attn (sp 2),
-pp 2 x ring_attn (4 ranks), MoeHybrid ep 2 (and ep 2 x sp 2 ring_attn on 4 ranks), and the data-parallel
-TorchDDP, TorchFSDP, LowLevelZero 2 and Gemini.
+HF Llama; Mixtral under expert parallelism; GPT-2 under pp 2 and ring_attn). Checked: the loss (against transformers
+run document by document) and every parameter after one SGD step (against one process's step on the per-document
+loss), under one process, hybrid tp 2, pp 2 (1F1B, interleaved, zero bubble V), sp split_gather / ring (tp group),
+all_to_all / ring_attn (sp 2), pp 2 x ring_attn (4 ranks), MoeHybrid ep 2 (and ep 2 x sp 2 ring_attn on 4 ranks), and
+the data-parallel TorchDDP, TorchFSDP, LowLevelZero 2 and Gemini.
 
 The compared loss is the token mean over the batch's counted targets. Where one forward sees the whole batch (one
 process, tp 2, every sp mode: the sequence is gathered back before the head) the model's own loss already is that.
