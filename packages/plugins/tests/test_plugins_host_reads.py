@@ -2,7 +2,9 @@
 
 Steps 4-6 of a tiny bf16 Llama (Mixtral for MoE) are counted with `count_host_reads` on two gloo ranks; TorchDDP is
 the baseline (torch's own DDP, no cx checks). The checks that used to read every step now read on the first steps,
-on change, or every `FINITE_LOSS_CHECK_EVERY` backward calls (docs/plugins.md, "Host reads").
+on change, or every `FINITE_LOSS_CHECK_EVERY` backward calls (docs/plugins.md, "Host reads"); the pipeline agrees on
+probing on the first 3 steps only and checks settled activation headers on the device; ring_attn's plain causal mask
+is known on the host.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ PLUGINS: dict[str, Callable[[], Plugin]] = {
     "zero2": lambda: LowLevelZeroPlugin(stage=2, precision="bf16"),
     "gemini": lambda: GeminiPlugin(precision="bf16", chunk_config_dict={"chunk_size": 4096}),
     "hybrid_tp2": lambda: HybridParallelPlugin(tp_size=2, pp_size=1, precision="bf16"),
+    "hybrid_sp2_ring": lambda: HybridParallelPlugin(
+        tp_size=1,
+        pp_size=1,
+        sp_size=2,
+        precision="bf16",
+        enable_sequence_parallelism=True,
+        sequence_parallelism_mode="ring_attn",
+    ),
     "hybrid_pp2": lambda: HybridParallelPlugin(tp_size=1, pp_size=2, precision="bf16", num_microbatches=2),
     "hybrid_pp2_interleaved": lambda: HybridParallelPlugin(
         tp_size=1,
