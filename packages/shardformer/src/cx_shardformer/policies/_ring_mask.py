@@ -5,7 +5,8 @@ documents from restarting position_ids, padding, sliding window: whatever transf
 transformers' `sdpa_mask` builds the boolean mask; it is called on blocks of rows (about 16M elements each), whose
 spans are read off and the block dropped, so the peak is one block rather than B * S^2 (one host read per mask, for
 the whole sequence). A plain causal mask gives
-None (ring attention's causal path, as SDPA's `is_causal`); a mask whose rows are not contiguous ranges, or one with
+None (ring attention's causal path, as SDPA's `is_causal`), decided from the mask function transformers passes without
+building or reading a mask (issue 37); a mask whose rows are not contiguous ranges, or one with
 a cache offset, falls back to the dense mask sdpa would use.
 """
 
