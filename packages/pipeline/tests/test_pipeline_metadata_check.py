@@ -5,7 +5,12 @@ padded rows) gives the same losses, gradients and evaluation outputs as the unca
 also when the size shrinks between micro-batches of one step and between steps; before, the receiver allocated
 the probe's shape (stale rows in evaluation, a gloo abort in training). Stages deciding alone whether to re-probe
 (each from its own batch) probed at different steps and waited for each other forever: the decision is now taken
-together, and stages splitting their batches differently are refused by name."""
+together, and stages splitting their batches differently are refused by name.
+
+Issue 37: after the first steps the stages agree only when a batch changes, and an edge whose metadata stayed the same
+for `SETTLE_STEPS` steps is received without a host read of its header. A batch change after that re-probes (exact
+results, no host read once settled again); a stage output that changes shape on a settled edge is named by its
+sender."""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cx_mesh import ProcessGroupMesh
-from cx_mesh.testing import distributed
+from cx_mesh.testing import DistributedTestFailure, count_host_reads, distributed, run_distributed
 from cx_pipeline import OneForwardOneBackwardSchedule, PipelineConfigError, PipelineStageManager, split_batch
 from pipeline_helpers import batches
 
@@ -137,3 +142,58 @@ def test_stages_splitting_into_different_micro_batch_counts_are_refused(rank: in
         schedule.forward_backward_step(mine, batches(make_batch(kept, 0)), criterion)
     result: dict[str, Any] = schedule.forward_backward_step(mine, batches(make_batch([4, 4], 0)), criterion)
     assert result["loss"] is None
+
+
+def _train_step(
+    manager: PipelineStageManager,
+    schedule: OneForwardOneBackwardSchedule,
+    mine: nn.Module,
+    models: tuple[nn.Module, nn.Module],
+    batch: dict[str, torch.Tensor],
+) -> None:
+    """One step on both stages, checked against one process (`models`: the reference first and last stages)."""
+    mine.zero_grad()
+    for model in models:
+        model.zero_grad()
+    result = schedule.forward_backward_step(mine, batches(batch), criterion, return_loss=True)
+    expected_loss, _ = reference(*models, batch)
+    if manager.stage == 1:
+        torch.testing.assert_close(result["loss"], expected_loss, rtol=1e-6, atol=1e-7)
+    expected = dict(models[manager.stage].named_parameters())
+    for name, param in mine.named_parameters():
+        assert param.grad is not None
+        torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@distributed(world_size=2, timeout=60)
+def test_settled_steps_read_nothing_and_a_batch_change_re_probes(rank: int, world_size: int) -> None:
+    manager, schedule, first, last = build(True, True)
+    models = (First(), Last())
+    models[0].load_state_dict(first.state_dict())
+    models[1].load_state_dict(last.state_dict())
+    mine = first if manager.stage == 0 else last
+    plan = [[4, 4]] * 4 + [[4, 4, 4]] * 4  # the batch grows after the edge settled: every stage sees the change
+    with count_host_reads() as reads:
+        for step, kept in enumerate(plan):
+            if step in (3, 7):  # settled: nothing read in cx_pipeline
+                reads.clear()
+            _train_step(manager, schedule, mine, models, make_batch(kept, seed=step))
+            if step in (3, 7):
+                pipeline = {site: n for site, n in reads.cx().items() if site.startswith("cx_pipeline")}
+                assert pipeline == {}, f"step {step}: {pipeline}"
+
+
+def _output_shape_changes_on_a_settled_edge(rank: int, world_size: int) -> None:
+    manager, schedule, first, last = build(True, True)
+    mine = first if manager.stage == 0 else last
+    for step, kept in enumerate([[4, 4]] * 4 + [[4, 2]]):  # same batch shapes: only the stage's output changes
+        schedule.forward_backward_step(mine, batches(make_batch(kept, seed=step)), criterion)
+
+
+def test_an_output_shape_change_on_a_settled_edge_is_named_by_its_sender() -> None:
+    with pytest.raises(DistributedTestFailure) as failure:
+        run_distributed(_output_shape_changes_on_a_settled_edge, 2, fresh=True, timeout=60)
+    report = str(failure.value)
+    assert "--- rank 0 raised" in report
+    assert "the output of virtual stage 0 for micro-batch 1 is (2, 4) float32, but it was (4, 4) float32" in report
+    assert "enable_metadata_cache=False" in report

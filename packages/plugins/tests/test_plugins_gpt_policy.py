@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cx_mesh.testing import TEST_ADAM_EPS, distributed, tiny_model_adam_tolerance
+from cx_mesh.testing import TEST_ADAM_EPS, count_host_reads, distributed, tiny_model_adam_tolerance
 from cx_plugins.models import GPT, GPTConfig, GPTPolicy
 from cx_shardformer import ShardConfig, ShardFormer, get_shard_spec, unshard_tensor
 from cx_shardformer.policies import get_autopolicy
@@ -115,3 +115,23 @@ def test_plugins_gpt_policy_tp4_matches_unsharded(rank: int, world_size: int) ->
         ref_grad = ref_params[name].grad
         assert ref_grad is not None, name
         _close(_full(param, param.grad), ref_grad, f"tp4 grad of {name}")
+
+
+@distributed(world_size=2)
+def test_plugins_gpt_policy_label_check_reads_the_host_on_the_first_calls_only(rank: int, world_size: int) -> None:
+    """Issue 37: the vocabulary-parallel loss names a bad label exactly on its first calls, then asserts on the device
+    (no host read); on the CPU that assert raises at once, so a bad label later is still named."""
+    model = GPT(CONFIG, seed=0)
+    ShardFormer(ShardConfig(parallel_output=True)).optimize(model)
+    ids = _batch(0)
+    with count_host_reads() as reads:
+        for call in range(4):
+            if call == 3:
+                reads.clear()
+            model(ids, labels=ids)
+        steady = reads.cx()
+    assert not any("_loss" in where or "_ids" in where for where in steady), steady
+    bad = ids.clone()
+    bad[0, 5] = CONFIG.vocab_size + 3
+    with pytest.raises(IndexError, match=f"label {CONFIG.vocab_size + 3} is outside the vocabulary of size 100"):
+        model(ids, labels=bad)

@@ -2,7 +2,9 @@
 
 Steps 4-6 of a tiny bf16 Llama (Mixtral for MoE) are counted with `count_host_reads` on two gloo ranks; TorchDDP is
 the baseline (torch's own DDP, no cx checks). The checks that used to read every step now read on the first steps,
-on change, or every `FINITE_LOSS_CHECK_EVERY` backward calls (docs/plugins.md, "Host reads").
+on change, or every `FINITE_LOSS_CHECK_EVERY` backward calls (docs/plugins.md, "Host reads"); the pipeline agrees on
+probing on the first 3 steps only and checks settled activation headers on the device; ring_attn's plain causal mask
+is known on the host.
 """
 
 from __future__ import annotations
@@ -31,17 +33,28 @@ WARM_STEPS, COUNTED_STEPS = 3, 3
 # An uneven all-to-all needs its split sizes on the host: the MoE dispatch's one read per layer is the exemption.
 MOE_EXEMPT = ("cx_moe._dispatch:",)
 
-# Not done yet: the pipeline's per-step agreement on whether to probe (`cx_pipeline._probe.agree_to_probe`, an
-# all-gather read every step) and its in-band activation header (`cx_pipeline._p2p._open_activation`, read per
-# received activation); strict, so the test says when they are gone.
-PP_LEFT = "issue 37: cx_pipeline's probe agreement and activation headers still read on the host every step"
-
 PLUGINS: dict[str, Callable[[], Plugin]] = {
     "torch_ddp": TorchDDPPlugin,
     "zero2": lambda: LowLevelZeroPlugin(stage=2, precision="bf16"),
     "gemini": lambda: GeminiPlugin(precision="bf16", chunk_config_dict={"chunk_size": 4096}),
     "hybrid_tp2": lambda: HybridParallelPlugin(tp_size=2, pp_size=1, precision="bf16"),
+    "hybrid_sp2_ring": lambda: HybridParallelPlugin(
+        tp_size=1,
+        pp_size=1,
+        sp_size=2,
+        precision="bf16",
+        enable_sequence_parallelism=True,
+        sequence_parallelism_mode="ring_attn",
+    ),
     "hybrid_pp2": lambda: HybridParallelPlugin(tp_size=1, pp_size=2, precision="bf16", num_microbatches=2),
+    "hybrid_pp2_interleaved": lambda: HybridParallelPlugin(
+        tp_size=1,
+        pp_size=2,
+        precision="bf16",
+        num_microbatches=2,
+        pp_style="interleaved",
+        num_model_chunks=2,
+    ),
     "moe_ep2_zero1": lambda: MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=1, precision="bf16"),
 }
 
@@ -60,15 +73,12 @@ def _step(booster: Booster, model: nn.Module, optimizer: Any, plugin: Plugin, st
 @distributed(world_size=2)
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=PP_LEFT) if name == "hybrid_pp2" else ())
-        for name in PLUGINS
-    ],
+    list(PLUGINS),
 )
 def test_plugins_steady_state_makes_no_host_reads(rank: int, world_size: int, name: str) -> None:
     plugin = PLUGINS[name]()
     moe = name.startswith("moe")
-    plain = mixtral() if moe else llama(layers=2)
+    plain = mixtral() if moe else llama(layers=4 if name.endswith("interleaved") else 2)
     booster = Booster(plugin=plugin, mixed_precision="bf16" if name == "torch_ddp" else None)
     model, optimizer, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3))
     with count_host_reads() as reads:

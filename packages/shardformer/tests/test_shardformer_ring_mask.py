@@ -1,7 +1,7 @@
 """`ring_mask`, the mask function registered for `cx_ring` attention, on the masks transformers composes
 (`create_causal_mask`): packed documents (position_ids restarting) and padding become `KeySpans` allowing exactly what
-sdpa's dense mask allows, a plain causal mask None, a mask with a hole in a row the dense mask; blocks of rows
-(forced small) give the same spans. One process, no distributed group."""
+sdpa's dense mask allows, a plain causal mask None (without a host read, issue 37), a mask with a hole in a row the
+dense mask; blocks of rows (forced small) give the same spans. One process, no distributed group."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from cx_mesh.testing import count_host_reads
 from cx_shardformer import KeySpans
 from cx_shardformer.policies import _ring_mask
 from cx_shardformer.policies._sequence import _register_attention
@@ -55,8 +56,10 @@ def test_shardformer_ring_mask_packed_documents_are_spans(monkeypatch: pytest.Mo
 
 
 def test_shardformer_ring_mask_causal_padding_and_holes() -> None:
-    ring, sdpa = _masks(attention_mask=None, position_ids=torch.arange(S).unsqueeze(0))
+    with count_host_reads() as reads:
+        ring, sdpa = _masks(attention_mask=None, position_ids=torch.arange(S).unsqueeze(0))
     assert ring is None  # plain causal: ring attention's own causal path, as SDPA's is_causal
+    assert reads.cx() == {}  # known on the host from the mask function: nothing built, nothing read
     assert sdpa is None
     left = torch.ones(2, S, dtype=torch.long)
     left[0, :4] = 0

@@ -17,8 +17,18 @@ CRC against its own cache. When it does not (a stage whose output size depends o
 the sender says so in the header, sends tensors of the cached shapes that the receiver has already posted for
 (zeros, discarded), then the new metadata and the real tensors; both ends then cache the new metadata. A receiver
 posts nothing after an activation on a channel until it has read that activation's header. With
-`enable_metadata_cache=False` every activation carries its metadata. Gradient messages need none: a gradient has
-the shape of the activation it belongs to, which the receiving stage sent.
+`enable_metadata_cache=False` every activation carries its metadata.
+
+Settled edges (issue 37: no host read in the steady state): once an edge's metadata has not changed for
+`SETTLE_STEPS` whole steps (counted alike on both ends, which see the same headers), its receiver stops reading the
+header on the host: it posts the header and the cached-shape tensors ahead like any other message and checks the
+header on the device (`torch._assert_async` against the header it expects; on the CPU that assert runs at once and a
+mismatch is read and named as before). The sender of a settled edge whose output no longer matches the cache cannot
+renegotiate (its receiver does not read the header): it raises a `PipelineConfigError` naming the old and new shapes,
+and its receiver sees the peer fail. A probe (a changed batch) unsettles every edge.
+
+Gradient messages need no header: a gradient has the shape of the activation it belongs to, which the receiving
+stage sent.
 
 With `fp8_communication` the floating tensors of activations (E4M3) and gradients (E5M2) travel as fp8 with their
 scale (`cx_mesh.fp8.pack_fp8`'s message): one transfer per tensor as before, so the channel order, the headers and
@@ -56,6 +66,8 @@ _CACHED = 0  # activation header: the tensors follow the cached metadata
 _NEW = 2  # activation header: cached-shape filler (if an edge has a cache), metadata bytes, then the tensors
 #: dtypes that travel as fp8 under fp8_communication; others (token ids, masks, fp8 already) travel as they are
 _COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Whole steps an edge's metadata must stay unchanged before its receiver stops reading headers on the host.
+SETTLE_STEPS = 2
 
 
 def _wire_spec(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
@@ -83,6 +95,7 @@ class _Posted:
     handles: list[_Handle]
     buffers: list[torch.Tensor]
     header: torch.Tensor | None  # an activation's header; None for a gradient
+    settled: bool = False  # an activation on a settled edge: its header is checked on the device, not read
 
 
 def outgoing(action: Action, num_virtual: int, host: Callable[[int], int]) -> tuple[int, Message] | None:
@@ -131,6 +144,13 @@ class StageTransport:
         self._pending: list[tuple[_Handle, torch.Tensor]] = []
         self._posted: dict[int, list[_Posted]] = {}  # per neighbour, in its sending order
         self._ops: list[tuple[dist.P2POp, _Handle]] = []  # queued for the next batch
+        # Settling (module doc): per edge (destination virtual stage), whole steps without a metadata change, as
+        # a sender and as a receiver; the edges that changed this step; the header a settled receiver expects.
+        self._send_stable: dict[int, int] = {}
+        self._recv_stable: dict[int, int] = {}
+        self._send_changed: set[int] = set()
+        self._recv_changed: set[int] = set()
+        self._expected_header: dict[int, torch.Tensor] = {}
 
     # ---- per-step plan --------------------------------------------------------------------------------------------
     def plan(self, orders: list[list[Action]], num_virtual: int, host: Callable[[int], int]) -> None:
@@ -201,7 +221,16 @@ class StageTransport:
         cached = self._sent_meta.get(virtual)
         if cached is not None and cached == meta:
             self._isend(torch.tensor([_CACHED, 0, zlib.crc32(data)], dtype=torch.int64), stage)
+        elif cached is not None and self._send_stable.get(virtual, 0) >= SETTLE_STEPS:
+            raise PipelineConfigError(
+                f"pipeline stage {self._stage}: the output of virtual stage {virtual - 1} for micro-batch "
+                f"{message[2]} is {_shapes(meta)}, but it was {_shapes(cached)} for the last {SETTLE_STEPS}+ steps "
+                "and the next stage now receives that shape without reading a header (issue 37). A stage whose "
+                "output shape depends on the data (not on the batch's shapes, which re-probe) needs "
+                "enable_metadata_cache=False"
+            )
         else:
+            self._send_changed.add(virtual)
             self._isend(torch.tensor([_NEW, len(data), zlib.crc32(data)], dtype=torch.int64), stage)
             for filler in cached.leaves if cached is not None else ():
                 shape, dtype = tuple(filler.shape), filler.dtype
@@ -254,6 +283,22 @@ class StageTransport:
             raise RuntimeError(f"stage {self._stage} ended a step with messages still expected: {self._expected}")
         self._sent_like = {}
         self._inbox = {}
+        for stable, changed, edges in (
+            (self._send_stable, self._send_changed, self._sent_meta),
+            (self._recv_stable, self._recv_changed, self.act_meta),
+        ):
+            for virtual in edges:
+                stable[virtual] = 0 if virtual in changed else stable.get(virtual, 0) + 1
+            changed.clear()
+
+    def unsettle(self) -> None:
+        """Every edge starts settling again (the probe renegotiates all metadata)."""
+        self._send_stable, self._recv_stable = {}, {}
+        self._send_changed, self._recv_changed = set(), set()
+        self._expected_header = {}
+
+    def _settled(self, virtual: int) -> bool:
+        return self._cached(virtual) is not None and self._recv_stable.get(virtual, 0) >= SETTLE_STEPS
 
     # ---- receiving ------------------------------------------------------------------------------------------------
     def _post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> tuple[torch.Tensor, _Handle]:
@@ -294,13 +339,38 @@ class StageTransport:
         header, handle = self._post_recv((3,), torch.int64, stage)
         cached = self._cached(message[1])
         posted = [self._post_leaf(leaf.shape, leaf.dtype, stage) for leaf in cached.leaves] if cached else []
-        return _Posted(message, [handle] + [h for _, h in posted], [b for b, _ in posted], header)
+        settled = self._settled(message[1])
+        return _Posted(message, [handle] + [h for _, h in posted], [b for b, _ in posted], header, settled)
+
+    def _header_checked_on_device(self, virtual: int, header: torch.Tensor) -> bool:
+        """A settled edge's header compared with the expected one on the device, without a host read; False when
+        that check ran at once and failed (CPU), so the caller reads and names the mismatch."""
+        expected = self._expected_header.get(virtual)
+        if expected is None:
+            cached = self.act_meta[virtual]
+            expected = torch.tensor([_CACHED, 0, _crc(cached)], dtype=torch.int64, device=header.device)
+            self._expected_header[virtual] = expected
+        try:
+            torch._assert_async(
+                torch.eq(header, expected).all(),
+                f"pipeline stage {self._stage}: an activation header for virtual stage {virtual} does not match the "
+                "settled metadata (a neighbour's output shape changed, or the stages ran different steps)",
+            )
+        except RuntimeError:
+            return False
+        return True
 
     def _open_activation(self, stage: int, posted: _Posted) -> Any:
         """The value of a received activation: its header read and checked, the metadata and tensors received when
         the sender's output differed from the cache."""
         _, virtual, mb = posted.message
         assert posted.header is not None
+        if posted.settled and self._header_checked_on_device(virtual, posted.header):
+            settled = self.act_meta[virtual]
+            leaves = [self._leaf(b, leaf, E4M3) for b, leaf in zip(posted.buffers, settled.leaves, strict=True)]
+            for buffer, leaf in zip(leaves, settled.leaves, strict=True):
+                buffer.requires_grad_(leaf.requires_grad)
+            return unflatten(settled, leaves)
         status, size, crc = (int(x) for x in posted.header.tolist())
         cached = self._cached(virtual)
         if status == _CACHED and cached is not None:
@@ -320,6 +390,8 @@ class StageTransport:
             leaves = self._recv_leaves(meta, stage)
             if self.enable_metadata_cache:
                 self.act_meta[virtual] = meta
+                self._recv_changed.add(virtual)
+                self._expected_header.pop(virtual, None)
         else:
             raise PipelineConfigError(
                 f"pipeline stage {self._stage} got an activation header with status {status} from stage {stage} "
@@ -332,11 +404,12 @@ class StageTransport:
     def _post(self, stage: int) -> None:
         """Post the receives of the next messages from `stage` ahead of need (up to `RECV_WINDOW` per neighbour, in
         its sending order), so their transfer overlaps this rank's compute. Nothing is posted behind an activation
-        whose header is unread: what follows it on the channel depends on that header."""
+        whose header is unread: what follows it on the channel depends on that header (unless its edge is settled:
+        then what follows is known)."""
         queue = self._expected.get(stage)
         posted = self._posted.setdefault(stage, [])
         while self.overlap and queue and len(posted) < RECV_WINDOW:
-            if posted and posted[-1].header is not None:
+            if posted and posted[-1].header is not None and not posted[-1].settled:
                 return
             message = queue[0]
             kind, virtual, _ = message
@@ -359,7 +432,7 @@ class StageTransport:
         self.flush()
         for stage in self._expected:
             posted = self._posted.get(stage)
-            while posted and posted[0].header is not None and posted[0].handles[0].done():
+            while posted and posted[0].header is not None and not posted[0].settled and posted[0].handles[0].done():
                 self._take_next(stage)  # an activation's header is in: read it, so the channel can move on
         self.flush()
 

@@ -24,7 +24,10 @@ from cx_pipeline._p2p import StageTransport
 from cx_pipeline._pytree import flatten
 from cx_pipeline._stage_manager import PipelineStageManager
 
-__all__ = ["agree_to_probe", "batch_signature", "probe"]
+__all__ = ["AGREE_STEPS", "agree_to_probe", "batch_signature", "probe"]
+
+#: Steps at the start that always agree on probing; later steps agree only when a stage's batch changed.
+AGREE_STEPS = 3
 
 
 def batch_signature(value: Any) -> str:
@@ -42,7 +45,10 @@ def agree_to_probe(manager: PipelineStageManager, device: torch.device, changed:
     """Whether every stage probes this step: yes when any stage's batch signature changed. Decided together (one
     small all-gather over the pipeline group) because each stage sees only its own batch: stages deciding alone
     would probe at different steps and wait for each other forever. Stages splitting their batches into different
-    numbers of micro-batches would run different schedules and hang; that is refused here, naming every stage's."""
+    numbers of micro-batches would run different schedules and hang; that is refused here, naming every stage's.
+
+    Called on the first `AGREE_STEPS` steps and then only when this stage's batch fingerprint changed (`_schedule`):
+    the all-gather and its read are off the steady-state step (issue 37)."""
     mine = torch.tensor([int(changed), num_microbatches], dtype=torch.int64, device=device)
     everyone = torch.empty(2 * manager.num_stages, dtype=torch.int64, device=device)
     all_gather_flat(everyone, mine, group=manager.pp_group)
@@ -104,6 +110,7 @@ def probe(
     """Run the probe forward; on success `transport.act_meta` holds every incoming edge's metadata."""
     num_virtual = manager.num_virtual_stages
     me = manager.stage
+    transport.unsettle()
     local: dict[int, tuple[Any, str | None]] = {}
     outcome: str | None = None
     check_loss = criterion if criterion is not None else (lambda _out, _mb: torch.zeros(()))

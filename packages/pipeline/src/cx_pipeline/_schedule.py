@@ -18,7 +18,7 @@ from cx_pipeline._microbatch import batch_size_of, merge_microbatches, resolve_n
 from cx_pipeline._model import PipelineModel, SharedParameter
 from cx_pipeline._optimizer import no_sync_context
 from cx_pipeline._p2p import StageTransport
-from cx_pipeline._probe import agree_to_probe, batch_signature, probe
+from cx_pipeline._probe import AGREE_STEPS, agree_to_probe, batch_signature, probe
 from cx_pipeline._runtime import StepRunner
 from cx_pipeline._stage_manager import PipelineStageManager
 from cx_pipeline._ties import TiedGradients
@@ -69,6 +69,8 @@ class PipelineSchedule(ABC):
             fp8_communication=fp8_communication,
         )
         self._probed: str | None = None
+        self._agreed = 0  # steps that agreed on probing (`AGREE_STEPS`)
+        self._fingerprint: tuple[str, int] | None = None  # this stage's batch signature and micro-batch count
         self._orders_cache: dict[tuple[int, bool], list[list[Action]]] = {}
 
     # ---- what subclasses define -----------------------------------------------------------------------------------
@@ -153,9 +155,15 @@ class PipelineSchedule(ABC):
             self._check_optimizer(optimizer)
         micro_batches = split_batch(batch, count)
         signature = batch_signature(micro_batches[0])
-        if agree_to_probe(self.stage_manager, self._transport.device, signature != self._probed, count):
-            probe(self.stage_manager, self._transport, chunks, micro_batches[0], criterion)
-            self._probed = signature
+        fingerprint = (signature, count)
+        # Issue 37: the agreement (a collective and a host read) runs on the first steps and when this stage's batch
+        # changes; with the same data on every stage (the plugins' loaders) they all see a change at the same step.
+        if self._agreed < AGREE_STEPS or fingerprint != self._fingerprint:
+            if agree_to_probe(self.stage_manager, self._transport.device, signature != self._probed, count):
+                probe(self.stage_manager, self._transport, chunks, micro_batches[0], criterion)
+                self._probed = signature
+            self._agreed += 1
+            self._fingerprint = fingerprint
 
         manager = self.stage_manager
         orders = self.orders(count, forward_only)

@@ -5,10 +5,13 @@
   `from_native_module(module, process_group)` shards in place; state dicts are full-size.
 - `ShardConfig`, `Policy`, `ShardFormer(shard_config).optimize(model, policy=None)`; `shard_sequence_at_stage(model,
   stage)` for each pipeline stage cut from a sequence-parallel model afterwards.
+- `FirstCalls`: which calls of a layer or loss check ids exactly on the host (the first few; later ones assert on
+  the device), for policies outside this package.
 """
 
 from cx_shardformer._config import GradientCheckpointConfig, SequenceParallelMode, ShardConfig
 from cx_shardformer._conv1d import GPT2FusedLinearConv1D_Col, GPT2FusedLinearConv1D_Row
+from cx_shardformer._ids import FirstCalls
 from cx_shardformer._linear import FusedLinear1D_Col, Linear1D_Col, Linear1D_Row
 from cx_shardformer._loss import cross_entropy_1d
 from cx_shardformer._parallel_module import ParallelModule
@@ -39,6 +42,7 @@ __all__ = [
     "VocabParallelEmbedding1D",
     "VocabParallelLMHead1D",
     "cross_entropy_1d",
+    "FirstCalls",
     # sequence parallelism
     "KeySpans",
     "ring_attention",

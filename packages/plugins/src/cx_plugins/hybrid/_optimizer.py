@@ -152,14 +152,17 @@ class HybridParallelOptimizer(OptimizerWrapper):
 
     def _average(self, params: list[nn.Parameter], group: ProcessGroup) -> None:
         """Average `params`' gradients over `group`; a gradient missing here but present elsewhere counts as 0
-        (e.g. an expert no token reached on this rank)."""
+        (e.g. an expert no token reached on this rank). The flags are read only on a rank that lacks a gradient: one
+        holding them all already knows every parameter is used somewhere (no host read in the usual step, issue 37)."""
         if not params:
             return  # the same on every rank of the group: the same model
         device = params[0].device
         used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=device)
         all_reduce(used, op=dist.ReduceOp.MAX, group=group)
         grads: list[torch.Tensor] = []
-        for param, anywhere in zip(params, used.tolist(), strict=True):
+        mine = [p.grad for p in params]
+        anywhere_flags = [True] * len(params) if all(g is not None for g in mine) else used.tolist()
+        for param, anywhere in zip(params, anywhere_flags, strict=True):
             if anywhere and param.grad is None:
                 param.grad = torch.zeros_like(param)
             if anywhere and param.grad is not None:

@@ -5,7 +5,8 @@ documents from restarting position_ids, padding, sliding window: whatever transf
 transformers' `sdpa_mask` builds the boolean mask; it is called on blocks of rows (about 16M elements each), whose
 spans are read off and the block dropped, so the peak is one block rather than B * S^2 (one host read per mask, for
 the whole sequence). A plain causal mask gives
-None (ring attention's causal path, as SDPA's `is_causal`); a mask whose rows are not contiguous ranges, or one with
+None (ring attention's causal path, as SDPA's `is_causal`), decided from the mask function transformers passes without
+building or reading a mask (issue 37); a mask whose rows are not contiguous ranges, or one with
 a cache offset, falls back to the dense mask sdpa would use.
 """
 
@@ -43,6 +44,8 @@ def ring_mask(
 
     if q_length != kv_length or q_offset != 0 or kv_offset != 0:
         return dense()
+    if allow_is_causal_skip and _plain_causal(kwargs):
+        return None  # what the spans below would find, without building or reading anything (issue 37)
     block = max(1, _BLOCK_ELEMENTS // max(1, batch_size * kv_length))
     starts, stops, contiguous = [], [], []
     for first in range(0, q_length, block):
@@ -67,3 +70,15 @@ def ring_mask(
     if allow_is_causal_skip and is_plain:
         return None
     return KeySpans(start=start, stop=stop, causal=bool(causal))
+
+
+def _plain_causal(kwargs: dict[str, Any]) -> bool:
+    """Whether transformers asks for the plain causal mask: its causal mask function, no padding mask, no window
+    (known on the host: packed documents or a sliding window come as another mask function)."""
+    from transformers.masking_utils import causal_mask_function
+
+    return (
+        kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+        and kwargs.get("attention_mask") is None
+        and kwargs.get("local_size") is None
+    )
