@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["apply_lora", "is_lora_model", "require_lora", "save_lora"]
@@ -60,8 +62,14 @@ def require_lora(model: nn.Module) -> None:
         )
 
 
-def save_lora(model: nn.Module, checkpoint: str | os.PathLike[str], use_safetensors: bool) -> None:
-    """Write `model`'s adapters (a peft model holding full weights on this rank) in peft's folder format."""
+def save_lora(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    use_safetensors: bool,
+    adapters: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Write `model`'s adapters in peft's folder format: the ones it holds (full weights on this rank), or
+    `adapters` (full tensors under the model's parameter names, gathered from a sharded model)."""
     require_lora(model)
     if not use_safetensors:
         warnings.warn(
@@ -70,4 +78,5 @@ def save_lora(model: nn.Module, checkpoint: str | os.PathLike[str], use_safetens
             stacklevel=3,
         )
     Path(checkpoint).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(checkpoint), safe_serialization=True)  # type: ignore[operator]
+    extra = {} if adapters is None else {"state_dict": dict(adapters)}
+    model.save_pretrained(str(checkpoint), safe_serialization=True, **extra)  # type: ignore[operator]
