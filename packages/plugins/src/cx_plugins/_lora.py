@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["apply_lora", "is_lora_model", "require_lora", "save_lora"]
+__all__ = ["apply_lora", "is_lora_model", "require_lora", "save_lora", "under_adapters"]
 
 
 def _peft() -> Any:
@@ -51,6 +51,17 @@ def is_lora_model(model: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(model, peft.PeftModel)
+
+
+def under_adapters(model: nn.Module) -> nn.Module:
+    """The model a policy shards and a pipeline splits: under LoRA (a peft `PeftModel`, which wraps the user's model
+    and edits it in place) the user's model, whose LoRA layers ShardFormer sees through; otherwise `model`."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model) and getattr(model, "peft_config", None) is not None:
+        inner = get_base_model()
+        if isinstance(inner, nn.Module):
+            return inner
+    return model
 
 
 def require_lora(model: nn.Module) -> None:

@@ -32,6 +32,7 @@ from cx_pipeline import (
     split_model,
 )
 from cx_plugins._layout import ParallelLayout
+from cx_plugins._lora import under_adapters
 from cx_plugins.hybrid._batch_check import BatchCheck
 from cx_plugins.lazy._context import LazyModel
 from cx_plugins.lazy._tp import materialise_sliced
@@ -190,7 +191,7 @@ def compose_model(
     `LazyInitContext` (`lazy`) is sharded and split while still on the meta device, then materialised one parameter
     at a time, each cut at once to this rank's tensor-parallel slice; other stages' parameters are never made.
     `plugin` (the plugin class's name) starts the errors the user sees."""
-    inner = _under_adapters(model)
+    inner = under_adapters(model)
     if shard_config is not None:
         try:
             sharded, _ = ShardFormer(shard_config).optimize(inner, policy=policy)
@@ -224,17 +225,6 @@ def compose_model(
     for chunk in pipeline.chunks:
         chunk.to(device=device, dtype=dtype)
     return ComposedModel(model, pipeline, held, names)
-
-
-def _under_adapters(model: nn.Module) -> nn.Module:
-    """The model a policy shards and the pipeline splits: under LoRA (a peft `PeftModel`, which wraps the user's
-    model and edits it in place) the user's model, whose LoRA layers ShardFormer sees through; otherwise `model`."""
-    get_base_model = getattr(model, "get_base_model", None)
-    if callable(get_base_model) and getattr(model, "peft_config", None) is not None:
-        inner = get_base_model()
-        if isinstance(inner, nn.Module):
-            return inner
-    return model
 
 
 def _release(param: nn.Parameter) -> None:

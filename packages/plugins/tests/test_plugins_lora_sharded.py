@@ -1,14 +1,17 @@
-"""LoRA (peft) under HybridParallelPlugin against single-process peft training: zero-1 data parallelism, a pipeline
-split, and tensor parallelism (ShardFormer shards each LoRA layer's adapters with its base: lora_B's rows under a
-column-parallel base, lora_A's columns under a row-parallel one). Losses and adapters after 3 AdamW steps match the
-reference within fp32 rounding; `save_lora_as_pretrained` writes peft's format, gathered from every stage and slice,
-and `PeftModel.from_pretrained` on one process gives the reference's outputs. Skipped without transformers / peft."""
+"""LoRA (peft) on sharded models against single-process peft training: HybridParallelPlugin with zero-1 data
+parallelism, a pipeline split, and tensor parallelism (ShardFormer shards each LoRA layer's adapters with its base:
+lora_B's rows under a column-parallel base, lora_A's columns under a row-parallel one); GeminiPlugin (frozen base
+weights in chunks without gradients, adapters in trained chunks), also with tensor parallelism. Losses and adapters
+after 3 AdamW steps match the reference within fp32 rounding; `save_lora_as_pretrained` writes peft's format,
+gathered from every stage and slice, and `PeftModel.from_pretrained` on one process gives the reference's outputs.
+Skipped without transformers / peft."""
 
 from __future__ import annotations
 
 import copy
 import importlib
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ import torch
 from torch import nn
 
 from cx_mesh.testing import TEST_ADAM_EPS, distributed, tiny_model_adam_tolerance
-from cx_plugins import Booster, HybridParallelPlugin
+from cx_plugins import Booster, DPPluginBase, GeminiPlugin, HybridParallelPlugin, Plugin
 
 HAVE_PEFT = all(importlib.util.find_spec(name) is not None for name in ("transformers", "peft"))
 transformers: Any = importlib.import_module("transformers") if HAVE_PEFT else None
@@ -58,18 +61,22 @@ def _loss(outputs: Any, _batch: Any) -> torch.Tensor:
     return loss
 
 
-LAYOUTS: dict[str, dict[str, Any]] = {
-    "pp2": {"tp_size": 1, "pp_size": 2, "num_microbatches": 2},
-    "zero1_dp2": {"tp_size": 1, "pp_size": 1, "zero_stage": 1},
-    "tp2": {"tp_size": 2, "pp_size": 1},
+LAYOUTS: dict[str, Callable[[], Plugin]] = {
+    "hybrid_pp2": lambda: HybridParallelPlugin(precision="fp32", tp_size=1, pp_size=2, num_microbatches=2),
+    "hybrid_zero1_dp2": lambda: HybridParallelPlugin(precision="fp32", tp_size=1, pp_size=1, zero_stage=1),
+    "hybrid_tp2": lambda: HybridParallelPlugin(precision="fp32", tp_size=2, pp_size=1),
+    # small chunks: the tiny model spans several frozen and several trained chunks
+    "gemini_dp2": lambda: GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 1024}),
+    "gemini_tp2": lambda: GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 1024}, tp_size=2),
 }
 
 
 @needs_peft
 @distributed(world_size=2)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_hybrid_lora_matches_single_process_peft(rank: int, world_size: int, layout: str, tmp_path: Path) -> None:
-    plugin = HybridParallelPlugin(precision="fp32", **LAYOUTS[layout])
+def test_sharded_lora_matches_single_process_peft(rank: int, world_size: int, layout: str, tmp_path: Path) -> None:
+    plugin = LAYOUTS[layout]()
+    assert isinstance(plugin, DPPluginBase)
     booster = Booster(plugin=plugin)
     torch.manual_seed(1)
     model = booster.enable_lora(_llama(), lora_config=_config())
@@ -87,7 +94,7 @@ def test_hybrid_lora_matches_single_process_peft(rank: int, world_size: int, lay
         mine["labels"] = mine["input_ids"]
         with torch.no_grad():
             expected = float(reference(**mine).loss)
-        if plugin.pp_size > 1:
+        if plugin.supports_pipeline():
             loss = booster.execute_pipeline(iter([mine]), boosted, _loss, optimizer, return_loss=True)["loss"]
         else:
             loss = boosted(**mine).loss
@@ -100,6 +107,12 @@ def test_hybrid_lora_matches_single_process_peft(rank: int, world_size: int, lay
         if loss is not None:  # the last pipeline stage's ranks
             assert abs(float(loss) - expected) <= LOSS_TOL * max(1.0, abs(expected)), (float(loss), expected)
 
+    probe = {"input_ids": data[0], "labels": data[0]}
+    if not plugin.supports_pipeline():  # the trained model as a whole (frozen base included) is the reference's
+        with torch.no_grad():
+            got_loss, want_loss = float(boosted(**probe).loss), float(reference(**probe).loss)
+        assert abs(got_loss - want_loss) <= LOSS_TOL * max(1.0, abs(want_loss)), (got_loss, want_loss)
+
     target = tmp_path / "adapter"
     booster.save_lora_as_pretrained(boosted, target)
     assert (target / "adapter_model.safetensors").is_file()
@@ -110,8 +123,5 @@ def test_hybrid_lora_matches_single_process_peft(rank: int, world_size: int, lay
     assert got.keys() == want.keys()
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL, msg=name)
-    probe = data[0]
     with torch.no_grad():
-        torch.testing.assert_close(
-            loaded(input_ids=probe).logits, reference(input_ids=probe).logits, rtol=1e-4, atol=1e-4
-        )
+        torch.testing.assert_close(loaded(**probe).logits, reference(**probe).logits, rtol=1e-4, atol=1e-4)
