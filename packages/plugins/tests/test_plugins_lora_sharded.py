@@ -125,3 +125,24 @@ def test_sharded_lora_matches_single_process_peft(rank: int, world_size: int, la
         torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL, msg=name)
     with torch.no_grad():
         torch.testing.assert_close(loaded(**probe).logits, reference(**probe).logits, rtol=1e-4, atol=1e-4)
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    model: nn.Module = transformers.GPT2LMHeadModel(config)
+    return model
+
+
+@needs_peft
+@distributed(world_size=2)
+def test_sharded_lora_refusals_name_the_layer(rank: int, world_size: int) -> None:
+    """What tensor parallelism cannot shard consistently is refused at boost, naming the layer and the reason."""
+    fused = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+    booster = Booster(plugin=HybridParallelPlugin(precision="fp32", tp_size=2, pp_size=1))
+    with pytest.raises(NotImplementedError, match=r"h\.0\.attn\.c_attn: LoRA adapters on a GPT2FusedLinearConv1D_Col"):
+        booster.boost(booster.enable_lora(_gpt2(), lora_config=fused))
+    dropping = peft.LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.1)
+    booster = Booster(plugin=HybridParallelPlugin(precision="fp32", tp_size=2, pp_size=1))
+    with pytest.raises(NotImplementedError, match="lora_dropout > 0 under tensor parallelism"):
+        booster.boost(booster.enable_lora(_llama(), lora_config=dropping))

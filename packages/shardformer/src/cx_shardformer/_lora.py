@@ -12,8 +12,8 @@ the base layer as the policy says and shards the adapters to match, so the wrapp
 - row-parallel base (input features split): `lora_A` becomes a row-parallel layer (its input columns split, its
   rank-sized partial output all-reduced); `lora_B`, replicated, adds to the base's all-reduced output.
 
-Duck-typed: cx-shardformer does not import peft. Sequence parallelism, DoRA, adapters on embeddings and fused
-layers are refused by name.
+Duck-typed: cx-shardformer does not import peft. Sequence parallelism, DoRA, lora_dropout > 0, adapters on
+embeddings and fused layers are refused by name.
 """
 
 from __future__ import annotations
@@ -43,6 +43,12 @@ def _refuse_extras(wrapper: nn.Module, where: str) -> None:
     dora = getattr(wrapper, "use_dora", {})
     if any(bool(v) for v in (dora.values() if isinstance(dora, dict) else [dora])):
         raise NotImplementedError(f"{where}: DoRA adapters under tensor parallelism are not supported")
+    dropout = getattr(wrapper, "lora_dropout", None)
+    if isinstance(dropout, nn.ModuleDict) and any(isinstance(d, nn.Dropout) and d.p > 0 for d in dropout.values()):
+        raise NotImplementedError(
+            f"{where}: lora_dropout > 0 under tensor parallelism is not supported (the tp ranks would drop different "
+            "inputs of the same adapter); use lora_dropout=0.0"
+        )
     for extra in ("lora_embedding_A", "lora_magnitude_vector"):
         container = getattr(wrapper, extra, None)
         if isinstance(container, nn.ParameterDict | nn.ModuleDict) and len(container) > 0:
