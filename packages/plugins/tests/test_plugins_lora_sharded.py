@@ -21,6 +21,7 @@ from torch import nn
 
 from cx_mesh.testing import TEST_ADAM_EPS, distributed, tiny_model_adam_tolerance
 from cx_plugins import Booster, DPPluginBase, GeminiPlugin, HybridParallelPlugin, Plugin
+from cx_plugins.gemini._plugin import GeminiModel
 
 HAVE_PEFT = all(importlib.util.find_spec(name) is not None for name in ("transformers", "peft"))
 transformers: Any = importlib.import_module("transformers") if HAVE_PEFT else None
@@ -85,6 +86,12 @@ def test_sharded_lora_matches_single_process_peft(rank: int, world_size: int, la
     trainable = [p for p in model.parameters() if p.requires_grad]
     boosted, optimizer, *_ = booster.boost(model, torch.optim.AdamW(trainable, lr=LR, eps=TEST_ADAM_EPS))
     assert optimizer is not None
+    if isinstance(boosted, GeminiModel):  # the frozen base weights in chunks of their own: never reduced, no master
+        frozen = boosted.ddp.manager.chunks("frozen")
+        assert frozen
+        for name, param in boosted.unwrap().named_parameters():
+            in_frozen = any(boosted.ddp.manager.get_chunk(param) is chunk for chunk in frozen)
+            assert in_frozen == (not param.requires_grad), name
     ref_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR, eps=TEST_ADAM_EPS)
     dp_rank, dp_size = plugin.data_parallel_rank_and_size()
     share = BATCH // dp_size
