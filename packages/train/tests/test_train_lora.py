@@ -65,7 +65,7 @@ def test_train_lora_saves_the_adapters_and_merged_weights(tmp_path: Path, capsys
 @pytest.mark.parametrize("plugin", [["--plugin", "hybrid", "--tp", "2"], ["--plugin", "gemini"]])
 def test_train_lora_on_sharded_plugins_chat_data(tmp_path: Path, plugin: list[str]) -> None:
     """Issue 34: chat data under LoRA with tensor parallelism (hybrid, tp 2) and with Gemini; 2 steps, adapters
-    only, in peft's format (full tensors gathered from the shards), loadable on one process."""
+    only, in peft's format (full tensors gathered from the shards), loadable on one process; the checkpoint resumes."""
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
@@ -90,3 +90,10 @@ def test_train_lora_on_sharded_plugins_chat_data(tmp_path: Path, plugin: list[st
             assert tensor.shape[1] == inter, (name, tuple(tensor.shape))
     loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(folder)), str(save / "adapter"))
     assert loaded(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+    # the checkpoint resumes: the adapters (cut again to each rank's slices) and their optimizer state, by name
+    resumed = tmp_path / "resumed"
+    again = [*flags[: flags.index("--steps")], "--steps", "3", "--resume", str(save), "--save", str(resumed)]
+    outcomes = run_distributed(_train, 2, flags=again)
+    assert all(o.ok for o in outcomes.values()), [o.error for o in outcomes.values()]
+    assert json.loads((resumed / "trainer.json").read_text())["step"] == 3
+    assert load_file(resumed / "adapter" / "adapter_model.safetensors").keys() == adapters.keys()
