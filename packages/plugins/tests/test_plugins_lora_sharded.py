@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from cx_mesh.testing import TEST_ADAM_EPS, distributed, tiny_model_adam_tolerance
-from cx_plugins import Booster, DPPluginBase, GeminiPlugin, HybridParallelPlugin, Plugin
+from cx_plugins import Booster, DPPluginBase, GeminiPlugin, HybridParallelPlugin, MoeHybridParallelPlugin, Plugin
 from cx_plugins.gemini._plugin import GeminiModel
 
 HAVE_PEFT = all(importlib.util.find_spec(name) is not None for name in ("transformers", "peft"))
@@ -153,3 +153,6 @@ def test_sharded_lora_refusals_name_the_layer(rank: int, world_size: int) -> Non
     booster = Booster(plugin=HybridParallelPlugin(precision="fp32", tp_size=2, pp_size=1))
     with pytest.raises(NotImplementedError, match="lora_dropout > 0 under tensor parallelism"):
         booster.boost(booster.enable_lora(_llama(), lora_config=dropping))
+    moe = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32")
+    with pytest.raises(NotImplementedError, match="MoeHybridParallelPlugin does not support LoRA"):
+        Booster(plugin=moe).enable_lora(_llama(), lora_config=_config())

@@ -25,7 +25,7 @@ from torch import nn
 
 from cx_mesh import ProcessGroup
 from cx_shardformer._comm import copy_to_parallel
-from cx_shardformer._linear import Linear1D_Col, Linear1D_Row, mark_input_grad_reduced, sync_grad_over
+from cx_shardformer._linear import _REDUCED, Linear1D_Col, Linear1D_Row, mark_input_grad_reduced, sync_grad_over
 
 __all__ = ["is_lora_wrapper", "shard_lora_adapters"]
 
@@ -92,7 +92,7 @@ def _reduced_input(group: ProcessGroup | None) -> Any:
         if not args or not isinstance(args[0], torch.Tensor):
             return None
         x = args[0]
-        if getattr(x, "cx_input_grad_reduced", False) is not group:
+        if not hasattr(x, _REDUCED) or getattr(x, _REDUCED) is not group:  # as the column layers read the mark
             x = copy_to_parallel(x, group, False)
             mark_input_grad_reduced(x, group)
         return (x, *args[1:])
