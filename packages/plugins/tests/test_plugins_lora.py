@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from cx_mesh.testing import TEST_ADAM_EPS, distributed
-from cx_plugins import Booster, GeminiPlugin
+from cx_plugins import Booster, TorchFSDPPlugin
 from plugins_test_helpers import ATOL, RTOL, make_plugin
 
 HAVE_PEFT = all(importlib.util.find_spec(name) is not None for name in ("transformers", "peft"))
@@ -111,8 +111,8 @@ def test_lora_training_matches_single_process_and_saves_in_peft_format(
 @needs_peft
 @distributed(world_size=1)
 def test_lora_unsupported_plugins_and_misuse_are_clear_errors(rank: int, world_size: int) -> None:
-    with pytest.raises(NotImplementedError, match="GeminiPlugin does not support LoRA"):
-        Booster(plugin=GeminiPlugin(precision="fp32")).enable_lora(_base(), lora_config=_config())
+    with pytest.raises(NotImplementedError, match="TorchFSDPPlugin does not support LoRA"):
+        Booster(plugin=TorchFSDPPlugin()).enable_lora(_base(), lora_config=_config())
     booster = Booster(plugin=make_plugin("torch_ddp"))
     with pytest.raises(ValueError, match="needs a peft LoraConfig"):
         booster.enable_lora(_base())

@@ -60,3 +60,40 @@ def test_train_lora_saves_the_adapters_and_merged_weights(tmp_path: Path, capsys
     assert json.loads((resumed / "trainer.json").read_text())["step"] == 3
     assert not (resumed / "model").exists()  # adapters only, without --merge-lora
     assert load_file(resumed / "adapter" / "adapter_model.safetensors").keys() == adapters.keys()
+
+
+@pytest.mark.parametrize("plugin", [["--plugin", "hybrid", "--tp", "2"], ["--plugin", "gemini"]])
+def test_train_lora_on_sharded_plugins_chat_data(tmp_path: Path, plugin: list[str]) -> None:
+    """Issue 34: chat data under LoRA with tensor parallelism (hybrid, tp 2) and with Gemini; 2 steps, adapters
+    only, in peft's format (full tensors gathered from the shards), loadable on one process; the checkpoint resumes."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from train_data_helpers import tiny_chat_llama_folder, write_chat_jsonl
+
+    folder = tiny_chat_llama_folder(tmp_path / "model")
+    data = write_chat_jsonl(tmp_path / "chats.jsonl", 16)
+    save = tmp_path / "ckpt"
+    flags = ["--model", str(folder), "--data", str(data), "--seq-len", "63", "--batch-size", "2", "--nproc", "2"]
+    flags += [*plugin, "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--steps", "2", "--save", str(save)]
+    outcomes = run_distributed(_train, 2, flags=flags)
+    assert all(o.ok for o in outcomes.values()), [o.error for o in outcomes.values()]
+    assert not (save / "model").exists()  # the adapters alone
+    adapters = load_file(save / "adapter" / "adapter_model.safetensors")
+    assert adapters
+    assert all(".lora_A." in name or ".lora_B." in name for name in adapters)
+    hidden, inter = 32, 64  # tiny_llama_folder's: full (gathered) shapes, not tp slices
+    for name, tensor in adapters.items():
+        if "o_proj.lora_A" in name or "q_proj.lora_B" in name:
+            assert tensor.shape[0 if "lora_B" in name else 1] == hidden, (name, tuple(tensor.shape))
+        if "down_proj.lora_A" in name:
+            assert tensor.shape[1] == inter, (name, tuple(tensor.shape))
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(folder)), str(save / "adapter"))
+    assert loaded(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+    # the checkpoint resumes: the adapters (cut again to each rank's slices) and their optimizer state, by name
+    resumed = tmp_path / "resumed"
+    again = [*flags[: flags.index("--steps")], "--steps", "3", "--resume", str(save), "--save", str(resumed)]
+    outcomes = run_distributed(_train, 2, flags=again)
+    assert all(o.ok for o in outcomes.values()), [o.error for o in outcomes.values()]
+    assert json.loads((resumed / "trainer.json").read_text())["step"] == 3
+    assert load_file(resumed / "adapter" / "adapter_model.safetensors").keys() == adapters.keys()

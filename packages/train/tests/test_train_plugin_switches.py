@@ -133,7 +133,11 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
         (["--plugin", "torch_ddp", "--cpu-offload"], "--cpu-offload is not supported by --plugin torch_ddp"),
         (["--plugin", "hybrid", "--cpu-offload"], "--cpu-offload offloads ZeRO 1/2 optimizer states"),
         (["--plugin", "gemini", "--fsdp-wrap", "model"], "--fsdp-wrap model is not supported by --plugin gemini"),
-        (["--plugin", "gemini", "--lora-rank", "4"], "--lora-rank is not supported by --plugin gemini"),
+        (["--plugin", "moe_hybrid", "--lora-rank", "4"], "--lora-rank is not supported by --plugin moe_hybrid"),
+        (
+            ["--model", "llama", "--plugin", "gemini", "--lora-rank", "4", "--merge-lora"],
+            "--merge-lora is not supported by --plugin gemini",
+        ),
         (["--plugin", "torch_ddp", "--lora-rank", "4"], "--lora-rank: LoRA goes through peft"),
         (["--merge-lora"], "--merge-lora needs --lora-rank N"),
         (["--plugin", "hybrid", "--tp", "2", "--sp-mode", "ring", "--seq-len", "15"], "--seq-len 15 must be a"),

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["apply_lora", "is_lora_model", "require_lora", "save_lora"]
+__all__ = ["apply_lora", "is_lora_model", "require_lora", "save_lora", "under_adapters"]
 
 
 def _peft() -> Any:
@@ -51,6 +53,17 @@ def is_lora_model(model: nn.Module) -> bool:
     return isinstance(model, peft.PeftModel)
 
 
+def under_adapters(model: nn.Module) -> nn.Module:
+    """The model a policy shards and a pipeline splits: under LoRA (a peft `PeftModel`, which wraps the user's model
+    and edits it in place) the user's model, whose LoRA layers ShardFormer sees through; otherwise `model`."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model) and getattr(model, "peft_config", None) is not None:
+        inner = get_base_model()
+        if isinstance(inner, nn.Module):
+            return inner
+    return model
+
+
 def require_lora(model: nn.Module) -> None:
     """A clear error (on every rank that calls it) for a model without adapters."""
     if not is_lora_model(model):
@@ -60,8 +73,14 @@ def require_lora(model: nn.Module) -> None:
         )
 
 
-def save_lora(model: nn.Module, checkpoint: str | os.PathLike[str], use_safetensors: bool) -> None:
-    """Write `model`'s adapters (a peft model holding full weights on this rank) in peft's folder format."""
+def save_lora(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    use_safetensors: bool,
+    adapters: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Write `model`'s adapters in peft's folder format: the ones it holds (full weights on this rank), or
+    `adapters` (full tensors under the model's parameter names, gathered from a sharded model)."""
     require_lora(model)
     if not use_safetensors:
         warnings.warn(
@@ -70,4 +89,5 @@ def save_lora(model: nn.Module, checkpoint: str | os.PathLike[str], use_safetens
             stacklevel=3,
         )
     Path(checkpoint).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(checkpoint), safe_serialization=True)  # type: ignore[operator]
+    extra = {} if adapters is None else {"state_dict": dict(adapters)}
+    model.save_pretrained(str(checkpoint), safe_serialization=True, **extra)  # type: ignore[operator]

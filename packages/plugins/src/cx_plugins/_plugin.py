@@ -77,15 +77,15 @@ class Plugin(ABC):
         return False
 
     def support_lora(self) -> bool:
-        """Whether `enable_lora` works with this plugin (plugins whose ranks hold full weights say yes)."""
+        """Whether `enable_lora` works with this plugin (and `save_lora_as_pretrained` gathers its adapters)."""
         return False
 
     def enable_lora(self, model: nn.Module, pretrained_dir: str | None = None, lora_config: Any = None) -> nn.Module:
         """Add LoRA adapters (peft) to `model` before boost; a clear error for plugins that do not support it."""
         if not self.support_lora():
             raise NotImplementedError(
-                f"{type(self).__name__} does not support LoRA yet (as in ColossalAI); use TorchDDPPlugin or "
-                "LowLevelZeroPlugin for LoRA fine-tuning"
+                f"{type(self).__name__} does not support LoRA yet; use TorchDDPPlugin, LowLevelZeroPlugin or "
+                "HybridParallelPlugin for LoRA fine-tuning"
             )
         return apply_lora(model, pretrained_dir, lora_config)
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from cx_shardformer._config import ShardConfig
 from cx_shardformer._fp8_switches import apply_fp8
+from cx_shardformer._lora import is_lora_wrapper, shard_lora_adapters
 from cx_shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 
 __all__ = ["ModelSharder", "get_submodule_or_none", "set_submodule"]
@@ -92,7 +93,13 @@ class ModelSharder:
         build: Callable[..., object] = getattr(
             replacement.target_module, "from_native_module", replacement.target_module
         )
-        new = build(original, process_group=self.shard_config.tensor_parallel_process_group, **replacement.kwargs)
+        group = self.shard_config.tensor_parallel_process_group
+        wrapper = original if is_lora_wrapper(original) else None  # LoRA (peft): shard the base, then the adapters
+        native = original if wrapper is None else getattr(wrapper, "base_layer")  # noqa: B009  (an nn.Module there)
+        new = build(native, process_group=group, **replacement.kwargs)
         if not isinstance(new, nn.Module):
             raise TypeError(f"{replacement.target_module!r} built a {type(new).__name__}, not an nn.Module")
+        if wrapper is not None:
+            shard_lora_adapters(wrapper, new, group, f"{name}.{replacement.suffix}" if name else replacement.suffix)
+            return
         set_submodule(module, replacement.suffix, new)

@@ -8,6 +8,7 @@ rank reads each full tensor lazily and keeps its part. The loss scaler's state r
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from cx_checkpoint import (
     write_sharded,
     write_side_files,
 )
+from cx_plugins._lora import require_lora, save_lora
 from cx_plugins.checkpoint_io._replicated import (
     ShardedOptimizerCheckpointIO,
     StateView,
@@ -118,6 +120,20 @@ class GeminiCheckpointIO(ShardedOptimizerCheckpointIO):
 
         # the other ranks drain the stream: the same collectives, in the same order, as the writing rank's
         self.write_from_stream(write, stream, f"saving the model to {checkpoint}")
+
+    def save_lora_as_pretrained(
+        self, model: nn.Module, checkpoint: str | os.PathLike[str], use_safetensors: bool = False
+    ) -> None:
+        """The model's full state gathered from the chunks (and tp slices) onto the saving rank (collective), its
+        adapters written there in peft's folder format; every rank raises the same error on failure."""
+        ddp = self._ddp(model)
+        require_lora(ddp.unwrap())  # the same plain error on every rank, before any collective
+        self._settle_async()
+        adapters = {name: t for name, t in self._full_model_state(ddp).items() if "lora_" in name}
+        self._on_master(
+            lambda: save_lora(ddp.unwrap(), checkpoint, use_safetensors, adapters),
+            f"saving LoRA adapters to {checkpoint}",
+        )
 
     # ---- optimizer ---------------------------------------------------------------------------------------------
     def _gemini(self, optimizer: torch.optim.Optimizer) -> GeminiOptimizer:

@@ -251,6 +251,11 @@ class GeminiPlugin(ZeroPluginBase):
     def support_no_sync(self) -> bool:
         return False
 
+    def support_lora(self) -> bool:
+        """LoRA: the frozen base weights go to chunks of their own (no gradients, master weights or optimizer
+        state), the adapters to trained chunks; with tp_size > 1 ShardFormer shards the adapters with their base."""
+        return True
+
     def materialises_lazy_models(self) -> bool:
         """A lazily built model goes straight into the chunks, parameter by parameter (with tp_size > 1 ShardFormer
         shards it on the meta device first and each value is cut to this rank's slice before it is chunked)."""

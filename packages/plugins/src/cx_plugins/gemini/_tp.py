@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from cx_plugins._layout import Axis, ParallelLayout
+from cx_plugins._lora import under_adapters
 from cx_plugins.options._shardformer import ShardFormerOptions
 from cx_shardformer import ShardFormer, get_shard_spec
 from cx_shardformer.policies import NoPolicyError
@@ -20,7 +21,7 @@ def shard_for_gemini(model: nn.Module, options: ShardFormerOptions, layout: Para
     """Shard `model` in place over the tp group with the plugin's ShardFormer switches (collective over tp).
     GeminiPlugin takes no custom_policy, so a model without a policy is told to register one."""
     try:
-        ShardFormer(options.shard_config(layout.group(Axis.TP))).optimize(model)
+        ShardFormer(options.shard_config(layout.group(Axis.TP))).optimize(under_adapters(model))
     except NoPolicyError as error:
         remedy = (
             f"GeminiPlugin takes no custom_policy: register one with cx_shardformer.policies.register_policy("

@@ -46,11 +46,13 @@ from cx_checkpoint import (
 )
 from cx_mesh import ProcessGroup
 from cx_plugins._layout import Axis
+from cx_plugins._lora import require_lora, save_lora
 from cx_plugins.checkpoint_io._expert_shards import ExpertParallelShards
 from cx_plugins.checkpoint_io._parallel_view import ParallelModelView, ParallelOptimizerView
 from cx_plugins.checkpoint_io._replicated import ShardedOptimizerCheckpointIO, split_scaler
 from cx_plugins.checkpoint_io._stage_names import module_tensor_names
 from cx_plugins.checkpoint_io._tp_shards import TensorParallelShards
+from cx_plugins.hybrid._lora_save import gathered_adapters
 from cx_plugins.hybrid._save_jobs import WriteJob, merge_model, merge_optimizer, model_save, optimizer_save
 from cx_plugins.hybrid._stage_agreement import agree_load, check_state_shapes, class_of, world
 from cx_plugins.hybrid._stage_tensors import StageSink
@@ -217,9 +219,15 @@ class HybridCheckpointIO(ShardedOptimizerCheckpointIO):
     def save_lora_as_pretrained(
         self, model: nn.Module, checkpoint: str | os.PathLike[str], use_safetensors: bool = False
     ) -> None:
-        """Refused: the master rank alone would write its own TP shards and stage as if they were the model."""
-        raise NotImplementedError(
-            "HybridCheckpointIO: save_lora_as_pretrained with tensor or pipeline parallelism is not supported yet"
+        """The adapters' tensor-parallel slices and pipeline stages gathered (`_lora_save.py`), then written by the
+        master rank in peft's folder format, in the model's own dtype; every rank raises the same error on failure."""
+        view = self._view(model)
+        require_lora(view.unwrap())  # the same plain error on every rank, before any collective
+        self._settle_async()
+        adapters = gathered_adapters(view, self._dtype(view))
+        self._on_master(
+            lambda: save_lora(view.unwrap(), checkpoint, use_safetensors, adapters),
+            f"saving LoRA adapters to {checkpoint}",
         )
 
     # ---- optimizer ----------------------------------------------------------------------------------------

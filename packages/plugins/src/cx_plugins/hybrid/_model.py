@@ -32,6 +32,7 @@ from cx_pipeline import (
     split_model,
 )
 from cx_plugins._layout import ParallelLayout
+from cx_plugins._lora import under_adapters
 from cx_plugins.hybrid._batch_check import BatchCheck
 from cx_plugins.lazy._context import LazyModel
 from cx_plugins.lazy._tp import materialise_sliced
@@ -190,12 +191,18 @@ def compose_model(
     `LazyInitContext` (`lazy`) is sharded and split while still on the meta device, then materialised one parameter
     at a time, each cut at once to this rank's tensor-parallel slice; other stages' parameters are never made.
     `plugin` (the plugin class's name) starts the errors the user sees."""
+    inner = under_adapters(model)
     if shard_config is not None:
         try:
-            model, _ = ShardFormer(shard_config).optimize(model, policy=policy)
+            sharded, _ = ShardFormer(shard_config).optimize(inner, policy=policy)
         except NoPolicyError as error:  # the plugin's user passes custom_policy=, not ShardFormer's policy=
             remedy = f"pass custom_policy=<a cx_shardformer Policy instance> to {plugin}"
             raise NoPolicyError(error.model_class, error.known, remedy) from None
+        if inner is model:
+            model = sharded
+        elif sharded is not inner:
+            raise TypeError(f"{plugin}: the policy replaced the model under its LoRA adapters; LoRA needs it in place")
+        inner = sharded
     tp_group = shard_config.tensor_parallel_process_group if shard_config is not None else None
     names: dict[int, str] = {}
     for name, param in model.named_parameters():
@@ -205,9 +212,9 @@ def compose_model(
             materialise_sliced(model, lazy, tp_group)
         model.to(device=device, dtype=dtype)
         return ComposedModel(model, None, list({id(p): p for p in model.parameters()}.values()), names)
-    pipeline = split_model(_splitter(model, plugin), stage_manager)
+    pipeline = split_model(_splitter(inner, plugin), stage_manager)
     for chunk in pipeline.chunks:  # with sequence parallelism, stages pass on sequence shards
-        shard_sequence_at_stage(model, chunk)
+        shard_sequence_at_stage(inner, chunk)
     held = list({id(p): p for p in pipeline.parameters()}.values())
     held_ids = {id(p) for p in held}
     for param in list({id(p): p for p in model.parameters()}.values()):

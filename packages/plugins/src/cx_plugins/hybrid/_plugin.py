@@ -200,6 +200,11 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
     def supports_pipeline(self) -> bool:
         return self.pp_size > 1
 
+    def support_lora(self) -> bool:
+        """LoRA at every tp / pp / zero layout: ShardFormer shards the adapters of a peft LoRA layer with its base
+        (column base: lora_B's rows split; row base: lora_A's columns split), and the adapter save gathers them."""
+        return True
+
     def materialises_lazy_models(self) -> bool:
         """A lazily built model is sharded on the meta device and materialised parameter by parameter, each cut at
         once to this rank's tensor-parallel slice (other pipeline stages' parameters are never made)."""

@@ -153,6 +153,10 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         )
 
     # ---- layout ---------------------------------------------------------------------------------------------------
+    def support_lora(self) -> bool:
+        """Not yet: adapters on expert slices (split over ep and moe_dp) are neither sharded nor gathered."""
+        return False
+
     def _build_layout(self, options: HybridParallelOptions) -> ParallelLayout:
         """(moe_dp, pp, ep, tp, sp) or (pp, moe_dp, ep, tp, sp); the data axes are moe_dp and ep."""
         pp, moe_dp = (Axis.PP, options.pp_size), (Axis.MOE_DP, FILL)

@@ -29,7 +29,8 @@ _HYBRID = ("hybrid", "moe_hybrid")
 _FP8 = ("low_level_zero", "gemini", *_HYBRID)  # plugins with use_fp8
 _FP8_COMMUNICATION = ("torch_ddp", *_FP8)  # plugins with fp8_communication
 _CPU_OFFLOAD = ("low_level_zero", *_HYBRID)  # ZeRO 1/2 optimizer states on the CPU
-_LORA = ("torch_ddp", "low_level_zero")  # plugins whose support_lora() is True (their ranks hold full weights)
+_LORA = ("torch_ddp", "low_level_zero", "hybrid", "gemini")  # plugins whose support_lora() is True
+_MERGE_LORA = ("torch_ddp", "low_level_zero")  # --merge-lora merges on one rank's full weights
 DEFAULT_LORA_TARGETS = "all-linear"  # peft: every linear layer but the output head
 
 
@@ -209,7 +210,9 @@ def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
         help="adamw: torch's AdamW; hybrid_adam / fused_adam / cpu_adam: cx-zero's fused Adam(W) (the same "
         "update; cpu_adam steps parameters that live on the CPU, as with --cpu-offload)",
     )
-    lora = parser.add_argument_group("LoRA (peft; --plugin torch_ddp or low_level_zero, transformers models)")
+    lora = parser.add_argument_group(
+        "LoRA (peft; --plugin torch_ddp, low_level_zero, hybrid or gemini, transformers models)"
+    )
     lora.add_argument(
         "--lora-rank",
         type=_rank,
@@ -319,6 +322,8 @@ def _lora_problem(args: argparse.Namespace) -> str | None:
         return _not_for("--lora-rank", args.plugin, _LORA)
     if args.model == "gpt":
         return "--lora-rank: LoRA goes through peft, which needs a transformers model (--model llama, ... or a folder)"
+    if args.merge_lora and args.plugin not in _MERGE_LORA:  # its ranks hold shards, not the weights to merge into
+        return _not_for("--merge-lora", args.plugin, _MERGE_LORA)
     if not [name for name in args.lora_targets.split(",") if name.strip()]:
         return "--lora-targets: give module names, e.g. q_proj,v_proj, or all-linear"
     return None

@@ -1,7 +1,9 @@
 """`--lora-rank`: peft's LoRA adapters on the model before it is boosted (`Booster.enable_lora`), so only the
 adapters train and the optimizer holds their states alone; a checkpoint then saves the adapters in peft's folder
 format (`adapter/`, which `PeftModel.from_pretrained` loads) instead of the weights, and with `--merge-lora` also the
-weights with the adapters merged in (`model/`, a plain transformers folder)."""
+weights with the adapters merged in (`model/`, a plain transformers folder). Under hybrid (tp, pp, zero) and gemini the
+adapters are sharded with their base and gathered back into full peft tensors on save; `--merge-lora` needs one
+rank's full weights (torch_ddp, low_level_zero)."""
 
 from __future__ import annotations
 
