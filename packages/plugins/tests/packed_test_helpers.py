@@ -81,3 +81,21 @@ def mixtral(layers: int = 2) -> nn.Module:
     )  # fmt: skip
     model: nn.Module = transformers.MixtralForCausalLM(config)
     return model
+
+
+def gpt(layers: int = 4) -> nn.Module:
+    """cx's reference GPT sized for the packed windows (32 positions; 4 layers: 2 x 2 chunks for interleaved pp)."""
+    from cx_plugins.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=VOCAB, max_positions=32, hidden_size=32, num_layers=layers, num_heads=4)
+    return GPT(config, seed=0)
+
+
+def gpt_per_document_loss(model: nn.Module, docs: list[list[torch.Tensor]]) -> torch.Tensor:
+    """`per_document_loss` for cx's GPT (its forward returns the logits)."""
+    total = torch.zeros(())
+    for window in docs:
+        for doc in window:
+            logits = model(doc.unsqueeze(0))[0]
+            total = total + F.cross_entropy(logits[:-1].float(), doc[1:], reduction="sum")
+    return total / counted(docs)

@@ -5,7 +5,8 @@ HF Llama; Mixtral under expert parallelism; GPT-2 under pp 2 and ring_attn). Che
 run document by document) and every parameter after one SGD step (against one process's step on the per-document
 loss), under one process, hybrid tp 2, pp 2 (1F1B, interleaved, zero bubble V), sp split_gather / ring (tp group),
 all_to_all / ring_attn (sp 2), pp 2 x ring_attn (4 ranks), MoeHybrid ep 2 (and ep 2 x sp 2 ring_attn on 4 ranks), and
-the data-parallel TorchDDP, TorchFSDP, LowLevelZero 2 and Gemini.
+the data-parallel TorchDDP, TorchFSDP, LowLevelZero 2 and Gemini. cx's reference GPT (cx-train's demo model) likewise
+on one process, tp 2 and pp 2 (1F1B, interleaved, zero bubble V); it has no sequence parallelism, which it refuses.
 
 The compared loss is the token mean over the batch's counted targets. Where one forward sees the whole batch (one
 process, tp 2, every sp mode: the sequence is gathered back before the head) the model's own loss already is that.
@@ -18,7 +19,7 @@ on that mean of means).
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -31,12 +32,15 @@ from cx_mesh.testing import distributed
 from cx_plugins import Booster, HybridParallelModule, HybridParallelPlugin, MoeHybridParallelPlugin, TorchFSDPPlugin
 from cx_plugins._flash_packing import refuse_flash_packing_hook
 from cx_plugins._no_cache import forward_without_cache
+from cx_plugins.models import document_mask
 from cx_shardformer import KeySpans
 from packed_test_helpers import (
     LOSS_TOL,
     PARAM_TOL,
     counted,
     documents,
+    gpt,
+    gpt_per_document_loss,
     llama,
     mixtral,
     packed_batch,
@@ -247,3 +251,90 @@ def test_plugins_packed_documents_data_parallel(rank: int, world_size: int, plug
         mine = state[name]
         mine = mine.full_tensor() if isinstance(mine, DTensor) else mine  # FSDP's shards
         torch.testing.assert_close(mine.float(), value, rtol=PARAM_TOL, atol=PARAM_TOL, msg=name)
+
+
+def test_gpt_packed_batch_one_process_matches_documents() -> None:
+    """cx's GPT: restarting position_ids give the block-diagonal causal mask and per-document positions (loss and one
+    SGD step equal the documents one at a time); without them, or with positions that never restart, the mask is None
+    (SDPA's is_causal path) and the documents leak into each other."""
+    docs = documents()
+    batch = packed_batch(docs)
+    model, reference = gpt(), gpt()
+    loss = model(**batch)
+    expected = gpt_per_document_loss(reference, docs)
+    assert abs(float(loss.detach()) - float(expected.detach())) < LOSS_TOL, (
+        float(loss.detach()),
+        float(expected.detach()),
+    )
+    with torch.no_grad():
+        leaked = float(model(batch["input_ids"], labels=batch["labels"]))
+    assert abs(leaked - float(expected.detach())) > 50 * LOSS_TOL
+    assert document_mask(None) is None
+    assert document_mask(torch.arange(32).expand(2, 32)) is None
+    mask = document_mask(batch["position_ids"])
+    assert mask is not None
+    assert mask.shape == (2, 1, 32, 32)
+    assert mask.dtype == torch.bool
+    _reference_step(model, loss)
+    _reference_step(reference, expected)
+    for (name, param), want in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, want, rtol=PARAM_TOL, atol=PARAM_TOL, msg=name)
+
+
+GPT_LAYOUTS: dict[str, dict[str, Any]] = {
+    "tp2": {"tp_size": 2},
+    "pp2": {"pp_size": 2, "num_microbatches": 2},
+    "pp2_interleaved": {"pp_size": 2, "num_microbatches": 2, "pp_style": "interleaved", "num_model_chunks": 2},
+    "pp2_zbv": {"pp_size": 2, "num_microbatches": 2, "pp_style": "zbv", "num_model_chunks": 2},
+}
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("layout", list(GPT_LAYOUTS))
+def test_plugins_packed_documents_gpt(rank: int, world_size: int, layout: str) -> None:
+    """cx's GPT under tp 2 / pp 2: every attention call gets the documents' mask (every pipeline stage builds it from
+    the micro-batch's position_ids), and the loss and parameters after one SGD step match one process's documents."""
+    plugin = HybridParallelPlugin(precision="fp32", **{"tp_size": 1, "pp_size": 1, **GPT_LAYOUTS[layout]})
+    docs = documents()
+    batch = packed_batch(docs)
+    model, reference = gpt(), gpt()
+    booster, boosted, optimizer = _boost(plugin, model)
+    masks: list[Any] = []
+    for name, module in boosted.unwrap().named_modules():
+        if name.endswith(".attention"):
+            module.register_forward_pre_hook(lambda _, args: masks.append(args[1] if len(args) > 1 else None))
+    if plugin.pp_size > 1:
+        total = counted(docs)
+
+        def criterion(outputs: Any, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            mine = int((micro_batch["labels"][:, 1:] != -100).sum())
+            return cast(torch.Tensor, outputs * (mine * 2 / total))
+
+        result = booster.execute_pipeline(iter([batch]), boosted, criterion, optimizer, return_loss=True)
+        loss = result["loss"]
+    else:
+        loss = boosted(**batch)
+        booster.backward(loss, optimizer)
+    optimizer.step()
+    expected = gpt_per_document_loss(reference, docs)
+    if loss is not None:  # pp: the last stage holds it
+        assert abs(float(loss.detach()) - float(expected.detach())) < LOSS_TOL, (layout, float(loss), float(expected))
+    assert masks, "the attention modules ran"
+    assert all(isinstance(m, torch.Tensor) and m.dtype == torch.bool for m in masks), masks
+    _reference_step(reference, expected)
+    hybrid_test_helpers.compare_parameters(boosted, reference, plugin, rtol=PARAM_TOL, atol=PARAM_TOL)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("mode", ["split_gather", "ring_attn"])
+def test_plugins_packed_documents_gpt_refuses_sp(rank: int, world_size: int, mode: str) -> None:
+    """cx's GPT has no sequence parallelism: boosting it under sp refuses by name (never trains packed rows wrong)."""
+    sizes: dict[str, Any] = (
+        {"tp_size": 2, "pp_size": 1} if mode == "split_gather" else {"tp_size": 1, "pp_size": 1, "sp_size": 2}
+    )
+    plugin = HybridParallelPlugin(
+        precision="fp32", enable_sequence_parallelism=True, sequence_parallelism_mode=mode, **sizes
+    )
+    model = gpt()
+    with pytest.raises(NotImplementedError, match="sequence parallelism is not implemented"):
+        Booster(plugin=plugin).boost(model, torch.optim.SGD(model.parameters(), lr=LR))

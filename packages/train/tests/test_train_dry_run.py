@@ -1,7 +1,10 @@
 """`cx-train --plan` (the same as --dry-run): the run's flags become the planner's Candidate, and the report prints
-cx-plan's memory and step-time prediction for exactly that configuration."""
+cx-plan's memory and step-time prediction for exactly that configuration; with --data, the start's data line."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +19,9 @@ from cx_plan import (
 )
 from cx_train import main
 from cx_train.config._options import parse_options
+from cx_train.data._user_data import DataSettings, open_user_data
 from cx_train.models._plugins import plan_candidate
+from train_data_helpers import chat_record, tiny_chat_llama_folder
 
 
 def test_cx_train_flags_become_the_planners_candidate() -> None:
@@ -58,3 +63,19 @@ def test_cx_train_plan_prints_the_prediction(capsys: pytest.CaptureFixture[str])
     assert f"; peak {format_bytes(verdict.peak_bytes)}\n" in out
     assert "fits" in out
     assert "estimate without activations" not in out
+
+
+def test_cx_train_dry_run_prints_the_data_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With --data, --dry-run prints the data line the real start prints: windows, documents, chats packed whole and
+    the --overlong counts (one chat longer than the window, truncated)."""
+    folder = tiny_chat_llama_folder(tmp_path / "model")
+    long = {"messages": [{"role": "user", "content": "the cat sees the moon . " * 12}, *chat_record(4)["messages"]]}
+    records = [chat_record(2), chat_record(4), long, chat_record(6)]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(record) + "\n" for record in records))
+    flags = ["--model", str(folder), "--data", str(data), "--seq-len", "31", "--batch-size", "1", "--nproc", "1"]
+    assert main([*flags, "--overlong", "truncate", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    expected = open_user_data(DataSettings((str(data),), overlong="truncate"), str(folder), True, 32).summary()
+    assert "from 4 documents, 4 of them chats (chats packed whole; 1 documents truncated, 0 dropped" in expected
+    assert f"# {expected}\n" in out

@@ -1,6 +1,7 @@
 """Document-aware packing: position ids restart at each document, a document's first token and the padding are
 never targets, and the loss of a packed batch through a transformers Llama (its packed-sequence mask from the
-position ids) equals the documents' losses computed one at a time; the evaluation's token mean likewise."""
+position ids) equals the documents' losses computed one at a time; so does cx's reference GPT's, given the position
+ids by cx-train's forward step; the evaluation's token mean likewise."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from cx_train import GrammarText, parse_options
 from cx_train.data._packing import IGNORE, build_batch, document_bounds, fixed_windows, packed_windows
 from cx_train.data._token_cache import START, TARGET, TokenStream
 from cx_train.data._user_data import UserData, open_user_data
-from cx_train.models._spec import describe_model
+from cx_train.metrics._progress import forward_step
+from cx_train.models._spec import build_model, describe_model
 from cx_train.step._evaluation import evaluate
 from train_data_helpers import tiny_chat_llama_folder, write_chat_jsonl
 
@@ -137,6 +139,37 @@ def test_train_packed_loss_equals_the_documents_one_at_a_time(tmp_path: Path, ki
     # without position ids) attend across documents
     with torch.no_grad():
         crossed = float(model(**vars(batch)).loss)
+    assert abs(crossed - total / count) > 10 * _tolerance(count, total / count)
+
+
+def test_train_packed_gpt_loss_equals_the_documents_one_at_a_time(tmp_path: Path) -> None:
+    """cx's reference GPT (`--model gpt`, byte tokens) through cx-train's `forward_step`: the packed windows' loss is
+    the documents' one at a time (positions restart and attention stops at each document)."""
+    data = tmp_path / "data.jsonl"  # documents of 10 to 24 bytes (+ EOS): whole in a window of 64
+    data.write_text("".join(json.dumps({"text": "the cat sees the moon . "[: 10 + 3 * i]}) + "\n" for i in range(11)))
+    options = parse_options(
+        ["--model", "gpt", "--data", str(data), "--eval-data", str(data), "--seq-len", "63", "--batch-size", "1"],
+        world_size=1,
+    )
+    assert options.data is not None
+    described = describe_model(options.model_spec)
+    windows = open_user_data(options.data, "gpt", False, 64).evaluation  # packed whole
+    assert windows is not None
+    assert len(windows) < windows.stream.documents  # several documents share a window
+    model = build_model(described, seed=0)
+    batch = windows.batch(torch.arange(len(windows)))
+    with torch.no_grad():
+        packed = forward_step(model, batch, described).loss
+        assert packed is not None
+        starts, ends = document_bounds(windows.stream.flags, 0, windows.stream.tokens.numel())
+        total, count = 0.0, 0
+        for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+            ids = windows.stream.tokens[start:end].long()[None]
+            total += float(model(ids, labels=ids)) * (end - start - 1)
+            count += end - start - 1
+        crossed = float(model(batch.input_ids, labels=batch.labels))  # no position ids: documents attend across
+    assert batch.targets() == count
+    assert abs(float(packed) - total / count) <= _tolerance(count, total / count), (float(packed), total / count)
     assert abs(crossed - total / count) > 10 * _tolerance(count, total / count)
 
 

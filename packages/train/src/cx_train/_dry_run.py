@@ -1,12 +1,14 @@
 """`cx-train --dry-run` / `--plan`: what a run would be, without starting it.
 
 Prints the resolved config (TOML, as `--config` reads it), which rank holds which parallel coordinates, and cx-plan's
-prediction for this configuration. The layout is computed from the sizes, in the plugins' own axis order (the
-`ParallelLayout` tables: hybrid (dp, pp, tp, sp), MoE hybrid (moe_dp, pp, ep, tp, sp), the ZeRO / DDP / FSDP plugins
-one data axis), ranks row-major over it as `ProcessGroupMesh` numbers them; no process group is made. The memory per
-rank (parameters, gradients, optimizer states, master weights, activations from a FakeTensor trace of the real model
-under the real policy, pipeline in-flight micro-batches, communication buffers, the peak) and the step time are the
-planner's (`cx_plan`), on this machine's device: one memory model for cx-plan and cx-train.
+prediction for this configuration. With `--data`, the data line the real start prints (windows, chats packed whole or
+text cut, documents truncated / dropped, evaluation windows), from the token cache the option checks built. The
+layout is computed from the sizes, in the plugins' own axis order (the `ParallelLayout` tables: hybrid (dp, pp, tp,
+sp), MoE hybrid (moe_dp, pp, ep, tp, sp), the ZeRO / DDP / FSDP plugins one data axis), ranks row-major over it as
+`ProcessGroupMesh` numbers them; no process group is made. The memory per rank (parameters, gradients, optimizer
+states, master weights, activations from a FakeTensor trace of the real model under the real policy, pipeline
+in-flight micro-batches, communication buffers, the peak) and the step time are the planner's (`cx_plan`), on this
+machine's device: one memory model for cx-plan and cx-train.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from cx_plan import (
 from cx_plugins import FILL, Axis, resolve_sizes
 from cx_train.config._config_file import resolved_toml
 from cx_train.config._options import TrainOptions
+from cx_train.data._user_data import open_user_data
 from cx_train.models._plugins import plan_candidate
 from cx_train.models._spec import describe_model
 
@@ -108,5 +111,8 @@ def dry_run_report(options: TrainOptions, world_size: int | None = None) -> str:
     lines = ["# cx-train --dry-run: nothing is trained", resolved_toml(dict(options.resolved)).rstrip()]
     lines.append(f"# parallel layout: {options.plugin} on {world} ranks (mesh order, outermost first)")
     lines += [f"#   {row}" for row in layout_rows(options, world)]
+    if options.data is not None:  # what the real start prints (_train.py), as a comment
+        data = open_user_data(options.data, options.model, options.model_spec.is_folder, options.window_length)
+        lines.append(f"# {data.summary()}")
     lines += plan_lines(options, world)
     return "\n".join(lines) + "\n"

@@ -58,10 +58,8 @@ def _pipeline_step(
             counts.append(expert_counts(outputs.router_logits, described.top_k))
         return cast(torch.Tensor, getattr(outputs, "loss", outputs))
 
-    if isinstance(batch, PackedBatch):  # cx's reference GPT stages take no position ids (see forward_step)
-        one = {"input_ids": batch.input_ids, "labels": batch.labels}
-        if described.spec.is_hf:
-            one["position_ids"] = batch.position_ids
+    if isinstance(batch, PackedBatch):  # every stage (HF or cx's GPT) masks the documents from the position ids
+        one = {"input_ids": batch.input_ids, "labels": batch.labels, "position_ids": batch.position_ids}
     else:
         one = {"input_ids": batch, "labels": batch}
     inputs: Iterator[dict[str, torch.Tensor]] = iter([one])

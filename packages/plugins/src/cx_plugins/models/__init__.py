@@ -5,7 +5,7 @@ Importing this package registers `GPTPolicy` with cx-shardformer, so `ShardForme
 picks it by class name.
 """
 
-from cx_plugins.models._gpt import GPT, GPTConfig
+from cx_plugins.models._gpt import GPT, GPTConfig, document_mask
 from cx_plugins.models._gpt_policy import GPTPolicy
 from cx_plugins.models._names import GPT_MODEL, MODEL_CHOICES, PRESETS
 from cx_plugins.models._presets import preset_config
@@ -13,4 +13,4 @@ from cx_shardformer.policies import register_policy
 
 register_policy("GPT", GPTPolicy)
 
-__all__ = ["GPT", "GPT_MODEL", "MODEL_CHOICES", "PRESETS", "GPTConfig", "GPTPolicy", "preset_config"]
+__all__ = ["GPT", "GPT_MODEL", "MODEL_CHOICES", "PRESETS", "GPTConfig", "GPTPolicy", "document_mask", "preset_config"]

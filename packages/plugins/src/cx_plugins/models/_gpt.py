@@ -1,9 +1,15 @@
 """A small GPT-style decoder (tied embeddings, pre-LayerNorm blocks) with deterministic initialisation.
 
 Sized by `GPTConfig`; the defaults make a ~1M-parameter model that trains in seconds on a CPU. Its forward mirrors
-Hugging Face causal LMs: `model(input_ids, labels=None)` returns logits, or the mean next-token loss when labels
-are given, so plugins are exercised the way transformers models use them. It also implements cx-pipeline's
-`PipelineSplittable` (its blocks are the pipeline's layers), so HybridParallelPlugin can split it into stages.
+Hugging Face causal LMs: `model(input_ids, labels=None, position_ids=None)` returns logits, or the mean next-token
+loss when labels are given, so plugins are exercised the way transformers models use them. It also implements
+cx-pipeline's `PipelineSplittable` (its blocks are the pipeline's layers), so HybridParallelPlugin can split it into
+stages.
+
+Packed documents: `position_ids` that restart at 0 (a window holding several documents, as cx-train packs them) give
+each token its position within its document, and attention stops at the restarts (a block-diagonal causal boolean
+mask, as transformers builds from restarting position ids). Without restarts (or without position_ids) attention is
+SDPA's `is_causal` fast path; deciding so reads one boolean on the host per forward when position_ids are given.
 """
 
 from __future__ import annotations
@@ -15,7 +21,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "document_mask"]
+
+
+def _positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None, max_positions: int) -> torch.Tensor:
+    """The positions to embed: `position_ids` ([B, L] or [L]) or 0..L-1 when None."""
+    length = input_ids.shape[1]
+    if position_ids is None:
+        if length > max_positions:
+            raise ValueError(f"sequence length {length} exceeds max_positions {max_positions}")
+        return torch.arange(length, device=input_ids.device)
+    if position_ids.shape[-1] != length:
+        raise ValueError(
+            f"position_ids of shape {tuple(position_ids.shape)} do not match input_ids {tuple(input_ids.shape)}"
+        )
+    return position_ids
+
+
+def document_mask(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The attention mask of packed documents: None (plain causal attention) without position_ids or when they never
+    restart at 0 after a row's first token; else a boolean [B, 1, L, L] mask, True where a query may attend: an
+    earlier or the same token of its own document (documents numbered by the count of 0 positions so far)."""
+    if position_ids is None:
+        return None
+    rows = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
+    if rows.shape[1] < 2 or not bool((rows[:, 1:] == 0).any()):
+        return None
+    document = (rows == 0).cumsum(dim=-1)
+    length = rows.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=rows.device).tril()
+    return (document.unsqueeze(-1) == document.unsqueeze(-2)).unsqueeze(1) & causal
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Causal SDPA, or SDPA with `mask` (a `document_mask`) when there is one."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 @dataclass(frozen=True)
@@ -43,12 +85,12 @@ class _SelfAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, length, width = hidden.shape
         q, k, v = self.qkv(hidden).split(width, dim=-1)
         shape = (batch, length, self.num_heads, width // self.num_heads)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attended = attend(q, k, v, mask)
         projected: torch.Tensor = self.proj(attended.transpose(1, 2).reshape(batch, length, width))
         return projected
 
@@ -62,8 +104,8 @@ class _Block(nn.Module):
         inner = config.mlp_ratio * config.hidden_size
         self.mlp = nn.Sequential(nn.Linear(config.hidden_size, inner), nn.GELU(), nn.Linear(inner, config.hidden_size))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.attention(self.attention_norm(hidden))
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = hidden + self.attention(self.attention_norm(hidden), mask)
         mixed: torch.Tensor = hidden + self.mlp(self.mlp_norm(hidden))
         return mixed
 
@@ -100,14 +142,14 @@ class GPT(nn.Module):
                 values = torch.randn(parameter.shape, generator=generator) * scale
                 parameter.copy_(values.to(parameter.dtype))
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        length = input_ids.shape[1]
-        if length > self.config.max_positions:
-            raise ValueError(f"sequence length {length} exceeds max_positions {self.config.max_positions}")
-        positions = torch.arange(length, device=input_ids.device)
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        positions = _positions(input_ids, position_ids, self.config.max_positions)
+        mask = document_mask(position_ids)
         hidden = self.embed_tokens(input_ids) + self.embed_positions(positions)
         for block in self.blocks:
-            hidden = block(hidden)
+            hidden = block(hidden, mask)
         logits: torch.Tensor = self.lm_head(self.final_norm(hidden))
         if labels is None:
             return logits
@@ -142,19 +184,24 @@ class _GPTStage(nn.Module):
         self.__dict__["gpt"] = gpt  # for its loss; not a submodule (the stage holds only its own layers)
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
+        gpt: GPT = self.__dict__["gpt"]
         if self.embed_tokens is not None and self.embed_positions is not None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            positions = _positions(input_ids, position_ids, gpt.config.max_positions)
             hidden = self.embed_tokens(input_ids) + self.embed_positions(positions)
         elif hidden_states is not None:
             hidden = hidden_states
         else:
             raise ValueError("a GPT stage after the first needs the previous stage's hidden_states")
+        mask = document_mask(position_ids)
         for block in self.blocks:
-            hidden = block(hidden)
+            hidden = block(hidden, mask)
         if self.final_norm is None or self.lm_head is None:
             return {"hidden_states": hidden}
         logits: torch.Tensor = self.lm_head(self.final_norm(hidden))
-        gpt: GPT = self.__dict__["gpt"]
         return logits if labels is None else gpt.loss(logits, labels)

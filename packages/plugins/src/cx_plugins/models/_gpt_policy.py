@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from cx_plugins.models._gpt import GPT, _SelfAttention
+from cx_plugins.models._gpt import GPT, _SelfAttention, attend
 from cx_shardformer import (
     FirstCalls,
     FusedLinear1D_Col,
@@ -42,14 +41,16 @@ def _check(model: Any, what: str, value: int, tp: int) -> None:
         )
 
 
-def _sharded_attention_forward(self: _SelfAttention, hidden: torch.Tensor) -> torch.Tensor:
+def _sharded_attention_forward(
+    self: _SelfAttention, hidden: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """The reference attention on this rank's heads: q/k/v are the three equal thirds of the local fused output."""
     batch, length, _ = hidden.shape
     q, k, v = self.qkv(hidden).chunk(3, dim=-1)
     local_width, heads = q.shape[-1], self.num_heads
     shape = (batch, length, heads, local_width // heads)
     q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
-    attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    attended = attend(q, k, v, mask)  # packed documents' mask, broadcast over this rank's heads
     projected: torch.Tensor = self.proj(attended.transpose(1, 2).reshape(batch, length, local_width))
     return projected
 

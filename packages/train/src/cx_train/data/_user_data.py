@@ -75,8 +75,10 @@ class UserData:
     def summary(self) -> str:
         """The data line cx-train prints: the windows, how they are laid out and what did not fit."""
         train = self.train
-        packed = "chats packed whole" if train.stream.chats else "text cut at the window"
-        line = f"cx-train: data: {len(train)} training windows of {train.length} tokens ({packed}"
+        stream = train.stream
+        packed = "chats packed whole" if stream.chats else "text cut at the window"
+        documents = f"{stream.documents} documents" + (f", {stream.chats} of them chats" if stream.chats else "")
+        line = f"cx-train: data: {len(train)} training windows of {train.length} tokens from {documents} ({packed}"
         if train.layout.truncated or train.layout.dropped:
             line += f"; {train.layout.truncated} documents truncated, {train.layout.dropped} dropped by --overlong"
         line += ")"

@@ -61,12 +61,13 @@ def batch_targets(batch: torch.Tensor | PackedBatch) -> int:
 
 def forward_step(model: nn.Module, batch: torch.Tensor | PackedBatch, described: DescribedModel) -> StepOutput:
     """The loss of next-token prediction on `batch` (and the MoE numbers when the model has experts). A packed batch
-    goes in with its labels and position ids (transformers masks attention at the documents' boundaries); cx's
-    reference GPT takes the labels only (its positions and attention run across the window)."""
+    goes in with its labels and position ids: transformers and cx's reference GPT alike restart positions and mask
+    attention at the documents' boundaries."""
     targets = float(batch_targets(batch))
     if isinstance(batch, PackedBatch):
         if not described.spec.is_hf:
-            return StepOutput(model(batch.input_ids, labels=batch.labels), None, None, targets=targets)
+            loss = model(batch.input_ids, labels=batch.labels, position_ids=batch.position_ids)
+            return StepOutput(loss, None, None, targets=targets)
         # use_cache=False: with a cache (a model folder's config has use_cache=True) transformers skips the packed-
         # sequence mask that restarting position ids select, and documents would attend to each other
         inputs: dict[str, Any] = {"input_ids": batch.input_ids, "labels": batch.labels,
