@@ -101,7 +101,9 @@ def test_train_restart_flag_and_config_key(
 def _node(tmp_path: Path, name: str, endpoint: str, *extra: str, host: bool) -> subprocess.Popen[bytes]:
     """One machine of an elastic job (`--nnodes 1:2`): a cx-train launcher with one rank, meeting at `endpoint`,
     whose rendezvous store the `host` machine holds (both are this machine: the first to bind would win)."""
-    settings = f"last_call_timeout=3,is_host={int(host)}"
+    # read_timeout: how long the non-host waits for the host's MASTER_ADDR after the rendezvous (torch's 60 s
+    # default was outlasted once on a loaded 2-core machine)
+    settings = f"last_call_timeout=3,read_timeout=300,is_host={int(host)}"
     elastic = ["--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-conf", settings]
     return _cx_train(tmp_path, "elastic", "--nproc", "1", *elastic, "--max-restarts", "1", *extra, out=name)
 
