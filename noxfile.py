@@ -95,11 +95,16 @@ def _shared_base(session: nox.Session, requirements: tuple[str, ...]) -> None:
         pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *CONSTRAINTS]
         subprocess.run([*pip, *requirements], check=True)
         (base / "complete").write_text("\n".join(requirements) + "\n")
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                          check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
-    own = session.run("python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", silent=True)
-    assert isinstance(own, str)
-    (Path(own.strip()) / "_cx_shared_base.pth").write_text(site + "\n")
+    site = _purelib(python)
+    # the session's own python run directly (not session.run, which `--install-only` skips)
+    own = _purelib(Path(session.bin) / "python")
+    (Path(own) / "_cx_shared_base.pth").write_text(site + "\n")
+
+
+def _purelib(python: Path) -> str:
+    """The site-packages folder of the venv whose interpreter is `python`."""
+    code = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    return subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True).stdout.strip()
 
 
 def _install_all(session: nox.Session) -> None:
