@@ -220,7 +220,13 @@ def test_train_models_parallel_flags(monkeypatch: pytest.MonkeyPatch, capsys: py
     error = _refused([*hybrid, "--pp", "2", "--microbatches", "3", "--nproc", "2"], capsys)
     assert "--batch-size 8 does not split into 3 micro-batches: use --microbatches 1, 2, 4, 8" in error
     assert "2 layers do not split into 4 stages" in _refused([*hybrid, "--pp", "4", "--nproc", "4"], capsys)
-    assert "tp x sp must be one of 1, 2" in _refused([*hybrid, "--model", "llama", "--tp", "4", "--nproc", "4"], capsys)
+    assert "tp must be one of 1, 2" in _refused([*hybrid, "--model", "llama", "--tp", "4", "--nproc", "4"], capsys)
+    # all_to_all scatters heads over sp (llama's 4 heads, 2 per tp rank); ring_attn splits the sequence only
+    error = _refused(
+        [*hybrid, "--model", "llama", "--tp", "2", "--sp", "4", "--sp-mode", "all_to_all", "--nproc", "8"], capsys
+    )
+    assert "(2 per tp rank) do not split over sp 4 (--sp-mode all_to_all scatters heads)" in error
+    assert "--sp-mode ring_attn" in error
     assert "--seq-len 64 must be a multiple of --sp 3" in _refused([*hybrid, "--sp", "3", "--nproc", "3"], capsys)
     moe = ["--plugin", "moe_hybrid"]
     assert "needs a model with experts" in _refused([*moe, "--model", "llama"], capsys)

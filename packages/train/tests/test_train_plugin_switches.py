@@ -163,6 +163,7 @@ def test_train_switch_refused_before_any_rank_starts(tmp_path: Path) -> None:
         Candidate("hybrid", tp=2, pp=2, zero_stage=0, num_microbatches=2, pp_style="zbv", sp_mode="split_gather"),
         Candidate("hybrid", dp=2, tp=2, sp_mode="ring", zero_stage=1, cpu_offload=True, precision="fp32"),
         Candidate("hybrid", dp=2, sp=2, sp_mode="ring_attn", zero_stage=0, checkpoint_ratio=0.5, micro_batch_size=2),
+        Candidate("hybrid", sp=4, sp_mode="ring_attn", zero_stage=0),  # more sp ranks than llama's 2 kv heads
         Candidate("moe_hybrid", dp=2, ep=2, sp=2, sp_mode="all_to_all", zero_stage=2, num_microbatches=2),
         Candidate("gemini", dp=2, offload_optim_frac=1.0, offload_param_frac=0.5),
         Candidate("gemini", dp=4, placement_policy="auto", precision="fp16"),

@@ -259,10 +259,19 @@ def _model_problem(
     if problem is not None:
         return problem
     heads = math.gcd(described.num_heads, described.num_kv_heads)
-    if heads % (options.tp * options.sp):
+    if heads % options.tp:
         return (
             f"the model's {described.num_heads} attention / {described.num_kv_heads} key-value heads do not split "
-            f"over tp {options.tp} x sp {options.sp}: tp x sp must be one of {_divisors(heads)}"
+            f"over tp {options.tp}: tp must be one of {_divisors(heads)}"
+        )
+    # all_to_all scatters each tp rank's attention heads over sp (key/value heads are repeated when fewer); ring_attn
+    # splits the sequence and keeps every head, so it puts no rule on them (as cx-shardformer and cx-plan hold)
+    per_tp = described.num_heads // options.tp
+    if options.sp_mode == "all_to_all" and per_tp % options.sp:
+        return (
+            f"the model's {described.num_heads} attention heads ({per_tp} per tp rank) do not split over sp "
+            f"{options.sp} (--sp-mode all_to_all scatters heads): sp must be one of {_divisors(per_tp)}, or use "
+            "--sp-mode ring_attn"
         )
     model_type = getattr(described.config, "model_type", None)
     if model_type == "deepseek_v3" and options.pp > 1:
