@@ -14,6 +14,7 @@
 """
 
 from cx_zero._adam import CPUAdam, HybridAdam
+from cx_zero._bf16_states import BF16_STATE_OPTIMIZERS, Bf16StateAdam, stochastic_round_bf16
 from cx_zero._clipping import ClipOptions
 from cx_zero._elementwise import ELEMENTWISE_OPTIMIZERS, require_elementwise
 from cx_zero._fused_adam import FusedAdam
@@ -70,4 +71,7 @@ __all__ = [
     "HybridAdam",
     "ELEMENTWISE_OPTIMIZERS",
     "require_elementwise",
+    "BF16_STATE_OPTIMIZERS",
+    "Bf16StateAdam",
+    "stochastic_round_bf16",
 ]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cx_mesh import ProcessGroup
+from cx_zero._bf16_states import Bf16StateAdam
 from cx_zero._grad_scaler import BaseGradScaler
 from cx_zero._local import is_alias
 from cx_zero._options import LowLevelZeroOptions
@@ -31,6 +32,7 @@ class LowLevelStateMixin:
 
     optim: torch.optim.Optimizer
     options: LowLevelZeroOptions
+    _bf16_states: Bf16StateAdam | None
     grad_scaler: BaseGradScaler
     _shards: list[ParamShard]
     _shard_of: dict[int, ParamShard]
@@ -115,6 +117,8 @@ class LowLevelStateMixin:
                 raise KeyError(f"optimizer state dict needs a {key!r} entry, got {sorted(state_dict)}")
         inner, masters = sharded_optimizer_state(state_dict, self._shard_groups())
         self.optim.load_state_dict(inner)
+        if self._bf16_states is not None:  # torch casts loaded moments to the parameter's dtype (fp32)
+            self._bf16_states.to_bf16()
         with torch.no_grad():
             for shard in self._shards:
                 master = masters.get(id(shard.master))

@@ -43,6 +43,11 @@ class LowLevelZeroOptions:
     fp8_communication: bool = False
     """Gradient buckets reduced in fp8 (E5M2) and updated parameters all-gathered in fp8 (E4M3), through
     `cx_mesh.fp8`'s collectives (as ColossalAI's switch); the master weights stay full precision."""
+    optimizer_states_dtype: torch.dtype = torch.float32
+    """Adam's moments in fp32 (as the wrapped optimizer keeps them) or bf16 with stochastic rounding
+    (`_bf16_states`), half their bytes; the wrapped optimizer must then be Adam(W)."""
+    stochastic_rounding_seed: int = 0
+    """Seeds the bf16 states' stochastic rounding (with the step and the parameter: reproducible, resumable)."""
 
     def __post_init__(self) -> None:
         if self.reduce_bucket_size < 1:
@@ -51,3 +56,5 @@ class LowLevelZeroOptions:
             value = getattr(self, name)
             if value is not None:
                 Precision.parse(value, what=name)
+        if self.optimizer_states_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"optimizer_states_dtype must be float32 or bfloat16, got {self.optimizer_states_dtype}")
