@@ -11,7 +11,18 @@ from cx_zero._clipping import ClipOptions
 from cx_zero._loss_scale import LossScaleOptions
 from cx_zero._precision import Precision
 
-__all__ = ["LowLevelZeroOptions", "ZeroStage"]
+__all__ = ["LowLevelZeroOptions", "ZeroStage", "parse_states_dtype"]
+
+_STATES_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_states_dtype(value: str | torch.dtype, who: str) -> torch.dtype:
+    """The public `optimizer_states_dtype` (\"fp32\" or \"bf16\", or the torch dtype) as a torch dtype."""
+    if isinstance(value, torch.dtype) and value in _STATES_DTYPES.values():
+        return value
+    if isinstance(value, str) and value in _STATES_DTYPES:
+        return _STATES_DTYPES[value]
+    raise ValueError(f"{who}: optimizer_states_dtype must be one of {sorted(_STATES_DTYPES)}, got {value!r}")
 
 
 class ZeroStage(Enum):
