@@ -1,10 +1,11 @@
 """Loss curves with Adam's moments in fp32 vs bf16 (stochastic rounding), LowLevelZeroPlugin stage 1, CPU.
 
-Run: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/optim/bench_bf16_states.py` (a few minutes on 2 cores).
+Run: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/optim/bench_bf16_states.py` (about a minute on 2 cores).
 Trains cx-train's demo model (the built-in GPT: hidden 128, 2 layers, 4 heads, seq 64, batch 8, AdamW lr 1e-3, on
 the embedded grammar text) for 200 steps from the same seed and data with `optimizer_states_dtype` "fp32" and "bf16",
 then prints the final losses (mean of the last 10 steps), the per-step gaps between the curves, and the
-optimizer-state bytes per parameter element. A third run (fp32 states, model seed 1) gives the noise yardstick. One process (world 1, gloo): the states' dtype is what differs.
+optimizer-state bytes per parameter element. A third run (fp32 states, model seed 1) gives the noise yardstick.
+One process (world 1, gloo): the states' dtype is what differs between the first two.
 """
 
 from __future__ import annotations
