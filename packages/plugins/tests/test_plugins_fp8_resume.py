@@ -1,7 +1,10 @@
-"""Straight against saved-and-resumed training, bit for bit, for every ZeRO plugin x precision x
-fp8_communication. With fp8 communication the working weights are the E4M3 all-gather of the fp32 masters (a
-rounding of them even at fp32 precision), so the optimizer checkpoint must carry the masters: without them a resume
-would restart from the rounded weights and drift (issue 35)."""
+"""Straight against saved-and-resumed training, bit for bit, for every plugin that takes fp8_communication x
+precision x fp8_communication. With fp8 communication the working weights are the E4M3 all-gather of the fp32
+masters (a rounding of them even at fp32 precision), so the optimizer checkpoint must carry the masters: without them
+a resume would restart from the rounded weights and drift (issue 35). Gemini refuses fp8_communication at fp32
+(its only copy of the weights would be rounded): that refusal is checked here too. TorchDDPPlugin and hybrid
+zero_stage 0 send gradients in fp8 and keep the weights whole; MoeHybridParallelPlugin runs hybrid's ZeRO optimizer
+(zero1 here covers it); DDP trains fp32 parameters (bf16 is the Booster's autocast), so it runs at fp32 only."""
 
 from __future__ import annotations
 
@@ -21,9 +24,32 @@ SAVE_AT, STEPS = 3, 5
 
 
 def _plugin(name: str, **options: Any) -> Plugin:
-    if name == "hybrid_zero1":
-        return HybridParallelPlugin(tp_size=1, pp_size=1, zero_stage=1, **options)
+    if name.startswith("hybrid_zero"):
+        return HybridParallelPlugin(tp_size=1, pp_size=1, zero_stage=int(name[-1]), **options)
+    if name == "torch_ddp":
+        assert options.pop("precision") == "fp32", "TorchDDPPlugin trains fp32 parameters"
     return make_plugin(name, **options)
+
+
+# TorchDDPPlugin + fp8_communication does not resume bit-exactly: the first step after the resume matches, the second
+# differs by ~2e-5 in the loss. Suspected cause (not yet verified): the fp8 hook scales each destination slice of a
+# DDP bucket, and DDP rebuilds its buckets in gradient-ready order after the first iteration, so the resumed run's
+# first step slices (and rounds) its bucket differently from the straight run's fourth. Open in issue 35.
+_DDP_FP8 = pytest.mark.xfail(strict=True, reason="DDP's fp8 hook rounds by bucket slice; buckets are rebuilt")
+_CASES = [
+    pytest.param(
+        plugin,
+        precision,
+        fp8,
+        id=f"{plugin}-{precision}-{'fp8comm' if fp8 else 'plain'}",
+        marks=[_DDP_FP8] if plugin == "torch_ddp" and fp8 else [],
+    )
+    for plugin in ("zero1", "zero2", "hybrid_zero1", "hybrid_zero0", "gemini", "torch_ddp")
+    for precision in ("fp32", "bf16")
+    for fp8 in (False, True)
+    # gemini fp32 + fp8 is refused (the test below); DDP's bf16 is the Booster's autocast, not a plugin precision
+    if not (plugin == "gemini" and precision == "fp32" and fp8) and not (plugin == "torch_ddp" and precision == "bf16")
+]
 
 
 def _boost(name: str, seed: int, **options: Any) -> tuple[Booster, nn.Module, OptimizerWrapper]:
@@ -35,10 +61,11 @@ def _boost(name: str, seed: int, **options: Any) -> tuple[Booster, nn.Module, Op
 
 
 @distributed(world_size=2)
-@pytest.mark.parametrize("fp8_communication", [False, True], ids=["plain", "fp8comm"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("plugin", ["zero1", "zero2", "hybrid_zero1"])
-def test_plugins_zero_resume_is_exact(
+@pytest.mark.parametrize(
+    ("plugin", "precision", "fp8_communication"),
+    _CASES,
+)
+def test_plugins_fp8_communication_resume_is_exact(
     rank: int, world_size: int, plugin: str, precision: str, fp8_communication: bool, tmp_path: Path
 ) -> None:
     options = {"precision": precision, "fp8_communication": fp8_communication}
@@ -59,3 +86,10 @@ def test_plugins_zero_resume_is_exact(
     want = full_state(model)
     for name, value in full_state(resumed_model).items():
         assert torch.equal(value, want[name]), f"{plugin} {precision} fp8_communication={fp8_communication}: {name}"
+
+
+@distributed(world_size=2)
+def test_plugins_gemini_refuses_fp8_communication_at_fp32(rank: int, world_size: int) -> None:
+    """Gemini at fp32 keeps no separate master: each fp8 all-gather would round the only copy, so it refuses."""
+    with pytest.raises(ValueError, match=r"fp8_communication=True needs fp32 master weights"):
+        _plugin("gemini", precision="fp32", fp8_communication=True)
