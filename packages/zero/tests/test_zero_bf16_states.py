@@ -5,12 +5,13 @@ bf16 bit for bit, so a resume continues exactly; bf16 into fp32 states by an exa
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
 from cx_mesh.testing import distributed
-from cx_zero import Bf16StateAdam, LowLevelZeroOptimizer, LowLevelZeroOptions, stochastic_round_bf16
+from cx_zero import Bf16StateAdam, CPUAdam, LowLevelZeroOptimizer, LowLevelZeroOptions, stochastic_round_bf16
 from zero_test_helpers import batch, local, loss_of, make_mlp
 
 N = 100_000
@@ -50,6 +51,31 @@ def test_first_step_is_torchs_and_moments_within_one_bf16_ulp(kind: type[torch.o
         stored, exact = ours.state[mine][key], reference.state[theirs][key]
         assert stored.dtype == torch.bfloat16
         assert ((stored.float() - exact).abs() <= exact.abs() * 2.0**-7).all(), key
+
+
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, CPUAdam])
+def test_bf16_step_is_the_optimizers_own_step_call(kind: type[torch.optim.AdamW] | type[CPUAdam]) -> None:
+    """The update enters through the optimizer's `step`, so an LR scheduler sees it stepped (no "lr_scheduler.step()
+    before optimizer.step()" warning) and step hooks run once around it; the optimizer's own update adds nothing
+    (the moments stay bf16, the step counter at 1)."""
+    param = torch.nn.Parameter(torch.randn(33))
+    optimizer = kind([param], lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    seen: list[str] = []
+    optimizer.register_step_pre_hook(lambda *_: seen.append("pre"))
+    optimizer.register_step_post_hook(lambda *_: seen.append("post"))
+    states = Bf16StateAdam(optimizer, seed=0)
+    param.grad = torch.randn(33)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        states.step()
+        scheduler.step()
+    assert seen == ["pre", "post"]
+    assert all(p.grad is None for p in optimizer.param_groups[0]["params"]), "the stepped gradients are taken away"
+    state = optimizer.state[param]
+    assert float(state["step"]) == 1.0
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    assert optimizer.param_groups[0]["lr"] == 0.5e-2
 
 
 def test_bf16_states_refuse_other_optimizers() -> None:

@@ -60,8 +60,15 @@ class Bf16StateAdam:
         self.seed = seed
         self.salts = dict(salts or {})
 
-    @torch.no_grad()
     def step(self) -> None:
+        """One update, entered through the optimizer's own `step`, so what watches that call sees a normal step (an
+        LR scheduler's check that the optimizer stepped first, step pre/post hooks around the update): the closure
+        torch's Adam(W) and cx's CPUAdam run before their own update does the bf16-state update and takes the
+        gradients away, so their own update finds nothing to do."""
+        self.optimizer.step(self._update)
+
+    @torch.no_grad()
+    def _update(self) -> float:
         position = 0
         for group in self.optimizer.param_groups:
             for param in group["params"]:
@@ -69,6 +76,8 @@ class Bf16StateAdam:
                 position += 1
                 if param.grad is not None:
                     self._step_one(group, param, param.grad, salt)
+                    param.grad = None  # stepped: the wrapped optimizer's own update must skip it
+        return 0.0  # the closure's "loss" in torch's contract; there is no forward here
 
     def to_bf16(self) -> None:
         """Moments of another dtype (a checkpoint of fp32 states, or torch's load_state_dict casting to the
