@@ -3,8 +3,10 @@ precision x fp8_communication. With fp8 communication the working weights are th
 masters (a rounding of them even at fp32 precision), so the optimizer checkpoint must carry the masters: without them
 a resume would restart from the rounded weights and drift (issue 35). Gemini refuses fp8_communication at fp32
 (its only copy of the weights would be rounded): that refusal is checked here too. TorchDDPPlugin and hybrid
-zero_stage 0 send gradients in fp8 and keep the weights whole; MoeHybridParallelPlugin runs hybrid's ZeRO optimizer
-(zero1 here covers it); DDP trains fp32 parameters (bf16 is the Booster's autocast), so it runs at fp32 only."""
+zero_stage 0 send gradients in fp8 and keep the weights whole; TorchFSDPPlugin gathers its fp32 shards in fp8 for
+compute and checkpoints the shards (bf16: FSDP's MixedPrecision); MoeHybridParallelPlugin runs hybrid's ZeRO
+optimizer (zero1 here covers it); DDP trains fp32 parameters (bf16 is the Booster's autocast), so it runs at fp32
+only."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecision
+from torch.distributed.tensor import DTensor
 
 from cx_mesh.testing import TEST_ADAM_EPS, distributed
-from cx_plugins import Booster, HybridParallelPlugin, OptimizerWrapper, Plugin
+from cx_plugins import Booster, HybridParallelPlugin, OptimizerWrapper, Plugin, TorchFSDPPlugin
 from cx_plugins.models import GPT
 from plugins_test_helpers import CONFIG, LR, data, full_state, make_plugin, train
 
@@ -26,6 +30,10 @@ SAVE_AT, STEPS = 3, 5
 def _plugin(name: str, **options: Any) -> Plugin:
     if name.startswith("hybrid_zero"):
         return HybridParallelPlugin(tp_size=1, pp_size=1, zero_stage=int(name[-1]), **options)
+    if name == "torch_fsdp":
+        bf16 = options.pop("precision") == "bf16"
+        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        return TorchFSDPPlugin(mixed_precision=mixed, **options)
     if name.startswith("torch_ddp"):
         assert options.pop("precision") == "fp32", "TorchDDPPlugin trains fp32 parameters"
         if name == "torch_ddp_unused":  # find_unused_parameters: DDP keeps its construction-time buckets
@@ -47,7 +55,7 @@ _CASES = [
         id=f"{plugin}-{precision}-{'fp8comm' if fp8 else 'plain'}",
         marks=[_DDP_FP8] if plugin == "torch_ddp" and fp8 else [],
     )
-    for plugin in ("zero1", "zero2", "hybrid_zero1", "hybrid_zero0", "gemini", "torch_ddp")
+    for plugin in ("zero1", "zero2", "hybrid_zero1", "hybrid_zero0", "gemini", "torch_fsdp", "torch_ddp")
     for precision in ("fp32", "bf16")
     for fp8 in (False, True)
     # gemini fp32 + fp8 is refused (the test below); DDP's bf16 is the Booster's autocast, not a plugin precision
@@ -86,9 +94,14 @@ def test_plugins_fp8_communication_resume_is_exact(
     straight = train(rank, world_size, booster, model, optimizer, batches[SAVE_AT:])
     again = train(rank, world_size, resumed_booster, resumed_model, resumed, batches[SAVE_AT:])
     assert again == straight, f"losses after the resume {again} differ from the straight run's {straight}"
-    want = full_state(model)
-    for name, value in full_state(resumed_model).items():
+    want = _full(model)
+    for name, value in _full(resumed_model).items():
         assert torch.equal(value, want[name]), f"{plugin} {precision} fp8_communication={fp8_communication}: {name}"
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Whole tensors by name (FSDP's DTensor shards gathered)."""
+    return {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in full_state(model).items()}
 
 
 @distributed(world_size=2)
