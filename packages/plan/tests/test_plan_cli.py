@@ -16,7 +16,7 @@ from cx_plan._candidate import Candidate
 from cx_plan._cli import build_parser, main
 from cx_plan._devices import Device, detect_device, lookup_device
 from cx_plan._planner import MemoryModel
-from cx_plan._report import MemoryVerdict, PlanReport, PlanRow
+from cx_plan._report import MemoryVerdict, PlanReport, PlanRow, constructor_call, train_command
 from cx_plan.measure import _measure as measure_module
 from cx_plan.measure._measure import Measured
 from cx_plan.memory import _memory_model as memory_model_module
@@ -77,6 +77,27 @@ def test_cx_plan_prints_a_ranked_plan(capsys: pytest.CaptureFixture[str]) -> Non
     table = capsys.readouterr().out
     assert "cx-plan: gpt on 2 x cpu (0.30 MB)" in table
     assert "best: GeminiPlugin(" in table
+
+
+def test_cx_plan_optimizer_states_dtype_reaches_the_zero_layouts(capsys: pytest.CaptureFixture[str]) -> None:
+    """--optimizer-states-dtype bf16 goes to every layout that runs ZeRO 1/2 or Gemini (its label, constructor call
+    and cx-train command say so); DDP, FSDP and hybrid ZeRO 0 keep fp32 states."""
+    flags = [*_GPT, "--world", "2", "--device", "cpu", "--all", "--optimizer-states-dtype", "bf16"]
+    assert main([*flags, "--plugins", "torch_ddp,torch_fsdp,low_level_zero,gemini,hybrid", "--json"], _stub) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    for row in rows:
+        candidate = Candidate(**row["candidate"])
+        zero = candidate.plugin in ("low_level_zero", "gemini", "hybrid") and candidate.stage >= 1
+        assert candidate.optimizer_states_dtype == ("bf16" if zero else "fp32"), row["label"]
+        assert (" bf16-states" in row["label"]) == zero
+        command = train_command(candidate, "gpt", 32)
+        assert command.endswith("--optimizer-states-dtype bf16") == zero, command
+        assert ("optimizer_states_dtype='bf16'" in constructor_call(candidate)) == zero
+    assert {Candidate(**r["candidate"]).plugin for r in rows if " bf16-states" in r["label"]} == {
+        "low_level_zero",
+        "gemini",
+        "hybrid",
+    }
 
 
 def test_cx_plan_measure_refuses_another_device(capsys: pytest.CaptureFixture[str]) -> None:

@@ -234,3 +234,35 @@ def test_a_sequence_parallel_trace_leaves_the_shape_as_it_was() -> None:
     trace_stage(shape, Candidate("hybrid", sp=2, sp_mode="all_to_all", precision="fp32"), 16)
     assert shape.config._attn_implementation == before
     assert trace_stage(shape, Candidate("torch_ddp", dp=2, precision="fp32"), 16).activation_bytes > 0
+
+
+def test_bf16_optimizer_states_count_two_plus_two_bytes() -> None:
+    # 1000 trained elements. LowLevelZero ZeRO 1 over dp 2: moments 8 x 1000 / 2 = 4000 with fp32 states, 4 x 1000 / 2
+    # = 2000 with bf16 ones (measured 8.0 / 4.0 bytes per element, benchmarks/optim); the fp32 masters stay 2000
+    fp32 = predict_memory_from_traces(Candidate("low_level_zero", dp=2, zero_stage=1), [_trace(1000)])
+    bf16 = predict_memory_from_traces(
+        Candidate("low_level_zero", dp=2, zero_stage=1, optimizer_states_dtype="bf16"), [_trace(1000)]
+    )
+    assert (fp32.optimizer_states, bf16.optimizer_states) == (4000, 2000)
+    assert fp32.master_weights == bf16.master_weights == 2000
+    assert (fp32.peak - bf16.peak, fp32.end_of_backward - bf16.end_of_backward) == (2000, 2000)
+    # Gemini over dp 4: 8 x 1000 / 4 against 4 x 1000 / 4; hybrid ZeRO 2 over dp 2 likewise halved
+    gemini = Candidate("gemini", dp=4, precision="bf16", optimizer_states_dtype="bf16")
+    assert predict_memory_from_traces(gemini, [_trace(1000)]).optimizer_states == 1000
+    hybrid = Candidate("hybrid", dp=2, zero_stage=2, optimizer_states_dtype="bf16")
+    assert predict_memory_from_traces(hybrid, [_trace(1000)]).optimizer_states == 2000
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"plugin": "torch_ddp"}, "optimizer_states_dtype 'bf16' is a ZeRO setting"),
+        ({"plugin": "torch_fsdp"}, "optimizer_states_dtype 'bf16' is a ZeRO setting"),
+        ({"plugin": "hybrid", "zero_stage": 0}, "hybrid needs zero_stage 1 or 2"),
+    ],
+)
+def test_bf16_optimizer_states_refused_without_zero(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Candidate(**fields, optimizer_states_dtype="bf16")
+    with pytest.raises(ValueError, match="unknown optimizer_states_dtype 'fp16'"):
+        Candidate("low_level_zero", optimizer_states_dtype="fp16")

@@ -43,6 +43,7 @@ def test_train_plan_defaults_are_cx_train_defaults() -> None:
     fp32)."""
     planned, trained = plan_parser().parse_args(["--model", "gpt", "--world", "2"]), build_parser().parse_args([])
     assert planned.precision == trained.precision == "fp32"
+    assert planned.optimizer_states_dtype == trained.optimizer_states_dtype == "fp32"
     assert (planned.hidden_size, planned.num_layers) == (DEFAULT_HIDDEN, DEFAULT_LAYERS)
 
 

@@ -1,7 +1,7 @@
 """Every plugin switch cx-train has a flag for reaches the plugin it builds (the plugin's own option objects compared,
 built in-process from the parsed flags, no training), the switches a plugin has not are refused by name before any
-process starts, --optimizer picks the optimizer, and every layout cx-plan prints a command for parses with
-cx-train's flags back into that layout."""
+process starts, --optimizer picks the optimizer (--optimizer-states-dtype its moments' dtype), and every layout
+cx-plan prints a command for parses with cx-train's flags back into that layout."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cx_mesh.testing import run_distributed
 from cx_plan import Candidate, train_command
@@ -52,6 +53,9 @@ def _hybrid_switches(rank: int, world_size: int) -> None:
     assert o.shardformer.use_fp8
     assert o.zero.fp8_communication
     assert o.pipeline.fp8_communication
+    plugin, _ = make_plugin(parse_options([*flags, "--optimizer-states-dtype", "bf16"]))
+    assert isinstance(plugin, HybridParallelPlugin)
+    assert plugin.options.zero.optimizer_states_dtype == torch.bfloat16
 
 
 def _data_parallel_switches(rank: int, world_size: int) -> None:
@@ -74,6 +78,12 @@ def _data_parallel_switches(rank: int, world_size: int) -> None:
     plugin, _ = make_plugin(parse_options(["--plugin", "gemini", "--nproc", "1", "--placement", "auto"]))
     assert isinstance(plugin, GeminiPlugin)
     assert plugin.options.ddp.placement.value == "auto"
+    assert plugin.options.optimizer.optimizer_states_dtype == torch.float32  # the default
+    for name in ("low_level_zero", "gemini"):
+        plugin, _ = make_plugin(parse_options(["--plugin", name, "--nproc", "1", "--optimizer-states-dtype", "bf16"]))
+        assert isinstance(plugin, LowLevelZeroPlugin | GeminiPlugin)
+        zero = plugin.options.zero if isinstance(plugin, LowLevelZeroPlugin) else plugin.options.optimizer
+        assert zero.optimizer_states_dtype == torch.bfloat16, name
     plugin, _ = make_plugin(parse_options(["--plugin", "torch_ddp", "--nproc", "1", "--fp8-communication"]))
     assert isinstance(plugin, TorchDDPPlugin)
     assert plugin.fp8_communication
@@ -140,6 +150,16 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
         ),
         (["--plugin", "torch_ddp", "--lora-rank", "4"], "--lora-rank: LoRA goes through peft"),
         (["--merge-lora"], "--merge-lora needs --lora-rank N"),
+        (
+            ["--plugin", "torch_ddp", "--optimizer-states-dtype", "bf16"],
+            "--optimizer-states-dtype bf16 is not supported by --plugin torch_ddp; use --plugin low_level_zero or "
+            "gemini or hybrid or moe_hybrid (its optimizer keeps fp32 moments)",
+        ),
+        (["--plugin", "torch_fsdp", "--optimizer-states-dtype", "bf16"], "is not supported by --plugin torch_fsdp"),
+        (
+            ["--plugin", "hybrid", "--tp", "2", "--optimizer-states-dtype", "bf16"],
+            "--optimizer-states-dtype bf16 is ZeRO's optimizer option: --plugin hybrid needs --zero 1 or 2",
+        ),
         (["--plugin", "hybrid", "--tp", "2", "--sp-mode", "ring", "--seq-len", "15"], "--seq-len 15 must be a"),
     ],
 )
@@ -170,6 +190,9 @@ def test_train_switch_refused_before_any_rank_starts(tmp_path: Path) -> None:
         Candidate("torch_fsdp", dp=2),
         Candidate("torch_fsdp", dp=2, fsdp_wrap="block", checkpoint_ratio=1.0, checkpoint_mode="selective-op"),
         Candidate("low_level_zero", dp=2, zero_stage=1, cpu_offload=True),
+        Candidate("low_level_zero", dp=2, zero_stage=2, optimizer_states_dtype="bf16"),
+        Candidate("gemini", dp=2, precision="bf16", optimizer_states_dtype="bf16"),
+        Candidate("hybrid", dp=2, tp=2, zero_stage=1, optimizer_states_dtype="bf16"),
     ],
     ids=lambda c: c.label(),
 )
@@ -189,11 +212,12 @@ def test_train_switches_are_config_file_keys(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text(
         'plugin = "hybrid"\ntp = 2\nsp-mode = "split_gather"\nsequence_overlap = true\njit-fused = true\n'
-        'optimizer = "fused_adam"\nactivation_checkpointing_ratio = 0.5\n'
+        'optimizer = "fused_adam"\nactivation_checkpointing_ratio = 0.5\noptimizer-states-dtype = "bf16"\n'
     )
     arguments = parse_arguments(["--config", str(config), "--optimizer", "cpu_adam"])
     assert (arguments.sp_mode, arguments.sequence_overlap, arguments.jit_fused) == ("split_gather", True, True)
     assert (arguments.optimizer, arguments.activation_checkpointing_ratio) == ("cpu_adam", 0.5)  # the command line wins
+    assert arguments.optimizer_states_dtype == "bf16"
     config.write_text('plugin = "low_level_zero"\nlora-rank = 4\nlora_targets = "q_proj,v_proj"\nmerge-lora = true\n')
     arguments = parse_arguments(["--config", str(config)])
     assert (arguments.lora_rank, arguments.lora_targets, arguments.merge_lora) == (4, "q_proj,v_proj", True)

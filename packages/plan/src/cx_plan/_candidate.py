@@ -1,5 +1,5 @@
 """`Candidate`: one training configuration the planner judges (plugin, parallel sizes, micro-batching, activation
-checkpointing, Gemini placement, precision), in ColossalAI's terms.
+checkpointing, Gemini placement, precision, Adam's state dtype), in ColossalAI's terms.
 
 Frozen and validated on construction, so the memory model, the step-time model and a measurement harness all read
 the same facts; an impossible combination raises `ValueError` naming the field. Sizes follow the plugins' meshes:
@@ -17,6 +17,7 @@ __all__ = [
     "BLOCK_POLICY",
     "CHECKPOINT_MODES",
     "FSDP_WRAPS",
+    "OPTIMIZER_STATES_DTYPES",
     "PLACEMENT_POLICIES",
     "PLUGINS",
     "PRECISIONS",
@@ -34,6 +35,7 @@ CHECKPOINT_MODES = ("full", "selective-op")  # how a checkpointed layer recomput
 FSDP_WRAPS = ("model", "block")  # TorchFSDPPlugin: one root unit, or each decoder layer its own fully_shard
 # the argument TorchFSDPPlugin takes for per-block wrapping, as printed (the class is the model's decoder layer)
 BLOCK_POLICY = "ModuleWrapPolicy({DecoderLayer})"
+OPTIMIZER_STATES_DTYPES = ("fp32", "bf16")  # Adam's moments: the ZeRO plugins' optimizer_states_dtype
 _SP_AXIS_MODES = ("all_to_all", "ring_attn")
 _PARALLEL_PLUGINS = ("hybrid", "moe_hybrid")
 # the ZeRO stage each plugin runs: DDP replicates, FSDP (full shard) and Gemini shard everything
@@ -76,6 +78,7 @@ class Candidate:
     cpu_offload: bool = False  # LowLevelZero / hybrid ZeRO: optimizer states on the CPU
     precision: str = "bf16"
     fsdp_wrap: str = "model"  # torch_fsdp: "model" (one root unit, ColossalAI's default) or "block" (per layer)
+    optimizer_states_dtype: str = "fp32"  # ZeRO plugins: "bf16" keeps Adam's moments in bf16 (2 + 2 bytes)
 
     def __post_init__(self) -> None:
         _require(self.plugin in PLUGINS, f"unknown plugin {self.plugin!r}; one of {', '.join(PLUGINS)}")
@@ -143,6 +146,20 @@ class Candidate:
             self.fsdp_wrap == "model" or self.plugin == "torch_fsdp",
             f"fsdp_wrap {self.fsdp_wrap!r} is a TorchFSDPPlugin setting, not {self.plugin}'s",
         )
+        _require(
+            self.optimizer_states_dtype in OPTIMIZER_STATES_DTYPES,
+            f"unknown optimizer_states_dtype {self.optimizer_states_dtype!r}; one of "
+            f"{', '.join(OPTIMIZER_STATES_DTYPES)}",
+        )
+        _require(
+            self.optimizer_states_dtype == "fp32" or self.plugin in ("low_level_zero", "gemini", *_PARALLEL_PLUGINS),
+            f"optimizer_states_dtype {self.optimizer_states_dtype!r} is a ZeRO setting (low_level_zero, gemini, "
+            f"hybrid / moe_hybrid with zero_stage 1 or 2), not {self.plugin}'s",
+        )
+        _require(
+            self.optimizer_states_dtype == "fp32" or stage >= 1,
+            f"optimizer_states_dtype {self.optimizer_states_dtype!r} is ZeRO's: {self.plugin} needs zero_stage 1 or 2",
+        )
 
     @property
     def stage(self) -> int:
@@ -180,6 +197,11 @@ class Candidate:
     def half_precision(self) -> bool:
         return self.precision != "fp32"
 
+    @property
+    def moment_bytes(self) -> int:
+        """Bytes of Adam's two moments per parameter element: 4 + 4, or 2 + 2 with bf16 states."""
+        return 2 * (2 if self.optimizer_states_dtype == "bf16" else 4)
+
     def plugin_arguments(self) -> dict[str, Any]:
         """The plugin constructor's keyword arguments (ColossalAI's names) for this configuration."""
         arguments: dict[str, Any] = {}
@@ -209,6 +231,8 @@ class Candidate:
                     arguments["sp_size"] = self.sp
             if self.cpu_offload:
                 arguments["cpu_offload"] = True
+        if self.optimizer_states_dtype != "fp32":
+            arguments["optimizer_states_dtype"] = self.optimizer_states_dtype
         return arguments
 
     def label(self) -> str:
@@ -224,4 +248,8 @@ class Candidate:
         zero += " per-block" if self.fsdp_wrap == "block" else ""
         ckpt = f" ckpt{self.checkpoint_ratio:g}" if self.checkpoint_ratio else ""
         ckpt = " ckpt-op" if self.checkpoint_mode == "selective-op" else ckpt
-        return f"{self.plugin}{sizes}{zero} mb{self.micro_batch_size}x{self.num_microbatches}{ckpt} {self.precision}"
+        states = " bf16-states" if self.optimizer_states_dtype == "bf16" else ""
+        return (
+            f"{self.plugin}{sizes}{zero} mb{self.micro_batch_size}x{self.num_microbatches}{ckpt} {self.precision}"
+            f"{states}"
+        )

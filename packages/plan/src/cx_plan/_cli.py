@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cx_plan._candidate import PIPELINE_STYLES, PLUGINS, PRECISIONS
+from cx_plan._candidate import OPTIMIZER_STATES_DTYPES, PIPELINE_STYLES, PLUGINS, PRECISIONS
 from cx_plan._devices import (
     DEVICES,
     LINKS,
@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PRECISIONS,
         default="fp32",  # cx-train's default, so a plan without flags is of the run cx-train makes without them
         help="parameter / compute precision, as cx-train's --precision (bf16 for a GPU run)",
+    )
+    parser.add_argument(
+        "--optimizer-states-dtype",
+        choices=OPTIMIZER_STATES_DTYPES,
+        default="fp32",
+        help="Adam's moments, as cx-train's flag: bf16 (stochastic rounding) counts 2 + 2 bytes per parameter "
+        "instead of 4 + 4 wherever the layout runs ZeRO 1/2 or Gemini (DDP, FSDP and ZeRO 0 keep fp32)",
     )
     parser.add_argument("--plugins", default=",".join(PLUGINS), help="comma-separated plugins to consider")
     parser.add_argument("--hidden-size", type=int, default=128, help="built-in models only (as cx-train)")
@@ -198,6 +205,7 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
         pp_styles=_names(args.pp_styles),
         max_tp=args.max_tp,
         precision=args.precision,
+        optimizer_states_dtype=args.optimizer_states_dtype,
     )
     shape = load_model_shape(args.model, hidden_size=args.hidden_size, num_layers=args.num_layers, seq_len=args.seq_len)
     memory = memory_factory(shape, args.seq_len, device)

@@ -9,7 +9,8 @@ The rules (each the one the code that would run it checks):
 - pp stages x model chunks do not exceed the layers; interleaved needs micro-batches a multiple of pp;
 - the global batch (sequences per step) splits over dp evenly, into micro-batches of every divisor size; a
   pipeline needs at least pp micro-batches;
-- ZeRO: LowLevelZero 1/2, hybrid and MoE hybrid 0/1/2; FSDP (per decoder layer and as one root unit) and Gemini
+- ZeRO: LowLevelZero 1/2, hybrid and MoE hybrid 0/1/2 (bf16 optimizer states, when asked, on every layout with
+  ZeRO 1/2 or Gemini; the others keep fp32 moments); FSDP (per decoder layer and as one root unit) and Gemini
   shard everything; Gemini tries static
   placement on the device, all optimizer state offloaded, and auto placement, with one micro-batch per step
   (GeminiDDP refuses accumulation as cx-train configures it);
@@ -49,6 +50,7 @@ class SearchSpace:
     max_tp: int = 8
     max_pp: int = 16
     precision: str = "bf16"
+    optimizer_states_dtype: str = "fp32"  # "bf16": Adam's moments in bf16 wherever the layout runs ZeRO 1/2 or Gemini
 
 
 def _divisors(n: int) -> list[int]:
@@ -91,7 +93,8 @@ def _batches(per_rank: int, pp: int) -> Iterator[tuple[int, int]]:
 def _data_parallel(plugin: str, world: int, per_rank: int, space: SearchSpace, why: set[str]) -> Iterator[Candidate]:
     """The data-parallel plugins checkpoint all layers or none (transformers' switch), and Gemini runs one
     micro-batch per step (its GeminiDDP refuses accumulation as cx-train configures it)."""
-    base = Candidate(plugin, dp=world, precision=space.precision)
+    states = space.optimizer_states_dtype if plugin in ("low_level_zero", "gemini") else "fp32"
+    base = Candidate(plugin, dp=world, precision=space.precision, optimizer_states_dtype=states)
     variants = [base]
     if plugin == "low_level_zero":
         variants = [dataclasses.replace(base, zero_stage=stage) for stage in (1, 2)]
@@ -151,6 +154,7 @@ def _pipelines(
             yield Candidate(
                 plugin, dp=dp, tp=tp, pp=pp, sp=sp, sp_mode=mode, ep=ep, zero_stage=stage, micro_batch_size=micro,
                 num_microbatches=count, pp_style=style, checkpoint_ratio=ratio, precision=space.precision,
+                optimizer_states_dtype=space.optimizer_states_dtype if stage >= 1 else "fp32",
             )  # fmt: skip
 
 

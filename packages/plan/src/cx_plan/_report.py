@@ -154,6 +154,8 @@ def train_command(candidate: Candidate, model: str, seq_len: int, model_flags: S
         parts += [f"--offload-param-fraction {c.offload_param_frac:g}"] if c.offload_param_frac else []
     if c.cpu_offload:
         parts.append("--cpu-offload")
+    if c.optimizer_states_dtype != "fp32":
+        parts.append(f"--optimizer-states-dtype {c.optimizer_states_dtype}")
     return " ".join(parts)
 
 

@@ -14,6 +14,7 @@
 """
 
 from cx_zero._adam import CPUAdam, HybridAdam
+from cx_zero._bf16_states import BF16_STATE_OPTIMIZERS, Bf16StateAdam, stochastic_round_bf16
 from cx_zero._clipping import ClipOptions
 from cx_zero._elementwise import ELEMENTWISE_OPTIMIZERS, require_elementwise
 from cx_zero._fused_adam import FusedAdam
@@ -21,7 +22,7 @@ from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGrad
 from cx_zero._loss_scale import LossScaleOptions
 from cx_zero._low_level_optimizer import LowLevelZeroOptimizer
 from cx_zero._norm import NormType, clip_coefficient, clip_grad_norm_, compute_grad_norm, local_norm_term, reduce_norm
-from cx_zero._options import LowLevelZeroOptions, ZeroStage
+from cx_zero._options import LowLevelZeroOptions, ZeroStage, parse_states_dtype
 from cx_zero._overflow import any_across_groups, has_inf_or_nan
 from cx_zero._precision import Precision
 from cx_zero.gemini import (
@@ -47,6 +48,7 @@ __all__ = [
     "LowLevelZeroOptimizer",
     "LowLevelZeroOptions",
     "ZeroStage",
+    "parse_states_dtype",
     # option groups shared by the engines
     "ClipOptions",
     "LossScaleOptions",
@@ -70,4 +72,7 @@ __all__ = [
     "HybridAdam",
     "ELEMENTWISE_OPTIMIZERS",
     "require_elementwise",
+    "BF16_STATE_OPTIMIZERS",
+    "Bf16StateAdam",
+    "stochastic_round_bf16",
 ]

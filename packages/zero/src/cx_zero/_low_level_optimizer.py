@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cx_mesh import ProcessGroup, assert_same_across_ranks, get_dist_logger, require_initialized
+from cx_zero._bf16_states import Bf16StateAdam, require_bf16_capable
 from cx_zero._buckets import plan_buckets
 from cx_zero._clipping import ClipOptions
 from cx_zero._comm import group_ranks
@@ -119,6 +120,9 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"LowLevelZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         require_elementwise(optimizer, "LowLevelZeroOptimizer")
+        bf16_states = options.optimizer_states_dtype == torch.bfloat16
+        if bf16_states:
+            require_bf16_capable(optimizer, "LowLevelZeroOptimizer(optimizer_states_dtype=bf16)")
         if optimizer.state:
             raise ValueError(
                 "LowLevelZeroOptimizer needs a fresh optimizer (its state is partitioned at construction); "
@@ -137,6 +141,11 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
         trainable = trainable_params(optimizer)
         self._working_dtype = decide_working_dtype(trainable, options.forced_dtype)
         self._master_dtype = torch.float32 if options.master_weights else self._working_dtype
+        if bf16_states and self._master_dtype != torch.float32:
+            raise ValueError(
+                f"LowLevelZeroOptimizer: optimizer_states_dtype=bf16 steps fp32 master weights, but the masters are "
+                f"{self._master_dtype} (master_weights=False): keep master_weights=True"
+            )
         self._fp16 = self._working_dtype == torch.float16
         # Built (and its arguments checked) before anything is changed: a failed construction must leave the
         # wrapped optimizer pointing at the model's parameters, so that it can be wrapped again.
@@ -204,6 +213,9 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
 
         for param_group in optimizer.param_groups:
             param_group["params"] = [self._shard_of[id(p)].master for p in param_group["params"] if p.requires_grad]
+        # bf16 moments: each shard's rounding bits differ by parameter and by rank (`_bf16_states`)
+        salts = {id(s.master): s.index * 1_000_033 + s.group_rank for s in self._shards}
+        self._bf16_states = Bf16StateAdam(optimizer, options.stochastic_rounding_seed, salts) if bf16_states else None
 
         self._require_grad_sync = True
         self._in_backward = False
@@ -397,7 +409,10 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
     def _step_shards(self) -> None:
         for shard in self._shards:
             shard.master.grad = shard.grad_shard
-        self.optim.step()
+        if self._bf16_states is not None:
+            self._bf16_states.step()
+        else:
+            self.optim.step()
         self._clear_gradients()
         pending = [p for gatherer in self._gatherers for p in gatherer.start(self.options.overlap_allgather)]
         if self.options.overlap_allgather:

@@ -14,8 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from cx_mesh import ProcessGroup
+from cx_zero._bf16_states import Bf16StateAdam
 from cx_zero._grad_scaler import BaseGradScaler
 from cx_zero._local import is_alias
+from cx_zero._options import LowLevelZeroOptions
 from cx_zero._partition import ParamShard, shard_of
 from cx_zero._state_dict import sharded_optimizer_state, state_bytes, stream_full_states
 
@@ -29,6 +31,8 @@ class LowLevelStateMixin:
     which sets the attributes declared here."""
 
     optim: torch.optim.Optimizer
+    options: LowLevelZeroOptions
+    _bf16_states: Bf16StateAdam | None
     grad_scaler: BaseGradScaler
     _shards: list[ParamShard]
     _shard_of: dict[int, ParamShard]
@@ -61,6 +65,12 @@ class LowLevelStateMixin:
                     shard.master.copy_(piece.to(device=shard.master.device, dtype=shard.master.dtype))
 
     # ---- state dicts ----------------------------------------------------------------------------------------
+    def _masters_not_working(self) -> bool:
+        """Whether the working weights are a rounding of the masters, so a checkpoint must hold the masters for an
+        exact resume: mixed precision, or fp8 communication (the working weights are the E4M3 all-gather of fp32
+        masters). A group of one replica gathers nothing, but saving its master costs only bytes."""
+        return self._master_dtype != self._working_dtype or self.options.fp8_communication
+
     def _shard_groups(self) -> list[list[ParamShard]]:
         masters = {id(s.master): s for s in self._shards}
         return [[masters[id(m)] for m in group["params"]] for group in self.optim.param_groups]
@@ -78,7 +88,7 @@ class LowLevelStateMixin:
         keep = not only_rank_0 or dist.get_rank() == 0
         shards = [s for group in self._shard_groups() for s in group]
         limit = int(max_shard_size * _MIB)
-        include_master = self._master_dtype != self._working_dtype  # mixed precision: resume from fp32 masters
+        include_master = self._masters_not_working()
         yield from stream_full_states(shards, self.optim, self._groups, prefix, limit, keep, include_master)
 
     def state_dict(self) -> dict[str, Any]:
@@ -107,6 +117,8 @@ class LowLevelStateMixin:
                 raise KeyError(f"optimizer state dict needs a {key!r} entry, got {sorted(state_dict)}")
         inner, masters = sharded_optimizer_state(state_dict, self._shard_groups())
         self.optim.load_state_dict(inner)
+        if self._bf16_states is not None:  # torch casts loaded moments to the parameter's dtype (fp32)
+            self._bf16_states.to_bf16()
         with torch.no_grad():
             for shard in self._shards:
                 master = masters.get(id(shard.master))

@@ -2,9 +2,10 @@
 tensors shaped like the parameter), so a checkpoint saved at one world size loads at another.
 
 A state entry is sharded when it is a 1-D tensor of the shard's length (Adam's moments, ...); 0-d entries such as
-`step` and non-tensor entries are copied as they are. With mixed precision the fp32 master weight travels in the
-same per-parameter entry under `MASTER_KEY`, so a bf16/fp16 run resumes exactly rather than from its rounded
-working weights.
+`step` and non-tensor entries are copied as they are. With mixed precision, or fp8 communication (whose E4M3
+all-gather rounds the working weights even at fp32), the fp32 master weight travels in the same per-parameter entry
+under `MASTER_KEY`, so a run resumes exactly rather than from its rounded working weights; a checkpoint without
+masters (older ones) still loads, from the working weights.
 """
 
 from __future__ import annotations

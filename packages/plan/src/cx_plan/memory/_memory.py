@@ -3,16 +3,17 @@
 The model states follow each plugin's sharding over its gradient group (dp, x sp under all_to_all / ring_attn; the
 stage's trained parameters come from the trace, so tensor, pipeline and expert sharding are the policies' own).
 Parameters at the compute precision (DDP / FSDP keep fp32 parameters and cast in autocast / MixedPrecision), gradients
-(accumulation without a pipeline keeps the summed gradient live beside the next micro-batch's), AdamW's two fp32
-moments, fp32 master weights of the 16-bit plugins (LowLevelZero, Gemini, hybrid). Activations come from the FakeTensor
-trace of one micro-batch (`trace_stage`); a 1F1B pipeline stage s also keeps the saved activations of the pp - s - 1
-micro-batches it has started and not finished (interleaved / ZBV: one more per extra model chunk, bounded by the
-micro-batch count). Comm buffers: DDP's gradient buckets (a second copy of the gradients), FSDP's and Gemini's gathered
-parameters. The peak is the larger of two instants: the trace's peak inside the backward (model states, activations, the
-gradients live then) and, under ZeRO 1/2, the end of the backward (model states, the gradients packed into the reduce
-bucket and this rank's reduced fp32 shard; cx-zero keeps an fp32 master shard then even for fp32 weights); under hybrid
-ZeRO 0 over dp > 1, the gradients and their packed copy for the all-reduce; unsharded 16-bit runs, the step's fp32 copy
-of the gradients beside the 16-bit ones.
+(accumulation without a pipeline keeps the summed gradient live beside the next micro-batch's), AdamW's two fp32 moments
+(2 + 2 bytes under the ZeRO plugins' optimizer_states_dtype="bf16": `Candidate.moment_bytes`), fp32 master weights of
+the 16-bit plugins (LowLevelZero, Gemini, hybrid). Activations come from the FakeTensor trace of one micro-batch
+(`trace_stage`); a 1F1B pipeline stage s also keeps the saved activations of the pp - s - 1 micro-batches it has started
+and not finished (interleaved / ZBV: one more per extra model chunk, bounded by the micro-batch count). Comm buffers:
+DDP's gradient buckets (a second copy of the gradients), FSDP's and Gemini's gathered parameters. The peak is the larger
+of two instants: the trace's peak inside the backward (model states, activations, the gradients live then) and, under
+ZeRO 1/2, the end of the backward (model states, the gradients packed into the reduce bucket and this rank's reduced
+fp32 shard; cx-zero keeps an fp32 master shard then even for fp32 weights); under hybrid ZeRO 0 over dp > 1, the
+gradients and their packed copy for the all-reduce; unsharded 16-bit runs, the step's fp32 copy of the gradients beside
+the 16-bit ones.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ __all__ = ["MemoryPrediction", "predict_memory", "predict_memory_from_traces"]
 
 _ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
 _FP32 = 4
-_ADAM_MOMENTS = 2
 _ZERO_BUCKET_ELEMENTS = 12 * 1024 * 1024  # LowLevelZero / hybrid's default reduce_bucket_size_in_m
 
 
@@ -106,7 +106,7 @@ def _for_stage(
     w = _ITEMSIZE[c.precision]
     dp = _gradient_ranks(c)
     live_grads = trace.gradient_bytes  # param.grad live at the trace's peak, at the compute precision
-    optimizer, master, comm = _ADAM_MOMENTS * _FP32 * n, 0, 0
+    optimizer, master, comm = c.moment_bytes * n, 0, 0
     activations, end = trace.activation_bytes, 0
     if c.plugin == "torch_ddp":  # fp32 parameters; DDP's buckets hold a second copy of every gradient
         parameters, comm = _FP32 * n, _FP32 * n
@@ -119,7 +119,7 @@ def _for_stage(
         parameters = w * n
         master = _FP32 * n if c.half_precision else 0
         if c.stage >= 1:
-            optimizer = _shard(c, n, e, _ADAM_MOMENTS * _FP32)
+            optimizer = _shard(c, n, e, c.moment_bytes)
             master = _shard(c, n, e, _FP32) if c.half_precision else 0
         if c.plugin == "gemini":  # this rank's chunk shards; the gathered chunks in use take the gradients
             parameters, gradients, comm = w * n // dp, 0, w * n

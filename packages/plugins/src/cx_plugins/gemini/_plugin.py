@@ -50,6 +50,7 @@ from cx_zero import (
     GeminiOptions,
     LossScaleOptions,
     Precision,
+    parse_states_dtype,
 )
 
 __all__ = ["GeminiPlugin"]
@@ -163,6 +164,7 @@ class GeminiPlugin(ZeroPluginBase):
         use_fp8: bool = False,
         verbose: bool = False,
         fp8_communication: bool = False,
+        optimizer_states_dtype: str | torch.dtype = "fp32",
     ) -> None:
         super().__init__()
         switches = dict(
@@ -217,6 +219,7 @@ class GeminiPlugin(ZeroPluginBase):
                 ),
                 ClipOptions.of(max_norm, norm_type, name="GeminiPlugin: max_norm"),
                 gpu_margin_mem_ratio,
+                optimizer_states_dtype=parse_states_dtype(optimizer_states_dtype, "GeminiPlugin"),
             ),
             extra_dp_size=extra_dp_size,
             precision=resolved,

@@ -17,7 +17,7 @@ from cx_plugins.hybrid._options import (
 from cx_plugins.options._ddp import DDPOptions
 from cx_plugins.options._shardformer import ShardFormerOptions
 from cx_shardformer import GradientCheckpointConfig, Policy
-from cx_zero import LossScaleOptions
+from cx_zero import LossScaleOptions, parse_states_dtype
 
 __all__ = ["hybrid_options"]
 
@@ -71,6 +71,7 @@ def hybrid_options(
     inner_ring_size: int | None,
     fp8_communication: bool,
     use_fp8: bool,
+    optimizer_states_dtype: str | torch.dtype = "fp32",
 ) -> tuple[HybridParallelOptions, Policy | None]:
     """The plugin's typed option groups and its checked custom policy; `name` is the plugin the user built (errors
     name it)."""
@@ -123,6 +124,7 @@ def hybrid_options(
             overlap_communication=overlap_communication,
             overlap_allgather=overlap_allgather,
             fp8_communication=fp8_communication,
+            optimizer_states_dtype=parse_states_dtype(optimizer_states_dtype, name),
         ),
         pipeline=PipelineOptions(
             style=parse_pipeline_style(pp_style, name),
@@ -144,3 +146,7 @@ def _refuse_unsupported(options: HybridParallelOptions, plugin: str) -> None:
     """Combinations cx has not built or tested, refused before anything is set up."""
     if options.zero.cpu_offload and options.zero.stage == 0:
         raise ValueError(f"{plugin}: cpu_offload offloads ZeRO's optimizer state: it needs zero_stage 1 or 2")
+    if options.zero.optimizer_states_dtype != torch.float32 and options.zero.stage == 0:
+        raise ValueError(
+            f"{plugin}: optimizer_states_dtype='bf16' is ZeRO's (cx_zero.Bf16StateAdam): it needs zero_stage 1 or 2"
+        )

@@ -107,6 +107,7 @@ def zero_optimizer(
             cpu_offload=o.zero.cpu_offload,
             overlap_allgather=o.zero.overlap_allgather,
             fp8_communication=o.zero.fp8_communication,
+            optimizer_states_dtype=o.zero.optimizer_states_dtype,
         ),
         module=module,
         tp_process_group=tp_group,

@@ -79,6 +79,7 @@ class ZeroOptions:
     overlap_communication: bool = True
     overlap_allgather: bool = False
     fp8_communication: bool = False  # zero_stage 0's gradient all-reduce, or cx-zero's buckets, in fp8
+    optimizer_states_dtype: torch.dtype = torch.float32  # Adam's moments in bf16 (cx_zero.Bf16StateAdam) for ZeRO
 
 
 @dataclass(frozen=True)

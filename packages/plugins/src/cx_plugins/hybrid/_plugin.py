@@ -102,6 +102,7 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
         inner_ring_size: int | None = None,
         fp8_communication: bool = False,
         use_fp8: bool = False,
+        optimizer_states_dtype: str | torch.dtype = "fp32",
     ) -> None:
         super().__init__()
         name = type(self).__name__  # errors name the plugin the user built (MoeHybridParallelPlugin extends this one)
@@ -154,6 +155,7 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
             inner_ring_size=inner_ring_size,
             fp8_communication=fp8_communication,
             use_fp8=use_fp8,
+            optimizer_states_dtype=optimizer_states_dtype,
         )
         self.options = options
         self.custom_policy = custom_policy

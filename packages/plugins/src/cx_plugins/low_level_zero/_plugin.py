@@ -4,6 +4,7 @@ The plugin only composes: turn ColossalAI's flat arguments into cx-zero's option
 (extra_dp, zero) layout, cast the model to the training precision, wrap the optimizer. The algorithm lives in
 cx-zero. `use_fp8` swaps the model's eligible plain `nn.Linear` layers for `cx_mesh.fp8.Fp8Linear` before casting;
 `fp8_communication` is the engine's own option (fp8 gradient reduce-scatter and parameter all-gather).
+`optimizer_states_dtype="bf16"` keeps Adam's moments in bf16 with stochastic rounding (cx_zero.Bf16StateAdam).
 """
 
 from __future__ import annotations
@@ -31,7 +32,15 @@ from cx_plugins.fp8._use_fp8 import convert_linears_to_fp8
 from cx_plugins.low_level_zero._checkpoint_io import ZeroCheckpointIO
 from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
 from cx_plugins.wrappers._zero import CastModel, ZeroOptimizerWrapper
-from cx_zero import ClipOptions, LossScaleOptions, LowLevelZeroOptimizer, LowLevelZeroOptions, Precision, ZeroStage
+from cx_zero import (
+    ClipOptions,
+    LossScaleOptions,
+    LowLevelZeroOptimizer,
+    LowLevelZeroOptions,
+    Precision,
+    ZeroStage,
+    parse_states_dtype,
+)
 
 __all__ = ["LowLevelZeroPlugin", "LowLevelZeroPluginOptions"]
 
@@ -79,6 +88,7 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         fp8_communication: bool = False,
         use_fp8: bool = False,
         extra_dp_size: int = 1,
+        optimizer_states_dtype: str | torch.dtype = "fp32",
     ) -> None:
         super().__init__()
         if stage not in (1, 2):
@@ -101,6 +111,7 @@ class LowLevelZeroPlugin(ZeroPluginBase):
                 master_weights=master_weights,
                 overlap_allgather=overlap_allgather,
                 fp8_communication=fp8_communication,
+                optimizer_states_dtype=parse_states_dtype(optimizer_states_dtype, "LowLevelZeroPlugin"),
             ),
             cast_inputs=cast_inputs,
             extra_dp_size=extra_dp_size,

@@ -95,6 +95,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         overlap_allgather: bool = False,
         fp8_communication: bool = False,
         use_fp8: bool = False,
+        optimizer_states_dtype: str | torch.dtype = "fp32",
     ) -> None:
         if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
             raise ValueError(f"{_NAME}: ep_size must be a positive integer, got {ep_size!r}")
@@ -150,6 +151,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
             overlap_allgather=overlap_allgather,
             fp8_communication=fp8_communication,
             use_fp8=use_fp8,
+            optimizer_states_dtype=optimizer_states_dtype,
         )
 
     # ---- layout ---------------------------------------------------------------------------------------------------

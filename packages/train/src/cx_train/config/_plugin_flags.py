@@ -1,7 +1,7 @@
 """cx-train's plugin switches (sequence-parallel mode, fp8, sequence overlap, fused kernels, Gemini placement, CPU
-offload, the optimizer, LoRA) as argument groups of `_parser`'s parser, with no heavy import; which plugin takes
-which switch is checked in `plugin_switch_problem`, before any process starts, each refusal naming the flag and the
-plugins that take it."""
+offload, the optimizer and its states' dtype, LoRA) as argument groups of `_parser`'s parser, with no heavy import;
+which plugin takes which switch is checked in `plugin_switch_problem`, before any process starts, each refusal naming
+the flag and the plugins that take it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "OPTIMIZERS",
+    "OPTIMIZER_STATES_DTYPES",
     "PLACEMENTS",
     "SP_MODES",
     "LoraSettings",
@@ -25,10 +26,12 @@ SP_AXIS_MODES = ("all_to_all", "ring_attn")  # their own --sp axis; split_gather
 PLACEMENTS = ("static", "auto")  # GeminiPlugin's placement_policy
 FSDP_WRAPS = ("block", "model")  # TorchFSDPPlugin: each decoder layer its own unit, or one root unit
 OPTIMIZERS = ("adamw", "hybrid_adam", "fused_adam", "cpu_adam")  # torch's AdamW and cx-zero's fused Adam(W)s
+OPTIMIZER_STATES_DTYPES = ("fp32", "bf16")  # cx_plan.OPTIMIZER_STATES_DTYPES, the ZeRO plugins' optimizer_states_dtype
 _HYBRID = ("hybrid", "moe_hybrid")
 _FP8 = ("low_level_zero", "gemini", *_HYBRID)  # plugins with use_fp8
 _FP8_COMMUNICATION = ("torch_ddp", *_FP8)  # plugins with fp8_communication
 _CPU_OFFLOAD = ("low_level_zero", *_HYBRID)  # ZeRO 1/2 optimizer states on the CPU
+_STATES_DTYPE = ("low_level_zero", "gemini", *_HYBRID)  # optimizer_states_dtype: ZeRO 1/2 and Gemini's optimizers
 _LORA = ("torch_ddp", "low_level_zero", "hybrid", "gemini")  # plugins whose support_lora() is True
 _MERGE_LORA = ("torch_ddp", "low_level_zero")  # --merge-lora merges on one rank's full weights
 DEFAULT_LORA_TARGETS = "all-linear"  # peft: every linear layer but the output head
@@ -51,6 +54,7 @@ class PluginSwitches:
     cpu_offload: bool = False
     fsdp_wrap: str = "block"
     checkpoint_ratio: float | None = None  # None: --activation-checkpointing's all or nothing
+    optimizer_states_dtype: str = "fp32"  # "bf16": Adam's moments in bf16 with stochastic rounding (ZeRO plugins)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ def plugin_switches(args: argparse.Namespace) -> PluginSwitches:
         cpu_offload=args.cpu_offload,
         fsdp_wrap=args.fsdp_wrap or "block",
         checkpoint_ratio=args.activation_checkpointing_ratio,
+        optimizer_states_dtype=args.optimizer_states_dtype,
     )
 
 
@@ -210,6 +215,13 @@ def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
         help="adamw: torch's AdamW; hybrid_adam / fused_adam / cpu_adam: cx-zero's fused Adam(W) (the same "
         "update; cpu_adam steps parameters that live on the CPU, as with --cpu-offload)",
     )
+    switches.add_argument(
+        "--optimizer-states-dtype",
+        choices=OPTIMIZER_STATES_DTYPES,
+        default="fp32",
+        help="Adam's moments between steps (optimizer_states_dtype): bf16 halves their memory, stored with "
+        "stochastic rounding; low_level_zero, gemini, or hybrid / moe_hybrid with --zero 1 or 2",
+    )
     lora = parser.add_argument_group(
         "LoRA (peft; --plugin torch_ddp, low_level_zero, hybrid or gemini, transformers models)"
     )
@@ -303,6 +315,12 @@ def plugin_switch_problem(args: argparse.Namespace) -> str | None:
             return _not_for("--cpu-offload", plugin, _CPU_OFFLOAD)
         if plugin in _HYBRID and args.zero not in (1, 2):
             return f"--cpu-offload offloads ZeRO 1/2 optimizer states: --plugin {plugin} needs --zero 1 or 2"
+    if args.optimizer_states_dtype != "fp32":
+        flag = f"--optimizer-states-dtype {args.optimizer_states_dtype}"
+        if plugin not in _STATES_DTYPE:
+            return _not_for(flag, plugin, _STATES_DTYPE) + " (its optimizer keeps fp32 moments)"
+        if plugin in _HYBRID and args.zero not in (1, 2):
+            return f"{flag} is ZeRO's optimizer option: --plugin {plugin} needs --zero 1 or 2"
     return _lora_problem(args)
 
 

@@ -57,6 +57,7 @@ def plan_candidate(options: TrainOptions, world_size: int) -> Candidate:
         cpu_offload=switches.cpu_offload,
         fsdp_wrap=switches.fsdp_wrap if options.plugin == "torch_fsdp" else "model",  # by default each decoder layer
         precision=options.precision,
+        optimizer_states_dtype=switches.optimizer_states_dtype,
     )
 
 

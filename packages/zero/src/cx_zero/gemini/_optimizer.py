@@ -23,6 +23,7 @@ from torch import nn
 
 from cx_chunk import AutoPlacementPolicy, Chunk, Residence
 from cx_mesh import ProcessGroup, get_dist_logger
+from cx_zero._bf16_states import Bf16StateAdam, require_bf16_capable
 from cx_zero._clipping import ClipOptions
 from cx_zero._elementwise import require_elementwise
 from cx_zero._grad_scaler import BaseGradScaler
@@ -87,6 +88,9 @@ class GeminiOptimizer(GeminiOptimizerStateMixin):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"GeminiOptimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
         require_elementwise(optimizer, "GeminiOptimizer")
+        bf16_states = options.optimizer_states_dtype == torch.bfloat16
+        if bf16_states:
+            require_bf16_capable(optimizer, "GeminiOptimizer(optimizer_states_dtype=bf16)")
         if options.gpu_margin_mem_ratio > 0 and not isinstance(module.policy, AutoPlacementPolicy):
             raise ValueError(
                 f"GeminiOptimizer: gpu_margin_mem_ratio={options.gpu_margin_mem_ratio} applies to "
@@ -127,6 +131,16 @@ class GeminiOptimizer(GeminiOptimizerStateMixin):
                         state[key] = self._own_part(entry, value)
                 optimizer.state[entry.holder] = state
         self._unbind()
+        self._bf16_states = None
+        if bf16_states:
+            if any(entry.holder.dtype != torch.float32 for entry in self._entries):
+                raise ValueError(
+                    "GeminiOptimizer: optimizer_states_dtype=bf16 steps fp32 master weights: keep master_weights=True"
+                )
+            # each rank's shard of a parameter draws its own rounding bits (`_bf16_states`)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            salts = {id(entry.holder): i * 1_000_033 + rank for i, entry in enumerate(self._entries)}
+            self._bf16_states = Bf16StateAdam(optimizer, options.stochastic_rounding_seed, salts)
         if verbose:
             get_dist_logger("cx_zero.gemini").info(
                 f"GeminiOptimizer: {type(optimizer).__name__} over {len(self._entries)} parameters, "
@@ -339,7 +353,10 @@ class GeminiOptimizer(GeminiOptimizerStateMixin):
                 torch._foreach_mul_([g for _, g in grads], coefficient)
         for entry, grad in grads:
             entry.holder.grad = grad
-        self.optim.step()
+        if self._bf16_states is not None:
+            self._bf16_states.step()
+        else:
+            self.optim.step()
         for entry in self._entries:
             entry.holder.grad = None
         if self.gpu_margin_mem_ratio > 0 and self.device_optimizer_chunks is None:

@@ -13,6 +13,7 @@ import torch
 
 from cx_checkpoint import OptimizerMeta, TensorSpec, optimizer_tensor_name
 from cx_chunk import ChunkManager
+from cx_zero._bf16_states import MOMENT_KEYS, Bf16StateAdam
 from cx_zero._grad_scaler import BaseGradScaler
 from cx_zero.gemini._ddp import GeminiDDP
 from cx_zero.gemini._shards import ShardEntry, full_states, own_part
@@ -32,6 +33,7 @@ class GeminiOptimizerStateMixin:
     _entries: list[ShardEntry]
     _by_name: dict[str, ShardEntry]
     _scalars_on_device: dict[int, bool] | None
+    _bf16_states: Bf16StateAdam | None
     _bind: Callable[[], object]  # point the placeholders at their work slices ...
     _unbind: Callable[[], None]  # ... and back at empty storage
 
@@ -108,8 +110,22 @@ class GeminiOptimizerStateMixin:
                 state[key] = self._own_part(entry, value)
             self.optim.state[entry.holder] = state
         self._unbind()
+        self._settle_moment_dtypes()
         if "grad_scaler" in state_dict:
             self.scaler.load_state_dict(dict(state_dict["grad_scaler"]))
+
+    def _settle_moment_dtypes(self) -> None:
+        """Loaded Adam moments in the dtype this optimizer keeps: bf16 with `optimizer_states_dtype=bf16` (fp32
+        ones from a checkpoint rounded to nearest), else the master's (bf16 ones cast exactly, as torch does)."""
+        if self._bf16_states is not None:
+            self._bf16_states.to_bf16()
+            return
+        for entry in self._entries:
+            state = self.optim.state.get(entry.holder, {})
+            for key in MOMENT_KEYS:
+                value = state.get(key)
+                if isinstance(value, torch.Tensor) and value.dtype != entry.holder.dtype:
+                    state[key] = value.to(entry.holder.dtype)
 
     def _own_part(self, entry: ShardEntry, value: Any) -> Any:
         if self._scalars_on_device is None:  # per placeholder: does its group keep scalar state on the device
@@ -164,5 +180,6 @@ class GeminiOptimizerStateMixin:
             for key in list(self.optim.state.get(entry.holder, {})):
                 if optimizer_tensor_name(entry.name, str(key)) == name:
                     self.optim.state[entry.holder][key] = self._own_part(entry, tensor)
+                    self._settle_moment_dtypes()
                     return
         raise KeyError(f"GeminiOptimizer.receive: no optimizer state tensor named {name!r}")

@@ -274,8 +274,16 @@ class GeminiOptimizerOptions:
     loss_scale: LossScaleOptions = field(default_factory=LossScaleOptions)
     clipping: ClipOptions = field(default_factory=ClipOptions)
     gpu_margin_mem_ratio: float = 0.0
+    optimizer_states_dtype: torch.dtype = torch.float32
+    """Adam's moments in fp32 or bf16 with stochastic rounding (`cx_zero.Bf16StateAdam`): half their bytes."""
+    stochastic_rounding_seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.optimizer_states_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                "GeminiOptimizer: optimizer_states_dtype must be float32 or bfloat16, "
+                f"got {self.optimizer_states_dtype}"
+            )
         if not 0.0 <= self.gpu_margin_mem_ratio <= 1.0:
             raise ValueError(
                 f"GeminiOptimizer: gpu_margin_mem_ratio must be in [0, 1], got {self.gpu_margin_mem_ratio}"
