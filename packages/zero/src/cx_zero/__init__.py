@@ -10,12 +10,21 @@
 - Shared with Gemini: `DynamicGradScaler` / `ConstantGradScaler` (loss scaling), `compute_grad_norm` /
   `clip_grad_norm_` (norm over exactly the given groups), `has_inf_or_nan` / `any_across_groups` (overflow),
   `HybridAdam` / `CPUAdam` / `FusedAdam` (fused Adam(W), fast on CPU shards), `require_elementwise` (which
-  optimizers may step on flat shards).
+  optimizers may step on flat shards), `needs_whole_tensors` / `declare_whole_tensor` (optimizers such as torch's
+  Muon that must step each parameter whole).
 """
 
 from cx_zero._adam import CPUAdam, HybridAdam
 from cx_zero._clipping import ClipOptions
-from cx_zero._elementwise import ELEMENTWISE_OPTIMIZERS, require_elementwise
+from cx_zero._elementwise import (
+    ELEMENTWISE_OPTIMIZERS,
+    WHOLE_TENSOR_OPTIMIZERS,
+    declare_whole_tensor,
+    is_elementwise,
+    needs_whole_tensors,
+    require_elementwise,
+    require_elementwise_or_whole,
+)
 from cx_zero._fused_adam import FusedAdam
 from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
 from cx_zero._loss_scale import LossScaleOptions
@@ -69,5 +78,10 @@ __all__ = [
     "FusedAdam",
     "HybridAdam",
     "ELEMENTWISE_OPTIMIZERS",
+    "WHOLE_TENSOR_OPTIMIZERS",
+    "declare_whole_tensor",
+    "is_elementwise",
+    "needs_whole_tensors",
     "require_elementwise",
+    "require_elementwise_or_whole",
 ]

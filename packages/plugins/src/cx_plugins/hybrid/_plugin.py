@@ -43,6 +43,7 @@ from cx_plugins.hybrid._groups import LayoutAttributes
 from cx_plugins.hybrid._init_agreement import agree_initial_states
 from cx_plugins.hybrid._model import ComposedModel, HybridParallelModule, broadcast_states, compose_model
 from cx_plugins.hybrid._optimizer import HybridParallelOptimizer, HybridZeroOptimizer
+from cx_plugins.hybrid._optimizer_kind import refuse_whole_tensor_on_slices
 from cx_plugins.hybrid._options import HybridParallelOptions, SequenceParallelism
 from cx_plugins.lazy._context import LazyModel, is_lazy
 from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
@@ -275,6 +276,7 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
         """zero_stage 0: gradients reduced at the step over the gradient group; 1/2: cx-zero's LowLevelZeroOptimizer.
         Remembered for the checkpoint IO."""
         o = self.options
+        self._check_optimizer_kind(optimizer, composed)
         grad_group = self._gradient_group()
         wrapped: HybridOptimizer
         if o.zero.stage == 0:
@@ -307,6 +309,10 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
         return BatchCheck(self.layout.group(*axes), self.layout.ranks(*axes), names, type(self).__name__)
 
     # ---- hooks a subclass (MoeHybridParallelPlugin) overrides -------------------------------------------------
+    def _check_optimizer_kind(self, optimizer: Optimizer, composed: ComposedModel) -> None:
+        """Refuse an optimizer that is not elementwise over tensor-parallel slices (`_optimizer_kind`)."""
+        refuse_whole_tensor_on_slices(optimizer, composed.names, type(self).__name__)
+
     def _broadcast_states(self, composed: ComposedModel, grad_group: ProcessGroup | None) -> None:
         """Start every data-parallel replica from the first one's parameters (and buffers)."""
         broadcast_states(composed.module, composed.held, grad_group, buffers=self.options.ddp.broadcast_buffers)
