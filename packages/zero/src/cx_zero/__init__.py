@@ -32,6 +32,7 @@ from cx_zero._low_level_optimizer import LowLevelZeroOptimizer
 from cx_zero._norm import NormType, clip_coefficient, clip_grad_norm_, compute_grad_norm, local_norm_term, reduce_norm
 from cx_zero._options import LowLevelZeroOptions, ZeroStage
 from cx_zero._overflow import any_across_groups, has_inf_or_nan
+from cx_zero._owners import assign_owners, update_cost
 from cx_zero._precision import Precision
 from cx_zero.gemini import (
     GeminiDDP,
@@ -84,4 +85,6 @@ __all__ = [
     "needs_whole_tensors",
     "require_elementwise",
     "require_elementwise_or_whole",
+    "assign_owners",
+    "update_cost",
 ]

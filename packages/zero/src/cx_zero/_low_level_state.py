@@ -18,6 +18,7 @@ from cx_zero._grad_scaler import BaseGradScaler
 from cx_zero._local import is_alias
 from cx_zero._partition import ParamShard, shard_of
 from cx_zero._state_dict import sharded_optimizer_state, state_bytes, stream_full_states
+from cx_zero._whole_step import WholeTensorStep
 
 __all__ = ["LowLevelStateMixin"]
 
@@ -35,6 +36,8 @@ class LowLevelStateMixin:
     _groups: list[ProcessGroup | None]
     _working_dtype: torch.dtype
     _master_dtype: torch.dtype
+    _whole: WholeTensorStep | None
+    _shard_of_optimizer_param: dict[int, ParamShard]  # id(tensor in the optimizer's param groups) -> its shard
     synchronize_working_params: Callable[[], None]  # finishes the deferred all-gathers (overlap_allgather)
 
     # ---- maps -----------------------------------------------------------------------------------------------
@@ -59,11 +62,12 @@ class LowLevelStateMixin:
                 if shard is not None and not is_alias(shard):  # a master that is the parameter is up to date
                     piece = shard_of(param.detach(), shard.group_size, shard.group_rank)
                     shard.master.copy_(piece.to(device=shard.master.device, dtype=shard.master.dtype))
+        if self._whole is not None:
+            self._whole.load_whole_masters()
 
     # ---- state dicts ----------------------------------------------------------------------------------------
     def _shard_groups(self) -> list[list[ParamShard]]:
-        masters = {id(s.master): s for s in self._shards}
-        return [[masters[id(m)] for m in group["params"]] for group in self.optim.param_groups]
+        return [[self._shard_of_optimizer_param[id(p)] for p in group["params"]] for group in self.optim.param_groups]
 
     def state_shard(
         self, prefix: str = "", max_shard_size: float = 1024, only_rank_0: bool = False
@@ -74,6 +78,7 @@ class LowLevelStateMixin:
         """
         if max_shard_size <= 0:
             raise ValueError(f"max_shard_size must be a positive number of MiB, got {max_shard_size}")
+        self._refuse_whole_state("saving")
         self.synchronize_working_params()
         keep = not only_rank_0 or dist.get_rank() == 0
         shards = [s for group in self._shard_groups() for s in group]
@@ -101,6 +106,7 @@ class LowLevelStateMixin:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a full state dict (by name, from any world size); each rank keeps its slices."""
+        self._refuse_whole_state("loading")
         self.synchronize_working_params()
         for key in ("state", "param_groups"):
             if key not in state_dict:
@@ -115,9 +121,18 @@ class LowLevelStateMixin:
         if "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(dict(state_dict["grad_scaler"]))
 
+    def _refuse_whole_state(self, what: str) -> None:
+        if self._whole is not None:
+            raise NotImplementedError(
+                f"LowLevelZeroOptimizer: {what} the state of {type(self.optim).__name__} (stepped whole on owner "
+                "ranks) is not supported yet; its momentum would be lost"
+            )
+
     def local_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for master shards and optimizer state (for memory accounting); a master that is the
         working parameter itself (one replica, same dtype) holds none of its own."""
         masters = sum(s.master.numel() * s.master.element_size() for s in self._shards if not is_alias(s))
+        if self._whole is not None:
+            masters += self._whole.master_bytes()
         state = sum(state_bytes(dict(v)) for v in self.optim.state.values())
         return {"master": masters, "optimizer_state": state}
