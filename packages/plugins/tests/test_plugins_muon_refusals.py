@@ -1,7 +1,8 @@
 """Plugins that would step an optimizer on slices of a matrix refuse one that is not known to be elementwise, by
 name, at boost, on every rank: torch's Muon (Newton-Schulz needs each matrix whole) and an optimizer of an unknown
-class. Today HybridParallelPlugin with tp 2 would otherwise train silently wrong (each rank orthogonalising its own
-slice), TorchFSDPPlugin too (FSDP2 steps the DTensor's local rows), and MoeHybridParallelPlugin slices experts."""
+class. Otherwise HybridParallelPlugin with tp 2 and ZeRO would train silently wrong (each rank orthogonalising its own
+slice), TorchFSDPPlugin too (FSDP2 steps the DTensor's local rows: 0.056 off after 3 steps at lr 0.05, measured),
+and MoeHybridParallelPlugin slices experts. HybridParallelPlugin at zero_stage 0 gathers whole matrices instead."""
 
 from __future__ import annotations
 
@@ -57,9 +58,9 @@ def _linears() -> nn.Module:
 
 @distributed(world_size=2)
 def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: int) -> None:
-    for zero_stage in (0, 1):
-        tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=zero_stage)
-        _refused(tp, lambda: llama(layers=1), _muon, r"HybridParallelPlugin: Muon needs each matrix whole.*slice")
+    # zero_stage 0 steps Muon on whole matrices (test_plugins_hybrid_muon.py); ZeRO over tp slices does not
+    tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=1)
+    _refused(tp, lambda: llama(layers=1), _muon, r"HybridParallelPlugin: Muon needs each matrix whole.*slice")
     tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32")
     _refused(tp, lambda: llama(layers=1), _foreign, r"HybridParallelPlugin: _Foreign is not known to be elementwise")
     moe = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32")

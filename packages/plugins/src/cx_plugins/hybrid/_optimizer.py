@@ -33,8 +33,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from cx_mesh import ProcessGroup, all_reduce
 from cx_mesh.fp8 import all_reduce_fp8
+from cx_plugins.hybrid._tp_whole import TensorParallelWholeStep
 from cx_plugins.wrappers._base import OptimizerWrapper, finite_or_raise
 from cx_plugins.wrappers._zero import ZeroOptimizerWrapper
+from cx_shardformer import get_shard_spec
 from cx_zero import BaseGradScaler, LossScaleOptions, NormType, clip_coefficient, reduce_norm
 
 __all__ = ["HybridParallelOptimizer", "HybridZeroOptimizer", "weighted_norm_term"]
@@ -72,6 +74,7 @@ class HybridParallelOptimizer(OptimizerWrapper):
         bucket_cap_mb: float,
         reduce_groups: Mapping[int, ProcessGroup | None] | None = None,
         fp8_communication: bool = False,
+        whole_tensors_over: ProcessGroup | None = None,
     ) -> None:
         super().__init__(optimizer)
         if optimizer.state:
@@ -105,6 +108,11 @@ class HybridParallelOptimizer(OptimizerWrapper):
         self._fp8 = fp8_communication  # the averaging all-reduce in fp8 (E5M2, cx_mesh.fp8)
         self._reduced = False
         self._grad_norm: float | None = None
+        # a matrix-wise optimizer (Muon) over tp slices: whole matrices stepped on owner ranks (`_tp_whole`)
+        self._tp_whole: TensorParallelWholeStep | None = None
+        if whole_tensors_over is not None:
+            sliced = [(self._master_of[id(p)], spec) for p in self._working if (spec := get_shard_spec(p)) is not None]
+            self._tp_whole = TensorParallelWholeStep(optimizer, sliced, whole_tensors_over)
 
     # ---- backward -----------------------------------------------------------------------------------------------
     def backward(
@@ -213,7 +221,11 @@ class HybridParallelOptimizer(OptimizerWrapper):
                 continue
             grad = param.grad.float() if self._mixed else param.grad
             master.grad = grad.mul_(factor) if factor != 1.0 else grad
+        if self._tp_whole is not None:
+            self._tp_whole.gather_grads()
         self.optim.step()
+        if self._tp_whole is not None:
+            self._tp_whole.scatter_masters()
         if self._mixed:
             with torch.no_grad():
                 for param in self._working:
@@ -288,10 +300,18 @@ class HybridParallelOptimizer(OptimizerWrapper):
                 if master is not param:
                     master.copy_(param)
 
+    def _refuse_whole_state(self, what: str) -> None:
+        if self._tp_whole is not None:
+            raise NotImplementedError(
+                f"{what} the state of {type(self.optim).__name__} stepped on whole matrices over tensor-parallel "
+                "slices is not supported yet; its momentum would be lost"
+            )
+
     # ---- state by parameter name (checkpoint IO's face) ------------------------------------------------------
     def state_dict_by_name(self) -> dict[str, Any]:
         """This rank's optimizer state keyed by parameter name (local tp shards; no communication), the param
         groups by name and the loss scaler, in LowLevelZeroOptimizer.state_dict()'s layout."""
+        self._refuse_whole_state("saving")
         by_master = {id(self._master_of[id(p)]): self._names[id(p)] for p in self._working}
         state: dict[str, dict[str, Any]] = {}
         for param in self._working:
@@ -312,6 +332,7 @@ class HybridParallelOptimizer(OptimizerWrapper):
 
     def load_state_dict_by_name(self, state_dict: Mapping[str, Any]) -> None:
         """Load what `state_dict_by_name` produced (with this rank's tp shards) into the torch optimizer."""
+        self._refuse_whole_state("loading")
         for key in ("state", "param_groups"):
             if key not in state_dict:
                 raise KeyError(f"optimizer state dict needs a {key!r} entry, got {sorted(state_dict)}")

@@ -6,7 +6,8 @@ whole (torch's Muon: Newton-Schulz orthogonalises the matrix) would orthogonalis
 silently wrong. Those are refused at boost, on every rank (the split is the same everywhere), before any step,
 naming the first split parameters; unknown optimizers too, since nothing says their update is elementwise.
 Parameters that are not split (tp 1, or only replicated parameters in the optimizer) are stepped whole: any
-optimizer is fine there.
+optimizer is fine there. A whole-tensor optimizer (Muon) at zero_stage 0 is not refused: `_tp_whole` gathers each
+split matrix to an owner rank; ZeRO over tp slices does not, so zero_stage 1/2 with tp > 1 refuses it.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def refuse_whole_tensor_on_slices(optimizer: Optimizer, names: Mapping[int, str]
     raise TypeError(
         f"{plugin}: {type(optimizer).__name__} {kind}, but tensor parallelism gives each rank a slice of "
         f"{len(sliced)} of its parameters (e.g. {sliced[:3]}), so it would step each slice on its own and train "
-        f"silently wrong; use tp_size=1 (data, pipeline or ZeRO parallelism step whole matrices) or an elementwise "
-        f"optimizer ({accepted})"
+        f"silently wrong; a whole-tensor optimizer (torch's Muon, cx_zero.declare_whole_tensor) is stepped on whole "
+        f"matrices with zero_stage=0 or tp_size=1; otherwise use an elementwise optimizer ({accepted})"
     )
 
 
