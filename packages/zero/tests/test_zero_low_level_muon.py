@@ -50,7 +50,7 @@ def _batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(PER_RANK * world_size, 3, generator=generator)
 
 
-def _reference(world_size: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _reference(world_size: int) -> nn.Module:
     model = _model()
     optimizer = _muon(model)
     for step in range(STEPS):
@@ -58,15 +58,15 @@ def _reference(world_size: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
-    return model, optimizer
+    return model
 
 
-def assert_muon_close(model: nn.Module, reference: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def assert_muon_close(model: nn.Module, reference: nn.Module) -> None:
     """Every parameter within `FLIP_BOUND` effective steps of the reference's (module docs)."""
-    lrs = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
-    for (name, mine), want in zip(model.named_parameters(), reference.parameters(), strict=True):
+    lrs = (2 * LR, LR, LR)  # `_muon`'s groups
+    for (name, mine), want, lr in zip(model.named_parameters(), reference.parameters(), lrs, strict=True):
         rows, cols = want.shape
-        step = lrs[id(want)] * math.sqrt(max(1.0, rows / cols))
+        step = lr * math.sqrt(max(1.0, rows / cols))
         torch.testing.assert_close(mine.detach(), want.detach(), rtol=0, atol=FLIP_BOUND * step, msg=name)
 
 
@@ -81,8 +81,7 @@ def test_zero_muon_matches_one_process(rank: int, world_size: int, stage: int) -
         optimizer.backward(nn.functional.mse_loss(model(x[mine]), y[mine]))
         optimizer.step()
         optimizer.zero_grad()
-    reference, reference_optimizer = _reference(world_size)
-    assert_muon_close(model, reference, reference_optimizer)
+    assert_muon_close(model, _reference(world_size))
     # the momentum is sharded by matrix: each of the 3 matrices' buffers lives whole on exactly one rank
     buffers = [s["momentum_buffer"] for s in optimizer.optim.state.values()]
     assert all(b.dim() == 2 for b in buffers)
@@ -122,3 +121,65 @@ def test_zero_owners_balance_newton_schulz_cost() -> None:
     assert assign_owners(shapes, 2) == [0, 1, 1, 1, 1]  # the 64 x 64 outweighs all the others together
     assert assign_owners([(32, 32)] * 4 + [(16, 16)] * 2, 2) == [0, 1, 0, 1, 0, 1]  # equal costs alternate
     assert assign_owners([(4, 4)], 3) == [0]  # more ranks than matrices: some own nothing
+
+
+def _trained(rank: int, world_size: int, steps: int, dtype: torch.dtype, stage: int, group: dist.ProcessGroup | None,
+             model: nn.Module | None = None) -> tuple[nn.Module, LowLevelZeroOptimizer]:  # fmt: skip
+    """A model (given, or fresh) under LowLevelZero + Muon over `group`, trained `steps` steps from step 0."""
+    model = _model().to(dtype) if model is None else model
+    optimizer = LowLevelZeroOptimizer(_muon(model), partition_grad=stage == 2, dp_process_group=group, module=model)
+    _train(rank, world_size, model, optimizer, range(steps), dtype)
+    return model, optimizer
+
+
+def _train(rank: int, world_size: int, model: nn.Module, optimizer: LowLevelZeroOptimizer, steps: range,
+           dtype: torch.dtype) -> None:  # fmt: skip
+    for step in steps:
+        x, y = _batch(step, 2)  # the global batch of dp 2; a dp-1 group trains on all of it
+        share = 2 * PER_RANK // world_size
+        mine = slice(rank * share, (rank + 1) * share)
+        optimizer.backward(nn.functional.mse_loss(model(x[mine].to(dtype)).float(), y[mine]))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize(("dtype", "stage"), [(torch.float32, 2), (torch.bfloat16, 1)])
+def test_zero_muon_state_round_trip_resumes_bit_exactly(
+    rank: int, world_size: int, dtype: torch.dtype, stage: int
+) -> None:
+    """Momentum (whole, on its owner) and, in bf16, the fp32 masters saved by name and loaded into a fresh optimizer:
+    the next step is bit-identical to the uninterrupted run's."""
+    straight, straight_optimizer = _trained(rank, world_size, 2, dtype, stage, None)
+    saved = straight_optimizer.state_dict()
+    assert {k for v in saved["state"].values() for k in v} == (
+        {"momentum_buffer"} if dtype == torch.float32 else {"momentum_buffer", "master_weight"}
+    )
+    assert all(
+        v["momentum_buffer"].shape == p.shape
+        for (_, p), v in zip(straight.named_parameters(), saved["state"].values(), strict=True)
+    )
+    resumed = _model().to(dtype)
+    resumed.load_state_dict(straight.state_dict())
+    resumed_optimizer = LowLevelZeroOptimizer(_muon(resumed), partition_grad=stage == 2, module=resumed)
+    resumed_optimizer.load_state_dict(saved)
+    for model, optimizer in ((straight, straight_optimizer), (resumed, resumed_optimizer)):
+        _train(rank, world_size, model, optimizer, range(2, 3), dtype)
+    for (name, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+@distributed(world_size=2)
+def test_zero_muon_state_saved_at_dp2_continues_at_dp1(rank: int, world_size: int) -> None:
+    """The full-by-name state of dp 2 loads into dp 1 (each rank its own one-replica group, the momentum then a
+    view-stepped whole on every rank) and continues like dp 2 within the Newton-Schulz bound."""
+    straight, straight_optimizer = _trained(rank, world_size, 2, torch.float32, 2, None)
+    saved = straight_optimizer.state_dict()
+    alone = [dist.new_group([r]) for r in range(world_size)][rank]
+    single = _model()
+    single.load_state_dict(straight.state_dict())
+    single_optimizer = LowLevelZeroOptimizer(_muon(single), dp_process_group=alone, module=single)
+    single_optimizer.load_state_dict(saved)
+    _train(rank, world_size, straight, straight_optimizer, range(2, 3), torch.float32)
+    _train(0, 1, single, single_optimizer, range(2, 3), torch.float32)
+    assert_muon_close(single, straight)

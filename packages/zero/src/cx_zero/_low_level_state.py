@@ -18,6 +18,7 @@ from cx_zero._grad_scaler import BaseGradScaler
 from cx_zero._local import is_alias
 from cx_zero._partition import ParamShard, shard_of
 from cx_zero._state_dict import sharded_optimizer_state, state_bytes, stream_full_states
+from cx_zero._whole_state import stream_whole_states, whole_optimizer_state
 from cx_zero._whole_step import WholeTensorStep
 
 __all__ = ["LowLevelStateMixin"]
@@ -78,12 +79,16 @@ class LowLevelStateMixin:
         """
         if max_shard_size <= 0:
             raise ValueError(f"max_shard_size must be a positive number of MiB, got {max_shard_size}")
-        self._refuse_whole_state("saving")
         self.synchronize_working_params()
         keep = not only_rank_0 or dist.get_rank() == 0
         shards = [s for group in self._shard_groups() for s in group]
         limit = int(max_shard_size * _MIB)
         include_master = self._master_dtype != self._working_dtype  # mixed precision: resume from fp32 masters
+        if self._whole is not None:  # each state whole on its owner (`_whole_state`)
+            yield from stream_whole_states(
+                shards, self.optim, self._whole, self._groups, prefix, limit, keep, include_master
+            )
+            return
         yield from stream_full_states(shards, self.optim, self._groups, prefix, limit, keep, include_master)
 
     def state_dict(self) -> dict[str, Any]:
@@ -106,27 +111,37 @@ class LowLevelStateMixin:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a full state dict (by name, from any world size); each rank keeps its slices."""
-        self._refuse_whole_state("loading")
         self.synchronize_working_params()
         for key in ("state", "param_groups"):
             if key not in state_dict:
                 raise KeyError(f"optimizer state dict needs a {key!r} entry, got {sorted(state_dict)}")
-        inner, masters = sharded_optimizer_state(state_dict, self._shard_groups())
-        self.optim.load_state_dict(inner)
-        with torch.no_grad():
-            for shard in self._shards:
-                master = masters.get(id(shard.master))
-                if master is not None:
-                    shard.master.copy_(master.to(device=shard.master.device, dtype=shard.master.dtype))
+        if self._whole is not None:
+            self._load_whole_state(state_dict, self._whole)
+        else:
+            inner, masters = sharded_optimizer_state(state_dict, self._shard_groups())
+            self.optim.load_state_dict(inner)
+            with torch.no_grad():
+                for shard in self._shards:
+                    master = masters.get(id(shard.master))
+                    if master is not None:
+                        shard.master.copy_(master.to(device=shard.master.device, dtype=shard.master.dtype))
         if "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(dict(state_dict["grad_scaler"]))
 
-    def _refuse_whole_state(self, what: str) -> None:
-        if self._whole is not None:
-            raise NotImplementedError(
-                f"LowLevelZeroOptimizer: {what} the state of {type(self.optim).__name__} (stepped whole on owner "
-                "ranks) is not supported yet; its momentum would be lost"
-            )
+    def _load_whole_state(self, state_dict: Mapping[str, Any], whole: WholeTensorStep) -> None:
+        """A whole-tensor optimizer's load: states to their owners, full masters to the owners' whole masters and
+        sliced to every master shard (`_whole_state`)."""
+        inner, masters = whole_optimizer_state(state_dict, self._shard_groups(), whole)
+        self.optim.load_state_dict(inner)
+        with torch.no_grad():
+            for shard in self._shards:
+                master = masters.get(id(shard))
+                if master is None:
+                    continue
+                piece = shard_of(master.detach(), shard.group_size, shard.group_rank)
+                shard.master.copy_(piece.to(device=shard.master.device, dtype=shard.master.dtype))
+                if shard.group_size > 1 and whole.owns(shard):
+                    whole.whole[id(shard)].copy_(master.view(shard.working.shape).to(shard.master.dtype))
 
     def local_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for master shards and optimizer state (for memory accounting); a master that is the
