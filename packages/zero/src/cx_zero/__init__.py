@@ -34,6 +34,7 @@ from cx_zero._options import LowLevelZeroOptions, ZeroStage
 from cx_zero._overflow import any_across_groups, has_inf_or_nan
 from cx_zero._owners import assign_owners, update_cost
 from cx_zero._precision import Precision
+from cx_zero._whole_state import broadcast_state
 from cx_zero.gemini import (
     GeminiDDP,
     GeminiOptimizer,
@@ -86,5 +87,6 @@ __all__ = [
     "require_elementwise",
     "require_elementwise_or_whole",
     "assign_owners",
+    "broadcast_state",
     "update_cost",
 ]

@@ -22,7 +22,7 @@ from cx_zero._partition import ParamShard
 from cx_zero._state_dict import MASTER_KEY, check_group_names, state_bytes, state_key
 from cx_zero._whole_step import WholeTensorStep
 
-__all__ = ["stream_whole_states", "whole_optimizer_state"]
+__all__ = ["broadcast_state", "stream_whole_states", "whole_optimizer_state"]
 
 
 def _broadcast_text(text: str, group: ProcessGroup | None, owner: int) -> str:
@@ -65,7 +65,14 @@ def whole_full_state(
         state[MASTER_KEY] = tensor
     if shard.group_size == 1:
         return {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in sorted(state.items())}
-    header = _broadcast_text(_header(state) if mine else "", group, owner)
+    return broadcast_state(state if mine else None, group, owner)
+
+
+def broadcast_state(state: Mapping[str, Any] | None, group: ProcessGroup | None, owner: int) -> dict[str, Any]:
+    """The `owner`'s (group rank) `state` on every rank of `group`, tensors as fresh CPU copies: a JSON header
+    naming each entry (tensor dtype and shape, or a plain value), then one broadcast per tensor. Collective; `state`
+    is read on the owner only (None elsewhere)."""
+    header = _broadcast_text(_header(state) if state is not None else "", group, owner)
     device = communication_device(group)
     result: dict[str, Any] = {}
     for key, kind, *rest in json.loads(header):
@@ -73,9 +80,10 @@ def whole_full_state(
             result[key] = rest[0]
             continue
         dtype, shape = getattr(torch, rest[0]), rest[1]
-        if not mine:
-            state[key] = torch.empty(shape, dtype=dtype, device=device)  # the receiving buffer
-        buffer = state[key].detach().to(device).contiguous()
+        if state is not None:
+            buffer = state[key].detach().to(device).contiguous()
+        else:
+            buffer = torch.empty(shape, dtype=dtype, device=device)  # the receiving buffer
         dist.broadcast(buffer, group=group, group_src=owner)
         result[key] = buffer.detach().to("cpu", copy=True)
     return result

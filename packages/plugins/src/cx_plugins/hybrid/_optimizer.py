@@ -299,53 +299,57 @@ class HybridParallelOptimizer(OptimizerWrapper):
                 master = self._master_of[id(param)]
                 if master is not param:
                     master.copy_(param)
-
-    def _refuse_whole_state(self, what: str) -> None:
         if self._tp_whole is not None:
-            raise NotImplementedError(
-                f"{what} the state of {type(self.optim).__name__} stepped on whole matrices over tensor-parallel "
-                "slices is not supported yet; its momentum would be lost"
-            )
+            self._tp_whole.refresh_wholes()
 
     # ---- state by parameter name (checkpoint IO's face) ------------------------------------------------------
     def state_dict_by_name(self) -> dict[str, Any]:
         """This rank's optimizer state keyed by parameter name (local tp shards; no communication), the param
         groups by name and the loss scaler, in LowLevelZeroOptimizer.state_dict()'s layout."""
-        self._refuse_whole_state("saving")
         by_master = {id(self._master_of[id(p)]): self._names[id(p)] for p in self._working}
+        # a whole-tensor optimizer over tp slices: each rank's slice of the owner's state (collective over tp)
+        sliced = self._tp_whole.local_states(self.optim) if self._tp_whole is not None else {}
+        slice_of = self._tp_whole.master_of_whole() if self._tp_whole is not None else {}
         state: dict[str, dict[str, Any]] = {}
         for param in self._working:
             master = self._master_of[id(param)]
-            entry = {
-                k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                for k, v in self.optim.state.get(master, {}).items()
-            }
+            own = sliced[id(master)] if id(master) in sliced else self.optim.state.get(master, {})
+            entry = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in own.items()}
             if self._mixed:
                 entry[_MASTER_KEY] = master.detach().clone()
             if entry:
                 state[self._names[id(param)]] = entry
         groups = [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": [by_master[id(m)] for m in group["params"]]}
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [by_master[id(slice_of.get(id(m), m))] for m in group["params"]],
+            }
             for group in self.optim.param_groups
         ]
         return {"state": state, "param_groups": groups, "grad_scaler": self.grad_scaler.state_dict()}
 
     def load_state_dict_by_name(self, state_dict: Mapping[str, Any]) -> None:
         """Load what `state_dict_by_name` produced (with this rank's tp shards) into the torch optimizer."""
-        self._refuse_whole_state("loading")
         for key in ("state", "param_groups"):
             if key not in state_dict:
                 raise KeyError(f"optimizer state dict needs a {key!r} entry, got {sorted(state_dict)}")
         by_name = {self._names[id(p)]: self._master_of[id(p)] for p in self._working}
-        index: dict[int, int] = {}
+        slice_of = self._tp_whole.master_of_whole() if self._tp_whole is not None else {}
+        index: dict[int, int] = {}  # id(master slice) -> position in the param groups
+        whole_at: dict[int, int] = {}  # id(whole master) -> position (a whole-tensor optimizer over tp slices)
         inner_groups = []
         for group, saved in zip(self.optim.param_groups, state_dict["param_groups"], strict=True):
             ids = []
-            for master in group["params"]:
-                index[id(master)] = len(index)
-                ids.append(index[id(master)])
+            for tensor in group["params"]:
+                position = len(index)
+                index[id(slice_of.get(id(tensor), tensor))] = position
+                if id(tensor) in slice_of:
+                    whole_at[id(tensor)] = position
+                ids.append(position)
             inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
         inner_state: dict[int, dict[str, Any]] = {}
+        sliced: dict[int, dict[str, Any]] = {}  # id(master slice) -> its saved slice of a whole-tensor state
+        sliced_ids = {id(m) for m in slice_of.values()}
         for name, entry in state_dict["state"].items():
             master = by_name.get(name)
             if master is None:
@@ -355,7 +359,14 @@ class HybridParallelOptimizer(OptimizerWrapper):
             if saved_master is not None and self._mixed:
                 with torch.no_grad():
                     master.copy_(saved_master)
-            inner_state[index[id(master)]] = values
+            if id(master) in sliced_ids:
+                sliced[id(master)] = values
+            else:
+                inner_state[index[id(master)]] = values
+        if self._tp_whole is not None:
+            for whole_id, full in self._tp_whole.whole_states(sliced).items():
+                inner_state[whole_at[whole_id]] = full
+            self._tp_whole.refresh_wholes()
         self.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         if "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(dict(state_dict["grad_scaler"]))

@@ -9,18 +9,21 @@ dimension (`unshard_tensor`, fused q/k/v parts and vocabulary padding as the che
 steps its whole masters; each owner broadcasts its updated matrices over the tp group and every rank keeps its own
 slice (`shard_tensor`) as its master. Replicated parameters (norms, unsplit matrices) are stepped whole by every tp
 rank as before, identically. A parameter without a gradient (unused by the batch, so on every tp rank) is skipped.
+Checkpoints see each rank's slice of the owner's state (`local_states`), exactly the layout an elementwise optimizer
+has, and a load rebuilds the whole state on the owner (`whole_states`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from cx_mesh import ProcessGroup
 from cx_shardformer import ShardSpec, shard_tensor, unshard_tensor
-from cx_zero import assign_owners
+from cx_zero import assign_owners, broadcast_state
 
 __all__ = ["TensorParallelWholeStep"]
 
@@ -70,3 +73,48 @@ class TensorParallelWholeStep:
                 dist.broadcast(full, group=self.group, group_src=owner)
                 master.copy_(shard_tensor(full, spec, self.group))
                 whole.grad = None
+
+    # ---- state: each rank's slice of the owner's whole state, so checkpoints look like the elementwise case ----
+    def master_of_whole(self) -> dict[int, torch.Tensor]:
+        """id(whole master or placeholder in the param groups) -> this rank's master slice."""
+        return {id(whole): master for (master, _), whole in zip(self.sliced, self.whole, strict=True)}
+
+    def refresh_wholes(self) -> None:
+        """After the master slices changed (a model or optimizer load): the owners' whole masters gathered again
+        from them (collective over tp)."""
+        with torch.no_grad():
+            for (master, spec), owner, whole in zip(self.sliced, self.owners, self.whole, strict=True):
+                full = unshard_tensor(master, spec, self.group)
+                if owner == self.rank:
+                    whole.copy_(full)
+
+    def local_states(self, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+        """id(master slice) -> this rank's slice of its owner's state (entries shaped like the whole matrix are cut
+        as the parameter is; collective over tp, one broadcast per entry)."""
+        result: dict[int, dict[str, Any]] = {}
+        for (master, spec), owner, whole in zip(self.sliced, self.owners, self.whole, strict=True):
+            mine = dict(optimizer.state.get(whole, {})) if owner == self.rank else None
+            full = broadcast_state(mine, self.group, owner)
+            result[id(master)] = {
+                k: shard_tensor(v.to(master.device), spec, self.group).clone()
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == whole.shape
+                else v
+                for k, v in full.items()
+            }
+        return result
+
+    def whole_states(self, local: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
+        """id(whole master) -> its whole state rebuilt on the owner from every rank's slice in `local` (by id of
+        the master slice; the same entries on every tp rank, as one checkpoint gives them). Collective over tp."""
+        result: dict[int, dict[str, Any]] = {}
+        for (master, spec), owner, whole in zip(self.sliced, self.owners, self.whole, strict=True):
+            entry = dict(local.get(id(master), {}))
+            full: dict[str, Any] = {}
+            for key in sorted(entry):
+                value = entry[key]
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape:
+                    value = unshard_tensor(value.to(master.device), spec, self.group)
+                full[key] = value
+            if owner == self.rank and full:
+                result[id(whole)] = full
+        return result
