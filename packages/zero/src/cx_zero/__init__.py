@@ -10,13 +10,22 @@
 - Shared with Gemini: `DynamicGradScaler` / `ConstantGradScaler` (loss scaling), `compute_grad_norm` /
   `clip_grad_norm_` (norm over exactly the given groups), `has_inf_or_nan` / `any_across_groups` (overflow),
   `HybridAdam` / `CPUAdam` / `FusedAdam` (fused Adam(W), fast on CPU shards), `require_elementwise` (which
-  optimizers may step on flat shards).
+  optimizers may step on flat shards), `needs_whole_tensors` / `declare_whole_tensor` (optimizers such as torch's
+  Muon that must step each parameter whole).
 """
 
 from cx_zero._adam import CPUAdam, HybridAdam
 from cx_zero._bf16_states import BF16_STATE_OPTIMIZERS, Bf16StateAdam, stochastic_round_bf16
 from cx_zero._clipping import ClipOptions
-from cx_zero._elementwise import ELEMENTWISE_OPTIMIZERS, require_elementwise
+from cx_zero._elementwise import (
+    ELEMENTWISE_OPTIMIZERS,
+    WHOLE_TENSOR_OPTIMIZERS,
+    declare_whole_tensor,
+    is_elementwise,
+    needs_whole_tensors,
+    require_elementwise,
+    require_elementwise_or_whole,
+)
 from cx_zero._fused_adam import FusedAdam
 from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
 from cx_zero._loss_scale import LossScaleOptions
@@ -24,7 +33,9 @@ from cx_zero._low_level_optimizer import LowLevelZeroOptimizer
 from cx_zero._norm import NormType, clip_coefficient, clip_grad_norm_, compute_grad_norm, local_norm_term, reduce_norm
 from cx_zero._options import LowLevelZeroOptions, ZeroStage, parse_states_dtype
 from cx_zero._overflow import any_across_groups, has_inf_or_nan
+from cx_zero._owners import assign_owners, update_cost
 from cx_zero._precision import Precision
+from cx_zero._whole_state import broadcast_state
 from cx_zero.gemini import (
     GeminiDDP,
     GeminiOptimizer,
@@ -71,8 +82,16 @@ __all__ = [
     "FusedAdam",
     "HybridAdam",
     "ELEMENTWISE_OPTIMIZERS",
+    "WHOLE_TENSOR_OPTIMIZERS",
+    "declare_whole_tensor",
+    "is_elementwise",
+    "needs_whole_tensors",
     "require_elementwise",
+    "require_elementwise_or_whole",
     "BF16_STATE_OPTIMIZERS",
     "Bf16StateAdam",
     "stochastic_round_bf16",
+    "assign_owners",
+    "broadcast_state",
+    "update_cost",
 ]

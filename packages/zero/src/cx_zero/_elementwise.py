@@ -1,18 +1,35 @@
-"""Which optimizers may step on flat shards: only those whose update of an element depends on that element alone.
+"""Which optimizers may step on flat shards, and which need whole matrices.
 
-ZeRO (LowLevelZero and Gemini) hands the wrapped optimizer 1-D slices of each parameter, so an optimizer that looks
-at a whole matrix or a whole parameter (factored second moments, per-parameter trust ratios as in LAMB/LARS, line
-search, sparse gradients) would silently compute something else. Those are refused; unknown optimizer classes are
-refused too, naming the list.
+ZeRO (LowLevelZero and Gemini) hands the wrapped optimizer 1-D slices of each parameter, and tensor parallelism
+(HybridParallel) or FSDP hands it row or column slices, so an optimizer that looks at a whole matrix or a whole
+parameter (Muon's Newton-Schulz orthogonalisation, factored second moments, per-parameter trust ratios as in
+LAMB/LARS, line search, sparse gradients) would silently compute something else on them.
+
+Three kinds:
+- elementwise (`ELEMENTWISE_OPTIMIZERS`): may step on any slice;
+- whole-tensor (`WHOLE_TENSOR_OPTIMIZERS`, torch's `Muon`, or an instance the user passed to `declare_whole_tensor`):
+  correct only when each parameter is stepped whole; an engine that can gather each parameter to one rank (see
+  `_whole_step`) takes them, the others refuse them (`require_elementwise`);
+- anything else: unknown, refused everywhere parameters are sliced, naming both lists and how to declare one.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
 from cx_zero._adam import CPUAdam, HybridAdam
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "require_elementwise"]
+__all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
+    "WHOLE_TENSOR_OPTIMIZERS",
+    "declare_whole_tensor",
+    "is_elementwise",
+    "needs_whole_tensors",
+    "require_elementwise",
+    "require_elementwise_or_whole",
+]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -30,14 +47,62 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     HybridAdam,
 )
 
+WHOLE_TENSOR_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Muon,)
+
+_DECLARED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def declare_whole_tensor(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Mark `optimizer` as one whose update of a parameter needs the whole parameter (as Muon's does), so that the
+    engines that can step whole parameters on one owner rank take it; returns it."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"declare_whole_tensor takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _DECLARED.add(optimizer)
+    return optimizer
+
+
+def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is (a subclass of) one known to update each element from that element alone."""
+    return isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) and optimizer not in _DECLARED
+
+
+def needs_whole_tensors(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is known to need each parameter whole (Muon, or declared with `declare_whole_tensor`)."""
+    return isinstance(optimizer, WHOLE_TENSOR_OPTIMIZERS) or optimizer in _DECLARED
+
+
+def _names(classes: tuple[type[torch.optim.Optimizer], ...]) -> str:
+    return ", ".join(cls.__name__ for cls in classes)
+
 
 def require_elementwise(optimizer: torch.optim.Optimizer, who: str) -> None:
-    """Raise TypeError unless `optimizer` is (a subclass of) one of `ELEMENTWISE_OPTIMIZERS`."""
-    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+    """Raise TypeError unless `optimizer` is elementwise (`who` slices parameters and cannot gather them whole)."""
+    if is_elementwise(optimizer):
         return
-    accepted = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+    if needs_whole_tensors(optimizer):
+        raise TypeError(
+            f"{who}: {type(optimizer).__name__} needs each parameter whole (its update is matrix-wise, e.g. Muon's "
+            f"Newton-Schulz orthogonalisation), and {who} steps on parameter slices, so it would silently compute "
+            f"something else; use a plugin that steps whole matrices (docs/plugins.md, 'Matrix-wise optimizers') or "
+            f"an elementwise optimizer: {_names(ELEMENTWISE_OPTIMIZERS)}"
+        )
     raise TypeError(
         f"{who}: {type(optimizer).__name__} is not known to be elementwise (its update of one element may depend on "
         f"others, e.g. factored, per-parameter or matrix-wise updates), so it cannot step on flat parameter shards; "
-        f"accepted: {accepted}"
+        f"accepted: {_names(ELEMENTWISE_OPTIMIZERS)}"
+    )
+
+
+def require_elementwise_or_whole(optimizer: torch.optim.Optimizer, who: str) -> bool:
+    """For an engine that can step whole parameters on one rank: True for a whole-tensor optimizer, False for an
+    elementwise one; TypeError for an unknown one (naming both lists and `declare_whole_tensor`)."""
+    if is_elementwise(optimizer):
+        return False
+    if needs_whole_tensors(optimizer):
+        return True
+    raise TypeError(
+        f"{who}: {type(optimizer).__name__} is not known to be elementwise (its update of one element may depend on "
+        f"others, e.g. factored, per-parameter or matrix-wise updates), so it cannot step on flat parameter shards; "
+        f"accepted: {_names(ELEMENTWISE_OPTIMIZERS)}; an optimizer that needs each parameter whole (as "
+        f"{_names(WHOLE_TENSOR_OPTIMIZERS)} does) is accepted once passed to cx_zero.declare_whole_tensor"
     )

@@ -8,6 +8,9 @@ are reduced in fixed buckets (`_buckets`, `_reduce`) at the end of `backward` (o
 the working parameters (`_gather`), optionally finished lazily before the next forward (`overlap_allgather`).
 With `fp8_communication` (ColossalAI's switch) both collectives, and the all-reduce over `extra_dp_group`, go through
 `cx_mesh.fp8`: gradients as E5M2, parameters as E4M3; the masters stay full precision.
+An optimizer whose update needs whole matrices (torch's Muon, or one passed to `declare_whole_tensor`) steps each
+parameter whole on one owner rank instead, from the gathered gradient, the result scattered back into the shards
+(`_whole_step`).
 A group with a single replica skips all of that (`_local`): its gradients are used where they are, and in fp32 (no
 offload) its masters are the working parameters themselves. Parameter maps and state dicts: `_low_level_state`.
 
@@ -36,7 +39,7 @@ from cx_zero._buckets import plan_buckets
 from cx_zero._clipping import ClipOptions
 from cx_zero._comm import group_ranks
 from cx_zero._device_norm import device_clip_coefficient, device_norm_or_inf
-from cx_zero._elementwise import require_elementwise
+from cx_zero._elementwise import require_elementwise_or_whole
 from cx_zero._gather import DeferredGathers, GroupGatherer
 from cx_zero._grad_scaler import BaseGradScaler
 from cx_zero._local import LocalGatherer, LocalReducer, local_master
@@ -48,6 +51,7 @@ from cx_zero._partition import ParamShard
 from cx_zero._pick import pick_options
 from cx_zero._reduce import GroupReducer
 from cx_zero._setup import decide_working_dtype, group_params, parameter_names, trainable_params
+from cx_zero._whole_step import WholeTensorStep
 
 __all__ = ["LowLevelZeroOptimizer"]
 
@@ -119,9 +123,9 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
         require_initialized("LowLevelZeroOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"LowLevelZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        require_elementwise(optimizer, "LowLevelZeroOptimizer")
+        whole_tensors = require_elementwise_or_whole(optimizer, "LowLevelZeroOptimizer")
         bf16_states = options.optimizer_states_dtype == torch.bfloat16
-        if bf16_states:
+        if bf16_states:  # Adam's moments only: a whole-tensor optimizer (Muon) is refused here by name
             require_bf16_capable(optimizer, "LowLevelZeroOptimizer(optimizer_states_dtype=bf16)")
         if optimizer.state:
             raise ValueError(
@@ -216,6 +220,12 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
         # bf16 moments: each shard's rounding bits differ by parameter and by rank (`_bf16_states`)
         salts = {id(s.master): s.index * 1_000_033 + s.group_rank for s in self._shards}
         self._bf16_states = Bf16StateAdam(optimizer, options.stochastic_rounding_seed, salts) if bf16_states else None
+        # a matrix-wise optimizer (Muon) steps whole parameters on owner ranks instead of the shards (`_whole_step`)
+        self._whole: WholeTensorStep | None = None
+        self._shard_of_optimizer_param = {id(s.master): s for s in self._shards}
+        if whole_tensors:
+            self._whole = WholeTensorStep(optimizer, self._shards, self._groups, self._master_dtype)
+            self._shard_of_optimizer_param = self._whole.shard_of_param()
 
         self._require_grad_sync = True
         self._in_backward = False
@@ -407,12 +417,15 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
         self._step_shards()
 
     def _step_shards(self) -> None:
-        for shard in self._shards:
-            shard.master.grad = shard.grad_shard
-        if self._bf16_states is not None:
-            self._bf16_states.step()
+        if self._whole is not None:
+            self._whole.step(self.optim)
         else:
-            self.optim.step()
+            for shard in self._shards:
+                shard.master.grad = shard.grad_shard
+            if self._bf16_states is not None:
+                self._bf16_states.step()
+            else:
+                self.optim.step()
         self._clear_gradients()
         pending = [p for gatherer in self._gatherers for p in gatherer.start(self.options.overlap_allgather)]
         if self.options.overlap_allgather:

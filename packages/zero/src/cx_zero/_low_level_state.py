@@ -20,6 +20,8 @@ from cx_zero._local import is_alias
 from cx_zero._options import LowLevelZeroOptions
 from cx_zero._partition import ParamShard, shard_of
 from cx_zero._state_dict import sharded_optimizer_state, state_bytes, stream_full_states
+from cx_zero._whole_state import stream_whole_states, whole_optimizer_state
+from cx_zero._whole_step import WholeTensorStep
 
 __all__ = ["LowLevelStateMixin"]
 
@@ -39,6 +41,8 @@ class LowLevelStateMixin:
     _groups: list[ProcessGroup | None]
     _working_dtype: torch.dtype
     _master_dtype: torch.dtype
+    _whole: WholeTensorStep | None
+    _shard_of_optimizer_param: dict[int, ParamShard]  # id(tensor in the optimizer's param groups) -> its shard
     synchronize_working_params: Callable[[], None]  # finishes the deferred all-gathers (overlap_allgather)
 
     # ---- maps -----------------------------------------------------------------------------------------------
@@ -63,6 +67,8 @@ class LowLevelStateMixin:
                 if shard is not None and not is_alias(shard):  # a master that is the parameter is up to date
                     piece = shard_of(param.detach(), shard.group_size, shard.group_rank)
                     shard.master.copy_(piece.to(device=shard.master.device, dtype=shard.master.dtype))
+        if self._whole is not None:
+            self._whole.load_whole_masters()
 
     # ---- state dicts ----------------------------------------------------------------------------------------
     def _masters_not_working(self) -> bool:
@@ -72,8 +78,7 @@ class LowLevelStateMixin:
         return self._master_dtype != self._working_dtype or self.options.fp8_communication
 
     def _shard_groups(self) -> list[list[ParamShard]]:
-        masters = {id(s.master): s for s in self._shards}
-        return [[masters[id(m)] for m in group["params"]] for group in self.optim.param_groups]
+        return [[self._shard_of_optimizer_param[id(p)] for p in group["params"]] for group in self.optim.param_groups]
 
     def state_shard(
         self, prefix: str = "", max_shard_size: float = 1024, only_rank_0: bool = False
@@ -89,6 +94,11 @@ class LowLevelStateMixin:
         shards = [s for group in self._shard_groups() for s in group]
         limit = int(max_shard_size * _MIB)
         include_master = self._masters_not_working()
+        if self._whole is not None:  # each state whole on its owner (`_whole_state`)
+            yield from stream_whole_states(
+                shards, self.optim, self._whole, self._groups, prefix, limit, keep, include_master
+            )
+            return
         yield from stream_full_states(shards, self.optim, self._groups, prefix, limit, keep, include_master)
 
     def state_dict(self) -> dict[str, Any]:
@@ -115,21 +125,41 @@ class LowLevelStateMixin:
         for key in ("state", "param_groups"):
             if key not in state_dict:
                 raise KeyError(f"optimizer state dict needs a {key!r} entry, got {sorted(state_dict)}")
-        inner, masters = sharded_optimizer_state(state_dict, self._shard_groups())
-        self.optim.load_state_dict(inner)
-        if self._bf16_states is not None:  # torch casts loaded moments to the parameter's dtype (fp32)
-            self._bf16_states.to_bf16()
-        with torch.no_grad():
-            for shard in self._shards:
-                master = masters.get(id(shard.master))
-                if master is not None:
-                    shard.master.copy_(master.to(device=shard.master.device, dtype=shard.master.dtype))
+        if self._whole is not None:
+            self._load_whole_state(state_dict, self._whole)
+        else:
+            inner, masters = sharded_optimizer_state(state_dict, self._shard_groups())
+            self.optim.load_state_dict(inner)
+            if self._bf16_states is not None:  # torch casts loaded moments to the parameter's dtype (fp32)
+                self._bf16_states.to_bf16()
+            with torch.no_grad():
+                for shard in self._shards:
+                    master = masters.get(id(shard.master))
+                    if master is not None:
+                        shard.master.copy_(master.to(device=shard.master.device, dtype=shard.master.dtype))
         if "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(dict(state_dict["grad_scaler"]))
+
+    def _load_whole_state(self, state_dict: Mapping[str, Any], whole: WholeTensorStep) -> None:
+        """A whole-tensor optimizer's load: states to their owners, full masters to the owners' whole masters and
+        sliced to every master shard (`_whole_state`)."""
+        inner, masters = whole_optimizer_state(state_dict, self._shard_groups(), whole)
+        self.optim.load_state_dict(inner)
+        with torch.no_grad():
+            for shard in self._shards:
+                master = masters.get(id(shard))
+                if master is None:
+                    continue
+                piece = shard_of(master.detach(), shard.group_size, shard.group_rank)
+                shard.master.copy_(piece.to(device=shard.master.device, dtype=shard.master.dtype))
+                if shard.group_size > 1 and whole.owns(shard):
+                    whole.whole[id(shard)].copy_(master.view(shard.working.shape).to(shard.master.dtype))
 
     def local_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for master shards and optimizer state (for memory accounting); a master that is the
         working parameter itself (one replica, same dtype) holds none of its own."""
         masters = sum(s.master.numel() * s.master.element_size() for s in self._shards if not is_alias(s))
+        if self._whole is not None:
+            masters += self._whole.master_bytes()
         state = sum(state_bytes(dict(v)) for v in self.optim.state.values())
         return {"master": masters, "optimizer_state": state}

@@ -19,7 +19,16 @@ from cx_mesh import ProcessGroup
 from cx_zero._comm import gather_to_cpu
 from cx_zero._partition import ParamShard, shard_of
 
-__all__ = ["MASTER_KEY", "full_state", "sharded_optimizer_state", "sharded_state", "state_bytes", "stream_full_states"]
+__all__ = [
+    "MASTER_KEY",
+    "check_group_names",
+    "full_state",
+    "state_key",
+    "sharded_optimizer_state",
+    "sharded_state",
+    "state_bytes",
+    "stream_full_states",
+]
 
 MASTER_KEY = "master_weight"
 _SCALAR_KEYS = frozenset({"step"})
@@ -116,19 +125,11 @@ def sharded_optimizer_state(
     masters: dict[int, torch.Tensor] = {}
     index = 0
     for saved, shards in zip(saved_groups, shard_groups, strict=True):
-        mine = [s.key for s in shards]
-        theirs = [str(key) for key in saved["params"]]
-        if sorted(theirs) != sorted(mine):
-            missing = sorted(set(mine) - set(theirs))
-            extra = sorted(set(theirs) - set(mine))
-            raise ValueError(f"param group names differ: missing {missing[:5]}, unexpected {extra[:5]}")
+        check_group_names(saved, shards)
         ids = []
         for shard in shards:
-            # Positional keys may be ints, as in a plain torch optimizer's state dict.
-            entry_key: str | int = shard.key
-            if entry_key not in state_dict["state"] and shard.key.isdigit():
-                entry_key = int(shard.key)
-            if entry_key in state_dict["state"]:
+            entry_key = state_key(state_dict["state"], shard)
+            if entry_key is not None:
                 entry = sharded_state(shard, dict(state_dict["state"][entry_key]), shard.key)
                 master = entry.pop(MASTER_KEY, None)
                 if master is not None:
@@ -139,3 +140,23 @@ def sharded_optimizer_state(
             index += 1
         inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
     return {"state": inner_state, "param_groups": inner_groups}, masters
+
+
+def check_group_names(saved: Mapping[str, Any], shards: Sequence[ParamShard]) -> None:
+    """ValueError unless a saved param group names the same parameters as this optimizer's group."""
+    mine = [s.key for s in shards]
+    theirs = [str(key) for key in saved["params"]]
+    if sorted(theirs) != sorted(mine):
+        missing = sorted(set(mine) - set(theirs))
+        extra = sorted(set(theirs) - set(mine))
+        raise ValueError(f"param group names differ: missing {missing[:5]}, unexpected {extra[:5]}")
+
+
+def state_key(states: Mapping[Any, Any], shard: ParamShard) -> str | int | None:
+    """The key of `shard`'s entry in a saved state (positional keys may be ints, as in a plain torch optimizer's
+    state dict), or None when it has none."""
+    if shard.key in states:
+        return shard.key
+    if shard.key.isdigit() and int(shard.key) in states:
+        return int(shard.key)
+    return None

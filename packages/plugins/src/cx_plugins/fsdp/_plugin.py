@@ -40,6 +40,7 @@ from cx_plugins.lazy._context import LazyModel, is_lazy
 from cx_plugins.lazy._fsdp import materialise_into_fsdp_shards
 from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
 from cx_plugins.wrappers._named_phases import NamedPhases
+from cx_zero import require_elementwise
 
 __all__ = ["FSDPOptimizerWrapper", "TorchFSDPModel", "TorchFSDPPlugin"]
 
@@ -140,6 +141,8 @@ class TorchFSDPPlugin(DPPluginBase):
         dataloader: DataLoader[Any] | None = None,
         lr_scheduler: LRScheduler | None = None,
     ) -> Boosted:
+        if optimizer is not None:  # FSDP2 hands the optimizer row shards (DTensor's local pieces): elementwise only
+            require_elementwise(optimizer, type(self).__name__)
         if not isinstance(model, ModelWrapper):
             names = {parameter: name for name, parameter in model.named_parameters()}
             device = get_accelerator().current_device()

@@ -33,8 +33,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from cx_mesh import ProcessGroup, all_reduce
 from cx_mesh.fp8 import all_reduce_fp8
+from cx_plugins.hybrid._tp_whole import TensorParallelWholeStep
 from cx_plugins.wrappers._base import OptimizerWrapper, finite_or_raise
 from cx_plugins.wrappers._zero import ZeroOptimizerWrapper
+from cx_shardformer import get_shard_spec
 from cx_zero import BaseGradScaler, LossScaleOptions, NormType, clip_coefficient, reduce_norm
 
 __all__ = ["HybridParallelOptimizer", "HybridZeroOptimizer", "weighted_norm_term"]
@@ -72,6 +74,7 @@ class HybridParallelOptimizer(OptimizerWrapper):
         bucket_cap_mb: float,
         reduce_groups: Mapping[int, ProcessGroup | None] | None = None,
         fp8_communication: bool = False,
+        whole_tensors_over: ProcessGroup | None = None,
     ) -> None:
         super().__init__(optimizer)
         if optimizer.state:
@@ -105,6 +108,11 @@ class HybridParallelOptimizer(OptimizerWrapper):
         self._fp8 = fp8_communication  # the averaging all-reduce in fp8 (E5M2, cx_mesh.fp8)
         self._reduced = False
         self._grad_norm: float | None = None
+        # a matrix-wise optimizer (Muon) over tp slices: whole matrices stepped on owner ranks (`_tp_whole`)
+        self._tp_whole: TensorParallelWholeStep | None = None
+        if whole_tensors_over is not None:
+            sliced = [(self._master_of[id(p)], spec) for p in self._working if (spec := get_shard_spec(p)) is not None]
+            self._tp_whole = TensorParallelWholeStep(optimizer, sliced, whole_tensors_over)
 
     # ---- backward -----------------------------------------------------------------------------------------------
     def backward(
@@ -213,7 +221,11 @@ class HybridParallelOptimizer(OptimizerWrapper):
                 continue
             grad = param.grad.float() if self._mixed else param.grad
             master.grad = grad.mul_(factor) if factor != 1.0 else grad
+        if self._tp_whole is not None:
+            self._tp_whole.gather_grads()
         self.optim.step()
+        if self._tp_whole is not None:
+            self._tp_whole.scatter_masters()
         if self._mixed:
             with torch.no_grad():
                 for param in self._working:
@@ -287,25 +299,31 @@ class HybridParallelOptimizer(OptimizerWrapper):
                 master = self._master_of[id(param)]
                 if master is not param:
                     master.copy_(param)
+        if self._tp_whole is not None:
+            self._tp_whole.refresh_wholes()
 
     # ---- state by parameter name (checkpoint IO's face) ------------------------------------------------------
     def state_dict_by_name(self) -> dict[str, Any]:
         """This rank's optimizer state keyed by parameter name (local tp shards; no communication), the param
         groups by name and the loss scaler, in LowLevelZeroOptimizer.state_dict()'s layout."""
         by_master = {id(self._master_of[id(p)]): self._names[id(p)] for p in self._working}
+        # a whole-tensor optimizer over tp slices: each rank's slice of the owner's state (collective over tp)
+        sliced = self._tp_whole.local_states(self.optim) if self._tp_whole is not None else {}
+        slice_of = self._tp_whole.master_of_whole() if self._tp_whole is not None else {}
         state: dict[str, dict[str, Any]] = {}
         for param in self._working:
             master = self._master_of[id(param)]
-            entry = {
-                k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                for k, v in self.optim.state.get(master, {}).items()
-            }
+            own = sliced[id(master)] if id(master) in sliced else self.optim.state.get(master, {})
+            entry = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in own.items()}
             if self._mixed:
                 entry[_MASTER_KEY] = master.detach().clone()
             if entry:
                 state[self._names[id(param)]] = entry
         groups = [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": [by_master[id(m)] for m in group["params"]]}
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [by_master[id(slice_of.get(id(m), m))] for m in group["params"]],
+            }
             for group in self.optim.param_groups
         ]
         return {"state": state, "param_groups": groups, "grad_scaler": self.grad_scaler.state_dict()}
@@ -316,15 +334,22 @@ class HybridParallelOptimizer(OptimizerWrapper):
             if key not in state_dict:
                 raise KeyError(f"optimizer state dict needs a {key!r} entry, got {sorted(state_dict)}")
         by_name = {self._names[id(p)]: self._master_of[id(p)] for p in self._working}
-        index: dict[int, int] = {}
+        slice_of = self._tp_whole.master_of_whole() if self._tp_whole is not None else {}
+        index: dict[int, int] = {}  # id(master slice) -> position in the param groups
+        whole_at: dict[int, int] = {}  # id(whole master) -> position (a whole-tensor optimizer over tp slices)
         inner_groups = []
         for group, saved in zip(self.optim.param_groups, state_dict["param_groups"], strict=True):
             ids = []
-            for master in group["params"]:
-                index[id(master)] = len(index)
-                ids.append(index[id(master)])
+            for tensor in group["params"]:
+                position = len(index)
+                index[id(slice_of.get(id(tensor), tensor))] = position
+                if id(tensor) in slice_of:
+                    whole_at[id(tensor)] = position
+                ids.append(position)
             inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
         inner_state: dict[int, dict[str, Any]] = {}
+        sliced: dict[int, dict[str, Any]] = {}  # id(master slice) -> its saved slice of a whole-tensor state
+        sliced_ids = {id(m) for m in slice_of.values()}
         for name, entry in state_dict["state"].items():
             master = by_name.get(name)
             if master is None:
@@ -334,7 +359,14 @@ class HybridParallelOptimizer(OptimizerWrapper):
             if saved_master is not None and self._mixed:
                 with torch.no_grad():
                     master.copy_(saved_master)
-            inner_state[index[id(master)]] = values
+            if id(master) in sliced_ids:
+                sliced[id(master)] = values
+            else:
+                inner_state[index[id(master)]] = values
+        if self._tp_whole is not None:
+            for whole_id, full in self._tp_whole.whole_states(sliced).items():
+                inner_state[whole_at[whole_id]] = full
+            self._tp_whole.refresh_wholes()
         self.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         if "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(dict(state_dict["grad_scaler"]))

@@ -43,10 +43,12 @@ from cx_plugins.hybrid._groups import LayoutAttributes
 from cx_plugins.hybrid._init_agreement import agree_initial_states
 from cx_plugins.hybrid._model import ComposedModel, HybridParallelModule, broadcast_states, compose_model
 from cx_plugins.hybrid._optimizer import HybridParallelOptimizer, HybridZeroOptimizer
+from cx_plugins.hybrid._optimizer_kind import refuse_whole_tensor_on_slices
 from cx_plugins.hybrid._options import HybridParallelOptions, SequenceParallelism
 from cx_plugins.lazy._context import LazyModel, is_lazy
 from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
 from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig
+from cx_zero import needs_whole_tensors
 
 __all__ = ["HybridParallelPlugin"]
 
@@ -277,6 +279,7 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
         """zero_stage 0: gradients reduced at the step over the gradient group; 1/2: cx-zero's LowLevelZeroOptimizer.
         Remembered for the checkpoint IO."""
         o = self.options
+        self._check_optimizer_kind(optimizer, composed)
         grad_group = self._gradient_group()
         wrapped: HybridOptimizer
         if o.zero.stage == 0:
@@ -293,6 +296,7 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
                 bucket_cap_mb=o.ddp.bucket_cap_mb,
                 reduce_groups=self._reduce_groups(composed.held),
                 fp8_communication=o.zero.fp8_communication,
+                whole_tensors_over=self._whole_tensor_group(optimizer),
             )
         else:
             wrapped = self._zero_optimizer(optimizer, boosted, composed.held, grad_group)
@@ -309,6 +313,18 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
         return BatchCheck(self.layout.group(*axes), self.layout.ranks(*axes), names, type(self).__name__)
 
     # ---- hooks a subclass (MoeHybridParallelPlugin) overrides -------------------------------------------------
+    def _check_optimizer_kind(self, optimizer: Optimizer, composed: ComposedModel) -> None:
+        """Refuse an optimizer that is not elementwise over tensor-parallel slices (`_optimizer_kind`), except a
+        whole-tensor one (Muon) at zero_stage 0, which steps whole matrices on tp owner ranks (`_tp_whole`)."""
+        if self.options.zero.stage == 0 and needs_whole_tensors(optimizer):
+            return
+        refuse_whole_tensor_on_slices(optimizer, composed.names, type(self).__name__)
+
+    def _whole_tensor_group(self, optimizer: Optimizer) -> ProcessGroup | None:
+        """The tp group a whole-tensor optimizer gathers its split matrices over (None: nothing to gather)."""
+        tp = self.layout.group_or_none(Axis.TP)
+        return tp if tp is not None and self.tp_size > 1 and needs_whole_tensors(optimizer) else None
+
     def _broadcast_states(self, composed: ComposedModel, grad_group: ProcessGroup | None) -> None:
         """Start every data-parallel replica from the first one's parameters (and buffers)."""
         broadcast_states(composed.module, composed.held, grad_group, buffers=self.options.ddp.broadcast_buffers)

@@ -34,6 +34,7 @@ from cx_mesh import ProcessGroup, assert_same_across_ranks
 from cx_moe import HF_MOE_BLOCKS, MoeFp8Options, MoeLayer, convert_moe_to_fp8, is_moe_tensor
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins.hybrid._model import ComposedModel, HybridParallelModule, broadcast_states
+from cx_plugins.hybrid._optimizer_kind import refuse_non_elementwise
 from cx_plugins.hybrid._options import HybridParallelOptions
 from cx_plugins.hybrid._plugin import HybridParallelPlugin
 from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig
@@ -234,6 +235,13 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         if self._moe_fp8.enabled and has_moe:
             convert_moe_to_fp8(module, self._moe_fp8)
         return composed, boosted
+
+    def _check_optimizer_kind(self, optimizer: Optimizer, composed: ComposedModel) -> None:
+        """Only elementwise optimizers: expert matrices are split over ep / moe_dp and tensor parallelism (and
+        ZeRO's flat shards) slice the rest, and stepping whole matrices is not built for MoE yet."""
+        refuse_non_elementwise(
+            optimizer, type(self).__name__, "expert matrices, tensor-parallel and ZeRO slices are stepped as slices"
+        )
 
     def _broadcast_states(self, composed: ComposedModel, grad_group: ProcessGroup | None) -> None:
         """Dense parameters and buffers start from the first dp replica, each expert slice from the first rank of

@@ -1,0 +1,79 @@
+"""Plugins that would step an optimizer on slices of a matrix refuse one that is not known to be elementwise, by
+name, at boost, on every rank: torch's Muon (Newton-Schulz needs each matrix whole) and an optimizer of an unknown
+class. Otherwise HybridParallelPlugin with tp 2 and ZeRO would train silently wrong (each rank orthogonalising its own
+slice), TorchFSDPPlugin too (FSDP2 steps the DTensor's local rows: 0.056 off after 3 steps at lr 0.05, measured),
+and MoeHybridParallelPlugin slices experts. HybridParallelPlugin at zero_stage 0 gathers whole matrices instead."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from cx_mesh.testing import distributed
+from cx_plugins import (
+    Booster,
+    GeminiPlugin,
+    HybridParallelPlugin,
+    MoeHybridParallelPlugin,
+    Plugin,
+    TorchFSDPPlugin,
+)
+from hybrid_test_helpers import llama
+from moe_hybrid_test_helpers import mixtral
+
+
+class _SgdSubclass(torch.optim.SGD):
+    """A subclass of an elementwise optimizer: known to be elementwise."""
+
+
+class _Foreign(torch.optim.Optimizer):
+    """An optimizer class cx knows nothing about (it might be matrix-wise)."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+
+def _muon(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+
+
+def _foreign(model: nn.Module) -> torch.optim.Optimizer:
+    return _Foreign(list(model.parameters()))
+
+
+def _refused(plugin: Plugin, build: Callable[[], nn.Module], make: Callable[[nn.Module], torch.optim.Optimizer],
+             match: str) -> None:  # fmt: skip
+    model = build()
+    with pytest.raises(TypeError, match=match):
+        Booster(plugin=plugin).boost(model, make(model))
+
+
+def _linears() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 12, bias=False), nn.Tanh(), nn.Linear(12, 4, bias=False))
+
+
+@distributed(world_size=2)
+def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: int) -> None:
+    # zero_stage 0 steps Muon on whole matrices (test_plugins_hybrid_muon.py); ZeRO over tp slices does not
+    tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=1)
+    _refused(tp, lambda: llama(layers=1), _muon, r"HybridParallelPlugin: Muon needs each matrix whole.*slice")
+    tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32")
+    _refused(tp, lambda: llama(layers=1), _foreign, r"HybridParallelPlugin: _Foreign is not known to be elementwise")
+    moe = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32")
+    _refused(moe, lambda: mixtral(layers=1), _muon, r"MoeHybridParallelPlugin: Muon is not known to be elementwise")
+    _refused(TorchFSDPPlugin(), _linears, _muon, r"TorchFSDPPlugin: Muon needs each parameter whole")
+    _refused(TorchFSDPPlugin(), _linears, _foreign, r"TorchFSDPPlugin: _Foreign is not known to be elementwise")
+    gemini = GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 64})
+    _refused(gemini, _linears, _muon, r"GeminiOptimizer: Muon needs each parameter whole")
+
+
+@distributed(world_size=2)
+def test_plugins_hybrid_tp_still_takes_a_subclass_of_an_elementwise_optimizer(rank: int, world_size: int) -> None:
+    model = llama(layers=1)
+    plugin = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32")
+    _, optimizer, *_ = Booster(plugin=plugin).boost(model, _SgdSubclass(model.parameters(), lr=0.1))
+    assert optimizer is not None
