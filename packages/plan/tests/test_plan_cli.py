@@ -19,8 +19,8 @@ from cx_plan._planner import MemoryModel
 from cx_plan._report import MemoryVerdict, PlanReport, PlanRow
 from cx_plan.measure import _measure as measure_module
 from cx_plan.measure._measure import Measured
-from cx_plan.memory import _memory_model as memory_model_module
 from cx_plan.memory._memory_model import memory_model
+from cx_plan.trace import _trace_cache as trace_cache_module
 from cx_plan.trace._activations import ActivationTrace, trace_stage
 from cx_plan.trace._model_spec import ModelShape, shape_from_config
 from cx_plugins.models import GPTConfig
@@ -149,12 +149,12 @@ def test_traced_memory_model_shares_traces(monkeypatch: pytest.MonkeyPatch) -> N
         traced.append(candidate)
         return real(shape, candidate, seq_len, stage)
 
-    monkeypatch.setattr(memory_model_module, "trace_stage", counting)
+    monkeypatch.setattr(trace_cache_module, "trace_stage", counting)
     device = lookup_device("cpu")
     model = planner.traced_memory_model(shape, 16, device)
     candidates = [Candidate("hybrid", dp=2, zero_stage=stage, micro_batch_size=2) for stage in (0, 1, 2)]
     verdicts = [model(c) for c in candidates]
-    assert len(traced) == 1
+    assert [c.micro_batch_size for c in traced] == [1, 2]  # the floor's micro-batch 1, then its own: once for all three
     assert verdicts[2] == memory_model(shape, 16, device.memory_bytes)(candidates[2])
     assert verdicts[0].prediction.optimizer_states == 2 * verdicts[1].prediction.optimizer_states  # ZeRO-1, dp 2
 
@@ -179,7 +179,7 @@ def test_a_failing_trace_is_a_row_not_the_end_of_the_plan(
     def failing(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int) -> ActivationTrace:
         raise error
 
-    monkeypatch.setattr(memory_model_module, "trace_stage", failing)
+    monkeypatch.setattr(trace_cache_module, "trace_stage", failing)
     device = lookup_device("cpu")
     report = planner.plan(shape, 2, 16, device, planner.traced_memory_model(shape, 16, device))
     assert report.rows

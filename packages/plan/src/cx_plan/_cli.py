@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -117,7 +118,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the --top fitting ones here, side by side (--device must be this machine's)",
     )
     parser.add_argument("--steps", type=int, default=3, help="--measure: timed steps after one warm-up step")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=600.0,
+        help="seconds of search after which the best found so far is printed, saying it stopped",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     return parser
+
+
+def _progress_line(quiet: bool) -> Callable[[int, int, int], None] | None:
+    """A progress line on stderr, rewritten in place at most twice a second (None when --quiet)."""
+    if quiet:
+        return None
+    start, last = time.monotonic(), [0.0]
+
+    def show(judged: int, total: int, fitting: int) -> None:
+        now = time.monotonic()
+        if now - last[0] < 0.5 and judged < total:
+            return
+        last[0] = now
+        print(f"\rcx-plan: judged {judged} of at most {total} candidates, {fitting} fit, {now - start:.0f} s",
+              end="", file=sys.stderr, flush=True)  # fmt: skip
+
+    return show
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
@@ -211,7 +236,11 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
         network=network,
         efficiency=args.efficiency,
         enough=None if args.all else args.top,
+        progress=_progress_line(args.quiet),
+        time_limit=args.time_limit,
     )
+    if not args.quiet:
+        print(file=sys.stderr)  # end the progress line
     if not args.measure:
         return json.dumps(report.as_json(), indent=1) if args.json else report.table(top=args.top)
     # plan/_measure.py spawns ranks, so it is imported only when asked for

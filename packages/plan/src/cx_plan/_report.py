@@ -172,6 +172,7 @@ class PlanReport:
     considered: int | None = None  # None: every enumerated candidate is in `rows`
     model_flags: tuple[str, ...] = ()  # cx-train's flags that size the model (`_model_spec.train_flags`)
     block_class: str | None = None  # the decoder layer's class, named in per-block FSDP's constructor call
+    stopped: str | None = None  # why the search ended before its usual end (the time limit), said in the output
 
     @property
     def best(self) -> PlanRow | None:
@@ -195,6 +196,8 @@ class PlanReport:
             )
             if not row.memory.fits:
                 lines.append(f"     {row.memory.reason}")
+        if self.stopped:
+            lines.append(f"cx-plan {self.stopped}")
         best = self.best
         if best is None:
             lines.append("nothing fits: see the reasons above")
@@ -228,4 +231,5 @@ class PlanReport:
                 "cx_train": train_command(best.candidate, self.model, self.seq_len, self.model_flags),
             },
             "rows": [r.as_json() for r in self.rows],
+            "stopped": self.stopped,
         }

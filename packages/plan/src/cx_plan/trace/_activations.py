@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass, replace
 from typing import Any
 
@@ -43,6 +43,7 @@ __all__ = ["ActivationTrace", "PlanTraceError", "stage_rank", "trace_stage"]
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _CPU = torch.device("cpu")
 _ACTIVATION_KINDS = ("ACT", "TEMP", "OTH", "INP")
+_TOTAL = "Total"  # MemTracker's key of a device's total bytes in its snapshots
 _EXACT_LAYERS = 4  # decoder layers per stage traced as they are; deeper stages are extrapolated (trace_stage)
 
 
@@ -57,6 +58,18 @@ class _OpCount(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.count += func.namespace == "aten"
         return func(*args, **(kwargs or {}))
+
+
+class _PeakTracker(MemTracker):
+    """torch's `MemTracker` keeping only the totals the planner reads (the current and the peak snapshot): after
+    every op MemTracker also walks every tracked module to update its per-module peaks, which the planner never
+    reads; that walk was a quarter of an 8B search's time."""
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot[_TOTAL]:
+                self._peak_mem[device] = snapshot[_TOTAL]
+                self._peak_mem_snap[device] = dict(snapshot)
 
 
 class PlanTraceError(RuntimeError):
@@ -144,24 +157,34 @@ def _to_fake(module: nn.Module, mode: FakeTensorMode, dtype: torch.dtype) -> Non
                 sub._buffers[name] = FakeTensor(mode, buffer.to("meta"), _CPU)
 
 
-def _stage_modules(shape: ModelShape, candidate: Candidate) -> tuple[list[nn.Module], bool, bool]:
-    """The modules this rank runs (its stage's chunks, or the whole model), and whether it is first / last."""
+ChunkScope = Callable[[int], contextlib.AbstractContextManager[None]]
+
+
+def _no_scope(chunk: int) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def _stage_modules(shape: ModelShape, candidate: Candidate) -> tuple[list[nn.Module], bool, ChunkScope]:
+    """The modules this rank runs (its stage's chunks, or the whole model), whether it is the first stage (its chunk
+    0 is then the model's first: interleaved and ZB-V alike), and the scope each chunk runs in (an interleaved stage
+    manager answers `is_first_stage` / `is_last_stage` per chunk, inside `switch_model_chunk_id`)."""
     with torch.device("meta"):
         model = build_model(shape)
     if candidate.plugin not in ("hybrid", "moe_hybrid"):
         if candidate.checkpoint_ratio:  # every layer, in full or under the selective op policy
             enable_activation_checkpointing(model, candidate.checkpoint_mode)
-        return [model], True, True
+        return [model], True, _no_scope
     plugin = _plugin(candidate)
     composed = compose_model(
         model, plugin.shard_config, plugin.custom_policy, plugin.stage_manager, torch.float32,
         torch.device("meta"), plugin=type(plugin).__name__,
     )  # fmt: skip
     if composed.pipeline is None:
-        return [composed.module], True, True
+        return [composed.module], True, _no_scope
     manager = plugin.stage_manager
     assert manager is not None
-    return list(composed.pipeline.chunks), manager.is_first_stage(), manager.is_last_stage()
+    scope = manager.switch_model_chunk_id if manager.is_interleave else _no_scope
+    return list(composed.pipeline.chunks), manager.is_first_stage(ignore_chunk=True), scope
 
 
 def _backward(output: Any) -> None:
@@ -180,9 +203,9 @@ def _backward(output: Any) -> None:
     raise TypeError(f"the traced stage returned {type(output).__name__}, with no loss or hidden_states")
 
 
-def _run(modules: list[nn.Module], first: bool, shape: ModelShape, candidate: Candidate, seq_len: int,
-         oracle: ValueOracle, dtype: torch.dtype, tracker: MemTracker, saved: list[dict[str, int]], ops: _OpCount,
-) -> None:  # fmt: skip
+def _run(modules: list[nn.Module], first: bool, scope: ChunkScope, shape: ModelShape, candidate: Candidate,
+         seq_len: int, oracle: ValueOracle, dtype: torch.dtype, tracker: MemTracker, saved: list[dict[str, int]],
+         ops: _OpCount) -> None:  # fmt: skip
     """One micro-batch forward and backward through the rank's chunks (in turn, as a schedule would)."""
     batch = candidate.micro_batch_size
     with unset_fake_temporarily():
@@ -196,7 +219,8 @@ def _run(modules: list[nn.Module], first: bool, shape: ModelShape, candidate: Ca
         if not (first and index == 0):
             local_seq = seq_len // max(candidate.sequence_split, 1)
             arguments["hidden_states"] = torch.empty(batch, local_seq, shape.hidden_size, dtype=dtype).requires_grad_()
-        outputs.append(module(**arguments))
+        with scope(index):
+            outputs.append(module(**arguments))
     saved.append(_categories(tracker.get_tracker_snapshot()))
     ops.forward = ops.count
     for output in reversed(outputs):
@@ -242,16 +266,16 @@ def _with_layers(shape: ModelShape, layers: int) -> ModelShape:
 def _trace_exact(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int) -> ActivationTrace:
     dtype = _DTYPES[candidate.precision]
     with _fake_world(candidate.world_size, stage_rank(candidate, stage)):
-        modules, first, _ = _stage_modules(shape, candidate)
+        modules, first, scope = _stage_modules(shape, candidate)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         for module in modules:
             _to_fake(module, mode, dtype)
-        tracker = MemTracker()
+        tracker = _PeakTracker()
         saved: list[dict[str, int]] = []
         for module in modules:
             tracker.track_external(module)
         with mode, ValueOracle(mode) as oracle, tracker, _OpCount() as ops:
-            _run(modules, first, shape, candidate, seq_len, oracle, dtype, tracker, saved, ops)
+            _run(modules, first, scope, shape, candidate, seq_len, oracle, dtype, tracker, saved, ops)
         peak = _categories(tracker.get_tracker_snapshot("peak"))
         end = _categories(tracker.get_tracker_snapshot())
     parameters = peak.get("PARAM", 0) + peak.get("BUFFER", 0)
