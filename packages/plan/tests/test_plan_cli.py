@@ -75,7 +75,7 @@ def test_cx_plan_prints_a_ranked_plan(capsys: pytest.CaptureFixture[str]) -> Non
     assert all("model states" in r["reason"] for r in rows if not r["fits"])
     assert main([*flags, "--top", "2"], memory_factory=_stub) == 0
     table = capsys.readouterr().out
-    assert "cx-plan: gpt on 2 x cpu (0.30 MB)" in table
+    assert "cx-plan: gpt on 2 x cpu (0.30 MB; 10% reserve, 0.27 MB usable)" in table
     assert "best: GeminiPlugin(" in table
 
 

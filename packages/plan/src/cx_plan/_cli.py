@@ -22,6 +22,7 @@ from cx_plan._devices import (
     lookup_device,
     lookup_link,
     parse_memory,
+    parse_reserve,
 )
 from cx_plan._enumerate import SearchSpace
 from cx_plan._planner import MemoryModel, plan, traced_memory_model
@@ -57,7 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--world", type=int, required=True, help="devices (ranks) in all")
     parser.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}")
     parser.add_argument(
-        "--device-memory", default=None, help="memory per device, e.g. 80GB or 64GiB (default: the device's)"
+        "--device-memory",
+        default=None,
+        help="memory per device: 80GB (10^9 bytes) or 80GiB (2^30) (default: what the device reports)",
+    )
+    parser.add_argument(
+        "--reserve",
+        default=None,
+        help="memory held back per device (CUDA context, NCCL, fragmentation): 10%%, 0.1 or a size such as 6GiB; "
+        "a peak inside it is shown as 'tight' (default: 10%%)",
     )
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     parser.add_argument(
@@ -212,6 +221,8 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
     memory_bytes = None if args.device_memory is None else parse_memory(args.device_memory)
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
     device = lookup_device(args.device, memory_bytes, peak)
+    if args.reserve is not None:
+        device = lookup_device(args.device, memory_bytes, peak, parse_reserve(args.reserve, device.memory_bytes))
     if args.measure:
         _check_measurable(device)
     network = _network(args, device)

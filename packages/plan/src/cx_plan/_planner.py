@@ -36,7 +36,9 @@ Progress = Callable[[int, int, int], None]  # (judged, to judge at most, fitting
 def traced_memory_model(shape: ModelShape, seq_len: int, device: Device) -> Callable[[Candidate], Verdict]:
     """The planner's memory model for `device` (`_memory_model.memory_model` at the usable fraction `fits` uses; on
     the `cpu` device offloaded optimizer states stay in the memory that peaks)."""
-    return memory_model(shape, seq_len, device.memory_bytes, host_is_device=device.name == "cpu")
+    return memory_model(
+        shape, seq_len, device.memory_bytes, usable_fraction=1.0 - device.reserve, host_is_device=device.name == "cpu"
+    )
 
 
 def judge(

@@ -55,6 +55,7 @@ class PlanRow:
             "label": row_label(c),
             "candidate": {name: getattr(c, name) for name in c.__dataclass_fields__},
             "fits": self.memory.fits,
+            "tight": _tight(self),
             "peak_bytes": self.memory.peak_bytes,
             "reason": self.memory.reason,
             "step_s": step.step_s,
@@ -66,6 +67,11 @@ class PlanRow:
             "optimizer_s": step.optimizer_s,
             "communication_s": dict(step.communication_s),
         }
+
+
+def _tight(row: PlanRow) -> bool:
+    """Whether the row fits only inside the device's reserve (a verdict without the attribute: no)."""
+    return bool(row.memory.fits and getattr(row.memory, "tight", False))
 
 
 def row_label(candidate: Candidate) -> str:
@@ -93,9 +99,9 @@ def rank_rows(rows: Sequence[PlanRow]) -> list[PlanRow]:
     def key(row: PlanRow) -> tuple[int, float, int, bool, str]:
         c = row.candidate
         whole = c.fsdp_wrap == "model" and c.plugin == "torch_fsdp"  # per-block FSDP first: never more memory
-        if row.memory.fits:
-            return 0, float(f"{row.step.step_s:.9g}"), c.num_microbatches, whole, row_label(c)  # equal up to rounding
-        return (1 if row.memory.peak_bytes else 2), row.memory.peak_bytes, c.num_microbatches, whole, row_label(c)
+        if row.memory.fits:  # comfortable fits first, then those inside the reserve
+            return _tight(row), float(f"{row.step.step_s:.9g}"), c.num_microbatches, whole, row_label(c)
+        return (2 if row.memory.peak_bytes else 3), row.memory.peak_bytes, c.num_microbatches, whole, row_label(c)
 
     return sorted(rows, key=key)
 
@@ -182,19 +188,19 @@ class PlanReport:
     def table(self, top: int = 10, rejected: int = 5) -> str:
         """The best `top` that fit and the `rejected` closest misses, with their reasons; then the best's call."""
         lines = [
-            f"cx-plan: {self.model} on {self.world} x {self.device.name} ({_bytes(self.device.memory_bytes)}), "
+            f"cx-plan: {self.model} on {self.world} x {self.device.name} ({self._memory()}), "
             f"seq {self.seq_len}; {self._judged()}, {sum(r.memory.fits for r in self.rows)} fit",
-            f"{'#':>3}  {'configuration':<60} {'fits':<4} {'peak':>10} {'step ms':>9} {'tokens/s':>11} {'MFU':>6}",
+            f"{'#':>3}  {'configuration':<60} {'fits':<5} {'peak':>10} {'step ms':>9} {'tokens/s':>11} {'MFU':>6}",
         ]
         shown = [r for r in self.rows if r.memory.fits][:top] + [r for r in self.rows if not r.memory.fits][:rejected]
         for index, row in enumerate(shown, 1):
             step = row.step
             lines.append(
-                f"{index:>3}  {row_label(row.candidate):<60} {'yes' if row.memory.fits else 'no':<4} "
+                f"{index:>3}  {row_label(row.candidate):<60} {self._fits(row):<5} "
                 f"{_bytes(row.memory.peak_bytes):>10} {step.step_s * 1e3:>9.3f} {step.tokens_per_s:>11,.0f} "
                 f"{step.mfu:>6.1%}"
             )
-            if not row.memory.fits:
+            if not row.memory.fits or _tight(row):
                 lines.append(f"     {row.memory.reason}")
         if self.stopped:
             lines.append(f"cx-plan {self.stopped}")
@@ -205,6 +211,17 @@ class PlanReport:
             lines.append(f"best: {constructor_call(best.candidate, self.block_class)}")
             lines.append(f"      {train_command(best.candidate, self.model, self.seq_len, self.model_flags)}")
         return "\n".join(lines)
+
+    @staticmethod
+    def _fits(row: PlanRow) -> str:
+        return "tight" if _tight(row) else "yes" if row.memory.fits else "no"
+
+    def _memory(self) -> str:
+        """The device's memory as it reports it and the reserve the planner keeps: `85.52 GB = 81,559 MiB; 10%
+        reserve, 76.97 GB usable`."""
+        device = self.device
+        mib = f" = {device.memory_bytes / 2**20:,.0f} MiB" if device.memory_bytes % 2**20 == 0 else ""
+        return f"{_bytes(device.memory_bytes)}{mib}; {device.reserve:.0%} reserve, {_bytes(device.usable_bytes)} usable"
 
     def _judged(self) -> str:
         if self.considered is None or self.considered == len(self.rows):
@@ -221,6 +238,8 @@ class PlanReport:
             "device": {
                 "name": self.device.name,
                 "memory_bytes": self.device.memory_bytes,
+                "reserve": self.device.reserve,
+                "usable_bytes": self.device.usable_bytes,
                 "source": self.device.source,
             },
             "best": None

@@ -1,0 +1,83 @@
+"""Honest capacities: device rows hold what the devices report, the reserve is said and settable, a peak inside
+the reserve is a tight fit (ranked after comfortable ones), and `--device-memory 80GiB` means 80 x 2^30 bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cx_plan._candidate import Candidate
+from cx_plan._cli import main
+from cx_plan._devices import lookup_device, parse_memory, parse_reserve
+from cx_plan._report import PlanReport, PlanRow, rank_rows
+from cx_plan.memory._fits import fits
+from cx_plan.memory._memory import MemoryPrediction
+from cx_plan.step_time._step_time import predict_step_time
+from cx_plan.trace._model_spec import shape_from_config
+from cx_plugins.models import GPTConfig
+
+_GIB, _MIB = 2**30, 2**20
+
+
+def test_device_rows_hold_what_the_devices_report() -> None:
+    assert lookup_device("h100").memory_bytes == 81_559 * _MIB  # 85.5 x 10^9 bytes, not the datasheet's 80 x 10^9
+    assert lookup_device("a100").memory_bytes == 81_920 * _MIB
+    assert parse_memory("80GiB") == 80 * _GIB
+    assert parse_memory("80GB") == 80 * 10**9
+    assert lookup_device("h100").usable_bytes == int(81_559 * _MIB * 0.9)
+
+
+def test_reserve_parses_as_percent_fraction_or_size() -> None:
+    memory = 80 * _GIB
+    assert parse_reserve("5%", memory) == pytest.approx(0.05)
+    assert parse_reserve("0.05", memory) == pytest.approx(0.05)
+    assert parse_reserve("4GiB", memory) == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="not below the device's memory"):
+        parse_reserve("100GiB", memory)
+
+
+def _prediction(peak: int) -> MemoryPrediction:
+    return MemoryPrediction(Candidate("torch_fsdp", dp=8), 0, peak, 0, 0, 0, 0, 0, 0, 0)
+
+
+def test_a_peak_inside_the_reserve_is_a_tight_fit() -> None:
+    """torchtitan's 8B layout, 78.47 GB predicted, on an H100 (85.5 GB reported, 77.0 usable): tight, not "no"."""
+    h100 = lookup_device("h100")
+    tight = fits(_prediction(78_470_000_000), h100.memory_bytes)
+    assert tight.fits
+    assert tight.tight
+    assert "inside the 10% reserve" in tight.reason
+    comfortable = fits(_prediction(70 * 10**9), h100.memory_bytes)
+    assert comfortable.fits
+    assert not comfortable.tight
+    assert comfortable.reason == ""
+    over = fits(_prediction(86 * 10**9), h100.memory_bytes)
+    assert not over.fits
+    assert "of the device" in over.reason
+
+
+def test_tight_rows_rank_after_comfortable_ones_and_say_so() -> None:
+    shape = shape_from_config("gpt", GPTConfig(vocab_size=64, max_positions=33, hidden_size=32, num_layers=2))
+    device = lookup_device("h100")
+    fast, slow = Candidate("hybrid", dp=2, micro_batch_size=4), Candidate("torch_ddp", dp=2, micro_batch_size=1)
+    tight = fits(_prediction(80 * 10**9), device.memory_bytes)
+    comfortable = fits(_prediction(10**9), device.memory_bytes)
+    rows = [PlanRow(fast, tight, predict_step_time(fast, shape, 32, device)),
+            PlanRow(slow, comfortable, predict_step_time(slow, shape, 32, device))]  # fmt: skip
+    ranked = rank_rows(rows)
+    assert [r.candidate for r in ranked] == [slow, fast]
+    text = PlanReport("gpt", 2, 32, device, ranked).table()
+    assert " tight " in text
+    assert "81,559 MiB; 10% reserve" in text
+    assert PlanReport("gpt", 2, 32, device, ranked).as_json()["rows"][1]["tight"]
+
+
+def test_cli_reserve_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "gpt", "--hidden-size", "32", "--num-layers", "2", "--seq-len", "32", "--world", "2",
+            "--device", "h100", "--quiet", "--top", "1"]  # fmt: skip
+    assert main([*argv, "--reserve", "5%", "--device-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "85.90 GB = 81,920 MiB; 5% reserve, 81.60 GB usable" in out
+    assert main([*argv, "--reserve", "lots"]) == 2
+    assert dataclasses.replace(lookup_device("h100"), reserve=0.0).usable_bytes == 81_559 * _MIB
