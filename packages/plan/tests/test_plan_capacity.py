@@ -1,9 +1,12 @@
 """Honest capacities: device rows hold what the devices report, the reserve is said and settable, a peak inside
-the reserve is a tight fit (ranked after comfortable ones), and `--device-memory 80GiB` means 80 x 2^30 bytes."""
+the reserve is a tight fit (ranked after comfortable ones), and `--device-memory 80GiB` means 80 x 2^30 bytes; an
+existing path wins over a preset's name."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +17,7 @@ from cx_plan._report import PlanReport, PlanRow, rank_rows
 from cx_plan.memory._fits import fits
 from cx_plan.memory._memory import MemoryPrediction
 from cx_plan.step_time._step_time import predict_step_time
-from cx_plan.trace._model_spec import shape_from_config
+from cx_plan.trace._model_spec import load_model_shape, shape_from_config
 from cx_plugins.models import GPTConfig
 
 _GIB, _MIB = 2**30, 2**20
@@ -81,3 +84,25 @@ def test_cli_reserve_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "85.90 GB = 81,920 MiB; 5% reserve, 81.60 GB usable" in out
     assert main([*argv, "--reserve", "lots"]) == 2
     assert dataclasses.replace(lookup_device("h100"), reserve=0.0).usable_bytes == 81_559 * _MIB
+
+
+def test_an_existing_path_wins_over_a_preset_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--model llama` with a folder `llama/` here plans the folder (it planned the 308k-parameter preset), says
+    that the name is both, and prints a cx-train command that trains the folder (`--model ./llama`, no sizes)."""
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    config = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, "tie_word_embeddings": False}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.chdir(tmp_path)
+    argv = ["--model", "llama", "--world", "1", "--seq-len", "32", "--device", "cpu", "--json", "--quiet", "--top", "1"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "both a built-in model and a path here" in captured.err
+    plan = json.loads(captured.out)
+    assert plan["model"] == "./llama"
+    assert plan["best"]["cx_train"].startswith("cx-train --model ./llama --plugin ")
+    assert load_model_shape("llama").parameters.total == load_model_shape("./llama").parameters.total

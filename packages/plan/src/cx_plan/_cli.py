@@ -28,7 +28,7 @@ from cx_plan._enumerate import SearchSpace
 from cx_plan._planner import MemoryModel, plan, traced_memory_model
 from cx_plan._report import PlanRow, row_label
 from cx_plan.step_time._step_time import ACHIEVABLE_FRACTION
-from cx_plan.trace._model_spec import ModelShape, load_model_shape
+from cx_plan.trace._model_spec import ModelShape, load_model_shape, shadowed_builtin
 
 if TYPE_CHECKING:
     from cx_plan.measure._measure import Measured
@@ -235,6 +235,9 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
         max_tp=args.max_tp,
         precision=args.precision,
     )
+    if shadowed_builtin(args.model):
+        said = f"cx-plan: --model {args.model} is both a built-in model and a path here: planning the path "
+        print(said + f"./{args.model} (an existing path wins); rename it to plan the built-in one", file=sys.stderr)
     shape = load_model_shape(args.model, hidden_size=args.hidden_size, num_layers=args.num_layers, seq_len=args.seq_len)
     memory = memory_factory(shape, args.seq_len, device)
     report = plan(
@@ -257,7 +260,7 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
     # plan/_measure.py spawns ranks, so it is imported only when asked for
     from cx_plan.measure._measure import measure_report, measure_table
 
-    rows, measured = measure_report(report, args.model, hidden=args.hidden_size, layers=args.num_layers,
+    rows, measured = measure_report(report, shape.name, hidden=args.hidden_size, layers=args.num_layers,
                                     top=args.top, steps=args.steps)  # fmt: skip
     if args.json:
         return json.dumps({**report.as_json(), "measured": _measured_json(rows, measured)}, indent=1)
