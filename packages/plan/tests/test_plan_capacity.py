@@ -106,3 +106,28 @@ def test_an_existing_path_wins_over_a_preset_name(
     assert plan["model"] == "./llama"
     assert plan["best"]["cx_train"].startswith("cx-train --model ./llama --plugin ")
     assert load_model_shape("llama").parameters.total == load_model_shape("./llama").parameters.total
+
+
+def test_identical_zero1_and_zero2_rows_are_shown_once_with_the_reason() -> None:
+    shape = shape_from_config("gpt", GPTConfig(vocab_size=64, max_positions=33, hidden_size=32, num_layers=2))
+    device = lookup_device("h100")
+    one, two = (Candidate("hybrid", dp=2, tp=2, zero_stage=stage) for stage in (1, 2))
+    other = Candidate("low_level_zero", dp=4, zero_stage=1)
+    same = fits(_prediction(10**9), device.memory_bytes)
+    rows = [PlanRow(c, same, predict_step_time(c, shape, 32, device)) for c in (one, two)]
+    rows.append(
+        PlanRow(other, fits(_prediction(2 * 10**9), device.memory_bytes), predict_step_time(other, shape, 32, device))
+    )
+    text = PlanReport("gpt", 4, 32, device, rank_rows(rows)).table()
+    assert "hybrid dp2 tp2 zero1" in text
+    assert "hybrid dp2 tp2 zero2" not in text
+    assert text.count("zero1 = zero2 here:") == 1
+    assert "low_level_zero dp4 zero1" in text  # no twin: shown as it is
+
+
+def test_fsdp_rows_do_not_advise_fsdp() -> None:
+    prediction = MemoryPrediction(Candidate("torch_fsdp", dp=8, fsdp_wrap="model"), 0, 0, 90 * 10**9, 0, 0, 0, 0, 0, 0)
+    reason = fits(prediction, lookup_device("h100").memory_bytes).reason
+    assert "largest: gradients" in reason
+    assert "FSDP to shard" not in reason
+    assert "fsdp_wrap='block'" in reason

@@ -8,6 +8,7 @@ measurement harness can hand in its own figures and reuse the formatting.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -106,6 +107,30 @@ def rank_rows(rows: Sequence[PlanRow]) -> list[PlanRow]:
     return sorted(rows, key=key)
 
 
+def _merge_zero_twins(rows: Sequence[PlanRow]) -> tuple[list[PlanRow], dict[int, str]]:
+    """The rows with each ZeRO-2 layout dropped whose ZeRO-1 twin (the same layout at stage 1) is also there with
+    the same peak and step time, and for each kept twin (by id) the line that says why the two are one row."""
+    by_layout = {(dataclasses.replace(r.candidate, zero_stage=None), r.candidate.stage): r for r in rows}
+    kept: list[PlanRow] = []
+    notes: dict[int, str] = {}
+    for row in rows:
+        c = row.candidate
+        if c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage in (1, 2):
+            other = by_layout.get((dataclasses.replace(c, zero_stage=None), 3 - c.stage))
+            same = other is not None and (other.memory.peak_bytes, other.step.step_s) == (
+                row.memory.peak_bytes, row.step.step_s)  # fmt: skip
+            if same and c.stage == 2:
+                continue
+            if same:
+                notes[id(row)] = (
+                    "zero1 = zero2 here: the same peak and step time (the peak is inside the backward, where ZeRO-2's "
+                    "sharded gradients do not lower it, and both reduce-scatter the same bytes); ZeRO-2 frees the "
+                    "gradients as they are reduced, which only lowers the end of the backward"
+                )
+        kept.append(row)
+    return kept, notes
+
+
 def constructor_call(candidate: Candidate, block_class: str | None = None) -> str:
     """`HybridParallelPlugin(tp_size=2, pp_size=2, ...)`, as the user writes it (cx_plugins or colossalai); per-block
     FSDP names the model's decoder-layer class (`block_class`) in its `ModuleWrapPolicy`."""
@@ -192,7 +217,8 @@ class PlanReport:
             f"seq {self.seq_len}; {self._judged()}, {sum(r.memory.fits for r in self.rows)} fit",
             f"{'#':>3}  {'configuration':<60} {'fits':<5} {'peak':>10} {'step ms':>9} {'tokens/s':>11} {'MFU':>6}",
         ]
-        shown = [r for r in self.rows if r.memory.fits][:top] + [r for r in self.rows if not r.memory.fits][:rejected]
+        fitting, twins = _merge_zero_twins([r for r in self.rows if r.memory.fits])
+        shown = fitting[:top] + [r for r in self.rows if not r.memory.fits][:rejected]
         for index, row in enumerate(shown, 1):
             step = row.step
             lines.append(
@@ -202,6 +228,8 @@ class PlanReport:
             )
             if not row.memory.fits or _tight(row):
                 lines.append(f"     {row.memory.reason}")
+            if id(row) in twins:
+                lines.append(f"     {twins[id(row)]}")
         if self.stopped:
             lines.append(f"cx-plan {self.stopped}")
         best = self.best

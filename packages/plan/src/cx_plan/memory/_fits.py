@@ -28,6 +28,24 @@ _SUGGESTIONS = {
 }
 
 
+# what the sharding plugins already do, so the generic advice would send the user where they are
+_SHARDED_SUGGESTIONS = {
+    ("torch_fsdp", "gradients"): "one FSDP unit per decoder layer (fsdp_wrap='block') rather than one root unit, "
+    "fewer accumulation micro-batches (no_sync keeps unsharded fp32 sums), or tp / pp (hybrid)",
+    ("torch_fsdp", "parameters"): "one FSDP unit per decoder layer (fsdp_wrap='block'), more data-parallel ranks, "
+    "or tp / pp (hybrid)",
+    ("torch_fsdp", "optimizer_states"): "more data-parallel ranks to shard over, or tp / pp (hybrid)",
+    ("torch_fsdp", "comm_buffers"): "one FSDP unit per decoder layer (fsdp_wrap='block'): fewer parameters gathered "
+    "at once",
+    ("gemini", "optimizer_states"): "Gemini's offload_optim_frac, or more data-parallel ranks",
+    ("gemini", "parameters"): "Gemini's offload_param_frac, or more data-parallel ranks",
+}
+
+
+def _suggestion(plugin: str, name: str) -> str:
+    return _SHARDED_SUGGESTIONS.get((plugin, name), _SUGGESTIONS[name])
+
+
 def format_bytes(nbytes: int) -> str:
     """`91.3 GB` (10^9), `512 MB`, `3.1 KB`: the units the reason strings use."""
     for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
@@ -71,6 +89,6 @@ def fits(prediction: MemoryPrediction, device_memory: int, usable_fraction: floa
     reason = (
         f"peak {format_bytes(peak)} > {format_bytes(device_memory)} of the device ({format_bytes(limit)} usable "
         f"beside the {1 - usable_fraction:.0%} reserve); largest: {name.replace('_', ' ')} {format_bytes(nbytes)}{at}; "
-        f"try {_SUGGESTIONS[name]}"
+        f"try {_suggestion(prediction.candidate.plugin, name)}"
     )
     return Verdict(False, peak, limit, reason, prediction)
