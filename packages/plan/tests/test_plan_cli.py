@@ -113,6 +113,26 @@ def test_cx_plan_json_with_measure_carries_the_measurements(
     assert plan["measured"][0]["measured_step_s"] == 0.25
 
 
+def test_cx_plan_measure_exits_non_zero_when_every_measurement_failed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every measured configuration failed (the issue's bare config.json folder measured nothing and exited 0):
+    the table with each error is printed, then the command exits 1."""
+
+    def failing(
+        report: PlanReport, model: str, *, hidden: int, layers: int, top: int, steps: int
+    ) -> tuple[list[PlanRow], list[Measured]]:
+        rows = [row for row in report.rows if row.memory.fits][:top]
+        return rows, [Measured(row.candidate, [], [], 0.0, error="OSError: no weights") for row in rows]
+
+    monkeypatch.setattr(measure_module, "measure_report", failing)
+    flags = [*_GPT, "--world", "1", "--device", detect_device().name, "--measure", "--top", "1", "--quiet"]
+    assert main(flags, memory_factory=_stub) == 1
+    captured = capsys.readouterr()
+    assert "OSError: no weights" in captured.out
+    assert "all 1 measurement(s) failed" in captured.err
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -216,6 +216,14 @@ def _measured_json(rows: Sequence[PlanRow], measured: Sequence[Measured]) -> lis
     ]
 
 
+class MeasurementsFailed(Exception):
+    """--measure ran configurations and every one failed: the output is printed and the command exits 1."""
+
+    def __init__(self, text: str, count: int) -> None:
+        super().__init__(f"all {count} measurement(s) failed: see each one's error above")
+        self.text = text
+
+
 def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
     """The report text (or JSON) for parsed arguments; with --measure, the measurements beside it (both forms)."""
     memory_bytes = None if args.device_memory is None else parse_memory(args.device_memory)
@@ -263,8 +271,12 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
     rows, measured = measure_report(report, shape.name, hidden=args.hidden_size, layers=args.num_layers,
                                     top=args.top, steps=args.steps)  # fmt: skip
     if args.json:
-        return json.dumps({**report.as_json(), "measured": _measured_json(rows, measured)}, indent=1)
-    return report.table(top=args.top) + "\n\n" + measure_table(rows, measured)
+        text = json.dumps({**report.as_json(), "measured": _measured_json(rows, measured)}, indent=1)
+    else:
+        text = report.table(top=args.top) + "\n\n" + measure_table(rows, measured)
+    if measured and all(result.error for result in measured):
+        raise MeasurementsFailed(text, len(measured))
+    return text
 
 
 def main(argv: Sequence[str] | None = None, memory_factory: MemoryFactory | None = None) -> int:
@@ -272,6 +284,10 @@ def main(argv: Sequence[str] | None = None, memory_factory: MemoryFactory | None
     factory = traced_memory_model if memory_factory is None else memory_factory
     try:
         print(run(args, factory))
+    except MeasurementsFailed as failed:
+        print(failed.text)
+        print(f"cx-plan: error: {failed}", file=sys.stderr)
+        return 1
     except ValueError as error:  # ModelShapeError, NoLayoutError, unknown names, unparsable sizes
         print(f"cx-plan: error: {error}", file=sys.stderr)
         return 2
