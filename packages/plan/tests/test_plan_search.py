@@ -59,14 +59,15 @@ def test_the_floor_never_exceeds_the_traced_prediction() -> None:
 
 
 def test_pruned_and_unpruned_plans_have_the_same_rows() -> None:
-    """With the device's memory between the candidates' peaks, the plan with the floor has the same fitting rows
-    (same candidates, peaks and step times, in the same order) and the same misses as tracing every candidate,
-    from fewer traces."""
+    """With the device's memory between the candidates' peaks (a quarter of them fit: at the median only DDP's
+    micro-batch 4 was ruled out, and its whole-model trace is one the sharding plugins need anyway), the plan with
+    the floor has the same fitting rows (same candidates, peaks and step times, in the same order) and the same
+    misses as tracing every candidate, from fewer traces."""
     shape = _gpt()
     full_cache = TraceCache(shape, _SEQ)
     probe = memory_model(shape, _SEQ, 10**12, cache=full_cache, bound=False)
     peaks = sorted(p for c in enumerate_candidates(shape, 2, _SEQ, _space()) if (p := probe(c).peak_bytes))
-    device = lookup_device("cpu", memory_bytes=int(peaks[len(peaks) // 2] / 0.9))
+    device = lookup_device("cpu", memory_bytes=int(peaks[len(peaks) // 4] / 0.9))
     reports = []
     caches = []
     for bound in (False, True):
