@@ -4,7 +4,10 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
 - FLOPs per token (PaLM, appendix B): 6 x the matmul parameters a token passes through (every decoder parameter
   outside the routed experts, top_k / experts of theirs, and the LM head; the input embedding is a lookup) plus
   12 x layers x seq_len x attention width for the attention scores and their values (no causal halving).
-  Activation checkpointing recomputes the forward (a third of it) of `checkpoint_ratio` of the layers.
+  Activation checkpointing recomputes what the trace saw it rerun (`OpCounts.recompute_fraction`: the matmul and
+  attention FLOPs the backward runs again, as a share of the forward's): full checkpointing reruns the layers'
+  forward, the selective op policy only the matmuls it did not save (never attention), so it costs less. Without
+  a trace: the layers' forward x `checkpoint_ratio` (full), half their matmul FLOPs (selective op).
 - Compute runs at `efficiency` x peak (default `ACHIEVABLE_FRACTION`: 45 %, between the 38-43 % MFU torchtitan
   reports for Llama 3 8B on H100 with FSDP2 and the 52 % of Megatron-LM's largest GPT runs on A100; on this
   repository's CPU the peak is a measured matmul rate, see `_devices`). Every rank does 1/world of the FLOPs
@@ -106,6 +109,21 @@ def _optimizer_seconds(candidate: Candidate, shape: ModelShape, device: Device) 
     return on_device + held * offloaded * ((4 + w) / pcie + _ADAM_BYTES / HOST_BANDWIDTH)
 
 
+def _recompute_fraction(candidate: Candidate, shape: ModelShape, seq_len: int, ops: OpCounts | None) -> float:
+    """The share of the forward's FLOPs activation checkpointing runs again in the backward (module docstring)."""
+    c = candidate
+    if not c.checkpoint_ratio:
+        return 0.0
+    traced = None if ops is None else ops.recompute_fraction
+    if traced is not None:
+        return traced
+    per_token, in_layers = flops_per_token(shape, seq_len)
+    if c.checkpoint_mode == "selective-op":
+        attention = 12.0 * shape.num_layers * seq_len * shape.num_heads * shape.head_dim
+        return (in_layers - attention) / 2 / per_token * c.checkpoint_ratio
+    return in_layers / per_token * c.checkpoint_ratio
+
+
 def _with_host(device_s: float, host_s: float, host_bound: bool) -> float:
     """Work the host dispatches beside the device's: added on a host-bound device, overlapped on an asynchronous one."""
     return device_s + host_s if host_bound else max(device_s, host_s)
@@ -153,10 +171,10 @@ def predict_step_time(
     slow = host.oversubscription
     peak = device.peak(c.precision)
     rate = peak * efficiency / slow  # ranks sharing cores share their FLOPs
-    per_token, in_layers = flops_per_token(shape, seq_len)
+    per_token, _ = flops_per_token(shape, seq_len)
     tokens = c.global_batch_size * seq_len
     model_s = tokens * per_token / c.world_size / rate
-    recompute_s = tokens * in_layers / 3 * c.checkpoint_ratio / c.world_size / rate
+    recompute_s = model_s / 3 * _recompute_fraction(c, shape, seq_len, ops)
     collectives = step_collectives(c, shape, seq_len)
     times = {col.name: _seconds(col, net, slow) for col in collectives}
     in_layer = sum(times[col.name] for col in collectives if col.name.startswith(("tp ", "sp ", "expert ")))

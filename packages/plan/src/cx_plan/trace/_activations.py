@@ -38,7 +38,7 @@ from cx_plugins.models import GPTConfig
 from cx_plugins.moe_hybrid import MoeHybridParallelPlugin
 from cx_shardformer import GradientCheckpointConfig
 
-__all__ = ["ActivationTrace", "PlanTraceError", "stage_rank", "trace_stage"]
+__all__ = ["ActivationTrace", "PlanTraceError", "forward_op_flops", "stage_rank", "trace_stage"]
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _CPU = torch.device("cpu")
@@ -47,16 +47,59 @@ _TOTAL = "Total"  # MemTracker's key of a device's total bytes in its snapshots
 _EXACT_LAYERS = 4  # decoder layers per stage traced as they are; deeper stages are extrapolated (trace_stage)
 
 
+_ATTENTION = (
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_attention_math.default,
+)
+
+
+_MATMUL_OPERANDS = {  # a forward matrix multiply: which two arguments are multiplied
+    torch.ops.aten.mm.default: (0, 1),
+    torch.ops.aten.addmm.default: (1, 2),
+    torch.ops.aten.bmm.default: (0, 1),
+    torch.ops.aten.baddbmm.default: (1, 2),
+    torch.ops.aten._grouped_mm.default: (0, 1),  # the routed experts' tokens, group by group
+}
+
+
+def forward_op_flops(func: Any, args: Any) -> int:
+    """FLOPs of a forward matrix multiply (mm, addmm, bmm, baddbmm, the experts' grouped mm) or attention kernel
+    (QK^T and PV: 4 b h s_q s_k d, no causal halving, as `flops_per_token` counts it); 0 for any other op."""
+    operands = _MATMUL_OPERANDS.get(func)
+    if operands is not None:
+        a: torch.Tensor = args[operands[0]]
+        b: torch.Tensor = args[operands[1]]
+        return 2 * int(a.shape[:-1].numel()) * int(a.shape[-1]) * int(b.shape[-1])
+    if func in _ATTENTION:
+        query: torch.Tensor = args[0]
+        key: torch.Tensor = args[1]
+        return 4 * int(query.shape[:-1].numel()) * int(key.shape[-2]) * int(query.shape[-1])
+    return 0
+
+
 class _OpCount(TorchDispatchMode):
     """Counts the aten ops dispatched under it (collectives, in other namespaces, are timed from `_comm_volume`);
-    `forward` holds the count when the forward ended."""
+    `forward` holds the count when the forward ended. It also adds up the forward's matmul and attention FLOPs and
+    those the backward recomputes: activation checkpointing reruns a layer's forward with grad enabled (the backward's
+    own kernels run with it disabled), and the selective op policy serves the outputs it saved without running them,
+    so `recompute_flops` is what the chosen checkpointing really recomputes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = self.forward = 0
+        self.forward_flops = self.recompute_flops = 0
+        self.backward_started = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.count += func.namespace == "aten"
+        flops = forward_op_flops(func, args)
+        if flops and not self.backward_started:
+            self.forward_flops += flops
+        elif flops and torch.is_grad_enabled():
+            self.recompute_flops += flops
         return func(*args, **(kwargs or {}))
 
 
@@ -92,6 +135,8 @@ class ActivationTrace:
     forward_ops: int = 0  # aten ops the micro-batch's forward dispatches (what a step's dispatch cost counts)
     backward_ops: int = 0  # and its backward (recomputed forwards included)
     parameter_tensors: int = 0  # the trained parameter tensors (what per-tensor optimizer and plugin work counts)
+    forward_flops: int = 0  # matmul and attention FLOPs of the micro-batch's forward
+    recompute_flops: int = 0  # of those, what activation checkpointing runs again in the backward
 
     @property
     def working_bytes(self) -> int:
@@ -223,6 +268,7 @@ def _run(modules: list[nn.Module], first: bool, scope: ChunkScope, shape: ModelS
             outputs.append(module(**arguments))
     saved.append(_categories(tracker.get_tracker_snapshot()))
     ops.forward = ops.count
+    ops.backward_started = True
     for output in reversed(outputs):
         _backward(output)
 
@@ -291,7 +337,7 @@ def _trace_exact(shape: ModelShape, candidate: Candidate, seq_len: int, stage: i
     return ActivationTrace(
         stage, parameters, activations, gradients, end.get("GRAD", 0), peak.get("Total", 0), forward_end,
         sum(count for count, _ in trained.values()), sum(count for count, expert in trained.values() if expert),
-        ops.forward, ops.count - ops.forward, len(trained),
+        ops.forward, ops.count - ops.forward, len(trained), ops.forward_flops, ops.recompute_flops,
     )  # fmt: skip
 
 

@@ -54,7 +54,8 @@ def _count(traces: TraceCache, candidate: Candidate) -> OpCounts | None:
         trace = traces.get(probe, stage)
         if isinstance(trace, str):  # the memory model traces the same candidate and reports why
             return None
-        found.append(OpCounts(trace.forward_ops, trace.backward_ops, trace.parameter_tensors))
+        t = trace
+        found.append(OpCounts(t.forward_ops, t.backward_ops, t.parameter_tensors, t.forward_flops, t.recompute_flops))
     return max(found, key=lambda ops: (ops.forward + ops.backward, ops.parameter_tensors))
 
 
@@ -64,7 +65,10 @@ def _share(whole: OpCounts | None, shape: ModelShape, candidate: Candidate) -> O
         return whole
     chunks = candidate.num_model_chunks
     share = min(1.0, -(-shape.num_layers // (candidate.pp * chunks)) * chunks / shape.num_layers)
-    return OpCounts(round(whole.forward * share), round(whole.backward * share), round(whole.parameter_tensors * share))
+    return OpCounts(
+        round(whole.forward * share), round(whole.backward * share), round(whole.parameter_tensors * share),
+        round(whole.forward_flops * share), round(whole.recompute_flops * share),
+    )  # fmt: skip
 
 
 def op_counter(shape: ModelShape, seq_len: int, exact: bool = True, traces: TraceCache | None = None) -> OpCounter:
@@ -94,6 +98,8 @@ def op_counter(shape: ModelShape, seq_len: int, exact: bool = True, traces: Trac
             round(low.forward + (high.forward - low.forward) * ratio),
             round(low.backward + (high.backward - low.backward) * ratio),
             low.parameter_tensors,
+            low.forward_flops,
+            round(low.recompute_flops + (high.recompute_flops - low.recompute_flops) * ratio),
         )
         return _share(mixed, shape, candidate)
 
