@@ -67,6 +67,7 @@ class PlanRow:
             "bubble_s": step.bubble_s,
             "optimizer_s": step.optimizer_s,
             "communication_s": dict(step.communication_s),
+            "hidden_s": step.hidden_s,
         }
 
 

@@ -12,8 +12,17 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
   reports for Llama 3 8B on H100 with FSDP2 and the 52 % of Megatron-LM's largest GPT runs on A100; on this
   repository's CPU the peak is a measured matmul rate, see `_devices`). Every rank does 1/world of the FLOPs
   (the layers split evenly over pp, the experts balanced over ep).
-- A collective takes hops x latency + bytes / bandwidth on the slowest link its group crosses (`_comm_volume`);
-  communication is not overlapped with compute (an upper bound: DDP and ZeRO overlap part of theirs).
+- A collective takes hops x latency + bytes / bandwidth on the slowest link its group crosses (`_comm_volume`).
+- Overlap (`_hidden_data_parallel`), on a device that launches asynchronously (a GPU: NCCL runs on its own stream;
+  on the host-bound CPU every collective adds, as calibrated), the data-parallel communication a plugin issues
+  during compute hides under that compute, except what cannot start before the compute ends or must finish before
+  it starts: per-block FSDP prefetches the next unit's all-gather and reduce-scatters a unit's gradients while the
+  backward goes on, so its gathers and reduce-scatters hide under all micro-batches' forward and backward, less one
+  unit's share (the first gather, the last reduce-scatter: units = layers + the root); DDP's gradient buckets and
+  LowLevelZero's (overlap_communication, its default) reduce-scatter buckets hide under the last micro-batch's
+  backward (the others run under no_sync), less the last bucket; LowLevelZero's weight all-gather after the step,
+  FSDP under one root unit, Gemini and the hybrid plugins' data-parallel collectives are not overlapped. The
+  hidden seconds are `StepTime.hidden_s`; what is hidden can never exceed the compute it hides under.
 - pp > 1: each micro-batch's forward and backward per model chunk, with its tp / sp / expert collectives and its p2p
   transfer, is one action of cx-pipeline's schedule (`schedule_orders`), and `simulate` gives the makespan; the
   bubble is the makespan minus the busiest stage's work. ZB-V splits each backward into equal I and W halves.
@@ -31,12 +40,13 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 from cx_pipeline import Action, ActionKind, schedule_orders, simulate
 from cx_plan._candidate import Candidate
 from cx_plan._devices import LINKS, Device, Network, default_network
-from cx_plan.step_time._comm_volume import Collective, step_collectives, weight_bytes
+from cx_plan.step_time._comm_volume import BUCKET_BYTES, Collective, step_collectives, weight_bytes
 from cx_plan.step_time._host_time import OpCounts, host_time
 from cx_plan.trace._model_spec import ModelShape
 
@@ -66,6 +76,7 @@ class StepTime:
     plugin_s: float = 0.0  # the plugin's own per-parameter ops
     optimizer_overhead_s: float = 0.0  # AdamW's per-tensor loop, beside `optimizer_s` (its bytes)
     oversubscription: float = 1.0  # how much slower ranks sharing too few cores run (in every term above)
+    hidden_s: float = 0.0  # data-parallel communication hidden under compute (the overlap rule), not in step_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -122,6 +133,29 @@ def _recompute_fraction(candidate: Candidate, shape: ModelShape, seq_len: int, o
         attention = 12.0 * shape.num_layers * seq_len * shape.num_heads * shape.head_dim
         return (in_layers - attention) / 2 / per_token * c.checkpoint_ratio
     return in_layers / per_token * c.checkpoint_ratio
+
+
+def _hidden_data_parallel(
+    candidate: Candidate, shape: ModelShape, times: dict[str, float], forward: float, backward: float, device: Device
+) -> float:
+    """Seconds of the data-parallel collectives `times` hidden under the compute of the plugin's overlap window
+    (`forward` / `backward`: one micro-batch's); the rule is the module docstring's."""
+    c = candidate
+    if device.host_bound or c.pp > 1:
+        return 0.0
+    gradients = sum(t for name, t in times.items() if "gradient" in name)
+    gathers = sum(t for name, t in times.items() if "weight all-gather" in name)
+    if c.plugin == "torch_fsdp" and c.fsdp_wrap == "block":
+        units = shape.num_layers + 1
+        movable = (gradients + gathers) * (1 - 1 / units)
+        window = c.num_microbatches * (forward + backward)
+    elif c.plugin == "torch_ddp" or (c.plugin == "low_level_zero" and c.stage >= 1):
+        buckets = max(1, math.ceil(shape.parameters.total * weight_bytes(c) / BUCKET_BYTES))
+        movable = gradients * (1 - 1 / buckets)
+        window = backward
+    else:
+        return 0.0
+    return min(movable, window)
 
 
 def _with_host(device_s: float, host_s: float, host_bound: bool) -> float:
@@ -197,7 +231,8 @@ def predict_step_time(
         body = makespan
     else:
         body = m * (forward + backward)
-    step_s = body + data_parallel + optimizer_step
+    hidden_s = _hidden_data_parallel(c, shape, times, forward, backward, device)
+    step_s = body + data_parallel - hidden_s + optimizer_step
     return StepTime(
         flops_per_token=per_token,
         tokens_per_step=tokens,
@@ -213,4 +248,5 @@ def predict_step_time(
         plugin_s=host.plugin_s,
         optimizer_overhead_s=host.optimizer_s,
         oversubscription=slow,
+        hidden_s=hidden_s,
     )
