@@ -19,8 +19,8 @@ from cx_plan._planner import MemoryModel
 from cx_plan._report import MemoryVerdict, PlanReport, PlanRow, constructor_call, train_command
 from cx_plan.measure import _measure as measure_module
 from cx_plan.measure._measure import Measured
-from cx_plan.memory import _memory_model as memory_model_module
 from cx_plan.memory._memory_model import memory_model
+from cx_plan.trace import _trace_cache as trace_cache_module
 from cx_plan.trace._activations import ActivationTrace, trace_stage
 from cx_plan.trace._model_spec import ModelShape, shape_from_config
 from cx_plugins.models import GPTConfig
@@ -75,7 +75,7 @@ def test_cx_plan_prints_a_ranked_plan(capsys: pytest.CaptureFixture[str]) -> Non
     assert all("model states" in r["reason"] for r in rows if not r["fits"])
     assert main([*flags, "--top", "2"], memory_factory=_stub) == 0
     table = capsys.readouterr().out
-    assert "cx-plan: gpt on 2 x cpu (0.30 MB)" in table
+    assert "cx-plan: gpt on 2 x cpu (0.30 MB; 10% reserve, 0.27 MB usable)" in table
     assert "best: GeminiPlugin(" in table
 
 
@@ -134,6 +134,26 @@ def test_cx_plan_json_with_measure_carries_the_measurements(
     assert plan["measured"][0]["measured_step_s"] == 0.25
 
 
+def test_cx_plan_measure_exits_non_zero_when_every_measurement_failed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every measured configuration failed (the issue's bare config.json folder measured nothing and exited 0):
+    the table with each error is printed, then the command exits 1."""
+
+    def failing(
+        report: PlanReport, model: str, *, hidden: int, layers: int, top: int, steps: int
+    ) -> tuple[list[PlanRow], list[Measured]]:
+        rows = [row for row in report.rows if row.memory.fits][:top]
+        return rows, [Measured(row.candidate, [], [], 0.0, error="OSError: no weights") for row in rows]
+
+    monkeypatch.setattr(measure_module, "measure_report", failing)
+    flags = [*_GPT, "--world", "1", "--device", detect_device().name, "--measure", "--top", "1", "--quiet"]
+    assert main(flags, memory_factory=_stub) == 1
+    captured = capsys.readouterr()
+    assert "OSError: no weights" in captured.out
+    assert "all 1 measurement(s) failed" in captured.err
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -170,12 +190,12 @@ def test_traced_memory_model_shares_traces(monkeypatch: pytest.MonkeyPatch) -> N
         traced.append(candidate)
         return real(shape, candidate, seq_len, stage)
 
-    monkeypatch.setattr(memory_model_module, "trace_stage", counting)
+    monkeypatch.setattr(trace_cache_module, "trace_stage", counting)
     device = lookup_device("cpu")
     model = planner.traced_memory_model(shape, 16, device)
     candidates = [Candidate("hybrid", dp=2, zero_stage=stage, micro_batch_size=2) for stage in (0, 1, 2)]
     verdicts = [model(c) for c in candidates]
-    assert len(traced) == 1
+    assert [c.micro_batch_size for c in traced] == [1, 2]  # the floor's micro-batch 1, then its own: once for all three
     assert verdicts[2] == memory_model(shape, 16, device.memory_bytes)(candidates[2])
     assert verdicts[0].prediction.optimizer_states == 2 * verdicts[1].prediction.optimizer_states  # ZeRO-1, dp 2
 
@@ -200,7 +220,7 @@ def test_a_failing_trace_is_a_row_not_the_end_of_the_plan(
     def failing(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int) -> ActivationTrace:
         raise error
 
-    monkeypatch.setattr(memory_model_module, "trace_stage", failing)
+    monkeypatch.setattr(trace_cache_module, "trace_stage", failing)
     device = lookup_device("cpu")
     report = planner.plan(shape, 2, 16, device, planner.traced_memory_model(shape, 16, device))
     assert report.rows

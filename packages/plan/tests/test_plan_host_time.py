@@ -16,8 +16,10 @@ from cx_plan.measure._measure import measure_candidate
 from cx_plan.step_time._host_time import OpCounts, host_time, plugin_ops_per_tensor, plugin_tensor_s
 from cx_plan.step_time._step_time import predict_step_time
 from cx_plan.trace import _op_counts
+from cx_plan.trace import _trace_cache as trace_cache_module
 from cx_plan.trace._activations import trace_stage
 from cx_plan.trace._model_spec import ModelShape, shape_from_config
+from cx_plan.trace._trace_cache import TraceCache
 from cx_plugins.models import GPTConfig
 
 _SEQ = 16
@@ -51,8 +53,8 @@ def test_data_parallel_plugins_share_one_count(monkeypatch: pytest.MonkeyPatch) 
         calls.append(candidate)
         return trace_stage(shape, candidate, seq_len, stage)
 
-    monkeypatch.setattr(_op_counts, "trace_stage", traced)
-    count = _op_counts.op_counter(_TINY, _SEQ)
+    monkeypatch.setattr(trace_cache_module, "trace_stage", traced)
+    count = _op_counts.op_counter(_TINY, _SEQ, traces=TraceCache(_TINY, _SEQ))
     same = [Candidate("torch_ddp", dp=2, micro_batch_size=2), Candidate("gemini", dp=2), Candidate("low_level_zero")]
     assert len({count(c) for c in same}) == 1
     assert len(calls) == 1
@@ -161,8 +163,8 @@ def test_gpu_planning_traces_the_whole_model_once(monkeypatch: pytest.MonkeyPatc
         calls.append(candidate)
         return trace_stage(shape, candidate, seq_len, stage)
 
-    monkeypatch.setattr(_op_counts, "trace_stage", traced)
-    count = _op_counts.op_counter(_TINY, _SEQ, exact=False)
+    monkeypatch.setattr(trace_cache_module, "trace_stage", traced)
+    count = _op_counts.op_counter(_TINY, _SEQ, exact=False, traces=TraceCache(_TINY, _SEQ))
     whole = count(Candidate("hybrid", tp=2, precision="fp32"))
     half = count(Candidate("hybrid", pp=2, num_microbatches=2, precision="fp32"))
     assert whole is not None

@@ -3,6 +3,9 @@ local ranks and prints its measured peak and step time beside the prediction."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +16,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from cx_plan import load_model_shape
 from cx_plan._candidate import Candidate
 from cx_plan._cli import main
-from cx_plan.measure._measure import LiveBytes, measure_candidate
+from cx_plan.measure._measure import LiveBytes, fresh_model, measure_candidate
 
 
 def test_live_bytes_counts_each_storage_once_until_it_is_freed() -> None:
@@ -89,3 +92,41 @@ def test_cx_plan_measure_runs_the_best_here(capsys: pytest.CaptureFixture[str]) 
     assert states <= measured < rss
     assert predicted >= states
     assert line.rstrip().endswith("1/1")  # the only configuration that ran ranks first both ways
+
+
+def _bare_llama(folder: Path) -> Path:
+    """A folder holding only a tiny Llama's config.json: an architecture, no weights or tokenizer."""
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, "tie_word_embeddings": False}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_fresh_model_is_seeded_and_needs_no_weights(tmp_path: Path) -> None:
+    """A bare config.json builds the same fresh weights every time (every rank of a measurement agrees), another
+    seed gives others, and the caller's RNG stream is left alone."""
+    shape = load_model_shape(str(_bare_llama(tmp_path)))
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    first, again, other = fresh_model(shape), fresh_model(shape), fresh_model(shape, seed=1)
+    assert torch.equal(torch.rand(3), expected_next)
+    for (name, a), b in zip(first.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert any(not torch.equal(a, c) for a, c in zip(first.parameters(), other.parameters(), strict=True))
+
+
+def test_cx_plan_measure_of_a_folder_with_only_a_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's case: `--measure` on a folder holding only config.json measured nothing ("no file named
+    model.safetensors") and exited 0. It now trains fresh seeded weights and measures a peak."""
+    folder = _bare_llama(tmp_path)
+    flags = ["--model", str(folder), "--seq-len", "16", "--world", "1", "--device", "cpu", "--global-batch", "1",
+             "--precision", "fp32", "--checkpointing", "0", "--plugins", "torch_ddp", "--measure", "--top", "1",
+             "--steps", "1", "--quiet"]  # fmt: skip
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines()[::-1] if line.startswith("torch_ddp mb1x1 fp32"))
+    assert "failed" not in line
+    states = 16 * load_model_shape(str(folder)).parameters.total / 1e6  # fp32 weights, gradients, two moments
+    assert float(line.split()[4]) >= states

@@ -53,6 +53,7 @@ def test_ranking_table_and_json() -> None:
     assert loaded["best"]["label"] == row_label(ranked[0].candidate)
     assert [r["fits"] for r in loaded["rows"]] == [True, True, True, False, False, False]
     assert loaded["rows"][0]["step_s"] == ranked[0].step.step_s
+    assert loaded["rows"][0]["hidden_s"] == ranked[0].step.hidden_s  # what step_s left out of communication_s
     nothing = PlanReport("gpt", 2, 32, device, ranked[3:])
     assert nothing.best is None
     assert "nothing fits" in nothing.table()

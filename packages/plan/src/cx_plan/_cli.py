@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,12 +22,13 @@ from cx_plan._devices import (
     lookup_device,
     lookup_link,
     parse_memory,
+    parse_reserve,
 )
 from cx_plan._enumerate import SearchSpace
 from cx_plan._planner import MemoryModel, plan, traced_memory_model
 from cx_plan._report import PlanRow, row_label
 from cx_plan.step_time._step_time import ACHIEVABLE_FRACTION
-from cx_plan.trace._model_spec import ModelShape, load_model_shape
+from cx_plan.trace._model_spec import ModelShape, load_model_shape, shadowed_builtin
 
 if TYPE_CHECKING:
     from cx_plan.measure._measure import Measured
@@ -56,7 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--world", type=int, required=True, help="devices (ranks) in all")
     parser.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}")
     parser.add_argument(
-        "--device-memory", default=None, help="memory per device, e.g. 80GB or 64GiB (default: the device's)"
+        "--device-memory",
+        default=None,
+        help="memory per device: 80GB (10^9 bytes) or 80GiB (2^30) (default: what the device reports)",
+    )
+    parser.add_argument(
+        "--reserve",
+        default=None,
+        help="memory held back per device (CUDA context, NCCL, fragmentation): 10%%, 0.1 or a size such as 6GiB; "
+        "a peak inside it is shown as 'tight' (default: 10%%)",
     )
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     parser.add_argument(
@@ -124,7 +134,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the --top fitting ones here, side by side (--device must be this machine's)",
     )
     parser.add_argument("--steps", type=int, default=3, help="--measure: timed steps after one warm-up step")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=600.0,
+        help="seconds of search after which the best found so far is printed, saying it stopped",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     return parser
+
+
+def _progress_line(quiet: bool) -> Callable[[int, int, int], None] | None:
+    """A progress line on stderr, rewritten in place at most twice a second (None when --quiet)."""
+    if quiet:
+        return None
+    start, last = time.monotonic(), [0.0]
+
+    def show(judged: int, total: int, fitting: int) -> None:
+        now = time.monotonic()
+        if now - last[0] < 0.5 and judged < total:
+            return
+        last[0] = now
+        print(f"\rcx-plan: judged {judged} of at most {total} candidates, {fitting} fit, {now - start:.0f} s",
+              end="", file=sys.stderr, flush=True)  # fmt: skip
+
+    return show
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
@@ -189,11 +223,21 @@ def _measured_json(rows: Sequence[PlanRow], measured: Sequence[Measured]) -> lis
     ]
 
 
+class MeasurementsFailed(Exception):
+    """--measure ran configurations and every one failed: the output is printed and the command exits 1."""
+
+    def __init__(self, text: str, count: int) -> None:
+        super().__init__(f"all {count} measurement(s) failed: see each one's error above")
+        self.text = text
+
+
 def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
     """The report text (or JSON) for parsed arguments; with --measure, the measurements beside it (both forms)."""
     memory_bytes = None if args.device_memory is None else parse_memory(args.device_memory)
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
     device = lookup_device(args.device, memory_bytes, peak)
+    if args.reserve is not None:
+        device = lookup_device(args.device, memory_bytes, peak, parse_reserve(args.reserve, device.memory_bytes))
     if args.measure:
         _check_measurable(device)
     network = _network(args, device)
@@ -207,6 +251,9 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
         precision=args.precision,
         optimizer_states_dtype=args.optimizer_states_dtype,
     )
+    if shadowed_builtin(args.model):
+        said = f"cx-plan: --model {args.model} is both a built-in model and a path here: planning the path "
+        print(said + f"./{args.model} (an existing path wins); rename it to plan the built-in one", file=sys.stderr)
     shape = load_model_shape(args.model, hidden_size=args.hidden_size, num_layers=args.num_layers, seq_len=args.seq_len)
     memory = memory_factory(shape, args.seq_len, device)
     report = plan(
@@ -219,17 +266,25 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
         network=network,
         efficiency=args.efficiency,
         enough=None if args.all else args.top,
+        progress=_progress_line(args.quiet),
+        time_limit=args.time_limit,
     )
+    if not args.quiet:
+        print(file=sys.stderr)  # end the progress line
     if not args.measure:
         return json.dumps(report.as_json(), indent=1) if args.json else report.table(top=args.top)
     # plan/_measure.py spawns ranks, so it is imported only when asked for
     from cx_plan.measure._measure import measure_report, measure_table
 
-    rows, measured = measure_report(report, args.model, hidden=args.hidden_size, layers=args.num_layers,
+    rows, measured = measure_report(report, shape.name, hidden=args.hidden_size, layers=args.num_layers,
                                     top=args.top, steps=args.steps)  # fmt: skip
     if args.json:
-        return json.dumps({**report.as_json(), "measured": _measured_json(rows, measured)}, indent=1)
-    return report.table(top=args.top) + "\n\n" + measure_table(rows, measured)
+        text = json.dumps({**report.as_json(), "measured": _measured_json(rows, measured)}, indent=1)
+    else:
+        text = report.table(top=args.top) + "\n\n" + measure_table(rows, measured)
+    if measured and all(result.error for result in measured):
+        raise MeasurementsFailed(text, len(measured))
+    return text
 
 
 def main(argv: Sequence[str] | None = None, memory_factory: MemoryFactory | None = None) -> int:
@@ -237,6 +292,10 @@ def main(argv: Sequence[str] | None = None, memory_factory: MemoryFactory | None
     factory = traced_memory_model if memory_factory is None else memory_factory
     try:
         print(run(args, factory))
+    except MeasurementsFailed as failed:
+        print(failed.text)
+        print(f"cx-plan: error: {failed}", file=sys.stderr)
+        return 1
     except ValueError as error:  # ModelShapeError, NoLayoutError, unknown names, unparsable sizes
         print(f"cx-plan: error: {error}", file=sys.stderr)
         return 2

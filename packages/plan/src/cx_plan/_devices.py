@@ -31,9 +31,17 @@ __all__ = [
     "lookup_link",
     "memory_per_rank",
     "parse_memory",
+    "parse_reserve",
 ]
 
 _GB = 10**9
+_MIB = 2**20
+# What the devices report (torch.cuda.get_device_properties(0).total_memory, nvidia-smi's "MiB" column), not the
+# marketing figure: an H100 80GB shows 81,559 MiB (85.5 x 10^9 bytes), an H200 143,771 MiB, an A100 80GB 81,920 MiB.
+_H100_BYTES = 81_559 * _MIB
+_H200_BYTES = 143_771 * _MIB
+_A100_BYTES = 81_920 * _MIB
+RESERVE_FRACTION = 0.1  # held back by default: CUDA context, NCCL and library workspaces, allocator fragmentation
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,12 @@ class Device:
     # measured host seconds of a plugin's own work per parameter tensor and step (one rank, more ranks) by
     # `_host_time.plugin_key`; "torch_fsdp block" per FSDP unit and micro-batch. Absent: counted ops x op_s.
     plugin_tensor_s: dict[str, tuple[float, float]] = field(default_factory=dict)
+    reserve: float = RESERVE_FRACTION  # fraction of `memory_bytes` the planner keeps free; a peak inside it is "tight"
+
+    @property
+    def usable_bytes(self) -> int:
+        """Memory a layout may take and still count as fitting comfortably (the rest is the reserve)."""
+        return int(self.memory_bytes * (1.0 - self.reserve))
 
     @property
     def host_bound(self) -> bool:
@@ -97,12 +111,15 @@ class Network:
 
 _NVIDIA_H100 = (
     "NVIDIA H100 Tensor Core GPU datasheet (SXM5): bf16/fp16 989 TFLOP/s dense, fp32 67 TFLOP/s, "
-    "80 GB HBM3 at 3.35 TB/s"
+    "80 GB HBM3 at 3.35 TB/s; memory as the device reports it: 81,559 MiB"
 )
-_NVIDIA_H200 = "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 compute, 141 GB HBM3e at 4.8 TB/s"
+_NVIDIA_H200 = (
+    "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 compute, 141 GB HBM3e at 4.8 TB/s; memory as the device "
+    "reports it: 143,771 MiB"
+)
 _NVIDIA_A100 = (
     "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB): bf16/fp16 312 TFLOP/s dense, fp32 19.5 TFLOP/s, 80 GB HBM2e at "
-    "2.04 TB/s"
+    "2.04 TB/s; memory as the device reports it: 81,920 MiB"
 )
 _CPU = (
     "measured here: torch.matmul 512x512 on one thread of the 2-core Xeon dev machine (AMX): fp32 95, bf16 390, "
@@ -131,13 +148,13 @@ _GPU_OP_S = 5e-6
 
 DEVICES: dict[str, Device] = {
     "h100": Device(
-        "h100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * _GB, 3.35e12, _NVIDIA_H100, op_s=_GPU_OP_S
+        "h100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, _H100_BYTES, 3.35e12, _NVIDIA_H100, op_s=_GPU_OP_S
     ),
     "h200": Device(
-        "h200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * _GB, 4.8e12, _NVIDIA_H200, op_s=_GPU_OP_S
+        "h200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, _H200_BYTES, 4.8e12, _NVIDIA_H200, op_s=_GPU_OP_S
     ),
     "a100": Device(
-        "a100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * _GB, 2.04e12, _NVIDIA_A100, op_s=_GPU_OP_S
+        "a100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, _A100_BYTES, 2.04e12, _NVIDIA_A100, op_s=_GPU_OP_S
     ),
     "cpu": Device(
         "cpu",
@@ -182,11 +199,18 @@ _DEFAULT_NETWORK = {
 }
 
 
-def lookup_device(name: str, memory_bytes: int | None = None, peak_flops: float | None = None) -> Device:
-    """The table's device `name` (case-insensitive), with its memory and/or peak (every precision) overridden."""
+def lookup_device(
+    name: str, memory_bytes: int | None = None, peak_flops: float | None = None, reserve: float | None = None
+) -> Device:
+    """The table's device `name` (case-insensitive), with its memory, peak (every precision) and/or reserve (the
+    fraction of its memory held back) overridden."""
     found = DEVICES.get(name.lower())
     if found is None:
         raise ValueError(f"unknown device {name!r}; known: {', '.join(sorted(DEVICES))}")
+    if reserve is not None:
+        if not 0.0 <= reserve < 1.0:
+            raise ValueError(f"the reserve must be a fraction of the memory in [0, 1), got {reserve}")
+        found = dataclasses.replace(found, reserve=reserve)
     if memory_bytes is not None:
         if memory_bytes <= 0:
             raise ValueError(f"device memory must be positive, got {memory_bytes} bytes")
@@ -224,6 +248,18 @@ def default_network(device: Device) -> Network:
 
 _MEMORY = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_reserve(text: str, memory_bytes: int) -> float:
+    """The reserve as a fraction of `memory_bytes`: `10%`, `0.1` or a size (`6GiB`, `4GB`)."""
+    stripped = text.strip()
+    try:
+        value = float(stripped[:-1]) / 100 if stripped.endswith("%") else float(stripped)
+    except ValueError:
+        value = parse_memory(stripped) / memory_bytes
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"--reserve {text!r} is not below the device's memory (a fraction in [0, 1), a % or a size)")
+    return value
 
 
 def parse_memory(text: str) -> int:

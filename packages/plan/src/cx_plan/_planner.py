@@ -11,6 +11,7 @@ traces tens of times).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -29,12 +30,15 @@ from cx_plugins.fsdp import block_classes
 __all__ = ["MemoryModel", "judge", "plan", "traced_memory_model"]
 
 MemoryModel = Callable[[Candidate], MemoryVerdict]
+Progress = Callable[[int, int, int], None]  # (judged, to judge at most, fitting so far)
 
 
 def traced_memory_model(shape: ModelShape, seq_len: int, device: Device) -> Callable[[Candidate], Verdict]:
     """The planner's memory model for `device` (`_memory_model.memory_model` at the usable fraction `fits` uses; on
     the `cpu` device offloaded optimizer states stay in the memory that peaks)."""
-    return memory_model(shape, seq_len, device.memory_bytes, host_is_device=device.name == "cpu")
+    return memory_model(
+        shape, seq_len, device.memory_bytes, usable_fraction=1.0 - device.reserve, host_is_device=device.name == "cpu"
+    )
 
 
 def judge(
@@ -65,6 +69,8 @@ def plan(
     efficiency: float = ACHIEVABLE_FRACTION,
     enough: int | None = None,
     ops: OpCounter | None = None,
+    progress: Progress | None = None,
+    time_limit: float | None = None,
 ) -> PlanReport:
     """The candidates for `world` devices, ranked: fitting ones by predicted step time, then the rest.
 
@@ -72,26 +78,39 @@ def plan(
     in order of predicted step time and the search stops once `enough` candidates fit: the fastest fitting ones are
     then exactly those a full search would rank first, and the rows hold the misses met on the way. None judges all.
     `ops` gives each candidate's op and tensor counts for the host terms (default: traced, one trace per distinct
-    split on a host-bound device, the whole model's shared out on a GPU, see `_op_counts`).
+    split on a host-bound device, the whole model's shared out on a GPU, see `_op_counts`). `progress` is called
+    after each judged candidate; past `time_limit` seconds no further candidate is judged, and the report says it
+    stopped (its rows are the best found so far: the fastest predicted of those judged).
     """
     if enough is not None and enough < 1:
         raise ValueError(f"enough must be a positive number of fitting candidates, got {enough}")
+    start = time.monotonic()
     candidates = enumerate_candidates(shape, world, seq_len, space)
     count = op_counter(shape, seq_len, device.host_bound) if ops is None else ops
     timed = [(predict_step_time(c, shape, seq_len, device, network, efficiency, count(c)), c) for c in candidates]
     timed.sort(key=lambda pair: pair[0].step_s)
     rows: list[PlanRow] = []
-    fitting = 0
+    fitting, stopped = 0, None
+    total = len(timed)
     for step, candidate in timed:
+        if time_limit is not None and time.monotonic() - start > time_limit:
+            stopped = (
+                f"stopped at the time limit ({time_limit:g} s) after judging {len(rows)} of {len(timed)} candidates "
+                f"(fastest predicted first): the rows are the best found so far; raise --time-limit for the rest"
+            )
+            break
         row = PlanRow(candidate, memory(candidate), step)
         rows.append(row)
         fitting += row.memory.fits
+        if progress is not None:
+            progress(len(rows), total, fitting)
         if enough is not None and fitting >= enough:
             break
     ranked = rank_rows(rows)
     return PlanReport(
         shape.name, world, seq_len, device, ranked, considered=len(candidates), model_flags=train_flags(shape),
         block_class=_block_class(shape) if any(r.candidate.fsdp_wrap == "block" for r in ranked) else None,
+        stopped=stopped,
     )  # fmt: skip
 
 

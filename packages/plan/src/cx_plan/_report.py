@@ -8,6 +8,7 @@ measurement harness can hand in its own figures and reuse the formatting.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -55,6 +56,7 @@ class PlanRow:
             "label": row_label(c),
             "candidate": {name: getattr(c, name) for name in c.__dataclass_fields__},
             "fits": self.memory.fits,
+            "tight": _tight(self),
             "peak_bytes": self.memory.peak_bytes,
             "reason": self.memory.reason,
             "step_s": step.step_s,
@@ -65,7 +67,13 @@ class PlanRow:
             "bubble_s": step.bubble_s,
             "optimizer_s": step.optimizer_s,
             "communication_s": dict(step.communication_s),
+            "hidden_s": step.hidden_s,
         }
+
+
+def _tight(row: PlanRow) -> bool:
+    """Whether the row fits only inside the device's reserve (a verdict without the attribute: no)."""
+    return bool(row.memory.fits and getattr(row.memory, "tight", False))
 
 
 def row_label(candidate: Candidate) -> str:
@@ -93,11 +101,35 @@ def rank_rows(rows: Sequence[PlanRow]) -> list[PlanRow]:
     def key(row: PlanRow) -> tuple[int, float, int, bool, str]:
         c = row.candidate
         whole = c.fsdp_wrap == "model" and c.plugin == "torch_fsdp"  # per-block FSDP first: never more memory
-        if row.memory.fits:
-            return 0, float(f"{row.step.step_s:.9g}"), c.num_microbatches, whole, row_label(c)  # equal up to rounding
-        return (1 if row.memory.peak_bytes else 2), row.memory.peak_bytes, c.num_microbatches, whole, row_label(c)
+        if row.memory.fits:  # comfortable fits first, then those inside the reserve
+            return _tight(row), float(f"{row.step.step_s:.9g}"), c.num_microbatches, whole, row_label(c)
+        return (2 if row.memory.peak_bytes else 3), row.memory.peak_bytes, c.num_microbatches, whole, row_label(c)
 
     return sorted(rows, key=key)
+
+
+def _merge_zero_twins(rows: Sequence[PlanRow]) -> tuple[list[PlanRow], dict[int, str]]:
+    """The rows with each ZeRO-2 layout dropped whose ZeRO-1 twin (the same layout at stage 1) is also there with
+    the same peak and step time, and for each kept twin (by id) the line that says why the two are one row."""
+    by_layout = {(dataclasses.replace(r.candidate, zero_stage=None), r.candidate.stage): r for r in rows}
+    kept: list[PlanRow] = []
+    notes: dict[int, str] = {}
+    for row in rows:
+        c = row.candidate
+        if c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage in (1, 2):
+            other = by_layout.get((dataclasses.replace(c, zero_stage=None), 3 - c.stage))
+            same = other is not None and (other.memory.peak_bytes, other.step.step_s) == (
+                row.memory.peak_bytes, row.step.step_s)  # fmt: skip
+            if same and c.stage == 2:
+                continue
+            if same:
+                notes[id(row)] = (
+                    "zero1 = zero2 here: the same peak and step time (the peak is inside the backward, where ZeRO-2's "
+                    "sharded gradients do not lower it, and both reduce-scatter the same bytes); ZeRO-2 frees the "
+                    "gradients as they are reduced, which only lowers the end of the backward"
+                )
+        kept.append(row)
+    return kept, notes
 
 
 def constructor_call(candidate: Candidate, block_class: str | None = None) -> str:
@@ -172,6 +204,7 @@ class PlanReport:
     considered: int | None = None  # None: every enumerated candidate is in `rows`
     model_flags: tuple[str, ...] = ()  # cx-train's flags that size the model (`_model_spec.train_flags`)
     block_class: str | None = None  # the decoder layer's class, named in per-block FSDP's constructor call
+    stopped: str | None = None  # why the search ended before its usual end (the time limit), said in the output
 
     @property
     def best(self) -> PlanRow | None:
@@ -181,20 +214,25 @@ class PlanReport:
     def table(self, top: int = 10, rejected: int = 5) -> str:
         """The best `top` that fit and the `rejected` closest misses, with their reasons; then the best's call."""
         lines = [
-            f"cx-plan: {self.model} on {self.world} x {self.device.name} ({_bytes(self.device.memory_bytes)}), "
+            f"cx-plan: {self.model} on {self.world} x {self.device.name} ({self._memory()}), "
             f"seq {self.seq_len}; {self._judged()}, {sum(r.memory.fits for r in self.rows)} fit",
-            f"{'#':>3}  {'configuration':<60} {'fits':<4} {'peak':>10} {'step ms':>9} {'tokens/s':>11} {'MFU':>6}",
+            f"{'#':>3}  {'configuration':<60} {'fits':<5} {'peak':>10} {'step ms':>9} {'tokens/s':>11} {'MFU':>6}",
         ]
-        shown = [r for r in self.rows if r.memory.fits][:top] + [r for r in self.rows if not r.memory.fits][:rejected]
+        fitting, twins = _merge_zero_twins([r for r in self.rows if r.memory.fits])
+        shown = fitting[:top] + [r for r in self.rows if not r.memory.fits][:rejected]
         for index, row in enumerate(shown, 1):
             step = row.step
             lines.append(
-                f"{index:>3}  {row_label(row.candidate):<60} {'yes' if row.memory.fits else 'no':<4} "
+                f"{index:>3}  {row_label(row.candidate):<60} {self._fits(row):<5} "
                 f"{_bytes(row.memory.peak_bytes):>10} {step.step_s * 1e3:>9.3f} {step.tokens_per_s:>11,.0f} "
                 f"{step.mfu:>6.1%}"
             )
-            if not row.memory.fits:
+            if not row.memory.fits or _tight(row):
                 lines.append(f"     {row.memory.reason}")
+            if id(row) in twins:
+                lines.append(f"     {twins[id(row)]}")
+        if self.stopped:
+            lines.append(f"cx-plan {self.stopped}")
         best = self.best
         if best is None:
             lines.append("nothing fits: see the reasons above")
@@ -202,6 +240,17 @@ class PlanReport:
             lines.append(f"best: {constructor_call(best.candidate, self.block_class)}")
             lines.append(f"      {train_command(best.candidate, self.model, self.seq_len, self.model_flags)}")
         return "\n".join(lines)
+
+    @staticmethod
+    def _fits(row: PlanRow) -> str:
+        return "tight" if _tight(row) else "yes" if row.memory.fits else "no"
+
+    def _memory(self) -> str:
+        """The device's memory as it reports it and the reserve the planner keeps: `85.52 GB = 81,559 MiB; 10%
+        reserve, 76.97 GB usable`."""
+        device = self.device
+        mib = f" = {device.memory_bytes / 2**20:,.0f} MiB" if device.memory_bytes % 2**20 == 0 else ""
+        return f"{_bytes(device.memory_bytes)}{mib}; {device.reserve:.0%} reserve, {_bytes(device.usable_bytes)} usable"
 
     def _judged(self) -> str:
         if self.considered is None or self.considered == len(self.rows):
@@ -218,6 +267,8 @@ class PlanReport:
             "device": {
                 "name": self.device.name,
                 "memory_bytes": self.device.memory_bytes,
+                "reserve": self.device.reserve,
+                "usable_bytes": self.device.usable_bytes,
                 "source": self.device.source,
             },
             "best": None
@@ -228,4 +279,5 @@ class PlanReport:
                 "cx_train": train_command(best.candidate, self.model, self.seq_len, self.model_flags),
             },
             "rows": [r.as_json() for r in self.rows],
+            "stopped": self.stopped,
         }

@@ -2,7 +2,8 @@
 memory per rank and step time beside the prediction, so the planner's error is seen, not assumed.
 
 Each configuration runs on fresh local ranks (cx_mesh.testing's `spawn`: gloo on CPU, NCCL on CUDA), with the model
-cx-train builds, the candidate's plugin (`make_plugin`, as cx-train makes it), cx-train's accumulated step
+cx-train builds (fresh weights from its config under a fixed seed, `fresh_model`: a folder with only a config.json
+measures too), the candidate's plugin (`make_plugin`, as cx-train makes it), cx-train's accumulated step
 (`cx_plugins.accumulated_step`) and torch AdamW, on deterministic token ids. The first step is a warm-up (the
 optimizer states exist from then on, as in every later step); the peak is taken over the steps after it. On CPU the
 peak is that of the live tensor storages (`LiveBytes`, a dispatch-level tracker entered before the model is built,
@@ -27,16 +28,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from cx_plan._candidate import Candidate
 from cx_plan._plugin import make_plugin
 from cx_plan._report import PlanReport, PlanRow, row_label
-from cx_plan.trace._model_spec import build_model, load_model_shape
+from cx_plan.trace._model_spec import ModelShape, build_model, load_model_shape
 from cx_plugins import Booster, accumulated_step, enable_activation_checkpointing
 
-__all__ = ["LiveBytes", "Measured", "measure_candidate", "measure_report", "measure_table"]
+__all__ = [
+    "MEASURE_SEED",
+    "LiveBytes",
+    "Measured",
+    "fresh_model",
+    "measure_candidate",
+    "measure_report",
+    "measure_table",
+]
 
 
 @dataclass(frozen=True)
@@ -126,11 +136,21 @@ def _loss(output: Any, _batch: object = None) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.loss
 
 
+MEASURE_SEED = 0
+
+
+def fresh_model(shape: ModelShape, seed: int = MEASURE_SEED) -> nn.Module:
+    """`shape`'s model with fresh weights drawn under `seed` (the caller's RNG state is left as it was): the same
+    weights on every rank and in every run. Built from the config alone, so a folder holding only `config.json` (an
+    architecture planned before there are weights) measures like any other; no weights file is ever read."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_model(shape)
+
+
 def _prepare(candidate: Candidate, model: str, hidden: int, layers: int, seq_len: int) -> Callable[[], None]:
     shape = load_model_shape(model, hidden_size=hidden, num_layers=layers, seq_len=seq_len)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)  # the same fresh weights on every rank
-        module = build_model(shape)
+    module = fresh_model(shape)
     if candidate.checkpoint_ratio and candidate.plugin not in ("hybrid", "moe_hybrid"):
         enable_activation_checkpointing(module, candidate.checkpoint_mode)
     if torch.cuda.is_available():

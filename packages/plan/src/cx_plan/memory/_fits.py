@@ -2,7 +2,9 @@
 that overflows and what to try.
 
 A prediction fits when its peak is at most `usable_fraction` of the device (allocator fragmentation, CUDA context and
-library workspaces take the rest; 0.9 by default, stated in the report).
+library workspaces take the rest, the reserve; 0.9 by default, stated in the report). A peak inside the reserve (above
+the usable part, within the device's memory) still fits, as "tight": whether it runs depends on what the reserve is
+really used for, which the planner does not know (torchtitan's Llama 3.1 8B run peaks at 73 GiB of an H100's 79.6).
 """
 
 from __future__ import annotations
@@ -26,6 +28,24 @@ _SUGGESTIONS = {
 }
 
 
+# what the sharding plugins already do, so the generic advice would send the user where they are
+_SHARDED_SUGGESTIONS = {
+    ("torch_fsdp", "gradients"): "one FSDP unit per decoder layer (fsdp_wrap='block') rather than one root unit, "
+    "fewer accumulation micro-batches (no_sync keeps unsharded fp32 sums), or tp / pp (hybrid)",
+    ("torch_fsdp", "parameters"): "one FSDP unit per decoder layer (fsdp_wrap='block'), more data-parallel ranks, "
+    "or tp / pp (hybrid)",
+    ("torch_fsdp", "optimizer_states"): "more data-parallel ranks to shard over, or tp / pp (hybrid)",
+    ("torch_fsdp", "comm_buffers"): "one FSDP unit per decoder layer (fsdp_wrap='block'): fewer parameters gathered "
+    "at once",
+    ("gemini", "optimizer_states"): "Gemini's offload_optim_frac, or more data-parallel ranks",
+    ("gemini", "parameters"): "Gemini's offload_param_frac, or more data-parallel ranks",
+}
+
+
+def _suggestion(plugin: str, name: str) -> str:
+    return _SHARDED_SUGGESTIONS.get((plugin, name), _SUGGESTIONS[name])
+
+
 def format_bytes(nbytes: int) -> str:
     """`91.3 GB` (10^9), `512 MB`, `3.1 KB`: the units the reason strings use."""
     for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
@@ -41,8 +61,9 @@ class Verdict:
     fits: bool
     peak_bytes: int
     limit: int
-    reason: str  # empty when it fits
+    reason: str  # empty when it fits comfortably; for a tight fit, what it leaves of the reserve
     prediction: MemoryPrediction
+    tight: bool = False  # fits only inside the reserve
 
 
 def fits(prediction: MemoryPrediction, device_memory: int, usable_fraction: float = USABLE_FRACTION) -> Verdict:
@@ -56,11 +77,18 @@ def fits(prediction: MemoryPrediction, device_memory: int, usable_fraction: floa
     peak = prediction.peak
     if peak <= limit:
         return Verdict(True, peak, limit, "", prediction)
+    if peak <= device_memory:
+        reason = (
+            f"tight: peak {format_bytes(peak)} is inside the {1 - usable_fraction:.0%} reserve "
+            f"(> {format_bytes(limit)} usable of {format_bytes(device_memory)}), leaving "
+            f"{format_bytes(device_memory - peak)} for the CUDA context, NCCL and fragmentation"
+        )
+        return Verdict(True, peak, limit, reason, prediction, tight=True)
     name, nbytes = max(prediction.components().items(), key=lambda item: item[1])
     at = f" at micro-batch {prediction.candidate.micro_batch_size}" if name == "activations" else ""
     reason = (
-        f"peak {format_bytes(peak)} > {format_bytes(limit)} usable ({usable_fraction:.0%} of "
-        f"{format_bytes(device_memory)}); largest: {name.replace('_', ' ')} {format_bytes(nbytes)}{at}; "
-        f"try {_SUGGESTIONS[name]}"
+        f"peak {format_bytes(peak)} > {format_bytes(device_memory)} of the device ({format_bytes(limit)} usable "
+        f"beside the {1 - usable_fraction:.0%} reserve); largest: {name.replace('_', ' ')} {format_bytes(nbytes)}{at}; "
+        f"try {_suggestion(prediction.candidate.plugin, name)}"
     )
     return Verdict(False, peak, limit, reason, prediction)

@@ -29,14 +29,22 @@ _ZERO_PLUGINS = ("low_level_zero", "hybrid", "moe_hybrid")
 
 @dataclass(frozen=True)
 class OpCounts:
-    """One micro-batch on the busiest stage: aten ops of its forward and backward, and its trained tensors."""
+    """One micro-batch on the busiest stage: aten ops of its forward and backward, and its trained tensors; the
+    forward's matmul and attention FLOPs and those activation checkpointing recomputes (0, 0: not counted)."""
 
     forward: int
     backward: int
     parameter_tensors: int
+    forward_flops: int = 0
+    recompute_flops: int = 0
+
+    @property
+    def recompute_fraction(self) -> float | None:
+        """The share of the forward's FLOPs the backward runs again (None: not counted)."""
+        return self.recompute_flops / self.forward_flops if self.forward_flops else None
 
     def __post_init__(self) -> None:
-        if min(self.forward, self.backward, self.parameter_tensors) < 0:
+        if min(self.forward, self.backward, self.parameter_tensors, self.forward_flops, self.recompute_flops) < 0:
             raise ValueError(f"op and tensor counts must be >= 0, got {self}")
 
 

@@ -4,13 +4,25 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
 - FLOPs per token (PaLM, appendix B): 6 x the matmul parameters a token passes through (every decoder parameter
   outside the routed experts, top_k / experts of theirs, and the LM head; the input embedding is a lookup) plus
   12 x layers x seq_len x attention width for the attention scores and their values (no causal halving).
-  Activation checkpointing recomputes the forward (a third of it) of `checkpoint_ratio` of the layers.
+  Activation checkpointing recomputes what the trace saw it rerun (`OpCounts.recompute_fraction`: the matmul and
+  attention FLOPs the backward runs again, as a share of the forward's): full checkpointing reruns the layers'
+  forward, the selective op policy only the matmuls it did not save (never attention), so it costs less. Without
+  a trace: the layers' forward x `checkpoint_ratio` (full), half their matmul FLOPs (selective op).
 - Compute runs at `efficiency` x peak (default `ACHIEVABLE_FRACTION`: 45 %, between the 38-43 % MFU torchtitan
   reports for Llama 3 8B on H100 with FSDP2 and the 52 % of Megatron-LM's largest GPT runs on A100; on this
   repository's CPU the peak is a measured matmul rate, see `_devices`). Every rank does 1/world of the FLOPs
   (the layers split evenly over pp, the experts balanced over ep).
-- A collective takes hops x latency + bytes / bandwidth on the slowest link its group crosses (`_comm_volume`);
-  communication is not overlapped with compute (an upper bound: DDP and ZeRO overlap part of theirs).
+- A collective takes hops x latency + bytes / bandwidth on the slowest link its group crosses (`_comm_volume`).
+- Overlap (`_hidden_data_parallel`), on a device that launches asynchronously (a GPU: NCCL runs on its own stream;
+  on the host-bound CPU every collective adds, as calibrated), the data-parallel communication a plugin issues
+  during compute hides under that compute, except what cannot start before the compute ends or must finish before
+  it starts: per-block FSDP prefetches the next unit's all-gather and reduce-scatters a unit's gradients while the
+  backward goes on, so its gathers and reduce-scatters hide under all micro-batches' forward and backward, less one
+  unit's share (the first gather, the last reduce-scatter: units = layers + the root); DDP's gradient buckets and
+  LowLevelZero's (overlap_communication, its default) reduce-scatter buckets hide under the last micro-batch's
+  backward (the others run under no_sync), less the last bucket; LowLevelZero's weight all-gather after the step,
+  FSDP under one root unit, Gemini and the hybrid plugins' data-parallel collectives are not overlapped. The
+  hidden seconds are `StepTime.hidden_s`; what is hidden can never exceed the compute it hides under.
 - pp > 1: each micro-batch's forward and backward per model chunk, with its tp / sp / expert collectives and its p2p
   transfer, is one action of cx-pipeline's schedule (`schedule_orders`), and `simulate` gives the makespan; the
   bubble is the makespan minus the busiest stage's work. ZB-V splits each backward into equal I and W halves.
@@ -28,12 +40,13 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 from cx_pipeline import Action, ActionKind, schedule_orders, simulate
 from cx_plan._candidate import Candidate
 from cx_plan._devices import LINKS, Device, Network, default_network
-from cx_plan.step_time._comm_volume import Collective, step_collectives, weight_bytes
+from cx_plan.step_time._comm_volume import BUCKET_BYTES, Collective, step_collectives, weight_bytes
 from cx_plan.step_time._host_time import OpCounts, host_time
 from cx_plan.trace._model_spec import ModelShape
 
@@ -63,6 +76,7 @@ class StepTime:
     plugin_s: float = 0.0  # the plugin's own per-parameter ops
     optimizer_overhead_s: float = 0.0  # AdamW's per-tensor loop, beside `optimizer_s` (its bytes)
     oversubscription: float = 1.0  # how much slower ranks sharing too few cores run (in every term above)
+    hidden_s: float = 0.0  # data-parallel communication hidden under compute (the overlap rule), not in step_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -104,6 +118,44 @@ def _optimizer_seconds(candidate: Candidate, shape: ModelShape, device: Device) 
         return on_device + (held * offloaded * per_parameter / device.memory_bandwidth)
     pcie = LINKS["pcie5"].bandwidth
     return on_device + held * offloaded * ((4 + w) / pcie + _ADAM_BYTES / HOST_BANDWIDTH)
+
+
+def _recompute_fraction(candidate: Candidate, shape: ModelShape, seq_len: int, ops: OpCounts | None) -> float:
+    """The share of the forward's FLOPs activation checkpointing runs again in the backward (module docstring)."""
+    c = candidate
+    if not c.checkpoint_ratio:
+        return 0.0
+    traced = None if ops is None else ops.recompute_fraction
+    if traced is not None:
+        return traced
+    per_token, in_layers = flops_per_token(shape, seq_len)
+    if c.checkpoint_mode == "selective-op":
+        attention = 12.0 * shape.num_layers * seq_len * shape.num_heads * shape.head_dim
+        return (in_layers - attention) / 2 / per_token * c.checkpoint_ratio
+    return in_layers / per_token * c.checkpoint_ratio
+
+
+def _hidden_data_parallel(
+    candidate: Candidate, shape: ModelShape, times: dict[str, float], forward: float, backward: float, device: Device
+) -> float:
+    """Seconds of the data-parallel collectives `times` hidden under the compute of the plugin's overlap window
+    (`forward` / `backward`: one micro-batch's); the rule is the module docstring's."""
+    c = candidate
+    if device.host_bound or c.pp > 1:
+        return 0.0
+    gradients = sum(t for name, t in times.items() if "gradient" in name)
+    gathers = sum(t for name, t in times.items() if "weight all-gather" in name)
+    if c.plugin == "torch_fsdp" and c.fsdp_wrap == "block":
+        units = shape.num_layers + 1
+        movable = (gradients + gathers) * (1 - 1 / units)
+        window = c.num_microbatches * (forward + backward)
+    elif c.plugin == "torch_ddp" or (c.plugin == "low_level_zero" and c.stage >= 1):
+        buckets = max(1, math.ceil(shape.parameters.total * weight_bytes(c) / BUCKET_BYTES))
+        movable = gradients * (1 - 1 / buckets)
+        window = backward
+    else:
+        return 0.0
+    return min(movable, window)
 
 
 def _with_host(device_s: float, host_s: float, host_bound: bool) -> float:
@@ -153,10 +205,10 @@ def predict_step_time(
     slow = host.oversubscription
     peak = device.peak(c.precision)
     rate = peak * efficiency / slow  # ranks sharing cores share their FLOPs
-    per_token, in_layers = flops_per_token(shape, seq_len)
+    per_token, _ = flops_per_token(shape, seq_len)
     tokens = c.global_batch_size * seq_len
     model_s = tokens * per_token / c.world_size / rate
-    recompute_s = tokens * in_layers / 3 * c.checkpoint_ratio / c.world_size / rate
+    recompute_s = model_s / 3 * _recompute_fraction(c, shape, seq_len, ops)
     collectives = step_collectives(c, shape, seq_len)
     times = {col.name: _seconds(col, net, slow) for col in collectives}
     in_layer = sum(times[col.name] for col in collectives if col.name.startswith(("tp ", "sp ", "expert ")))
@@ -179,7 +231,8 @@ def predict_step_time(
         body = makespan
     else:
         body = m * (forward + backward)
-    step_s = body + data_parallel + optimizer_step
+    hidden_s = _hidden_data_parallel(c, shape, times, forward, backward, device)
+    step_s = body + data_parallel - hidden_s + optimizer_step
     return StepTime(
         flops_per_token=per_token,
         tokens_per_step=tokens,
@@ -195,4 +248,5 @@ def predict_step_time(
         plugin_s=host.plugin_s,
         optimizer_overhead_s=host.optimizer_s,
         oversubscription=slow,
+        hidden_s=hidden_s,
     )

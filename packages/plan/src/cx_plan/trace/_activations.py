@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass, replace
 from typing import Any
 
@@ -38,25 +38,81 @@ from cx_plugins.models import GPTConfig
 from cx_plugins.moe_hybrid import MoeHybridParallelPlugin
 from cx_shardformer import GradientCheckpointConfig
 
-__all__ = ["ActivationTrace", "PlanTraceError", "stage_rank", "trace_stage"]
+__all__ = ["ActivationTrace", "PlanTraceError", "forward_op_flops", "stage_rank", "trace_stage"]
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _CPU = torch.device("cpu")
 _ACTIVATION_KINDS = ("ACT", "TEMP", "OTH", "INP")
+_TOTAL = "Total"  # MemTracker's key of a device's total bytes in its snapshots
 _EXACT_LAYERS = 4  # decoder layers per stage traced as they are; deeper stages are extrapolated (trace_stage)
+
+
+_ATTENTION = (
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_attention_math.default,
+)
+
+
+_MATMUL_OPERANDS = {  # a forward matrix multiply: which two arguments are multiplied
+    torch.ops.aten.mm.default: (0, 1),
+    torch.ops.aten.addmm.default: (1, 2),
+    torch.ops.aten.bmm.default: (0, 1),
+    torch.ops.aten.baddbmm.default: (1, 2),
+    torch.ops.aten._grouped_mm.default: (0, 1),  # the routed experts' tokens, group by group
+}
+
+
+def forward_op_flops(func: Any, args: Any) -> int:
+    """FLOPs of a forward matrix multiply (mm, addmm, bmm, baddbmm, the experts' grouped mm) or attention kernel
+    (QK^T and PV: 4 b h s_q s_k d, no causal halving, as `flops_per_token` counts it); 0 for any other op."""
+    operands = _MATMUL_OPERANDS.get(func)
+    if operands is not None:
+        a: torch.Tensor = args[operands[0]]
+        b: torch.Tensor = args[operands[1]]
+        return 2 * int(a.shape[:-1].numel()) * int(a.shape[-1]) * int(b.shape[-1])
+    if func in _ATTENTION:
+        query: torch.Tensor = args[0]
+        key: torch.Tensor = args[1]
+        return 4 * int(query.shape[:-1].numel()) * int(key.shape[-2]) * int(query.shape[-1])
+    return 0
 
 
 class _OpCount(TorchDispatchMode):
     """Counts the aten ops dispatched under it (collectives, in other namespaces, are timed from `_comm_volume`);
-    `forward` holds the count when the forward ended."""
+    `forward` holds the count when the forward ended. It also adds up the forward's matmul and attention FLOPs and
+    those the backward recomputes: activation checkpointing reruns a layer's forward with grad enabled (the backward's
+    own kernels run with it disabled), and the selective op policy serves the outputs it saved without running them,
+    so `recompute_flops` is what the chosen checkpointing really recomputes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = self.forward = 0
+        self.forward_flops = self.recompute_flops = 0
+        self.backward_started = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.count += func.namespace == "aten"
+        flops = forward_op_flops(func, args)
+        if flops and not self.backward_started:
+            self.forward_flops += flops
+        elif flops and torch.is_grad_enabled():
+            self.recompute_flops += flops
         return func(*args, **(kwargs or {}))
+
+
+class _PeakTracker(MemTracker):
+    """torch's `MemTracker` keeping only the totals the planner reads (the current and the peak snapshot): after
+    every op MemTracker also walks every tracked module to update its per-module peaks, which the planner never
+    reads; that walk was a quarter of an 8B search's time."""
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot[_TOTAL]:
+                self._peak_mem[device] = snapshot[_TOTAL]
+                self._peak_mem_snap[device] = dict(snapshot)
 
 
 class PlanTraceError(RuntimeError):
@@ -79,6 +135,8 @@ class ActivationTrace:
     forward_ops: int = 0  # aten ops the micro-batch's forward dispatches (what a step's dispatch cost counts)
     backward_ops: int = 0  # and its backward (recomputed forwards included)
     parameter_tensors: int = 0  # the trained parameter tensors (what per-tensor optimizer and plugin work counts)
+    forward_flops: int = 0  # matmul and attention FLOPs of the micro-batch's forward
+    recompute_flops: int = 0  # of those, what activation checkpointing runs again in the backward
 
     @property
     def working_bytes(self) -> int:
@@ -144,24 +202,34 @@ def _to_fake(module: nn.Module, mode: FakeTensorMode, dtype: torch.dtype) -> Non
                 sub._buffers[name] = FakeTensor(mode, buffer.to("meta"), _CPU)
 
 
-def _stage_modules(shape: ModelShape, candidate: Candidate) -> tuple[list[nn.Module], bool, bool]:
-    """The modules this rank runs (its stage's chunks, or the whole model), and whether it is first / last."""
+ChunkScope = Callable[[int], contextlib.AbstractContextManager[None]]
+
+
+def _no_scope(chunk: int) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def _stage_modules(shape: ModelShape, candidate: Candidate) -> tuple[list[nn.Module], bool, ChunkScope]:
+    """The modules this rank runs (its stage's chunks, or the whole model), whether it is the first stage (its chunk
+    0 is then the model's first: interleaved and ZB-V alike), and the scope each chunk runs in (an interleaved stage
+    manager answers `is_first_stage` / `is_last_stage` per chunk, inside `switch_model_chunk_id`)."""
     with torch.device("meta"):
         model = build_model(shape)
     if candidate.plugin not in ("hybrid", "moe_hybrid"):
         if candidate.checkpoint_ratio:  # every layer, in full or under the selective op policy
             enable_activation_checkpointing(model, candidate.checkpoint_mode)
-        return [model], True, True
+        return [model], True, _no_scope
     plugin = _plugin(candidate)
     composed = compose_model(
         model, plugin.shard_config, plugin.custom_policy, plugin.stage_manager, torch.float32,
         torch.device("meta"), plugin=type(plugin).__name__,
     )  # fmt: skip
     if composed.pipeline is None:
-        return [composed.module], True, True
+        return [composed.module], True, _no_scope
     manager = plugin.stage_manager
     assert manager is not None
-    return list(composed.pipeline.chunks), manager.is_first_stage(), manager.is_last_stage()
+    scope = manager.switch_model_chunk_id if manager.is_interleave else _no_scope
+    return list(composed.pipeline.chunks), manager.is_first_stage(ignore_chunk=True), scope
 
 
 def _backward(output: Any) -> None:
@@ -180,9 +248,9 @@ def _backward(output: Any) -> None:
     raise TypeError(f"the traced stage returned {type(output).__name__}, with no loss or hidden_states")
 
 
-def _run(modules: list[nn.Module], first: bool, shape: ModelShape, candidate: Candidate, seq_len: int,
-         oracle: ValueOracle, dtype: torch.dtype, tracker: MemTracker, saved: list[dict[str, int]], ops: _OpCount,
-) -> None:  # fmt: skip
+def _run(modules: list[nn.Module], first: bool, scope: ChunkScope, shape: ModelShape, candidate: Candidate,
+         seq_len: int, oracle: ValueOracle, dtype: torch.dtype, tracker: MemTracker, saved: list[dict[str, int]],
+         ops: _OpCount) -> None:  # fmt: skip
     """One micro-batch forward and backward through the rank's chunks (in turn, as a schedule would)."""
     batch = candidate.micro_batch_size
     with unset_fake_temporarily():
@@ -196,9 +264,11 @@ def _run(modules: list[nn.Module], first: bool, shape: ModelShape, candidate: Ca
         if not (first and index == 0):
             local_seq = seq_len // max(candidate.sequence_split, 1)
             arguments["hidden_states"] = torch.empty(batch, local_seq, shape.hidden_size, dtype=dtype).requires_grad_()
-        outputs.append(module(**arguments))
+        with scope(index):
+            outputs.append(module(**arguments))
     saved.append(_categories(tracker.get_tracker_snapshot()))
     ops.forward = ops.count
+    ops.backward_started = True
     for output in reversed(outputs):
         _backward(output)
 
@@ -242,16 +312,16 @@ def _with_layers(shape: ModelShape, layers: int) -> ModelShape:
 def _trace_exact(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int) -> ActivationTrace:
     dtype = _DTYPES[candidate.precision]
     with _fake_world(candidate.world_size, stage_rank(candidate, stage)):
-        modules, first, _ = _stage_modules(shape, candidate)
+        modules, first, scope = _stage_modules(shape, candidate)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         for module in modules:
             _to_fake(module, mode, dtype)
-        tracker = MemTracker()
+        tracker = _PeakTracker()
         saved: list[dict[str, int]] = []
         for module in modules:
             tracker.track_external(module)
         with mode, ValueOracle(mode) as oracle, tracker, _OpCount() as ops:
-            _run(modules, first, shape, candidate, seq_len, oracle, dtype, tracker, saved, ops)
+            _run(modules, first, scope, shape, candidate, seq_len, oracle, dtype, tracker, saved, ops)
         peak = _categories(tracker.get_tracker_snapshot("peak"))
         end = _categories(tracker.get_tracker_snapshot())
     parameters = peak.get("PARAM", 0) + peak.get("BUFFER", 0)
@@ -267,7 +337,7 @@ def _trace_exact(shape: ModelShape, candidate: Candidate, seq_len: int, stage: i
     return ActivationTrace(
         stage, parameters, activations, gradients, end.get("GRAD", 0), peak.get("Total", 0), forward_end,
         sum(count for count, _ in trained.values()), sum(count for count, expert in trained.values() if expert),
-        ops.forward, ops.count - ops.forward, len(trained),
+        ops.forward, ops.count - ops.forward, len(trained), ops.forward_flops, ops.recompute_flops,
     )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ from cx_plugins.fsdp import decoder_layers
 from cx_plugins.models import GPT, GPT_MODEL, PRESETS, GPTConfig, preset_config
 
 __all__ = [
+    "shadowed_builtin",
     "TEXT_VOCAB_SIZE",
     "ModelShape",
     "ModelShapeError",
@@ -260,7 +261,11 @@ def load_model_shape(
 ) -> ModelShape:
     """The shape of `model`: `gpt` or a preset (sized by hidden_size / num_layers / seq_len / vocab_size, as
     cx-train's flags and its text encoding size them), a Hugging Face model folder, or a config.json file (which
-    size themselves)."""
+    size themselves). An existing path always wins over a built-in name, as a local folder does in transformers'
+    `from_pretrained`: `llama` with a folder `llama/` here plans the folder, named `./llama` (so the printed
+    cx-train command trains it too); `shadowed_builtin` says when that happened."""
+    if shadowed_builtin(model):
+        model = f"./{model}"
     if model == GPT_MODEL or model in PRESETS:
         return shape_from_config(model, _builtin_config(model, hidden_size, num_layers, seq_len, vocab_size))
     path = Path(model)
@@ -274,6 +279,11 @@ def load_model_shape(
             "config.json file"
         )
     return shape_from_config(model, _config_from_json(path))
+
+
+def shadowed_builtin(model: str) -> bool:
+    """Whether `model` is both a built-in name (gpt, a preset) and an existing path here, which then wins."""
+    return (model == GPT_MODEL or model in PRESETS) and Path(model).exists()
 
 
 def train_flags(shape: ModelShape) -> tuple[str, ...]:

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 from cx_plan._candidate import Candidate
 from cx_plan.step_time._host_time import OpCounts
-from cx_plan.trace._activations import PlanTraceError, trace_stage
 from cx_plan.trace._model_spec import ModelShape
+from cx_plan.trace._trace_cache import TraceCache, shared_trace_cache
 
 __all__ = ["OpCounter", "op_counter"]
 
@@ -47,17 +47,15 @@ def _key(candidate: Candidate) -> tuple[object, ...]:
     return (c.plugin, c.tp, c.pp, c.sp, c.sp_mode, c.ep, c.checkpoint_ratio, c.pp_style, c.precision)
 
 
-def _count(shape: ModelShape, candidate: Candidate, seq_len: int) -> OpCounts | None:
+def _count(traces: TraceCache, candidate: Candidate) -> OpCounts | None:
     probe = _probe(candidate)
     found = []
     for stage in sorted({0, probe.pp - 1}):
-        try:
-            trace = trace_stage(shape, probe, seq_len, stage)
-        except PlanTraceError:
-            raise
-        except Exception:  # the memory model traces the same candidate and reports why
+        trace = traces.get(probe, stage)
+        if isinstance(trace, str):  # the memory model traces the same candidate and reports why
             return None
-        found.append(OpCounts(trace.forward_ops, trace.backward_ops, trace.parameter_tensors))
+        t = trace
+        found.append(OpCounts(t.forward_ops, t.backward_ops, t.parameter_tensors, t.forward_flops, t.recompute_flops))
     return max(found, key=lambda ops: (ops.forward + ops.backward, ops.parameter_tensors))
 
 
@@ -67,18 +65,23 @@ def _share(whole: OpCounts | None, shape: ModelShape, candidate: Candidate) -> O
         return whole
     chunks = candidate.num_model_chunks
     share = min(1.0, -(-shape.num_layers // (candidate.pp * chunks)) * chunks / shape.num_layers)
-    return OpCounts(round(whole.forward * share), round(whole.backward * share), round(whole.parameter_tensors * share))
+    return OpCounts(
+        round(whole.forward * share), round(whole.backward * share), round(whole.parameter_tensors * share),
+        round(whole.forward_flops * share), round(whole.recompute_flops * share),
+    )  # fmt: skip
 
 
-def op_counter(shape: ModelShape, seq_len: int, exact: bool = True) -> OpCounter:
+def op_counter(shape: ModelShape, seq_len: int, exact: bool = True, traces: TraceCache | None = None) -> OpCounter:
     """Counts per candidate, traced once per distinct key (see above); `exact=False`: one whole-model trace per
-    checkpointing choice, shared out over pipeline stages."""
+    checkpointing choice, shared out over pipeline stages. `traces`: the traces to share (default: this process's
+    for the model, which the memory model reads too: its micro-batch-1 traces are these)."""
     cache: dict[tuple[object, ...], OpCounts | None] = {}
+    shared = shared_trace_cache(shape, seq_len) if traces is None else traces
 
     def traced(probe: Candidate) -> OpCounts | None:
         key = _key(probe)
         if key not in cache:
-            cache[key] = _count(shape, probe, seq_len)
+            cache[key] = _count(shared, probe)
         return cache[key]
 
     def count(candidate: Candidate) -> OpCounts | None:
@@ -95,6 +98,8 @@ def op_counter(shape: ModelShape, seq_len: int, exact: bool = True) -> OpCounter
             round(low.forward + (high.forward - low.forward) * ratio),
             round(low.backward + (high.backward - low.backward) * ratio),
             low.parameter_tensors,
+            low.forward_flops,
+            round(low.recompute_flops + (high.recompute_flops - low.recompute_flops) * ratio),
         )
         return _share(mixed, shape, candidate)
 

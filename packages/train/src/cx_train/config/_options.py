@@ -322,6 +322,8 @@ def validated_options(args: argparse.Namespace, world_size: int | None = None) -
     """`parse_arguments`' values checked together, against the paths, the model and the data (exits 2 on a problem,
     one line under the short usage)."""
     parser = build_parser()
+    # an existing path wins over a built-in name, as a local folder does in from_pretrained (and in cx-plan)
+    args.model = f"./{args.model}" if args.model in MODEL_CHOICES and Path(args.model).exists() else args.model
     problem = _flag_problem(args) or plugin_switch_problem(args) or training_problem(args) or data_problem(args)
     if problem is not None:
         parser.error(problem)

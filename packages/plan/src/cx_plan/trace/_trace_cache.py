@@ -1,0 +1,76 @@
+"""`TraceCache`: one model's FakeTensor traces, each made once and shared by every candidate (and by the memory
+model and the op counter) that runs the same thing on the stage traced.
+
+What a trace sees: the data-parallel plugins (DDP, FSDP, LowLevelZero, Gemini) run the whole model as it is, so their
+key is only the micro-batch, the checkpointing and the precision: one trace serves all four plugins, every dp size and
+ZeRO stage. The hybrid plugins' key is their split (tp, pp, sp, ep, schedule), the micro-batch and the checkpointing
+ratio; ZeRO stage, dp and the micro-batch count are not part of it. `shared_trace_cache` keeps one cache per model and
+sequence length for the process, so `cx-train --plan` and repeated plans of one model trace once.
+
+A trace cx's validation refuses (ValueError / NotImplementedError) is kept as "cx refuses: <message>", any other
+fault as "trace failed: <type>: <message>"; `PlanTraceError` (no trace can run in this process) is raised.
+"""
+
+from __future__ import annotations
+
+from cx_plan._candidate import Candidate
+from cx_plan.trace._activations import ActivationTrace, PlanTraceError, trace_stage
+from cx_plan.trace._model_spec import ModelShape
+
+__all__ = ["TraceCache", "shared_trace_cache", "trace_key"]
+
+_SPLITTING = ("hybrid", "moe_hybrid")
+_KEPT_MODELS = 4  # models whose traces a process keeps (a planner session rarely plans more)
+
+
+def trace_key(candidate: Candidate, stage: int) -> tuple[object, ...]:
+    """What a trace of `candidate`'s `stage` depends on: candidates equal here share it."""
+    c = candidate
+    if c.plugin not in _SPLITTING:
+        return ("whole model", c.micro_batch_size, c.checkpoint_ratio, c.checkpoint_mode, c.precision)
+    return (c.plugin, c.tp, c.pp, c.sp, c.sp_mode, c.ep, c.micro_batch_size, c.checkpoint_ratio, c.checkpoint_mode,
+            c.pp_style, c.precision, stage)  # fmt: skip
+
+
+class TraceCache:
+    """The traces of one model at one sequence length; `made` counts the traces run (not the ones served again)."""
+
+    def __init__(self, shape: ModelShape, seq_len: int) -> None:
+        self.shape, self.seq_len = shape, seq_len
+        self.made = 0
+        self._traces: dict[tuple[object, ...], ActivationTrace | str] = {}
+
+    def has(self, candidate: Candidate, stage: int) -> bool:
+        return trace_key(candidate, stage) in self._traces
+
+    def get(self, candidate: Candidate, stage: int) -> ActivationTrace | str:
+        """The stage's trace, or the reason it could not be made (see the module docstring)."""
+        key = trace_key(candidate, stage)
+        if key not in self._traces:
+            self._traces[key] = self._trace(candidate, stage)
+            self.made += 1
+        return self._traces[key]
+
+    def _trace(self, candidate: Candidate, stage: int) -> ActivationTrace | str:
+        try:
+            return trace_stage(self.shape, candidate, self.seq_len, stage)
+        except PlanTraceError:
+            raise
+        except (ValueError, NotImplementedError) as error:
+            return f"cx refuses: {error}"
+        except Exception as error:  # a fault of the trace: reported in the row, the search goes on
+            return f"trace failed: {type(error).__name__}: {error}"
+
+
+_CACHES: list[TraceCache] = []
+
+
+def shared_trace_cache(shape: ModelShape, seq_len: int) -> TraceCache:
+    """This process's cache for `shape` (the same object) at `seq_len`; the oldest of more than a few is dropped."""
+    for cache in _CACHES:
+        if cache.shape is shape and cache.seq_len == seq_len:
+            return cache
+    cache = TraceCache(shape, seq_len)
+    _CACHES.append(cache)
+    del _CACHES[:-_KEPT_MODELS]
+    return cache
