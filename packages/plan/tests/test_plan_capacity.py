@@ -125,6 +125,22 @@ def test_identical_zero1_and_zero2_rows_are_shown_once_with_the_reason() -> None
     assert "low_level_zero dp4 zero1" in text  # no twin: shown as it is
 
 
+def test_identical_zero1_and_zero2_misses_are_shown_once_too() -> None:
+    """A pair that does not fit is one row as well (an 8B plan showed rows 6 / 7 and 8 / 9 as such pairs)."""
+    shape = shape_from_config("gpt", GPTConfig(vocab_size=64, max_positions=33, hidden_size=32, num_layers=2))
+    device = lookup_device("h100")
+    miss = fits(_prediction(200 * 10**9), device.memory_bytes)
+    rows = [
+        PlanRow(c, miss, predict_step_time(c, shape, 32, device))
+        for c in (Candidate("hybrid", dp=2, tp=2, zero_stage=stage) for stage in (1, 2))
+    ]
+    text = PlanReport("gpt", 4, 32, device, rank_rows(rows)).table()
+    assert "hybrid dp2 tp2 zero1" in text
+    assert "hybrid dp2 tp2 zero2" not in text
+    assert text.count("zero1 = zero2 here:") == 1
+    assert "nothing fits" in text
+
+
 def test_fsdp_rows_do_not_advise_fsdp() -> None:
     prediction = MemoryPrediction(Candidate("torch_fsdp", dp=8, fsdp_wrap="model"), 0, 0, 90 * 10**9, 0, 0, 0, 0, 0, 0)
     reason = fits(prediction, lookup_device("h100").memory_bytes).reason

@@ -219,7 +219,9 @@ class PlanReport:
             f"{'#':>3}  {'configuration':<60} {'fits':<5} {'peak':>10} {'step ms':>9} {'tokens/s':>11} {'MFU':>6}",
         ]
         fitting, twins = _merge_zero_twins([r for r in self.rows if r.memory.fits])
-        shown = fitting[:top] + [r for r in self.rows if not r.memory.fits][:rejected]
+        misses, miss_twins = _merge_zero_twins([r for r in self.rows if not r.memory.fits])  # a miss's twin too
+        shown = fitting[:top] + misses[:rejected]
+        twins.update(miss_twins)
         for index, row in enumerate(shown, 1):
             step = row.step
             lines.append(
