@@ -79,6 +79,13 @@ def test_cx_plan_prints_a_ranked_plan(capsys: pytest.CaptureFixture[str]) -> Non
     assert "best: GeminiPlugin(" in table
 
 
+def test_cx_plan_default_candidates_hold_torchtitans_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --checkpointing, FSDP per block under the selective op policy (torchtitan's Llama layout) is judged."""
+    assert main([*_GPT, "--world", "2", "--device", "cpu", "--all", "--plugins", "torch_fsdp", "--json"], _stub) == 0
+    rows = [Candidate(**row["candidate"]) for row in json.loads(capsys.readouterr().out)["rows"]]
+    assert any(c.fsdp_wrap == "block" and c.checkpoint_mode == "selective-op" for c in rows)
+
+
 def test_cx_plan_optimizer_states_dtype_reaches_the_zero_layouts(capsys: pytest.CaptureFixture[str]) -> None:
     """--optimizer-states-dtype bf16 goes to every layout that runs ZeRO 1/2 or Gemini (its label, constructor call
     and cx-train command say so); DDP, FSDP and hybrid ZeRO 0 keep fp32 states."""

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-layers", type=int, default=2, help="built-in models only (as cx-train)")
     parser.add_argument(
         "--checkpointing",
-        default="0,1",
+        default="0,1,op",
         help="activation-checkpointing ratios to try, comma-separated; 'op' adds every layer under torchtitan's "
         "selective op policy (data-parallel plugins)",
     )
