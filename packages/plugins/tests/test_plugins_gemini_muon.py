@@ -130,3 +130,58 @@ def test_plugins_gemini_muon_matches_one_process(
     continued, loaded = full_state(model), full_state(resumed)
     for name in continued:
         assert torch.equal(continued[name], loaded[name]), name
+
+
+@distributed(world_size=2)
+def test_plugins_gemini_muon_clips_before_the_whole_step(rank: int, world_size: int) -> None:
+    """max_norm clips the reduced gradient slices by the global norm before they are gathered whole: the result is
+    one process's torch Muon after `clip_grad_norm_` (same bound; 0.05 clips every step here)."""
+    booster = Booster(plugin=_plugin("fp32", max_norm=0.05))
+    plain = _model()
+    model, optimizer, *_ = booster.boost(plain, _muon(plain))
+    _train(rank, world_size, booster, model, optimizer, range(STEPS))
+    reference = _model()
+    reference_optimizer = _muon(reference)
+    norms = []
+    for step in range(STEPS):
+        x, y = _batch(step, world_size)
+        nn.functional.mse_loss(reference(x), y).backward()
+        norms.append(float(nn.utils.clip_grad_norm_(reference.parameters(), 0.05)))
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    assert min(norms) > 0.05  # every step was clipped
+    state = full_state(model)
+    lrs = (2 * LR, LR, LR)
+    for (name, want), lr in zip(reference.named_parameters(), lrs, strict=True):
+        rows, cols = want.shape
+        bound = FLIP_BOUND * lr * math.sqrt(max(1.0, rows / cols))
+        torch.testing.assert_close(state[name], want.detach(), rtol=0, atol=bound, msg=name)
+
+
+@distributed(world_size=2)
+def test_plugins_gemini_muon_fp16_overflow_skips_the_step(rank: int, world_size: int) -> None:
+    """An inf gradient on one rank (fp16 loss scaling) skips the whole step on every rank: parameters unchanged, no
+    momentum built, the scale backed off; the next finite step steps as usual."""
+    booster = Booster(plugin=_plugin("fp16", initial_scale=2**8, hysteresis=1))
+    plain = _model()
+    model, optimizer, *_ = booster.boost(plain, _muon(plain))
+    assert isinstance(optimizer, GeminiOptimizerWrapper)
+    before = full_state(model)
+    x, y = _batch(0, world_size)
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    inputs = x[mine].half()
+    if rank == 1:
+        inputs[0, 0] = float("inf")
+    booster.backward(nn.functional.mse_loss(model(inputs).float(), y[mine]), optimizer)
+    optimizer.step()
+    optimizer.zero_grad()
+    after = full_state(model)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert not optimizer.gemini.optim.state
+    assert optimizer.gemini.loss_scale == 2**7
+    _train(rank, world_size, booster, model, optimizer, range(1))
+    assert any(not torch.equal(before[name], value) for name, value in full_state(model).items())
+    whole = optimizer.gemini.whole_step
+    assert whole is not None
+    owned = [w for w in whole.params.values() if w.mine]
+    assert all("momentum_buffer" in optimizer.gemini.optim.state[w.tensor] for w in owned)

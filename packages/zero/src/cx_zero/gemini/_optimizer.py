@@ -1,4 +1,4 @@
-"""`GeminiOptimizer`: any elementwise torch optimizer stepping on each rank's own slice of the chunks.
+"""`GeminiOptimizer`: any elementwise torch optimizer stepping on each rank's own slice of the chunks (Muon: `_whole`).
 
 The wrapped optimizer's parameters are replaced by placeholders (one per model parameter, so its state stays keyed
 per parameter and `param_groups` keep their hyper-parameters); before each step a placeholder's `.data` is pointed
