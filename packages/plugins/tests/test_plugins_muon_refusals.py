@@ -2,7 +2,8 @@
 name, at boost, on every rank: torch's Muon (Newton-Schulz needs each matrix whole) and an optimizer of an unknown
 class. Otherwise HybridParallelPlugin with tp 2 and ZeRO would train silently wrong (each rank orthogonalising its own
 slice), TorchFSDPPlugin too (FSDP2 steps the DTensor's local rows: 0.056 off after 3 steps at lr 0.05, measured),
-and MoeHybridParallelPlugin slices experts. HybridParallelPlugin at zero_stage 0 gathers whole matrices instead."""
+and MoeHybridParallelPlugin slices experts. HybridParallelPlugin at zero_stage 0 and GeminiPlugin at tp 1 gather
+whole matrices instead (GeminiPlugin at tp 2 refuses Muon)."""
 
 from __future__ import annotations
 
@@ -67,8 +68,11 @@ def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: 
     _refused(moe, lambda: mixtral(layers=1), _muon, r"MoeHybridParallelPlugin: Muon is not known to be elementwise")
     _refused(TorchFSDPPlugin(), _linears, _muon, r"TorchFSDPPlugin: Muon needs each parameter whole")
     _refused(TorchFSDPPlugin(), _linears, _foreign, r"TorchFSDPPlugin: _Foreign is not known to be elementwise")
+    # Gemini at tp 1 steps Muon on whole matrices (test_plugins_gemini_muon.py); at tp 2 the matrices are sliced
+    gemini = GeminiPlugin(precision="fp32", tp_size=2, chunk_config_dict={"chunk_size": 1024})
+    _refused(gemini, lambda: llama(layers=1), _muon, r"GeminiOptimizer: Muon needs each matrix whole.*tensor paral")
     gemini = GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 64})
-    _refused(gemini, _linears, _muon, r"GeminiOptimizer: Muon needs each parameter whole")
+    _refused(gemini, _linears, _foreign, r"GeminiOptimizer: _Foreign is not known to be elementwise")
 
 
 @distributed(world_size=2)

@@ -21,11 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from cx_mesh import ProcessGroup, communication_device, named_collective, record_collective
+from cx_mesh import ProcessGroup
 from cx_zero._owners import assign_owners
 from cx_zero._partition import ParamShard, padded_flat
+from cx_zero._whole_comm import gather_to_owner, scatter_from_owner
 
 __all__ = ["WholeTensorStep"]
 
@@ -101,6 +101,10 @@ class WholeTensorStep:
             master = self.whole[id(shard)]
             master.grad = full.to(device=master.device, dtype=master.dtype)
 
+    def _spans(self, members: Sequence[ParamShard]) -> list[list[tuple[int, int]]]:
+        """Rank r holds elements [r * width, (r + 1) * width) of each padded flat parameter (`_partition`)."""
+        return [[(r * s.shard_numel, (r + 1) * s.shard_numel) for r in range(s.group_size)] for s in members]
+
     def _gather_to_owners(
         self,
         group: ProcessGroup | None,
@@ -113,51 +117,30 @@ class WholeTensorStep:
         if not members:
             return result
         size, rank = members[0].group_size, members[0].group_rank
-        device = communication_device(group)
         for owner in range(size):
             owned = self._owned_by(members, owner)
             if not owned:
                 continue
             slices = [slice_of(s) for s in owned]
-            send = torch.cat([t.detach().reshape(-1).to(self.master_dtype) for t in slices if t is not None])
-            send = send.to(device)
-            received = [torch.empty_like(send) for _ in range(size)] if rank == owner else None
-            record_collective("gather", group, send)
-            with named_collective("gather", group):
-                dist.gather(send, received, dst=_global(group, owner), group=group)
-            if received is None:
-                continue
-            offset = 0
-            for shard in owned:
-                width = shard.shard_numel
-                full = torch.cat([piece[offset : offset + width] for piece in received])[: shard.numel]
-                result[shard] = full.view(shard.working.shape)
-                offset += width
+            local = [t for t in slices if t is not None]
+            wholes = gather_to_owner(group, owner, rank, self._spans(owned), local, self.master_dtype)
+            for shard, full in zip(owned, wholes or [], strict=False):
+                result[shard] = full[: shard.numel].view(shard.working.shape)
         return result
 
     def _scatter_masters(self, group: ProcessGroup | None, members: Sequence[ParamShard]) -> None:
         if not members or members[0].group_size == 1:
             return  # a one-replica master is the whole parameter, stepped in place
         size, rank = members[0].group_size, members[0].group_rank
-        device = communication_device(group)
         for owner in range(size):
             owned = self._owned_by(members, owner)
             if not owned:
                 continue
-            received = torch.empty(sum(s.shard_numel for s in owned), dtype=self.master_dtype, device=device)
-            pieces = None
-            if rank == owner:
-                rows = [padded_flat(self.whole[id(s)].detach(), size).view(size, -1) for s in owned]
-                pieces = [torch.cat([r[target] for r in rows]).to(device) for target in range(size)]
-            record_collective("scatter", group, received)
-            with named_collective("scatter", group):
-                dist.scatter(received, pieces, src=_global(group, owner), group=group)
-            offset = 0
+            wholes = [padded_flat(self.whole[id(s)].detach(), size) for s in owned] if rank == owner else None
+            pieces = scatter_from_owner(group, owner, rank, self._spans(owned), wholes, self.master_dtype)
             with torch.no_grad():
-                for shard in owned:
-                    width = shard.shard_numel
-                    shard.master.copy_(received[offset : offset + width])
-                    offset += width
+                for shard, piece in zip(owned, pieces, strict=True):
+                    shard.master.copy_(piece)
 
     def load_whole_masters(self) -> None:
         """After the master shards changed (a loaded model or checkpoint): each owner's whole masters gathered from
@@ -178,7 +161,3 @@ class WholeTensorStep:
             if s.group_size > 1 and self.owns(s)
             for t in [self.whole[id(s)]]
         )
-
-
-def _global(group: ProcessGroup | None, group_rank: int) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)

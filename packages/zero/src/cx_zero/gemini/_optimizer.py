@@ -1,4 +1,4 @@
-"""`GeminiOptimizer`: any elementwise torch optimizer stepping on each rank's own slice of the chunks.
+"""`GeminiOptimizer`: any elementwise torch optimizer stepping on each rank's own slice of the chunks (Muon: `_whole`).
 
 The wrapped optimizer's parameters are replaced by placeholders (one per model parameter, so its state stays keyed
 per parameter and `param_groups` keep their hyper-parameters); before each step a placeholder's `.data` is pointed
@@ -7,6 +7,9 @@ separate master), at the residence the placement policy chose for optimizer data
 gradient slice (unscaled, clipped). After the step the master slice is copied back into the parameter chunk.
 fp16 runs a dynamic loss scale: an overflow on any rank of the groups holding gradients skips the step on every
 rank, leaves parameters and optimizer state untouched and backs the scale off.
+A whole-tensor optimizer (torch's Muon, `cx_zero.needs_whole_tensors`) is stepped by `_whole` instead: each matrix's
+unscaled, clipped gradient and master gathered whole to one owner rank, stepped there, scattered back into the master
+slices; the rest of the step is the same.
 State dicts and the cx-checkpoint protocols are in `_optimizer_state`.
 """
 
@@ -25,7 +28,7 @@ from cx_chunk import AutoPlacementPolicy, Chunk, Residence
 from cx_mesh import ProcessGroup, get_dist_logger
 from cx_zero._bf16_states import Bf16StateAdam, require_bf16_capable
 from cx_zero._clipping import ClipOptions
-from cx_zero._elementwise import require_elementwise
+from cx_zero._elementwise import require_elementwise_or_whole
 from cx_zero._grad_scaler import BaseGradScaler
 from cx_zero._loss_scale import LossScaleOptions
 from cx_zero._norm import NormType, clip_coefficient, norm_or_inf
@@ -35,6 +38,7 @@ from cx_zero.gemini._margin import use_device_margin
 from cx_zero.gemini._optimizer_state import GeminiOptimizerStateMixin
 from cx_zero.gemini._options import GeminiOptimizerOptions
 from cx_zero.gemini._shards import ShardEntry
+from cx_zero.gemini._whole import GeminiWholeStep
 
 __all__ = ["GeminiOptimizer"]
 
@@ -87,7 +91,9 @@ class GeminiOptimizer(GeminiOptimizerStateMixin):
             raise TypeError(f"GeminiOptimizer: module must be a GeminiDDP, got {type(module).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"GeminiOptimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
-        require_elementwise(optimizer, "GeminiOptimizer")
+        whole_tensors = require_elementwise_or_whole(optimizer, "GeminiOptimizer")
+        if whole_tensors:
+            _check_whole(optimizer, options, tp_group)
         bf16_states = options.optimizer_states_dtype == torch.bfloat16
         if bf16_states:
             require_bf16_capable(optimizer, "GeminiOptimizer(optimizer_states_dtype=bf16)")
@@ -131,6 +137,8 @@ class GeminiOptimizer(GeminiOptimizerStateMixin):
                         state[key] = self._own_part(entry, value)
                 optimizer.state[entry.holder] = state
         self._unbind()
+        # a whole-tensor optimizer (Muon) steps whole parameters on owner ranks (module `_whole`)
+        self._whole = GeminiWholeStep(optimizer, self._entries, self._optim_device) if whole_tensors else None
         self._bf16_states = None
         if bf16_states:
             if any(entry.holder.dtype != torch.float32 for entry in self._entries):
@@ -221,6 +229,11 @@ class GeminiOptimizer(GeminiOptimizerStateMixin):
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's param groups (change `lr` here, or give `.optim` to a torch LR scheduler)."""
         return self.optim.param_groups
+
+    @property
+    def whole_step(self) -> GeminiWholeStep | None:
+        """The whole-parameter step of a whole-tensor optimizer (Muon): owners, spans, whole masters; else None."""
+        return self._whole
 
     @property
     def loss_scale(self) -> float:
@@ -351,12 +364,15 @@ class GeminiOptimizer(GeminiOptimizerStateMixin):
             coefficient = clip_coefficient(norm, self.max_norm)
             if coefficient < 1.0 and grads:
                 torch._foreach_mul_([g for _, g in grads], coefficient)
-        for entry, grad in grads:
-            entry.holder.grad = grad
-        if self._bf16_states is not None:
-            self._bf16_states.step()
+        if self._whole is not None:  # gather to owners, step whole, scatter back into the master slices
+            self._whole.step(self.optim, grads)
         else:
-            self.optim.step()
+            for entry, grad in grads:
+                entry.holder.grad = grad
+            if self._bf16_states is not None:
+                self._bf16_states.step()
+            else:
+                self.optim.step()
         for entry in self._entries:
             entry.holder.grad = None
         if self.gpu_margin_mem_ratio > 0 and self.device_optimizer_chunks is None:
@@ -402,4 +418,28 @@ class GeminiOptimizer(GeminiOptimizerStateMixin):
             self._entries,
             self.optim.state,
             self.module.compute_device,
+        )
+
+
+def _check_whole(
+    optimizer: torch.optim.Optimizer, options: GeminiOptimizerOptions, tp_group: ProcessGroup | None
+) -> None:
+    """Refuse, naming the optimizer, what the whole-parameter step (`_whole`) does not support."""
+    name = type(optimizer).__name__
+    if options.optimizer_states_dtype == torch.bfloat16:
+        raise ValueError(f"GeminiOptimizer: optimizer_states_dtype=bf16 applies to Adam moments only, not {name}")
+    if options.gpu_margin_mem_ratio > 0:
+        raise ValueError(
+            f"GeminiOptimizer: gpu_margin_mem_ratio moves optimizer state by chunk; {name}'s state is whole on owner "
+            "ranks: pass 0.0"
+        )
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        raise TypeError(
+            f"GeminiOptimizer: {name} needs each matrix whole, and tensor parallelism (tp_group) slices them; use "
+            "tp size 1 (each matrix is then gathered whole to one owner rank) or an elementwise optimizer"
+        )
+    if optimizer.state:
+        raise ValueError(
+            f"GeminiOptimizer: {name} already holds state; wrap it before its first step (or load its state dict "
+            "after wrapping)"
         )

@@ -2,6 +2,9 @@
 
 A mixin so that `_optimizer` keeps to building the placeholders and stepping. Saving streams full states chunk by
 chunk (`_shards.full_states`); loading keeps this rank's flat range of each full value (`_shards.own_part`).
+A whole-tensor optimizer (Muon, `_whole`) keeps each parameter's state whole on its owner rank: saving broadcasts it
+from there parameter by parameter (`cx_zero._whole_state.broadcast_state`, no pickle), loading keeps it on the owner
+only; the same full-by-name form, so either kind of checkpoint names its tensors the same way.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from cx_checkpoint import OptimizerMeta, TensorSpec, optimizer_tensor_name
 from cx_chunk import ChunkManager
 from cx_zero._bf16_states import MOMENT_KEYS, Bf16StateAdam
 from cx_zero._grad_scaler import BaseGradScaler
+from cx_zero._whole_state import broadcast_state
 from cx_zero.gemini._ddp import GeminiDDP
 from cx_zero.gemini._shards import ShardEntry, full_states, own_part
 from cx_zero.gemini._state import is_saver
+from cx_zero.gemini._whole import GeminiWholeStep
 
 __all__ = ["GeminiOptimizerStateMixin"]
 
@@ -34,6 +39,7 @@ class GeminiOptimizerStateMixin:
     _by_name: dict[str, ShardEntry]
     _scalars_on_device: dict[int, bool] | None
     _bf16_states: Bf16StateAdam | None
+    _whole: GeminiWholeStep | None
     _bind: Callable[[], object]  # point the placeholders at their work slices ...
     _unbind: Callable[[], None]  # ... and back at empty storage
 
@@ -46,7 +52,46 @@ class GeminiOptimizerStateMixin:
         return groups
 
     def _full_states(self) -> Iterator[tuple[str, str, torch.Tensor | Any]]:
-        return full_states(self._entries, self.optim.state, self.manager.chunks())
+        if self._whole is None:
+            yield from full_states(self._entries, self.optim.state, self.manager.chunks())
+            return
+        for entry in self._entries:  # collective: every rank, the same order
+            whole = self._whole.of(entry)
+            state = self.optim.state.get(whole.tensor, {}) if whole.mine else None
+            if whole.local:
+                assert state is not None
+                full = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            else:
+                full = broadcast_state(state, entry.chunk.group, whole.owner)
+            for key in sorted(full):
+                yield entry.name, key, full[key]
+
+    def _states_of(self, entry: ShardEntry) -> dict[str, Any]:
+        """The optimizer state this rank holds for `entry` (a whole-tensor optimizer's only on the owner)."""
+        tensor = entry.holder if self._whole is None else self._whole.of(entry).tensor
+        mine = self._whole is None or self._whole.of(entry).mine
+        state: dict[str, Any] = self.optim.state.get(tensor, {}) if mine else {}
+        return state
+
+    def _load_whole(self, entry: ShardEntry, state: Mapping[str, Any]) -> None:
+        """A whole-tensor optimizer's full state of `entry`: kept on its owner, checked everywhere."""
+        assert self._whole is not None
+        whole = self._whole.of(entry)
+        loaded: dict[str, Any] = {}
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                loaded[key] = value
+            elif value.dim() == 0:
+                loaded[key] = value.detach().to("cpu", copy=True)
+            elif value.shape != whole.tensor.shape:
+                raise ValueError(
+                    f"GeminiOptimizer.load_state_dict: state {key!r} of {entry.name!r} has shape "
+                    f"{list(value.shape)}, the parameter has {list(whole.tensor.shape)}"
+                )
+            else:
+                loaded[key] = value.detach().to(whole.tensor.device, copy=True)
+        if whole.mine:
+            self.optim.state[whole.tensor] = loaded
 
     def state_dict(self, only_rank_0: bool = True) -> dict[str, Any]:
         """`{"state": {param name: {key: full value}}, "param_groups": [hyper-parameters + param_names],
@@ -102,6 +147,12 @@ class GeminiOptimizerStateMixin:
         unknown = sorted(set(state_dict["state"]) - set(self._by_name))
         if unknown:
             raise ValueError(f"GeminiOptimizer.load_state_dict: state for unknown parameters {unknown}")
+        if self._whole is not None:
+            for name, entries in state_dict["state"].items():
+                self._load_whole(self._by_name[name], entries)
+            if "grad_scaler" in state_dict:
+                self.scaler.load_state_dict(dict(state_dict["grad_scaler"]))
+            return
         self._bind()
         for name, entries in state_dict["state"].items():
             entry = self._by_name[name]
@@ -164,7 +215,7 @@ class GeminiOptimizerStateMixin:
         out: dict[str, TensorSpec] = {}
         for entry in self._entries:
             shape = tuple(entry.chunk.slot(entry.param).shape)
-            for key, value in self.optim.state.get(entry.holder, {}).items():
+            for key, value in self._states_of(entry).items():
                 if isinstance(value, torch.Tensor):
                     full = shape if value.dim() > 0 else ()
                     out[optimizer_tensor_name(entry.name, str(key))] = TensorSpec(full, value.dtype)
@@ -177,8 +228,11 @@ class GeminiOptimizerStateMixin:
     def receive(self, name: str, tensor: torch.Tensor) -> None:
         """`TensorSink`: take one `state.<param>.<key>` tensor."""
         for entry in self._entries:
-            for key in list(self.optim.state.get(entry.holder, {})):
+            for key in list(self._states_of(entry)):
                 if optimizer_tensor_name(entry.name, str(key)) == name:
+                    if self._whole is not None:
+                        self._load_whole(entry, {**self._states_of(entry), key: tensor})
+                        return
                     self.optim.state[entry.holder][key] = self._own_part(entry, tensor)
                     self._settle_moment_dtypes()
                     return
