@@ -22,6 +22,7 @@ from cx_plugins import (
     Plugin,
     TorchFSDPPlugin,
 )
+from cx_zero import MuonWithAdamW, muon_param_groups
 from hybrid_test_helpers import llama
 from moe_hybrid_test_helpers import mixtral
 
@@ -39,6 +40,10 @@ class _Foreign(torch.optim.Optimizer):
 
 def _muon(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+
+
+def _muon_adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return MuonWithAdamW(muon_param_groups(model), lr=0.02)
 
 
 def _foreign(model: nn.Module) -> torch.optim.Optimizer:
@@ -73,6 +78,12 @@ def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: 
     _refused(gemini, lambda: llama(layers=1), _muon, r"GeminiOptimizer: Muon needs each matrix whole.*tensor paral")
     gemini = GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 64})
     _refused(gemini, _linears, _foreign, r"GeminiOptimizer: _Foreign is not known to be elementwise")
+    # cx-zero's MuonWithAdamW is whole-tensor too: refused by the same rules, by its own name
+    tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=1)
+    _refused(tp, lambda: llama(layers=1), _muon_adamw, r"HybridParallelPlugin: MuonWithAdamW needs each matrix whole")
+    moe = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32")
+    _refused(moe, lambda: mixtral(layers=1), _muon_adamw, r"MoeHybridParallelPlugin: MuonWithAdamW is not known")
+    _refused(TorchFSDPPlugin(), _linears, _muon_adamw, r"TorchFSDPPlugin: MuonWithAdamW needs each parameter whole")
 
 
 @distributed(world_size=2)

@@ -21,7 +21,7 @@ from cx_train.config._options import parse_options
 from cx_train.models._plugins import make_plugin, plan_candidate
 from cx_train.models._spec import build_model, describe_model
 from cx_train.step._optimization import make_optimizer
-from cx_zero import CPUAdam, FusedAdam, HybridAdam
+from cx_zero import CPUAdam, FusedAdam, HybridAdam, MuonWithAdamW
 
 LLAMA = ["--model", "llama", "--seq-len", "16", "--batch-size", "2"]
 
@@ -161,10 +161,56 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
             "--optimizer-states-dtype bf16 is ZeRO's optimizer option: --plugin hybrid needs --zero 1 or 2",
         ),
         (["--plugin", "hybrid", "--tp", "2", "--sp-mode", "ring", "--seq-len", "15"], "--seq-len 15 must be a"),
+        (
+            ["--plugin", "torch_fsdp", "--optimizer", "muon"],
+            "--optimizer muon is not supported by --plugin torch_fsdp; use --plugin torch_ddp or low_level_zero or "
+            "gemini or hybrid (Muon needs each matrix whole",
+        ),
+        (["--plugin", "moe_hybrid", "--optimizer", "muon"], "--optimizer muon is not supported by --plugin moe_hybrid"),
+        (
+            ["--plugin", "hybrid", "--tp", "2", "--zero", "1", "--optimizer", "muon"],
+            "--optimizer muon with --plugin hybrid --tp 2 steps whole matrices at --zero 0 only",
+        ),
+        (
+            ["--plugin", "low_level_zero", "--optimizer", "muon", "--optimizer-states-dtype", "bf16"],
+            "--optimizer muon keeps fp32 states",
+        ),
     ],
 )
 def test_train_switches_refused_by_name(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert message in _refused([*flags, "--nproc", "2"], capsys)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--plugin", "torch_ddp"],
+        ["--plugin", "low_level_zero", "--zero", "1"],
+        ["--plugin", "gemini"],
+        ["--plugin", "hybrid", "--tp", "2"],
+        ["--plugin", "hybrid", "--zero", "1"],
+    ],
+)
+def test_train_muon_accepted_where_the_plugin_steps_whole_matrices(flags: list[str]) -> None:
+    assert parse_options([*flags, "--nproc", "2", "--optimizer", "muon"]).optimizer == "muon"
+
+
+def test_train_muon_groups_follow_the_recipe() -> None:
+    """--optimizer muon: the hidden matrices by Muon, the embeddings, output head and 1-D parameters by AdamW, one
+    --lr and --weight-decay for both (Muon's match_rms_adamw scaling)."""
+    pytest.importorskip("transformers")
+    flags = ["--plugin", "low_level_zero", "--nproc", "1", "--optimizer", "muon", "--lr", "2e-3"]
+    options = parse_options([*LLAMA, *flags, "--weight-decay", "0.1"])
+    model = build_model(describe_model(options.model_spec), seed=0)
+    optimizer = make_optimizer(model, options)
+    assert isinstance(optimizer, MuonWithAdamW)
+    kinds = {id(p): g["use_muon"] for g in optimizer.param_groups for p in g["params"]}
+    names = {name: kinds[id(p)] for name, p in model.named_parameters()}
+    assert not any(use for name, use in names.items() if "embed" in name or "lm_head" in name or "norm" in name)
+    assert all(use for name, use in names.items() if name.endswith("proj.weight"))
+    assert {g["lr"] for g in optimizer.param_groups} == {2e-3}
+    assert {g["weight_decay"] for g in optimizer.param_groups} == {0.1}
+    assert optimizer.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
 
 
 def test_train_switch_refused_before_any_rank_starts(tmp_path: Path) -> None:

@@ -77,6 +77,26 @@ def test_train_trains_saves_and_resumes_under_another_plugin_and_world_size(tmp_
     assert resumed_start < start - 0.5, "the resumed run must start from the trained weights, not from scratch"
 
 
+def test_train_muon_trains_and_resumes_at_another_world_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--optimizer muon (cx-zero's MuonWithAdamW) under low_level_zero at 2 ranks trains, saves its state (each
+    matrix's momentum, the AdamW moments) and resumes it at 1 rank; --optimizer adamw cannot resume it."""
+    flags = ("--plugin", "low_level_zero", "--optimizer", "muon", "--lr", "3e-3", "--log-every", "10")
+    first = _cx_train(*flags, "--steps", "30", "--save", str(tmp_path / "ckpt"))
+    assert "ranks=2" in first
+    start, end = _loss_change(first)
+    assert end < start - 0.5, f"loss did not fall enough: {start} -> {end}"
+    resumed = _cx_train(*flags, "--steps", "50", "--nproc", "1", "--resume", str(tmp_path / "ckpt"))
+    assert "at step 30" in resumed
+    assert "step 50/50" in resumed
+    resumed_start, _ = _loss_change(resumed)
+    assert resumed_start < start - 0.5, "the resumed run must start from the trained weights, not from scratch"
+    with pytest.raises(SystemExit):  # Adam cannot load Muon's state: refused before any rank starts
+        parse_options(["--steps", "50", "--plugin", "low_level_zero", "--resume", str(tmp_path / "ckpt")])
+    assert "pass --optimizer muon" in capsys.readouterr().err
+
+
 def test_train_refuses_an_incomplete_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_options(["--resume", str(tmp_path)])

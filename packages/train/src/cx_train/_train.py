@@ -196,6 +196,7 @@ def _run(options: TrainOptions, on_exit: contextlib.ExitStack) -> list[float]:
                     hidden_size=options.hidden_size if built_in else None,
                     num_layers=options.num_layers if built_in else None,
                     tokenizer=tokenizer,
+                    optimizer=options.optimizer,
                 )
                 state = state if user_data is None else user_data.with_position(state)
                 config = resolved_toml(dict(options.resolved), header=f"cx-train's resolved config (step {step})")

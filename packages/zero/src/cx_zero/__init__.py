@@ -11,7 +11,8 @@
   `clip_grad_norm_` (norm over exactly the given groups), `has_inf_or_nan` / `any_across_groups` (overflow),
   `HybridAdam` / `CPUAdam` / `FusedAdam` (fused Adam(W), fast on CPU shards), `require_elementwise` (which
   optimizers may step on flat shards), `needs_whole_tensors` / `declare_whole_tensor` (optimizers such as torch's
-  Muon that must step each parameter whole).
+  Muon that must step each parameter whole); `MuonWithAdamW` / `muon_param_groups` (Muon on hidden matrices, AdamW
+  on 1-D parameters, embeddings and the output head, in one whole-tensor optimizer).
 """
 
 from cx_zero._adam import CPUAdam, HybridAdam
@@ -30,6 +31,7 @@ from cx_zero._fused_adam import FusedAdam
 from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
 from cx_zero._loss_scale import LossScaleOptions
 from cx_zero._low_level_optimizer import LowLevelZeroOptimizer
+from cx_zero._muon_adamw import MUON_DEFAULTS, MuonWithAdamW, muon_param_groups
 from cx_zero._norm import NormType, clip_coefficient, clip_grad_norm_, compute_grad_norm, local_norm_term, reduce_norm
 from cx_zero._options import LowLevelZeroOptions, ZeroStage, parse_states_dtype
 from cx_zero._overflow import any_across_groups, has_inf_or_nan
@@ -84,6 +86,9 @@ __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "WHOLE_TENSOR_OPTIMIZERS",
     "declare_whole_tensor",
+    "MUON_DEFAULTS",
+    "MuonWithAdamW",
+    "muon_param_groups",
     "is_elementwise",
     "needs_whole_tensors",
     "require_elementwise",

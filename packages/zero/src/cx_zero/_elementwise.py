@@ -7,7 +7,8 @@ LAMB/LARS, line search, sparse gradients) would silently compute something else 
 
 Three kinds:
 - elementwise (`ELEMENTWISE_OPTIMIZERS`): may step on any slice;
-- whole-tensor (`WHOLE_TENSOR_OPTIMIZERS`, torch's `Muon`, or an instance the user passed to `declare_whole_tensor`):
+- whole-tensor (`WHOLE_TENSOR_OPTIMIZERS`, torch's `Muon` and cx's `MuonWithAdamW`, or an instance the user passed
+  to `declare_whole_tensor`):
   correct only when each parameter is stepped whole; an engine that can gather each parameter to one rank (see
   `_whole_step`) takes them, the others refuse them (`require_elementwise`);
 - anything else: unknown, refused everywhere parameters are sliced, naming both lists and how to declare one.
@@ -20,6 +21,7 @@ import weakref
 import torch
 
 from cx_zero._adam import CPUAdam, HybridAdam
+from cx_zero._muon_adamw import MuonWithAdamW
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -47,7 +49,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     HybridAdam,
 )
 
-WHOLE_TENSOR_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Muon,)
+WHOLE_TENSOR_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Muon, MuonWithAdamW)
 
 _DECLARED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 

@@ -25,6 +25,7 @@ class TrainerState:
     data_epoch: int | None = None  # --data: the epoch of the window order and the windows taken in it (_data_order)
     data_offset: int | None = None
     tokenizer: str | None = None  # the tokenizer's identity (models._tokenizer_files); None in older checkpoints
+    optimizer: str | None = None  # --optimizer of the run that wrote it (None in older checkpoints: an Adam(W))
 
 
 class TrainerStateError(ValueError):
@@ -42,6 +43,7 @@ _TYPES: dict[str, tuple[type, bool]] = {
     "data_epoch": (int, True),
     "data_offset": (int, True),
     "tokenizer": (str, True),
+    "optimizer": (str, True),
 }
 _REQUIRED = ("step", "plugin", "world_size")  # the rest have defaults (older checkpoints lack them)
 

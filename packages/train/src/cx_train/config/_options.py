@@ -343,7 +343,7 @@ def validated_options(args: argparse.Namespace, world_size: int | None = None) -
             "--hidden-size": args.hidden_size or DEFAULT_HIDDEN,
             "--num-layers": args.num_layers or DEFAULT_LAYERS,
         }
-        problem = resume_problem(args.resume, args.model, sizes, args.steps)
+        problem = resume_problem(args.resume, args.model, sizes, args.steps, args.optimizer)
     if problem is not None:
         parser.error(problem)
     options = TrainOptions(

@@ -55,9 +55,11 @@ def outputs_problem(metrics: Path | None, tensorboard: Path | None, cache_dir: P
     return None
 
 
-def resume_problem(resume: Path, model: str, sizes: dict[str, int], steps: int) -> str | None:
+def resume_problem(resume: Path, model: str, sizes: dict[str, int], steps: int, optimizer: str = "adamw") -> str | None:
     """Why `--resume resume` cannot continue this run (None when it can): the folder, its trainer.json, the model
-    it holds (`model` and the built-in model's `sizes` by flag name) and the step it reached against `--steps`."""
+    it holds (`model` and the built-in model's `sizes` by flag name), the step it reached against `--steps`, and
+    its optimizer state's kind against `--optimizer` (the Adam(W)s share one layout; muon's groups and state
+    differ)."""
     if not resume.exists():
         return f"--resume {resume}: no such directory"
     if not resume.is_dir():
@@ -73,6 +75,13 @@ def resume_problem(resume: Path, model: str, sizes: dict[str, int], steps: int) 
         wanted = getattr(saved, flag.removeprefix("--").replace("-", "_"))
         if wanted is not None and wanted != given:
             return f"--resume {resume}: the checkpoint's model has {flag} {wanted}, not {given}; pass it"
+    trained_with = saved.optimizer or "adamw"  # older checkpoints: one of the Adam(W)s (muon did not exist)
+    if (trained_with == "muon") != (optimizer == "muon"):
+        return (
+            f"--resume {resume}: the checkpoint's optimizer state is --optimizer {trained_with}'s, which --optimizer "
+            f"{optimizer} cannot load (Muon keeps a momentum per matrix in two param groups, Adam two moments in "
+            f"one); pass --optimizer {trained_with}"
+        )
     if saved.step >= steps:
         return (
             f"--resume {resume}: the checkpoint is already at step {saved.step} >= --steps {steps}, so there is "

@@ -25,13 +25,20 @@ SP_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")  # cx_plan.SP_MOD
 SP_AXIS_MODES = ("all_to_all", "ring_attn")  # their own --sp axis; split_gather / ring split over the tp group
 PLACEMENTS = ("static", "auto")  # GeminiPlugin's placement_policy
 FSDP_WRAPS = ("block", "model")  # TorchFSDPPlugin: each decoder layer its own unit, or one root unit
-OPTIMIZERS = ("adamw", "hybrid_adam", "fused_adam", "cpu_adam")  # torch's AdamW and cx-zero's fused Adam(W)s
+OPTIMIZERS = ("adamw", "hybrid_adam", "fused_adam", "cpu_adam", "muon")  # torch's AdamW, cx-zero's fused Adam(W)s,
+# and cx-zero's MuonWithAdamW (Muon on hidden matrices, AdamW on the rest)
 OPTIMIZER_STATES_DTYPES = ("fp32", "bf16")  # cx_plan.OPTIMIZER_STATES_DTYPES, the ZeRO plugins' optimizer_states_dtype
 _HYBRID = ("hybrid", "moe_hybrid")
 _FP8 = ("low_level_zero", "gemini", *_HYBRID)  # plugins with use_fp8
 _FP8_COMMUNICATION = ("torch_ddp", *_FP8)  # plugins with fp8_communication
 _CPU_OFFLOAD = ("low_level_zero", *_HYBRID)  # ZeRO 1/2 optimizer states on the CPU
 _STATES_DTYPE = ("low_level_zero", "gemini", *_HYBRID)  # optimizer_states_dtype: ZeRO 1/2 and Gemini's optimizers
+_WHOLE_TENSOR = (
+    "torch_ddp",
+    "low_level_zero",
+    "gemini",
+    "hybrid",
+)  # step a matrix-wise optimizer (Muon) on whole matrices
 _LORA = ("torch_ddp", "low_level_zero", "hybrid", "gemini")  # plugins whose support_lora() is True
 _MERGE_LORA = ("torch_ddp", "low_level_zero")  # --merge-lora merges on one rank's full weights
 DEFAULT_LORA_TARGETS = "all-linear"  # peft: every linear layer but the output head
@@ -213,7 +220,9 @@ def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
         choices=OPTIMIZERS,
         default="adamw",
         help="adamw: torch's AdamW; hybrid_adam / fused_adam / cpu_adam: cx-zero's fused Adam(W) (the same "
-        "update; cpu_adam steps parameters that live on the CPU, as with --cpu-offload)",
+        "update; cpu_adam steps parameters that live on the CPU, as with --cpu-offload); muon: cx-zero's "
+        "MuonWithAdamW (Muon on hidden matrices, AdamW on 1-D parameters, embeddings and the output head, one "
+        "--lr / --weight-decay: Muon's match_rms_adamw scaling); torch_ddp, low_level_zero, hybrid (tp > 1: --zero 0)",
     )
     switches.add_argument(
         "--optimizer-states-dtype",
@@ -315,6 +324,9 @@ def plugin_switch_problem(args: argparse.Namespace) -> str | None:
             return _not_for("--cpu-offload", plugin, _CPU_OFFLOAD)
         if plugin in _HYBRID and args.zero not in (1, 2):
             return f"--cpu-offload offloads ZeRO 1/2 optimizer states: --plugin {plugin} needs --zero 1 or 2"
+    problem = _muon_problem(args)
+    if problem is not None:
+        return problem
     if args.optimizer_states_dtype != "fp32":
         flag = f"--optimizer-states-dtype {args.optimizer_states_dtype}"
         if plugin not in _STATES_DTYPE:
@@ -322,6 +334,30 @@ def plugin_switch_problem(args: argparse.Namespace) -> str | None:
         if plugin in _HYBRID and args.zero not in (1, 2):
             return f"{flag} is ZeRO's optimizer option: --plugin {plugin} needs --zero 1 or 2"
     return _lora_problem(args)
+
+
+def _muon_problem(args: argparse.Namespace) -> str | None:
+    """--optimizer muon needs each matrix whole: the plugins that slice parameters for the optimizer refuse it at
+    boost (cx_zero.require_elementwise, HybridParallelPlugin over tp slices with ZeRO), so it is refused here first."""
+    if args.optimizer != "muon":
+        return None
+    plugin = args.plugin
+    if plugin not in _WHOLE_TENSOR:
+        return (
+            f"{_not_for('--optimizer muon', plugin, _WHOLE_TENSOR)} (Muon needs each matrix whole, and --plugin "
+            f"{plugin} steps the optimizer on parameter slices)"
+        )
+    if plugin == "hybrid" and (args.tp or 1) > 1 and args.zero in (1, 2):
+        return (
+            f"--optimizer muon with --plugin hybrid --tp {args.tp} steps whole matrices at --zero 0 only (ZeRO would "
+            f"step each rank's tp slice): drop --zero {args.zero}, or use --tp 1"
+        )
+    if args.optimizer_states_dtype != "fp32":
+        return (
+            f"--optimizer-states-dtype {args.optimizer_states_dtype} stores Adam's moments with stochastic rounding; "
+            "--optimizer muon keeps fp32 states"
+        )
+    return None
 
 
 def _lora_problem(args: argparse.Namespace) -> str | None:

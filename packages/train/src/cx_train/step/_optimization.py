@@ -25,7 +25,7 @@ from cx_train.config._options import HYBRID_CLASSES, TrainOptions
 from cx_train.data._packing import PackedBatch
 from cx_train.metrics._progress import StepOutput, forward_step
 from cx_train.models._spec import DescribedModel
-from cx_zero import CPUAdam, FusedAdam, HybridAdam
+from cx_zero import CPUAdam, FusedAdam, HybridAdam, MuonWithAdamW, muon_param_groups
 
 __all__ = ["make_optimizer", "make_scheduler", "micro_step", "prepare_model"]
 
@@ -39,8 +39,19 @@ _OPTIMIZERS: dict[str, type[CPUAdam]] = {
 
 def make_optimizer(model: nn.Module, options: TrainOptions, eps: float = 1e-8) -> torch.optim.Optimizer:
     """`--optimizer` over the trainable parameters (under LoRA, the adapters): torch's AdamW or one of cx-zero's
-    fused Adam(W)s in AdamW mode, the same update."""
+    fused Adam(W)s in AdamW mode, the same update; or cx-zero's MuonWithAdamW (muon: hidden matrices by Muon, 1-D
+    parameters, embeddings and the output head by AdamW, `muon_param_groups`), with Muon's "match_rms_adamw" scaling
+    so that one --lr and --weight-decay suit both kinds (Moonshot's recipe, "Muon is Scalable for LLM Training")."""
     parameters = [p for p in model.parameters() if p.requires_grad]
+    if options.optimizer == "muon":
+        return MuonWithAdamW(
+            muon_param_groups(model),
+            lr=options.lr,
+            weight_decay=options.weight_decay,
+            adjust_lr_fn="match_rms_adamw",
+            adamw_weight_decay=options.weight_decay,
+            adamw_eps=eps,
+        )
     if options.optimizer == "adamw":
         return torch.optim.AdamW(parameters, lr=options.lr, weight_decay=options.weight_decay, eps=eps)
     kind = _OPTIMIZERS[options.optimizer]
