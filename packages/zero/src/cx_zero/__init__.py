@@ -11,7 +11,8 @@
   `clip_grad_norm_` (norm over exactly the given groups), `has_inf_or_nan` / `any_across_groups` (overflow),
   `HybridAdam` / `CPUAdam` / `FusedAdam` (fused Adam(W), fast on CPU shards), `require_elementwise` (which
   optimizers may step on flat shards), `needs_whole_tensors` / `declare_whole_tensor` (optimizers such as torch's
-  Muon that must step each parameter whole).
+  Muon that must step each parameter whole), `assign_owners` (which rank steps each) and `gather_to_owner` /
+  `scatter_from_owner` (whole tensors between their owner and the ranks holding flat pieces of them).
 """
 
 from cx_zero._adam import CPUAdam, HybridAdam
@@ -35,6 +36,7 @@ from cx_zero._options import LowLevelZeroOptions, ZeroStage, parse_states_dtype
 from cx_zero._overflow import any_across_groups, has_inf_or_nan
 from cx_zero._owners import assign_owners, update_cost
 from cx_zero._precision import Precision
+from cx_zero._whole_comm import Spans, gather_to_owner, scatter_from_owner
 from cx_zero._whole_state import broadcast_state
 from cx_zero.gemini import (
     GeminiDDP,
@@ -94,4 +96,7 @@ __all__ = [
     "assign_owners",
     "broadcast_state",
     "update_cost",
+    "Spans",
+    "gather_to_owner",
+    "scatter_from_owner",
 ]
