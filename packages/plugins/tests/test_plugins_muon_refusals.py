@@ -1,9 +1,9 @@
 """Plugins that would step an optimizer on slices of a matrix refuse one that is not known to be elementwise, by
 name, at boost, on every rank: torch's Muon (Newton-Schulz needs each matrix whole) and an optimizer of an unknown
 class. Otherwise HybridParallelPlugin with tp 2 and ZeRO would train silently wrong (each rank orthogonalising its own
-slice), TorchFSDPPlugin too (FSDP2 steps the DTensor's local rows: 0.056 off after 3 steps at lr 0.05, measured),
-and MoeHybridParallelPlugin slices experts. HybridParallelPlugin at zero_stage 0 and GeminiPlugin at tp 1 gather
-whole matrices instead (GeminiPlugin at tp 2 refuses Muon)."""
+slice), and MoeHybridParallelPlugin slices experts. HybridParallelPlugin at zero_stage 0, GeminiPlugin at tp 1 and
+TorchFSDPPlugin gather whole matrices instead (GeminiPlugin at tp 2 refuses Muon; TorchFSDPPlugin steps torch's Muon
+itself, so it refuses a subclass, whose step it cannot split)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ class _SgdSubclass(torch.optim.SGD):
     """A subclass of an elementwise optimizer: known to be elementwise."""
 
 
+class _MuonSubclass(torch.optim.Muon):
+    """A subclass of torch's Muon: its step may differ from the one TorchFSDPPlugin splits over the shards."""
+
+
 class _Foreign(torch.optim.Optimizer):
     """An optimizer class cx knows nothing about (it might be matrix-wise)."""
 
@@ -44,6 +48,10 @@ def _muon(model: nn.Module) -> torch.optim.Optimizer:
 
 def _muon_adamw(model: nn.Module) -> torch.optim.Optimizer:
     return MuonWithAdamW(muon_param_groups(model), lr=0.02)
+
+
+def _muon_subclass(model: nn.Module) -> torch.optim.Optimizer:
+    return _MuonSubclass([p for p in model.parameters() if p.ndim == 2], lr=0.02)
 
 
 def _foreign(model: nn.Module) -> torch.optim.Optimizer:
@@ -71,7 +79,8 @@ def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: 
     _refused(tp, lambda: llama(layers=1), _foreign, r"HybridParallelPlugin: _Foreign is not known to be elementwise")
     moe = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32")
     _refused(moe, lambda: mixtral(layers=1), _muon, r"MoeHybridParallelPlugin: Muon is not known to be elementwise")
-    _refused(TorchFSDPPlugin(), _linears, _muon, r"TorchFSDPPlugin: Muon needs each parameter whole")
+    # TorchFSDPPlugin steps torch's Muon itself (test_plugins_fsdp_muon.py), not a subclass
+    _refused(TorchFSDPPlugin(), _linears, _muon_subclass, r"TorchFSDPPlugin: _MuonSubclass needs each parameter whole")
     _refused(TorchFSDPPlugin(), _linears, _foreign, r"TorchFSDPPlugin: _Foreign is not known to be elementwise")
     # Gemini at tp 1 steps Muon on whole matrices (test_plugins_gemini_muon.py); at tp 2 the matrices are sliced
     gemini = GeminiPlugin(precision="fp32", tp_size=2, chunk_config_dict={"chunk_size": 1024})

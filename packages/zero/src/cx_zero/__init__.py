@@ -11,8 +11,10 @@
   `clip_grad_norm_` (norm over exactly the given groups), `has_inf_or_nan` / `any_across_groups` (overflow),
   `HybridAdam` / `CPUAdam` / `FusedAdam` (fused Adam(W), fast on CPU shards), `require_elementwise` (which
   optimizers may step on flat shards), `needs_whole_tensors` / `declare_whole_tensor` (optimizers such as torch's
-  Muon that must step each parameter whole); `MuonWithAdamW` / `muon_param_groups` (Muon on hidden matrices, AdamW
-  on 1-D parameters, embeddings and the output head, in one whole-tensor optimizer).
+  Muon that must step each parameter whole), `assign_owners` (which rank steps each) and `gather_to_owner` /
+  `scatter_from_owner` (whole tensors between their owner and the ranks holding flat pieces of them);
+  `MuonWithAdamW` / `muon_param_groups` (Muon on hidden matrices, AdamW on 1-D parameters, embeddings and the output
+  head, in one whole-tensor optimizer).
 """
 
 from cx_zero._adam import CPUAdam, HybridAdam
@@ -37,6 +39,7 @@ from cx_zero._options import LowLevelZeroOptions, ZeroStage, parse_states_dtype
 from cx_zero._overflow import any_across_groups, has_inf_or_nan
 from cx_zero._owners import assign_owners, update_cost
 from cx_zero._precision import Precision
+from cx_zero._whole_comm import Spans, gather_to_owner, scatter_from_owner
 from cx_zero._whole_state import broadcast_state
 from cx_zero.gemini import (
     GeminiDDP,
@@ -99,4 +102,7 @@ __all__ = [
     "assign_owners",
     "broadcast_state",
     "update_cost",
+    "Spans",
+    "gather_to_owner",
+    "scatter_from_owner",
 ]

@@ -6,10 +6,13 @@ full state dicts offloaded to the CPU of rank 0: one full copy, on the writing r
 Loading the model reads, on every rank, only the region of each tensor its FSDP shard holds (`DTensorModuleSink`).
 Loading the optimizer reads the full state on every rank and lets `set_optimizer_state_dict` keep each rank's shard
 (every rank reading the same files also means every rank raises the same error for a bad checkpoint, never a hang).
+torch's state-dict functions may step the optimizer once at lr 0 to create its state; torch's Muon does so through
+its `ShardedMuon` (fsdp/_muon.py), as in training.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from cx_checkpoint import DTensorModuleSink, TensorSink, require_names
 from cx_plugins.checkpoint_io._replicated import ReplicatedCheckpointIO, _plain
 from cx_plugins.checkpoint_io._state_parts import zero_state_from_parts, zero_state_to_parts
+from cx_plugins.fsdp._muon import ShardedMuon
 
 __all__ = ["FSDPCheckpointIO"]
 
@@ -48,9 +52,18 @@ class _GatheredView(nn.Module):
 class FSDPCheckpointIO(ReplicatedCheckpointIO):
     """Model and optimizer checkpoints of an FSDP2-sharded model (see the module docstring)."""
 
-    def __init__(self, optimizer_owner: MutableMapping[torch.optim.Optimizer, nn.Module]) -> None:
+    def __init__(
+        self,
+        optimizer_owner: MutableMapping[torch.optim.Optimizer, nn.Module],
+        sharded_muon: Mapping[torch.optim.Optimizer, ShardedMuon] | None = None,
+    ) -> None:
         super().__init__()
         self._owner = optimizer_owner
+        self._muon = sharded_muon if sharded_muon is not None else {}
+
+    def _stepping(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
+        muon = self._muon.get(optimizer)
+        return muon.patched() if muon is not None else contextlib.nullcontext()
 
     def _saved_model(self, model: nn.Module) -> nn.Module:
         module = _plain(model)
@@ -75,7 +88,8 @@ class FSDPCheckpointIO(ReplicatedCheckpointIO):
         size_per_shard: float,
         use_async: bool,
     ) -> None:
-        state = get_optimizer_state_dict(self._module_of(optimizer), optimizer, options=_GATHER)  # collective
+        with self._stepping(optimizer):
+            state = get_optimizer_state_dict(self._module_of(optimizer), optimizer, options=_GATHER)  # collective
         self._write_parts(lambda: zero_state_to_parts(state), checkpoint, shard, prefix, size_per_shard, use_async)
 
     def _load_replicated_optimizer(
@@ -85,4 +99,5 @@ class FSDPCheckpointIO(ReplicatedCheckpointIO):
         require_names(meta, str(checkpoint))  # torch's FSDP state dicts match parameters by name
         state = zero_state_from_parts(meta, tensors)
         options = StateDictOptions(full_state_dict=True)
-        set_optimizer_state_dict(self._module_of(optimizer), optimizer, state, options=options)  # collective
+        with self._stepping(optimizer):
+            set_optimizer_state_dict(self._module_of(optimizer), optimizer, state, options=options)  # collective

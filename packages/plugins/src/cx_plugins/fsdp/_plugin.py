@@ -34,13 +34,14 @@ from cx_mesh import assert_same_across_ranks, get_accelerator
 from cx_plugins._plugin import Boosted, DPPluginBase
 from cx_plugins.fp8._communication import warn_if_nothing_to_compress
 from cx_plugins.fsdp._checkpoint_io import FSDPCheckpointIO
+from cx_plugins.fsdp._muon import ShardedMuon, sharded_muon_supported
 from cx_plugins.fsdp._options import FSDPOptions
 from cx_plugins.fsdp._wrap import cast_buffers, repoint_optimizer, shard_module, sync_module_states
 from cx_plugins.lazy._context import LazyModel, is_lazy
 from cx_plugins.lazy._fsdp import materialise_into_fsdp_shards
 from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
 from cx_plugins.wrappers._named_phases import NamedPhases
-from cx_zero import require_elementwise
+from cx_zero import needs_whole_tensors, require_elementwise
 
 __all__ = ["FSDPOptimizerWrapper", "TorchFSDPModel", "TorchFSDPPlugin"]
 
@@ -62,7 +63,16 @@ class TorchFSDPModel(ModelWrapper):
 
 
 class FSDPOptimizerWrapper(OptimizerWrapper):
-    """The user's optimizer over the sharded parameters; clipping returns the global norm as a plain tensor."""
+    """The user's optimizer over the sharded parameters; clipping returns the global norm as a plain tensor. torch's
+    Muon steps through `ShardedMuon` (Newton-Schulz on whole matrices at owner ranks, the rest on the shards)."""
+
+    def __init__(self, optimizer: Optimizer, phases: NamedPhases, muon: ShardedMuon | None = None) -> None:
+        super().__init__(optimizer, phases)
+        self._muon = muon
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        with self._muon.patched() if self._muon is not None else contextlib.nullcontext():
+            super().step(closure)
 
     def clip_grad_by_norm(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -109,6 +119,7 @@ class TorchFSDPPlugin(DPPluginBase):
         assert_same_across_ranks(self.options.fingerprint(), what="TorchFSDPPlugin options")
         warn_if_nothing_to_compress("TorchFSDPPlugin", fp8_communication, dist.get_world_size(process_group))
         self._owner: weakref.WeakKeyDictionary[Optimizer, nn.Module] = weakref.WeakKeyDictionary()
+        self._muon: weakref.WeakKeyDictionary[Optimizer, ShardedMuon] = weakref.WeakKeyDictionary()
 
     def supported_devices(self) -> list[str]:
         return ["cuda", "cpu"]
@@ -141,8 +152,8 @@ class TorchFSDPPlugin(DPPluginBase):
         dataloader: DataLoader[Any] | None = None,
         lr_scheduler: LRScheduler | None = None,
     ) -> Boosted:
-        if optimizer is not None:  # FSDP2 hands the optimizer row shards (DTensor's local pieces): elementwise only
-            require_elementwise(optimizer, type(self).__name__)
+        if optimizer is not None:  # FSDP2 hands the optimizer row shards: elementwise, or torch's Muon (_muon.py)
+            _require_supported(optimizer, type(self).__name__)
         if not isinstance(model, ModelWrapper):
             names = {parameter: name for name, parameter in model.named_parameters()}
             device = get_accelerator().current_device()
@@ -164,17 +175,33 @@ class TorchFSDPPlugin(DPPluginBase):
         wrapped = None
         if optimizer is not None:
             self._owner[optimizer] = model.unwrap()
-            wrapped = FSDPOptimizerWrapper(optimizer, _phases(self.options.process_group))
+            muon = ShardedMuon(optimizer, self.options.process_group) if needs_whole_tensors(optimizer) else None
+            if muon is not None:
+                self._muon[optimizer] = muon
+            wrapped = FSDPOptimizerWrapper(optimizer, _phases(self.options.process_group), muon)
         return model, wrapped, criterion, dataloader, lr_scheduler
 
     def get_checkpoint_io(self) -> CheckpointIO:
-        return FSDPCheckpointIO(self._owner)
+        return FSDPCheckpointIO(self._owner, self._muon)
 
     def no_sync(
         self, model: nn.Module, optimizer: OptimizerWrapper | None = None
     ) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients without reduce-scatter inside the block (FSDP2's `set_requires_gradient_sync`)."""
         return _gradient_sync_off(model.unwrap() if isinstance(model, ModelWrapper) else model)
+
+
+def _require_supported(optimizer: Optimizer, who: str) -> None:
+    """An elementwise optimizer steps on the shards as is; torch's Muon through `ShardedMuon`; any other optimizer
+    that needs whole tensors is refused (the plugin knows how to split only Muon's step)."""
+    if needs_whole_tensors(optimizer) and not sharded_muon_supported(optimizer):
+        raise TypeError(
+            f"{who}: {type(optimizer).__name__} needs each parameter whole, and {who} steps on parameter shards; "
+            f"it steps torch.optim.Muon itself (Newton-Schulz on whole matrices), not subclasses or other "
+            f"whole-tensor optimizers (docs/plugins.md, 'Matrix-wise optimizers')"
+        )
+    if not needs_whole_tensors(optimizer):
+        require_elementwise(optimizer, who)
 
 
 @contextlib.contextmanager
