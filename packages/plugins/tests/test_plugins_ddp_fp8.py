@@ -69,20 +69,22 @@ def test_plugins_ddp_fp8_communication(rank: int, world_size: int) -> None:
         magnitude[name] /= world_size
 
     booster, plain, model, optimizer = _boost(fp8=True)
-    numel = sum(p.numel() for p in plain.parameters())
+    sizes = [p.numel() for p in plain.parameters()]
     with count_collective_bytes() as counts:
         booster.backward(model(input_ids=ids, labels=ids).loss, optimizer)
-    # One bucket (the model is far below DDP's 1 MiB first bucket), padded to a multiple of the world size: an fp8
-    # reduce-scatter (one all-to-all, a scale per destination) and an fp8 all-gather (one scale per rank).
-    padded = numel + (-numel % world_size)
+    # One bucket (the model is far below DDP's 1 MiB first bucket); each parameter padded to a multiple of the world
+    # size on its own and scaled on its own (so a rebuilt bucket rounds alike): an fp8 reduce-scatter (one
+    # all-to-all, a scale per parameter and destination) and an fp8 all-gather (a scale per parameter and rank).
+    padded = sum(n + (-n % world_size) for n in sizes)
+    scales = SCALE_BYTES * len(sizes)
     bf16_bytes = 2 * padded + 2 * padded // world_size  # the same reduce-scatter + all-gather in bf16
     # Nothing else moves: no uncompressed gradient; the one all-reduce is the Booster's bf16 finite-loss flag.
     assert set(counts.by_op) == {"all_to_all_single", "all_gather_single", "all_reduce"}, counts.by_op
     assert counts.by_op["all_reduce"] == 4
-    assert counts.by_op["all_to_all_single"] == padded + SCALE_BYTES * world_size
+    assert counts.by_op["all_to_all_single"] == padded + scales * world_size
     gathered = counts.by_op["all_gather_single"]
-    assert gathered == padded // world_size + SCALE_BYTES
-    assert counts.by_op["all_to_all_single"] + gathered == bf16_bytes // 2 + SCALE_BYTES * (world_size + 1)
+    assert gathered == padded // world_size + scales
+    assert counts.by_op["all_to_all_single"] + gathered == bf16_bytes // 2 + scales * (world_size + 1)
 
     # The averaged gradient: each rank's slice rounded once to E5M2 (relative u), the float32 mean rounded again.
     # Subnormals add at most one smallest step of each scale (amax over the largest finite E5M2 value).

@@ -7,6 +7,8 @@
 - `all_gather_flat_fp8`, `reduce_scatter_flat_fp8`, `all_reduce_fp8`, `all_to_all_single_fp8`: cx_mesh's flat
   collectives with an fp8 payload and its float32 scales on the wire (half of bf16's bytes plus 4 per scale);
   `reduce_scatter_scratch_nbytes_fp8` for memory accounting. A group of one rank copies exactly (no fp8).
+  `all_reduce_fp8_segments`: the all-reduce with each segment (parameter) of a flat buffer scaled and sliced on its
+  own, so its rounding does not depend on the buffer's layout (torch DDP's rebuilt buckets).
 - `pack_fp8` / `unpack_fp8` / `packed_fp8_nbytes`: the wire format of one tensor (fp8 payload bytes, then its
   float32 scale, as one uint8 message), for transports of cx's own (cx_pipeline's fp8 p2p).
 It lives in cx-mesh because every package needs it and mesh is the bottom layer.
@@ -23,6 +25,7 @@ from cx_mesh.fp8._formats import E4M3, E5M2, Fp8Tensor, ScalingRecipe, quantize
 from cx_mesh.fp8._linear import Fp8Linear, convert_to_fp8
 from cx_mesh.fp8._matmul import fp8_linear, fp8_matmul_supported
 from cx_mesh.fp8._options import Fp8Options, fp8_eligible
+from cx_mesh.fp8._segments import all_reduce_fp8_segments
 from cx_mesh.fp8._wire import pack_fp8, packed_fp8_nbytes, unpack_fp8
 
 __all__ = [
@@ -34,6 +37,7 @@ __all__ = [
     "ScalingRecipe",
     "all_gather_flat_fp8",
     "all_reduce_fp8",
+    "all_reduce_fp8_segments",
     "all_to_all_single_fp8",
     "convert_to_fp8",
     "fp8_eligible",
