@@ -170,12 +170,20 @@ def test_plugins_fp8_zero_switches_train_like_bf16(rank: int, world_size: int, p
 def test_plugins_fp8_zero_blockwise_recipe_trains_like_bf16(rank: int, world_size: int) -> None:
     """LowLevelZeroPlugin(stage=2, use_fp8=True, fp8_recipe=BLOCKWISE): every converted layer computes with
     DeepSeek-V3's 1x128 / 128x128 tiles (here each tile is a remainder: the dims are 64 and 128 wide), and training
-    meets the same bars as the default recipe: tail loss within 3% of bf16's, the first step within AdamW's bound."""
+    meets the same bars as the default recipe: tail loss within 3% of bf16's, the first step within AdamW's bound.
+    The same with GeminiPlugin(tp_size=2), whose TP layers take the recipe from ShardFormer."""
     baseline = _train(rank, "zero2")
     run = _train(rank, "zero2", use_fp8=True, recipe=ScalingRecipe.BLOCKWISE)
     _check(run, baseline, "use_fp8", "zero2 use_fp8 blockwise")
     recipes = {m.recipe for m in run.model.modules() if isinstance(m, Fp8Linear)}
     assert recipes == {ScalingRecipe.BLOCKWISE}, recipes
+    # GeminiPlugin(tp_size=2): the recipe reaches ShardFormer's tensor-parallel layers (ShardConfig.fp8_options)
+    baseline = _train(rank, "gemini_tp2")
+    run = _train(rank, "gemini_tp2", use_fp8=True, recipe=ScalingRecipe.BLOCKWISE)
+    assert_first_step_within_adam(baseline.start, baseline.first, run.first, LR)
+    assert run.tail() == pytest.approx(baseline.tail(), rel=0.03), (run.tail(), baseline.tail())
+    marks = [getattr(m, "fp8_recipe", None) for m in run.model.modules()]
+    assert marks.count(ScalingRecipe.BLOCKWISE) == 2 * 7, marks
 
 
 @distributed(world_size=2, timeout=600)
