@@ -8,8 +8,10 @@ K then errs by |a^ b^ - a b| <= e(a)|b| + |a|e(b) + e(a)e(b), and the K terms' e
 cancellation assumed). torch._scaled_mm accumulates in float32 and multiplies by the two scales: at most (K + 3)
 float32 roundings, gamma_(K+3) * sum|a^ b^| with gamma_n = n u32 / (1 - n u32) (Higham 3.1; the + 3 covers the
 scales and the bias add). Writing the output in its dtype rounds once more: u_out (|y| + the bound so far). Each
-GEMM quantizes its operands along the reduction dim, one scale per tensor (TENSORWISE) or per row of each operand
-(ROWWISE), so the bound is computed with the same scales.
+GEMM quantizes its operands along the reduction dim, one scale per tensor (TENSORWISE), per row of each operand
+(ROWWISE) or per tile (BLOCKWISE: 1x128 tiles of activations and gradients, 128x128 blocks of weights; its emulated
+GEMM multiplies the float32-dequantized operands in float32, K roundings, within the same gamma), so the bound is
+computed with the same scales (fp8_bound_helpers, which recomputes them tile by tile).
 A second, sharper check recomputes each GEMM in float64 from cx's own quantized operands: only the float32
 accumulation and the output rounding separate the two, which pins down scales and layouts exactly.
 """
@@ -19,65 +21,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cx_mesh.fp8 import E4M3, E5M2, ScalingRecipe, fp8_linear, fp8_matmul_supported, quantize
+from cx_mesh.fp8 import (
+    ACTIVATION_TILE,
+    E4M3,
+    E5M2,
+    WEIGHT_BLOCK,
+    ScalingRecipe,
+    fp8_linear,
+    fp8_matmul_supported,
+    quantize,
+)
 from cx_mesh.testing import unit_roundoff
+from fp8_bound_helpers import U32, assert_within, element_bound, gemm_bound, sharp_reference
 
-_U32 = unit_roundoff(torch.float32)
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _scales(values: torch.Tensor, fp8_dtype: torch.dtype, recipe: ScalingRecipe) -> torch.Tensor:
-    amax = values.abs().amax() if recipe is ScalingRecipe.TENSORWISE else values.abs().amax(-1, keepdim=True)
-    return (amax / torch.finfo(fp8_dtype).max).clamp(min=torch.finfo(torch.float32).tiny)
-
-
-def _element_bound(values: torch.Tensor, fp8_dtype: torch.dtype, recipe: ScalingRecipe) -> torch.Tensor:
-    """e(x) = max(u|x|, s * tiny * u) for a 2-D float64 operand quantized along its rows, plus 3 float32 roundings
-    of x (x / s before the cast, the scale itself, data * s on dequantize)."""
-    u, tiny = unit_roundoff(fp8_dtype), torch.finfo(fp8_dtype).tiny
-    return torch.maximum(u * values.abs(), _scales(values, fp8_dtype, recipe) * tiny * u) + 3 * _U32 * values.abs()
-
-
-def _gemm_bound(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_dtype: torch.dtype,
-    b_dtype: torch.dtype,
-    recipe: ScalingRecipe,
-    out: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact a @ b.T (float64) and the bound on |fp8 result - exact| derived in the module docstring."""
-    a, b = a.double(), b.double()
-    ea, eb = _element_bound(a, a_dtype, recipe), _element_bound(b, b_dtype, recipe)
-    exact = a @ b.T
-    k = a.shape[1] + 3
-    quantization = ea @ b.abs().T + a.abs() @ eb.T + ea @ eb.T
-    accumulation = k * _U32 / (1 - k * _U32) * ((a.abs() + ea) @ (b.abs() + eb).T)
-    before_output = quantization + accumulation
-    return exact, before_output + unit_roundoff(out) * (exact.abs() + before_output)
-
-
-def _sharp_reference(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_dtype: torch.dtype,
-    b_dtype: torch.dtype,
-    recipe: ScalingRecipe,
-    out: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """a^ @ b^.T in float64 from cx's quantized operands, and the float32-accumulation + output-rounding bound."""
-    qa = quantize(a.contiguous(), a_dtype, recipe).dequantize(torch.float64)
-    qb = quantize(b.contiguous(), b_dtype, recipe).dequantize(torch.float64)
-    reference = qa @ qb.T
-    k = a.shape[1] + 3
-    bound = k * _U32 / (1 - k * _U32) * (qa.abs() @ qb.abs().T)
-    return reference, bound + unit_roundoff(out) * (reference.abs() + bound)
-
-
-def _assert_within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str) -> None:
-    excess = (actual.double().reshape(expected.shape) - expected).abs() - bound
-    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    assert excess.max() <= 0, f"{what}: off by {excess.max().item():.3g} beyond the bound"
+def _grad_dtype(recipe: ScalingRecipe) -> torch.dtype:
+    """The gradient's format: E5M2, E4M3 with BLOCKWISE (DeepSeek-V3's recipe)."""
+    return E4M3 if recipe is ScalingRecipe.BLOCKWISE else E5M2
 
 
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
@@ -91,12 +53,12 @@ def test_fp8_quantize_error_within_unit_roundoff(
     quantized = quantize(values, fp8_dtype, recipe)
     assert quantized.data.dtype == fp8_dtype
     assert quantized.data.shape == values.shape
-    assert quantized.scale.shape == (() if recipe is ScalingRecipe.TENSORWISE else (12, 1))
+    assert quantized.scale.shape == (() if recipe is ScalingRecipe.TENSORWISE else (12, 1))  # 32 < one 1x128 tile
     restored = quantized.dequantize(dtype)
     assert restored.dtype == dtype
     flat = values.double().reshape(12, 32)
-    bound = _element_bound(flat, fp8_dtype, recipe)
-    _assert_within(quantized.dequantize(torch.float64), flat, bound, "quantize")
+    bound = element_bound(flat, fp8_dtype, recipe)
+    assert_within(quantized.dequantize(torch.float64), flat, bound, "quantize")
 
 
 @pytest.mark.parametrize("recipe", list(ScalingRecipe))
@@ -109,14 +71,14 @@ def test_fp8_quantize_zero_huge_tiny_and_non_finite(recipe: ScalingRecipe) -> No
         info = torch.finfo(dtype)
         for magnitude in (info.max, info.tiny):  # near the dtype's largest and smallest normal numbers
             values = (torch.linspace(-1, 1, 64) * magnitude).to(dtype).reshape(4, 16)
-            bound = _element_bound(values.double(), E5M2, recipe)
-            _assert_within(quantize(values, E5M2, recipe).dequantize(torch.float64), values.double(), bound, "range")
+            bound = element_bound(values.double(), E5M2, recipe)
+            assert_within(quantize(values, E5M2, recipe).dequantize(torch.float64), values.double(), bound, "range")
     for bad in (float("inf"), float("nan")):
         values = torch.ones(4, 16)
         values[1, 3] = bad
         restored = quantize(values, E4M3, recipe).dequantize()
         assert not torch.isfinite(restored[1]).any()  # the whole scale group is poisoned, so a check sees it
-        if recipe is ScalingRecipe.ROWWISE:
+        if recipe is not ScalingRecipe.TENSORWISE:
             assert torch.equal(restored[0], torch.ones(16))
 
 
@@ -136,21 +98,22 @@ def test_fp8_linear_forward_and_gradients_within_fp8_bounds(recipe: ScalingRecip
     assert bias.grad is not None
     assert (x.grad.dtype, weight.grad.dtype, bias.grad.dtype) == (dtype, dtype, dtype)
     x2, g2, w = x.detach().reshape(48, 64), grad_output.reshape(48, 32), weight.detach()
-    gemms = {  # name: (result, a, b, a's format, b's format), each result = a @ b.T
-        "output": (y.detach().double() - bias.detach().double(), x2, w, E4M3, E4M3),
-        "grad_input": (x.grad, g2, w.t(), E5M2, E4M3),
-        "grad_weight": (weight.grad, g2.t(), x2.t(), E5M2, E4M3),
+    g8 = _grad_dtype(recipe)
+    gemms = {  # name: (result, a, b, a's format, b's format, b's BLOCKWISE tile), each result = a @ b.T
+        "output": (y.detach().double() - bias.detach().double(), x2, w, E4M3, E4M3, WEIGHT_BLOCK),
+        "grad_input": (x.grad, g2, w.t(), g8, E4M3, WEIGHT_BLOCK),
+        "grad_weight": (weight.grad, g2.t(), x2.t(), g8, E4M3, ACTIVATION_TILE),
     }
-    for name, (result, a, b, a_dtype, b_dtype) in gemms.items():
+    for name, (result, a, b, a_dtype, b_dtype, b_tile) in gemms.items():
         # the bias is added in float32 and rounded with the output: count that rounding on the output's bound
         slack = unit_roundoff(dtype) * bias.detach().double().abs() if name == "output" else 0.0
-        exact, bound = _gemm_bound(a, b, a_dtype, b_dtype, recipe, dtype)
-        _assert_within(result, exact, bound + slack, f"{name} vs float64")
-        sharp, sharp_bound = _sharp_reference(a, b, a_dtype, b_dtype, recipe, dtype)
-        _assert_within(result, sharp, sharp_bound + 2 * slack, f"{name} vs the quantized operands")
+        exact, bound = gemm_bound(a, b, a_dtype, b_dtype, recipe, dtype, b_tile)
+        assert_within(result, exact, bound + slack, f"{name} vs float64")
+        sharp, sharp_bound = sharp_reference(a, b, a_dtype, b_dtype, recipe, dtype, b_tile)
+        assert_within(result, sharp, sharp_bound + 2 * slack, f"{name} vs the quantized operands")
     exact_bias = g2.double().sum(0)
-    bias_bound = 48 * _U32 * g2.double().abs().sum(0) + unit_roundoff(dtype) * exact_bias.abs() * 1.01
-    _assert_within(bias.grad, exact_bias, bias_bound, "grad_bias")
+    bias_bound = 48 * U32 * g2.double().abs().sum(0) + unit_roundoff(dtype) * exact_bias.abs() * 1.01
+    assert_within(bias.grad, exact_bias, bias_bound, "grad_bias")
 
 
 def test_fp8_linear_zero_huge_tiny_and_non_finite_inputs() -> None:
@@ -170,8 +133,8 @@ def test_fp8_linear_zero_huge_tiny_and_non_finite_inputs() -> None:
     ):
         x = (torch.randn(4, 32, generator=torch.Generator().manual_seed(3)) * x_scale).to(dtype)
         scaled_weight = (weight * w_scale).to(dtype)
-        exact, bound = _gemm_bound(x, scaled_weight, E4M3, E4M3, ScalingRecipe.TENSORWISE, dtype)
-        _assert_within(fp8_linear(x, scaled_weight), exact, bound, f"x ~ {x_scale}, w ~ {w_scale}")
+        exact, bound = gemm_bound(x, scaled_weight, E4M3, E4M3, ScalingRecipe.TENSORWISE, dtype)
+        assert_within(fp8_linear(x, scaled_weight), exact, bound, f"x ~ {x_scale}, w ~ {w_scale}")
     for recipe in ScalingRecipe:
         poisoned = torch.ones(4, 32)
         poisoned[2, 5] = float("inf")
@@ -207,6 +170,9 @@ def test_fp8_linear_refuses_unsupported_inputs_and_devices(monkeypatch: pytest.M
     with pytest.raises(ValueError, match="ROWWISE takes an E4M3 right operand"):
         _matmul.scaled_matmul(weight, weight, E4M3, E5M2, ScalingRecipe.ROWWISE, torch.float32)
     assert _matmul.scaled_matmul(weight, weight, E5M2, E4M3, ScalingRecipe.ROWWISE, torch.float32).shape == (16, 16)
+    # BLOCKWISE is DeepSeek-V3's all-E4M3 recipe: an E5M2 operand is a caller's mistake, refused
+    with pytest.raises(ValueError, match="BLOCKWISE takes E4M3 operands"):
+        _matmul.scaled_matmul(weight, weight, E5M2, E4M3, ScalingRecipe.BLOCKWISE, torch.float32)
 
 
 @pytest.mark.gpu
@@ -228,14 +194,18 @@ def test_fp8_linear_on_cuda_matches_the_cpu_result(recipe: ScalingRecipe) -> Non
         out = fp8_linear(leaves[0], leaves[1], leaves[2], recipe)
         out.backward(grad_output.to(device))
         results[device] = [out.detach().cpu()] + [leaf.grad.cpu() for leaf in leaves if leaf.grad is not None]
-    x2, g2 = x.reshape(24, 40), grad_output.reshape(24, 24)
-    gemms = [(x2, weight, E4M3, E4M3), (g2, weight.t(), E5M2, E4M3), (g2.t(), x2.t(), E5M2, E4M3)]
-    for i, (cpu, cuda, (a, b, a_dtype, b_dtype)) in enumerate(
+    x2, g2, g8 = x.reshape(24, 40), grad_output.reshape(24, 24), _grad_dtype(recipe)
+    gemms = [
+        (x2, weight, E4M3, E4M3, WEIGHT_BLOCK),
+        (g2, weight.t(), g8, E4M3, WEIGHT_BLOCK),
+        (g2.t(), x2.t(), g8, E4M3, ACTIVATION_TILE),
+    ]
+    for i, (cpu, cuda, (a, b, a_dtype, b_dtype, b_tile)) in enumerate(
         zip(results["cpu"], results["cuda"], gemms, strict=False)
     ):
-        reference, bound = _sharp_reference(a, b, a_dtype, b_dtype, recipe, torch.float32)
+        reference, bound = sharp_reference(a, b, a_dtype, b_dtype, recipe, torch.float32, b_tile)
         slack = unit_roundoff(torch.bfloat16) * (reference.abs() + bound) if recipe is ScalingRecipe.ROWWISE else 0.0
-        bias_add = 2 * _U32 * (reference.abs() + bias.double().abs()) if i == 0 else 0.0  # the output's bias
-        _assert_within(cuda, cpu.double().reshape(reference.shape), 2 * bound + slack + bias_add, "cuda vs cpu")
-    sum_bound = 2 * 24 * _U32 * g2.double().abs().sum(0)  # grad_bias: two orders of a float32 sum of 24 terms
-    _assert_within(results["cuda"][3], results["cpu"][3].double(), sum_bound, "grad_bias cuda vs cpu")
+        bias_add = 2 * U32 * (reference.abs() + bias.double().abs()) if i == 0 else 0.0  # the output's bias
+        assert_within(cuda, cpu.double().reshape(reference.shape), 2 * bound + slack + bias_add, "cuda vs cpu")
+    sum_bound = 2 * 24 * U32 * g2.double().abs().sum(0)  # grad_bias: two orders of a float32 sum of 24 terms
+    assert_within(results["cuda"][3], results["cpu"][3].double(), sum_bound, "grad_bias cuda vs cpu")

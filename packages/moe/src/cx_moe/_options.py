@@ -192,8 +192,9 @@ class MoeFp8Options:
     """fp8 in the MoE path (ColossalAI's `use_fp8` / `fp8_communication` for MoE blocks).
 
     - `use_fp8`: each routed expert's two matmuls run in fp8 with `cx_mesh.fp8.fp8_linear` (E4M3 operands, E5M2
-      gradients, dynamic scales with `matmul.recipe`), for the projections whose dims `fp8_eligible(..., matmul)`
-      accepts; the others stay in high precision, as torchtitan filters small layers. Master weights are unchanged.
+      gradients (E4M3 with BLOCKWISE), dynamic scales with `matmul.recipe`), for the projections whose dims
+      `fp8_eligible(..., matmul)` accepts; the others stay in high precision, as torchtitan filters small layers.
+      Master weights are unchanged.
     - `fp8_communication`: the dispatch and combine all-to-alls send their rows as fp8 with
       `cx_mesh.fp8.all_to_all_single_fp8` (E4M3 forward, E5M2 for the gradients in backward), one scale per
       destination rank; only meaningful with an expert-parallel group of size > 1 (refused otherwise).

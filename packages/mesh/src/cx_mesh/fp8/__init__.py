@@ -1,7 +1,8 @@
 """cx_mesh.fp8: fp8 matmuls and fp8-compressed collectives, the shared base of cx's `use_fp8` and
 `fp8_communication`.
 
-- `quantize` / `Fp8Tensor`: dynamic scaling (one scale per tensor or per row) into E4M3 or E5M2.
+- `quantize` / `Fp8Tensor`: dynamic scaling (one scale per tensor, per row, or per tile: BLOCKWISE's
+  `ACTIVATION_TILE` 1x128 and `WEIGHT_BLOCK` 128x128) into E4M3 or E5M2.
 - `fp8_linear`: F.linear with fp8 GEMMs (torch._scaled_mm) forward and backward; `Fp8Linear` and `convert_to_fp8`
   swap plain nn.Linear layers that `fp8_eligible` accepts; `fp8_matmul_supported(device)` says where it runs.
 - `all_gather_flat_fp8`, `reduce_scatter_flat_fp8`, `all_reduce_fp8`, `all_to_all_single_fp8`: cx_mesh's flat
@@ -21,7 +22,7 @@ from cx_mesh.fp8._collectives import (
     reduce_scatter_flat_fp8,
     reduce_scatter_scratch_nbytes_fp8,
 )
-from cx_mesh.fp8._formats import E4M3, E5M2, Fp8Tensor, ScalingRecipe, quantize
+from cx_mesh.fp8._formats import ACTIVATION_TILE, E4M3, E5M2, WEIGHT_BLOCK, Fp8Tensor, ScalingRecipe, quantize
 from cx_mesh.fp8._linear import Fp8Linear, convert_to_fp8
 from cx_mesh.fp8._matmul import fp8_linear, fp8_matmul_supported
 from cx_mesh.fp8._options import Fp8Options, fp8_eligible
@@ -29,6 +30,7 @@ from cx_mesh.fp8._segments import all_reduce_fp8_segments
 from cx_mesh.fp8._wire import pack_fp8, packed_fp8_nbytes, unpack_fp8
 
 __all__ = [
+    "ACTIVATION_TILE",
     "E4M3",
     "E5M2",
     "Fp8Linear",
@@ -49,4 +51,5 @@ __all__ = [
     "reduce_scatter_flat_fp8",
     "reduce_scatter_scratch_nbytes_fp8",
     "unpack_fp8",
+    "WEIGHT_BLOCK",
 ]

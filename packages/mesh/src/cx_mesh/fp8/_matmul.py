@@ -6,6 +6,13 @@ so ROWWISE scales are per row of the left operand and per column of the right on
 The E5M2 gradient is always the left operand: torch's CUDA row-wise kernels (CUTLASS RowwiseScaledMM) take E4M3 or
 E5M2 on the left but only E4M3 on the right, so `scaled_matmul` refuses a right E5M2 operand on every device.
 The high-precision input and weight are saved for backward and re-quantized along the axis each GEMM needs.
+
+BLOCKWISE (DeepSeek-V3's recipe) quantizes every operand to E4M3, gradients included (the fine-grained scales give
+them the range E5M2 was for): activations and gradients in `ACTIVATION_TILE`s (1 x 128 along the reduction dim),
+weights in `WEIGHT_BLOCK`s (128 x 128, the same blocks for W and the backward's W^T). torch 2.13's CPU _scaled_mm
+takes no tile scales, so `_blockwise_mm` emulates the GEMM (dequantize each operand with its tile scales, multiply in
+float32); it takes exactly the operands and scales a blockwise kernel (sm90's _scaled_mm with 1x128 / 128x128
+scales, DeepGEMM) would, so such a kernel can replace it without touching the rest.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cx_mesh.fp8._formats import E4M3, E5M2, ScalingRecipe, quantize
+from cx_mesh.fp8._formats import ACTIVATION_TILE, E4M3, E5M2, WEIGHT_BLOCK, Fp8Tensor, ScalingRecipe, quantize
 from cx_mesh.fp8._options import FP8_ALIGNMENT
 
 __all__ = ["fp8_linear", "fp8_matmul_supported"]
@@ -61,6 +68,12 @@ def _round_up(value: int) -> int:
     return -(-value // FP8_ALIGNMENT) * FP8_ALIGNMENT
 
 
+def _blockwise_mm(qa: Fp8Tensor, qb: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """qa @ qb.T from tile-scaled fp8 operands (a's `ACTIVATION_TILE` scales, b's tiles either kind), emulated: both
+    dequantized in float32, one float32 GEMM, rounded to `out_dtype` once. The seam for a blockwise fp8 kernel."""
+    return (qa.dequantize(torch.float32) @ qb.dequantize(torch.float32).t()).to(out_dtype)
+
+
 def scaled_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -68,12 +81,23 @@ def scaled_matmul(
     b_dtype: torch.dtype,
     recipe: ScalingRecipe,
     out_dtype: torch.dtype,
+    b_tile: tuple[int, int] = WEIGHT_BLOCK,
 ) -> torch.Tensor:
     """a @ b.T for a (M, K) and b (N, K) in high precision, each quantized along K (the reduction dim).
 
     On CUDA, K and N are zero-padded to multiples of 16 (cuBLASLt's fp8 requirement; zeros add nothing to the sums)
     and the output sliced back; rowwise GEMMs there produce bf16 (the only output cuBLASLt takes for them) and are
-    cast to `out_dtype`."""
+    cast to `out_dtype`. BLOCKWISE quantizes a in `ACTIVATION_TILE`s and b in `b_tile`s (`WEIGHT_BLOCK` for a weight,
+    `ACTIVATION_TILE` for an activation) and computes with `_blockwise_mm` on every device."""
+    if recipe is ScalingRecipe.BLOCKWISE:
+        if a_dtype != E4M3 or b_dtype != E4M3:
+            raise ValueError(
+                f"scaled_matmul: BLOCKWISE takes E4M3 operands (DeepSeek-V3's recipe), got {a_dtype} and {b_dtype}"
+            )
+        if b_tile not in (ACTIVATION_TILE, WEIGHT_BLOCK):
+            raise ValueError(f"scaled_matmul: b_tile must be {ACTIVATION_TILE} or {WEIGHT_BLOCK}, got {b_tile}")
+        qa = quantize(a.contiguous(), a_dtype, recipe, ACTIVATION_TILE)
+        return _blockwise_mm(qa, quantize(b.contiguous(), b_dtype, recipe, b_tile), out_dtype)
     if recipe is ScalingRecipe.ROWWISE and b_dtype != E4M3:
         raise ValueError(
             f"scaled_matmul: ROWWISE takes an E4M3 right operand, got {b_dtype} (torch's CUDA row-wise fp8 kernels "
@@ -122,13 +146,14 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         input, weight = ctx.saved_tensors
         recipe: ScalingRecipe = ctx.recipe
+        grad_dtype = E4M3 if recipe is ScalingRecipe.BLOCKWISE else E5M2
         g = grad_output.reshape(-1, grad_output.shape[-1])
         x = input.reshape(-1, input.shape[-1])
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): reduce over the output features
-            grad_input = scaled_matmul(g, weight.t(), E5M2, E4M3, recipe, input.dtype).reshape(input.shape)
-        if ctx.needs_input_grad[1]:  # (N, M) @ (M, K): reduce over the tokens
-            grad_weight = scaled_matmul(g.t(), x.t(), E5M2, E4M3, recipe, weight.dtype)
+            grad_input = scaled_matmul(g, weight.t(), grad_dtype, E4M3, recipe, input.dtype).reshape(input.shape)
+        if ctx.needs_input_grad[1]:  # (N, M) @ (M, K): reduce over the tokens, both operands activation-like
+            grad_weight = scaled_matmul(g.t(), x.t(), grad_dtype, E4M3, recipe, weight.dtype, ACTIVATION_TILE)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_bias = g.float().sum(0).to(ctx.bias_dtype)
         return grad_input, grad_weight, grad_bias, None
@@ -141,10 +166,11 @@ def fp8_linear(
     recipe: ScalingRecipe = ScalingRecipe.TENSORWISE,
 ) -> torch.Tensor:
     """F.linear(input, weight, bias) computed in fp8: input and weight quantized to E4M3 for the forward GEMM,
-    grad_output to E5M2 for both backward GEMMs. Output, grad_input and grad_weight come back in input's / weight's
-    own dtypes (float16, bfloat16 or float32); bias is added in float32. Any leading dims of input; `weight` is any
-    (out, in) tensor (a TP shard, Conv1D's weight.t(), one expert's slice). Raises where torch._scaled_mm has no fp8
-    kernel for the device (see `fp8_matmul_supported`), never silently falling back to high precision."""
+    grad_output to E5M2 for both backward GEMMs (E4M3 with BLOCKWISE). Output, grad_input and grad_weight come back
+    in input's / weight's own dtypes (float16, bfloat16 or float32); bias is added in float32. Any leading dims of
+    input; `weight` is any (out, in) tensor (a TP shard, Conv1D's weight.t(), one expert's slice). Raises where
+    torch._scaled_mm has no fp8 kernel for the device (see `fp8_matmul_supported`), never silently falling back to
+    high precision."""
     if weight.dim() != 2:
         raise ValueError(f"fp8_linear needs a 2-D (out_features, in_features) weight, got shape {tuple(weight.shape)}")
     if input.dim() < 1 or input.shape[-1] != weight.shape[1]:

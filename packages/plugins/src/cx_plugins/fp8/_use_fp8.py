@@ -11,9 +11,20 @@ import warnings
 from torch import nn
 
 from cx_mesh import get_accelerator
-from cx_mesh.fp8 import Fp8Options, convert_to_fp8, fp8_matmul_supported
+from cx_mesh.fp8 import Fp8Options, ScalingRecipe, convert_to_fp8, fp8_matmul_supported
 
-__all__ = ["convert_linears_to_fp8", "warn_nothing_converted"]
+__all__ = ["check_fp8_recipe", "convert_linears_to_fp8", "warn_nothing_converted"]
+
+
+def check_fp8_recipe(owner: str, use_fp8: bool, fp8_recipe: ScalingRecipe) -> ScalingRecipe:
+    """Every plugin's `fp8_recipe` (how use_fp8 scales: TENSORWISE, ROWWISE or BLOCKWISE), checked where the plugin
+    is built: a ScalingRecipe, and one other than the default only together with use_fp8=True (it would change
+    nothing otherwise, silently)."""
+    if not isinstance(fp8_recipe, ScalingRecipe):
+        raise TypeError(f"{owner}: fp8_recipe must be a cx_mesh.fp8.ScalingRecipe, got {fp8_recipe!r}")
+    if fp8_recipe is not ScalingRecipe.TENSORWISE and not use_fp8:
+        raise ValueError(f"{owner}(fp8_recipe={fp8_recipe.name}) takes effect only with use_fp8=True")
+    return fp8_recipe
 
 
 def convert_linears_to_fp8(model: nn.Module, owner: str, options: Fp8Options | None = None) -> list[str]:

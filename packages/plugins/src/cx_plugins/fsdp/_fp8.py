@@ -41,6 +41,7 @@ from cx_mesh.fp8 import (
     E4M3,
     E5M2,
     Fp8Options,
+    ScalingRecipe,
     all_gather_flat_fp8,
     fp8_eligible,
     fp8_matmul_supported,
@@ -102,12 +103,15 @@ def fp8_linears_for_device() -> str:
     return TORCHAO if get_accelerator().name == "cuda" else CX_MESH
 
 
-def convert_linears(module: nn.Module, linears: str, float8_all_gather: bool) -> list[str]:
-    """Swap the eligible linears of `module` for `linears`' fp8 ones (TORCHAO or CX_MESH); returns their names. As
-    every plugin's use_fp8 (cx_plugins.fp8._use_fp8): a device without fp8 GEMMs is a ValueError at boost, and a model
-    with nothing converted a warning naming the switch."""
+def convert_linears(
+    module: nn.Module, linears: str, float8_all_gather: bool, recipe: ScalingRecipe = ScalingRecipe.TENSORWISE
+) -> list[str]:
+    """Swap the eligible linears of `module` for `linears`' fp8 ones (TORCHAO or CX_MESH, the latter scaled as
+    `recipe` says; FSDPOptions refuses another recipe than TENSORWISE for torchao's); returns their names. As every
+    plugin's use_fp8 (cx_plugins.fp8._use_fp8): a device without fp8 GEMMs is a ValueError at boost, and a model with
+    nothing converted a warning naming the switch."""
     if linears == CX_MESH:
-        return convert_linears_to_fp8(module, "TorchFSDPPlugin")
+        return convert_linears_to_fp8(module, "TorchFSDPPlugin", Fp8Options(recipe=recipe))
     if linears != TORCHAO:
         raise ValueError(f"TorchFSDPPlugin(use_fp8=True): unknown fp8 linears {linears!r}; {TORCHAO!r} or {CX_MESH!r}")
     device = get_accelerator().current_device()

@@ -29,6 +29,8 @@ from torch.distributed.fsdp import (
 )
 
 from cx_mesh import get_accelerator
+from cx_mesh.fp8 import ScalingRecipe
+from cx_plugins.fp8._use_fp8 import check_fp8_recipe
 from cx_plugins.fsdp._fp8 import TORCHAO, fp8_linears_for_device, require_torchao
 
 __all__ = ["FSDPOptions"]
@@ -48,6 +50,7 @@ class FSDPOptions:
     sync_module_states: bool
     fp8_linears: str | None = None  # use_fp8: whose fp8 linears (fsdp/_fp8.py: TORCHAO or CX_MESH); None: off
     fp8_communication: bool = False
+    fp8_recipe: ScalingRecipe = ScalingRecipe.TENSORWISE  # cx_mesh's linears; torchao's take TENSORWISE only
 
     @classmethod
     def from_colossalai(
@@ -63,10 +66,17 @@ class FSDPOptions:
         sync_module_states: bool,
         fp8_communication: bool,
         use_fp8: bool = False,
+        fp8_recipe: ScalingRecipe = ScalingRecipe.TENSORWISE,
     ) -> FSDPOptions:
+        fp8_recipe = check_fp8_recipe("TorchFSDPPlugin", use_fp8, fp8_recipe)
         fp8_linears = fp8_linears_for_device() if use_fp8 else None
         if fp8_linears == TORCHAO:
             require_torchao()
+            if fp8_recipe is not ScalingRecipe.TENSORWISE:
+                raise NotImplementedError(
+                    f"TorchFSDPPlugin(fp8_recipe={fp8_recipe.name}): on CUDA use_fp8 trains with torchao's float8 "
+                    "linears, which cx configures with TENSORWISE scaling only; leave fp8_recipe at its default"
+                )
         if param_init_fn is not None:
             raise NotImplementedError(
                 "TorchFSDPPlugin(param_init_fn=...): FSDP1's deferred initialisation is not supported; build the "
@@ -84,6 +94,7 @@ class FSDPOptions:
             sync_module_states=sync_module_states,
             fp8_linears=fp8_linears,
             fp8_communication=fp8_communication,
+            fp8_recipe=fp8_recipe,
         )
 
     def fingerprint(self) -> object:
@@ -98,6 +109,7 @@ class FSDPOptions:
             self.sync_module_states,
             self.fp8_linears,
             self.fp8_communication,
+            self.fp8_recipe,
         )
 
 

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import CheckpointIO
 from cx_mesh import assert_same_across_ranks, get_accelerator
+from cx_mesh.fp8 import ScalingRecipe
 from cx_plugins._plugin import Boosted, DPPluginBase
 from cx_plugins.fp8._communication import warn_if_nothing_to_compress
 from cx_plugins.fsdp._checkpoint_io import FSDPCheckpointIO
@@ -101,6 +102,7 @@ class TorchFSDPPlugin(DPPluginBase):
         sync_module_states: bool = False,
         fp8_communication: bool = False,
         use_fp8: bool = False,
+        fp8_recipe: ScalingRecipe = ScalingRecipe.TENSORWISE,
     ) -> None:
         super().__init__()
         self.options = FSDPOptions.from_colossalai(
@@ -115,6 +117,7 @@ class TorchFSDPPlugin(DPPluginBase):
             sync_module_states,
             fp8_communication,
             use_fp8,
+            fp8_recipe,
         )
         assert_same_across_ranks(self.options.fingerprint(), what="TorchFSDPPlugin options")
         warn_if_nothing_to_compress("TorchFSDPPlugin", fp8_communication, dist.get_world_size(process_group))

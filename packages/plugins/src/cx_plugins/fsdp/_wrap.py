@@ -45,7 +45,7 @@ def _mesh(group: dist.ProcessGroup | None) -> DeviceMesh:
 def shard_module(module: nn.Module, options: FSDPOptions) -> list[nn.Module]:
     """Apply `fully_shard` to the submodules the wrap policy picks, then to `module`; returns them, root last."""
     if options.fp8_linears is not None:  # use_fp8: the linears are swapped before fully_shard wraps them
-        convert_linears(module, options.fp8_linears, float8_all_gather=options.fp8_communication)
+        convert_linears(module, options.fp8_linears, options.fp8_communication, options.fp8_recipe)
     ignored = {p for m in options.ignored_modules for p in m.parameters()}
     claimed = set(ignored)
     chosen: list[nn.Module] = []

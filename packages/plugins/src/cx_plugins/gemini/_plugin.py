@@ -29,11 +29,12 @@ from torch.utils.data import DataLoader
 from cx_checkpoint import CheckpointIO
 from cx_chunk import MemStats
 from cx_mesh import assert_same_across_ranks, get_accelerator
+from cx_mesh.fp8 import Fp8Options, ScalingRecipe
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._weak_lookup import WeakLookup
 from cx_plugins.fp8._communication import warn_if_nothing_to_compress
-from cx_plugins.fp8._use_fp8 import convert_linears_to_fp8
+from cx_plugins.fp8._use_fp8 import check_fp8_recipe, convert_linears_to_fp8
 from cx_plugins.gemini._checkpoint_io import GeminiCheckpointIO
 from cx_plugins.gemini._tp import shard_for_gemini, tp_split_names
 from cx_plugins.gemini._tp_checkpoint_io import GeminiTPCheckpointIO
@@ -79,6 +80,7 @@ class GeminiPluginOptions:
     verbose: bool
     memstats: MemStats | None = field(default=None, compare=False)
     use_fp8: bool = False
+    fp8_recipe: ScalingRecipe = ScalingRecipe.TENSORWISE
 
     def fingerprint(self) -> object:
         """What all ranks must agree on: the MemStats object itself is per-rank data (compared by presence), and
@@ -165,8 +167,10 @@ class GeminiPlugin(ZeroPluginBase):
         verbose: bool = False,
         fp8_communication: bool = False,
         optimizer_states_dtype: str | torch.dtype = "fp32",
+        fp8_recipe: ScalingRecipe = ScalingRecipe.TENSORWISE,
     ) -> None:
         super().__init__()
+        fp8_recipe = check_fp8_recipe("GeminiPlugin", use_fp8, fp8_recipe)
         switches = dict(
             zip(
                 _SHARDFORMER_SWITCHES,
@@ -226,6 +230,7 @@ class GeminiPlugin(ZeroPluginBase):
             verbose=verbose,
             memstats=memstats,
             use_fp8=use_fp8,
+            fp8_recipe=fp8_recipe,
         )
         # ShardFormer runs only with tensor parallelism (ColossalAI: sequence parallelism off at tp_size 1)
         self.shardformer = (
@@ -238,6 +243,7 @@ class GeminiPlugin(ZeroPluginBase):
                 enable_sequence_overlap=enable_sequence_overlap,
                 use_fp8=use_fp8,
                 fp8_communication=fp8_communication,
+                fp8_recipe=fp8_recipe,
             )
             if tp_size > 1
             else None
@@ -281,7 +287,7 @@ class GeminiPlugin(ZeroPluginBase):
             if self.shardformer is not None:  # tensor parallelism first, in place: Gemini then chunks the TP shards
                 shard_for_gemini(model, self.shardformer, self.layout)
             if self.options.use_fp8:  # the plain Linear layers ShardFormer left (all of them with tp_size 1)
-                convert_linears_to_fp8(model, "GeminiPlugin")
+                convert_linears_to_fp8(model, "GeminiPlugin", Fp8Options(recipe=self.options.fp8_recipe))
             # a lazily built model is materialised into the chunks one parameter at a time (no rank holds it
             # whole); with chunk_init_device the parameters go straight to that device (the CPU: the accelerator
             # never holds the whole model); GeminiDDP moves them, and the buffers, where they belong

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from cx_mesh.fp8 import ScalingRecipe
+from cx_plugins.fp8._use_fp8 import check_fp8_recipe
 from cx_plugins.hybrid._options import (
     HybridParallelOptions,
     PipelineOptions,
@@ -72,6 +74,7 @@ def hybrid_options(
     fp8_communication: bool,
     use_fp8: bool,
     optimizer_states_dtype: str | torch.dtype = "fp32",
+    fp8_recipe: ScalingRecipe = ScalingRecipe.TENSORWISE,
 ) -> tuple[HybridParallelOptions, Policy | None]:
     """The plugin's typed option groups and its checked custom policy; `name` is the plugin the user built (errors
     name it)."""
@@ -94,6 +97,7 @@ def hybrid_options(
         gradient_checkpoint_config=gradient_checkpoint_config,
         use_fp8=use_fp8,
         fp8_communication=fp8_communication,
+        fp8_recipe=check_fp8_recipe(name, use_fp8, fp8_recipe),
     )
     options = HybridParallelOptions.build(
         tp_size=tp_size,

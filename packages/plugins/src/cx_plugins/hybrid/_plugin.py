@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import CheckpointIO
 from cx_mesh import ProcessGroup, assert_same_across_ranks, get_accelerator
+from cx_mesh.fp8 import ScalingRecipe
 from cx_pipeline import PipelineSchedule, PipelineStageManager
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import Boosted, ZeroPluginBase
@@ -105,6 +106,7 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
         fp8_communication: bool = False,
         use_fp8: bool = False,
         optimizer_states_dtype: str | torch.dtype = "fp32",
+        fp8_recipe: ScalingRecipe = ScalingRecipe.TENSORWISE,
     ) -> None:
         super().__init__()
         name = type(self).__name__  # errors name the plugin the user built (MoeHybridParallelPlugin extends this one)
@@ -158,6 +160,7 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
             fp8_communication=fp8_communication,
             use_fp8=use_fp8,
             optimizer_states_dtype=optimizer_states_dtype,
+            fp8_recipe=fp8_recipe,
         )
         self.options = options
         self.custom_policy = custom_policy
@@ -252,7 +255,7 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
             plugin=type(self).__name__,
         )
         if o.shardformer.use_fp8:  # the plain nn.Linear layers ShardFormer left (the TP layers' fp8 is ShardConfig's)
-            convert_linears_to_fp8(composed.module, type(self).__name__)
+            convert_linears_to_fp8(composed.module, type(self).__name__, o.shardformer.fp8_options())
         if optimizer is not None:
             repoint_replaced(optimizer, before, composed.module)
             require_model_parameters(optimizer, composed.names, type(self).__name__)

@@ -2,7 +2,8 @@
 
 The plugin only composes: turn ColossalAI's flat arguments into cx-zero's option groups once, build the
 (extra_dp, zero) layout, cast the model to the training precision, wrap the optimizer. The algorithm lives in
-cx-zero. `use_fp8` swaps the model's eligible plain `nn.Linear` layers for `cx_mesh.fp8.Fp8Linear` before casting;
+cx-zero. `use_fp8` swaps the model's eligible plain `nn.Linear` layers for `cx_mesh.fp8.Fp8Linear` before casting,
+scaled as `fp8_recipe` says (cx's addition: TENSORWISE by default, ROWWISE, or BLOCKWISE's 1x128 / 128x128 tiles);
 `fp8_communication` is the engine's own option (fp8 gradient reduce-scatter and parameter all-gather).
 `optimizer_states_dtype="bf16"` keeps Adam's moments in bf16 with stochastic rounding (cx_zero.Bf16StateAdam).
 """
@@ -24,11 +25,12 @@ from torch.utils.data import DataLoader
 
 from cx_checkpoint import CheckpointIO
 from cx_mesh import assert_same_across_ranks, get_accelerator
+from cx_mesh.fp8 import Fp8Options, ScalingRecipe
 from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins._plugin import ZERO_PRECISIONS, Boosted, ZeroPluginBase
 from cx_plugins._weak_lookup import WeakLookup
 from cx_plugins.fp8._communication import warn_if_nothing_to_compress
-from cx_plugins.fp8._use_fp8 import convert_linears_to_fp8
+from cx_plugins.fp8._use_fp8 import check_fp8_recipe, convert_linears_to_fp8
 from cx_plugins.low_level_zero._checkpoint_io import ZeroCheckpointIO
 from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
 from cx_plugins.wrappers._zero import CastModel, ZeroOptimizerWrapper
@@ -55,6 +57,7 @@ class LowLevelZeroPluginOptions:
     cast_inputs: bool
     extra_dp_size: int
     use_fp8: bool = False
+    fp8_recipe: ScalingRecipe = ScalingRecipe.TENSORWISE
 
     @property
     def stage(self) -> int:
@@ -89,6 +92,7 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         use_fp8: bool = False,
         extra_dp_size: int = 1,
         optimizer_states_dtype: str | torch.dtype = "fp32",
+        fp8_recipe: ScalingRecipe = ScalingRecipe.TENSORWISE,
     ) -> None:
         super().__init__()
         if stage not in (1, 2):
@@ -116,6 +120,7 @@ class LowLevelZeroPlugin(ZeroPluginBase):
             cast_inputs=cast_inputs,
             extra_dp_size=extra_dp_size,
             use_fp8=use_fp8,
+            fp8_recipe=check_fp8_recipe("LowLevelZeroPlugin", use_fp8, fp8_recipe),
         )
         assert_same_across_ranks(self.options, what="LowLevelZeroPlugin options")
         # ColossalAI's (extra_dp, zero) mesh: each zero group is a block of contiguous ranks
@@ -146,7 +151,7 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         o = self.options
         if not isinstance(model, ModelWrapper):
             if o.use_fp8:
-                convert_linears_to_fp8(model, "LowLevelZeroPlugin")
+                convert_linears_to_fp8(model, "LowLevelZeroPlugin", Fp8Options(recipe=o.fp8_recipe))
             model = CastModel(model.to(get_accelerator().current_device()), o.precision.dtype, o.cast_inputs)
         wrapped: OptimizerWrapper | None = None
         if optimizer is not None:

@@ -31,8 +31,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from cx_mesh import ProcessGroup, assert_same_across_ranks
+from cx_mesh.fp8 import Fp8Options, ScalingRecipe
 from cx_moe import HF_MOE_BLOCKS, MoeFp8Options, MoeLayer, convert_moe_to_fp8, is_moe_tensor
 from cx_plugins._layout import FILL, Axis, ParallelLayout
+from cx_plugins.fp8._use_fp8 import check_fp8_recipe
 from cx_plugins.hybrid._model import ComposedModel, HybridParallelModule, broadcast_states
 from cx_plugins.hybrid._optimizer_kind import refuse_non_elementwise
 from cx_plugins.hybrid._options import HybridParallelOptions
@@ -97,13 +99,18 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         fp8_communication: bool = False,
         use_fp8: bool = False,
         optimizer_states_dtype: str | torch.dtype = "fp32",
+        fp8_recipe: ScalingRecipe = ScalingRecipe.TENSORWISE,
     ) -> None:
         if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
             raise ValueError(f"{_NAME}: ep_size must be a positive integer, got {ep_size!r}")
         assert_same_across_ranks((ep_size, moe_dp_outside), what=f"{_NAME} ep_size and moe_dp_outside")
         self._ep_size = ep_size
         # the MoE half of the fp8 switches (the base plugin takes both for everything else)
-        self._moe_fp8 = MoeFp8Options(use_fp8=use_fp8, fp8_communication=fp8_communication and ep_size > 1)
+        self._moe_fp8 = MoeFp8Options(
+            use_fp8=use_fp8,
+            fp8_communication=fp8_communication and ep_size > 1,
+            matmul=Fp8Options(recipe=check_fp8_recipe(_NAME, use_fp8, fp8_recipe)),
+        )
         if enable_sequence_parallelism and sequence_parallelism_mode is None:
             sequence_parallelism_mode = "all_to_all"  # ColossalAI's MoE default (its dense plugin's: split_gather)
         super().__init__(
@@ -153,6 +160,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
             fp8_communication=fp8_communication,
             use_fp8=use_fp8,
             optimizer_states_dtype=optimizer_states_dtype,
+            fp8_recipe=fp8_recipe,
         )
 
     # ---- layout ---------------------------------------------------------------------------------------------------

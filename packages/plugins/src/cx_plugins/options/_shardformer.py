@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from cx_mesh import ProcessGroup
+from cx_mesh.fp8 import Fp8Options, ScalingRecipe
 from cx_shardformer import GradientCheckpointConfig, ShardConfig
 
 __all__ = ["ShardFormerOptions"]
@@ -31,6 +32,11 @@ class ShardFormerOptions:
     gradient_checkpoint_config: GradientCheckpointConfig | None = None
     use_fp8: bool = False  # the TP layers' matmuls in fp8 (ShardConfig.use_fp8)
     fp8_communication: bool = False  # the TP / SP collectives in fp8 (ShardConfig.fp8_communication)
+    fp8_recipe: ScalingRecipe = ScalingRecipe.TENSORWISE  # how use_fp8 scales (ShardConfig.fp8_options.recipe)
+
+    def fp8_options(self) -> Fp8Options:
+        """use_fp8's layer filter with this recipe: the TP layers' (ShardConfig) and the plain Linears' swap."""
+        return Fp8Options(recipe=self.fp8_recipe)
 
     def switched_on(self) -> list[str]:
         """The `enable_*` switches that are True (for a plugin's "has no effect here" warning)."""
@@ -64,6 +70,7 @@ class ShardFormerOptions:
             make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
             gradient_checkpoint_config=self.gradient_checkpoint_config,
             use_fp8=self.use_fp8 and tp,
+            fp8_options=self.fp8_options(),
             fp8_communication=self.fp8_communication and (tp or sp),
             ep_group=ep_group,
             moe_dp_group=moe_dp_group,
