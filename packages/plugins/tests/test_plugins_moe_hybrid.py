@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from cx_mesh.fp8 import ScalingRecipe
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, MoeHybridParallelPlugin
 from cx_plugins._layout import LayoutError
@@ -189,9 +190,16 @@ COLOSSALAI_SIGNATURE: list[tuple[str, Any]] = [
 ]  # fmt: skip
 
 
+# cx's additions, keyword-only after ColossalAI's parameters (a positional call means what it means there)
+CX_ADDITIONS: dict[str, Any] = {"optimizer_states_dtype": "fp32", "fp8_recipe": ScalingRecipe.TENSORWISE}
+
+
 def test_plugins_moe_hybrid_signature_matches_colossalai() -> None:
     parameters = list(inspect.signature(MoeHybridParallelPlugin.__init__).parameters.values())[1:]
-    ours = [(p.name, REQUIRED if p.default is inspect.Parameter.empty else p.default) for p in parameters]
+    extra = {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert extra == CX_ADDITIONS
+    positional = [p for p in parameters if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    ours = [(p.name, REQUIRED if p.default is inspect.Parameter.empty else p.default) for p in positional]
     assert [name for name, _ in ours] == [name for name, _ in COLOSSALAI_SIGNATURE], "names or order differ"
     for (name, default), (_, expected) in zip(ours, COLOSSALAI_SIGNATURE, strict=True):
         assert default == expected or (default is REQUIRED and expected is REQUIRED), f"{name}: {default!r}"

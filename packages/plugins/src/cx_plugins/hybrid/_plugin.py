@@ -105,6 +105,7 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
         inner_ring_size: int | None = None,
         fp8_communication: bool = False,
         use_fp8: bool = False,
+        *,  # cx's additions, by keyword only: ColossalAI's positional order stays as it is
         optimizer_states_dtype: str | torch.dtype = "fp32",
         fp8_recipe: ScalingRecipe = ScalingRecipe.TENSORWISE,
     ) -> None:

@@ -98,6 +98,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         overlap_allgather: bool = False,
         fp8_communication: bool = False,
         use_fp8: bool = False,
+        *,  # cx's additions, by keyword only: ColossalAI's positional order stays as it is
         optimizer_states_dtype: str | torch.dtype = "fp32",
         fp8_recipe: ScalingRecipe = ScalingRecipe.TENSORWISE,
     ) -> None:
