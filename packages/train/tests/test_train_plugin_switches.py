@@ -1,7 +1,7 @@
 """Every plugin switch cx-train has a flag for reaches the plugin it builds (the plugin's own option objects compared,
 built in-process from the parsed flags, no training), the switches a plugin has not are refused by name before any
-process starts, --optimizer picks the optimizer (--optimizer-states-dtype its moments' dtype), and every layout
-cx-plan prints a command for parses with cx-train's flags back into that layout."""
+process starts (--fp8-recipe without --fp8 too), --optimizer picks the optimizer (--optimizer-states-dtype its
+moments' dtype), and every layout cx-plan prints a command for parses with cx-train's flags back into that layout."""
 
 from __future__ import annotations
 
@@ -13,12 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from cx_mesh.fp8 import ScalingRecipe
 from cx_mesh.testing import run_distributed
 from cx_plan import Candidate, train_command
-from cx_plugins import GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
+from cx_plugins import (
+    GeminiPlugin,
+    HybridParallelPlugin,
+    LowLevelZeroPlugin,
+    MoeHybridParallelPlugin,
+    TorchDDPPlugin,
+    TorchFSDPPlugin,
+)
 from cx_train.config._arguments import parse_arguments
 from cx_train.config._options import parse_options
-from cx_train.models._plugins import make_plugin, plan_candidate
+from cx_train.config._parser import build_parser
+from cx_train.models._plugins import make_plugin, plan_candidate, plugin_extras
 from cx_train.models._spec import build_model, describe_model
 from cx_train.step._optimization import make_optimizer
 from cx_zero import CPUAdam, FusedAdam, HybridAdam, MuonWithAdamW
@@ -45,17 +54,25 @@ def _hybrid_switches(rank: int, world_size: int) -> None:
     assert o.shardformer.enable_fused_normalization
     assert o.shardformer.gradient_checkpoint_config is not None
     assert o.shardformer.gradient_checkpoint_config.gradient_checkpointing_ratio == 0.5
+    assert o.shardformer.fp8_recipe is ScalingRecipe.TENSORWISE  # the default
     flags = [*LLAMA, "--plugin", "hybrid", "--nproc", "2", "--sp", "2", "--sp-mode", "ring_attn", "--zero", "1"]
-    plugin, _ = make_plugin(parse_options([*flags, "--cpu-offload", "--fp8", "--fp8-communication"]))
+    fp8 = ["--fp8", "--fp8-recipe", "blockwise", "--fp8-communication"]
+    plugin, _ = make_plugin(parse_options([*flags, "--cpu-offload", *fp8]))
     assert isinstance(plugin, HybridParallelPlugin)
     o = plugin.options
     assert (o.sp_size, o.sp_mode.value, o.zero.stage, o.zero.cpu_offload) == (2, "ring_attn", 1, True)
     assert o.shardformer.use_fp8
+    assert o.shardformer.fp8_recipe is ScalingRecipe.BLOCKWISE
     assert o.zero.fp8_communication
     assert o.pipeline.fp8_communication
     plugin, _ = make_plugin(parse_options([*flags, "--optimizer-states-dtype", "bf16"]))
     assert isinstance(plugin, HybridParallelPlugin)
     assert plugin.options.zero.optimizer_states_dtype == torch.bfloat16
+    moe = ["--model", "mixtral", "--seq-len", "16", "--batch-size", "2", "--plugin", "moe_hybrid", "--nproc", "2"]
+    plugin, _ = make_plugin(parse_options([*moe, "--ep", "2", "--fp8", "--fp8-recipe", "rowwise"]))
+    assert isinstance(plugin, MoeHybridParallelPlugin)
+    assert plugin.options.shardformer.fp8_recipe is ScalingRecipe.ROWWISE  # the dense layers
+    assert plugin._moe_fp8.matmul.recipe is ScalingRecipe.ROWWISE  # the experts
 
 
 def _data_parallel_switches(rank: int, world_size: int) -> None:
@@ -64,13 +81,19 @@ def _data_parallel_switches(rank: int, world_size: int) -> None:
     assert isinstance(plugin, LowLevelZeroPlugin)
     assert plugin.options.zero.cpu_offload
     assert plugin.options.use_fp8
+    assert plugin.options.fp8_recipe is ScalingRecipe.TENSORWISE  # the default
     assert plugin.options.zero.fp8_communication
+    flags = ["--plugin", "low_level_zero", "--nproc", "1", "--fp8", "--fp8-recipe", "rowwise"]
+    plugin, _ = make_plugin(parse_options(flags))
+    assert isinstance(plugin, LowLevelZeroPlugin)
+    assert plugin.options.fp8_recipe is ScalingRecipe.ROWWISE
     flags = ["--plugin", "gemini", "--nproc", "1", "--shard-fraction", "0.5", "--offload-optim-fraction", "0.25"]
-    plugin, _ = make_plugin(parse_options([*flags, "--fp8"]))
+    plugin, _ = make_plugin(parse_options([*flags, "--fp8", "--fp8-recipe", "blockwise"]))
     assert isinstance(plugin, GeminiPlugin)
     ddp = plugin.options.ddp
     assert (ddp.placement.value, ddp.shard_param_frac, ddp.offload_optim_frac) == ("static", 0.5, 0.25)
     assert plugin.options.use_fp8
+    assert plugin.options.fp8_recipe is ScalingRecipe.BLOCKWISE
     flags = ["--plugin", "gemini", "--nproc", "1", "--offload-optim-fraction", "1", "--offload-param-fraction", "0.75"]
     plugin, _ = make_plugin(parse_options(flags))
     assert isinstance(plugin, GeminiPlugin)
@@ -107,6 +130,20 @@ def test_train_switches_reach_the_data_parallel_plugins() -> None:
     assert all(o.ok for o in outcomes.values()), [o.error for o in outcomes.values()]
 
 
+def test_train_fp8_recipe_parsed_once_into_the_options() -> None:
+    """--fp8-recipe is a ScalingRecipe in the options (tensorwise by default) and reaches the plugin's constructor
+    only with --fp8, beside the planner's Candidate (which judges no fp8)."""
+    options = parse_options(["--plugin", "low_level_zero", "--nproc", "1", "--fp8", "--fp8-recipe", "blockwise"])
+    assert options.switches.fp8_recipe is ScalingRecipe.BLOCKWISE
+    assert plugin_extras(options) == {"use_fp8": True, "fp8_recipe": ScalingRecipe.BLOCKWISE}
+    options = parse_options(["--plugin", "low_level_zero", "--nproc", "1"])
+    assert options.switches.fp8_recipe is ScalingRecipe.TENSORWISE
+    assert plugin_extras(options) == {}
+    text = " ".join(build_parser().format_help().split())
+    assert "--fp8-recipe {tensorwise,rowwise,blockwise}" in text
+    assert "needs --fp8 unless tensorwise (default: tensorwise)" in text
+
+
 @pytest.mark.parametrize(
     ("name", "kind"),
     [("adamw", "AdamW"), ("hybrid_adam", HybridAdam), ("fused_adam", FusedAdam), ("cpu_adam", CPUAdam)],
@@ -125,6 +162,12 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
     [
         (["--plugin", "torch_fsdp", "--fp8"], "--fp8 is not supported by --plugin torch_fsdp; use --plugin"),
         (["--plugin", "torch_fsdp", "--fp8-communication"], "--fp8-communication is not supported by --plugin"),
+        (
+            ["--plugin", "gemini", "--fp8-recipe", "rowwise"],
+            "--fp8-recipe rowwise sets how --fp8 scales its matmuls: it needs --fp8",
+        ),
+        (["--plugin", "torch_ddp", "--fp8-recipe", "blockwise"], "--fp8-recipe blockwise sets how --fp8 scales"),
+        (["--plugin", "torch_fsdp", "--fp8", "--fp8-recipe", "blockwise"], "--fp8 is not supported by --plugin"),
         (["--plugin", "gemini", "--sp-mode", "ring"], "--sp-mode ring is not supported by --plugin gemini"),
         (["--plugin", "hybrid", "--sp-mode", "split_gather"], "--sp-mode split_gather splits the sequence over"),
         (["--plugin", "hybrid", "--sp-mode", "all_to_all"], "--sp-mode all_to_all splits the sequence over its own"),
@@ -259,11 +302,13 @@ def test_train_switches_are_config_file_keys(tmp_path: Path) -> None:
     config.write_text(
         'plugin = "hybrid"\ntp = 2\nsp-mode = "split_gather"\nsequence_overlap = true\njit-fused = true\n'
         'optimizer = "fused_adam"\nactivation_checkpointing_ratio = 0.5\noptimizer-states-dtype = "bf16"\n'
+        'fp8 = true\nfp8-recipe = "blockwise"\n'
     )
     arguments = parse_arguments(["--config", str(config), "--optimizer", "cpu_adam"])
     assert (arguments.sp_mode, arguments.sequence_overlap, arguments.jit_fused) == ("split_gather", True, True)
     assert (arguments.optimizer, arguments.activation_checkpointing_ratio) == ("cpu_adam", 0.5)  # the command line wins
     assert arguments.optimizer_states_dtype == "bf16"
+    assert (arguments.fp8, arguments.fp8_recipe) == (True, "blockwise")
     config.write_text('plugin = "low_level_zero"\nlora-rank = 4\nlora_targets = "q_proj,v_proj"\nmerge-lora = true\n')
     arguments = parse_arguments(["--config", str(config)])
     assert (arguments.lora_rank, arguments.lora_targets, arguments.merge_lora) == (4, "q_proj,v_proj", True)

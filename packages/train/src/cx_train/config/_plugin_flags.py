@@ -1,14 +1,19 @@
-"""cx-train's plugin switches (sequence-parallel mode, fp8, sequence overlap, fused kernels, Gemini placement, CPU
-offload, the optimizer and its states' dtype, LoRA) as argument groups of `_parser`'s parser, with no heavy import;
-which plugin takes which switch is checked in `plugin_switch_problem`, before any process starts, each refusal naming
-the flag and the plugins that take it."""
+"""cx-train's plugin switches (sequence-parallel mode, fp8 and its scaling recipe, sequence overlap, fused kernels,
+Gemini placement, CPU offload, the optimizer and its states' dtype, LoRA) as argument groups of `_parser`'s parser,
+with no heavy import; which plugin takes which switch is checked in `plugin_switch_problem`, before any process
+starts, each refusal naming the flag and the plugins that take it."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imports torch: only the validated options need it, after the flags are read
+    from cx_mesh.fp8 import ScalingRecipe
 
 __all__ = [
+    "FP8_RECIPES",
     "OPTIMIZERS",
     "OPTIMIZER_STATES_DTYPES",
     "PLACEMENTS",
@@ -28,6 +33,7 @@ FSDP_WRAPS = ("block", "model")  # TorchFSDPPlugin: each decoder layer its own u
 OPTIMIZERS = ("adamw", "hybrid_adam", "fused_adam", "cpu_adam", "muon")  # torch's AdamW, cx-zero's fused Adam(W)s,
 # and cx-zero's MuonWithAdamW (Muon on hidden matrices, AdamW on the rest)
 OPTIMIZER_STATES_DTYPES = ("fp32", "bf16")  # cx_plan.OPTIMIZER_STATES_DTYPES, the ZeRO plugins' optimizer_states_dtype
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")  # cx_mesh.fp8.ScalingRecipe's values, the plugins' fp8_recipe
 _HYBRID = ("hybrid", "moe_hybrid")
 _FP8 = ("low_level_zero", "gemini", *_HYBRID)  # plugins with use_fp8
 _FP8_COMMUNICATION = ("torch_ddp", *_FP8)  # plugins with fp8_communication
@@ -51,6 +57,7 @@ class PluginSwitches:
     sp_mode: str | None = None  # None: all_to_all with --sp 2 or more, else no sequence parallelism
     sequence_overlap: bool = False
     fp8: bool = False
+    fp8_recipe: ScalingRecipe | None = None  # --fp8's scaling; None only where built without the flags (TENSORWISE)
     fp8_communication: bool = False
     jit_fused: bool = False
     fused_normalization: bool = False
@@ -75,10 +82,13 @@ class LoraSettings:
 
 
 def plugin_switches(args: argparse.Namespace) -> PluginSwitches:
+    from cx_mesh.fp8 import ScalingRecipe
+
     return PluginSwitches(
         sp_mode=args.sp_mode,
         sequence_overlap=args.sequence_overlap,
         fp8=args.fp8,
+        fp8_recipe=ScalingRecipe(args.fp8_recipe),
         fp8_communication=args.fp8_communication,
         jit_fused=args.jit_fused,
         fused_normalization=args.fused_normalization,
@@ -149,6 +159,13 @@ def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
         "--fp8",
         action="store_true",
         help=f"linear layers' matmuls in fp8 (use_fp8): {', '.join(_FP8)}; needs a GPU with fp8 (default: off)",
+    )
+    switches.add_argument(
+        "--fp8-recipe",
+        choices=FP8_RECIPES,
+        default="tensorwise",
+        help="--fp8's scaling (fp8_recipe): one scale per tensor, per row, or per tile (blockwise: DeepSeek-V3's "
+        "1x128 activation / 128x128 weight tiles); needs --fp8 unless tensorwise (default: tensorwise)",
     )
     switches.add_argument(
         "--fp8-communication",
@@ -294,6 +311,8 @@ def plugin_switch_problem(args: argparse.Namespace) -> str | None:
         return problem
     if args.fp8 and plugin not in _FP8:
         return _not_for("--fp8", plugin, _FP8)
+    if args.fp8_recipe != "tensorwise" and not args.fp8:
+        return f"--fp8-recipe {args.fp8_recipe} sets how --fp8 scales its matmuls: it needs --fp8"
     if args.fp8_communication and plugin not in _FP8_COMMUNICATION:
         return _not_for("--fp8-communication", plugin, _FP8_COMMUNICATION)
     for flag, on in (("--jit-fused", args.jit_fused), ("--fused-normalization", args.fused_normalization)):

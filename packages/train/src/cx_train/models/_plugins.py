@@ -1,8 +1,8 @@
 """`--plugin` and the parallel flags turned into the plugin that trains: the flags become cx-plan's `Candidate`
 (`plan_candidate`, the run as the planner judges it) and cx-plan's `make_plugin` builds the plugin from it, with the
-switches the planner does not judge (fp8, sequence overlap, fused kernels, Gemini's shard fraction) passed to the
-constructor as they are (`plugin_extras`), so `cx-train --plan` predicts exactly the configuration that trains and
-`cx-plan --measure` runs it the same way.
+switches the planner does not judge (fp8 and its recipe, sequence overlap, fused kernels, Gemini's shard fraction)
+passed to the constructor as they are (`plugin_extras`), so `cx-train --plan` predicts exactly the configuration that
+trains and `cx-plan --measure` runs it the same way.
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ def plugin_extras(options: TrainOptions) -> dict[str, Any]:
     ):
         if on:
             extras[name] = True
+    if s.fp8 and s.fp8_recipe is not None:  # every plugin with use_fp8 takes it; beside the Candidate, as use_fp8 is
+        extras["fp8_recipe"] = s.fp8_recipe  # (the planner judges no fp8: neither changes its memory or time)
     if s.shard_fraction is not None:
         extras["shard_param_frac"] = s.shard_fraction
     return extras
