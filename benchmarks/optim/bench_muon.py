@@ -86,7 +86,6 @@ def _system(name: str, kind: str) -> tuple[Callable[[torch.Tensor], object], Any
 def run_ranks(rank: int, world_size: int, out_path: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench_timing import time_in_turns
-
     from cx_mesh.testing import count_collective_bytes
 
     def batch(index: int) -> torch.Tensor:
