@@ -17,8 +17,8 @@ token t gets h_t = floor((t+1) q) - floor(t q) hot slots (q = s k / ep, so floor
 slots 0..h_t-1 pick hot experts and the rest cold ones, each class in turn (the n-th hot slot of the batch picks
 expert n mod L, the n-th cold one L + n mod (E - L)), so a token's k experts are distinct. Since the fake process
 group's all-to-all returns each rank's own send buffer, a skewed trace answers an equal-split all-to-all of shadowed
-values (the per-expert counts) with what every peer sends rank 0: the input's rank-0 chunk, for each peer (the
-traced rank is rank 0 of every group but pp's).
+integers shaped [ep, E / ep] (the per-expert counts cx-moe's dispatch exchanges) with what every peer sends rank 0:
+the input's rank-0 row, for each peer (the traced rank is rank 0 of every group but pp's).
 """
 
 from __future__ import annotations
@@ -138,14 +138,15 @@ class ValueOracle(TorchDispatchMode):
         return out
 
     def _as_every_peer_sends(self, output: torch.Tensor, source: torch.Tensor) -> None:
-        """Rank 0's equal-split all-to-all when every peer routes alike: each peer's chunk is rank 0's own."""
+        """Rank 0's equal-split all-to-all of integer counts, one row per ep peer ([ep, experts per rank], what
+        cx-moe's dispatch sends), when every peer routes alike: each peer's row is rank 0's own."""
+        assert self.routing is not None
         sent = self._shadow(source)
-        peers = sent.shape[0] if sent is not None and sent.dim() else 0
-        if not peers or sent.numel() % peers:
+        peers = self.routing.ep
+        if sent is None or sent.dim() != 2 or sent.shape[0] != peers or sent.is_floating_point():
             return
         with unset_fake_temporarily():
-            own = sent.reshape(peers, -1)[0]
-            self.shadows[output] = own.repeat(peers).reshape(sent.shape).clone()
+            self.shadows[output] = sent[:1].expand(peers, -1).clone()
 
     def _remember(self, out: Any, real: Any, args: Any, kwargs: Any, func: Any) -> None:
         outs, _ = tree_flatten(out)
