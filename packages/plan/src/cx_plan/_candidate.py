@@ -79,6 +79,9 @@ class Candidate:
     precision: str = "bf16"
     fsdp_wrap: str = "model"  # torch_fsdp: "model" (one root unit, ColossalAI's default) or "block" (per layer)
     optimizer_states_dtype: str = "fp32"  # ZeRO plugins: "bf16" keeps Adam's moments in bf16 (2 + 2 bytes)
+    # the hottest routed expert's tokens over the mean expert's (1: balanced); the planner predicts the worst ep
+    # rank's memory and time (trace._oracle's Routing); no effect without expert parallelism
+    routing_skew: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.plugin in PLUGINS, f"unknown plugin {self.plugin!r}; one of {', '.join(PLUGINS)}")
@@ -86,6 +89,11 @@ class Candidate:
         for name in ("dp", "tp", "pp", "sp", "ep", "micro_batch_size", "num_microbatches"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value!r}")
+        _require(
+            isinstance(self.routing_skew, int | float) and self.routing_skew >= 1,
+            f"routing_skew must be a number >= 1 (the hottest expert's tokens over the mean expert's; 1 is balanced), "
+            f"got {self.routing_skew!r}",
+        )
         parallel = self.plugin in _PARALLEL_PLUGINS
         if not parallel:
             _require(

@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--peak-tflops", type=float, default=None, help="override the device's peak, TFLOP/s (default: the device's)"
     )
+    parser.add_argument(
+        "--routing-skew",
+        type=float,
+        default=1.0,
+        help="MoE: the hottest expert's tokens over the mean expert's (>= 1; 1 is balanced); the plan predicts the "
+        "worst expert-parallel rank's memory and step time",
+    )
     parser.add_argument("--efficiency", type=float, default=ACHIEVABLE_FRACTION, help="achievable fraction of peak")
     parser.add_argument("--top", type=int, default=10, help="fitting rows to print")
     parser.add_argument(
@@ -171,6 +178,12 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
 def _without_op(text: str) -> str:
     """--checkpointing without its 'op' entry (the selective op policy, not a ratio)."""
     return ",".join(part for part in _names(text) if part != "op")
+
+
+def _routing_skew(value: float) -> float:
+    if not value >= 1:
+        raise ValueError(f"--routing-skew must be >= 1 (the hottest expert's tokens over the mean's), got {value:g}")
+    return value
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -250,6 +263,7 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
         max_tp=args.max_tp,
         precision=args.precision,
         optimizer_states_dtype=args.optimizer_states_dtype,
+        routing_skew=_routing_skew(args.routing_skew),
     )
     if shadowed_builtin(args.model):
         said = f"cx-plan: --model {args.model} is both a built-in model and a path here: planning the path "

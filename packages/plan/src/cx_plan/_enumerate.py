@@ -51,6 +51,7 @@ class SearchSpace:
     max_pp: int = 16
     precision: str = "bf16"
     optimizer_states_dtype: str = "fp32"  # "bf16": Adam's moments in bf16 wherever the layout runs ZeRO 1/2 or Gemini
+    routing_skew: float = 1.0  # the hottest expert's tokens over the mean's, set on the moe_hybrid candidates
 
 
 def _divisors(n: int) -> list[int]:
@@ -155,6 +156,7 @@ def _pipelines(
                 plugin, dp=dp, tp=tp, pp=pp, sp=sp, sp_mode=mode, ep=ep, zero_stage=stage, micro_batch_size=micro,
                 num_microbatches=count, pp_style=style, checkpoint_ratio=ratio, precision=space.precision,
                 optimizer_states_dtype=space.optimizer_states_dtype if stage >= 1 else "fp32",
+                routing_skew=space.routing_skew if plugin == "moe_hybrid" else 1.0,
             )  # fmt: skip
 
 
@@ -163,6 +165,8 @@ def enumerate_candidates(
 ) -> list[Candidate]:
     """Every configuration of `space.plugins` for `world` ranks training `shape` on sequences of `seq_len` tokens."""
     space = SearchSpace() if space is None else space
+    if not space.routing_skew >= 1:
+        raise ValueError(f"routing_skew must be >= 1 (1: balanced routing), got {space.routing_skew}")
     if world < 1:
         raise NoLayoutError(f"the world size must be a positive number of devices, got {world}")
     unknown = [p for p in space.plugins if p not in PLUGINS]

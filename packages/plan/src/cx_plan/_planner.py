@@ -110,7 +110,7 @@ def plan(
     return PlanReport(
         shape.name, world, seq_len, device, ranked, considered=len(candidates), model_flags=train_flags(shape),
         block_class=_block_class(shape) if any(r.candidate.fsdp_wrap == "block" for r in ranked) else None,
-        stopped=stopped,
+        stopped=stopped, routing_skew=1.0 if space is None else space.routing_skew,
     )  # fmt: skip
 
 

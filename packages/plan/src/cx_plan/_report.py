@@ -205,6 +205,7 @@ class PlanReport:
     model_flags: tuple[str, ...] = ()  # cx-train's flags that size the model (`_model_spec.train_flags`)
     block_class: str | None = None  # the decoder layer's class, named in per-block FSDP's constructor call
     stopped: str | None = None  # why the search ended before its usual end (the time limit), said in the output
+    routing_skew: float = 1.0  # the MoE candidates' (SearchSpace.routing_skew): > 1 predicts the worst ep rank
 
     @property
     def best(self) -> PlanRow | None:
@@ -216,6 +217,7 @@ class PlanReport:
         lines = [
             f"cx-plan: {self.model} on {self.world} x {self.device.name} ({self._memory()}), "
             f"seq {self.seq_len}; {self._judged()}, {sum(r.memory.fits for r in self.rows)} fit",
+            *([f"routing skew {self.routing_skew:g}: the worst rank's memory and time"] * (self.routing_skew != 1)),
             f"{'#':>3}  {'configuration':<60} {'fits':<5} {'peak':>10} {'step ms':>9} {'tokens/s':>11} {'MFU':>6}",
         ]
         fitting, twins = _merge_zero_twins([r for r in self.rows if r.memory.fits])
@@ -266,6 +268,7 @@ class PlanReport:
             "considered": len(self.rows) if self.considered is None else self.considered,
             "world": self.world,
             "seq_len": self.seq_len,
+            "routing_skew": self.routing_skew,
             "device": {
                 "name": self.device.name,
                 "memory_bytes": self.device.memory_bytes,

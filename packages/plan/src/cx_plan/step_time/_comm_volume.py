@@ -17,7 +17,8 @@ n-1 hops; an all-to-all sends (n-1)/n of the local tensor in n-1 hops. Per step 
   all-to-alls per layer each way; ring attention passes k and v around the ring (sp - 1 hops), and in the backward
   also their gradients.
 - experts: dispatch and combine all-to-alls of the routed token copies (top_k x tokens x capacity factor) per MoE
-  layer, forward and backward.
+  layer, forward and backward; under routing skew at the hottest rank's load (`hot_rank_load` x: it receives
+  that many rows in the dispatch and sends them back in the combine, and the all-to-all ends when it does).
 - pipeline: one activation forward and one gradient backward per micro-batch, model chunk and stage boundary.
 
 Activation checkpointing repeats a recomputed layer's forward collectives (tp, sp, experts) once more.
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 from cx_plan._candidate import Candidate
 from cx_plan.trace._model_spec import ModelShape
+from cx_plan.trace._oracle import hot_rank_load
 
 __all__ = ["BUCKET_BYTES", "Collective", "step_collectives", "weight_bytes"]
 
@@ -156,7 +158,8 @@ def _in_layer(candidate: Candidate, shape: ModelShape, seq_len: int) -> list[Col
     moe_layers = sum(1 for e in shape.parameters.experts_per_layer if e) / c.pp
     if c.ep > 1 and moe_layers:
         size, span = _group(c, "ep")
-        copies = tokens * shape.top_k * shape.hidden_size * a  # capacity factor 1: the routed copies, dropless
+        load = hot_rank_load(c.routing_skew, c.ep, shape.num_experts, shape.top_k)
+        copies = tokens * shape.top_k * shape.hidden_size * a * load  # capacity factor 1: routed copies, dropless
         calls = round(m * moe_layers * 2 * passes)  # dispatch and combine
         moved, hops = _ring(size, calls * copies, calls, "all_to_all")
         found.append(Collective("expert dispatch/combine all-to-all", size, span, moved, hops))

@@ -11,7 +11,10 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
 - Compute runs at `efficiency` x peak (default `ACHIEVABLE_FRACTION`: 45 %, between the 38-43 % MFU torchtitan
   reports for Llama 3 8B on H100 with FSDP2 and the 52 % of Megatron-LM's largest GPT runs on A100; on this
   repository's CPU the peak is a measured matmul rate, see `_devices`). Every rank does 1/world of the FLOPs
-  (the layers split evenly over pp, the experts balanced over ep).
+  (the layers split evenly over pp, the experts balanced over ep), except under routing skew (`routing_skew` > 1
+  with ep > 1): the hottest ep rank computes `hot_rank_load` x its balanced share of the routed experts' FLOPs and
+  the slowest rank sets the step, so its expert compute (and its dispatch / combine all-to-all, `_comm_volume`) is
+  charged.
 - A collective takes hops x latency + bytes / bandwidth on the slowest link its group crosses (`_comm_volume`).
 - Overlap (`_hidden_data_parallel`), on a device that launches asynchronously (a GPU: NCCL runs on its own stream;
   on the host-bound CPU every collective adds, as calibrated), the data-parallel communication a plugin issues
@@ -49,8 +52,16 @@ from cx_plan._devices import LINKS, Device, Network, default_network
 from cx_plan.step_time._comm_volume import BUCKET_BYTES, Collective, step_collectives, weight_bytes
 from cx_plan.step_time._host_time import OpCounts, host_time
 from cx_plan.trace._model_spec import ModelShape
+from cx_plan.trace._oracle import hot_rank_load
 
-__all__ = ["ACHIEVABLE_FRACTION", "HOST_BANDWIDTH", "StepTime", "flops_per_token", "predict_step_time"]
+__all__ = [
+    "ACHIEVABLE_FRACTION",
+    "HOST_BANDWIDTH",
+    "StepTime",
+    "flops_per_token",
+    "predict_step_time",
+    "worst_rank_expert_flops",
+]
 
 ACHIEVABLE_FRACTION = 0.45
 HOST_BANDWIDTH = 100e9  # bytes/s a CPU Adam streams on a GPU server's host (a share of its ~300 GB/s DRAM)
@@ -97,6 +108,15 @@ def flops_per_token(shape: ModelShape, seq_len: int) -> tuple[float, float]:
     attention = 12.0 * shape.num_layers * seq_len * shape.num_heads * shape.head_dim
     in_layers = 6.0 * layers + attention
     return in_layers + 6.0 * head, in_layers
+
+
+def worst_rank_expert_flops(candidate: Candidate, shape: ModelShape) -> float:
+    """Training FLOPs per token the hottest ep rank runs above the balanced share (0 without skew or ep)."""
+    if not shape.num_experts:
+        return 0.0
+    load = hot_rank_load(candidate.routing_skew, candidate.ep, shape.num_experts, shape.top_k)
+    routed = shape.parameters.experts * shape.top_k / shape.num_experts
+    return 6.0 * routed * (load - 1.0)
 
 
 def _seconds(collective: Collective, network: Network, slow: float = 1.0) -> float:
@@ -207,7 +227,7 @@ def predict_step_time(
     rate = peak * efficiency / slow  # ranks sharing cores share their FLOPs
     per_token, _ = flops_per_token(shape, seq_len)
     tokens = c.global_batch_size * seq_len
-    model_s = tokens * per_token / c.world_size / rate
+    model_s = tokens * (per_token + worst_rank_expert_flops(c, shape)) / c.world_size / rate
     recompute_s = model_s / 3 * _recompute_fraction(c, shape, seq_len, ops)
     collectives = step_collectives(c, shape, seq_len)
     times = {col.name: _seconds(col, net, slow) for col in collectives}

@@ -5,10 +5,10 @@ The trace runs in this process: torch.distributed is initialised with the "fake"
 size and the rank of the stage traced, the plugin of the candidate is constructed (its layout, ShardConfig and
 pipeline stage manager), and the hybrid plugins' own composition (`compose_model`: ShardFormer, pipeline split) cuts
 the model, built on the meta device; the stage's parameters become FakeTensors, and `MemTracker` follows every live
-tensor through the forward and backward. Data-dependent reads go to `ValueOracle` (balanced MoE routing). The
-data-parallel plugins (DDP, FSDP, LowLevelZero, Gemini) do not change what a rank computes: their trace is the whole
-model's. Activation checkpointing follows the candidate: ShardFormer's ratio under the hybrid plugins, transformers'
-own switch (every layer) under the others.
+tensor through the forward and backward. Data-dependent reads go to `ValueOracle` (MoE routing balanced, or skewed
+towards the traced ep rank). The data-parallel plugins (DDP, FSDP, LowLevelZero, Gemini) do not change what a rank
+computes: their trace is the whole model's. Activation checkpointing follows the candidate: ShardFormer's ratio under
+the hybrid plugins, transformers' own switch (every layer) under the others.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cx_mesh import ProcessGroupMesh
 from cx_plan._candidate import Candidate
 from cx_plan.trace._model_spec import ModelShape, build_model
-from cx_plan.trace._oracle import ValueOracle
+from cx_plan.trace._oracle import Routing, ValueOracle, hot_rank_load
 from cx_plugins import Axis, enable_activation_checkpointing
 from cx_plugins.hybrid import HybridParallelPlugin, compose_model
 from cx_plugins.models import GPTConfig
@@ -320,7 +320,7 @@ def _trace_exact(shape: ModelShape, candidate: Candidate, seq_len: int, stage: i
         saved: list[dict[str, int]] = []
         for module in modules:
             tracker.track_external(module)
-        with mode, ValueOracle(mode) as oracle, tracker, _OpCount() as ops:
+        with mode, ValueOracle(mode, _routing(shape, candidate)) as oracle, tracker, _OpCount() as ops:
             _run(modules, first, scope, shape, candidate, seq_len, oracle, dtype, tracker, saved, ops)
         peak = _categories(tracker.get_tracker_snapshot("peak"))
         end = _categories(tracker.get_tracker_snapshot())
@@ -339,6 +339,14 @@ def _trace_exact(shape: ModelShape, candidate: Candidate, seq_len: int, stage: i
         sum(count for count, _ in trained.values()), sum(count for count, expert in trained.values() if expert),
         ops.forward, ops.count - ops.forward, len(trained), ops.forward_flops, ops.recompute_flops,
     )  # fmt: skip
+
+
+def _routing(shape: ModelShape, candidate: Candidate) -> Routing | None:
+    """The skewed router of a MoeHybrid candidate with `routing_skew` > 1 (ep rank 0 hot); None: balanced."""
+    if candidate.plugin != "moe_hybrid" or candidate.routing_skew == 1:
+        return None
+    load = hot_rank_load(candidate.routing_skew, candidate.ep, shape.num_experts, shape.top_k)
+    return Routing(load, shape.num_experts, candidate.ep)
 
 
 def _categories(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:

@@ -44,7 +44,8 @@ def _key(candidate: Candidate) -> tuple[object, ...]:
     c = candidate
     if c.plugin not in _SPLITTING:
         return ("whole model", c.checkpoint_ratio, c.checkpoint_mode, c.precision)
-    return (c.plugin, c.tp, c.pp, c.sp, c.sp_mode, c.ep, c.checkpoint_ratio, c.pp_style, c.precision)
+    skew = c.routing_skew if c.plugin == "moe_hybrid" else 1.0  # the hot rank's expert FLOPs (recompute share)
+    return (c.plugin, c.tp, c.pp, c.sp, c.sp_mode, c.ep, c.checkpoint_ratio, c.pp_style, c.precision, skew)
 
 
 def _count(traces: TraceCache, candidate: Candidate) -> OpCounts | None:

@@ -4,7 +4,8 @@ model and the op counter) that runs the same thing on the stage traced.
 What a trace sees: the data-parallel plugins (DDP, FSDP, LowLevelZero, Gemini) run the whole model as it is, so their
 key is only the micro-batch, the checkpointing and the precision: one trace serves all four plugins, every dp size and
 ZeRO stage. The hybrid plugins' key is their split (tp, pp, sp, ep, schedule), the micro-batch and the checkpointing
-ratio; ZeRO stage, dp and the micro-batch count are not part of it. `shared_trace_cache` keeps one cache per model and
+ratio, and MoeHybrid's the routing skew too (the hot rank's dispatch sizes); ZeRO stage, dp and the micro-batch count
+are not part of it. `shared_trace_cache` keeps one cache per model and
 sequence length for the process, so `cx-train --plan` and repeated plans of one model trace once.
 
 A trace cx's validation refuses (ValueError / NotImplementedError) is kept as "cx refuses: <message>", any other
@@ -29,7 +30,7 @@ def trace_key(candidate: Candidate, stage: int) -> tuple[object, ...]:
     if c.plugin not in _SPLITTING:
         return ("whole model", c.micro_batch_size, c.checkpoint_ratio, c.checkpoint_mode, c.precision)
     return (c.plugin, c.tp, c.pp, c.sp, c.sp_mode, c.ep, c.micro_batch_size, c.checkpoint_ratio, c.checkpoint_mode,
-            c.pp_style, c.precision, stage)  # fmt: skip
+            c.pp_style, c.precision, stage, c.routing_skew if c.plugin == "moe_hybrid" else 1.0)  # fmt: skip
 
 
 class TraceCache:
