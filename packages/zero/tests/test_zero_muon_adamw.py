@@ -136,6 +136,7 @@ class _Experts(nn.Module):
         super().__init__()
         self.up = nn.Parameter(torch.randn(3, 10, 6) * 0.3)
         self.down = nn.Parameter(torch.randn(3, 6, 10) * 0.3)
+        self.up_bias = nn.Parameter(torch.zeros(3, 10))  # per-expert biases (gpt-oss): 2-D, not a matrix: AdamW
 
 
 class _Moe(nn.Module):
@@ -149,7 +150,7 @@ class _Moe(nn.Module):
         hidden = nn.functional.one_hot(tokens, 6).float() + self.pos
         out = hidden
         for expert in range(3):  # every token through every expert (no router: the stack math is what is tested)
-            up = torch.tanh(hidden @ self.experts.up[expert].T)
+            up = torch.tanh(hidden @ self.experts.up[expert].T + self.experts.up_bias[expert])
             out = out + (expert + 1) * (up @ self.experts.down[expert].T)
         return out
 
@@ -163,11 +164,11 @@ def _moe_loss(model: nn.Module, step: int) -> torch.Tensor:
 def test_muon_with_adamw_steps_each_expert_of_a_stack_as_torch_muon(nesterov: bool) -> None:
     """A 3-D expert stack in a Muon group: each expert's matrix stepped bit-identically to torch's Muon on that
     matrix as its own 2-D parameter (the learning rate adjusted from one expert's shape); a 3-D parameter outside
-    `experts` follows AdamW."""
+    `experts` and the experts' 2-D bias stack follow AdamW."""
     model = _Moe()
     muon, adamw = muon_param_groups(model)
     assert [id(p) for p in muon["params"]] == [id(model.experts.up), id(model.experts.down)]
-    assert [id(p) for p in adamw["params"]] == [id(model.pos)]
+    assert {id(p) for p in adamw["params"]} == {id(model.experts.up_bias), id(model.pos)}
     ours = MuonWithAdamW([muon, adamw], lr=0.02, weight_decay=0.05, nesterov=nesterov, adjust_lr_fn="original")
     matrices = [nn.Parameter(stack.detach()[e].clone()) for stack in (model.experts.up, model.experts.down)
                 for e in range(3)]  # fmt: skip

@@ -228,16 +228,21 @@ def _head_ids(model: nn.Module, head_names: Sequence[str]) -> set[int]:
     return ids
 
 
-def _stack_ids(model: nn.Module, expert_names: Sequence[str]) -> set[int]:
-    """Ids of the 3-D parameters held directly by modules named in `expert_names` (last name component): fused expert
-    stacks such as transformers' `mlp.experts.gate_up_proj`, (experts, out, in)."""
-    return {
-        id(p)
-        for name, module in model.named_modules()
-        if name.rsplit(".", 1)[-1] in expert_names
-        for p in module.parameters(recurse=False)
-        if p.ndim == 3
-    }
+def _expert_ids(model: nn.Module, expert_names: Sequence[str]) -> tuple[set[int], set[int]]:
+    """Ids of the parameters held directly by modules named in `expert_names` (last name component): the 3-D fused
+    expert stacks (transformers' `mlp.experts.gate_up_proj`, (experts, out, in)), and the 2-D per-expert bias stacks
+    beside them (gpt-oss' `gate_up_proj_bias`, (experts, out)), which are not matrices."""
+    stacks: set[int] = set()
+    biases: set[int] = set()
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in expert_names:
+            continue
+        for param in module.parameters(recurse=False):
+            if param.ndim == 3:
+                stacks.add(id(param))
+            elif param.ndim == 2:
+                biases.add(id(param))
+    return stacks, biases
 
 
 def muon_param_groups(
@@ -248,14 +253,16 @@ def muon_param_groups(
 ) -> list[dict[str, Any]]:
     """`model`'s trainable parameters as MuonWithAdamW groups, by Muon's recipe: 2-D hidden matrices and the 3-D
     expert stacks of modules named in `expert_names` (each expert's matrix orthogonalised on its own) in a
-    `use_muon=True` group; 1-D (and other) parameters, `nn.Embedding` weights and the output head (found by
-    `get_output_embeddings()` or a module named in `head_names`; a head tied to the embedding is one parameter) in a
-    `use_muon=False` (AdamW) group. Empty groups are left out; add hyperparameters to the dicts as needed."""
+    `use_muon=True` group; 1-D (and other) parameters, the 2-D per-expert bias stacks of those modules,
+    `nn.Embedding` weights and the output head (found by `get_output_embeddings()` or a module named in `head_names`;
+    a head tied to the embedding is one parameter) in a `use_muon=False` (AdamW) group. Empty groups are left out;
+    add hyperparameters to the dicts as needed."""
     adamw_ids = _head_ids(model, head_names)
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             adamw_ids.update(id(p) for p in module.parameters(recurse=False))
-    stack_ids = _stack_ids(model, expert_names)
+    stack_ids, bias_ids = _expert_ids(model, expert_names)
+    adamw_ids |= bias_ids
     muon: list[nn.Parameter] = []
     adamw: list[nn.Parameter] = []
     for param in model.parameters():  # shared (tied) parameters once
