@@ -1,4 +1,5 @@
-"""MoeHybridParallelPlugin (ep 2, tp 1) with matrix-wise optimizers, against the same optimizer on one process.
+"""MoeHybridParallelPlugin (ep 2, tp 1; also moe_dp 2 and pp 2) with matrix-wise optimizers, against the same
+optimizer on one process.
 
 Expert parallelism splits each fused expert stack ((experts, out, in)) along the expert dimension, so every ep rank
 holds whole experts, and dense matrices are replicated over dp (tp 1): at zero_stage 0 each rank steps whole
@@ -27,15 +28,15 @@ from torch import nn
 
 from cx_mesh.testing import distributed
 from cx_moe import get_moe_info
-from cx_plugins import Booster, HybridParallelModule, MoeHybridParallelPlugin
+from cx_plugins import Booster, HybridParallelModule, MoeHybridParallelPlugin, OptimizerWrapper
 from cx_zero import MuonWithAdamW, muon_param_groups
 from moe_hybrid_test_helpers import ROWS, mixtral, rows
 
 MUON_LR, ADAMW_LR, STEPS, FLIP_BOUND = 0.02, 0.003, 3, 0.2
 
 
-def _model(kind: str) -> nn.Module:
-    model = mixtral(layers=1)
+def _model(kind: str, layers: int = 1) -> nn.Module:
+    model = mixtral(layers=layers)
     if kind == "muon":  # torch's Muon: 2-D matrices only
         for param in model.parameters():
             param.requires_grad_(param.ndim == 2)
@@ -73,12 +74,37 @@ def _whole(plugin: MoeHybridParallelPlugin, param: torch.Tensor) -> torch.Tensor
     return torch.cat(parts, dim=0)
 
 
-def _train_compare_resume(kind: str, zero_stage: int, tmp_path: Path) -> None:
-    """Train STEPS steps beside one process, compare every parameter, then save, load into a fresh pair and check
-    that one more step agrees bit for bit."""
-    model = _model(kind)
+def _train_step(
+    booster: Booster,
+    plugin: MoeHybridParallelPlugin,
+    model: HybridParallelModule,
+    optimizer: OptimizerWrapper,
+    step: int,
+) -> None:
+    """One step on this dp rank's rows: one micro-batch through the pipeline (pp > 1), or forward and backward."""
+    mine = _mine(plugin, step)
+    if plugin.pp_size > 1:
+        batch = iter([{"input_ids": mine, "labels": mine}])
+        booster.execute_pipeline(batch, model, lambda outputs, _: outputs.loss, optimizer, return_loss=True)
+    else:
+        booster.backward(model(input_ids=mine, labels=mine).loss, optimizer)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _train_compare_resume(kind: str, zero_stage: int, tmp_path: Path, pp: int = 1) -> None:
+    """Train STEPS steps beside one process, compare every parameter this rank holds, then save, load into a fresh
+    pair and check that one more step agrees bit for bit."""
+    model = _model(kind, layers=pp)
     reference = copy.deepcopy(model)
-    plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="fp32", zero_stage=zero_stage)
+    plugin = MoeHybridParallelPlugin(
+        tp_size=1,
+        pp_size=pp,
+        ep_size=2,
+        precision="fp32",
+        zero_stage=zero_stage,
+        num_microbatches=1 if pp > 1 else None,
+    )
     booster = Booster(plugin=plugin)
     boosted, optimizer, *_ = booster.boost(model, _optimizer(kind, model))
     assert isinstance(boosted, HybridParallelModule)
@@ -86,15 +112,15 @@ def _train_compare_resume(kind: str, zero_stage: int, tmp_path: Path) -> None:
     reference_optimizer = _optimizer(kind, reference)
     _, dp_size = plugin.data_parallel_rank_and_size()
     for step in range(STEPS):
-        mine = _mine(plugin, step)
-        booster.backward(boosted(input_ids=mine, labels=mine).loss, optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
+        _train_step(booster, plugin, boosted, optimizer, step)
         _reference_step(reference, reference_optimizer, step, dp_size)
     muon = {id(p) for g in reference_optimizer.param_groups if g.get("use_muon", True) for p in g["params"]}
     expected = dict(reference.named_parameters())
     stacks = 0
+    held = boosted.held_parameter_names()
     for name, param in boosted.unwrap().named_parameters():
+        if name not in held:
+            continue
         full, want = _whole(plugin, param), expected[name]
         stacks += get_moe_info(param) is not None and id(want) in muon
         if id(want) in muon:
@@ -108,23 +134,22 @@ def _train_compare_resume(kind: str, zero_stage: int, tmp_path: Path) -> None:
     booster.save_model(boosted, tmp_path / "model", shard=True)
     booster.save_optimizer(optimizer, tmp_path / "optimizer", shard=True)
     dist.barrier()
-    fresh = _model(kind)
+    fresh = _model(kind, layers=pp)
     resumed, resumed_optimizer, *_ = booster.boost(fresh, _optimizer(kind, fresh))
     assert isinstance(resumed, HybridParallelModule)
     assert resumed_optimizer is not None
     booster.load_model(resumed, tmp_path / "model")
     booster.load_optimizer(resumed_optimizer, tmp_path / "optimizer")
     for model_, optimizer_ in ((boosted, optimizer), (resumed, resumed_optimizer)):
-        mine = _mine(plugin, STEPS)
-        booster.backward(model_(input_ids=mine, labels=mine).loss, optimizer_)
-        optimizer_.step()
-        optimizer_.zero_grad()
+        _train_step(booster, plugin, model_, optimizer_, STEPS)
     for (name, p), q in zip(boosted.unwrap().named_parameters(), resumed.unwrap().parameters(), strict=True):
-        assert torch.equal(p, q), name
+        assert name not in held or torch.equal(p, q), name
 
 
 @distributed(world_size=2)
-@pytest.mark.parametrize(("kind", "zero_stage"), [("muon_adamw", 0), ("muon_adamw", 1), ("muon", 0), ("muon", 1)])
+@pytest.mark.parametrize(
+    ("kind", "zero_stage"), [("muon_adamw", 0), ("muon_adamw", 1), ("muon_adamw", 2), ("muon", 0), ("muon", 1)]
+)
 def test_plugins_moe_hybrid_muon_matches_one_process(
     rank: int, world_size: int, kind: str, zero_stage: int, tmp_path: Path
 ) -> None:
@@ -136,3 +161,9 @@ def test_plugins_moe_hybrid_muon_matches_one_process(
 def test_plugins_moe_hybrid_muon_zero_over_moe_dp(rank: int, world_size: int, tmp_path: Path) -> None:
     """ep 2 x moe_dp 2 with ZeRO-1: each expert stack's flat shards over moe_dp gathered whole to one owner."""
     _train_compare_resume("muon_adamw", 1, tmp_path)
+
+
+@distributed(world_size=4)
+def test_plugins_moe_hybrid_muon_pipeline(rank: int, world_size: int, tmp_path: Path) -> None:
+    """pp 2 x ep 2 (a layer per stage) with ZeRO-1: each stage steps its own whole matrices and expert stacks."""
+    _train_compare_resume("muon_adamw", 1, tmp_path, pp=2)
