@@ -1,4 +1,4 @@
-"""MoeHybridParallelPlugin (ep 2, tp 1; also moe_dp 2 and pp 2) with matrix-wise optimizers, against the same
+"""MoeHybridParallelPlugin (ep 2, tp 1; also moe_dp 2, pp 2 and sp 2) with matrix-wise optimizers, against the same
 optimizer on one process.
 
 Expert parallelism splits each fused expert stack ((experts, out, in)) along the expert dimension, so every ep rank
@@ -29,6 +29,7 @@ from torch import nn
 from cx_mesh.testing import distributed
 from cx_moe import get_moe_info
 from cx_plugins import Booster, HybridParallelModule, MoeHybridParallelPlugin, OptimizerWrapper
+from cx_plugins._layout import Axis
 from cx_zero import MuonWithAdamW, muon_param_groups
 from moe_hybrid_test_helpers import ROWS, mixtral, rows
 
@@ -92,7 +93,7 @@ def _train_step(
     optimizer.zero_grad()
 
 
-def _train_compare_resume(kind: str, zero_stage: int, tmp_path: Path, pp: int = 1) -> None:
+def _train_compare_resume(kind: str, zero_stage: int, tmp_path: Path, pp: int = 1, sp: int = 1) -> None:
     """Train STEPS steps beside one process, compare every parameter this rank holds, then save, load into a fresh
     pair and check that one more step agrees bit for bit."""
     model = _model(kind, layers=pp)
@@ -104,7 +105,11 @@ def _train_compare_resume(kind: str, zero_stage: int, tmp_path: Path, pp: int = 
         precision="fp32",
         zero_stage=zero_stage,
         num_microbatches=1 if pp > 1 else None,
+        sp_size=sp if sp > 1 else None,
+        enable_sequence_parallelism=sp > 1,
+        sequence_parallelism_mode="all_to_all" if sp > 1 else None,
     )
+    assert (plugin.layout.size(Axis.PP), plugin.layout.size(Axis.SP)) == (pp, sp)
     booster = Booster(plugin=plugin)
     boosted, optimizer, *_ = booster.boost(model, _optimizer(kind, model))
     assert isinstance(boosted, HybridParallelModule)
@@ -167,3 +172,9 @@ def test_plugins_moe_hybrid_muon_zero_over_moe_dp(rank: int, world_size: int, tm
 def test_plugins_moe_hybrid_muon_pipeline(rank: int, world_size: int, tmp_path: Path) -> None:
     """pp 2 x ep 2 (a layer per stage) with ZeRO-1: each stage steps its own whole matrices and expert stacks."""
     _train_compare_resume("muon_adamw", 1, tmp_path, pp=2)
+
+
+@distributed(world_size=4)
+def test_plugins_moe_hybrid_muon_sequence_parallel(rank: int, world_size: int, tmp_path: Path) -> None:
+    """ep 2 x sp 2 (all_to_all) with ZeRO-1: dense gradients averaged over moe_dp x ep x sp, experts equal over sp."""
+    _train_compare_resume("muon_adamw", 1, tmp_path, sp=2)
