@@ -207,9 +207,12 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
         (
             ["--plugin", "torch_fsdp", "--optimizer", "muon"],
             "--optimizer muon is not supported by --plugin torch_fsdp; use --plugin torch_ddp or low_level_zero or "
-            "gemini or hybrid (Muon needs each matrix whole",
+            "gemini or hybrid or moe_hybrid (Muon needs each matrix whole",
         ),
-        (["--plugin", "moe_hybrid", "--optimizer", "muon"], "--optimizer muon is not supported by --plugin moe_hybrid"),
+        (
+            ["--model", "mixtral", "--plugin", "moe_hybrid", "--tp", "2", "--optimizer", "muon"],
+            "--optimizer muon with --plugin moe_hybrid steps whole matrices at --tp 1 only (--tp 2",
+        ),
         (
             ["--plugin", "hybrid", "--tp", "2", "--zero", "1", "--optimizer", "muon"],
             "--optimizer muon with --plugin hybrid --tp 2 steps whole matrices at --zero 0 only",
@@ -232,6 +235,8 @@ def test_train_switches_refused_by_name(flags: list[str], message: str, capsys: 
         ["--plugin", "gemini"],
         ["--plugin", "hybrid", "--tp", "2"],
         ["--plugin", "hybrid", "--zero", "1"],
+        ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2"],
+        ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2", "--zero", "1"],
     ],
 )
 def test_train_muon_accepted_where_the_plugin_steps_whole_matrices(flags: list[str]) -> None:
@@ -312,3 +317,19 @@ def test_train_switches_are_config_file_keys(tmp_path: Path) -> None:
     config.write_text('plugin = "low_level_zero"\nlora-rank = 4\nlora_targets = "q_proj,v_proj"\nmerge-lora = true\n')
     arguments = parse_arguments(["--config", str(config)])
     assert (arguments.lora_rank, arguments.lora_targets, arguments.merge_lora) == (4, "q_proj,v_proj", True)
+
+
+def test_train_muon_steps_expert_stacks_by_muon() -> None:
+    """--optimizer muon on an MoE model: the fused expert stacks ((experts, out, in)) by Muon, each expert's matrix
+    on its own (cx_zero.muon_param_groups), the routers and attention matrices too."""
+    pytest.importorskip("transformers")
+    flags = ["--model", "mixtral", "--seq-len", "16", "--batch-size", "2", "--plugin", "moe_hybrid", "--ep", "2"]
+    options = parse_options([*flags, "--nproc", "2", "--optimizer", "muon"])
+    model = build_model(describe_model(options.model_spec), seed=0)
+    optimizer = make_optimizer(model, options)
+    assert isinstance(optimizer, MuonWithAdamW)
+    kinds = {id(p): g["use_muon"] for g in optimizer.param_groups for p in g["params"]}
+    stacks = {name: kinds[id(p)] for name, p in model.named_parameters() if p.ndim == 3}
+    assert stacks
+    assert all(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in stacks)
+    assert all(stacks.values())

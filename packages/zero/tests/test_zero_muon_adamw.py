@@ -123,7 +123,68 @@ def test_muon_with_adamw_refuses_bad_groups() -> None:
         MuonWithAdamW(model.parameters())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="use_muon"):
         MuonWithAdamW([{"params": [model.up.weight]}])
-    with pytest.raises(ValueError, match="2-D matrices only"):
+    with pytest.raises(ValueError, match="2-D matrices only \\(or 3-D stacks"):
         MuonWithAdamW([{"params": [model.up.bias], "use_muon": True}])
     with pytest.raises(ValueError, match="unknown option"):
         MuonWithAdamW([{"params": [model.up.bias], "use_muon": False, "momentum": 0.9}])
+
+
+class _Experts(nn.Module):
+    """Fused experts as transformers 5 holds them: one (experts, out, in) stack per projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(3, 10, 6) * 0.3)
+        self.down = nn.Parameter(torch.randn(3, 6, 10) * 0.3)
+        self.up_bias = nn.Parameter(torch.zeros(3, 10))  # per-expert biases (gpt-oss): 2-D, not a matrix: AdamW
+
+
+class _Moe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = _Experts()
+        self.pos = nn.Parameter(torch.randn(1, 5, 6) * 0.1)  # 3-D, but not an expert stack: AdamW
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = nn.functional.one_hot(tokens, 6).float() + self.pos
+        out = hidden
+        for expert in range(3):  # every token through every expert (no router: the stack math is what is tested)
+            up = torch.tanh(hidden @ self.experts.up[expert].T + self.experts.up_bias[expert])
+            out = out + (expert + 1) * (up @ self.experts.down[expert].T)
+        return out
+
+
+def _moe_loss(model: nn.Module, step: int) -> torch.Tensor:
+    tokens = torch.randint(0, 6, (4, 5), generator=torch.Generator().manual_seed(step))
+    return nn.functional.cross_entropy(model(tokens).flatten(0, 1), torch.roll(tokens, -1, 1).flatten())
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_with_adamw_steps_each_expert_of_a_stack_as_torch_muon(nesterov: bool) -> None:
+    """A 3-D expert stack in a Muon group: each expert's matrix stepped bit-identically to torch's Muon on that
+    matrix as its own 2-D parameter (the learning rate adjusted from one expert's shape); a 3-D parameter outside
+    `experts` and the experts' 2-D bias stack follow AdamW."""
+    model = _Moe()
+    muon, adamw = muon_param_groups(model)
+    assert [id(p) for p in muon["params"]] == [id(model.experts.up), id(model.experts.down)]
+    assert {id(p) for p in adamw["params"]} == {id(model.experts.up_bias), id(model.pos)}
+    ours = MuonWithAdamW([muon, adamw], lr=0.02, weight_decay=0.05, nesterov=nesterov, adjust_lr_fn="original")
+    matrices = [nn.Parameter(stack.detach()[e].clone()) for stack in (model.experts.up, model.experts.down)
+                for e in range(3)]  # fmt: skip
+    torch_muon = torch.optim.Muon(matrices, lr=0.02, weight_decay=0.05, nesterov=nesterov, adjust_lr_fn="original")
+    for step in range(STEPS):
+        _moe_loss(model, step).backward()
+        up, down = model.experts.up.grad, model.experts.down.grad
+        assert up is not None
+        assert down is not None
+        for matrix, grad in zip(matrices, [*up.unbind(0), *down.unbind(0)], strict=True):
+            matrix.grad = grad.clone()
+        ours.step()
+        ours.zero_grad()
+        torch_muon.step()
+        torch_muon.zero_grad()
+    mine = [*model.experts.up.unbind(0), *model.experts.down.unbind(0)]
+    for index, (got, want) in enumerate(zip(mine, matrices, strict=True)):
+        assert torch.equal(got, want), index
+    assert not torch.equal(model.experts.up[0], model.experts.up[1])  # the experts really differ

@@ -5,7 +5,9 @@ head follow AdamW (Keller Jordan's post, torch.optim.Muon's own docs). Each para
 steps it with torch's Muon math (`torch.optim._muon.muon`, the function `torch.optim.Muon.step` calls), False with
 torch's AdamW math (`torch.optim.adamw.adamw`, as `torch.optim.AdamW.step` calls it), so each group's update is
 bit-identical to the torch optimizer of its kind. `muon_param_groups` sorts a model's parameters by that rule; a user
-may pass their own groups instead.
+may pass their own groups instead. A 3-D parameter in a Muon group is a stack of matrices (an MoE layer's fused
+experts, (experts, out, in)): each expert's matrix is orthogonalised on its own (`_muon_stacks`), bit-identical to
+torch's Muon on that matrix alone.
 
 The state is a plain optimizer state dict: Muon groups hold `momentum_buffer`, AdamW groups `step`, `exp_avg`,
 `exp_avg_sq` (the torch optimizers' own names), and each group's hyperparameters are plain values, so checkpoints
@@ -22,6 +24,8 @@ import torch
 from torch import nn
 from torch.optim._muon import muon as _muon_update
 from torch.optim.adamw import adamw as _adamw_update
+
+from cx_zero._muon_stacks import muon_stacks
 
 __all__ = ["MUON_DEFAULTS", "MuonWithAdamW", "muon_param_groups"]
 
@@ -40,7 +44,8 @@ _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "foreach")
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """Muon on the param groups flagged `use_muon=True` (2-D parameters only), AdamW on the others.
+    """Muon on the param groups flagged `use_muon=True` (2-D matrices, and 3-D stacks of them such as fused experts:
+    each matrix orthogonalised on its own), AdamW on the others.
 
     Keyword defaults fill what a group leaves out: `lr`, `weight_decay`, `momentum`, `nesterov`, `ns_coefficients`,
     `eps`, `ns_steps`, `adjust_lr_fn` (torch.optim.Muon's) for Muon groups; `adamw_lr` (default `lr`),
@@ -96,7 +101,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().__init__(groups, {})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """A group must say `use_muon`; its kind's defaults fill the rest; a Muon group takes 2-D parameters only."""
+        """A group must say `use_muon`; its kind's defaults fill the rest; a Muon group takes 2-D matrices and 3-D
+        stacks of matrices only."""
         use_muon = param_group.get("use_muon")
         if not isinstance(use_muon, bool):
             raise ValueError(
@@ -115,10 +121,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if use_muon:
             for param in self.param_groups[-1]["params"]:
-                if param.ndim != 2:
+                if param.ndim not in (2, 3):
                     raise ValueError(
                         f"MuonWithAdamW: a use_muon group holds a parameter of shape {tuple(param.shape)}; Muon steps "
-                        f"2-D matrices only, put it in a use_muon=False (AdamW) group"
+                        f"2-D matrices only (or 3-D stacks of them, each matrix on its own), put it in a "
+                        f"use_muon=False (AdamW) group"
                     )
 
     @torch.no_grad()
@@ -136,7 +143,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon_group(self, group: dict[str, Any]) -> None:
-        params, grads, buffers = [], [], []
+        """2-D matrices through torch's Muon function, 3-D stacks through `muon_stacks` (same math per matrix)."""
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        buffers: list[torch.Tensor] = []
+        stacks: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
         for param in group["params"]:
             if param.grad is None:
                 continue
@@ -145,23 +156,24 @@ class MuonWithAdamW(torch.optim.Optimizer):
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
-            params.append(param)
-            grads.append(param.grad)
-            buffers.append(state["momentum_buffer"])
-        _muon_update(
-            params,
-            grads,
-            buffers,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            momentum=group["momentum"],
-            nesterov=group["nesterov"],
-            ns_coefficients=tuple(group["ns_coefficients"]),
-            ns_steps=group["ns_steps"],
-            eps=group["eps"],
-            adjust_lr_fn=group["adjust_lr_fn"],
-            has_complex=False,
-        )
+            into = stacks if param.ndim == 3 else (params, grads, buffers)
+            into[0].append(param)
+            into[1].append(param.grad)
+            into[2].append(state["momentum_buffer"])
+        options: dict[str, Any] = {
+            "lr": group["lr"],
+            "weight_decay": group["weight_decay"],
+            "momentum": group["momentum"],
+            "nesterov": group["nesterov"],
+            "ns_coefficients": tuple(group["ns_coefficients"]),
+            "ns_steps": group["ns_steps"],
+            "eps": group["eps"],
+            "adjust_lr_fn": group["adjust_lr_fn"],
+        }
+        if params:
+            _muon_update(params, grads, buffers, has_complex=False, **options)
+        if stacks[0]:
+            muon_stacks(*stacks, **options)
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -216,23 +228,48 @@ def _head_ids(model: nn.Module, head_names: Sequence[str]) -> set[int]:
     return ids
 
 
+def _expert_ids(model: nn.Module, expert_names: Sequence[str]) -> tuple[set[int], set[int]]:
+    """Ids of the parameters held directly by modules named in `expert_names` (last name component): the 3-D fused
+    expert stacks (transformers' `mlp.experts.gate_up_proj`, (experts, out, in)), and the 2-D per-expert bias stacks
+    beside them (gpt-oss' `gate_up_proj_bias`, (experts, out)), which are not matrices."""
+    stacks: set[int] = set()
+    biases: set[int] = set()
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in expert_names:
+            continue
+        for param in module.parameters(recurse=False):
+            if param.ndim == 3:
+                stacks.add(id(param))
+            elif param.ndim == 2:
+                biases.add(id(param))
+    return stacks, biases
+
+
 def muon_param_groups(
-    model: nn.Module, *, head_names: Sequence[str] = ("lm_head", "output", "classifier")
+    model: nn.Module,
+    *,
+    head_names: Sequence[str] = ("lm_head", "output", "classifier"),
+    expert_names: Sequence[str] = ("experts",),
 ) -> list[dict[str, Any]]:
-    """`model`'s trainable parameters as MuonWithAdamW groups, by Muon's recipe: 2-D hidden matrices in a
-    `use_muon=True` group; 1-D (and other non-2-D) parameters, `nn.Embedding` weights and the output head (found by
-    `get_output_embeddings()` or a module named in `head_names`; a head tied to the embedding is one parameter) in a
-    `use_muon=False` (AdamW) group. Empty groups are left out; add hyperparameters to the dicts as needed."""
+    """`model`'s trainable parameters as MuonWithAdamW groups, by Muon's recipe: 2-D hidden matrices and the 3-D
+    expert stacks of modules named in `expert_names` (each expert's matrix orthogonalised on its own) in a
+    `use_muon=True` group; 1-D (and other) parameters, the 2-D per-expert bias stacks of those modules,
+    `nn.Embedding` weights and the output head (found by `get_output_embeddings()` or a module named in `head_names`;
+    a head tied to the embedding is one parameter) in a `use_muon=False` (AdamW) group. Empty groups are left out;
+    add hyperparameters to the dicts as needed."""
     adamw_ids = _head_ids(model, head_names)
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             adamw_ids.update(id(p) for p in module.parameters(recurse=False))
+    stack_ids, bias_ids = _expert_ids(model, expert_names)
+    adamw_ids |= bias_ids
     muon: list[nn.Parameter] = []
     adamw: list[nn.Parameter] = []
     for param in model.parameters():  # shared (tied) parameters once
         if not param.requires_grad:
             continue
-        (muon if param.ndim == 2 and id(param) not in adamw_ids else adamw).append(param)
+        hidden = (param.ndim == 2 and id(param) not in adamw_ids) or id(param) in stack_ids
+        (muon if hidden else adamw).append(param)
     groups: list[dict[str, Any]] = []
     if muon:
         groups.append({"params": muon, "use_muon": True})

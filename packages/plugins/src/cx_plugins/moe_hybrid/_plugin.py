@@ -40,6 +40,7 @@ from cx_plugins.hybrid._optimizer_kind import refuse_non_elementwise
 from cx_plugins.hybrid._options import HybridParallelOptions
 from cx_plugins.hybrid._plugin import HybridParallelPlugin
 from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig
+from cx_zero import needs_whole_tensors
 
 __all__ = ["MoeHybridParallelPlugin"]
 
@@ -246,11 +247,14 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         return composed, boosted
 
     def _check_optimizer_kind(self, optimizer: Optimizer, composed: ComposedModel) -> None:
-        """Only elementwise optimizers: expert matrices are split over ep / moe_dp and tensor parallelism (and
-        ZeRO's flat shards) slice the rest, and stepping whole matrices is not built for MoE yet."""
-        refuse_non_elementwise(
-            optimizer, type(self).__name__, "expert matrices, tensor-parallel and ZeRO slices are stepped as slices"
-        )
+        """Elementwise optimizers always; a whole-tensor one (Muon, MuonWithAdamW) at tp_size 1: each ep rank holds
+        whole experts (stacks split along the expert dimension) and whole dense matrices, so zero_stage 0 steps them
+        as they are and ZeRO-1/2 steps each whole on an owner rank of its group (cx_zero's `_whole_step`). With
+        tp > 1 the matrices are slices (and `_tp_whole` does not cover expert slices yet): refused."""
+        if self.options.tp_size == 1 and needs_whole_tensors(optimizer):
+            return
+        why = "tp_size > 1 hands it slices of the expert and dense matrices (it steps whole matrices at tp_size=1)"
+        refuse_non_elementwise(optimizer, type(self).__name__, why)
 
     def _broadcast_states(self, composed: ComposedModel, grad_group: ProcessGroup | None) -> None:
         """Dense parameters and buffers start from the first dp replica, each expert slice from the first rank of
