@@ -17,7 +17,8 @@ import torch.distributed.distributed_c10d as c10d
 __all__ = ["CollectiveBytes", "count_collective_bytes"]
 
 #: op name -> (position, keyword) of the argument whose bytes count: what this rank hands over (the input of a
-#: gather, reduce-scatter or all-to-all; the tensor of an all-reduce, broadcast or p2p call, its buffer for a recv).
+#: gather, reduce-scatter or all-to-all; the tensor of an all-reduce, broadcast or p2p call, its buffer for a recv; a
+#: scatter's pieces on its source).
 _COUNTED: dict[str, tuple[int, str]] = {
     "all_gather_single": (1, "input_tensor"),
     "all_gather_into_tensor": (1, "input_tensor"),
@@ -27,6 +28,8 @@ _COUNTED: dict[str, tuple[int, str]] = {
     "all_reduce": (0, "tensor"),
     "all_to_all_single": (1, "input"),
     "broadcast": (0, "tensor"),
+    "gather": (0, "tensor"),  # each rank hands its tensor to the destination
+    "scatter": (1, "scatter_list"),  # the source hands every piece; the others hand nothing (None)
     "send": (0, "tensor"),
     "recv": (0, "tensor"),
     "isend": (0, "tensor"),
@@ -93,7 +96,7 @@ def _counting(op: str, original: Callable[..., Any], counts: CollectiveBytes, st
 @contextlib.contextmanager
 def count_collective_bytes() -> Iterator[CollectiveBytes]:
     """Patch torch.distributed's collectives and p2p calls (all_gather_single/_into_tensor, all_gather,
-    reduce_scatter_single/_tensor, all_reduce, all_to_all_single, broadcast, send/recv/isend/irecv,
+    reduce_scatter_single/_tensor, all_reduce, all_to_all_single, broadcast, gather, scatter, send/recv/isend/irecv,
     batch_isend_irecv; in `torch.distributed` and `distributed_c10d`) in this process and count the bytes this rank
     hands to each: `.by_op` (op name -> bytes), `.total`, and per (op, dtype) `.by_dtype` (bytes) and `.calls`.
     batch_isend_irecv counts the tensors of all its ops, sends and receives. For tests and benchmarks only: not
