@@ -6,10 +6,11 @@ micro-batch 4 per rank, fp32) from the same seed; the plugins with AdamW and wit
 embeddings / norms / biases by AdamW, `muon_param_groups`) take turns step by step (`bench_timing.time_in_turns`),
 so machine load hits both alike. Reported per plugin: the median step ms of each, their ratio, and the bytes this
 rank hands to collectives in one step (`cx_mesh.testing.count_collective_bytes`): what Muon's whole-matrix step adds
-(gradients gathered to an owner, updates scattered back). torch DDP's bucket all-reduce runs inside its C++ reducer,
-which the counter does not see, so DDP's rows show the bytes of cx's own calls only. TorchFSDPPlugin takes torch's Muon class only, so its Muon
-row steps torch.optim.Muon over the 2-D parameters with the rest frozen, against AdamW over the same parameters.
-`CX_BENCH_SMOKE=1` runs a seconds-long version that only checks the script works.
+(gradients gathered to an owner, updates scattered back). torch DDP's bucket all-reduce runs inside its C++
+reducer, which the counter does not see, so DDP's rows show the bytes of cx's own calls only. TorchFSDPPlugin takes
+torch's Muon class only, so its Muon row steps torch.optim.Muon over the 2-D parameters with the rest frozen,
+against AdamW over the same parameters. `CX_BENCH_SMOKE=1` runs a seconds-long version that only checks the script
+works.
 """
 
 from __future__ import annotations
