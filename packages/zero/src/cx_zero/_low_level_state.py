@@ -134,7 +134,7 @@ class LowLevelStateMixin:
                 self._bf16_states.to_bf16()
             with torch.no_grad():
                 for shard in self._shards:
-                    master = masters.get(id(shard.master))
+                    master = masters.get(id(shard))
                     if master is not None:
                         shard.master.copy_(master.to(device=shard.master.device, dtype=shard.master.dtype))
         if "grad_scaler" in state_dict:

@@ -10,7 +10,7 @@ masters (older ones) still loads, from the working weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,10 +21,13 @@ from cx_zero._partition import ParamShard, shard_of
 
 __all__ = [
     "MASTER_KEY",
+    "EntryLoader",
     "check_group_names",
     "full_state",
     "state_key",
+    "positional_optimizer_state",
     "sharded_optimizer_state",
+    "size_limited_pieces",
     "sharded_state",
     "state_bytes",
     "stream_full_states",
@@ -79,6 +82,24 @@ def state_bytes(state: dict[str, Any]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
 
 
+def size_limited_pieces(
+    entries: Iterable[tuple[str, dict[str, Any]]], limit_bytes: int
+) -> Iterator[tuple[dict[str, dict[str, Any]], int]]:
+    """`entries` (key, state) grouped into pieces of at most `limit_bytes` (a single larger state is a piece of its
+    own), each with its byte count; every entry is drawn, so collectives inside the iterable all run."""
+    piece: dict[str, dict[str, Any]] = {}
+    size = 0
+    for key, full in entries:
+        nbytes = state_bytes(full)
+        if piece and size + nbytes > limit_bytes:
+            yield piece, size
+            piece, size = {}, 0
+        piece[key] = full
+        size += nbytes
+    if piece:
+        yield piece, size
+
+
 def stream_full_states(
     shards: Sequence[ParamShard],
     optimizer: torch.optim.Optimizer,
@@ -91,32 +112,32 @@ def stream_full_states(
     """Gather each shard's state (collective, in `shards` order) and yield pieces of at most `limit_bytes` (a single
     larger parameter is a piece of its own); yields nothing when not `keep`, but still takes part in the gathers.
     With `include_master`, each entry also holds the full master weight under `MASTER_KEY`."""
-    piece: dict[str, dict[str, Any]] = {}
-    size = 0
-    for shard in shards:
-        state = dict(optimizer.state.get(shard.master, {}))
-        if include_master:
-            state[MASTER_KEY] = shard.master
-        if not state:
-            continue
-        full = full_state(shard, state, groups[shard.group_index])
-        if not keep:
-            continue
-        nbytes = state_bytes(full)
-        if piece and size + nbytes > limit_bytes:
-            yield piece, size
-            piece, size = {}, 0
-        piece[prefix + shard.key] = full
-        size += nbytes
-    if piece:
-        yield piece, size
+
+    def entries() -> Iterator[tuple[str, dict[str, Any]]]:
+        for shard in shards:
+            state = dict(optimizer.state.get(shard.master, {}))
+            if include_master:
+                state[MASTER_KEY] = shard.master
+            if not state:
+                continue
+            full = full_state(shard, state, groups[shard.group_index])
+            if keep:
+                yield prefix + shard.key, full
+
+    return size_limited_pieces(entries(), limit_bytes)
 
 
-def sharded_optimizer_state(
-    state_dict: Mapping[str, Any], shard_groups: Sequence[Sequence[ParamShard]]
+#: What a load keeps of one parameter's saved (full) state entry: the entry the wrapped optimizer loads (None: this
+#: rank holds no state for it) and the full master weight found in it (None: none saved).
+EntryLoader = Callable[[ParamShard, dict[str, Any]], tuple[dict[str, Any] | None, torch.Tensor | None]]
+
+
+def positional_optimizer_state(
+    state_dict: Mapping[str, Any], shard_groups: Sequence[Sequence[ParamShard]], load_entry: EntryLoader
 ) -> tuple[dict[str, Any], dict[int, torch.Tensor]]:
-    """The wrapped optimizer's own (positional) state dict holding this rank's slices of a full state dict, and the
-    master-weight slices found in it (by id of the shard's master)."""
+    """A full-by-name state dict turned into the wrapped optimizer's own positional one, each parameter's entry
+    through `load_entry`, and the masters it found (by id of the shard). The param groups must name the same
+    parameters as the optimizer's."""
     saved_groups = list(state_dict["param_groups"])
     if len(saved_groups) != len(shard_groups):
         raise ValueError(f"state dict has {len(saved_groups)} param groups, the optimizer {len(shard_groups)}")
@@ -130,16 +151,28 @@ def sharded_optimizer_state(
         for shard in shards:
             entry_key = state_key(state_dict["state"], shard)
             if entry_key is not None:
-                entry = sharded_state(shard, dict(state_dict["state"][entry_key]), shard.key)
-                master = entry.pop(MASTER_KEY, None)
+                entry, master = load_entry(shard, dict(state_dict["state"][entry_key]))
                 if master is not None:
-                    masters[id(shard.master)] = master
+                    masters[id(shard)] = master
                 if entry:
                     inner_state[index] = entry
             ids.append(index)
             index += 1
         inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
     return {"state": inner_state, "param_groups": inner_groups}, masters
+
+
+def sharded_optimizer_state(
+    state_dict: Mapping[str, Any], shard_groups: Sequence[Sequence[ParamShard]]
+) -> tuple[dict[str, Any], dict[int, torch.Tensor]]:
+    """The wrapped optimizer's own (positional) state dict holding this rank's slices of a full state dict, and the
+    master-weight slices found in it (by id of the shard)."""
+
+    def load_entry(shard: ParamShard, entry: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
+        sliced = sharded_state(shard, entry, shard.key)
+        return sliced, sliced.pop(MASTER_KEY, None)
+
+    return positional_optimizer_state(state_dict, shard_groups, load_entry)
 
 
 def check_group_names(saved: Mapping[str, Any], shards: Sequence[ParamShard]) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from cx_mesh import ProcessGroup, communication_device
 from cx_zero._partition import ParamShard
-from cx_zero._state_dict import MASTER_KEY, check_group_names, state_bytes, state_key
+from cx_zero._state_dict import MASTER_KEY, positional_optimizer_state, size_limited_pieces
 from cx_zero._whole_step import WholeTensorStep
 
 __all__ = ["broadcast_state", "stream_whole_states", "whole_optimizer_state"]
@@ -100,20 +100,14 @@ def stream_whole_states(
     include_master: bool,
 ) -> Iterator[tuple[dict[str, dict[str, Any]], int]]:
     """`stream_full_states` for whole-tensor optimizers: pieces of at most `limit_bytes` (collective, in order)."""
-    piece: dict[str, dict[str, Any]] = {}
-    size = 0
-    for shard in shards:
-        full = whole_full_state(shard, optimizer, whole, groups[shard.group_index], include_master=include_master)
-        if not keep or not full:
-            continue
-        nbytes = state_bytes(full)
-        if piece and size + nbytes > limit_bytes:
-            yield piece, size
-            piece, size = {}, 0
-        piece[prefix + shard.key] = full
-        size += nbytes
-    if piece:
-        yield piece, size
+
+    def entries() -> Iterator[tuple[str, dict[str, Any]]]:
+        for shard in shards:
+            full = whole_full_state(shard, optimizer, whole, groups[shard.group_index], include_master=include_master)
+            if keep and full:
+                yield prefix + shard.key, full
+
+    return size_limited_pieces(entries(), limit_bytes)
 
 
 def whole_optimizer_state(
@@ -121,32 +115,17 @@ def whole_optimizer_state(
 ) -> tuple[dict[str, Any], dict[int, torch.Tensor]]:
     """The wrapped optimizer's own (positional) state dict holding the whole states this rank owns, and every full
     master weight found (by id of the shard)."""
-    saved_groups = list(state_dict["param_groups"])
-    if len(saved_groups) != len(shard_groups):
-        raise ValueError(f"state dict has {len(saved_groups)} param groups, the optimizer {len(shard_groups)}")
-    inner_groups: list[dict[str, Any]] = []
-    inner_state: dict[int, dict[str, Any]] = {}
-    masters: dict[int, torch.Tensor] = {}
-    index = 0
-    for saved, shards in zip(saved_groups, shard_groups, strict=True):
-        check_group_names(saved, shards)
-        ids = []
-        for shard in shards:
-            key = state_key(state_dict["state"], shard)
-            if key is not None:
-                entry = dict(state_dict["state"][key])
-                for name, value in entry.items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shard.working.shape:
-                        raise ValueError(
-                            f"{shard.key}: state {name!r} has shape {tuple(value.shape)} but the parameter has shape "
-                            f"{tuple(shard.working.shape)}; a full (unsharded) optimizer state is expected"
-                        )
-                master = entry.pop(MASTER_KEY, None)
-                if master is not None:
-                    masters[id(shard)] = master
-                if entry and (shard.group_size == 1 or whole.owns(shard)):
-                    inner_state[index] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-            ids.append(index)
-            index += 1
-        inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
-    return {"state": inner_state, "param_groups": inner_groups}, masters
+
+    def load_entry(shard: ParamShard, entry: dict[str, Any]) -> tuple[dict[str, Any] | None, torch.Tensor | None]:
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shard.working.shape:
+                raise ValueError(
+                    f"{shard.key}: state {name!r} has shape {tuple(value.shape)} but the parameter has shape "
+                    f"{tuple(shard.working.shape)}; a full (unsharded) optimizer state is expected"
+                )
+        master = entry.pop(MASTER_KEY, None)
+        if not entry or not (shard.group_size == 1 or whole.owns(shard)):
+            return None, master
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}, master
+
+    return positional_optimizer_state(state_dict, shard_groups, load_entry)
