@@ -5,6 +5,7 @@
   `ACTIVATION_TILE` 1x128 and `WEIGHT_BLOCK` 128x128) into E4M3 or E5M2.
 - `fp8_linear`: F.linear with fp8 GEMMs (torch._scaled_mm) forward and backward; `Fp8Linear` and `convert_to_fp8`
   swap plain nn.Linear layers that `fp8_eligible` accepts; `fp8_matmul_supported(device)` says where it runs.
+  `fp8_linear_input_grad` / `fp8_linear_weight_grad`: its two backward GEMMs, for code that runs them piece by piece.
 - `all_gather_flat_fp8`, `reduce_scatter_flat_fp8`, `all_reduce_fp8`, `all_to_all_single_fp8`: cx_mesh's flat
   collectives with an fp8 payload and its float32 scales on the wire (half of bf16's bytes plus 4 per scale);
   `reduce_scatter_scratch_nbytes_fp8` for memory accounting. A group of one rank copies exactly (no fp8).
@@ -24,7 +25,7 @@ from cx_mesh.fp8._collectives import (
 )
 from cx_mesh.fp8._formats import ACTIVATION_TILE, E4M3, E5M2, WEIGHT_BLOCK, Fp8Tensor, ScalingRecipe, quantize
 from cx_mesh.fp8._linear import Fp8Linear, convert_to_fp8
-from cx_mesh.fp8._matmul import fp8_linear, fp8_matmul_supported
+from cx_mesh.fp8._matmul import fp8_linear, fp8_linear_input_grad, fp8_linear_weight_grad, fp8_matmul_supported
 from cx_mesh.fp8._options import Fp8Options, fp8_eligible
 from cx_mesh.fp8._segments import all_reduce_fp8_segments
 from cx_mesh.fp8._wire import pack_fp8, packed_fp8_nbytes, unpack_fp8
@@ -44,6 +45,8 @@ __all__ = [
     "convert_to_fp8",
     "fp8_eligible",
     "fp8_linear",
+    "fp8_linear_input_grad",
+    "fp8_linear_weight_grad",
     "fp8_matmul_supported",
     "pack_fp8",
     "packed_fp8_nbytes",

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from cx_mesh.fp8._formats import ACTIVATION_TILE, E4M3, E5M2, WEIGHT_BLOCK, Fp8Tensor, ScalingRecipe, quantize
 from cx_mesh.fp8._options import FP8_ALIGNMENT
 
-__all__ = ["fp8_linear", "fp8_matmul_supported"]
+__all__ = ["fp8_linear", "fp8_linear_input_grad", "fp8_linear_weight_grad", "fp8_matmul_supported"]
 
 _OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_CUDA_CAPABILITY = (8, 9)
@@ -146,17 +146,41 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         input, weight = ctx.saved_tensors
         recipe: ScalingRecipe = ctx.recipe
-        grad_dtype = E4M3 if recipe is ScalingRecipe.BLOCKWISE else E5M2
-        g = grad_output.reshape(-1, grad_output.shape[-1])
-        x = input.reshape(-1, input.shape[-1])
         grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): reduce over the output features
-            grad_input = scaled_matmul(g, weight.t(), grad_dtype, E4M3, recipe, input.dtype).reshape(input.shape)
-        if ctx.needs_input_grad[1]:  # (N, M) @ (M, K): reduce over the tokens, both operands activation-like
-            grad_weight = scaled_matmul(g.t(), x.t(), grad_dtype, E4M3, recipe, weight.dtype, ACTIVATION_TILE)
+        if ctx.needs_input_grad[0]:
+            grad_input = fp8_linear_input_grad(grad_output, weight, recipe, input.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = fp8_linear_weight_grad(grad_output, input, recipe, weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_bias = g.float().sum(0).to(ctx.bias_dtype)
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).float().sum(0).to(ctx.bias_dtype)
         return grad_input, grad_weight, grad_bias, None
+
+
+def _grad_dtype(recipe: ScalingRecipe) -> torch.dtype:
+    """The gradient's fp8 format: E5M2 (range), E4M3 with BLOCKWISE (its fine scales give the range)."""
+    return E4M3 if recipe is ScalingRecipe.BLOCKWISE else E5M2
+
+
+def fp8_linear_input_grad(
+    grad_output: torch.Tensor, weight: torch.Tensor, recipe: ScalingRecipe, dtype: torch.dtype
+) -> torch.Tensor:
+    """`fp8_linear`'s input gradient, grad_output (..., N) @ weight (N, K) as an fp8 GEMM reducing over the output
+    features (grad_output E5M2, E4M3 with BLOCKWISE; weight E4M3), in `dtype`. Public so that code computing a linear
+    layer's backward piece by piece (cx_shardformer's sequence-overlap ring, one sequence chunk at a time) runs the
+    same GEMM as fp8_linear's autograd."""
+    g = grad_output.reshape(-1, grad_output.shape[-1])
+    out = scaled_matmul(g, weight.t(), _grad_dtype(recipe), E4M3, recipe, dtype)
+    return out.reshape(*grad_output.shape[:-1], weight.shape[1])
+
+
+def fp8_linear_weight_grad(
+    grad_output: torch.Tensor, input: torch.Tensor, recipe: ScalingRecipe, dtype: torch.dtype
+) -> torch.Tensor:
+    """`fp8_linear`'s weight gradient, grad_output^T (N, M) @ input (M, K) over every token as an fp8 GEMM (both
+    operands activation-like: `ACTIVATION_TILE`s with BLOCKWISE), in `dtype`, [out, in] as the weight."""
+    g = grad_output.reshape(-1, grad_output.shape[-1])
+    x = input.reshape(-1, input.shape[-1])
+    return scaled_matmul(g.t(), x.t(), _grad_dtype(recipe), E4M3, recipe, dtype, ACTIVATION_TILE)
 
 
 def fp8_linear(
