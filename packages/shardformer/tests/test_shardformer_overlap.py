@@ -112,9 +112,8 @@ def test_shardformer_overlap_config_rules() -> None:
     assert ShardConfig(enable_sequence_overlap=True, **sequence).enable_sequence_overlap
     assert ShardConfig(enable_all_optimization=True, **sequence).enable_sequence_overlap, "as ColossalAI does"
     assert not ShardConfig(enable_all_optimization=True).enable_sequence_overlap, "nothing to overlap without SP"
-    with pytest.raises(ValueError, match="enable_sequence_overlap cannot go with use_fp8"):
-        ShardConfig(enable_sequence_overlap=True, use_fp8=True, **sequence)
-    assert not ShardConfig(enable_all_optimization=True, fp8_communication=True, **sequence).enable_sequence_overlap
+    assert ShardConfig(enable_sequence_overlap=True, use_fp8=True, fp8_communication=True, **sequence)
+    assert ShardConfig(enable_all_optimization=True, fp8_communication=True, **sequence).enable_sequence_overlap
     all_to_all: dict[str, Any] = {"enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all"}
     assert not ShardConfig(enable_all_optimization=True, **all_to_all).enable_sequence_overlap
 

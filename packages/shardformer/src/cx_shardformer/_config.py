@@ -110,17 +110,11 @@ class ShardConfig:
 
     def _check_sequence_overlap(self) -> None:
         """enable_sequence_overlap rings split_gather's all-gather / reduce-scatter with the matmuls: with any other
-        sequence mode (or none) it has nothing to overlap and raises, and so with fp8 (the ring computes and sends
-        in high precision); enable_all_optimization turns it on exactly where split_gather is on without fp8."""
+        sequence mode (or none) it has nothing to overlap and raises; with use_fp8 / fp8_communication the ring
+        computes and sends in fp8 (`_overlap`); enable_all_optimization turns it on exactly where split_gather is on."""
         split_gather = self.sp_mode is SequenceParallelMode.SPLIT_GATHER
-        fp8 = [name for name in ("use_fp8", "fp8_communication") if getattr(self, name)]
-        if self.enable_all_optimization and split_gather and not fp8:
+        if self.enable_all_optimization and split_gather:
             object.__setattr__(self, "enable_sequence_overlap", True)
-        if self.enable_sequence_overlap and fp8:
-            raise ValueError(
-                f"ShardConfig: enable_sequence_overlap cannot go with {' and '.join(fp8)}: the overlap ring computes "
-                "and sends in high precision; turn one of them off"
-            )
         if self.enable_sequence_overlap and not split_gather:
             mode = self.sequence_parallelism_mode if self.enable_sequence_parallelism else "off"
             raise ValueError(

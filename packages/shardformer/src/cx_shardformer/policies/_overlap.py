@@ -3,7 +3,7 @@ one ring (`cx_shardformer._overlap`) that feeds every column layer of the block 
 layer reduce-scatters through the ring too.
 
 A block qualifies when its column layers all read the block input (the policy's `shares_block_reductions`, which
-the checked policies verify for their model) and none of its layers computes in fp8. An explicit
+the checked policies verify for their model); use_fp8 and fp8_communication run inside the ring. An explicit
 enable_sequence_overlap on a block that does not qualify raises; when enable_all_optimization switched it on, such a
 block keeps the plain gather and a warning says so once.
 """
@@ -41,7 +41,8 @@ def _ring_hook(columns: list[_ColumnBase], group: ProcessGroup | None, gather: _
         hidden = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(hidden, torch.Tensor):
             raise TypeError("enable_sequence_overlap: the block received no hidden_states tensor")
-        full, outs = column_ring(hidden, 1, group, [as_column(column) for column in columns])
+        fp8 = columns[0].fp8_communication  # set after sharding (apply_fp8), the same on every layer: read it now
+        full, outs = column_ring(hidden, 1, group, [as_column(column) for column in columns], fp8)
         mark_input_grad_reduced(full, group)  # the ring's backward reduce-scatters its input gradient
         stash_outputs(columns, full, outs)
         if args:
