@@ -54,7 +54,8 @@ def _train(**switches: Any) -> tuple[list[float], dict[str, torch.Tensor], dict[
     boosted, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
     assert optimizer is not None
     data = torch.randint(0, VOCAB, (STEPS, ROWS, LENGTH), generator=torch.Generator().manual_seed(7))
-    losses, start, first = [], parameters_now(model), {}
+    losses, start = [], parameters_now(model)
+    first: dict[str, torch.Tensor] = {}
     for step in range(STEPS):
         loss = boosted(input_ids=data[step], labels=data[step]).loss
         booster.backward(loss, optimizer)
