@@ -144,6 +144,15 @@ def test_train_fp8_recipe_parsed_once_into_the_options() -> None:
     assert "needs --fp8 unless tensorwise (default: tensorwise)" in text
 
 
+def test_train_sequence_overlap_goes_with_fp8() -> None:
+    """The overlap ring computes and sends in fp8 (cx-shardformer's _overlap), so --sequence-overlap takes both fp8
+    switches."""
+    flags = ["--plugin", "hybrid", "--nproc", "2", "--tp", "2", "--sp-mode", "split_gather", "--sequence-overlap"]
+    options = parse_options([*flags, "--fp8", "--fp8-communication"])
+    extras = plugin_extras(options)
+    assert (extras["use_fp8"], extras["fp8_communication"], extras["enable_sequence_overlap"]) == (True, True, True)
+
+
 @pytest.mark.parametrize(
     ("name", "kind"),
     [("adamw", "AdamW"), ("hybrid_adam", HybridAdam), ("fused_adam", FusedAdam), ("cpu_adam", CPUAdam)],
@@ -171,10 +180,6 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
         (["--plugin", "gemini", "--sp-mode", "ring"], "--sp-mode ring is not supported by --plugin gemini"),
         (["--plugin", "hybrid", "--sp-mode", "split_gather"], "--sp-mode split_gather splits the sequence over"),
         (["--plugin", "hybrid", "--sp-mode", "all_to_all"], "--sp-mode all_to_all splits the sequence over its own"),
-        (
-            ["--plugin", "hybrid", "--tp", "2", "--sp-mode", "split_gather", "--sequence-overlap", "--fp8"],
-            "--sequence-overlap cannot go with --fp8",
-        ),
         (["--plugin", "hybrid", "--tp", "2", "--sequence-overlap"], "--sequence-overlap overlaps split_gather's"),
         (["--plugin", "gemini", "--jit-fused"], "--jit-fused is not supported by --plugin gemini"),
         (["--plugin", "low_level_zero", "--placement", "auto"], "--placement is not supported by --plugin"),

@@ -154,7 +154,7 @@ def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
         "--sequence-overlap",
         action="store_true",
         help="overlap split_gather's all-gather / reduce-scatter with the matmuls (enable_sequence_overlap); needs "
-        "--sp-mode split_gather, not with --fp8 / --fp8-communication (default: off)",
+        "--sp-mode split_gather; with --fp8 / --fp8-communication the ring computes / sends in fp8 (default: off)",
     )
     switches.add_argument(
         "--fp8",
@@ -296,12 +296,8 @@ def _sequence_problem(args: argparse.Namespace) -> str | None:
             return f"--sp-mode {mode} runs on the --tp group, not an --sp axis: drop --sp {sp} (or use all_to_all)"
     if mode in SP_AXIS_MODES and sp == 1:
         return f"--sp-mode {mode} splits the sequence over its own axis: give --sp 2 or more"
-    if args.sequence_overlap:
-        if mode != "split_gather":
-            return "--sequence-overlap overlaps split_gather's collectives: it needs --sp-mode split_gather"
-        if args.fp8 or args.fp8_communication:
-            fp8 = "--fp8" if args.fp8 else "--fp8-communication"
-            return f"--sequence-overlap cannot go with {fp8}: the overlap ring computes and sends in the model's dtype"
+    if args.sequence_overlap and mode != "split_gather":
+        return "--sequence-overlap overlaps split_gather's collectives: it needs --sp-mode split_gather"
     return None
 
 
