@@ -3,19 +3,21 @@ and GPT-2 Conv1D) computed by the overlap ring against the same layers, same fp8
 and backward, for each recipe; and the bytes a ring step sends with fp8_communication.
 
 Tolerance from the arithmetic. An fp8 rounding of v (dynamic scaling, scale s = amax / fmax of its group) is off by
-at most u |v| + t amax: u the unit roundoff, 2^-4 for E4M3 (3 mantissa bits) and 2^-3 for E5M2 (2 bits), and
-t amax half the smallest subnormal's spacing times the scale (t = 2^-10 / 448 for E4M3, 2^-17 / 57344 for E5M2),
-which bounds the rounding of an element below the normal range. So one fp8 GEMM of a (M, K) and b (K, N) is off the
-exact a @ b by at most (ua + ub + ua ub) |a| @ |b| + (1 + ua) tb max|b| rowsum|a| + (1 + ub) ta max|a| colsum|b|
-+ K ta max|a| tb max|b| (`_gemm`: |q(a) q(b) - ab| <= |q(a) - a| |q(b)| + |a| |q(b) - b|, summed over K). The
-overlapped and the plain path each stay within that of the exact product of the same operands, so they differ by
-twice it. Their operands are the same: a gathered chunk travels as fp8 quantized once by its owner (bitwise the plain
-fp8 all-gather's values), and the weight gradient is one GEMM of the same full tensors either way. Forward GEMMs take
-E4M3 operands; backward GEMMs an E5M2 gradient (E4M3 with BLOCKWISE) and an E4M3 weight or activation. A summed
-output (the column layer's input gradient, the row layer's output) also carries its fp8 wire rounding: the plain
-reduce-scatter quantizes both ranks' parts, the tp 2 ring the part it sends, each at most u |part| + t max|part|, the
-parts bounded by the GEMM's magnitude plus its error. An fp8_communication gather feeds the GEMM values off by at
-most u |v| + t amax (`_wired`). The float32 accumulation adds at most `sum_tolerance` of the reduced dimension.
+at most u |v| + t amax: u the unit roundoff, 2^-4 for E4M3 (3 mantissa bits) and 2^-3 for E5M2 (2 bits), and t amax
+half the smallest subnormal's spacing times the scale (t = 2^-10 / 448 for E4M3, 2^-17 / 57344 for E5M2), which
+bounds the rounding of an element below the normal range; plus 3 float32 roundings of v (v / s before the cast, the
+scale, the dequantizing product: mesh's fp8_bound_helpers.element_bound). So one fp8 GEMM of a (M, K) and b (K, N)
+is off the exact a @ b by at most (ua + ub + ua ub) |a| @ |b| + (1 + ua) tb max|b| rowsum|a| + (1 + ub) ta max|a|
+colsum|b| + K ta max|a| tb max|b| (`_gemm`: |q(a) q(b) - ab| <= |q(a) - a| |q(b)| + |a| |q(b) - b|, summed over K).
+The overlapped and the plain path each stay within that of the exact product of the same operands, so they differ by
+twice it. Their operands are the same: a gathered chunk travels as fp8 quantized once by its owner (bitwise the
+plain fp8 all-gather's values), and the weight gradient is one GEMM of the same full tensors either way. Forward
+GEMMs take E4M3 operands; backward GEMMs an E5M2 gradient (E4M3 with BLOCKWISE) and an E4M3 weight or activation. A
+summed output (the column layer's input gradient, the row layer's output) also carries its fp8 wire rounding: the
+plain reduce-scatter quantizes both ranks' parts, the tp 2 ring the part it sends, each at most u |part| + t
+max|part|, the parts bounded by the GEMM's magnitude plus its error. An fp8_communication gather feeds the GEMM
+values off by at most u |v| + t amax (`_wired`). The float32 accumulation adds at most `sum_tolerance` of the
+reduced dimension.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from cx_mesh.fp8 import ScalingRecipe
-from cx_mesh.testing import count_collective_bytes, distributed, sum_tolerance
+from cx_mesh.testing import count_collective_bytes, distributed, sum_tolerance, unit_roundoff
 from cx_shardformer import Linear1D_Col, Linear1D_Row
 from cx_shardformer._conv1d import GPT2FusedLinearConv1D_Col, GPT2FusedLinearConv1D_Row
 from cx_shardformer._overlap import RING_RECIPES, check_overlap_layer
@@ -37,6 +39,7 @@ from shardformer_helpers import chunk
 B, S, IN, OUT = 2, 8, 32, 64  # fp8-eligible shards: every local dim a multiple of 16
 U4, T4 = 2.0**-4, 2.0**-10 / 448.0  # E4M3: unit roundoff; half the smallest subnormal over the largest value
 U5, T5 = 2.0**-3, 2.0**-17 / 57344.0  # E5M2
+F32_ROUNDINGS = 3 * unit_roundoff(torch.float32)  # of each quantized element, on top of its fp8 rounding
 NO_FP8 = (0.0, 0.0)
 CASES: list[tuple[ScalingRecipe | None, bool]] = [
     (ScalingRecipe.TENSORWISE, False),
@@ -51,6 +54,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, fa: tuple[float, float], fb: tuple[f
     """One path's fp8 GEMM error bound against the exact a @ b, from |a| (M, K), |b| (K, N) and each operand's
     (u, t) (`NO_FP8`: not quantized)."""
     (ua, ta), (ub, tb) = fa, fb
+    ua, ub = (u + F32_ROUNDINGS if u else 0.0 for u in (ua, ub))
     ta, tb = ta * float(a.max()), tb * float(b.max())
     rows, cols = a.sum(-1, keepdim=True), b.sum(0, keepdim=True)
     return (ua + ub + ua * ub) * (a @ b) + (1 + ua) * tb * rows + (1 + ub) * ta * cols + a.shape[-1] * ta * tb
@@ -59,6 +63,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, fa: tuple[float, float], fb: tuple[f
 def _wired(v: torch.Tensor, fmt: tuple[float, float]) -> torch.Tensor:
     """A magnitude bound of |v| after an fp8 wire rounding in `fmt` (`NO_FP8`: none)."""
     u, t = fmt
+    u = u + F32_ROUNDINGS if u else 0.0
     return (1 + u) * v + t * float(v.max())
 
 
@@ -77,6 +82,7 @@ def _tolerance(
     gemm = _gemm(a, b, fa, fb)
     parts = magnitude + gemm
     u, t = wire
+    u = u + F32_ROUNDINGS if u else 0.0
     rounding = sum_tolerance(a.shape[-1] + 1, float(magnitude.max()) + bias)
     return 2 * gemm + 2 * u * parts + 3 * t * float(parts.max()) + rounding
 
