@@ -247,3 +247,14 @@ def test_shardformer_overlap_fp8_recipe_refusal() -> None:
 
     with pytest.raises(ValueError, match="fp8 recipe mxfp8, which the overlap ring does not implement"):
         check_overlap_layer(_Layer(), "column")
+
+
+@distributed(world_size=1)
+def test_shardformer_overlap_fp8_one_rank_is_exact(rank: int, world_size: int) -> None:
+    """One rank sends nothing, so nothing is quantized for the wire (as cx_mesh.fp8's collectives copy exactly):
+    with fp8_communication alone the ring computes exactly what the plain layer does."""
+    torch.manual_seed(3)
+    x, g = torch.randn(B, S, IN), torch.randn(B, S, OUT)
+    plain, overlapped, _ = _layers("linear_col", IN, OUT, None, True)
+    for got, ref in zip(_run(overlapped, x, g), _run(plain, x, g), strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
