@@ -18,6 +18,8 @@ same with `fits` (90 % of 80 GB usable), from benchmarks/plan/llama2_70b_config.
 Model states only (no activations): DeepSpeed's t5-3b table on 1 node x 8 GPUs (docs/code-docs/source/memory.rst,
 `estimate_zero2/3_model_states_mem_needs_all_live`), recomputed here from DeepSpeed's formulas and set beside what
 cx-plan predicts for cx's equivalent layouts; benchmarks/plan/RESULTS.md has the table and why the rows differ.
+And a calibration, not a prediction: the `--routing-skew` at which cx-plan's compute loses what Megatron's published
+Qwen3-235B runs lose to dropless routing against forced balance.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from cx_plan import ActivationTrace, Candidate, ParameterCounts, load_model_shap
 from cx_plan._devices import lookup_device
 from cx_plan.memory._fits import fits
 from cx_plan.memory._memory import predict_memory_from_traces
+from cx_plan.step_time._step_time import flops_per_token, worst_rank_expert_flops
 
 CONFIG = Path(__file__).resolve().parents[1] / "benchmarks" / "plan" / "llama3_1_8b_config.json"
 LLAMA2_70B = CONFIG.with_name("llama2_70b_config.json")
@@ -176,3 +179,26 @@ def test_t5_3b_zero2_is_deepspeeds_current_formula_less_the_16_bit_gradient_shar
     # with the optimizer offloaded both keep the 16-bit parameters only (cx: and the buckets)
     offload = _cx_model_states(Candidate("low_level_zero", dp=GPUS, zero_stage=2, cpu_offload=True)) * GIB
     assert offload == _deepspeed_zero2(T5_3B, offload=True, docs_formula=True) + 3 * BUCKET_BYTES
+
+
+QWEN3_235B = CONFIG.with_name("qwen3_235b_a22b_config.json")
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "ratio", "skew"), [(16_384, 237 / 295, 1.81), (131_072, 357 / 389, 2.41)], ids=["16k", "128k"]
+)
+def test_megatron_qwen3_235b_routing_skew_calibration(seq_len: int, ratio: float, skew: float) -> None:
+    # a calibration, not a prediction (benchmarks/plan/RESULTS.md): the S at which cx-plan's compute, with the hot
+    # ep rank running S x its share of the routed FLOPs, slows by the published dropless / forced-balance ratio
+    # (yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md: 237 / 295 TFLOPS at 16K, 357 / 389 at 128K)
+    shape = load_model_shape(str(QWEN3_235B))
+    assert shape.parameters.total == 235_093_634_560
+    per_token, _ = flops_per_token(shape, seq_len)
+    hot = Candidate("moe_hybrid", dp=8, ep=8, routing_skew=2.0)  # S - 1 = 1: the extra FLOPs of one more share
+    extra = worst_rank_expert_flops(hot, shape)
+    assert extra == 6 * shape.parameters.experts * shape.top_k / shape.num_experts
+    fitted = 1 + (1 / ratio - 1) * per_token / extra
+    assert round(fitted, 2) == skew
+    # and back: that S slows cx-plan's compute by the published ratio
+    slowed = per_token + worst_rank_expert_flops(Candidate("moe_hybrid", dp=8, ep=8, routing_skew=fitted), shape)
+    assert per_token / slowed == pytest.approx(ratio, rel=1e-9)
