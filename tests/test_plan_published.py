@@ -202,3 +202,28 @@ def test_megatron_qwen3_235b_routing_skew_calibration(seq_len: int, ratio: float
     # and back: that S slows cx-plan's compute by the published ratio
     slowed = per_token + worst_rank_expert_flops(Candidate("moe_hybrid", dp=8, ep=8, routing_skew=fitted), shape)
     assert per_token / slowed == pytest.approx(ratio, rel=1e-9)
+
+
+def test_other_estimators_on_the_llama_runs() -> None:
+    # docs/plan.md, "cx-plan beside other estimators": DeepSpeed's ZeRO-3 formula and accelerate's "Training using
+    # Adam" (accelerate's own rule where it is installed) for torchtitan's Llama 3.1 8B and cx's tiny Llama
+    estimate = pytest.importorskip("accelerate.commands.estimate")
+    sizes = pytest.importorskip("accelerate.utils").calculate_maximum_sizes
+    import torch
+
+    from cx_plan import build_model
+
+    eight_b = load_model_shape(str(CONFIG))
+    embedding = eight_b.vocab_size * eight_b.hidden_size  # the largest module's own parameters
+    zero3 = 4 * embedding + 18 * eight_b.parameters.total // 8
+    assert f"{zero3 / GIB:.2f}" == "18.78"
+    tiny = load_model_shape("llama", hidden_size=64, num_layers=2, seq_len=32)
+    assert tiny.parameters.total == 80_448
+    figures = {}
+    for name, shape, dtype, scale in [
+        ("8b-fp32", eight_b, "float32", GIB), ("8b-fp16", eight_b, "float16", GIB), ("tiny", tiny, "float32", 1e6)
+    ]:  # fmt: skip
+        with torch.device("meta"):
+            total, _ = sizes(build_model(shape))
+        figures[name] = f"{max(estimate.estimate_training_usage(total, dtype).values()) / scale:.2f}"
+    assert figures == {"8b-fp32": "119.66", "8b-fp16": "59.83", "tiny": "1.29"}
