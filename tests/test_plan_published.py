@@ -14,6 +14,12 @@ A second source gives a boundary, not a figure: torchtitan's `docs/performance.m
 80 GB, FSDP2, seq 4096, bf16 / fp32 reduce): local batch 1 with selective op checkpointing and local batch 2 with
 full checkpointing ran; local batch 2 with selective op ran out of memory (its footnote 1). cx-plan must say the
 same with `fits` (90 % of 80 GB usable), from benchmarks/plan/llama2_70b_config.json (Meta's Llama-2-70b-hf config).
+
+Model states only (no activations): DeepSpeed's t5-3b table on 1 node x 8 GPUs (docs/code-docs/source/memory.rst,
+`estimate_zero2/3_model_states_mem_needs_all_live`), recomputed here from DeepSpeed's formulas and set beside what
+cx-plan predicts for cx's equivalent layouts; benchmarks/plan/RESULTS.md has the table and why the rows differ.
+And a calibration, not a prediction: the `--routing-skew` at which cx-plan's compute loses what Megatron's published
+Qwen3-235B runs lose to dropless routing against forced balance.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from cx_plan import Candidate, load_model_shape, predict_memory
+from cx_plan import ActivationTrace, Candidate, ParameterCounts, load_model_shape, predict_memory
 from cx_plan._devices import lookup_device
 from cx_plan.memory._fits import fits
+from cx_plan.memory._memory import predict_memory_from_traces
+from cx_plan.step_time._step_time import flops_per_token, worst_rank_expert_flops
 
 CONFIG = Path(__file__).resolve().parents[1] / "benchmarks" / "plan" / "llama3_1_8b_config.json"
 LLAMA2_70B = CONFIG.with_name("llama2_70b_config.json")
@@ -61,3 +69,161 @@ def test_torchtitan_llama2_70b_fsdp_boundary_on_a100(local_batch: int, mode: str
     )  # fmt: skip
     verdict = fits(predict_memory(shape, torchtitan, seq_len=4096), lookup_device("a100").memory_bytes)
     assert verdict.fits == ran, f"local batch {local_batch}, {mode}: {verdict.peak_bytes / 1e9:.1f} GB"
+
+
+# t5-3b (T5Model: shared embedding, 24 encoder and 24 decoder blocks; the first block of each stack holds the 32 x 32
+# relative attention bias): 2,851,598,336 parameters, the largest module's own the shared embedding (32128 x 1024)
+T5_3B = 2_851_598_336
+T5_3B_LARGEST = 32_128 * 1_024
+T5_3B_BLOCKS = (50_334_720,) + (50_333_696,) * 23 + (67_112_960,) + (67_111_936,) * 23
+GPUS = 8
+BUCKET_BYTES = 12 * 2**20 * 2  # LowLevelZero's reduce bucket, 12 M elements of bf16
+
+
+def _deepspeed_zero2(params: int, offload: bool, docs_formula: bool) -> int:
+    """DeepSpeed's ZeRO-2 GPU model states (memory.rst, "ZeRO-2"): 2 x params with the optimizer offloaded; without,
+    4 x params + 16 x params / gpus in the docs (the table's figures) and 2 x params + 18 x params / gpus since
+    DeepSpeed PR #5099 (2024-06-04: 16-bit parameters and gradients at 2 bytes, not 4)."""
+    if offload:
+        return 2 * params
+    return 4 * params + 16 * params // GPUS if docs_formula else 2 * params + 18 * params // GPUS
+
+
+def _deepspeed_zero3(params: int, largest: int, offload_optimizer: bool, offload_param: bool) -> int:
+    """DeepSpeed's ZeRO-3 GPU model states (memory.rst, "ZeRO-3"): the largest layer's 16-bit parameters and
+    gradients gathered (4 x largest) plus, per GPU, 18 x params / gpus (none offloaded), 2 x params / gpus (the
+    optimizer offloaded) or nothing (both)."""
+    per_gpu = 0 if offload_param else (2 if offload_optimizer else 18) * params // GPUS
+    return 4 * largest + per_gpu
+
+
+@pytest.mark.parametrize(
+    ("published", "estimate"),
+    [
+        (15.93, _deepspeed_zero2(2851 * 10**6, offload=False, docs_formula=True)),
+        (5.31, _deepspeed_zero2(2851 * 10**6, offload=True, docs_formula=True)),
+        (6.09, _deepspeed_zero3(2851 * 10**6, 32 * 10**6, offload_optimizer=False, offload_param=False)),
+        (0.78, _deepspeed_zero3(2851 * 10**6, 32 * 10**6, offload_optimizer=True, offload_param=False)),
+        (0.12, _deepspeed_zero3(2851 * 10**6, 32 * 10**6, offload_optimizer=True, offload_param=True)),
+        (6.10, _deepspeed_zero3(T5_3B, T5_3B_LARGEST, offload_optimizer=False, offload_param=False)),
+        (0.79, _deepspeed_zero3(T5_3B, T5_3B_LARGEST, offload_optimizer=True, offload_param=False)),
+    ],
+    ids=["z2-cold", "z2-offload-cold", "z3-cold", "z3-optim-cold", "z3-both-cold", "z3-live", "z3-optim-live"],
+)
+def test_deepspeed_formulas_give_its_published_t5_3b_table(published: float, estimate: int) -> None:
+    # the "cold" rows pass total_params=2851e6, largest_layer_params=32e6; the "live" ones count the model
+    assert f"{estimate / GIB:.2f}" == f"{published:.2f}"
+
+
+def test_deepspeed_current_zero2_formula_gives_less_than_its_table() -> None:
+    # the table predates PR #5099: today's code prints 11.28 GiB (cold) / 11.29 (live) for the 15.93 row
+    assert f"{_deepspeed_zero2(2851 * 10**6, offload=False, docs_formula=False) / GIB:.2f}" == "11.28"
+    assert f"{_deepspeed_zero2(T5_3B, offload=False, docs_formula=False) / GIB:.2f}" == "11.29"
+
+
+def test_t5_3b_parameter_counts() -> None:
+    # t5-3b's config (d_model 1024, d_ff 16384, 32 heads of 128, 24 + 24 layers, vocabulary 32128), built on meta
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.T5Config(
+        vocab_size=32_128, d_model=1_024, d_kv=128, d_ff=16_384, num_layers=24, num_heads=32,
+        feed_forward_proj="relu", tie_word_embeddings=True,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.T5Model(config)
+    assert sum(dict((id(p), p.numel()) for p in model.parameters()).values()) == T5_3B
+    blocks = [*model.encoder.block, *model.decoder.block]
+    assert tuple(sum(p.numel() for p in block.parameters()) for block in blocks) == T5_3B_BLOCKS
+    assert max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) == T5_3B_LARGEST
+
+
+def _cx_model_states(candidate: Candidate) -> float:
+    """cx-plan's peak for t5-3b's parameters with no activations (a trace of none): the model states at their own
+    peak, the end of the backward. cx-plan traces decoder-only models, so the trace is written, not made."""
+    states = ActivationTrace(
+        stage=0, parameter_bytes=2 * T5_3B, activation_bytes=0, gradient_bytes=0, gradient_total_bytes=2 * T5_3B,
+        peak_bytes=2 * T5_3B, saved_bytes=0, parameter_count=T5_3B,
+    )  # fmt: skip
+    counts = ParameterCounts(
+        total=T5_3B, outer=T5_3B - sum(T5_3B_BLOCKS), embeddings=T5_3B_LARGEST, dense_per_layer=T5_3B_BLOCKS,
+        experts_per_layer=(0,) * len(T5_3B_BLOCKS), per_expert=0, tied=True,
+    )  # fmt: skip
+    return predict_memory_from_traces(candidate, [states], counts).peak / GIB
+
+
+# (DeepSpeed's row, its published GiB, cx's layout, cx-plan's GiB as benchmarks/plan/RESULTS.md prints it)
+MODEL_STATES = [
+    ("zero2", 15.93, Candidate("low_level_zero", dp=GPUS, zero_stage=2), 10.69),
+    ("zero2 as the docs count (zero1)", 15.93, Candidate("low_level_zero", dp=GPUS, zero_stage=1), 15.96),
+    ("zero2 offload_optimizer", 5.31, Candidate("low_level_zero", dp=GPUS, zero_stage=2, cpu_offload=True), 5.38),
+    ("zero3", 6.10, Candidate("torch_fsdp", dp=GPUS, fsdp_wrap="block"), 5.48),
+    ("zero3 (gemini)", 6.10, Candidate("gemini", dp=GPUS), 11.29),
+    ("zero3 offload_optimizer", 0.79, Candidate("gemini", dp=GPUS, offload_optim_frac=1.0), 8.63),
+    ("zero3 offload_param + optimizer", 0.12,
+     Candidate("gemini", dp=GPUS, offload_optim_frac=1.0, offload_param_frac=1.0), 7.30),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("row", "published", "candidate", "table"), MODEL_STATES, ids=[r[0] for r in MODEL_STATES])
+def test_t5_3b_model_states_rows(row: str, published: float, candidate: Candidate, table: float) -> None:
+    assert round(_cx_model_states(candidate), 2) == table, row
+
+
+def test_t5_3b_zero2_is_deepspeeds_current_formula_less_the_16_bit_gradient_shard() -> None:
+    # DeepSpeed today: 2P + (2 + 4 + 4 + 8) P / 8. cx's LowLevelZero reduces each 16-bit bucket straight into the
+    # fp32 gradient shard, so it has no 16-bit shard (2P / 8) but holds two buckets and the one being reduced
+    cx = _cx_model_states(Candidate("low_level_zero", dp=GPUS, zero_stage=2)) * GIB
+    current = _deepspeed_zero2(T5_3B, offload=False, docs_formula=False)
+    assert cx == current - 2 * T5_3B // GPUS + 3 * BUCKET_BYTES
+    # with the optimizer offloaded both keep the 16-bit parameters only (cx: and the buckets)
+    offload = _cx_model_states(Candidate("low_level_zero", dp=GPUS, zero_stage=2, cpu_offload=True)) * GIB
+    assert offload == _deepspeed_zero2(T5_3B, offload=True, docs_formula=True) + 3 * BUCKET_BYTES
+
+
+QWEN3_235B = CONFIG.with_name("qwen3_235b_a22b_config.json")
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "ratio", "skew"), [(16_384, 237 / 295, 1.81), (131_072, 357 / 389, 2.41)], ids=["16k", "128k"]
+)
+def test_megatron_qwen3_235b_routing_skew_calibration(seq_len: int, ratio: float, skew: float) -> None:
+    # a calibration, not a prediction (benchmarks/plan/RESULTS.md): the S at which cx-plan's compute, with the hot
+    # ep rank running S x its share of the routed FLOPs, slows by the published dropless / forced-balance ratio
+    # (yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md: 237 / 295 TFLOPS at 16K, 357 / 389 at 128K)
+    shape = load_model_shape(str(QWEN3_235B))
+    assert shape.parameters.total == 235_093_634_560
+    per_token, _ = flops_per_token(shape, seq_len)
+    hot = Candidate("moe_hybrid", dp=8, ep=8, routing_skew=2.0)  # S - 1 = 1: the extra FLOPs of one more share
+    extra = worst_rank_expert_flops(hot, shape)
+    assert extra == 6 * shape.parameters.experts * shape.top_k / shape.num_experts
+    fitted = 1 + (1 / ratio - 1) * per_token / extra
+    assert round(fitted, 2) == skew
+    # and back: that S slows cx-plan's compute by the published ratio
+    slowed = per_token + worst_rank_expert_flops(Candidate("moe_hybrid", dp=8, ep=8, routing_skew=fitted), shape)
+    assert per_token / slowed == pytest.approx(ratio, rel=1e-9)
+
+
+def test_other_estimators_on_the_llama_runs() -> None:
+    # docs/plan.md, "cx-plan beside other estimators": DeepSpeed's ZeRO-3 formula and accelerate's "Training using
+    # Adam" (accelerate's own rule where it is installed) for torchtitan's Llama 3.1 8B and cx's tiny Llama
+    estimate = pytest.importorskip("accelerate.commands.estimate")
+    sizes = pytest.importorskip("accelerate.utils").calculate_maximum_sizes
+    import torch
+
+    from cx_plan import build_model
+
+    eight_b = load_model_shape(str(CONFIG))
+    embedding = eight_b.vocab_size * eight_b.hidden_size  # the largest module's own parameters
+    zero3 = 4 * embedding + 18 * eight_b.parameters.total // 8
+    assert f"{zero3 / GIB:.2f}" == "18.78"
+    tiny = load_model_shape("llama", hidden_size=64, num_layers=2, seq_len=32)
+    assert tiny.parameters.total == 80_448
+    figures = {}
+    for name, shape, dtype, scale in [
+        ("8b-fp32", eight_b, "float32", GIB), ("8b-fp16", eight_b, "float16", GIB), ("tiny", tiny, "float32", 1e6)
+    ]:  # fmt: skip
+        with torch.device("meta"):
+            total, _ = sizes(build_model(shape))
+        figures[name] = f"{max(estimate.estimate_training_usage(total, dtype).values()) / scale:.2f}"
+    assert figures == {"8b-fp32": "119.66", "8b-fp16": "59.83", "tiny": "1.29"}

@@ -198,8 +198,24 @@ def test_offload_on_a_cpu_device_stays_in_the_peak() -> None:
     assert (cpu.peak, cpu.cpu_offloaded, cpu.optimizer_states) == (6500, 2000, 2000)
     zero = Candidate("low_level_zero", dp=2, zero_stage=1, cpu_offload=True)
     on_gpu, on_cpu = (predict_memory_from_traces(zero, [_trace(1000)], None, host) for host in (False, True))
-    assert on_gpu.optimizer_states == 0
-    assert on_cpu.optimizer_states == on_cpu.cpu_offloaded == 8000 // 2
+    assert (on_gpu.optimizer_states, on_gpu.master_weights) == (0, 0)
+    # moments 8000 / 2 and the fp32 master shard 4000 / 2 are moved (cx-zero puts masters on the CPU too)
+    assert (on_cpu.optimizer_states, on_cpu.master_weights, on_cpu.cpu_offloaded) == (4000, 2000, 6000)
+
+
+def test_zero_cpu_offload_leaves_only_the_16_bit_side_on_the_device() -> None:
+    # cx-zero's cpu_offload: masters, moments and the reduced fp32 gradient shard live on the CPU (the reduced bucket
+    # goes to the master's device). bf16 ZeRO 2 over dp 2, 1000 elements, at the end of the backward: 16-bit params
+    # 2000, the gradients held (all 2000, under two buckets) and the packed bucket 2000; nothing fp32 on the device
+    zero = Candidate("low_level_zero", dp=2, zero_stage=2, cpu_offload=True)
+    on_gpu = predict_memory_from_traces(zero, [_trace(1000)])
+    assert on_gpu.end_of_backward == 2000 + 2000 + 2000
+    # on a CPU device the same bytes stay in the peak: moments 4000, masters 2000, the fp32 shard 2000 more
+    on_cpu = predict_memory_from_traces(zero, [_trace(1000)], None, True)
+    assert on_cpu.end_of_backward == 6000 + 4000 + 2000 + 2000
+    # unsharded (dp 1): the step's fp32 copy of the gradients is the CPU master's too
+    single = predict_memory_from_traces(Candidate("low_level_zero", zero_stage=2, cpu_offload=True), [_trace(1000)])
+    assert single.end_of_backward == 2000 + 2000
 
 
 @pytest.mark.parametrize(

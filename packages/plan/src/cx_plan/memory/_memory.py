@@ -129,8 +129,12 @@ def _for_stage(
                 master = _shard(c, n, e, _FP32)
     # what is moved to the CPU leaves both instants below, unless the CPU is the device (the same memory)
     offloaded = 0
+    # cx-zero's cpu_offload keeps the whole fp32 side on the CPU: moments, master shard and the gradients reduced into
+    # it (`cx_zero._reduce` moves each reduced bucket to the master's device)
+    fp32_on_host = c.cpu_offload and not host_is_device
     if c.cpu_offload:
-        offloaded, optimizer = optimizer, optimizer if host_is_device else 0
+        offloaded = optimizer + master
+        optimizer, master = (0, 0) if fp32_on_host else (optimizer, master)
     if c.plugin == "gemini" and (c.offload_optim_frac or c.offload_param_frac):
         moved_optimizer = int(optimizer * c.offload_optim_frac)
         moved_master = int(master * c.offload_param_frac)
@@ -142,7 +146,7 @@ def _for_stage(
         # bucket by bucket) wait in the packed bucket being reduce-scattered into this rank's shard
         bucket = min(n, _ZERO_BUCKET_ELEMENTS) * w
         held = w * n if c.stage == 1 else min(w * n, 2 * bucket)
-        end = parameters + optimizer + master + held + bucket + _shard(c, n, e, _FP32)
+        end = parameters + optimizer + master + held + bucket + (0 if fp32_on_host else _shard(c, n, e, _FP32))
     elif c.plugin == "gemini":
         # late in the backward, activations mostly gone: each chunk's own value slice copied aside at its first
         # gradient write and its reduced gradient slice, beside the gathered chunks
@@ -153,7 +157,7 @@ def _for_stage(
         end = parameters + optimizer + master + w * n + w * reduced + (_FP32 * n if c.half_precision else 0)
     elif c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.half_precision:
         # unsharded mixed precision: the step reads fp32 copies of the 16-bit gradients beside them
-        end = parameters + optimizer + master + w * n + _FP32 * n
+        end = parameters + optimizer + master + w * n + (0 if fp32_on_host else _FP32 * n)
     return MemoryPrediction(
         candidate=c,
         stage=trace.stage,
