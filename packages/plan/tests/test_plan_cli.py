@@ -193,7 +193,7 @@ def test_traced_memory_model_shares_traces(monkeypatch: pytest.MonkeyPatch) -> N
     traced: list[Candidate] = []
     real = trace_stage
 
-    def counting(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int) -> ActivationTrace:
+    def counting(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int, *rest: None) -> ActivationTrace:
         traced.append(candidate)
         return real(shape, candidate, seq_len, stage)
 
@@ -224,7 +224,7 @@ def test_a_failing_trace_is_a_row_not_the_end_of_the_plan(
     and the search goes on (before, an AttributeError ended the whole plan and a TypeError read as a refusal)."""
     shape = shape_from_config("gpt", GPTConfig(vocab_size=64, max_positions=17, hidden_size=32, num_layers=2))
 
-    def failing(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int) -> ActivationTrace:
+    def failing(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int, *rest: None) -> ActivationTrace:
         raise error
 
     monkeypatch.setattr(trace_cache_module, "trace_stage", failing)

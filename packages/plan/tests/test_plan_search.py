@@ -1,9 +1,11 @@
-"""The search at scale: the micro-batch floor rules candidates out without changing a verdict, traces are shared
+"""The search at scale: the bounds before a trace (model states, a shallower model, the frugal split, micro-batch
+floors, the first stage) rule candidates out without changing a verdict, traces are shared
 across the data-parallel plugins, an interleaved or ZB-V split of an HF model traces, and the search reports progress
 and stops at its time limit with the best found so far."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from cx_plan._devices import lookup_device
 from cx_plan._enumerate import SearchSpace, enumerate_candidates
 from cx_plan.memory._memory import predict_memory_from_traces
 from cx_plan.memory._memory_model import floor_trace, memory_model
+from cx_plan.memory._states_floor import states_floor, with_states_floor
 from cx_plan.trace import _trace_cache as trace_cache_module
 from cx_plan.trace._activations import ActivationTrace, trace_stage
 from cx_plan.trace._model_spec import ModelShape, load_model_shape, shape_from_config
@@ -95,7 +98,7 @@ def test_data_parallel_plugins_share_one_whole_model_trace(monkeypatch: pytest.M
     made: list[Candidate] = []
     real = trace_stage
 
-    def counting(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int) -> ActivationTrace:
+    def counting(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int, *rest: None) -> ActivationTrace:
         made.append(candidate)
         return real(shape, candidate, seq_len, stage)
 
@@ -141,3 +144,40 @@ def test_progress_and_time_limit() -> None:
     assert stopped.stopped is not None
     assert not stopped.rows
     assert "stopped at the time limit" in stopped.table()
+
+
+def test_the_bounds_before_a_trace_never_exceed_the_traced_prediction(tmp_path: Path) -> None:
+    """On every candidate of a small search over a model deep enough to be extrapolated (5 layers per stage), the
+    model-states floor, the shallower model's first stage, the same split's frugal first stage (micro-batch 1, full
+    checkpointing) and the candidate's own first stage each predict no more than its full traces: a bound can only
+    rule out what a trace would rule out."""
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 10, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, "tie_word_embeddings": False}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = load_model_shape(str(tmp_path))
+    cache = TraceCache(shape, _SEQ)
+    space = SearchSpace(
+        plugins=("torch_ddp", "hybrid"),
+        global_batch=2,
+        pp_styles=("1f1b", "zbv"),
+        precision="fp32",
+        checkpoint_ratios=(0.0, 0.5, 1.0),
+    )
+    checked = 0
+    for candidate in enumerate_candidates(shape, 2, _SEQ, space):
+        own = [cache.get(candidate, s) for s in sorted({0, candidate.pp - 1})]
+        one = dataclasses.replace(candidate, micro_batch_size=1)
+        frugal = dataclasses.replace(one, checkpoint_ratio=1.0, checkpoint_mode="full")
+        shallow, first = cache.shallow(one, 0), cache.get(frugal, 0)
+        made = [t for t in [*own, shallow, first] if isinstance(t, ActivationTrace)]
+        if len(made) < len(own) + 2:  # a split cx refuses
+            continue
+        true = predict_memory_from_traces(candidate, made[: len(own)], shape.parameters).peak
+        floor = states_floor(shape, candidate)
+        bounds = [[floor], [with_states_floor(made[0], floor)]]
+        bounds += [[with_states_floor(floor_trace(candidate, t), floor)] for t in made[-2:]]
+        for traces in bounds:
+            assert predict_memory_from_traces(candidate, traces, shape.parameters).peak <= true, candidate
+        checked += 1
+    assert checked > 15

@@ -2,11 +2,17 @@
 between candidates that differ only in what a trace does not see: `TraceCache`), predicts the busiest stage and judges
 it with `fits`, so `cx-plan`, `cx-train --plan` and a measurement harness read the same verdicts.
 
-A candidate of micro-batch size k > 1 is first bounded from below by its micro-batch-1 trace (shared by every
-micro-batch size of its split), and for k > 2 then by the traces at 1 and 2 (`floor_trace`). When that floor
-already exceeds the usable memory the candidate does not fit and is not traced (its row says so and gives the floor
-as its peak); the verdict, fits or not, is the one the full trace gives (tested), and a search of an 8B model at
-seq 8192, whose layouts without checkpointing miss by far, traces a fraction of what it did.
+Before a candidate is traced, bounds try to rule it out, cheapest first; each predicts at most what the candidate's
+own trace would (tested on every candidate of small searches), so a verdict, fits or not, is the one the full trace
+gives, and a ruled-out row says which bound and gives it as its peak ("peak >= ..."):
+- the model states alone (`_states_floor`: parameter counts, no trace);
+- a stage deeper than a few layers: stage 0 of the shallower model its trace extrapolates from, at micro-batch 1
+  (one trace of a few layers instead of up to four);
+- the same split's first stage at micro-batch 1 with every layer checkpointed in full (its least memory: one trace
+  rules out every micro-batch and checkpointing choice of a split that cannot fit);
+- micro-batch k > 1: the traces at micro-batch 1, and for k > 2 at 1 and 2 (`floor_trace`);
+- a pipeline: its own first stage, before its last is traced.
+A Mixtral-8x7B-shaped search at seq 8192, whose fastest layouts all miss by far, so became a few minutes' work.
 
 A candidate cx's own validation refuses (ValueError / NotImplementedError: a split cx cannot make of this model, say)
 does not fit, with "cx refuses: <cx's message>". Any other exception during a candidate's trace is a fault of the
@@ -22,7 +28,8 @@ from collections.abc import Callable
 from cx_plan._candidate import Candidate
 from cx_plan.memory._fits import USABLE_FRACTION, Verdict, fits
 from cx_plan.memory._memory import MemoryPrediction, predict_memory_from_traces
-from cx_plan.trace._activations import ActivationTrace
+from cx_plan.memory._states_floor import states_floor, with_states_floor
+from cx_plan.trace._activations import ActivationTrace, shallow_layers
 from cx_plan.trace._model_spec import ModelShape
 from cx_plan.trace._trace_cache import TraceCache, shared_trace_cache
 
@@ -68,47 +75,93 @@ def memory_model(
 ) -> Callable[[Candidate], Verdict]:
     """Trace, predict and judge each candidate against `usable_fraction` of `device_memory` bytes (`host_is_device`:
     the devices are the CPU, where offloaded optimizer states count). `cache`: the traces to share (default: this
-    process's for the model); `bound`: rule out by the micro-batch-1 floor before tracing (False traces every one)."""
+    process's for the model); `bound`: rule out by the bounds above before tracing (False traces every one)."""
     if device_memory <= 0:
         raise ValueError(f"device memory must be positive, got {device_memory}")
     traces = shared_trace_cache(shape, seq_len) if cache is None else cache
     limit = int(device_memory * usable_fraction)
 
-    def stage_traces(candidate: Candidate) -> list[ActivationTrace] | Verdict:
+    def stage_traces(candidate: Candidate, stages: tuple[int, ...] | None = None) -> list[ActivationTrace] | Verdict:
+        """The traces of `stages` (default: the first and the last), or the verdict of the one that failed."""
         made = []
-        for stage in sorted({0, candidate.pp - 1}):
+        for stage in sorted({0, candidate.pp - 1}) if stages is None else stages:
             trace = traces.get(candidate, stage)
             if isinstance(trace, str):
                 return Verdict(False, 0, limit, trace, MemoryPrediction(candidate, stage, 0, 0, 0, 0, 0, 0, 0, 0))
             made.append(trace)
         return made
 
-    def floor(candidate: Candidate, smaller: tuple[int, ...]) -> Verdict | None:
-        """The verdict of the floor from the traces at the `smaller` micro-batch sizes when it already does not fit
-        (None: it fits, or a smaller trace failed; then the candidate is traced)."""
+    def ruled_out(
+        candidate: Candidate, floors: list[ActivationTrace], why: str, untraced: str = "not traced itself"
+    ) -> Verdict | None:
+        """The verdict of `floors` (traces predicting at most the candidate's own) when they already do not fit
+        (None: they fit; then the next bound, or the candidate's own trace, decides)."""
+        floors = [with_states_floor(trace, states_floor(shape, candidate)) for trace in floors]
+        verdict = fits(predict_memory_from_traces(candidate, floors, shape.parameters, host_is_device), device_memory,
+                       usable_fraction)  # fmt: skip
+        if verdict.fits:
+            return None
+        reason = f"{verdict.reason} (at least: {why}, {untraced})"
+        return dataclasses.replace(verdict, reason=reason.replace("peak ", "peak >= ", 1))
+
+    def shallow_floor(candidate: Candidate) -> Verdict | None:
+        """Ruled out by stage 0 of the shallower model its trace extrapolates from, at micro-batch 1 (one trace of a
+        few layers, shared by the split's micro-batch sizes; the second one is then never made)."""
+        one = dataclasses.replace(candidate, micro_batch_size=1)
+        if shallow_layers(shape, one) is None:
+            return None
+        trace = traces.shallow(one, 0)
+        if isinstance(trace, str):
+            return None
+        floor = trace if candidate.micro_batch_size == 1 else floor_trace(candidate, trace)
+        return ruled_out(candidate, [floor], "the bound from a shallower model's first stage at micro-batch 1")
+
+    def frugal_floor(candidate: Candidate) -> Verdict | None:
+        """Ruled out by the first stage of the same split at micro-batch 1 with every layer checkpointed in full (its
+        least memory): one trace rules out every micro-batch and checkpointing choice of a split that cannot fit.
+        Only for stages deep enough to be extrapolated, whose own traces are the costly ones."""
+        frugal = dataclasses.replace(candidate, micro_batch_size=1, checkpoint_ratio=1.0, checkpoint_mode="full")
+        if frugal == candidate or candidate.plugin == "gemini" or shallow_layers(shape, frugal) is None:
+            return None  # (Gemini's peak keeps no activations: no gain)
+        made = stage_traces(frugal, (0,))
+        if isinstance(made, Verdict):
+            return None
+        floors = [floor_trace(candidate, made[0])]
+        return ruled_out(candidate, floors, "the same split's first stage at micro-batch 1 with full checkpointing")
+
+    def batch_floor(candidate: Candidate, smaller: tuple[int, ...]) -> Verdict | None:
+        """Ruled out by the floor from the traces at the `smaller` micro-batch sizes (None: it fits, or a smaller
+        trace failed; then the candidate is traced)."""
         made = [stage_traces(dataclasses.replace(candidate, micro_batch_size=size)) for size in smaller]
         if any(isinstance(stages, Verdict) for stages in made):
             return None
         stage_lists = [stages for stages in made if not isinstance(stages, Verdict)]
         floors = [floor_trace(candidate, *traces) for traces in zip(*stage_lists, strict=True)]
-        prediction = predict_memory_from_traces(candidate, floors, shape.parameters, host_is_device)
-        verdict = fits(prediction, device_memory, usable_fraction)
-        if verdict.fits:
-            return None
         sizes = " and ".join(map(str, smaller))
-        reason = f"{verdict.reason} (at least: the bound from the traces at micro-batch {sizes}, not traced itself)"
-        return dataclasses.replace(verdict, reason=reason.replace("peak ", "peak >= ", 1))
+        return ruled_out(candidate, floors, f"the bound from the traces at micro-batch {sizes}")
+
+    def bounded(candidate: Candidate) -> Verdict | None:
+        """The first bound, cheapest first, that rules the candidate out without its own trace."""
+        ruled = ruled_out(candidate, [states_floor(shape, candidate)], "the model states alone")
+        ruled = ruled or shallow_floor(candidate) or frugal_floor(candidate)
+        for smaller in ((1,), (1, 2))[: (candidate.micro_batch_size > 1) + (candidate.micro_batch_size > 2)]:
+            ruled = ruled or batch_floor(candidate, smaller)
+        return ruled or first_stage(candidate)
+
+    def first_stage(candidate: Candidate) -> Verdict | None:
+        """Ruled out by its own first stage, before the last is traced (the busiest stage holds at least as much)."""
+        if candidate.pp == 1 or traces.has(candidate, candidate.pp - 1):
+            return None
+        made = stage_traces(candidate, (0,))
+        if isinstance(made, Verdict):
+            return made
+        return ruled_out(candidate, made, "its first stage alone", "the last stage not traced")
 
     def judge(candidate: Candidate) -> Verdict:
-        if (
-            bound
-            and candidate.micro_batch_size > 1
-            and not all(traces.has(candidate, stage) for stage in {0, candidate.pp - 1})
-        ):
-            for smaller in ((1,), (1, 2))[: 1 + (candidate.micro_batch_size > 2)]:
-                ruled_out = floor(candidate, smaller)
-                if ruled_out is not None:
-                    return ruled_out
+        if bound and not all(traces.has(candidate, stage) for stage in {0, candidate.pp - 1}):
+            ruled = bounded(candidate)
+            if ruled is not None:
+                return ruled
         made = stage_traces(candidate)
         if isinstance(made, Verdict):
             return made

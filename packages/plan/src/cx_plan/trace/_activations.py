@@ -38,7 +38,10 @@ from cx_plugins.models import GPTConfig
 from cx_plugins.moe_hybrid import MoeHybridParallelPlugin
 from cx_shardformer import GradientCheckpointConfig
 
-__all__ = ["ActivationTrace", "PlanTraceError", "forward_op_flops", "stage_rank", "trace_stage"]
+__all__ = [
+    "ActivationTrace", "PlanTraceError", "forward_op_flops", "shallow_layers", "stage_rank", "trace_shallow",
+    "trace_stage",
+]  # fmt: skip
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _CPU = torch.device("cpu")
@@ -273,25 +276,46 @@ def _run(modules: list[nn.Module], first: bool, scope: ChunkScope, shape: ModelS
         _backward(output)
 
 
-def trace_stage(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int = 0) -> ActivationTrace:
+def trace_stage(
+    shape: ModelShape, candidate: Candidate, seq_len: int, stage: int = 0, shallow: ActivationTrace | None = None
+) -> ActivationTrace:
     """Trace one micro-batch (candidate.micro_batch_size sequences of seq_len tokens) through `stage`.
 
     A stage of more than `_EXACT_LAYERS` decoder layers is traced twice, as the same model with `base` and
     `base + 1` layers per stage (`base`: 2, or past DeepSeek's dense first layers), and every figure extrapolated
     along that per-layer slope to the stage's real layer count (ceil(layers / (pp x chunks))): a model's layers are
-    alike, so the figures are linear in their number, and an 8B model traces in seconds instead of minutes."""
+    alike, so the figures are linear in their number, and an 8B model traces in seconds instead of minutes.
+    `shallow`: the first of those two traces when already made (`trace_shallow`)."""
     if not 0 <= stage < candidate.pp:
         raise ValueError(f"stage {stage}: the candidate has {candidate.pp} pipeline stages")
-    slots = candidate.pp * candidate.num_model_chunks
-    per_stage = -(-shape.num_layers // slots)
-    base = max(2, _dense_prefix(shape) + 1)
-    if per_stage <= max(_EXACT_LAYERS, base + 1):
+    base = shallow_layers(shape, candidate)
+    if base is None:
         return _trace_exact(shape, candidate, seq_len, stage)
-    small = _trace_exact(_with_layers(shape, base * slots), candidate, seq_len, stage)
+    slots = candidate.pp * candidate.num_model_chunks
+    small = trace_shallow(shape, candidate, seq_len, stage) if shallow is None else shallow
     large = _trace_exact(_with_layers(shape, (base + 1) * slots), candidate, seq_len, stage)
-    steps = per_stage - base
+    steps = -(-shape.num_layers // slots) - base
     values = [a + (b - a) * steps for a, b in zip(astuple(small)[1:], astuple(large)[1:], strict=True)]
     return ActivationTrace(stage, *values)
+
+
+def shallow_layers(shape: ModelShape, candidate: Candidate) -> int | None:
+    """The decoder layers per pipeline slot of the shallower model `trace_stage` extrapolates from (None: the
+    stage is shallow enough to trace as it is)."""
+    per_stage = -(-shape.num_layers // (candidate.pp * candidate.num_model_chunks))
+    base = max(2, _dense_prefix(shape) + 1)
+    return None if per_stage <= max(_EXACT_LAYERS, base + 1) else base
+
+
+def trace_shallow(shape: ModelShape, candidate: Candidate, seq_len: int, stage: int = 0) -> ActivationTrace:
+    """`stage` of the same model with `shallow_layers` layers per slot (fewer than the real stage holds): every
+    figure of it is at most the real stage's (a deeper stage runs the same layers and more), so it is a floor,
+    and the first of the two traces `trace_stage` extrapolates from."""
+    base = shallow_layers(shape, candidate)
+    if base is None:
+        return _trace_exact(shape, candidate, seq_len, stage)
+    slots = candidate.pp * candidate.num_model_chunks
+    return _trace_exact(_with_layers(shape, base * slots), candidate, seq_len, stage)
 
 
 def _dense_prefix(shape: ModelShape) -> int:

@@ -5,8 +5,9 @@ What a trace sees: the data-parallel plugins (DDP, FSDP, LowLevelZero, Gemini) r
 key is only the micro-batch, the checkpointing and the precision: one trace serves all four plugins, every dp size and
 ZeRO stage. The hybrid plugins' key is their split (tp, pp, sp, ep, schedule), the micro-batch and the checkpointing
 ratio, and MoeHybrid's the routing skew too (the hot rank's dispatch sizes); ZeRO stage, dp and the micro-batch count
-are not part of it. `shared_trace_cache` keeps one cache per model and
-sequence length for the process, so `cx-train --plan` and repeated plans of one model trace once.
+are not part of it. `shared_trace_cache` keeps one cache per model and sequence length for the process, so
+`cx-train --plan` and repeated plans of one model trace once. A deep stage's trace is extrapolated from two shallower
+ones (`trace_stage`); the first of them is kept too (`shallow`), as the memory model's floor before the second.
 
 A trace cx's validation refuses (ValueError / NotImplementedError) is kept as "cx refuses: <message>", any other
 fault as "trace failed: <type>: <message>"; `PlanTraceError` (no trace can run in this process) is raised.
@@ -14,8 +15,10 @@ fault as "trace failed: <type>: <message>"; `PlanTraceError` (no trace can run i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from cx_plan._candidate import Candidate
-from cx_plan.trace._activations import ActivationTrace, PlanTraceError, trace_stage
+from cx_plan.trace._activations import ActivationTrace, PlanTraceError, shallow_layers, trace_shallow, trace_stage
 from cx_plan.trace._model_spec import ModelShape
 
 __all__ = ["TraceCache", "shared_trace_cache", "trace_key"]
@@ -48,13 +51,27 @@ class TraceCache:
         """The stage's trace, or the reason it could not be made (see the module docstring)."""
         key = trace_key(candidate, stage)
         if key not in self._traces:
-            self._traces[key] = self._trace(candidate, stage)
-            self.made += 1
+            shallow = self.shallow(candidate, stage) if shallow_layers(self.shape, candidate) is not None else None
+            if isinstance(shallow, str):
+                self._traces[key] = shallow
+            else:
+                self._traces[key] = self._made(lambda: trace_stage(self.shape, candidate, self.seq_len, stage, shallow))
         return self._traces[key]
 
-    def _trace(self, candidate: Candidate, stage: int) -> ActivationTrace | str:
+    def shallow(self, candidate: Candidate, stage: int) -> ActivationTrace | str:
+        """The stage of the shallower model `trace_stage` extrapolates from (`trace_shallow`: a floor of every
+        figure of the stage, one trace of a few layers); the stage's own trace when it is not extrapolated."""
+        if shallow_layers(self.shape, candidate) is None:
+            return self.get(candidate, stage)
+        key = ("shallow", *trace_key(candidate, stage))
+        if key not in self._traces:
+            self._traces[key] = self._made(lambda: trace_shallow(self.shape, candidate, self.seq_len, stage))
+        return self._traces[key]
+
+    def _made(self, trace: Callable[[], ActivationTrace]) -> ActivationTrace | str:
+        self.made += 1
         try:
-            return trace_stage(self.shape, candidate, self.seq_len, stage)
+            return trace()
         except PlanTraceError:
             raise
         except (ValueError, NotImplementedError) as error:
