@@ -24,6 +24,7 @@ from cx_plan.memory._fits import USABLE_FRACTION, Verdict, fits
 from cx_plan.memory._memory import MemoryPrediction, predict_memory_from_traces
 from cx_plan.trace._activations import ActivationTrace
 from cx_plan.trace._model_spec import ModelShape
+from cx_plan.trace._muon_split import muon_split
 from cx_plan.trace._trace_cache import TraceCache, shared_trace_cache
 
 __all__ = ["floor_trace", "memory_model"]
@@ -91,7 +92,9 @@ def memory_model(
             return None
         stage_lists = [stages for stages in made if not isinstance(stages, Verdict)]
         floors = [floor_trace(candidate, *traces) for traces in zip(*stage_lists, strict=True)]
-        prediction = predict_memory_from_traces(candidate, floors, shape.parameters, host_is_device)
+        prediction = predict_memory_from_traces(
+            candidate, floors, shape.parameters, host_is_device, muon_split(shape) if candidate.muon else None
+        )
         verdict = fits(prediction, device_memory, usable_fraction)
         if verdict.fits:
             return None
@@ -112,7 +115,8 @@ def memory_model(
         made = stage_traces(candidate)
         if isinstance(made, Verdict):
             return made
-        prediction = predict_memory_from_traces(candidate, made, shape.parameters, host_is_device)
+        split = muon_split(shape) if candidate.muon else None
+        prediction = predict_memory_from_traces(candidate, made, shape.parameters, host_is_device, split)
         return fits(prediction, device_memory, usable_fraction)
 
     return judge
