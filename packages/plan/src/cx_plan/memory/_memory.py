@@ -22,7 +22,8 @@ state: the busiest owner of cx's own assignment is predicted (its states instead
 beside the ZeRO master shards), and a third instant, the step, adds its gathered whole gradients and the gather's
 receive buffers (Gemini gathers the master too: twice that). Unsharded runs step every matrix on every rank: the
 instant adds Newton-Schulz's workspace on the largest matrix. Under tp or pp the stage's share of the whole model's
-split is taken in proportion to its elements (whole matrices: its elements x tp).
+split is taken in proportion to its elements (whole matrices: its elements x tp); a data-parallel layout's is the
+split's own (the trace counts a tied head beside its embedding, cx steps it once).
 """
 
 from __future__ import annotations
@@ -119,8 +120,9 @@ class _MuonBytes:
 def _muon_bytes(c: Candidate, n: int, split: MuonSplit) -> _MuonBytes:
     """MuonWithAdamW's bytes on the busiest rank of a stage training `n` elements (module docstring)."""
     group = whole_group(c)
-    whole = n * (c.tp if c.plugin in ("hybrid", "moe_hybrid") else 1)  # the stage's elements, matrices whole
-    scale = whole / split.total if split.total else 0.0
+    scale = 1.0  # the whole model (the trace counts a tied head again: the split's own count is the one cx steps)
+    if (c.tp, c.pp, c.ep) != (1, 1, 1) and split.total:  # a stage's share, its matrices whole
+        scale = min(1.0, n * c.tp / split.total)
     if group == 1:
         largest = busiest_owner(split, 1).largest_matrix
         m, k = largest
