@@ -41,6 +41,13 @@ ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32
 NS_STEPS: int = MUON_DEFAULTS["ns_steps"]
 
 
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
 def ns_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
     """Newton-Schulz FLOPs of one Muon update of a parameter of `shape` (2-D, or a 3-D stack of matrices)."""
     dims = list(shape)
@@ -59,24 +66,19 @@ class MuonSplit:
     shapes: tuple[tuple[int, ...], ...]
     muon: tuple[bool, ...]
 
-    def _numel(self, index: int) -> int:
-        count = 1
-        for size in self.shapes[index]:
-            count *= size
-        return count
-
     @property
     def total(self) -> int:
-        return sum(self._numel(i) for i in range(len(self.shapes)))
+        return sum(_numel(shape) for shape in self.shapes)
 
     @property
     def muon_elements(self) -> int:
-        return sum(self._numel(i) for i, m in enumerate(self.muon) if m)
+        return sum(_numel(shape) for shape, m in zip(self.shapes, self.muon, strict=True) if m)
 
     @property
     def state_bytes(self) -> int:
         """Muon's and AdamW's fp32 states over the whole model."""
-        return sum(self._numel(i) * (MUON_STATE_BYTES if m else ADAMW_STATE_BYTES) for i, m in enumerate(self.muon))
+        pairs = zip(self.shapes, self.muon, strict=True)
+        return sum(_numel(shape) * (MUON_STATE_BYTES if m else ADAMW_STATE_BYTES) for shape, m in pairs)
 
     @property
     def adamw_state_bytes(self) -> int:
@@ -100,7 +102,7 @@ def _load(split: MuonSplit, indices: Sequence[int]) -> OwnerLoad:
     elements = state = muon = flops = 0
     largest = (0, 0)
     for i in indices:
-        numel = split._numel(i)
+        numel = _numel(split.shapes[i])
         elements += numel
         state += numel * (MUON_STATE_BYTES if split.muon[i] else ADAMW_STATE_BYTES)
         if split.muon[i]:
