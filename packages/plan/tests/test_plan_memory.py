@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from cx_mesh.testing import run_distributed
-from cx_plan import Candidate, load_model_shape
+from cx_plan import Candidate, Optimizer, load_model_shape
 from cx_plan.measure._measure import measure_rank
 from cx_plan.memory._fits import fits
 from cx_plan.memory._memory import predict_memory, predict_memory_from_traces
@@ -55,8 +55,20 @@ def _measured(model: str, fields: dict[str, Any]) -> int:
         ("llama", dict(plugin="torch_fsdp", dp=2, fsdp_wrap="block", precision="fp32")),  # a block gathered at a time
         # accumulation as cx-train runs it: the first micro-batch under no_sync keeps unsharded gradients
         ("llama", dict(plugin="torch_fsdp", dp=2, fsdp_wrap="block", num_microbatches=2, precision="fp32")),
+        # MuonWithAdamW: one momentum per hidden-matrix element; under ZeRO whole masters and states on owner ranks
+        ("llama", dict(plugin="torch_ddp", dp=2, precision="fp32", optimizer=Optimizer.MUON)),
+        ("llama", dict(plugin="low_level_zero", dp=2, zero_stage=1, precision="fp32", optimizer=Optimizer.MUON)),
     ],
-    ids=["llama-tp2", "llama-pp2", "mixtral-ep2", "llama-zero1", "llama-fsdp-block", "llama-fsdp-no-sync"],  # 2 ranks
+    ids=[
+        "llama-tp2",
+        "llama-pp2",
+        "mixtral-ep2",
+        "llama-zero1",
+        "llama-fsdp-block",
+        "llama-fsdp-no-sync",
+        "llama-ddp-muon",
+        "llama-zero1-muon",
+    ],  # 2 ranks each
 )
 def test_predicted_peak_within_ten_percent_of_measured(model: str, fields: dict[str, Any]) -> None:
     shape = load_model_shape(model, hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)

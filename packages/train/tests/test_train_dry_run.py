@@ -10,6 +10,7 @@ import pytest
 
 from cx_plan import (
     Candidate,
+    Optimizer,
     detect_device,
     format_bytes,
     load_model_shape,
@@ -40,6 +41,19 @@ def test_cx_train_flags_become_the_planners_candidate() -> None:
     flags = ["--plugin", "torch_fsdp", "--model", "llama", "--activation-checkpointing-mode", "selective-op"]
     fsdp = plan_candidate(parse_options([*flags, "--nproc", "2"]), 2)  # what cx-train runs: per block, the op policy
     assert (fsdp.fsdp_wrap, fsdp.checkpoint_ratio, fsdp.checkpoint_mode) == ("block", 1.0, "selective-op")
+    for name, optimizer in (("muon", Optimizer.MUON), ("fused_adam", Optimizer.ADAMW), ("adamw", Optimizer.ADAMW)):
+        flags = ["--plugin", "low_level_zero", "--optimizer", name, "--nproc", "2"]  # the fused Adams: AdamW's states
+        assert plan_candidate(parse_options(flags), 2).optimizer is optimizer
+
+
+def test_cx_train_plan_of_muon_counts_its_states_and_gathers(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--plugin", "low_level_zero", "--nproc", "2", "--seq-len", "32", "--hidden-size", "32", "--plan"]
+    assert main([*argv, "--optimizer", "muon"]) == 0
+    muon = capsys.readouterr().out
+    assert "muon gradient gather" in muon
+    assert "muon weight scatter" in muon
+    assert main(argv) == 0
+    assert "muon" not in capsys.readouterr().out.split("# parallel layout")[1]
 
 
 def test_cx_train_plan_prints_the_prediction(capsys: pytest.CaptureFixture[str]) -> None:

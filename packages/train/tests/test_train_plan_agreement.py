@@ -11,7 +11,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from cx_mesh.testing import run_distributed
-from cx_plan import TEXT_VOCAB_SIZE, Candidate, load_model_shape, train_command
+from cx_plan import TEXT_VOCAB_SIZE, Candidate, Optimizer, load_model_shape, train_command
 from cx_plan import build_parser as plan_parser
 from cx_plugins import GeminiPlugin, LowLevelZeroPlugin, ModelWrapper, TorchDDPPlugin
 from cx_train import CharTokenizer
@@ -44,6 +44,7 @@ def test_train_plan_defaults_are_cx_train_defaults() -> None:
     planned, trained = plan_parser().parse_args(["--model", "gpt", "--world", "2"]), build_parser().parse_args([])
     assert planned.precision == trained.precision == "fp32"
     assert planned.optimizer_states_dtype == trained.optimizer_states_dtype == "fp32"
+    assert planned.optimizer == trained.optimizer == "adamw"
     assert (planned.hidden_size, planned.num_layers) == (DEFAULT_HIDDEN, DEFAULT_LAYERS)
 
 
@@ -57,12 +58,16 @@ def test_train_plan_printed_commands_parse_into_the_candidate() -> None:
     )
     moe = Candidate("moe_hybrid", dp=4, ep=2, sp=2, sp_mode="all_to_all", micro_batch_size=1, num_microbatches=2)
     ddp = Candidate("torch_ddp", dp=4, micro_batch_size=2, num_microbatches=3, precision="fp32")
+    muon = Candidate("low_level_zero", dp=2, zero_stage=1, optimizer=Optimizer.MUON)  # cx-train's MuonWithAdamW
+    tp_muon = Candidate("hybrid", dp=1, tp=2, zero_stage=0, optimizer=Optimizer.MUON)  # whole matrices at ZeRO 0
     parser = build_parser()
     for candidate, expected in (
         (hybrid, {"plugin": "hybrid", "nproc": 8, "tp": 2, "pp": 2, "zero": 1, "batch_size": 8, "microbatches": 4}),
         (moe, {"plugin": "moe_hybrid", "nproc": 8, "ep": 2, "sp": 2, "batch_size": 1, "grad_accum": 2}),
         (ddp, {"plugin": "torch_ddp", "nproc": 4, "batch_size": 2, "grad_accum": 3, "precision": "fp32"}),
         (Candidate("low_level_zero", dp=2, zero_stage=1), {"plugin": "low_level_zero", "zero": 1}),
+        (muon, {"plugin": "low_level_zero", "zero": 1, "optimizer": "muon"}),
+        (tp_muon, {"plugin": "hybrid", "tp": 2, "zero": 0, "optimizer": "muon"}),
     ):
         command = train_command(candidate, "mixtral", 64, ("--hidden-size", "96", "--num-layers", "3"))
         assert "#" not in command
@@ -71,7 +76,7 @@ def test_train_plan_printed_commands_parse_into_the_candidate() -> None:
             assert getattr(arguments, name) == value, (name, command)
         assert (arguments.seq_len, arguments.hidden_size, arguments.num_layers) == (64, 96, 3)
     assert parser.parse_args(shlex.split(train_command(hybrid, "gpt", 32))[1:]).activation_checkpointing
-    for candidate in (ddp, Candidate("low_level_zero", dp=2, zero_stage=1)):  # and back: the same candidate
+    for candidate in (ddp, Candidate("low_level_zero", dp=2, zero_stage=1), muon, tp_muon):  # and back: the same
         options = parse_options(shlex.split(train_command(candidate, "gpt", 64))[1:])
         assert plan_candidate(options, candidate.world_size) == candidate
 

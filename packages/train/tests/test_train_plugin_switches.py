@@ -15,7 +15,7 @@ import torch
 
 from cx_mesh.fp8 import ScalingRecipe
 from cx_mesh.testing import run_distributed
-from cx_plan import Candidate, train_command
+from cx_plan import Candidate, Optimizer, train_command
 from cx_plugins import (
     GeminiPlugin,
     HybridParallelPlugin,
@@ -292,6 +292,12 @@ def test_train_switch_refused_before_any_rank_starts(tmp_path: Path) -> None:
         Candidate("low_level_zero", dp=2, zero_stage=2, optimizer_states_dtype="bf16"),
         Candidate("gemini", dp=2, precision="bf16", optimizer_states_dtype="bf16"),
         Candidate("hybrid", dp=2, tp=2, zero_stage=1, optimizer_states_dtype="bf16"),
+        # --optimizer muon on each layout cx-plan offers it on
+        Candidate("torch_ddp", dp=2, optimizer=Optimizer.MUON),
+        Candidate("low_level_zero", dp=2, zero_stage=2, optimizer=Optimizer.MUON),
+        Candidate("gemini", dp=2, precision="bf16", optimizer=Optimizer.MUON),
+        Candidate("hybrid", dp=2, tp=2, zero_stage=0, optimizer=Optimizer.MUON),
+        Candidate("moe_hybrid", dp=2, ep=2, zero_stage=1, optimizer=Optimizer.MUON),
     ],
     ids=lambda c: c.label(),
 )

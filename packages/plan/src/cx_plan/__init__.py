@@ -10,7 +10,7 @@ Folders by concern: `trace/` (the model's shape and its FakeTensor trace), `memo
 and the command line at the top.
 """
 
-from cx_plan._candidate import Candidate
+from cx_plan._candidate import Candidate, Optimizer
 from cx_plan._cli import build_parser, main
 from cx_plan._devices import (
     Device,
@@ -43,6 +43,7 @@ from cx_plan.trace._model_spec import (
 
 __all__ = [
     "Candidate",
+    "Optimizer",
     "make_plugin",
     "TEXT_VOCAB_SIZE",
     "ModelShape",

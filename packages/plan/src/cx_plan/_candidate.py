@@ -1,5 +1,5 @@
 """`Candidate`: one training configuration the planner judges (plugin, parallel sizes, micro-batching, activation
-checkpointing, Gemini placement, precision, Adam's state dtype), in ColossalAI's terms.
+checkpointing, Gemini placement, precision, the optimizer and Adam's state dtype), in ColossalAI's terms.
 
 Frozen and validated on construction, so the memory model, the step-time model and a measurement harness all read
 the same facts; an impossible combination raises `ValueError` naming the field. Sizes follow the plugins' meshes:
@@ -10,6 +10,7 @@ the world is dp x pp x tp x sp, where `sp` is the sequence-parallel axis (only `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "BLOCK_POLICY",
     "CHECKPOINT_MODES",
     "FSDP_WRAPS",
+    "OPTIMIZERS",
     "OPTIMIZER_STATES_DTYPES",
     "PLACEMENT_POLICIES",
     "PLUGINS",
@@ -24,6 +26,8 @@ __all__ = [
     "SP_MODES",
     "Candidate",
     "CodeText",
+    "Optimizer",
+    "muon_refusal",
 ]
 
 PLUGINS = ("torch_ddp", "torch_fsdp", "low_level_zero", "gemini", "hybrid", "moe_hybrid")
@@ -36,6 +40,18 @@ FSDP_WRAPS = ("model", "block")  # TorchFSDPPlugin: one root unit, or each decod
 # the argument TorchFSDPPlugin takes for per-block wrapping, as printed (the class is the model's decoder layer)
 BLOCK_POLICY = "ModuleWrapPolicy({DecoderLayer})"
 OPTIMIZER_STATES_DTYPES = ("fp32", "bf16")  # Adam's moments: the ZeRO plugins' optimizer_states_dtype
+
+
+class Optimizer(StrEnum):
+    """cx-train's `--optimizer` as the planner counts it: torch's AdamW (two moments per element; cx-zero's fused
+    Adam(W)s hold the same), or cx-zero's MuonWithAdamW (one momentum per hidden matrix element, AdamW's two moments
+    on 1-D parameters, embeddings and the output head; every parameter stepped whole on one owner rank)."""
+
+    ADAMW = "adamw"
+    MUON = "muon"
+
+
+OPTIMIZERS = tuple(str(o) for o in Optimizer)
 _SP_AXIS_MODES = ("all_to_all", "ring_attn")
 _PARALLEL_PLUGINS = ("hybrid", "moe_hybrid")
 # the ZeRO stage each plugin runs: DDP replicates, FSDP (full shard) and Gemini shard everything
@@ -48,6 +64,13 @@ class CodeText(str):
 
     def __repr__(self) -> str:
         return str(self)
+
+
+def _optimizer(value: object) -> Optimizer:
+    if isinstance(value, Optimizer):
+        return value
+    _require(value in OPTIMIZERS, f"unknown optimizer {value!r}; one of {', '.join(OPTIMIZERS)}")
+    return Optimizer(str(value))
 
 
 def _require(condition: bool, message: str) -> None:
@@ -82,6 +105,7 @@ class Candidate:
     # the hottest routed expert's tokens over the mean expert's (1: balanced); the planner predicts the worst ep
     # rank's memory and time (trace._oracle's Routing); no effect without expert parallelism
     routing_skew: float = 1.0
+    optimizer: Optimizer = Optimizer.ADAMW
 
     def __post_init__(self) -> None:
         _require(self.plugin in PLUGINS, f"unknown plugin {self.plugin!r}; one of {', '.join(PLUGINS)}")
@@ -168,6 +192,14 @@ class Candidate:
             self.optimizer_states_dtype == "fp32" or stage >= 1,
             f"optimizer_states_dtype {self.optimizer_states_dtype!r} is ZeRO's: {self.plugin} needs zero_stage 1 or 2",
         )
+        object.__setattr__(self, "optimizer", _optimizer(self.optimizer))  # a JSON plan's plain name: the enum
+        refused = muon_refusal(self.plugin, self.tp, stage) if self.optimizer is Optimizer.MUON else None
+        _require(refused is None, f"optimizer muon: {refused}")
+        _require(
+            self.optimizer is Optimizer.ADAMW or self.optimizer_states_dtype == "fp32",
+            "optimizer_states_dtype bf16 stores Adam's moments with stochastic rounding; optimizer muon keeps fp32 "
+            "states (as cx-train refuses the pair)",
+        )
 
     @property
     def stage(self) -> int:
@@ -209,6 +241,10 @@ class Candidate:
     def moment_bytes(self) -> int:
         """Bytes of Adam's two moments per parameter element: 4 + 4, or 2 + 2 with bf16 states."""
         return 2 * (2 if self.optimizer_states_dtype == "bf16" else 4)
+
+    @property
+    def muon(self) -> bool:
+        return self.optimizer is Optimizer.MUON
 
     def plugin_arguments(self) -> dict[str, Any]:
         """The plugin constructor's keyword arguments (ColossalAI's names) for this configuration."""
@@ -257,7 +293,22 @@ class Candidate:
         ckpt = f" ckpt{self.checkpoint_ratio:g}" if self.checkpoint_ratio else ""
         ckpt = " ckpt-op" if self.checkpoint_mode == "selective-op" else ckpt
         states = " bf16-states" if self.optimizer_states_dtype == "bf16" else ""
+        states += " muon" if self.muon else ""
         return (
             f"{self.plugin}{sizes}{zero} mb{self.micro_batch_size}x{self.num_microbatches}{ckpt} {self.precision}"
             f"{states}"
         )
+
+
+def muon_refusal(plugin: str, tp: int, stage: int) -> str | None:
+    """Why cx refuses MuonWithAdamW on this layout (None: it runs), as cx-train's `--optimizer muon` checks say:
+    Muon needs each matrix whole, so the plugins that hand the optimizer slices refuse it."""
+    if plugin == "torch_fsdp":
+        return "TorchFSDPPlugin steps torch's Muon on row shards but not cx-zero's MuonWithAdamW (cx-train refuses it)"
+    if plugin == "hybrid" and tp > 1 and stage >= 1:
+        return "HybridParallelPlugin with tp > 1 steps whole matrices at zero_stage 0 only (ZeRO would step tp slices)"
+    if plugin == "moe_hybrid" and tp > 1:
+        return "MoeHybridParallelPlugin steps whole matrices at tp 1 only (tp > 1 hands it slices)"
+    if plugin == "gemini" and tp > 1:
+        return "GeminiPlugin steps whole matrices at tp 1 only"
+    return None

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cx_plan._candidate import OPTIMIZER_STATES_DTYPES, PIPELINE_STYLES, PLUGINS, PRECISIONS
+from cx_plan._candidate import OPTIMIZER_STATES_DTYPES, OPTIMIZERS, PIPELINE_STYLES, PLUGINS, PRECISIONS, Optimizer
 from cx_plan._devices import (
     DEVICES,
     LINKS,
@@ -84,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp32",
         help="Adam's moments, as cx-train's flag: bf16 (stochastic rounding) counts 2 + 2 bytes per parameter "
         "instead of 4 + 4 wherever the layout runs ZeRO 1/2 or Gemini (DDP, FSDP and ZeRO 0 keep fp32)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="as cx-train's flag: adamw (two fp32 moments per parameter; its fused Adam(W)s hold the same) or muon "
+        "(MuonWithAdamW: one momentum per hidden-matrix element, AdamW on 1-D parameters, embeddings and the head; "
+        "each parameter stepped whole on one owner rank, gathered to it and scattered back; not under torch_fsdp, "
+        "hybrid ZeRO 1/2 or moe_hybrid at tp > 1)",
     )
     parser.add_argument("--plugins", default=",".join(PLUGINS), help="comma-separated plugins to consider")
     parser.add_argument("--hidden-size", type=int, default=128, help="built-in models only (as cx-train)")
@@ -264,6 +273,7 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
         precision=args.precision,
         optimizer_states_dtype=args.optimizer_states_dtype,
         routing_skew=_routing_skew(args.routing_skew),
+        optimizer=Optimizer(args.optimizer),
     )
     if shadowed_builtin(args.model):
         said = f"cx-plan: --model {args.model} is both a built-in model and a path here: planning the path "

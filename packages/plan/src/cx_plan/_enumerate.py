@@ -15,7 +15,9 @@ The rules (each the one the code that would run it checks):
   placement on the device, all optimizer state offloaded, and auto placement, with one micro-batch per step
   (GeminiDDP refuses accumulation as cx-train configures it);
 - checkpointing: a ratio of layers under the hybrid plugins (ShardFormer); all or none under the others, and, when
-  asked for (`checkpoint_modes`), every layer under torchtitan's selective op policy (transformers' switch only).
+  asked for (`checkpoint_modes`), every layer under torchtitan's selective op policy (transformers' switch only);
+- optimizer muon (MuonWithAdamW): not under torch_fsdp, nor hybrid ZeRO 1/2 or moe_hybrid at tp > 1 (cx refuses
+  them: `muon_refusal`); `optimizer_skips` says so once for the report.
 When no candidate survives, `NoLayoutError` names, per plugin, why.
 """
 
@@ -26,10 +28,10 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from cx_plan._candidate import PLUGINS, Candidate
+from cx_plan._candidate import PLUGINS, Candidate, Optimizer, muon_refusal
 from cx_plan.trace._model_spec import ModelShape
 
-__all__ = ["NoLayoutError", "SearchSpace", "enumerate_candidates"]
+__all__ = ["NoLayoutError", "SearchSpace", "enumerate_candidates", "optimizer_skips"]
 
 
 class NoLayoutError(ValueError):
@@ -52,6 +54,7 @@ class SearchSpace:
     precision: str = "bf16"
     optimizer_states_dtype: str = "fp32"  # "bf16": Adam's moments in bf16 wherever the layout runs ZeRO 1/2 or Gemini
     routing_skew: float = 1.0  # the hottest expert's tokens over the mean's, set on the moe_hybrid candidates
+    optimizer: Optimizer = Optimizer.ADAMW  # MUON: MuonWithAdamW, only on the layouts cx steps it on
 
 
 def _divisors(n: int) -> list[int]:
@@ -95,7 +98,9 @@ def _data_parallel(plugin: str, world: int, per_rank: int, space: SearchSpace, w
     """The data-parallel plugins checkpoint all layers or none (transformers' switch), and Gemini runs one
     micro-batch per step (its GeminiDDP refuses accumulation as cx-train configures it)."""
     states = space.optimizer_states_dtype if plugin in ("low_level_zero", "gemini") else "fp32"
-    base = Candidate(plugin, dp=world, precision=space.precision, optimizer_states_dtype=states)
+    base = Candidate(
+        plugin, dp=world, precision=space.precision, optimizer_states_dtype=states, optimizer=space.optimizer
+    )
     variants = [base]
     if plugin == "low_level_zero":
         variants = [dataclasses.replace(base, zero_stage=stage) for stage in (1, 2)]
@@ -122,6 +127,8 @@ def _parallel(
         if tp > space.max_tp or pp > space.max_pp or world % (tp * pp):
             continue
         reason = _tp_reason(shape, tp)
+        if not reason and space.optimizer is Optimizer.MUON and muon_refusal(plugin, tp, 0):
+            reason = f"optimizer muon at tp={tp}: {muon_refusal(plugin, tp, 0)}"
         if pp > shape.num_layers:
             reason = f"pp={pp} exceeds the {shape.num_layers} layers"
         if reason:
@@ -152,11 +159,13 @@ def _pipelines(
         ):
             if style == "interleaved" and count % pp:
                 continue
+            if space.optimizer is Optimizer.MUON and muon_refusal(plugin, tp, stage):
+                continue  # said once by `optimizer_skips`
             yield Candidate(
                 plugin, dp=dp, tp=tp, pp=pp, sp=sp, sp_mode=mode, ep=ep, zero_stage=stage, micro_batch_size=micro,
                 num_microbatches=count, pp_style=style, checkpoint_ratio=ratio, precision=space.precision,
                 optimizer_states_dtype=space.optimizer_states_dtype if stage >= 1 else "fp32",
-                routing_skew=space.routing_skew if plugin == "moe_hybrid" else 1.0,
+                routing_skew=space.routing_skew if plugin == "moe_hybrid" else 1.0, optimizer=space.optimizer,
             )  # fmt: skip
 
 
@@ -172,6 +181,11 @@ def enumerate_candidates(
     unknown = [p for p in space.plugins if p not in PLUGINS]
     if unknown:
         raise NoLayoutError(f"unknown plugin(s) {', '.join(unknown)}; choose from {', '.join(PLUGINS)}")
+    if space.optimizer is Optimizer.MUON and space.optimizer_states_dtype != "fp32":
+        raise ValueError(
+            f"optimizer states dtype {space.optimizer_states_dtype} stores Adam's moments with stochastic rounding; "
+            "optimizer muon keeps fp32 states (cx-train refuses the pair)"
+        )
     global_batch = 4 * world if space.global_batch is None else space.global_batch
     found: list[Candidate] = []
     reasons: dict[str, set[str]] = {}
@@ -179,6 +193,9 @@ def enumerate_candidates(
         why = reasons.setdefault(plugin, set())
         if plugin == "moe_hybrid" and not shape.num_experts:
             why.add(f"{shape.name} has no routed experts")
+            continue
+        if space.optimizer is Optimizer.MUON and plugin == "torch_fsdp":
+            why.add(f"optimizer muon: {muon_refusal(plugin, 1, 3)}")
             continue
         if plugin in ("hybrid", "moe_hybrid"):
             found += _parallel(plugin, shape, world, global_batch, seq_len, space, why)
@@ -195,3 +212,19 @@ def enumerate_candidates(
             f"no configuration splits {world} ranks for {shape.name} (global batch {global_batch}): {lines}"
         )
     return found
+
+
+def optimizer_skips(space: SearchSpace) -> tuple[str, ...]:
+    """The layouts of `space` left out for its optimizer (cx refuses MuonWithAdamW there), one line each, said once
+    in the report rather than once per candidate."""
+    if space.optimizer is not Optimizer.MUON:
+        return ()
+    lines = []
+    for plugin, tp, stage, layouts in (
+        ("torch_fsdp", 1, 3, "torch_fsdp"),
+        ("hybrid", 2, 1, "hybrid at tp > 1 with zero 1/2"),
+        ("moe_hybrid", 2, 0, "moe_hybrid at tp > 1"),
+    ):
+        if plugin in space.plugins and (plugin == "torch_fsdp" or space.max_tp > 1):
+            lines.append(f"not considered under --optimizer muon: {layouts} ({muon_refusal(plugin, tp, stage)})")
+    return tuple(lines)

@@ -18,7 +18,7 @@ import torch
 
 from cx_plan._candidate import Candidate
 from cx_plan._devices import Device, Network
-from cx_plan._enumerate import SearchSpace, enumerate_candidates
+from cx_plan._enumerate import SearchSpace, enumerate_candidates, optimizer_skips
 from cx_plan._report import MemoryVerdict, PlanReport, PlanRow, rank_rows
 from cx_plan.memory._fits import Verdict
 from cx_plan.memory._memory_model import memory_model
@@ -111,6 +111,7 @@ def plan(
         shape.name, world, seq_len, device, ranked, considered=len(candidates), model_flags=train_flags(shape),
         block_class=_block_class(shape) if any(r.candidate.fsdp_wrap == "block" for r in ranked) else None,
         stopped=stopped, routing_skew=1.0 if space is None else space.routing_skew,
+        skipped=() if space is None else optimizer_skips(space),
     )  # fmt: skip
 
 

@@ -188,6 +188,8 @@ def train_command(candidate: Candidate, model: str, seq_len: int, model_flags: S
         parts.append("--cpu-offload")
     if c.optimizer_states_dtype != "fp32":
         parts.append(f"--optimizer-states-dtype {c.optimizer_states_dtype}")
+    if c.muon:
+        parts.append(f"--optimizer {c.optimizer}")
     return " ".join(parts)
 
 
@@ -206,6 +208,7 @@ class PlanReport:
     block_class: str | None = None  # the decoder layer's class, named in per-block FSDP's constructor call
     stopped: str | None = None  # why the search ended before its usual end (the time limit), said in the output
     routing_skew: float = 1.0  # the MoE candidates' (SearchSpace.routing_skew): > 1 predicts the worst ep rank
+    skipped: tuple[str, ...] = ()  # layouts left out for the optimizer (`optimizer_skips`), said once
 
     @property
     def best(self) -> PlanRow | None:
@@ -218,6 +221,7 @@ class PlanReport:
             f"cx-plan: {self.model} on {self.world} x {self.device.name} ({self._memory()}), "
             f"seq {self.seq_len}; {self._judged()}, {sum(r.memory.fits for r in self.rows)} fit",
             *([f"routing skew {self.routing_skew:g}: the worst rank's memory and time"] * (self.routing_skew != 1)),
+            *self.skipped,
             f"{'#':>3}  {'configuration':<60} {'fits':<5} {'peak':>10} {'step ms':>9} {'tokens/s':>11} {'MFU':>6}",
         ]
         fitting, twins = _merge_zero_twins([r for r in self.rows if r.memory.fits])
@@ -285,4 +289,5 @@ class PlanReport:
             },
             "rows": [r.as_json() for r in self.rows],
             "stopped": self.stopped,
+            "skipped": list(self.skipped),
         }

@@ -37,6 +37,7 @@ from cx_plan._plugin import make_plugin
 from cx_plan._report import PlanReport, PlanRow, row_label
 from cx_plan.trace._model_spec import ModelShape, build_model, load_model_shape
 from cx_plugins import Booster, accumulated_step, enable_activation_checkpointing
+from cx_zero import MuonWithAdamW, muon_param_groups
 
 __all__ = [
     "MEASURE_SEED",
@@ -155,7 +156,9 @@ def _prepare(candidate: Candidate, model: str, hidden: int, layers: int, seq_len
         enable_activation_checkpointing(module, candidate.checkpoint_mode)
     if torch.cuda.is_available():
         module = module.cuda()
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    if candidate.muon:  # cx-train's --optimizer muon
+        optimizer = MuonWithAdamW(muon_param_groups(module), lr=1e-3)
     plugin, mixed = make_plugin(candidate, module)
     booster = Booster(plugin=plugin, mixed_precision=mixed)
     boosted, wrapped, *_ = booster.boost(module, optimizer)

@@ -14,6 +14,16 @@ ZeRO 1/2, the end of the backward (model states, the gradients packed into the r
 fp32 shard; cx-zero keeps an fp32 master shard then even for fp32 weights); under hybrid ZeRO 0 over dp > 1, the
 gradients and their packed copy for the all-reduce; unsharded 16-bit runs, the step's fp32 copy of the gradients beside
 the 16-bit ones.
+
+Under `optimizer=muon` (`_muon_bytes`, the split from `trace._muon_split`): one fp32 momentum per hidden-matrix
+element, AdamW's two moments on the rest. Where the plugin shards parameters (ZeRO 1/2 or Gemini over dp > 1, tensor
+parallelism at ZeRO 0) every parameter is stepped whole on one owner rank, which keeps its whole fp32 master and
+state: the busiest owner of cx's own assignment is predicted (its states instead of a 1/dp share, its whole masters
+beside the ZeRO master shards), and a third instant, the step, adds its gathered whole gradients and the gather's
+receive buffers (Gemini gathers the master too: twice that). Unsharded runs step every matrix on every rank: the
+instant adds Newton-Schulz's workspace on the largest matrix. Under tp or pp the stage's share of the whole model's
+split is taken in proportion to its elements (whole matrices: its elements x tp); a data-parallel layout's is the
+split's own (the trace counts a tied head beside its embedding, cx steps it once).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from cx_plan._candidate import Candidate
 from cx_plan.memory._fsdp_memory import fsdp_bytes
 from cx_plan.trace._activations import ActivationTrace, trace_stage
 from cx_plan.trace._model_spec import ModelShape, ParameterCounts
+from cx_plan.trace._muon_split import MuonSplit, busiest_owner, muon_split, whole_group
 
 __all__ = ["MemoryPrediction", "predict_memory", "predict_memory_from_traces"]
 
@@ -99,8 +110,36 @@ def _accumulated(c: Candidate, itemsize: int, n: int) -> int:
     return itemsize * n
 
 
+@dataclass(frozen=True)
+class _MuonBytes:
+    optimizer: int  # the rank's Muon momenta and AdamW moments
+    whole_masters: int  # the whole fp32 masters it owns, beside the plugin's own master (shards)
+    step: int  # transient at the step: gathered whole gradients and receive buffers, or Newton-Schulz's workspace
+
+
+def _muon_bytes(c: Candidate, n: int, split: MuonSplit) -> _MuonBytes:
+    """MuonWithAdamW's bytes on the busiest rank of a stage training `n` elements (module docstring)."""
+    group = whole_group(c)
+    scale = 1.0  # the whole model (the trace counts a tied head again: the split's own count is the one cx steps)
+    if (c.tp, c.pp, c.ep) != (1, 1, 1) and split.total:  # a stage's share, its matrices whole
+        scale = min(1.0, n * c.tp / split.total)
+    if group == 1:
+        largest = busiest_owner(split, 1).largest_matrix
+        m, k = largest
+        workspace = _FP32 * m * k + 2 * 2 * m * k + 3 * 2 * m * m  # nesterov update fp32; bf16 X, new X; A, B, A @ A
+        return _MuonBytes(int(scale * split.state_bytes), 0, workspace)
+    load = busiest_owner(split, group)
+    elements = int(scale * load.elements)
+    received = 2 if c.plugin == "gemini" else 1  # Gemini gathers the master beside the gradient
+    return _MuonBytes(int(scale * load.state_bytes), _FP32 * elements, 2 * received * _FP32 * elements)
+
+
 def _for_stage(
-    candidate: Candidate, trace: ActivationTrace, counts: ParameterCounts | None, host_is_device: bool
+    candidate: Candidate,
+    trace: ActivationTrace,
+    counts: ParameterCounts | None,
+    host_is_device: bool,
+    muon: MuonSplit | None = None,
 ) -> MemoryPrediction:
     c, n, e = candidate, trace.parameter_count, trace.expert_parameter_count
     w = _ITEMSIZE[c.precision]
@@ -127,6 +166,12 @@ def _for_stage(
             gradients = live_grads + _accumulated(c, w, n)
             if c.stage >= 1 and dp > 1:  # cx-zero keeps a separate fp32 master shard even for fp32 working weights
                 master = _shard(c, n, e, _FP32)
+    muon_step = 0
+    if c.muon:
+        if muon is None:
+            raise ValueError("optimizer muon: the memory prediction needs the model's Muon split (muon_split)")
+        muon_bytes = _muon_bytes(c, n, muon)
+        optimizer, master, muon_step = muon_bytes.optimizer, master + muon_bytes.whole_masters, muon_bytes.step
     # what is moved to the CPU leaves both instants below, unless the CPU is the device (the same memory)
     offloaded = 0
     # cx-zero's cpu_offload keeps the whole fp32 side on the CPU: moments, master shard and the gradients reduced into
@@ -158,6 +203,14 @@ def _for_stage(
     elif c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.half_precision:
         # unsharded mixed precision: the step reads fp32 copies of the 16-bit gradients beside them
         end = parameters + optimizer + master + w * n + (0 if fp32_on_host else _FP32 * n)
+    if c.muon:  # the step: the gradients it reads beside the gathered whole ones or Newton-Schulz's workspace
+        if c.plugin == "gemini":
+            read = 2 * w * n // dp
+        elif whole_group(c) > 1 and c.stage >= 1:
+            read = _shard(c, n, e, _FP32)
+        else:
+            read = (_FP32 if c.plugin == "torch_ddp" else w) * n + (_FP32 * n if c.half_precision else 0)
+        end = max(end, parameters + optimizer + master + read + muon_step)
     return MemoryPrediction(
         candidate=c,
         stage=trace.stage,
@@ -178,13 +231,15 @@ def predict_memory_from_traces(
     traces: list[ActivationTrace],
     counts: ParameterCounts | None = None,
     host_is_device: bool = False,
+    muon: MuonSplit | None = None,
 ) -> MemoryPrediction:
     """The busiest stage's prediction from already-made traces (one per stage traced); `counts` (the shape's) are
     needed for per-block FSDP, whose gathered bytes are the root unit's and the largest blocks'. `host_is_device`:
-    the devices are the CPU (`--device cpu`), so "offloaded" optimizer states stay in the memory that peaks."""
+    the devices are the CPU (`--device cpu`), so "offloaded" optimizer states stay in the memory that peaks. `muon`:
+    the model's Muon split (`muon_split`), needed for a candidate with optimizer muon."""
     if not traces:
         raise ValueError("predict_memory_from_traces: no trace given")
-    made = (_for_stage(candidate, trace, counts, host_is_device) for trace in traces)
+    made = (_for_stage(candidate, trace, counts, host_is_device, muon) for trace in traces)
     return max(made, key=lambda prediction: prediction.peak)
 
 
@@ -194,4 +249,5 @@ def predict_memory(
     """Trace the first and the last pipeline stage (the others lie between) and predict the busiest."""
     stages = sorted({0, candidate.pp - 1})
     traces = [trace_stage(shape, candidate, seq_len, s) for s in stages]
-    return predict_memory_from_traces(candidate, traces, shape.parameters, host_is_device)
+    split = muon_split(shape) if candidate.muon else None
+    return predict_memory_from_traces(candidate, traces, shape.parameters, host_is_device, split)

@@ -31,6 +31,7 @@ from cx_plan.memory._memory import MemoryPrediction, predict_memory_from_traces
 from cx_plan.memory._states_floor import states_floor, with_states_floor
 from cx_plan.trace._activations import ActivationTrace, shallow_layers
 from cx_plan.trace._model_spec import ModelShape
+from cx_plan.trace._muon_split import muon_split
 from cx_plan.trace._trace_cache import TraceCache, shared_trace_cache
 
 __all__ = ["floor_trace", "memory_model"]
@@ -97,8 +98,9 @@ def memory_model(
         """The verdict of `floors` (traces predicting at most the candidate's own) when they already do not fit
         (None: they fit; then the next bound, or the candidate's own trace, decides)."""
         floors = [with_states_floor(trace, states_floor(shape, candidate)) for trace in floors]
-        verdict = fits(predict_memory_from_traces(candidate, floors, shape.parameters, host_is_device), device_memory,
-                       usable_fraction)  # fmt: skip
+        split = muon_split(shape) if candidate.muon else None
+        prediction = predict_memory_from_traces(candidate, floors, shape.parameters, host_is_device, split)
+        verdict = fits(prediction, device_memory, usable_fraction)
         if verdict.fits:
             return None
         reason = f"{verdict.reason} (at least: {why}, {untraced})"
@@ -165,7 +167,8 @@ def memory_model(
         made = stage_traces(candidate)
         if isinstance(made, Verdict):
             return made
-        prediction = predict_memory_from_traces(candidate, made, shape.parameters, host_is_device)
+        split = muon_split(shape) if candidate.muon else None
+        prediction = predict_memory_from_traces(candidate, made, shape.parameters, host_is_device, split)
         return fits(prediction, device_memory, usable_fraction)
 
     return judge

@@ -20,6 +20,10 @@ n-1 hops; an all-to-all sends (n-1)/n of the local tensor in n-1 hops. Per step 
   layer, forward and backward; under routing skew at the hottest rank's load (`hot_rank_load` x: it receives
   that many rows in the dispatch and sends them back in the combine, and the all-to-all ends when it does).
 - pipeline: one activation forward and one gradient backward per micro-batch, model chunk and stage boundary.
+- optimizer muon where whole parameters have owners (`_muon_split.whole_group`: ZeRO 1/2, Gemini, hybrid tp at
+  ZeRO 0): every rank sends its slices of the stage's gradients to their owners (one gather per owner, fp32, the
+  master dtype; Gemini sends the master beside them) and gets its slices of the updates back (one scatter per
+  owner): each an all-gather-sized volume of the stage's parameters in fp32, after the backward (not overlapped).
 
 Activation checkpointing repeats a recomputed layer's forward collectives (tp, sp, experts) once more.
 """
@@ -31,11 +35,13 @@ from dataclasses import dataclass
 
 from cx_plan._candidate import Candidate
 from cx_plan.trace._model_spec import ModelShape
+from cx_plan.trace._muon_split import whole_group
 from cx_plan.trace._oracle import hot_rank_load
 
 __all__ = ["BUCKET_BYTES", "Collective", "step_collectives", "weight_bytes"]
 
 BUCKET_BYTES = 25 * 2**20  # DDP's and ZeRO's default bucket (ddp_bucket_cap_mb=25): one call per bucket
+_FP32 = 4
 _OWN_PRECISION = ("gemini", "low_level_zero", "hybrid", "moe_hybrid")  # 16-bit weights and gradients, fp32 master
 
 
@@ -173,6 +179,26 @@ def _in_layer(candidate: Candidate, shape: ModelShape, seq_len: int) -> list[Col
     return found
 
 
+def _whole_matrices(candidate: Candidate, shape: ModelShape) -> list[Collective]:
+    """MuonWithAdamW's gather of gradients to their owners and scatter of updates back (module docstring)."""
+    c = candidate
+    size = whole_group(c)
+    if not c.muon or size <= 1:
+        return []
+    counts = shape.parameters
+    elements = (counts.dense + counts.experts / c.ep) / c.pp  # the stage's parameters, whole
+    axes: tuple[str, ...] = ("tp",) if c.stage == 0 and c.plugin != "gemini" else ("dp", "sp")
+    if c.plugin == "moe_hybrid" and axes != ("tp",):
+        axes = ("moe_dp", "ep", "sp")
+    _, span = _group(c, *axes)
+    sent = (size - 1) / size * elements * _FP32
+    return [
+        Collective("muon gradient gather", size, span, sent * (2 if c.plugin == "gemini" else 1), size),
+        Collective("muon weight scatter", size, span, sent, size),
+    ]
+
+
 def step_collectives(candidate: Candidate, shape: ModelShape, seq_len: int) -> list[Collective]:
     """Every collective one rank runs in one optimizer step of `candidate` training `shape` on `seq_len` tokens."""
-    return [*_in_layer(candidate, shape, seq_len), *_data_parallel(candidate, shape)]
+    c = candidate
+    return [*_in_layer(c, shape, seq_len), *_data_parallel(c, shape), *_whole_matrices(c, shape)]

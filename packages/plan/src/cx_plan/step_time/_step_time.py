@@ -32,6 +32,11 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
 - The optimizer step streams 28 bytes per fp32 master parameter (read weight, gradient, two moments; write weight
   and moments), plus the 16-bit weight copy, at the device's memory bandwidth; offloaded optimizer state crosses PCIe
   5 (gradients down, weights up) and steps at `HOST_BANDWIDTH`.
+- Optimizer muon (MuonWithAdamW): the rank steps what it owns (`_muon_split.stepped_load`: all it holds, or its
+  owner share of the whole parameters where the plugin shards them), streaming 20 bytes per Muon element (read
+  weight, gradient, momentum; write weight and momentum) and AdamW's 28 per other element, plus Newton-Schulz's
+  FLOPs (5 iterations of 4 m^2 n + 2 m^3 per m x n matrix, m <= n) at `efficiency` x the bf16 peak (torch runs
+  Newton-Schulz in bf16); the gather / scatter to owners is in `_comm_volume`.
 - Host work (`_host_time`, given the trace's op and tensor counts): dispatching each micro-batch's aten ops, the
   plugin's own per-parameter ops and AdamW's per-tensor loop, at the device's measured per-op and per-tensor costs.
   On a host-bound device (the CPU) they add to the compute, and with more ranks than cores every rank's host work,
@@ -52,6 +57,7 @@ from cx_plan._devices import LINKS, Device, Network, default_network
 from cx_plan.step_time._comm_volume import BUCKET_BYTES, Collective, step_collectives, weight_bytes
 from cx_plan.step_time._host_time import OpCounts, host_time
 from cx_plan.trace._model_spec import ModelShape
+from cx_plan.trace._muon_split import stepped_load
 from cx_plan.trace._oracle import hot_rank_load
 
 __all__ = [
@@ -66,6 +72,7 @@ __all__ = [
 ACHIEVABLE_FRACTION = 0.45
 HOST_BANDWIDTH = 100e9  # bytes/s a CPU Adam streams on a GPU server's host (a share of its ~300 GB/s DRAM)
 _ADAM_BYTES = 28  # per fp32 master parameter and step: read w, g, m, v (16), write w, m, v (12)
+_MUON_BYTES = 20  # per Muon element: read w, g, momentum (12), write w, momentum (8)
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,12 @@ def _optimizer_seconds(candidate: Candidate, shape: ModelShape, device: Device) 
     expert_dp = c.moe_dp if c.stage >= 1 else 1
     held = counts.dense / (c.tp * c.pp) / dense_dp + counts.experts / (c.ep * c.pp) / expert_dp
     w = weight_bytes(c)
-    per_parameter = _ADAM_BYTES + (w if w == 2 else 0)
+    per_parameter: float = _ADAM_BYTES + (w if w == 2 else 0)
+    if c.muon:  # what this rank steps (its owner share, or all it holds), Muon's elements at 20 bytes
+        load = stepped_load(c, shape)
+        if load.elements:
+            per_parameter -= (_ADAM_BYTES - _MUON_BYTES) * load.muon_elements / load.elements
+        held = load.elements
     offloaded = c.offload_optim_frac if c.plugin == "gemini" else (1.0 if c.cpu_offload else 0.0)
     on_device = held * (1 - offloaded) * per_parameter / device.memory_bandwidth
     if not offloaded or device.name == "cpu":
@@ -163,7 +175,7 @@ def _hidden_data_parallel(
     c = candidate
     if device.host_bound or c.pp > 1:
         return 0.0
-    gradients = sum(t for name, t in times.items() if "gradient" in name)
+    gradients = sum(t for name, t in times.items() if "gradient" in name and not name.startswith("muon "))
     gathers = sum(t for name, t in times.items() if "weight all-gather" in name)
     if c.plugin == "torch_fsdp" and c.fsdp_wrap == "block":
         units = shape.num_layers + 1
@@ -232,8 +244,10 @@ def predict_step_time(
     collectives = step_collectives(c, shape, seq_len)
     times = {col.name: _seconds(col, net, slow) for col in collectives}
     in_layer = sum(times[col.name] for col in collectives if col.name.startswith(("tp ", "sp ", "expert ")))
-    data_parallel = sum(t for name, t in times.items() if "gradient" in name or "weight" in name)
+    data_parallel = sum(t for name, t in times.items() if "gradient" in name or "weight" in name)  # muon's too
     optimizer_s = _optimizer_seconds(c, shape, device) * slow
+    if c.muon:  # Newton-Schulz on the matrices this rank steps, in bf16
+        optimizer_s += stepped_load(c, shape).ns_flops / (device.peak("bf16") * efficiency) * slow
     passes = 2 + c.checkpoint_ratio
     m = c.num_microbatches
     bound = device.host_bound

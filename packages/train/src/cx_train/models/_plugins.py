@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 
-from cx_plan import Candidate
+from cx_plan import Candidate, Optimizer
 from cx_plan import make_plugin as plugin_for
 from cx_plugins import Plugin
 
@@ -58,6 +58,7 @@ def plan_candidate(options: TrainOptions, world_size: int) -> Candidate:
         fsdp_wrap=switches.fsdp_wrap if options.plugin == "torch_fsdp" else "model",  # by default each decoder layer
         precision=options.precision,
         optimizer_states_dtype=switches.optimizer_states_dtype,
+        optimizer=Optimizer.MUON if options.optimizer == "muon" else Optimizer.ADAMW,  # the fused Adams hold AdamW's
     )
 
 

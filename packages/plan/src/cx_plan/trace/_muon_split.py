@@ -1,0 +1,163 @@
+"""The model's parameters as cx-train's `--optimizer muon` groups them, and what one rank of a group holds and
+computes when cx steps them whole (`muon_split`, `owner_loads`).
+
+cx-train's MuonWithAdamW takes `cx_zero.muon_param_groups(model)`: 2-D hidden matrices (and fused expert stacks) get
+Muon's one fp32 momentum buffer, 1-D parameters, embeddings and the output head AdamW's two fp32 moments (Muon keeps
+fp32 states: bf16 states are refused). The optimizer is whole-tensor, so where a plugin shards parameters (ZeRO 1/2,
+Gemini, tensor parallelism at ZeRO 0) each parameter, Muon's and AdamW's alike, gets one owner rank of the group
+(`cx_zero.assign_owners`, balanced by Newton-Schulz cost, not by bytes) that keeps its whole fp32 master and its
+state, and steps it. Newton-Schulz runs `ns_steps` (torch.optim.Muon's 5) iterations of X X^T, (A @ A) and B @ X on
+each m x n matrix (m <= n): 2 m^2 n + 2 m^3 + 2 m^2 n FLOPs each; a 3-D expert stack orthogonalises each expert's
+matrix on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cx_plan._candidate import Candidate
+from cx_plan.trace._model_spec import ModelShape, build_model
+from cx_zero import MUON_DEFAULTS, assign_owners, muon_param_groups
+
+__all__ = [
+    "ADAMW_STATE_BYTES",
+    "MUON_STATE_BYTES",
+    "MuonSplit",
+    "OwnerLoad",
+    "busiest_owner",
+    "muon_split",
+    "ns_flops",
+    "owner_loads",
+    "stepped_load",
+    "whole_group",
+]
+
+MUON_STATE_BYTES = 4  # one fp32 momentum buffer per element
+ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32
+NS_STEPS: int = MUON_DEFAULTS["ns_steps"]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def ns_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
+    """Newton-Schulz FLOPs of one Muon update of a parameter of `shape` (2-D, or a 3-D stack of matrices)."""
+    dims = list(shape)
+    if len(dims) < 2:
+        return 0
+    stack = dims[0] if len(dims) == 3 else 1
+    rows, cols = dims[-2], dims[-1]
+    m, n = min(rows, cols), max(rows, cols)
+    return stack * steps * (4 * m * m * n + 2 * m**3)
+
+
+@dataclass(frozen=True)
+class MuonSplit:
+    """Every trained parameter's shape (shared ones once, model order) and whether Muon steps it."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    muon: tuple[bool, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(_numel(shape) for shape in self.shapes)
+
+    @property
+    def muon_elements(self) -> int:
+        return sum(_numel(shape) for shape, m in zip(self.shapes, self.muon, strict=True) if m)
+
+    @property
+    def state_bytes(self) -> int:
+        """Muon's and AdamW's fp32 states over the whole model."""
+        pairs = zip(self.shapes, self.muon, strict=True)
+        return sum(_numel(shape) * (MUON_STATE_BYTES if m else ADAMW_STATE_BYTES) for shape, m in pairs)
+
+    @property
+    def adamw_state_bytes(self) -> int:
+        """AdamW's two fp32 moments over every parameter (what `--optimizer adamw` holds)."""
+        return ADAMW_STATE_BYTES * self.total
+
+
+@dataclass(frozen=True)
+class OwnerLoad:
+    """What one owner rank of a group steps: elements (its whole fp32 masters and gathered gradients), the states
+    of those, the largest Muon matrix's elements and the Newton-Schulz FLOPs."""
+
+    elements: int
+    state_bytes: int
+    muon_elements: int
+    largest_matrix: tuple[int, int]  # (m, n) of its largest Muon matrix, m <= n; (0, 0) when it owns none
+    ns_flops: int
+
+
+def _load(split: MuonSplit, indices: Sequence[int]) -> OwnerLoad:
+    elements = state = muon = flops = 0
+    largest = (0, 0)
+    for i in indices:
+        numel = _numel(split.shapes[i])
+        elements += numel
+        state += numel * (MUON_STATE_BYTES if split.muon[i] else ADAMW_STATE_BYTES)
+        if split.muon[i]:
+            muon += numel
+            flops += ns_flops(split.shapes[i])
+            rows, cols = split.shapes[i][-2:]
+            if rows * cols > largest[0] * largest[1]:
+                largest = (min(rows, cols), max(rows, cols))
+    return OwnerLoad(elements, state, muon, largest, flops)
+
+
+@functools.lru_cache(maxsize=64)
+def owner_loads(split: MuonSplit, group_size: int) -> tuple[OwnerLoad, ...]:
+    """Each group rank's load when cx assigns the parameters owners over `group_size` ranks (one rank: all)."""
+    owners = assign_owners(list(split.shapes), group_size) if group_size > 1 else [0] * len(split.shapes)
+    return tuple(_load(split, [i for i, o in enumerate(owners) if o == rank]) for rank in range(group_size))
+
+
+def busiest_owner(split: MuonSplit, group_size: int) -> OwnerLoad:
+    """The owner holding the most bytes at the step (states, whole master and whole gradient)."""
+    return max(owner_loads(split, group_size), key=lambda load: (load.state_bytes + 8 * load.elements, load.ns_flops))
+
+
+@functools.lru_cache(maxsize=8)
+def muon_split(shape: ModelShape) -> MuonSplit:
+    """The model `shape` builds (on the meta device), grouped as cx-train groups it for MuonWithAdamW."""
+    with torch.device("meta"):
+        model = build_model(shape)
+    use_muon = {id(p): bool(group["use_muon"]) for group in muon_param_groups(model) for p in group["params"]}
+    params = [p for p in model.parameters() if id(p) in use_muon]
+    return MuonSplit(tuple(tuple(p.shape) for p in params), tuple(use_muon[id(p)] for p in params))
+
+
+def whole_group(c: Candidate) -> int:
+    """The ranks among which cx assigns whole parameters owners (1: every rank steps every parameter it holds):
+    the gradient group (dp x sp) under ZeRO 1/2, Gemini's dp, the tp group at hybrid ZeRO 0 (`_tp_whole`)."""
+    dp = c.dp * c.sp
+    if c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage >= 1 and dp > 1:
+        return dp
+    if c.plugin == "gemini" and c.dp > 1:
+        return c.dp
+    if c.plugin in ("hybrid", "moe_hybrid") and c.tp > 1:
+        return c.tp
+    return 1
+
+
+def stepped_load(c: Candidate, shape: ModelShape) -> OwnerLoad:
+    """What the busiest rank steps under `c` (a pipeline stage's share of the busiest owner's load, in proportion
+    to the stage's whole elements: the layers split over pp, routed experts over ep)."""
+    split = muon_split(shape)
+    counts = shape.parameters
+    stage = (counts.dense + counts.experts / c.ep) / c.pp
+    scale = stage / split.total if split.total else 0.0
+    load = busiest_owner(split, whole_group(c))
+    return OwnerLoad(
+        int(load.elements * scale), int(load.state_bytes * scale), int(load.muon_elements * scale),
+        load.largest_matrix, int(load.ns_flops * scale),
+    )  # fmt: skip

@@ -1,0 +1,143 @@
+"""cx-plan under `--optimizer muon` (cx-zero's MuonWithAdamW, as cx-train runs it): the optimizer states counted
+from the parameter shapes (one fp32 momentum per hidden-matrix element, AdamW's two fp32 moments on the rest), the
+whole-matrix owners under ZeRO (cx-zero's own assignment), the gather / scatter and Newton-Schulz in the step time,
+the layouts cx refuses left out, and the printed cx-train command carrying the flag. The measured check is in
+test_plan_memory (DDP and ZeRO-1 under Muon, within its 10 %)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from cx_plan import Candidate, Device, ModelShape, Optimizer, load_model_shape, lookup_device, predict_step_time
+from cx_plan._cli import main
+from cx_plan._enumerate import SearchSpace, enumerate_candidates
+from cx_plan._report import train_command
+from cx_plan.memory._memory import predict_memory
+from cx_plan.trace._model_spec import build_model
+from cx_plan.trace._muon_split import muon_split, ns_flops
+from cx_zero import assign_owners
+
+HIDDEN, LAYERS, SEQ = 64, 2, 32
+_GPT = ["--model", "gpt", "--hidden-size", "32", "--num-layers", "2", "--seq-len", "32", "--device", "cpu"]
+
+
+@dataclass(frozen=True)
+class _Fits:
+    fits: bool = True
+    peak_bytes: int = 1
+    reason: str = ""
+
+
+def _fits(shape: ModelShape, seq_len: int, device: Device) -> Callable[[Candidate], _Fits]:
+    """Every candidate fits (the command's tests need no trace)."""
+    return lambda candidate: _Fits()
+
+
+def _llama_hidden_matrices() -> tuple[list[tuple[int, ...]], list[bool]]:
+    """Each trained parameter's shape and whether it is a hidden matrix, by Muon's rule read off the names: 2-D,
+    neither the token embedding nor the (untied) output head."""
+    shape = load_model_shape("llama", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+    with torch.device("meta"):
+        model = build_model(shape)
+    named = list(model.named_parameters())
+    shapes = [tuple(p.shape) for _, p in named]
+    hidden = [p.ndim == 2 and "embed_tokens" not in n and "lm_head" not in n for n, p in named]
+    return shapes, hidden
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return int(torch.Size(shape).numel())
+
+
+def test_muon_holds_four_bytes_less_per_hidden_matrix_element() -> None:
+    """DDP replicates the states: AdamW 8 bytes per element; Muon 4 per hidden-matrix element, 8 per other one, so
+    the difference is exactly 4 x the hidden matrices' elements (llama: embeddings and the untied head stay AdamW)."""
+    shape = load_model_shape("llama", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+    shapes, hidden = _llama_hidden_matrices()
+    matrices = sum(_numel(s) for s, h in zip(shapes, hidden, strict=True) if h)
+    total = sum(_numel(s) for s in shapes)
+    assert 0 < matrices < total
+    assert muon_split(shape).muon_elements == matrices
+    adamw = predict_memory(shape, Candidate("torch_ddp", dp=2, precision="fp32"), SEQ)
+    muon = predict_memory(shape, Candidate("torch_ddp", dp=2, precision="fp32", optimizer=Optimizer.MUON), SEQ)
+    assert adamw.optimizer_states == 8 * total
+    assert muon.optimizer_states == 8 * total - 4 * matrices
+    assert adamw.peak - muon.peak == 4 * matrices  # the step's workspace stays under the backward's peak here
+
+
+def test_muon_under_zero_holds_the_busiest_owners_whole_states_and_masters() -> None:
+    """ZeRO-1 over dp 2: each parameter (Muon's and AdamW's) has one owner (cx-zero's `assign_owners`), which keeps
+    its whole fp32 master and state: the busiest owner's, not a 1/dp share of every element."""
+    shape = load_model_shape("llama", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+    shapes, hidden = _llama_hidden_matrices()
+    owners = assign_owners(shapes, 2)
+    per_rank = []
+    for rank in range(2):
+        mine = [(s, h) for s, h, o in zip(shapes, hidden, owners, strict=True) if o == rank]
+        elements = sum(_numel(s) for s, _ in mine)
+        states = sum(_numel(s) * (4 if h else 8) for s, h in mine)
+        per_rank.append((states + 8 * elements, states, elements))
+    _, states, elements = max(per_rank)
+    total = sum(_numel(s) for s in shapes)
+    zero = Candidate("low_level_zero", dp=2, zero_stage=1, precision="fp32")
+    adamw = predict_memory(shape, zero, SEQ)
+    muon = predict_memory(shape, Candidate("low_level_zero", dp=2, zero_stage=1, precision="fp32",
+                                           optimizer=Optimizer.MUON), SEQ)  # fmt: skip
+    assert adamw.optimizer_states == 8 * total // 2
+    assert muon.optimizer_states == states
+    assert muon.master_weights - adamw.master_weights == 4 * elements  # whole masters beside the master shards
+
+
+def test_newton_schulz_flops_and_the_gather_scatter_are_in_the_step() -> None:
+    # 5 iterations of X X^T (2 m^2 n), A @ A (2 m^3), B @ X (2 m^2 n) on the 3 x 5 matrix (m = 3), transposed alike
+    assert ns_flops((3, 5)) == ns_flops((5, 3)) == 5 * (4 * 9 * 5 + 2 * 27)
+    assert ns_flops((4, 3, 5)) == 4 * ns_flops((3, 5))
+    assert ns_flops((7,)) == 0
+    shape = load_model_shape("llama", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+    device = lookup_device("h100")
+    zero = Candidate("low_level_zero", dp=2, zero_stage=1, precision="bf16")
+    adamw = predict_step_time(zero, shape, SEQ, device)
+    muon = predict_step_time(Candidate("low_level_zero", dp=2, zero_stage=1, precision="bf16",
+                                       optimizer=Optimizer.MUON), shape, SEQ, device)  # fmt: skip
+    assert set(muon.communication_s) - set(adamw.communication_s) == {"muon gradient gather", "muon weight scatter"}
+    assert muon.step_s > adamw.step_s
+    ddp = predict_step_time(Candidate("torch_ddp", dp=2, precision="bf16", optimizer=Optimizer.MUON), shape, SEQ,
+                            device)  # fmt: skip
+    assert not any(name.startswith("muon") for name in ddp.communication_s)  # every rank steps every matrix
+
+
+def test_refused_layouts_are_not_candidates_and_are_said_once(capsys: pytest.CaptureFixture[str]) -> None:
+    shape = load_model_shape("mixtral", hidden_size=64, num_layers=2, seq_len=SEQ)
+    space = SearchSpace(global_batch=8, optimizer=Optimizer.MUON, max_tp=2)
+    found = enumerate_candidates(shape, 4, SEQ, space)
+    assert found
+    assert all(c.optimizer is Optimizer.MUON for c in found)
+    assert not [c for c in found if c.plugin == "torch_fsdp"]
+    assert not [c for c in found if c.plugin == "hybrid" and c.tp > 1 and c.stage >= 1]
+    assert not [c for c in found if c.plugin == "moe_hybrid" and c.tp > 1]
+    assert [c for c in found if c.plugin == "hybrid" and c.tp > 1]  # tp at ZeRO 0 steps whole matrices
+    with pytest.raises(ValueError, match="optimizer muon: TorchFSDPPlugin"):
+        Candidate("torch_fsdp", dp=2, optimizer=Optimizer.MUON)
+    assert main([*_GPT, "--world", "2", "--optimizer", "muon", "--top", "1", "--quiet"], _fits) == 0
+    out = capsys.readouterr().out
+    assert out.count("not considered under --optimizer muon: torch_fsdp") == 1
+    best = next(line for line in out.splitlines() if line.strip().startswith("cx-train "))
+    assert best.endswith("--optimizer muon")
+    assert main([*_GPT, "--world", "2", "--optimizer", "muon", "--optimizer-states-dtype", "bf16"]) == 2
+    assert "muon keeps fp32 states" in capsys.readouterr().err
+
+
+def test_json_plan_candidates_round_trip_with_the_optimizer(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = [*_GPT, "--world", "2", "--optimizer", "muon", "--plugins", "low_level_zero", "--json", "--quiet"]
+    assert main(flags, _fits) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    for row in rows:
+        candidate = Candidate(**row["candidate"])
+        assert candidate.optimizer is Optimizer.MUON
+        assert row["label"].endswith(" muon")
+        assert train_command(candidate, "gpt", 32).endswith("--optimizer muon")
