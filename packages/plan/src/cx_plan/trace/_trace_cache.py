@@ -55,7 +55,8 @@ class TraceCache:
             if isinstance(shallow, str):
                 self._traces[key] = shallow
             else:
-                self._traces[key] = self._made(lambda: trace_stage(self.shape, candidate, self.seq_len, stage, shallow))
+                extra = {} if shallow is None else {"shallow": shallow}
+                self._traces[key] = self._made(lambda: trace_stage(self.shape, candidate, self.seq_len, stage, **extra))
         return self._traces[key]
 
     def shallow(self, candidate: Candidate, stage: int) -> ActivationTrace | str:
