@@ -11,9 +11,7 @@ differently. Row counts 12, 5, 3 and 1 shard unevenly over two ranks
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -23,8 +21,16 @@ from torch.distributed.tensor import DTensor
 
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, ModelWrapper, TorchFSDPPlugin
-
-LR, STEPS, PER_RANK, FLIP_BOUND = 0.02, 3, 3, 0.2
+from muon_test_helpers import (
+    STEPS,
+    boosted_step,
+    muon_bound,
+    rank_rows,
+    reference_step,
+    regression_batch,
+    save_and_load_fresh,
+    two_lr_muon,
+)
 
 
 def _model() -> nn.Module:
@@ -37,18 +43,6 @@ def _model() -> nn.Module:
     return model
 
 
-def _muon(model: nn.Module) -> torch.optim.Optimizer:
-    first, *rest = [p for p in model.parameters() if p.ndim == 2]
-    groups: list[dict[str, Any]] = [{"params": [first], "lr": 2 * LR}, {"params": rest}]
-    return torch.optim.Muon(groups, lr=LR, weight_decay=0.01)
-
-
-def _batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(step)
-    x = torch.randn(PER_RANK * world_size, 8, generator=generator)
-    return x, torch.randn(PER_RANK * world_size, 1, generator=generator)
-
-
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
@@ -59,27 +53,22 @@ def test_plugins_fsdp_muon_matches_one_process(rank: int, world_size: int, wrap:
     policy = ModuleWrapPolicy({nn.Linear}) if wrap == "per_linear" else None
     booster = Booster(plugin=TorchFSDPPlugin(auto_wrap_policy=policy))
     plain = _model()
-    model, optimizer, *_ = booster.boost(plain, _muon(plain))
+    model, optimizer, *_ = booster.boost(plain, two_lr_muon(plain))
     assert isinstance(model, ModelWrapper)
     assert optimizer is not None
     reference = _model()
-    reference_optimizer = _muon(reference)
-    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    reference_optimizer = two_lr_muon(reference)
+    mine = rank_rows(rank)
     for step in range(STEPS):
-        x, y = _batch(step, world_size)
-        booster.backward(nn.functional.mse_loss(model(x[mine]), y[mine]), optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
+        x, y = regression_batch(step, world_size, outputs=1)
+        boosted_step(booster, nn.functional.mse_loss(model(x[mine]), y[mine]), optimizer)
+        reference_step(nn.functional.mse_loss(reference(x), y), reference_optimizer)
     lrs = {id(p): g["lr"] for g in reference_optimizer.param_groups for p in g["params"]}
     for (name, mine_p), want in zip(model.unwrap().named_parameters(), reference.parameters(), strict=True):
         if want.ndim != 2:
             assert torch.equal(_full(mine_p), want.detach()), name  # frozen
             continue
-        rows, cols = want.shape
-        bound = FLIP_BOUND * lrs[id(want)] * math.sqrt(max(1.0, rows / cols))
+        bound = muon_bound(lrs[id(want)], *want.shape)
         torch.testing.assert_close(_full(mine_p), want.detach(), rtol=0, atol=bound, msg=name)
     # the momentum is sharded like its parameter (so the checkpoint IO treats it as AdamW's states)
     for group in optimizer.param_groups:
@@ -88,19 +77,10 @@ def test_plugins_fsdp_muon_matches_one_process(rank: int, world_size: int, wrap:
             assert isinstance(buffer, DTensor)
             assert buffer.placements == param.placements
     # the checkpoint IO's own files: a fresh boosted pair resumes bit-exactly
-    booster.save_model(model, tmp_path / "model", shard=True)
-    booster.save_optimizer(optimizer, tmp_path / "optimizer", shard=True)
-    torch.distributed.barrier()
-    fresh = _model()
-    resumed, resumed_optimizer, *_ = booster.boost(fresh, _muon(fresh))
+    resumed, resumed_optimizer = save_and_load_fresh(booster, model, optimizer, _model, two_lr_muon, tmp_path)
     assert isinstance(resumed, ModelWrapper)
-    assert resumed_optimizer is not None
-    booster.load_model(resumed, tmp_path / "model")
-    booster.load_optimizer(resumed_optimizer, tmp_path / "optimizer")
-    x, y = _batch(STEPS, world_size)
+    x, y = regression_batch(STEPS, world_size, outputs=1)
     for boosted_model, boosted_optimizer in ((model, optimizer), (resumed, resumed_optimizer)):
-        booster.backward(nn.functional.mse_loss(boosted_model(x[mine]), y[mine]), boosted_optimizer)
-        boosted_optimizer.step()
-        boosted_optimizer.zero_grad()
+        boosted_step(booster, nn.functional.mse_loss(boosted_model(x[mine]), y[mine]), boosted_optimizer)
     for (name, p), q in zip(model.unwrap().named_parameters(), resumed.unwrap().parameters(), strict=True):
         assert torch.equal(_full(p), _full(q)), name

@@ -12,7 +12,6 @@ rank 0; keep_gathered chunks hold every matrix whole on both ranks."""
 from __future__ import annotations
 
 import copy
-import math
 from pathlib import Path
 from typing import Any
 
@@ -23,28 +22,20 @@ from torch import nn
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, GeminiPlugin, ModelWrapper
 from cx_plugins.gemini._plugin import GeminiOptimizerWrapper
+from muon_test_helpers import (
+    MUON_LR,
+    STEPS,
+    boosted_step,
+    muon_bound,
+    rank_rows,
+    regression_batch,
+    save_and_load_fresh,
+    tiny_matrices,
+    two_lr_muon,
+)
 from plugins_test_helpers import full_state
 
-LR, STEPS, PER_RANK, FLIP_BOUND, CHUNK = 0.02, 3, 3, 0.2, 128
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(8, 12, bias=False), nn.Tanh(), nn.Linear(12, 5, bias=False), nn.Tanh(), nn.Linear(5, 3, bias=False)
-    )
-
-
-def _muon(model: nn.Module) -> torch.optim.Optimizer:
-    first, *rest = list(model.parameters())
-    groups: list[dict[str, Any]] = [{"params": [first], "lr": 2 * LR}, {"params": rest}]
-    return torch.optim.Muon(groups, lr=LR, weight_decay=0.01)
-
-
-def _batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(step)
-    x = torch.randn(PER_RANK * world_size, 8, generator=generator)
-    return x, torch.randn(PER_RANK * world_size, 3, generator=generator)
+CHUNK = 128
 
 
 def _plugin(precision: str, keep_gathered: bool = False, **placement: Any) -> GeminiPlugin:
@@ -53,29 +44,27 @@ def _plugin(precision: str, keep_gathered: bool = False, **placement: Any) -> Ge
 
 
 def _train(rank: int, world_size: int, booster: Booster, model: nn.Module, optimizer: Any, steps: range) -> None:
-    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    mine = rank_rows(rank)
     for step in steps:
-        x, y = _batch(step, world_size)
+        x, y = regression_batch(step, world_size)
         out = model(x[mine].to(next(model.parameters()).dtype))
-        booster.backward(nn.functional.mse_loss(out.float(), y[mine]), optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
+        boosted_step(booster, nn.functional.mse_loss(out.float(), y[mine]), optimizer)
 
 
 def _reference(world_size: int, precision: str) -> nn.Module:
     """One process's torch Muon; for bf16 it emulates the mixed-precision run: each rank's micro-batch through a bf16
     copy of the fp32 masters, the bf16 gradients summed and averaged in bf16, Muon stepping the fp32 masters."""
-    model = _model()
-    optimizer = _muon(model)
+    model = tiny_matrices()
+    optimizer = two_lr_muon(model)
     for step in range(STEPS):
-        x, y = _batch(step, world_size)
+        x, y = regression_batch(step, world_size)
         if precision == "fp32":
             nn.functional.mse_loss(model(x), y).backward()
         else:
             total: list[torch.Tensor] = []
             for rank in range(world_size):
                 work = copy.deepcopy(model).to(torch.bfloat16)
-                mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+                mine = rank_rows(rank)
                 nn.functional.mse_loss(work(x[mine].bfloat16()).float(), y[mine]).backward()
                 grads = [p.grad for p in work.parameters() if p.grad is not None]
                 total = grads if not total else [a + b for a, b in zip(total, grads, strict=True)]
@@ -104,34 +93,26 @@ def test_plugins_gemini_muon_matches_one_process(
     rank: int, world_size: int, precision: str, placement: dict[str, Any], tmp_path: Path
 ) -> None:
     booster = Booster(plugin=_plugin(precision, **placement))
-    plain = _model()
-    model, optimizer, *_ = booster.boost(plain, _muon(plain))
+    plain = tiny_matrices()
+    model, optimizer, *_ = booster.boost(plain, two_lr_muon(plain))
     assert isinstance(model, ModelWrapper)
     assert optimizer is not None
     # kept gathered, every rank holds and steps every matrix whole
     assert _straddles(optimizer) == ([] if placement.get("keep_gathered") else ["0.weight", "4.weight"])
     _train(rank, world_size, booster, model, optimizer, range(STEPS))
     reference = _reference(world_size, precision)
-    lrs = {id(p): g["lr"] for g in _muon(reference).param_groups for p in g["params"]}
+    lrs = {id(p): g["lr"] for g in two_lr_muon(reference).param_groups for p in g["params"]}
     # bf16: both sides are rounded to bf16 before comparing, each off by at most half an ulp (2**-8 relative)
     rtol = 2**-7 if precision == "bf16" else 0.0
     state = full_state(model)
     for name, want in reference.named_parameters():
-        rows, cols = want.shape
-        bound = FLIP_BOUND * lrs[id(want)] * math.sqrt(max(1.0, rows / cols))
+        bound = muon_bound(lrs[id(want)], *want.shape)
         expected = want.detach().to(state[name].dtype).float()
         torch.testing.assert_close(state[name].float(), expected, rtol=rtol, atol=bound, msg=name)
     # the checkpoint IO's own files (no pickle): a fresh boosted pair resumes bit-exactly (the momentum saved whole
     # by name from its owner, loaded onto the fresh pair's owner)
-    booster.save_model(model, tmp_path / "model", shard=True)
-    booster.save_optimizer(optimizer, tmp_path / "optimizer", shard=True)
-    torch.distributed.barrier()
-    fresh = _model()
-    resumed, resumed_optimizer, *_ = booster.boost(fresh, _muon(fresh))
+    resumed, resumed_optimizer = save_and_load_fresh(booster, model, optimizer, tiny_matrices, two_lr_muon, tmp_path)
     assert isinstance(resumed, ModelWrapper)
-    assert resumed_optimizer is not None
-    booster.load_model(resumed, tmp_path / "model")
-    booster.load_optimizer(resumed_optimizer, tmp_path / "optimizer")
     for boosted_model, boosted_optimizer in ((model, optimizer), (resumed, resumed_optimizer)):
         _train(rank, world_size, booster, boosted_model, boosted_optimizer, range(STEPS, STEPS + 2))
     continued, loaded = full_state(model), full_state(resumed)
@@ -144,24 +125,23 @@ def test_plugins_gemini_muon_clips_before_the_whole_step(rank: int, world_size: 
     """max_norm clips the reduced gradient slices by the global norm before they are gathered whole: the result is
     one process's torch Muon after `clip_grad_norm_` (same bound; 0.05 clips every step here)."""
     booster = Booster(plugin=_plugin("fp32", max_norm=0.05))
-    plain = _model()
-    model, optimizer, *_ = booster.boost(plain, _muon(plain))
+    plain = tiny_matrices()
+    model, optimizer, *_ = booster.boost(plain, two_lr_muon(plain))
     _train(rank, world_size, booster, model, optimizer, range(STEPS))
-    reference = _model()
-    reference_optimizer = _muon(reference)
+    reference = tiny_matrices()
+    reference_optimizer = two_lr_muon(reference)
     norms = []
     for step in range(STEPS):
-        x, y = _batch(step, world_size)
+        x, y = regression_batch(step, world_size)
         nn.functional.mse_loss(reference(x), y).backward()
         norms.append(float(nn.utils.clip_grad_norm_(reference.parameters(), 0.05)))
         reference_optimizer.step()
         reference_optimizer.zero_grad()
     assert min(norms) > 0.05  # every step was clipped
     state = full_state(model)
-    lrs = (2 * LR, LR, LR)
+    lrs = (2 * MUON_LR, MUON_LR, MUON_LR)
     for (name, want), lr in zip(reference.named_parameters(), lrs, strict=True):
-        rows, cols = want.shape
-        bound = FLIP_BOUND * lr * math.sqrt(max(1.0, rows / cols))
+        bound = muon_bound(lr, *want.shape)
         torch.testing.assert_close(state[name], want.detach(), rtol=0, atol=bound, msg=name)
 
 
@@ -170,18 +150,16 @@ def test_plugins_gemini_muon_fp16_overflow_skips_the_step(rank: int, world_size:
     """An inf gradient on one rank (fp16 loss scaling) skips the whole step on every rank: parameters unchanged, no
     momentum built, the scale backed off; the next finite step steps as usual."""
     booster = Booster(plugin=_plugin("fp16", initial_scale=2**8, hysteresis=1))
-    plain = _model()
-    model, optimizer, *_ = booster.boost(plain, _muon(plain))
+    plain = tiny_matrices()
+    model, optimizer, *_ = booster.boost(plain, two_lr_muon(plain))
     assert isinstance(optimizer, GeminiOptimizerWrapper)
     before = full_state(model)
-    x, y = _batch(0, world_size)
-    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    x, y = regression_batch(0, world_size)
+    mine = rank_rows(rank)
     inputs = x[mine].half()
     if rank == 1:
         inputs[0, 0] = float("inf")
-    booster.backward(nn.functional.mse_loss(model(inputs).float(), y[mine]), optimizer)
-    optimizer.step()
-    optimizer.zero_grad()
+    boosted_step(booster, nn.functional.mse_loss(model(inputs).float(), y[mine]), optimizer)
     after = full_state(model)
     assert all(torch.equal(before[name], after[name]) for name in before)
     assert not optimizer.gemini.optim.state
