@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from cx_plugins import Booster, OptimizerWrapper
+from cx_plugins import Booster, HybridParallelPlugin, OptimizerWrapper
 from cx_zero import MuonWithAdamW, muon_param_groups
+from hybrid_test_helpers import batch
 
 MUON_LR, ADAMW_LR, STEPS, PER_RANK, FLIP_BOUND = 0.02, 0.003, 3, 3, 0.2
 ADAMW_BOUND = FLIP_BOUND * ADAMW_LR * STEPS
@@ -68,6 +69,13 @@ def regression_batch(step: int, world_size: int, outputs: int = 3) -> tuple[torc
 def rank_rows(rank: int) -> slice:
     """This rank's PER_RANK rows of a global batch."""
     return slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+
+
+def dp_share(plugin: HybridParallelPlugin, step: int) -> dict[str, torch.Tensor]:
+    """This dp rank's share of hybrid_test_helpers' `batch(step)`."""
+    dp_rank, dp_size = plugin.data_parallel_rank_and_size()
+    share = next(iter(batch(step).values())).shape[0] // dp_size
+    return {k: v[dp_rank * share : (dp_rank + 1) * share] for k, v in batch(step).items()}
 
 
 def boosted_step(booster: Booster, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:

@@ -12,7 +12,6 @@ LowLevelZero's `_whole_step` under HybridParallelPlugin and its checkpoint IO.""
 from __future__ import annotations
 
 import copy
-import math
 from pathlib import Path
 
 import pytest
@@ -24,25 +23,21 @@ from cx_plugins import Booster, HybridParallelModule, HybridParallelPlugin
 from cx_plugins._layout import Axis
 from cx_shardformer import get_shard_spec, unshard_tensor
 from hybrid_test_helpers import batch, llama
-
-LR, STEPS, FLIP_BOUND = 0.02, 3, 0.2
+from muon_test_helpers import (
+    MUON_LR,
+    STEPS,
+    boosted_step,
+    dp_share,
+    freeze_all_but_matrices,
+    muon,
+    muon_bound,
+    reference_step,
+    save_and_load_fresh,
+)
 
 
 def _matrices_only() -> nn.Module:
-    model = llama(layers=1)
-    for param in model.parameters():
-        param.requires_grad_(param.ndim == 2)
-    return model
-
-
-def _muon(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.Muon([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
-
-
-def _mine(plugin: HybridParallelPlugin, step: int) -> dict[str, torch.Tensor]:
-    dp_rank, dp_size = plugin.data_parallel_rank_and_size()
-    share = next(iter(batch(step).values())).shape[0] // dp_size
-    return {k: v[dp_rank * share : (dp_rank + 1) * share] for k, v in batch(step).items()}
+    return freeze_all_but_matrices(llama(layers=1))
 
 
 @distributed(world_size=2)
@@ -55,17 +50,13 @@ def test_plugins_hybrid_muon_matches_one_process(
     reference = copy.deepcopy(model)
     plugin = HybridParallelPlugin(tp_size=tp, pp_size=1, precision="fp32", zero_stage=zero_stage)
     booster = Booster(plugin=plugin)
-    boosted, optimizer, *_ = booster.boost(model, _muon(model))
+    boosted, optimizer, *_ = booster.boost(model, muon(model))
     assert isinstance(boosted, HybridParallelModule)
     assert optimizer is not None
-    reference_optimizer = _muon(reference)
+    reference_optimizer = muon(reference)
     for step in range(STEPS):
-        booster.backward(boosted(**_mine(plugin, step)).loss, optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
-        reference(**batch(step)).loss.backward()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
+        boosted_step(booster, boosted(**dp_share(plugin, step)).loss, optimizer)
+        reference_step(reference(**batch(step)).loss, reference_optimizer)
     expected = dict(reference.named_parameters())
     tp_group = plugin.layout.group(Axis.TP)
     split = 0
@@ -74,22 +65,13 @@ def test_plugins_hybrid_muon_matches_one_process(
         split += spec is not None
         full = unshard_tensor(param.detach(), spec, tp_group) if spec is not None else param.detach()
         rows, cols = full.shape if full.ndim == 2 else (1, 1)
-        bound = FLIP_BOUND * LR * math.sqrt(max(1.0, rows / cols))
+        bound = muon_bound(MUON_LR, rows, cols)
         torch.testing.assert_close(full, expected[name].detach(), rtol=0, atol=bound, msg=name)
     assert split >= (7 if tp == 2 else 0)  # q, k, v, o, gate, up, down (and embedding / head) really are split
     # checkpoint: each rank saves its slice of the owners' momentum; a fresh pair resumes bit-exactly
-    booster.save_model(boosted, tmp_path / "model", shard=True)
-    booster.save_optimizer(optimizer, tmp_path / "optimizer", shard=True)
-    torch.distributed.barrier()
-    fresh = _matrices_only()
-    resumed, resumed_optimizer, *_ = booster.boost(fresh, _muon(fresh))
+    resumed, resumed_optimizer = save_and_load_fresh(booster, boosted, optimizer, _matrices_only, muon, tmp_path)
     assert isinstance(resumed, HybridParallelModule)
-    assert resumed_optimizer is not None
-    booster.load_model(resumed, tmp_path / "model")
-    booster.load_optimizer(resumed_optimizer, tmp_path / "optimizer")
     for model_, optimizer_ in ((boosted, optimizer), (resumed, resumed_optimizer)):
-        booster.backward(model_(**_mine(plugin, STEPS)).loss, optimizer_)
-        optimizer_.step()
-        optimizer_.zero_grad()
+        boosted_step(booster, model_(**dp_share(plugin, STEPS)).loss, optimizer_)
     for (name, p), q in zip(boosted.unwrap().named_parameters(), resumed.unwrap().parameters(), strict=True):
         assert torch.equal(p, q), name

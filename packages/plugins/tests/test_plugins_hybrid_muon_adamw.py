@@ -10,7 +10,6 @@ scalar `step` beside the sliced states) resumes bit-exactly."""
 from __future__ import annotations
 
 import copy
-import math
 from pathlib import Path
 
 import pytest
@@ -21,20 +20,22 @@ from cx_mesh.testing import distributed
 from cx_plugins import Booster, HybridParallelModule, HybridParallelPlugin
 from cx_plugins._layout import Axis
 from cx_shardformer import get_shard_spec, unshard_tensor
-from cx_zero import MuonWithAdamW, muon_param_groups
 from hybrid_test_helpers import batch, llama
+from muon_test_helpers import (
+    ADAMW_BOUND,
+    MUON_LR,
+    STEPS,
+    boosted_step,
+    dp_share,
+    muon_adamw,
+    muon_bound,
+    reference_step,
+    save_and_load_fresh,
+)
 
-MUON_LR, ADAMW_LR, STEPS, FLIP_BOUND = 0.02, 0.003, 3, 0.2
 
-
-def _optimizer(model: nn.Module) -> MuonWithAdamW:
-    return MuonWithAdamW(muon_param_groups(model), lr=MUON_LR, weight_decay=0.01, adamw_lr=ADAMW_LR)
-
-
-def _mine(plugin: HybridParallelPlugin, step: int) -> dict[str, torch.Tensor]:
-    dp_rank, dp_size = plugin.data_parallel_rank_and_size()
-    share = next(iter(batch(step).values())).shape[0] // dp_size
-    return {k: v[dp_rank * share : (dp_rank + 1) * share] for k, v in batch(step).items()}
+def _llama() -> nn.Module:
+    return llama(layers=1)
 
 
 @distributed(world_size=2)
@@ -46,17 +47,13 @@ def test_plugins_hybrid_muon_adamw_matches_one_process(
     reference = copy.deepcopy(model)
     plugin = HybridParallelPlugin(tp_size=tp, pp_size=1, precision="fp32", zero_stage=zero_stage)
     booster = Booster(plugin=plugin)
-    boosted, optimizer, *_ = booster.boost(model, _optimizer(model))
+    boosted, optimizer, *_ = booster.boost(model, muon_adamw(model))
     assert isinstance(boosted, HybridParallelModule)
     assert optimizer is not None
-    reference_optimizer = _optimizer(reference)
+    reference_optimizer = muon_adamw(reference)
     for step in range(STEPS):
-        booster.backward(boosted(**_mine(plugin, step)).loss, optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
-        reference(**batch(step)).loss.backward()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
+        boosted_step(booster, boosted(**dp_share(plugin, step)).loss, optimizer)
+        reference_step(reference(**batch(step)).loss, reference_optimizer)
     muon = {id(p) for g in reference_optimizer.param_groups if g["use_muon"] for p in g["params"]}
     expected = dict(reference.named_parameters())
     assert any("embed" in name for name, p in expected.items() if id(p) not in muon)
@@ -65,24 +62,11 @@ def test_plugins_hybrid_muon_adamw_matches_one_process(
         spec = get_shard_spec(param)
         full = unshard_tensor(param.detach(), spec, tp_group) if spec is not None else param.detach()
         want = expected[name]
-        if id(want) in muon:
-            rows, cols = full.shape
-            bound = FLIP_BOUND * MUON_LR * math.sqrt(max(1.0, rows / cols))
-        else:
-            bound = FLIP_BOUND * ADAMW_LR * STEPS
+        bound = muon_bound(MUON_LR, *full.shape) if id(want) in muon else ADAMW_BOUND
         torch.testing.assert_close(full, want.detach(), rtol=0, atol=bound, msg=name)
-    booster.save_model(boosted, tmp_path / "model", shard=True)
-    booster.save_optimizer(optimizer, tmp_path / "optimizer", shard=True)
-    torch.distributed.barrier()
-    fresh = llama(layers=1)
-    resumed, resumed_optimizer, *_ = booster.boost(fresh, _optimizer(fresh))
+    resumed, resumed_optimizer = save_and_load_fresh(booster, boosted, optimizer, _llama, muon_adamw, tmp_path)
     assert isinstance(resumed, HybridParallelModule)
-    assert resumed_optimizer is not None
-    booster.load_model(resumed, tmp_path / "model")
-    booster.load_optimizer(resumed_optimizer, tmp_path / "optimizer")
     for model_, optimizer_ in ((boosted, optimizer), (resumed, resumed_optimizer)):
-        booster.backward(model_(**_mine(plugin, STEPS)).loss, optimizer_)
-        optimizer_.step()
-        optimizer_.zero_grad()
+        boosted_step(booster, model_(**dp_share(plugin, STEPS)).loss, optimizer_)
     for (name, p), q in zip(boosted.unwrap().named_parameters(), resumed.unwrap().parameters(), strict=True):
         assert torch.equal(p, q), name
