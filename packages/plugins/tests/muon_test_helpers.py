@@ -42,7 +42,7 @@ def two_lr_muon(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Muon(groups, lr=MUON_LR, weight_decay=0.01)
 
 
-def muon(model: nn.Module) -> torch.optim.Optimizer:
+def torch_muon(model: nn.Module) -> torch.optim.Optimizer:
     """torch's Muon over the trainable parameters (see `freeze_all_but_matrices`)."""
     return torch.optim.Muon([p for p in model.parameters() if p.requires_grad], lr=MUON_LR, weight_decay=0.01)
 

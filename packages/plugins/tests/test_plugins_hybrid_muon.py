@@ -29,10 +29,10 @@ from muon_test_helpers import (
     boosted_step,
     dp_share,
     freeze_all_but_matrices,
-    muon,
     muon_bound,
     reference_step,
     save_and_load_fresh,
+    torch_muon,
 )
 
 
@@ -50,10 +50,10 @@ def test_plugins_hybrid_muon_matches_one_process(
     reference = copy.deepcopy(model)
     plugin = HybridParallelPlugin(tp_size=tp, pp_size=1, precision="fp32", zero_stage=zero_stage)
     booster = Booster(plugin=plugin)
-    boosted, optimizer, *_ = booster.boost(model, muon(model))
+    boosted, optimizer, *_ = booster.boost(model, torch_muon(model))
     assert isinstance(boosted, HybridParallelModule)
     assert optimizer is not None
-    reference_optimizer = muon(reference)
+    reference_optimizer = torch_muon(reference)
     for step in range(STEPS):
         boosted_step(booster, boosted(**dp_share(plugin, step)).loss, optimizer)
         reference_step(reference(**batch(step)).loss, reference_optimizer)
@@ -69,7 +69,7 @@ def test_plugins_hybrid_muon_matches_one_process(
         torch.testing.assert_close(full, expected[name].detach(), rtol=0, atol=bound, msg=name)
     assert split >= (7 if tp == 2 else 0)  # q, k, v, o, gate, up, down (and embedding / head) really are split
     # checkpoint: each rank saves its slice of the owners' momentum; a fresh pair resumes bit-exactly
-    resumed, resumed_optimizer = save_and_load_fresh(booster, boosted, optimizer, _matrices_only, muon, tmp_path)
+    resumed, resumed_optimizer = save_and_load_fresh(booster, boosted, optimizer, _matrices_only, torch_muon, tmp_path)
     assert isinstance(resumed, HybridParallelModule)
     for model_, optimizer_ in ((boosted, optimizer), (resumed, resumed_optimizer)):
         boosted_step(booster, model_(**dp_share(plugin, STEPS)).loss, optimizer_)

@@ -18,7 +18,6 @@ tp > 1 is refused by name (test_plugins_muon_refusals.py).
 from __future__ import annotations
 
 import copy
-import math
 from pathlib import Path
 
 import pytest
@@ -30,24 +29,28 @@ from cx_mesh.testing import distributed
 from cx_moe import get_moe_info
 from cx_plugins import Booster, HybridParallelModule, MoeHybridParallelPlugin, OptimizerWrapper
 from cx_plugins._layout import Axis
-from cx_zero import MuonWithAdamW, muon_param_groups
 from moe_hybrid_test_helpers import ROWS, mixtral, rows
-
-MUON_LR, ADAMW_LR, STEPS, FLIP_BOUND = 0.02, 0.003, 3, 0.2
+from muon_test_helpers import (
+    ADAMW_BOUND,
+    MUON_LR,
+    STEPS,
+    freeze_all_but_matrices,
+    muon_adamw,
+    muon_bound,
+    reference_step,
+    save_and_load_fresh,
+    torch_muon,
+)
 
 
 def _model(kind: str, layers: int = 1) -> nn.Module:
     model = mixtral(layers=layers)
-    if kind == "muon":  # torch's Muon: 2-D matrices only
-        for param in model.parameters():
-            param.requires_grad_(param.ndim == 2)
-    return model
+    # torch's Muon: 2-D matrices only
+    return freeze_all_but_matrices(model) if kind == "muon" else model
 
 
 def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
-    if kind == "muon":
-        return torch.optim.Muon([p for p in model.parameters() if p.requires_grad], lr=MUON_LR, weight_decay=0.01)
-    return MuonWithAdamW(muon_param_groups(model), lr=MUON_LR, weight_decay=0.01, adamw_lr=ADAMW_LR)
+    return torch_muon(model) if kind == "muon" else muon_adamw(model)
 
 
 def _mine(plugin: MoeHybridParallelPlugin, step: int) -> torch.Tensor:
@@ -60,9 +63,7 @@ def _reference_step(reference: nn.Module, optimizer: torch.optim.Optimizer, step
     """The mean over dp ranks of each rank's own loss (the aux loss is per forward)."""
     share = ROWS // dp_size
     pieces = [rows(step)[r * share : (r + 1) * share] for r in range(dp_size)]
-    torch.stack([reference(input_ids=p, labels=p).loss for p in pieces]).mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    reference_step(torch.stack([reference(input_ids=p, labels=p).loss for p in pieces]).mean(), optimizer)
 
 
 def _whole(plugin: MoeHybridParallelPlugin, param: torch.Tensor) -> torch.Tensor:
@@ -128,23 +129,14 @@ def _train_compare_resume(kind: str, zero_stage: int, tmp_path: Path, pp: int = 
             continue
         full, want = _whole(plugin, param), expected[name]
         stacks += get_moe_info(param) is not None and id(want) in muon
-        if id(want) in muon:
-            rows_, cols = full.shape[-2:]
-            bound = FLIP_BOUND * MUON_LR * math.sqrt(max(1.0, rows_ / cols))
-        else:
-            bound = FLIP_BOUND * ADAMW_LR * STEPS
+        bound = muon_bound(MUON_LR, *full.shape[-2:]) if id(want) in muon else ADAMW_BOUND
         torch.testing.assert_close(full, want.detach(), rtol=0, atol=bound, msg=name)
     assert stacks == (2 if kind == "muon_adamw" else 0)  # gate_up_proj and down_proj, split over ep, stepped by Muon
     # checkpoint: the momentum of every matrix (expert stacks gathered over ep); a fresh pair resumes bit-exactly
-    booster.save_model(boosted, tmp_path / "model", shard=True)
-    booster.save_optimizer(optimizer, tmp_path / "optimizer", shard=True)
-    dist.barrier()
-    fresh = _model(kind, layers=pp)
-    resumed, resumed_optimizer, *_ = booster.boost(fresh, _optimizer(kind, fresh))
+    resumed, resumed_optimizer = save_and_load_fresh(
+        booster, boosted, optimizer, lambda: _model(kind, layers=pp), lambda m: _optimizer(kind, m), tmp_path
+    )
     assert isinstance(resumed, HybridParallelModule)
-    assert resumed_optimizer is not None
-    booster.load_model(resumed, tmp_path / "model")
-    booster.load_optimizer(resumed_optimizer, tmp_path / "optimizer")
     for model_, optimizer_ in ((boosted, optimizer), (resumed, resumed_optimizer)):
         _train_step(booster, plugin, model_, optimizer_, STEPS)
     for (name, p), q in zip(boosted.unwrap().named_parameters(), resumed.unwrap().parameters(), strict=True):

@@ -14,7 +14,6 @@ effective step in a single step."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -23,10 +22,20 @@ from torch import nn
 
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, GeminiPlugin, LowLevelZeroPlugin, ModelWrapper, Plugin
-from cx_zero import MuonWithAdamW, muon_param_groups
+from muon_test_helpers import (
+    ADAMW_BOUND,
+    MUON_LR,
+    PER_RANK,
+    STEPS,
+    boosted_step,
+    muon_adamw,
+    muon_bound,
+    rank_rows,
+    reference_step,
+    save_and_load_fresh,
+)
 from plugins_test_helpers import full_state
 
-MUON_LR, ADAMW_LR, STEPS, PER_RANK, FLIP_BOUND = 0.02, 0.003, 3, 3, 0.2
 VOCAB = 11
 
 
@@ -47,10 +56,6 @@ class _Tiny(nn.Module):
         return torch.as_tensor(self.lm_head(hidden))
 
 
-def _optimizer(model: nn.Module) -> MuonWithAdamW:
-    return MuonWithAdamW(muon_param_groups(model), lr=MUON_LR, weight_decay=0.01, adamw_lr=ADAMW_LR)
-
-
 def _batch(step: int, world_size: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (PER_RANK * world_size, 4), generator=torch.Generator().manual_seed(step))
 
@@ -58,13 +63,6 @@ def _batch(step: int, world_size: int) -> torch.Tensor:
 def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens)
     return nn.functional.cross_entropy(logits.flatten(0, 1), torch.roll(tokens, -1, 1).flatten())
-
-
-def _bound(param: torch.Tensor, use_muon: bool) -> float:
-    if use_muon:
-        rows, cols = param.shape
-        return FLIP_BOUND * MUON_LR * math.sqrt(max(1.0, rows / cols))
-    return FLIP_BOUND * ADAMW_LR * STEPS
 
 
 def _plugin(name: str) -> Plugin:
@@ -78,41 +76,28 @@ def _plugin(name: str) -> Plugin:
 def test_plugins_zero_muon_adamw_matches_one_process(rank: int, world_size: int, name: str, tmp_path: Path) -> None:
     booster = Booster(plugin=_plugin(name))
     plain = _Tiny()
-    model, optimizer, *_ = booster.boost(plain, _optimizer(plain))
+    model, optimizer, *_ = booster.boost(plain, muon_adamw(plain))
     assert isinstance(model, ModelWrapper)
     assert optimizer is not None
     reference = _Tiny()
-    reference_optimizer = _optimizer(reference)
-    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    reference_optimizer = muon_adamw(reference)
+    mine = rank_rows(rank)
     for step in range(STEPS):
         tokens = _batch(step, world_size)
-        booster.backward(_loss(model, tokens[mine]), optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
-        _loss(reference, tokens).backward()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
+        boosted_step(booster, _loss(model, tokens[mine]), optimizer)
+        reference_step(_loss(reference, tokens), reference_optimizer)
     kinds = {id(p): g["use_muon"] for g in reference_optimizer.param_groups for p in g["params"]}
     assert sorted(kinds.values()) == [False] * 6 + [True] * 2  # embed, biases, norm, head: AdamW; up, down: Muon
     state = full_state(model)
     for key, want in reference.named_parameters():
-        bound = _bound(want, kinds[id(want)])
+        bound = muon_bound(MUON_LR, *want.shape) if kinds[id(want)] else ADAMW_BOUND
         torch.testing.assert_close(state[key], want.detach(), rtol=0, atol=bound, msg=key)
     # the checkpoint IO's own files (no pickle): a fresh boosted pair resumes bit-exactly
-    booster.save_model(model, tmp_path / "model", shard=True)
-    booster.save_optimizer(optimizer, tmp_path / "optimizer", shard=True)
-    torch.distributed.barrier()
-    fresh = _Tiny()
-    resumed, resumed_optimizer, *_ = booster.boost(fresh, _optimizer(fresh))
+    resumed, resumed_optimizer = save_and_load_fresh(booster, model, optimizer, _Tiny, muon_adamw, tmp_path)
     assert isinstance(resumed, ModelWrapper)
-    assert resumed_optimizer is not None
-    booster.load_model(resumed, tmp_path / "model")
-    booster.load_optimizer(resumed_optimizer, tmp_path / "optimizer")
     tokens = _batch(STEPS, world_size)
     for boosted_model, boosted_optimizer in ((model, optimizer), (resumed, resumed_optimizer)):
-        booster.backward(_loss(boosted_model, tokens[mine]), boosted_optimizer)
-        boosted_optimizer.step()
-        boosted_optimizer.zero_grad()
+        boosted_step(booster, _loss(boosted_model, tokens[mine]), boosted_optimizer)
     resumed_state = full_state(resumed)
     for key, value in full_state(model).items():
         assert torch.equal(value, resumed_state[key]), key
