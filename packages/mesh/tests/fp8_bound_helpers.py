@@ -40,6 +40,20 @@ def element_bound(
     return per_element + 3 * U32 * values.abs()
 
 
+def _accumulated(
+    reference: torch.Tensor,
+    magnitudes: torch.Tensor,
+    inner: int,
+    out: torch.dtype,
+    before: torch.Tensor | float = 0.0,
+) -> torch.Tensor:
+    """`before` plus float32 accumulation over `inner` (+ 3) products of the given |a| @ |b|.T `magnitudes`, plus the
+    rounding to `out` of a result that far from `reference`: the tail both GEMM bounds share."""
+    k = inner + 3
+    before_output = before + k * U32 / (1 - k * U32) * magnitudes
+    return before_output + unit_roundoff(out) * (reference.abs() + before_output)
+
+
 def gemm_bound(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -53,11 +67,8 @@ def gemm_bound(
     a, b = a.double(), b.double()
     ea, eb = element_bound(a, a_dtype, recipe), element_bound(b, b_dtype, recipe, b_tile)
     exact = a @ b.T
-    k = a.shape[1] + 3
     quantization = ea @ b.abs().T + a.abs() @ eb.T + ea @ eb.T
-    accumulation = k * U32 / (1 - k * U32) * ((a.abs() + ea) @ (b.abs() + eb).T)
-    before_output = quantization + accumulation
-    return exact, before_output + unit_roundoff(out) * (exact.abs() + before_output)
+    return exact, _accumulated(exact, (a.abs() + ea) @ (b.abs() + eb).T, a.shape[1], out, quantization)
 
 
 def sharp_reference(
@@ -75,9 +86,7 @@ def sharp_reference(
     qb = quantize(b.contiguous(), b_dtype, recipe, b_tile if blockwise else None)
     da, db = qa.dequantize(torch.float64), qb.dequantize(torch.float64)
     reference = da @ db.T
-    k = a.shape[1] + 3
-    bound = k * U32 / (1 - k * U32) * (da.abs() @ db.abs().T)
-    return reference, bound + unit_roundoff(out) * (reference.abs() + bound)
+    return reference, _accumulated(reference, da.abs() @ db.abs().T, a.shape[1], out)
 
 
 def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor | float, what: str) -> None:
