@@ -92,39 +92,56 @@ def memory_model(
             made.append(trace)
         return made
 
+    def floor_verdict(candidate: Candidate, floors: list[ActivationTrace]) -> Verdict:
+        floors = [with_states_floor(trace, states_floor(shape, candidate)) for trace in floors]
+        split = muon_split(shape) if candidate.muon else None
+        prediction = predict_memory_from_traces(candidate, floors, shape.parameters, host_is_device, split)
+        return fits(prediction, device_memory, usable_fraction)
+
     def ruled_out(
         candidate: Candidate, floors: list[ActivationTrace], why: str, untraced: str = "not traced itself"
     ) -> Verdict | None:
         """The verdict of `floors` (traces predicting at most the candidate's own) when they already do not fit
         (None: they fit; then the next bound, or the candidate's own trace, decides)."""
-        floors = [with_states_floor(trace, states_floor(shape, candidate)) for trace in floors]
-        split = muon_split(shape) if candidate.muon else None
-        prediction = predict_memory_from_traces(candidate, floors, shape.parameters, host_is_device, split)
-        verdict = fits(prediction, device_memory, usable_fraction)
+        verdict = floor_verdict(candidate, floors)
         if verdict.fits:
             return None
         reason = f"{verdict.reason} (at least: {why}, {untraced})"
         return dataclasses.replace(verdict, reason=reason.replace("peak ", "peak >= ", 1))
 
-    def shallow_floor(candidate: Candidate) -> Verdict | None:
-        """Ruled out by stage 0 of the shallower model its trace extrapolates from, at micro-batch 1 (one trace of a
-        few layers, shared by the split's micro-batch sizes; the second one is then never made)."""
+    def shallow(candidate: Candidate) -> ActivationTrace | None:
+        """Stage 0 of the shallower model the candidate's trace extrapolates from, at micro-batch 1, as a floor of
+        the candidate (one trace of a few layers, shared by the split's micro-batch sizes); None: not extrapolated,
+        or it failed."""
         one = dataclasses.replace(candidate, micro_batch_size=1)
         if shallow_layers(shape, one) is None:
             return None
         trace = traces.shallow(one, 0)
         if isinstance(trace, str):
             return None
-        floor = trace if candidate.micro_batch_size == 1 else floor_trace(candidate, trace)
-        return ruled_out(candidate, [floor], "the bound from a shallower model's first stage at micro-batch 1")
+        return trace if candidate.micro_batch_size == 1 else floor_trace(candidate, trace)
+
+    def shallow_floor(candidate: Candidate) -> Verdict | None:
+        """Ruled out by the shallower model's first stage (`shallow`; the second trace is then never made)."""
+        floor = shallow(candidate)
+        why = "the bound from a shallower model's first stage at micro-batch 1"
+        return None if floor is None else ruled_out(candidate, [floor], why)
+
+    def crowded(candidate: Candidate) -> bool:
+        """Whether the model states alone take half the usable memory or more: there the activations of the frugal
+        split decide, and its trace is worth making; elsewhere the split's frugal layout most likely fits, and its
+        trace would be wasted (an 8B search, 20 % slower with it everywhere)."""
+        return floor_verdict(candidate, [states_floor(shape, candidate)]).peak_bytes * 2 >= limit
 
     def frugal_floor(candidate: Candidate) -> Verdict | None:
         """Ruled out by the first stage of the same split at micro-batch 1 with every layer checkpointed in full (its
         least memory): one trace rules out every micro-batch and checkpointing choice of a split that cannot fit.
-        Only for stages deep enough to be extrapolated, whose own traces are the costly ones."""
+        Only for stages deep enough to be extrapolated, whose own traces are the costly ones, and `crowded` ones."""
         frugal = dataclasses.replace(candidate, micro_batch_size=1, checkpoint_ratio=1.0, checkpoint_mode="full")
         if frugal == candidate or candidate.plugin == "gemini" or shallow_layers(shape, frugal) is None:
             return None  # (Gemini's peak keeps no activations: no gain)
+        if not crowded(candidate):
+            return None
         made = stage_traces(frugal, (0,))
         if isinstance(made, Verdict):
             return None
