@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cx_plan import Candidate, ModelShapeError, load_model_shape
+from cx_plan import Candidate, ModelShapeError, load_model_shape, trace_stage
 
 
 def test_deepseek_first_layer_dense_then_moe() -> None:
@@ -84,3 +84,13 @@ def test_candidate_validates_and_derives() -> None:
     ]:
         with pytest.raises(ValueError, match=match):
             Candidate(**bad)  # type: ignore[arg-type]
+
+
+def test_a_tied_head_is_traced_as_one_parameter() -> None:
+    """The trace keeps a tied LM head one parameter with its embedding: replaced slot by slot, it became two and the
+    embedding's states were counted twice (Qwen2.5-3B: 311M elements, 10 % of the model)."""
+    shape = load_model_shape("gpt")
+    assert shape.parameters.tied
+    trace = trace_stage(shape, Candidate("torch_ddp", precision="fp32"), 64)
+    assert trace.parameter_count == shape.parameters.total
+    assert trace.parameter_bytes == 4 * shape.parameters.total

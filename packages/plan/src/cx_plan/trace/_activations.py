@@ -191,15 +191,20 @@ def _plugin(candidate: Candidate) -> HybridParallelPlugin:
 
 
 def _to_fake(module: nn.Module, mode: FakeTensorMode, dtype: torch.dtype) -> None:
-    """The module's meta parameters and buffers as CPU FakeTensors (the same objects' places, attributes kept)."""
+    """The module's meta parameters and buffers as CPU FakeTensors (the same objects' places, attributes kept). A
+    parameter held in two places (a tied LM head) stays one: replaced once, it was counted twice (its bytes, its
+    gradient and its optimizer states: Qwen2.5-3B's 311M-element embedding, 10 % of the model)."""
+    made: dict[int, nn.Parameter] = {}
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
             if param is None or isinstance(param, FakeTensor):
                 continue
-            data = param.data.to(dtype) if param.is_floating_point() else param.data
-            fake = nn.Parameter(FakeTensor(mode, data.to("meta"), _CPU), requires_grad=param.requires_grad)
-            fake.__dict__.update(param.__dict__)
-            sub._parameters[name] = fake
+            if id(param) not in made:
+                data = param.data.to(dtype) if param.is_floating_point() else param.data
+                fake = nn.Parameter(FakeTensor(mode, data.to("meta"), _CPU), requires_grad=param.requires_grad)
+                fake.__dict__.update(param.__dict__)
+                made[id(param)] = fake
+            sub._parameters[name] = made[id(param)]
         for name, buffer in list(sub._buffers.items()):
             if buffer is not None and not isinstance(buffer, FakeTensor):
                 sub._buffers[name] = FakeTensor(mode, buffer.to("meta"), _CPU)
