@@ -20,6 +20,20 @@ _GATHERS = ("all_gather_single", "all_gather_into_tensor", "all_gather")
 _REDUCE_SCATTERS = ("all_to_all_single", "reduce_scatter_single", "reduce_scatter_tensor")  # gloo: an all-to-all
 
 
+def hybrid_fp8_llama(vocab: int, length: int) -> nn.Module:
+    """The hybrid fp8 tests' model (hidden 64: wide enough for fp8's 16-aligned tp shards), seeded like `tiny_llama`."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=length, num_hidden_layers=2, use_cache=False, attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model: nn.Module = transformers.LlamaForCausalLM(config)
+    return model
+
+
 def tiny_llama() -> nn.Module:
     """The model, seeded: every call (and every rank) builds the same weights."""
     import transformers

@@ -21,7 +21,7 @@ from cx_mesh.fp8 import Fp8Linear
 from cx_mesh.testing import CollectiveBytes, count_collective_bytes, distributed
 from cx_plugins import Booster, HybridParallelPlugin
 from cx_plugins.wrappers._zero import ZeroOptimizerWrapper
-from fp8_test_helpers import assert_first_step_within_adam, assert_fp8_bytes, parameters_now
+from fp8_test_helpers import assert_first_step_within_adam, assert_fp8_bytes, hybrid_fp8_llama, parameters_now
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,17 +31,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp2": {"tp_size": 1, "pp_size": 2, "num_microbatches": 2},
     "dp2": {"tp_size": 1, "pp_size": 1},
 }
-
-
-def _llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
-        max_position_embeddings=LENGTH, num_hidden_layers=2, use_cache=False, attention_dropout=0.0,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    model: nn.Module = transformers.LlamaForCausalLM(config)
-    return model
 
 
 def _loss(outputs: Any, _micro_batch: Any) -> torch.Tensor:
@@ -58,7 +47,7 @@ def _train(layout: str, **fp8: bool) -> tuple[list[float], nn.Module, Collective
     arguments: dict[str, Any] = {**LAYOUTS[layout], **fp8}
     plugin = HybridParallelPlugin(precision="bf16", **arguments)
     booster = Booster(plugin=plugin)
-    model = _llama()
+    model = hybrid_fp8_llama(VOCAB, LENGTH)
     boosted, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
     assert optimizer is not None
     dp_rank, dp_size = plugin.data_parallel_rank_and_size()
@@ -98,7 +87,7 @@ def test_plugins_hybrid_fp8_switches_train_like_bf16(rank: int, world_size: int,
     if baseline:
         reference = sum(baseline[-LAST:]) / LAST
         assert reference < 0.8 * sum(baseline[:LAST]) / LAST, "the bf16 run must learn for the comparison to mean much"
-    assert not _fp8_layers(_llama())
+    assert not _fp8_layers(hybrid_fp8_llama(VOCAB, LENGTH))
 
     losses, model, _, (_, fp8_first) = _train(layout, use_fp8=True)
     assert_first_step_within_adam(start, bf16_first, fp8_first, LR)
@@ -133,7 +122,7 @@ def test_plugins_hybrid_fp8_switches_train_like_bf16(rank: int, world_size: int,
 @distributed(world_size=2)
 def test_plugins_hybrid_fp8_communication_reaches_zero(rank: int, world_size: int) -> None:
     plugin = HybridParallelPlugin(tp_size=1, pp_size=1, precision="bf16", zero_stage=1, fp8_communication=True)
-    model = _llama()
+    model = hybrid_fp8_llama(VOCAB, LENGTH)
     _, optimizer, *_ = Booster(plugin=plugin).boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
     assert isinstance(optimizer, ZeroOptimizerWrapper)
     assert optimizer.zero.options.fp8_communication

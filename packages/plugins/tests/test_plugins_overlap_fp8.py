@@ -20,27 +20,15 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, HybridParallelPlugin
-from fp8_test_helpers import assert_first_step_within_adam, parameters_now
+from fp8_test_helpers import assert_first_step_within_adam, hybrid_fp8_llama, parameters_now
 
 transformers = pytest.importorskip("transformers")
 
 STEPS, VOCAB, ROWS, LENGTH, LR = 2, 128, 2, 16, 1e-3
 U4 = 2.0**-4
-
-
-def _llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
-        max_position_embeddings=LENGTH, num_hidden_layers=2, use_cache=False, attention_dropout=0.0,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    model: nn.Module = transformers.LlamaForCausalLM(config)
-    return model
 
 
 def _train(**switches: Any) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor], int, int]:
@@ -50,7 +38,7 @@ def _train(**switches: Any) -> tuple[list[float], dict[str, torch.Tensor], dict[
         sequence_parallelism_mode="split_gather", use_fp8=True, **switches,
     )  # fmt: skip
     booster = Booster(plugin=plugin)
-    model = _llama()
+    model = hybrid_fp8_llama(VOCAB, LENGTH)
     boosted, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
     assert optimizer is not None
     data = torch.randint(0, VOCAB, (STEPS, ROWS, LENGTH), generator=torch.Generator().manual_seed(7))

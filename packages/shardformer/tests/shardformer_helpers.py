@@ -30,3 +30,13 @@ def assert_close(
 
 def chunk(tensor: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     return tensor.chunk(world, dim)[rank].contiguous()
+
+
+class GPT2Conv1D(nn.Module):
+    """transformers' Conv1D ([in, out] weight, y = x @ W + b), without importing transformers."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * nx**-0.5)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)

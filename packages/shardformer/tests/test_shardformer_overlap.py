@@ -19,7 +19,7 @@ from torch import nn
 from cx_mesh.testing import distributed, sum_tolerance
 from cx_shardformer import Linear1D_Col, Linear1D_Row, ShardConfig, ShardFormer
 from cx_shardformer._conv1d import GPT2FusedLinearConv1D_Col, GPT2FusedLinearConv1D_Row
-from shardformer_helpers import chunk
+from shardformer_helpers import GPT2Conv1D, chunk
 
 B, S, IN, OUT = 2, 8, 16, 24
 
@@ -32,16 +32,6 @@ def _within(actual: torch.Tensor, expected: torch.Tensor, n_terms: int, magnitud
     assert error <= bound, f"{what}: overlapped and plain differ by {error:.3g} > {bound:.3g}"
 
 
-class _Conv1D(nn.Module):
-    """transformers' Conv1D ([in, out] weight, y = x @ W + b), without importing transformers."""
-
-    def __init__(self, nf: int, nx: int) -> None:
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf) * nx**-0.5)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
-
-
 def _layers(kind: str, col_in: int, col_out: int, rank: int) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
     """(plain, overlapped) copies of one split_gather layer and its full weight / bias in [out, in] layout."""
     torch.manual_seed(0)
@@ -51,7 +41,7 @@ def _layers(kind: str, col_in: int, col_out: int, rank: int) -> tuple[Any, Any, 
         native, weight, bias = linear, linear.weight.detach().clone(), linear.bias.detach().clone()
         layer_class: Any = Linear1D_Col if kind == "linear_col" else Linear1D_Row
     else:
-        conv = _Conv1D(col_out, col_in)
+        conv = GPT2Conv1D(col_out, col_in)
         native, weight, bias = conv, conv.weight.detach().t().clone(), conv.bias.detach().clone()
         layer_class = GPT2FusedLinearConv1D_Col if kind == "conv_col" else GPT2FusedLinearConv1D_Row
     twin = copy.deepcopy(native)

@@ -34,7 +34,7 @@ from cx_mesh.testing import count_collective_bytes, distributed, sum_tolerance, 
 from cx_shardformer import Linear1D_Col, Linear1D_Row
 from cx_shardformer._conv1d import GPT2FusedLinearConv1D_Col, GPT2FusedLinearConv1D_Row
 from cx_shardformer._overlap import RING_RECIPES, check_overlap_layer
-from shardformer_helpers import chunk
+from shardformer_helpers import GPT2Conv1D, chunk
 
 B, S, IN, OUT = 2, 8, 32, 64  # fp8-eligible shards: every local dim a multiple of 16
 U4, T4 = 2.0**-4, 2.0**-10 / 448.0  # E4M3: unit roundoff; half the smallest subnormal over the largest value
@@ -93,16 +93,6 @@ def _within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, w
     assert excess <= 0, f"{what}: overlapped and plain differ beyond the fp8 bound by {excess:.3g}"
 
 
-class _Conv1D(nn.Module):
-    """transformers' Conv1D ([in, out] weight, y = x @ W + b), without importing transformers."""
-
-    def __init__(self, nf: int, nx: int) -> None:
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf) * nx**-0.5)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
-
-
 def _layers(kind: str, col_in: int, col_out: int, recipe: ScalingRecipe | None, wire: bool) -> tuple[Any, Any, Any]:
     """(plain, overlapped) copies of one split_gather layer with the fp8 switches set (as `apply_fp8` sets them), and
     its full [out, in] weight."""
@@ -113,7 +103,7 @@ def _layers(kind: str, col_in: int, col_out: int, recipe: ScalingRecipe | None, 
         weight = native.weight.detach().clone()
         layer_class: Any = Linear1D_Col if kind == "linear_col" else Linear1D_Row
     else:
-        native = _Conv1D(col_out, col_in)
+        native = GPT2Conv1D(col_out, col_in)
         weight = native.weight.detach().t().clone()
         layer_class = GPT2FusedLinearConv1D_Col if kind == "conv_col" else GPT2FusedLinearConv1D_Row
     twin = copy.deepcopy(native)
