@@ -48,6 +48,9 @@ _CPU = torch.device("cpu")
 _ACTIVATION_KINDS = ("ACT", "TEMP", "OTH", "INP")
 _TOTAL = "Total"  # MemTracker's key of a device's total bytes in its snapshots
 _EXACT_LAYERS = 4  # decoder layers per stage traced as they are; deeper stages are extrapolated (trace_stage)
+# `tensor.device` on a FakeTensor: dispatched through every mode like an op (the autograd engine asks it of each
+# gradient), it was 60 % of a Mixtral layer's dispatches; no bytes, values or FLOPs, so each mode passes it straight on
+_DEVICE_QUERY = torch.ops.prim.device.default
 
 
 _ATTENTION = (
@@ -97,6 +100,8 @@ class _OpCount(TorchDispatchMode):
         self.backward_started = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE_QUERY:
+            return func(*args, **(kwargs or {}))
         self.count += func.namespace == "aten"
         flops = forward_op_flops(func, args)
         if flops and not self.backward_started:
@@ -109,7 +114,12 @@ class _OpCount(TorchDispatchMode):
 class _PeakTracker(MemTracker):
     """torch's `MemTracker` keeping only the totals the planner reads (the current and the peak snapshot): after
     every op MemTracker also walks every tracked module to update its per-module peaks, which the planner never
-    reads; that walk was a quarter of an 8B search's time."""
+    reads; that walk was a quarter of an 8B search's time. A device query allocates nothing: passed on untracked."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE_QUERY:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         for device, snapshot in self._curr_mem_snap.items():

@@ -44,6 +44,7 @@ __all__ = ["Routing", "ValueOracle", "hot_rank_load"]
 _SMALL = 1 << 22  # elements: a shadow is computed for real only below this (ids, counts, indices; not activations)
 _aten = torch.ops.aten
 _SCALAR_READS = (_aten._local_scalar_dense.default, _aten.item.default)
+_DEVICE_QUERY = torch.ops.prim.device.default  # `tensor.device`: no value to shadow, passed straight on
 
 
 def hot_rank_load(skew: float, ep: int, num_experts: int, top_k: int) -> float:
@@ -108,6 +109,8 @@ class ValueOracle(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is _DEVICE_QUERY:
+            return func(*args, **kwargs)
         if func in _SCALAR_READS:
             shadow = self._shadow(args[0])
             if shadow is None:
