@@ -21,7 +21,7 @@ from cx_plan.memory._states_floor import states_floor, with_states_floor
 from cx_plan.trace import _trace_cache as trace_cache_module
 from cx_plan.trace._activations import ActivationTrace, trace_stage
 from cx_plan.trace._model_spec import ModelShape, load_model_shape, shape_from_config
-from cx_plan.trace._trace_cache import TraceCache
+from cx_plan.trace._trace_cache import TraceCache, slope_key
 from cx_plugins.models import GPTConfig
 
 _SEQ = 32
@@ -181,3 +181,23 @@ def test_the_bounds_before_a_trace_never_exceed_the_traced_prediction(tmp_path: 
             assert predict_memory_from_traces(candidate, traces, shape.parameters).peak <= true, candidate
         checked += 1
     assert checked > 15
+
+
+def test_pipelined_splits_share_one_per_layer_slope(tmp_path: Path) -> None:
+    """Every stage of every pp > 1 split that is otherwise the same adds the same per decoder layer: the cache traces
+    the deeper model once for them all, and each stage's extrapolated trace equals its own two traces'."""
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 20, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, "tie_word_embeddings": False}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = load_model_shape(str(tmp_path))
+    cache = TraceCache(shape, _SEQ)
+    splits = [(Candidate("hybrid", pp=pp, precision="fp32", checkpoint_ratio=ratio), stage)
+              for ratio in (0.0, 1.0) for pp in (2, 4) for stage in (0, pp - 1)]  # fmt: skip
+    for candidate, stage in splits:
+        shared = cache.get(candidate, stage)
+        assert isinstance(shared, ActivationTrace)
+        assert shared == trace_stage(shape, candidate, _SEQ, stage), (candidate, stage)
+    assert cache.made == len(splits) + 2  # a shallow trace per stage, one deeper trace per checkpointing choice
+    half = Candidate("hybrid", pp=2, precision="fp32", checkpoint_ratio=0.5)
+    assert slope_key(half, 0) != slope_key(half, 1)  # the stage's depth picks which layers recompute: not shared

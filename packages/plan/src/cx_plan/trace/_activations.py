@@ -39,8 +39,8 @@ from cx_plugins.moe_hybrid import MoeHybridParallelPlugin
 from cx_shardformer import GradientCheckpointConfig
 
 __all__ = [
-    "ActivationTrace", "PlanTraceError", "forward_op_flops", "shallow_layers", "stage_rank", "trace_shallow",
-    "trace_stage",
+    "ActivationTrace", "LayerSlope", "PlanTraceError", "forward_op_flops", "layer_slope", "shallow_layers",
+    "stage_rank", "trace_shallow", "trace_stage",
 ]  # fmt: skip
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -291,8 +291,16 @@ def _run(modules: list[nn.Module], first: bool, scope: ChunkScope, shape: ModelS
         _backward(output)
 
 
+LayerSlope = tuple[int, ...]  # what one more decoder layer per pipeline slot adds to each figure of a trace
+
+
 def trace_stage(
-    shape: ModelShape, candidate: Candidate, seq_len: int, stage: int = 0, shallow: ActivationTrace | None = None
+    shape: ModelShape,
+    candidate: Candidate,
+    seq_len: int,
+    stage: int = 0,
+    shallow: ActivationTrace | None = None,
+    slope: LayerSlope | None = None,
 ) -> ActivationTrace:
     """Trace one micro-batch (candidate.micro_batch_size sequences of seq_len tokens) through `stage`.
 
@@ -300,18 +308,32 @@ def trace_stage(
     `base + 1` layers per stage (`base`: 2, or past DeepSeek's dense first layers), and every figure extrapolated
     along that per-layer slope to the stage's real layer count (ceil(layers / (pp x chunks))): a model's layers are
     alike, so the figures are linear in their number, and an 8B model traces in seconds instead of minutes.
-    `shallow`: the first of those two traces when already made (`trace_shallow`)."""
+    `shallow`: the first of those two traces when already made (`trace_shallow`); `slope`: the per-layer slope when
+    already known (`layer_slope`, e.g. of another stage of the same split: then no trace runs here)."""
     if not 0 <= stage < candidate.pp:
         raise ValueError(f"stage {stage}: the candidate has {candidate.pp} pipeline stages")
     base = shallow_layers(shape, candidate)
     if base is None:
         return _trace_exact(shape, candidate, seq_len, stage)
-    slots = candidate.pp * candidate.num_model_chunks
     small = trace_shallow(shape, candidate, seq_len, stage) if shallow is None else shallow
-    large = _trace_exact(_with_layers(shape, (base + 1) * slots), candidate, seq_len, stage)
-    steps = -(-shape.num_layers // slots) - base
-    values = [a + (b - a) * steps for a, b in zip(astuple(small)[1:], astuple(large)[1:], strict=True)]
+    if slope is None:
+        slope = layer_slope(shape, candidate, seq_len, stage, small)
+    steps = -(-shape.num_layers // (candidate.pp * candidate.num_model_chunks)) - base
+    values = [a + d * steps for a, d in zip(astuple(small)[1:], slope, strict=True)]
     return ActivationTrace(stage, *values)
+
+
+def layer_slope(
+    shape: ModelShape, candidate: Candidate, seq_len: int, stage: int, shallow: ActivationTrace
+) -> LayerSlope:
+    """What one more decoder layer per slot adds to each figure of `stage`: the model one layer per slot deeper than
+    `shallow` (`trace_shallow`'s trace of that stage), traced, less `shallow`."""
+    base = shallow_layers(shape, candidate)
+    if base is None:
+        raise ValueError(f"{shape.num_layers} layers per stage are traced as they are, not extrapolated")
+    slots = candidate.pp * candidate.num_model_chunks
+    large = _trace_exact(_with_layers(shape, (base + 1) * slots), candidate, seq_len, stage)
+    return tuple(b - a for a, b in zip(astuple(shallow)[1:], astuple(large)[1:], strict=True))
 
 
 def shallow_layers(shape: ModelShape, candidate: Candidate) -> int | None:
