@@ -55,7 +55,7 @@ def _measured(model: str, fields: dict[str, Any]) -> int:
         ("llama", dict(plugin="torch_fsdp", dp=2, fsdp_wrap="block", precision="fp32")),  # a block gathered at a time
         # accumulation as cx-train runs it: the first micro-batch under no_sync keeps unsharded gradients
         ("llama", dict(plugin="torch_fsdp", dp=2, fsdp_wrap="block", num_microbatches=2, precision="fp32")),
-        # MuonWithAdamW: one momentum per hidden-matrix element; under ZeRO whole masters and states on owner ranks
+        # MuonWithAdamW: one momentum per hidden-matrix element; under ZeRO whole matrices on owners, AdamW on shards
         ("llama", dict(plugin="torch_ddp", dp=2, precision="fp32", optimizer=Optimizer.MUON)),
         ("llama", dict(plugin="low_level_zero", dp=2, zero_stage=1, precision="fp32", optimizer=Optimizer.MUON)),
     ],

@@ -18,6 +18,7 @@ from cx_plan._cli import main
 from cx_plan._enumerate import SearchSpace, enumerate_candidates
 from cx_plan._report import train_command
 from cx_plan.memory._memory import predict_memory
+from cx_plan.step_time._comm_volume import step_collectives
 from cx_plan.trace._model_spec import build_model
 from cx_plan.trace._muon_split import muon_split, ns_flops
 from cx_zero import assign_owners
@@ -70,27 +71,44 @@ def test_muon_holds_four_bytes_less_per_hidden_matrix_element() -> None:
     assert adamw.peak - muon.peak == 4 * matrices  # the step's workspace stays under the backward's peak here
 
 
-def test_muon_under_zero_holds_the_busiest_owners_whole_states_and_masters() -> None:
-    """ZeRO-1 over dp 2: each parameter (Muon's and AdamW's) has one owner (cx-zero's `assign_owners`), which keeps
-    its whole fp32 master and state: the busiest owner's, not a 1/dp share of every element."""
+def test_muon_under_zero_holds_the_busiest_owners_whole_matrices_and_a_shard_of_adamw() -> None:
+    """ZeRO-1 over dp 2: each hidden matrix has one owner (cx-zero's `assign_owners` over the matrices alone), which
+    keeps its whole fp32 master and momentum; the AdamW parameters (embeddings, norms, head) step on the flat shards
+    as under a plain AdamW, each rank holding its padded half of their two moments and no whole master."""
+    shape = load_model_shape("llama", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+    shapes, hidden = _llama_hidden_matrices()
+    matrices = [s for s, h in zip(shapes, hidden, strict=True) if h]
+    owners = assign_owners(matrices, 2)
+    per_rank = []
+    for rank in range(2):
+        elements = sum(_numel(s) for s, o in zip(matrices, owners, strict=True) if o == rank)
+        per_rank.append((4 * elements + 8 * elements, 4 * elements, elements))
+    _, momenta, elements = max(per_rank)
+    adamw_shard = sum(-(-_numel(s) // 2) for s, h in zip(shapes, hidden, strict=True) if not h)
+    total = sum(_numel(s) for s in shapes)
+    assert 0 < adamw_shard < total // 2
+    zero = Candidate("low_level_zero", dp=2, zero_stage=1, precision="fp32")
+    adamw = predict_memory(shape, zero, SEQ)
+    muon = predict_memory(shape, Candidate("low_level_zero", dp=2, zero_stage=1, precision="fp32",
+                                           optimizer=Optimizer.MUON), SEQ)  # fmt: skip
+    assert adamw.optimizer_states == 8 * total // 2
+    assert muon.optimizer_states == momenta + 8 * adamw_shard
+    assert muon.master_weights - adamw.master_weights == 4 * elements  # whole matrices beside the master shards
+
+
+def test_muon_under_gemini_still_holds_whole_adamw_states_on_owners() -> None:
+    """Gemini steps every parameter of MuonWithAdamW whole on an owner (its chunk path is separate): the busiest
+    owner of all parameters, the AdamW ones included."""
     shape = load_model_shape("llama", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
     shapes, hidden = _llama_hidden_matrices()
     owners = assign_owners(shapes, 2)
     per_rank = []
     for rank in range(2):
         mine = [(s, h) for s, h, o in zip(shapes, hidden, owners, strict=True) if o == rank]
-        elements = sum(_numel(s) for s, _ in mine)
         states = sum(_numel(s) * (4 if h else 8) for s, h in mine)
-        per_rank.append((states + 8 * elements, states, elements))
-    _, states, elements = max(per_rank)
-    total = sum(_numel(s) for s in shapes)
-    zero = Candidate("low_level_zero", dp=2, zero_stage=1, precision="fp32")
-    adamw = predict_memory(shape, zero, SEQ)
-    muon = predict_memory(shape, Candidate("low_level_zero", dp=2, zero_stage=1, precision="fp32",
-                                           optimizer=Optimizer.MUON), SEQ)  # fmt: skip
-    assert adamw.optimizer_states == 8 * total // 2
-    assert muon.optimizer_states == states
-    assert muon.master_weights - adamw.master_weights == 4 * elements  # whole masters beside the master shards
+        per_rank.append((states + 8 * sum(_numel(s) for s, _ in mine), states))
+    gemini = Candidate("gemini", dp=2, precision="bf16", optimizer=Optimizer.MUON)
+    assert predict_memory(shape, gemini, SEQ).optimizer_states == max(per_rank)[1]
 
 
 def test_newton_schulz_flops_and_the_gather_scatter_are_in_the_step() -> None:
@@ -105,6 +123,13 @@ def test_newton_schulz_flops_and_the_gather_scatter_are_in_the_step() -> None:
     muon = predict_step_time(Candidate("low_level_zero", dp=2, zero_stage=1, precision="bf16",
                                        optimizer=Optimizer.MUON), shape, SEQ, device)  # fmt: skip
     assert set(muon.communication_s) - set(adamw.communication_s) == {"muon gradient gather", "muon weight scatter"}
+    # only the hidden matrices travel to owners under ZeRO (the AdamW parameters step on the shards)
+    split = muon_split(shape)
+    zero_muon = Candidate("low_level_zero", dp=2, zero_stage=1, precision="bf16", optimizer=Optimizer.MUON)
+    gemini = Candidate("gemini", dp=2, precision="bf16", optimizer=Optimizer.MUON)
+    (scatter,) = [x.bytes for x in step_collectives(zero_muon, shape, SEQ) if x.name == "muon weight scatter"]
+    (everything,) = [x.bytes for x in step_collectives(gemini, shape, SEQ) if x.name == "muon weight scatter"]
+    assert scatter == pytest.approx(everything * split.muon_elements / split.total)
     assert muon.step_s > adamw.step_s
     ddp = predict_step_time(Candidate("torch_ddp", dp=2, precision="bf16", optimizer=Optimizer.MUON), shape, SEQ,
                             device)  # fmt: skip

@@ -1,7 +1,7 @@
 """`booster.boost(model, MuonWithAdamW(muon_param_groups(model)))` under LowLevelZeroPlugin stage 1 and 2 and
-GeminiPlugin (dp 2) gives one process's result (every parameter stepped whole on one owner rank, cx_zero's
-`_whole_step` / Gemini's `_whole`: Muon on the hidden matrices, AdamW on the embedding, biases, norm and head), and
-its checkpoint resumes bit-exactly.
+GeminiPlugin (dp 2) gives one process's result (Muon on the hidden matrices, each stepped whole on one owner rank,
+cx_zero's `_whole_step` / Gemini's `_whole`; AdamW on the embedding, biases, norm and head: on LowLevelZero's flat
+shards, whole on owners under Gemini), and its checkpoint resumes bit-exactly.
 
 Tolerance. Muon matrices: 0.2 of one effective step lr * sqrt(max(1, rows / cols)), derived in
 packages/zero/tests/test_zero_low_level_muon.py (the data-parallel sum's rounding, about 1e-7 relative, rarely flips a

@@ -11,10 +11,12 @@
   `clip_grad_norm_` (norm over exactly the given groups), `has_inf_or_nan` / `any_across_groups` (overflow),
   `HybridAdam` / `CPUAdam` / `FusedAdam` (fused Adam(W), fast on CPU shards), `require_elementwise` (which
   optimizers may step on flat shards), `needs_whole_tensors` / `declare_whole_tensor` (optimizers such as torch's
-  Muon that must step each parameter whole), `assign_owners` (which rank steps each) and `gather_to_owner` /
-  `scatter_from_owner` (whole tensors between their owner and the ranks holding flat pieces of them);
+  Muon that must step each parameter whole), `elementwise_groups` / `GroupKinds` (which param groups of a mixed
+  one, such as MuonWithAdamW's AdamW groups, may still step on flat shards), `assign_owners` (which rank steps
+  each) and `gather_to_owner` / `scatter_from_owner` (whole tensors between their owner and the ranks holding flat
+  pieces of them);
   `MuonWithAdamW` / `muon_param_groups` (Muon on hidden matrices, AdamW on 1-D parameters, embeddings and the output
-  head, in one whole-tensor optimizer).
+  head, in one whole-tensor optimizer whose AdamW groups ZeRO steps on its shards).
 """
 
 from cx_zero._adam import CPUAdam, HybridAdam
@@ -23,7 +25,9 @@ from cx_zero._clipping import ClipOptions
 from cx_zero._elementwise import (
     ELEMENTWISE_OPTIMIZERS,
     WHOLE_TENSOR_OPTIMIZERS,
+    GroupKinds,
     declare_whole_tensor,
+    elementwise_groups,
     is_elementwise,
     needs_whole_tensors,
     require_elementwise,
@@ -89,6 +93,8 @@ __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "WHOLE_TENSOR_OPTIMIZERS",
     "declare_whole_tensor",
+    "GroupKinds",
+    "elementwise_groups",
     "MUON_DEFAULTS",
     "MuonWithAdamW",
     "muon_param_groups",

@@ -12,11 +12,17 @@ Three kinds:
   correct only when each parameter is stepped whole; an engine that can gather each parameter to one rank (see
   `_whole_step`) takes them, the others refuse them (`require_elementwise`);
 - anything else: unknown, refused everywhere parameters are sliced, naming both lists and how to declare one.
+
+A whole-tensor optimizer may mix kinds by param group (`MuonWithAdamW`: Muon groups need whole matrices, its AdamW
+groups are elementwise): it says so per group through `GroupKinds`, and `elementwise_groups` reads that, so an engine
+steps the elementwise groups on its shards (each rank 1/dp of their masters and states) and gathers only the rest.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -26,7 +32,9 @@ from cx_zero._muon_adamw import MuonWithAdamW
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "WHOLE_TENSOR_OPTIMIZERS",
+    "GroupKinds",
     "declare_whole_tensor",
+    "elementwise_groups",
     "is_elementwise",
     "needs_whole_tensors",
     "require_elementwise",
@@ -71,6 +79,28 @@ def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
 def needs_whole_tensors(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` is known to need each parameter whole (Muon, or declared with `declare_whole_tensor`)."""
     return isinstance(optimizer, WHOLE_TENSOR_OPTIMIZERS) or optimizer in _DECLARED
+
+
+@runtime_checkable
+class GroupKinds(Protocol):
+    """A whole-tensor optimizer whose param groups differ in kind: `param_group_is_elementwise(group)` is True for a
+    group whose update of each element depends on that element alone (it may step on flat shards)."""
+
+    def param_group_is_elementwise(self, group: Mapping[str, Any]) -> bool: ...
+
+
+def elementwise_groups(optimizer: torch.optim.Optimizer) -> list[bool]:
+    """Per param group of `optimizer`: whether it may step on flat shards. All True for an elementwise optimizer; for
+    a whole-tensor one, what it says through `GroupKinds` (all False without it, or when declared whole-tensor with
+    `declare_whole_tensor`, which covers the whole instance). TypeError for an unknown optimizer."""
+    groups = optimizer.param_groups
+    if is_elementwise(optimizer):
+        return [True] * len(groups)
+    if not needs_whole_tensors(optimizer):
+        require_elementwise_or_whole(optimizer, "elementwise_groups")  # raises, naming both lists
+    if optimizer in _DECLARED or not isinstance(optimizer, GroupKinds):
+        return [False] * len(groups)
+    return [bool(optimizer.param_group_is_elementwise(group)) for group in groups]
 
 
 def _names(classes: tuple[type[torch.optim.Optimizer], ...]) -> str:

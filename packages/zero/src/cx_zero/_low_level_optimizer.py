@@ -10,7 +10,8 @@ With `fp8_communication` (ColossalAI's switch) both collectives, and the all-red
 `cx_mesh.fp8`: gradients as E5M2, parameters as E4M3; the masters stay full precision.
 An optimizer whose update needs whole matrices (torch's Muon, or one passed to `declare_whole_tensor`) steps each
 parameter whole on one owner rank instead, from the gathered gradient, the result scattered back into the shards
-(`_whole_step`).
+(`_whole_step`); the param groups it declares elementwise (`elementwise_groups`: MuonWithAdamW's AdamW groups) still
+step on the shards, in the same `step()` of the wrapped optimizer.
 A group with a single replica skips all of that (`_local`): its gradients are used where they are, and in fp32 (no
 offload) its masters are the working parameters themselves. Parameter maps and state dicts: `_low_level_state`.
 
@@ -39,7 +40,7 @@ from cx_zero._buckets import plan_buckets
 from cx_zero._clipping import ClipOptions
 from cx_zero._comm import group_ranks
 from cx_zero._device_norm import device_clip_coefficient, device_norm_or_inf
-from cx_zero._elementwise import require_elementwise_or_whole
+from cx_zero._elementwise import elementwise_groups, require_elementwise_or_whole
 from cx_zero._gather import DeferredGathers, GroupGatherer
 from cx_zero._grad_scaler import BaseGradScaler
 from cx_zero._local import LocalGatherer, LocalReducer, local_master
@@ -124,6 +125,13 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"LowLevelZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         whole_tensors = require_elementwise_or_whole(optimizer, "LowLevelZeroOptimizer")
+        # the parameters stepped whole: those of the groups that are not elementwise (all of them for torch's Muon)
+        stepped_whole = {
+            id(p)
+            for group, elementwise in zip(optimizer.param_groups, elementwise_groups(optimizer), strict=True)
+            if not elementwise
+            for p in group["params"]
+        }
         bf16_states = options.optimizer_states_dtype == torch.bfloat16
         if bf16_states:  # Adam's moments only: a whole-tensor optimizer (Muon) is refused here by name
             require_bf16_capable(optimizer, "LowLevelZeroOptimizer(optimizer_states_dtype=bf16)")
@@ -220,12 +228,15 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
         # bf16 moments: each shard's rounding bits differ by parameter and by rank (`_bf16_states`)
         salts = {id(s.master): s.index * 1_000_033 + s.group_rank for s in self._shards}
         self._bf16_states = Bf16StateAdam(optimizer, options.stochastic_rounding_seed, salts) if bf16_states else None
-        # a matrix-wise optimizer (Muon) steps whole parameters on owner ranks instead of the shards (`_whole_step`)
+        # a matrix-wise optimizer (Muon) steps whole parameters on owner ranks instead of the shards (`_whole_step`);
+        # its elementwise groups' parameters (MuonWithAdamW's AdamW groups) step on the shards
         self._whole: WholeTensorStep | None = None
         self._shard_of_optimizer_param = {id(s.master): s for s in self._shards}
-        if whole_tensors:
-            self._whole = WholeTensorStep(optimizer, self._shards, self._groups, self._master_dtype)
-            self._shard_of_optimizer_param = self._whole.shard_of_param()
+        self._on_shards = [s for s in self._shards if id(s.working) not in stepped_whole]
+        whole_shards = [s for s in self._shards if id(s.working) in stepped_whole]
+        if whole_tensors and whole_shards:
+            self._whole = WholeTensorStep(optimizer, whole_shards, self._groups, self._master_dtype)
+            self._shard_of_optimizer_param.update(self._whole.shard_of_param())
 
         self._require_grad_sync = True
         self._in_backward = False
@@ -417,11 +428,11 @@ class LowLevelZeroOptimizer(LowLevelStateMixin):
         self._step_shards()
 
     def _step_shards(self) -> None:
+        for shard in self._on_shards:
+            shard.master.grad = shard.grad_shard
         if self._whole is not None:
-            self._whole.step(self.optim)
+            self._whole.step(self.optim)  # one step of the wrapped optimizer: the whole masters and these shards
         else:
-            for shard in self._shards:
-                shard.master.grad = shard.grad_shard
             if self._bf16_states is not None:
                 self._bf16_states.step()
             else:

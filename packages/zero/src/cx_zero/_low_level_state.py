@@ -94,7 +94,7 @@ class LowLevelStateMixin:
         shards = [s for group in self._shard_groups() for s in group]
         limit = int(max_shard_size * _MIB)
         include_master = self._masters_not_working()
-        if self._whole is not None:  # each state whole on its owner (`_whole_state`)
+        if self._whole is not None:  # each state whole on its owner, an elementwise group's sliced (`_whole_state`)
             yield from stream_whole_states(
                 shards, self.optim, self._whole, self._groups, prefix, limit, keep, include_master
             )
@@ -141,8 +141,8 @@ class LowLevelStateMixin:
             self.grad_scaler.load_state_dict(dict(state_dict["grad_scaler"]))
 
     def _load_whole_state(self, state_dict: Mapping[str, Any], whole: WholeTensorStep) -> None:
-        """A whole-tensor optimizer's load: states to their owners, full masters to the owners' whole masters and
-        sliced to every master shard (`_whole_state`)."""
+        """A whole-tensor optimizer's load: states to their owners (an elementwise group's sliced to every rank),
+        full masters to the owners' whole masters and sliced to every master shard (`_whole_state`)."""
         inner, masters = whole_optimizer_state(state_dict, self._shard_groups(), whole)
         self.optim.load_state_dict(inner)
         with torch.no_grad():

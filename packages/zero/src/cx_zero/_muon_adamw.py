@@ -11,13 +11,15 @@ torch's Muon on that matrix alone.
 
 The state is a plain optimizer state dict: Muon groups hold `momentum_buffer`, AdamW groups `step`, `exp_avg`,
 `exp_avg_sq` (the torch optimizers' own names), and each group's hyperparameters are plain values, so checkpoints
-need no pickled code. Muon needs each matrix whole, so the class is whole-tensor (`cx_zero._elementwise`): ZeRO
-steps every parameter whole on one owner rank, which for the AdamW groups is correct, just not sharded.
+need no pickled code. Muon needs each matrix whole, so the class is whole-tensor (`cx_zero._elementwise`), but its
+AdamW groups are elementwise and it says so per group (`param_group_is_elementwise`, the `GroupKinds` protocol):
+LowLevelZero steps those on its flat shards (each rank 1/dp of their masters and moments, as for a plain AdamW) and
+only the Muon groups whole on one owner rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -127,6 +129,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                         f"2-D matrices only (or 3-D stacks of them, each matrix on its own), put it in a "
                         f"use_muon=False (AdamW) group"
                     )
+
+    def param_group_is_elementwise(self, group: Mapping[str, Any]) -> bool:
+        """Whether `group`'s update is elementwise (an AdamW group: it may step on flat shards); a Muon group needs
+        each matrix whole (`cx_zero.elementwise_groups` reads this)."""
+        return not group["use_muon"]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

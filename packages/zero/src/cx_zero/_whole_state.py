@@ -6,6 +6,11 @@ parameter's group: first a JSON header naming each entry, its dtype and shape (o
 tensors. No pickle anywhere. Loading: every rank reads the full state; the owner keeps the whole tensors, the other
 ranks nothing; the fp32 master (mixed precision) goes whole to the owner's whole master and sliced to every rank's
 master shard.
+
+The parameters of an optimizer's elementwise groups (`elementwise_groups`: MuonWithAdamW's AdamW groups) are stepped
+on their shards, not by `WholeTensorStep`: their states are gathered and sliced as for any elementwise optimizer
+(`_state_dict`), in the same per-parameter order, so the saved form is the same full-by-name one either way and a
+checkpoint saved when those groups were stepped whole loads here (and the other way round).
 """
 
 from __future__ import annotations
@@ -19,7 +24,13 @@ import torch.distributed as dist
 
 from cx_mesh import ProcessGroup, communication_device
 from cx_zero._partition import ParamShard
-from cx_zero._state_dict import MASTER_KEY, positional_optimizer_state, size_limited_pieces
+from cx_zero._state_dict import (
+    MASTER_KEY,
+    full_state,
+    positional_optimizer_state,
+    sharded_state,
+    size_limited_pieces,
+)
 from cx_zero._whole_step import WholeTensorStep
 
 __all__ = ["broadcast_state", "stream_whole_states", "whole_optimizer_state"]
@@ -103,7 +114,14 @@ def stream_whole_states(
 
     def entries() -> Iterator[tuple[str, dict[str, Any]]]:
         for shard in shards:
-            full = whole_full_state(shard, optimizer, whole, groups[shard.group_index], include_master=include_master)
+            group = groups[shard.group_index]
+            if whole.holds(shard):
+                full = whole_full_state(shard, optimizer, whole, group, include_master=include_master)
+            else:  # an elementwise group's parameter: its state is sliced like its master (`_state_dict`)
+                state = dict(optimizer.state.get(shard.master, {}))
+                if include_master:
+                    state[MASTER_KEY] = shard.master
+                full = full_state(shard, state, group) if state else {}
             if keep and full:
                 yield prefix + shard.key, full
 
@@ -113,10 +131,14 @@ def stream_whole_states(
 def whole_optimizer_state(
     state_dict: Mapping[str, Any], shard_groups: Sequence[Sequence[ParamShard]], whole: WholeTensorStep
 ) -> tuple[dict[str, Any], dict[int, torch.Tensor]]:
-    """The wrapped optimizer's own (positional) state dict holding the whole states this rank owns, and every full
-    master weight found (by id of the shard)."""
+    """The wrapped optimizer's own (positional) state dict holding the whole states this rank owns and its slices of
+    the elementwise groups' states, and every full master weight found (by id of the shard)."""
 
     def load_entry(shard: ParamShard, entry: dict[str, Any]) -> tuple[dict[str, Any] | None, torch.Tensor | None]:
+        if not whole.holds(shard):  # this rank's slices, as for an elementwise optimizer (shapes checked there)
+            sliced = sharded_state(shard, entry, shard.key)
+            sliced.pop(MASTER_KEY, None)
+            return sliced, entry.get(MASTER_KEY)
         for name, value in entry.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shard.working.shape:
                 raise ValueError(

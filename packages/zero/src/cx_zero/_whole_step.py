@@ -14,6 +14,10 @@ and one step is:
 Each element crosses the network once each way, as ZeRO-1's own step would: the gathered gradient in the master
 dtype, the updated slice back. A parameter no rank used this step is skipped (its gradient is None), as torch skips
 it; every rank agrees which (the used flags travelled with the gradient buckets).
+
+Only the parameters given (`shards`) are stepped whole: the param groups an optimizer declares elementwise
+(`cx_zero.elementwise_groups`, MuonWithAdamW's AdamW groups) keep their master shards in the optimizer and are
+stepped on them in the same `optimizer.step()`, their state sharded by element as for any elementwise optimizer.
 """
 
 from __future__ import annotations
@@ -55,8 +59,8 @@ class WholeTensorStep:
                 self.owner[id(shard)] = owner
                 self.whole[id(shard)] = self._whole_master(shard, owner)
         by_master = {id(s.master): s for s in shards}
-        for group in optimizer.param_groups:
-            group["params"] = [self.whole[id(by_master[id(m)])] for m in group["params"]]
+        for group in optimizer.param_groups:  # the masters of other (elementwise) groups stay as they are
+            group["params"] = [self.whole[id(by_master[id(m)])] if id(m) in by_master else m for m in group["params"]]
 
     def _whole_master(self, shard: ParamShard, owner: int) -> torch.Tensor:
         shape, device = shard.working.shape, shard.master.device
@@ -67,8 +71,13 @@ class WholeTensorStep:
         # no memory: the optimizer sees the shape (and skips the parameter, whose gradient stays None)
         return torch.zeros((), dtype=self.master_dtype, device=device).expand(shape)
 
+    def holds(self, shard: ParamShard) -> bool:
+        """Whether `shard`'s parameter is stepped whole here (False: an elementwise group's, stepped on its shard)."""
+        return id(shard) in self.owner
+
     def owns(self, shard: ParamShard) -> bool:
-        return self.owner[id(shard)] == shard.group_rank
+        """Whether this rank steps `shard`'s parameter whole (False for one not stepped whole here)."""
+        return self.owner.get(id(shard)) == shard.group_rank
 
     def shard_of_param(self) -> dict[int, ParamShard]:
         """id(optimizer parameter) -> its shard (for the state dicts)."""

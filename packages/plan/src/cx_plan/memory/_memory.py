@@ -15,12 +15,14 @@ fp32 shard; cx-zero keeps an fp32 master shard then even for fp32 weights); unde
 gradients and their packed copy for the all-reduce; unsharded 16-bit runs, the step's fp32 copy of the gradients beside
 the 16-bit ones.
 
-Under `optimizer=muon` (`_muon_bytes`, the split from `trace._muon_split`): one fp32 momentum per hidden-matrix
-element, AdamW's two moments on the rest. Where the plugin shards parameters (ZeRO 1/2 or Gemini over dp > 1, tensor
-parallelism at ZeRO 0) every parameter is stepped whole on one owner rank, which keeps its whole fp32 master and
-state: the busiest owner of cx's own assignment is predicted (its states instead of a 1/dp share, its whole masters
-beside the ZeRO master shards), and a third instant, the step, adds its gathered whole gradients and the gather's
-receive buffers (Gemini gathers the master too: twice that). Unsharded runs step every matrix on every rank: the
+Under `optimizer=muon` (`_muon_bytes`, the split from `trace._muon_split`): one fp32 momentum per hidden-matrix element,
+AdamW's two moments on the rest. Where the plugin shards parameters (ZeRO 1/2 or Gemini over dp > 1, tensor parallelism
+at ZeRO 0) every Muon matrix is stepped whole on one owner rank, which keeps its whole fp32 master and state: the
+busiest owner of cx's own assignment is predicted (its states instead of a 1/dp share, its whole masters beside the ZeRO
+master shards), and a third instant, the step, adds its gathered whole gradients and the gather's receive buffers
+(Gemini gathers the master too: twice that). The AdamW parameters: under LowLevelZero's ZeRO 1/2 on the flat shards like
+a plain AdamW (1/dp of their moments on every rank, their masters in the ZeRO master shards); under Gemini and tp at
+ZeRO 0 whole on owners like the matrices (`_muon_split.rank_load`). Unsharded runs step every matrix on every rank: the
 instant adds Newton-Schulz's workspace on the largest matrix. Under tp or pp the stage's share of the whole model's
 split is taken in proportion to its elements (whole matrices: its elements x tp); a data-parallel layout's is the
 split's own (the trace counts a tied head beside its embedding, cx steps it once).
@@ -34,7 +36,7 @@ from cx_plan._candidate import Candidate
 from cx_plan.memory._fsdp_memory import fsdp_bytes
 from cx_plan.trace._activations import ActivationTrace, trace_stage
 from cx_plan.trace._model_spec import ModelShape, ParameterCounts
-from cx_plan.trace._muon_split import MuonSplit, busiest_owner, muon_split, whole_group
+from cx_plan.trace._muon_split import MuonSplit, busiest_owner, muon_split, rank_load, whole_group
 
 __all__ = ["MemoryPrediction", "predict_memory", "predict_memory_from_traces"]
 
@@ -112,7 +114,7 @@ def _accumulated(c: Candidate, itemsize: int, n: int) -> int:
 
 @dataclass(frozen=True)
 class _MuonBytes:
-    optimizer: int  # the rank's Muon momenta and AdamW moments
+    optimizer: int  # the rank's Muon momenta and AdamW moments (whole ones it owns, or its shards)
     whole_masters: int  # the whole fp32 masters it owns, beside the plugin's own master (shards)
     step: int  # transient at the step: gathered whole gradients and receive buffers, or Newton-Schulz's workspace
 
@@ -128,7 +130,7 @@ def _muon_bytes(c: Candidate, n: int, split: MuonSplit) -> _MuonBytes:
         m, k = largest
         workspace = _FP32 * m * k + 2 * 2 * m * k + 3 * 2 * m * m  # nesterov update fp32; bf16 X, new X; A, B, A @ A
         return _MuonBytes(int(scale * split.state_bytes), 0, workspace)
-    load = busiest_owner(split, group)
+    load = rank_load(c, split)  # the whole parameters it owns, and its AdamW shards under LowLevelZero
     elements = int(scale * load.elements)
     received = 2 if c.plugin == "gemini" else 1  # Gemini gathers the master beside the gradient
     return _MuonBytes(int(scale * load.state_bytes), _FP32 * elements, 2 * received * _FP32 * elements)

@@ -23,7 +23,9 @@ n-1 hops; an all-to-all sends (n-1)/n of the local tensor in n-1 hops. Per step 
 - optimizer muon where whole parameters have owners (`_muon_split.whole_group`: ZeRO 1/2, Gemini, hybrid tp at
   ZeRO 0): every rank sends its slices of the stage's gradients to their owners (one gather per owner, fp32, the
   master dtype; Gemini sends the master beside them) and gets its slices of the updates back (one scatter per
-  owner): each an all-gather-sized volume of the stage's parameters in fp32, after the backward (not overlapped).
+  owner): each an all-gather-sized volume of the stage's whole-stepped parameters in fp32, after the backward (not
+  overlapped): under LowLevelZero's ZeRO 1/2 the Muon matrices only (the AdamW groups step on the shards,
+  `_muon_split.adamw_on_shards`), under Gemini and tp at ZeRO 0 every parameter.
 
 Activation checkpointing repeats a recomputed layer's forward collectives (tp, sp, experts) once more.
 """
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 from cx_plan._candidate import Candidate
 from cx_plan.trace._model_spec import ModelShape
-from cx_plan.trace._muon_split import whole_group
+from cx_plan.trace._muon_split import adamw_on_shards, muon_split, whole_group
 from cx_plan.trace._oracle import hot_rank_load
 
 __all__ = ["BUCKET_BYTES", "Collective", "step_collectives", "weight_bytes"]
@@ -187,6 +189,9 @@ def _whole_matrices(candidate: Candidate, shape: ModelShape) -> list[Collective]
         return []
     counts = shape.parameters
     elements = (counts.dense + counts.experts / c.ep) / c.pp  # the stage's parameters, whole
+    if adamw_on_shards(c):  # only the Muon matrices travel to owners (their share of the model's elements)
+        split = muon_split(shape)
+        elements *= split.muon_elements / split.total if split.total else 0.0
     axes: tuple[str, ...] = ("tp",) if c.stage == 0 and c.plugin != "gemini" else ("dp", "sp")
     if c.plugin == "moe_hybrid" and axes != ("tp",):
         axes = ("moe_dp", "ep", "sp")

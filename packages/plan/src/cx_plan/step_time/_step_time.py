@@ -33,7 +33,8 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
   and moments), plus the 16-bit weight copy, at the device's memory bandwidth; offloaded optimizer state crosses PCIe
   5 (gradients down, weights up) and steps at `HOST_BANDWIDTH`.
 - Optimizer muon (MuonWithAdamW): the rank steps what it owns (`_muon_split.stepped_load`: all it holds, or its
-  owner share of the whole parameters where the plugin shards them), streaming 20 bytes per Muon element (read
+  owner share of the whole parameters where the plugin shards them, plus its AdamW shards under LowLevelZero),
+  streaming 20 bytes per Muon element (read
   weight, gradient, momentum; write weight and momentum) and AdamW's 28 per other element, plus Newton-Schulz's
   FLOPs (5 iterations of 4 m^2 n + 2 m^3 per m x n matrix, m <= n) at `efficiency` x the bf16 peak (torch runs
   Newton-Schulz in bf16); the gather / scatter to owners is in `_comm_volume`.
@@ -141,9 +142,9 @@ def _optimizer_seconds(candidate: Candidate, shape: ModelShape, device: Device) 
     per_parameter: float = _ADAM_BYTES + (w if w == 2 else 0)
     if c.muon:  # what this rank steps (its owner share, or all it holds), Muon's elements at 20 bytes
         load = stepped_load(c, shape)
-        if load.elements:
-            per_parameter -= (_ADAM_BYTES - _MUON_BYTES) * load.muon_elements / load.elements
-        held = load.elements
+        held = load.elements + load.sharded_elements  # whole parameters it owns, AdamW shards under LowLevelZero
+        if held:
+            per_parameter -= (_ADAM_BYTES - _MUON_BYTES) * load.muon_elements / held
     offloaded = c.offload_optim_frac if c.plugin == "gemini" else (1.0 if c.cpu_offload else 0.0)
     on_device = held * (1 - offloaded) * per_parameter / device.memory_bandwidth
     if not offloaded or device.name == "cpu":

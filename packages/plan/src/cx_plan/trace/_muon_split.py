@@ -3,19 +3,21 @@ computes when cx steps them whole (`muon_split`, `owner_loads`).
 
 cx-train's MuonWithAdamW takes `cx_zero.muon_param_groups(model)`: 2-D hidden matrices (and fused expert stacks) get
 Muon's one fp32 momentum buffer, 1-D parameters, embeddings and the output head AdamW's two fp32 moments (Muon keeps
-fp32 states: bf16 states are refused). The optimizer is whole-tensor, so where a plugin shards parameters (ZeRO 1/2,
-Gemini, tensor parallelism at ZeRO 0) each parameter, Muon's and AdamW's alike, gets one owner rank of the group
-(`cx_zero.assign_owners`, balanced by Newton-Schulz cost, not by bytes) that keeps its whole fp32 master and its
-state, and steps it. Newton-Schulz runs `ns_steps` (torch.optim.Muon's 5) iterations of X X^T, (A @ A) and B @ X on
-each m x n matrix (m <= n): 2 m^2 n + 2 m^3 + 2 m^2 n FLOPs each; a 3-D expert stack orthogonalises each expert's
-matrix on its own.
+fp32 states: bf16 states are refused). The optimizer is whole-tensor, so where a plugin shards parameters each Muon
+parameter gets one owner rank of the group (`cx_zero.assign_owners`, balanced by Newton-Schulz cost, not by bytes) that
+keeps its whole fp32 master and its state, and steps it. Its AdamW groups are elementwise
+(`cx_zero.elementwise_groups`): LowLevelZero (ZeRO 1/2 of low_level_zero, hybrid, moe_hybrid) steps them on its flat
+shards, each rank 1/dp of their states (`adamw_on_shards`, `rank_load`); Gemini and tensor parallelism at ZeRO 0 give
+them owners too, as the Muon parameters. Newton-Schulz runs `ns_steps` (torch.optim.Muon's 5) iterations of X X^T,
+(A @ A) and B @ X on each m x n matrix (m <= n): 2 m^2 n + 2 m^3 + 2 m^2 n FLOPs each; a 3-D expert stack
+orthogonalises each expert's matrix on its own.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,10 +30,12 @@ __all__ = [
     "MUON_STATE_BYTES",
     "MuonSplit",
     "OwnerLoad",
+    "adamw_on_shards",
     "busiest_owner",
     "muon_split",
     "ns_flops",
     "owner_loads",
+    "rank_load",
     "stepped_load",
     "whole_group",
 ]
@@ -80,6 +84,12 @@ class MuonSplit:
         pairs = zip(self.shapes, self.muon, strict=True)
         return sum(_numel(shape) * (MUON_STATE_BYTES if m else ADAMW_STATE_BYTES) for shape, m in pairs)
 
+    def adamw_shard_elements(self, group_size: int) -> int:
+        """One rank's elements of the AdamW parameters split over `group_size` ranks, each padded to a multiple of it
+        (cx-zero's flat shards)."""
+        pairs = zip(self.shapes, self.muon, strict=True)
+        return sum(-(-_numel(shape) // group_size) for shape, m in pairs if not m)
+
     @property
     def adamw_state_bytes(self) -> int:
         """AdamW's two fp32 moments over every parameter (what `--optimizer adamw` holds)."""
@@ -89,13 +99,15 @@ class MuonSplit:
 @dataclass(frozen=True)
 class OwnerLoad:
     """What one owner rank of a group steps: elements (its whole fp32 masters and gathered gradients), the states
-    of those, the largest Muon matrix's elements and the Newton-Schulz FLOPs."""
+    of those (and of its AdamW shards), the largest Muon matrix's elements, the Newton-Schulz FLOPs, and the AdamW
+    elements it steps on flat shards (no whole master, no gather: `adamw_on_shards`)."""
 
     elements: int
     state_bytes: int
     muon_elements: int
     largest_matrix: tuple[int, int]  # (m, n) of its largest Muon matrix, m <= n; (0, 0) when it owns none
     ns_flops: int
+    sharded_elements: int = 0
 
 
 def _load(split: MuonSplit, indices: Sequence[int]) -> OwnerLoad:
@@ -115,15 +127,37 @@ def _load(split: MuonSplit, indices: Sequence[int]) -> OwnerLoad:
 
 
 @functools.lru_cache(maxsize=64)
-def owner_loads(split: MuonSplit, group_size: int) -> tuple[OwnerLoad, ...]:
-    """Each group rank's load when cx assigns the parameters owners over `group_size` ranks (one rank: all)."""
-    owners = assign_owners(list(split.shapes), group_size) if group_size > 1 else [0] * len(split.shapes)
-    return tuple(_load(split, [i for i, o in enumerate(owners) if o == rank]) for rank in range(group_size))
+def owner_loads(split: MuonSplit, group_size: int, muon_only: bool = False) -> tuple[OwnerLoad, ...]:
+    """Each group rank's load when cx assigns the parameters owners over `group_size` ranks (one rank: all);
+    `muon_only`: only the Muon parameters get owners (cx-zero assigns them among those alone)."""
+    whole = [i for i, m in enumerate(split.muon) if m or not muon_only]
+    shapes = [split.shapes[i] for i in whole]
+    owners = assign_owners(shapes, group_size) if group_size > 1 else [0] * len(whole)
+    by_rank = [[i for i, o in zip(whole, owners, strict=True) if o == rank] for rank in range(group_size)]
+    return tuple(_load(split, indices) for indices in by_rank)
 
 
-def busiest_owner(split: MuonSplit, group_size: int) -> OwnerLoad:
+def busiest_owner(split: MuonSplit, group_size: int, muon_only: bool = False) -> OwnerLoad:
     """The owner holding the most bytes at the step (states, whole master and whole gradient)."""
-    return max(owner_loads(split, group_size), key=lambda load: (load.state_bytes + 8 * load.elements, load.ns_flops))
+    loads = owner_loads(split, group_size, muon_only)
+    return max(loads, key=lambda load: (load.state_bytes + 8 * load.elements, load.ns_flops))
+
+
+def adamw_on_shards(c: Candidate) -> bool:
+    """Whether the AdamW groups step on flat element shards beside the owners' whole Muon matrices: LowLevelZero's
+    ZeRO 1/2 over more than one rank (low_level_zero, hybrid, moe_hybrid); Gemini and tp at ZeRO 0 step them whole."""
+    return c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage >= 1 and c.dp * c.sp > 1
+
+
+def rank_load(c: Candidate, split: MuonSplit) -> OwnerLoad:
+    """What the busiest rank of `c`'s whole-parameter group steps over the whole model: its owner share of the
+    whole parameters and, where `adamw_on_shards`, its flat shard of every AdamW parameter."""
+    group = whole_group(c)
+    if not adamw_on_shards(c):
+        return busiest_owner(split, group)
+    load = busiest_owner(split, group, muon_only=True)
+    shard = split.adamw_shard_elements(group)
+    return replace(load, state_bytes=load.state_bytes + ADAMW_STATE_BYTES * shard, sharded_elements=shard)
 
 
 @functools.lru_cache(maxsize=8)
@@ -139,9 +173,8 @@ def muon_split(shape: ModelShape) -> MuonSplit:
 def whole_group(c: Candidate) -> int:
     """The ranks among which cx assigns whole parameters owners (1: every rank steps every parameter it holds):
     the gradient group (dp x sp) under ZeRO 1/2, Gemini's dp, the tp group at hybrid ZeRO 0 (`_tp_whole`)."""
-    dp = c.dp * c.sp
-    if c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage >= 1 and dp > 1:
-        return dp
+    if adamw_on_shards(c):
+        return c.dp * c.sp
     if c.plugin == "gemini" and c.dp > 1:
         return c.dp
     if c.plugin in ("hybrid", "moe_hybrid") and c.tp > 1:
@@ -150,14 +183,14 @@ def whole_group(c: Candidate) -> int:
 
 
 def stepped_load(c: Candidate, shape: ModelShape) -> OwnerLoad:
-    """What the busiest rank steps under `c` (a pipeline stage's share of the busiest owner's load, in proportion
-    to the stage's whole elements: the layers split over pp, routed experts over ep)."""
+    """What the busiest rank steps under `c` (a pipeline stage's share of the busiest rank's load, `rank_load`, in
+    proportion to the stage's whole elements: the layers split over pp, routed experts over ep)."""
     split = muon_split(shape)
     counts = shape.parameters
     stage = (counts.dense + counts.experts / c.ep) / c.pp
     scale = stage / split.total if split.total else 0.0
-    load = busiest_owner(split, whole_group(c))
+    load = rank_load(c, split)
     return OwnerLoad(
         int(load.elements * scale), int(load.state_bytes * scale), int(load.muon_elements * scale),
-        load.largest_matrix, int(load.ns_flops * scale),
+        load.largest_matrix, int(load.ns_flops * scale), int(load.sharded_elements * scale),
     )  # fmt: skip
