@@ -281,8 +281,9 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
         composed: ComposedModel,
         boosted: HybridParallelModule,
     ) -> HybridOptimizer:
-        """zero_stage 0: gradients reduced at the step over the gradient group; 1/2: cx-zero's LowLevelZeroOptimizer.
-        Remembered for the checkpoint IO."""
+        """zero_stage 0: gradients reduced at the step over the gradient group; 1/2: cx-zero's LowLevelZeroOptimizer
+        (with a whole-tensor optimizer at tp > 1, the tp step of `_tp_zero_whole` inside its step). Remembered for
+        the checkpoint IO."""
         o = self.options
         self._check_optimizer_kind(optimizer, composed)
         grad_group = self._gradient_group()

@@ -64,7 +64,6 @@ class ZeroTensorParallelWhole:
         plugin: str,
     ) -> None:
         self.optimizer = optimizer
-        self.zero = zero
         by_id = {id(p): p for p in zero.get_master_to_working_map().values()}
         # id(dp-whole master: this rank's tp slice, whole over dp, in the param groups) -> its working parameter
         working_of = {id(master): by_id[wid] for wid, master in zero.owned_whole_masters().items()}
@@ -80,7 +79,7 @@ class ZeroTensorParallelWhole:
         self._to_dp = self.step.master_of_whole()  # id(tp-whole master or placeholder) -> dp-whole master
         self._to_tp = {id(dp): tp for tp, dp in zip(self.step.whole, (m for m, *_ in sliced), strict=True)}
         self._dp_masters = [m for m, *_ in sliced]
-        self._hooks = (
+        self._hooks = (  # torch's handles: the hooks live as long as the optimizer
             optimizer.register_step_pre_hook(lambda *_: self.step.gather_grads()),
             optimizer.register_step_post_hook(lambda *_: self.step.scatter_masters()),
         )
