@@ -1,7 +1,8 @@
 """Plugins that would step an optimizer on slices of a matrix refuse one that is not known to be elementwise, by
 name, at boost, on every rank: torch's Muon (Newton-Schulz needs each matrix whole) and an optimizer of an unknown
-class. Otherwise HybridParallelPlugin with tp 2 and ZeRO would train silently wrong (each rank orthogonalising its own
-slice), and so would MoeHybridParallelPlugin at tp 2. HybridParallelPlugin at zero_stage 0, MoeHybridParallelPlugin at
+class. Otherwise MoeHybridParallelPlugin at tp 2 would train silently wrong (each rank orthogonalising its own slice).
+HybridParallelPlugin at every zero_stage (tp slices gathered whole to owner ranks; at zero_stage 1/2 after ZeRO's
+own gather, test_plugins_hybrid_zero_tp_muon.py; refused only with cpu_offload at tp > 1), MoeHybridParallelPlugin at
 tp 1, GeminiPlugin at tp 1 and TorchFSDPPlugin step whole matrices instead (GeminiPlugin at tp 2 refuses Muon;
 TorchFSDPPlugin steps torch's Muon itself, so it refuses a subclass, whose step it cannot split)."""
 
@@ -72,11 +73,13 @@ def _linears() -> nn.Module:
 
 @distributed(world_size=2)
 def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: int) -> None:
-    # zero_stage 0 steps Muon on whole matrices (test_plugins_hybrid_muon.py); ZeRO over tp slices does not
-    tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=1)
-    _refused(tp, lambda: llama(layers=1), _muon, r"HybridParallelPlugin: Muon needs each matrix whole.*slice")
-    tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32")
-    _refused(tp, lambda: llama(layers=1), _foreign, r"HybridParallelPlugin: _Foreign is not known to be elementwise")
+    # every zero_stage steps Muon on whole matrices (test_plugins_hybrid_{,zero_tp_}muon.py), except with cpu_offload
+    # at tp > 1 (the tp gather would run on the CPU masters); an unknown optimizer is refused at every stage
+    offload = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=1, cpu_offload=True)
+    _refused(offload, lambda: llama(layers=1), _muon, r"HybridParallelPlugin: Muon needs each matrix whole.*cpu_offl")
+    for stage in (0, 1):
+        tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=stage)
+        _refused(tp, lambda: llama(layers=1), _foreign, r"HybridParallelPlugin: _Foreign is not known to be element")
     # MoeHybrid steps whole matrices at tp 1 (test_plugins_moe_hybrid_muon.py); tp 2 slices them
     moe = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=1, precision="fp32")
     _refused(moe, lambda: mixtral(layers=1), _muon, r"MoeHybridParallelPlugin: Muon is not known.*tp_size > 1")
@@ -89,8 +92,7 @@ def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: 
     gemini = GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 64})
     _refused(gemini, _linears, _foreign, r"GeminiOptimizer: _Foreign is not known to be elementwise")
     # cx-zero's MuonWithAdamW is whole-tensor too: refused by the same rules, by its own name
-    tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=1)
-    _refused(tp, lambda: llama(layers=1), _muon_adamw, r"HybridParallelPlugin: MuonWithAdamW needs each matrix whole")
+    _refused(offload, lambda: llama(layers=1), _muon_adamw, r"HybridParallelPlugin: MuonWithAdamW needs each matrix")
     moe = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=1, precision="fp32", zero_stage=1)
     _refused(moe, lambda: mixtral(layers=1), _muon_adamw, r"MoeHybridParallelPlugin: MuonWithAdamW is not known")
     _refused(TorchFSDPPlugin(), _linears, _muon_adamw, r"TorchFSDPPlugin: MuonWithAdamW needs each parameter whole")

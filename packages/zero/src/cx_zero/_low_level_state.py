@@ -54,6 +54,14 @@ class LowLevelStateMixin:
         """id(master shard) -> working parameter."""
         return {id(s.master): s.working for s in self._shards}
 
+    def owned_whole_masters(self) -> dict[int, torch.Tensor]:
+        """A whole-tensor optimizer's (`_whole_step`): id(working parameter) -> the whole master this rank steps, the
+        tensor in the optimizer's param groups, for the parameters it owns; empty for an elementwise optimizer. For a
+        caller that steps those masters further (HybridParallelPlugin gathers tp slices of them)."""
+        if self._whole is None:
+            return {}
+        return {id(s.working): self._whole.whole[id(s)] for s in self._shards if self._whole.owns(s)}
+
     def get_param_padding_map(self) -> dict[int, int]:
         """id(working parameter) -> zeros appended before splitting it over its group."""
         return {id(s.working): s.padding for s in self._shards}

@@ -16,7 +16,9 @@ tensor-parallel shard fully, a tp-replicated parameter with weight 1/tp, a param
 weight 1/k (so it equals `torch.nn.utils.clip_grad_norm_` on the unsplit model).
 
 zero_stage 1/2 (`HybridZeroOptimizer`): cx_zero's LowLevelZeroOptimizer over the data-parallel group does the same
-(loss scaling, reduction, clipping), its norm reduced over the dp, tp and pp groups.
+(loss scaling, reduction, clipping), its norm reduced over the dp, tp and pp groups; a whole-tensor optimizer (Muon)
+steps each parameter whole on a dp owner (cx_zero's `_whole_step`) and, with tp > 1, each split matrix whole on a tp
+owner among those (`_tp_zero_whole`).
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from cx_mesh import ProcessGroup, all_reduce
 from cx_mesh.fp8 import all_reduce_fp8
 from cx_plugins.hybrid._tp_whole import TensorParallelWholeStep
+from cx_plugins.hybrid._tp_zero_whole import ZeroTensorParallelWhole
 from cx_plugins.wrappers._base import OptimizerWrapper, finite_or_raise
 from cx_plugins.wrappers._zero import ZeroOptimizerWrapper
 from cx_shardformer import get_shard_spec
-from cx_zero import BaseGradScaler, LossScaleOptions, NormType, clip_coefficient, reduce_norm
+from cx_zero import BaseGradScaler, LossScaleOptions, LowLevelZeroOptimizer, NormType, clip_coefficient, reduce_norm
 
 __all__ = ["HybridParallelOptimizer", "HybridZeroOptimizer", "weighted_norm_term"]
 
@@ -394,7 +397,17 @@ def _buckets(grads: Sequence[torch.Tensor], limit: int) -> Iterator[list[torch.T
 
 
 class HybridZeroOptimizer(ZeroOptimizerWrapper):
-    """zero_stage 1/2: LowLevelZeroOptimizer over the data-parallel group, with the by-name state dict face."""
+    """zero_stage 1/2: LowLevelZeroOptimizer over the data-parallel group, with the by-name state dict face; with
+    `tp_whole`, a whole-tensor optimizer's tp slices stepped whole on tp owner ranks (`_tp_zero_whole`)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        zero: LowLevelZeroOptimizer,
+        tp_whole: ZeroTensorParallelWhole | None = None,
+    ) -> None:
+        super().__init__(optimizer, zero)
+        self.tp_whole = tp_whole
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Used by the pipeline schedules: every backward of a step but the last accumulates without reducing."""
@@ -405,9 +418,26 @@ class HybridZeroOptimizer(ZeroOptimizerWrapper):
     ) -> None:
         self.zero.backward(loss, retain_graph=retain_graph, inputs=inputs)
 
+    def update_master_params(self, model: torch.nn.Module) -> None:
+        super().update_master_params(model)
+        if self.tp_whole is not None:
+            self.tp_whole.refresh()
+
     def state_dict_by_name(self) -> dict[str, Any]:
-        """Optimizer state by name, full over dp (collective over dp), this rank's tp shards."""
+        """Optimizer state by name, full over dp (collective over dp, and tp with `tp_whole`), this rank's tp
+        shards."""
+        if self.tp_whole is not None:
+            return self.tp_whole.state_dict(self.zero.state_dict)
         return self.zero.state_dict()
 
     def load_state_dict_by_name(self, state_dict: Mapping[str, Any]) -> None:
-        self.zero.load_state_dict(state_dict)
+        if self.tp_whole is not None:
+            self.tp_whole.load_state_dict(lambda: self.zero.load_state_dict(state_dict))
+        else:
+            self.zero.load_state_dict(state_dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state_dict_by_name()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.load_state_dict_by_name(state_dict)

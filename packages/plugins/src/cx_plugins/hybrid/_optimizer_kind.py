@@ -6,8 +6,10 @@ whole (torch's Muon: Newton-Schulz orthogonalises the matrix) would orthogonalis
 silently wrong. Those are refused at boost, on every rank (the split is the same everywhere), before any step,
 naming the first split parameters; unknown optimizers too, since nothing says their update is elementwise.
 Parameters that are not split (tp 1, or only replicated parameters in the optimizer) are stepped whole: any
-optimizer is fine there. A whole-tensor optimizer (Muon) at zero_stage 0 is not refused: `_tp_whole` gathers each
-split matrix to an owner rank; ZeRO over tp slices does not, so zero_stage 1/2 with tp > 1 refuses it.
+optimizer is fine there. HybridParallelPlugin does not refuse a declared whole-tensor optimizer (Muon, MuonWithAdamW)
+at any zero_stage: at 0 `_tp_whole` gathers each split matrix to an owner rank of the tp group; at 1/2 ZeRO first
+gathers each slice whole onto its dp owner, and `_tp_zero_whole` gathers those over tp (not with cpu_offload, refused
+by the plugin). What stays refused here is an optimizer not known to be elementwise and not declared whole-tensor.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def refuse_whole_tensor_on_slices(optimizer: Optimizer, names: Mapping[int, str]
     raise TypeError(
         f"{plugin}: {type(optimizer).__name__} {kind}, but tensor parallelism gives each rank a slice of "
         f"{len(sliced)} of its parameters (e.g. {sliced[:3]}), so it would step each slice on its own and train "
-        f"silently wrong; a whole-tensor optimizer (torch's Muon, cx_zero.declare_whole_tensor) is stepped on whole "
-        f"matrices with zero_stage=0 or tp_size=1; otherwise use an elementwise optimizer ({accepted})"
+        f"silently wrong; a declared whole-tensor optimizer (torch's Muon, cx_zero.MuonWithAdamW, "
+        f"cx_zero.declare_whole_tensor) is stepped on whole matrices instead; otherwise use an elementwise optimizer "
+        f"({accepted})"
     )
 
 

@@ -46,6 +46,7 @@ from cx_plugins.hybrid._model import ComposedModel, HybridParallelModule, broadc
 from cx_plugins.hybrid._optimizer import HybridParallelOptimizer, HybridZeroOptimizer
 from cx_plugins.hybrid._optimizer_kind import refuse_whole_tensor_on_slices
 from cx_plugins.hybrid._options import HybridParallelOptions, SequenceParallelism
+from cx_plugins.hybrid._tp_zero_whole import ZeroTensorParallelWhole
 from cx_plugins.lazy._context import LazyModel, is_lazy
 from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
 from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig
@@ -280,8 +281,9 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
         composed: ComposedModel,
         boosted: HybridParallelModule,
     ) -> HybridOptimizer:
-        """zero_stage 0: gradients reduced at the step over the gradient group; 1/2: cx-zero's LowLevelZeroOptimizer.
-        Remembered for the checkpoint IO."""
+        """zero_stage 0: gradients reduced at the step over the gradient group; 1/2: cx-zero's LowLevelZeroOptimizer
+        (with a whole-tensor optimizer at tp > 1, the tp step of `_tp_zero_whole` inside its step). Remembered for
+        the checkpoint IO."""
         o = self.options
         self._check_optimizer_kind(optimizer, composed)
         grad_group = self._gradient_group()
@@ -319,8 +321,16 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
     # ---- hooks a subclass (MoeHybridParallelPlugin) overrides -------------------------------------------------
     def _check_optimizer_kind(self, optimizer: Optimizer, composed: ComposedModel) -> None:
         """Refuse an optimizer that is not elementwise over tensor-parallel slices (`_optimizer_kind`), except a
-        whole-tensor one (Muon) at zero_stage 0, which steps whole matrices on tp owner ranks (`_tp_whole`)."""
-        if self.options.zero.stage == 0 and needs_whole_tensors(optimizer):
+        whole-tensor one (Muon), which steps whole matrices on tp owner ranks: at zero_stage 0 (`_tp_whole`), and at
+        zero_stage 1/2 after ZeRO gathered each slice whole onto its dp owner (`_tp_zero_whole`; not with
+        cpu_offload, whose CPU masters the tp collectives would need on the communication device)."""
+        if needs_whole_tensors(optimizer):
+            if self.options.zero.cpu_offload and self.tp_size > 1:
+                raise TypeError(
+                    f"{type(self).__name__}: {type(optimizer).__name__} needs each matrix whole, which tp_size > 1 "
+                    f"with zero_stage {self.options.zero.stage} gathers over tp from the fp32 masters, but cpu_offload "
+                    f"keeps them on the CPU (not supported); use cpu_offload=False or an elementwise optimizer"
+                )
             return
         refuse_whole_tensor_on_slices(optimizer, composed.names, type(self).__name__)
 
@@ -372,7 +382,12 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
             pp_group=self.layout.group_or_none(Axis.PP),
             norm_weights=self._zero_norm_weights(model, held),
         )
-        return HybridZeroOptimizer(optimizer, zero)
+        tp_group = self._whole_tensor_group(optimizer)
+        tp_whole = None
+        if tp_group is not None:  # a whole-tensor optimizer over tp slices: the tp step after ZeRO's gather
+            names = {id(p): name for name, p in model.unwrap().named_parameters()}
+            tp_whole = ZeroTensorParallelWhole(optimizer, zero, names, tp_group, type(self).__name__)
+        return HybridZeroOptimizer(optimizer, zero, tp_whole)
 
     def execute_pipeline(
         self,
