@@ -3,7 +3,8 @@ name, at boost, on every rank: torch's Muon (Newton-Schulz needs each matrix who
 class. Otherwise HybridParallelPlugin with tp 2 and ZeRO would train silently wrong (each rank orthogonalising its own
 slice), and so would MoeHybridParallelPlugin at tp 2. HybridParallelPlugin at zero_stage 0, MoeHybridParallelPlugin at
 tp 1, GeminiPlugin at tp 1 and TorchFSDPPlugin step whole matrices instead (GeminiPlugin at tp 2 refuses Muon;
-TorchFSDPPlugin steps torch's Muon itself, so it refuses a subclass, whose step it cannot split)."""
+TorchFSDPPlugin steps torch's Muon and cx-zero's MuonWithAdamW itself, so it refuses a subclass of either, whose step
+it cannot split)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ class _MuonSubclass(torch.optim.Muon):
     """A subclass of torch's Muon: its step may differ from the one TorchFSDPPlugin splits over the shards."""
 
 
+class _MuonWithAdamWSubclass(MuonWithAdamW):
+    """A subclass of cx-zero's MuonWithAdamW: likewise."""
+
+
 class _Foreign(torch.optim.Optimizer):
     """An optimizer class cx knows nothing about (it might be matrix-wise)."""
 
@@ -52,6 +57,10 @@ def _muon_adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 def _muon_subclass(model: nn.Module) -> torch.optim.Optimizer:
     return _MuonSubclass([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+
+
+def _muon_adamw_subclass(model: nn.Module) -> torch.optim.Optimizer:
+    return _MuonWithAdamWSubclass(muon_param_groups(model), lr=0.02)
 
 
 def _foreign(model: nn.Module) -> torch.optim.Optimizer:
@@ -93,7 +102,9 @@ def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: 
     _refused(tp, lambda: llama(layers=1), _muon_adamw, r"HybridParallelPlugin: MuonWithAdamW needs each matrix whole")
     moe = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=1, precision="fp32", zero_stage=1)
     _refused(moe, lambda: mixtral(layers=1), _muon_adamw, r"MoeHybridParallelPlugin: MuonWithAdamW is not known")
-    _refused(TorchFSDPPlugin(), _linears, _muon_adamw, r"TorchFSDPPlugin: MuonWithAdamW needs each parameter whole")
+    # TorchFSDPPlugin steps MuonWithAdamW itself (test_plugins_fsdp_muon_adamw.py), not a subclass
+    match = r"TorchFSDPPlugin: _MuonWithAdamWSubclass needs each parameter whole"
+    _refused(TorchFSDPPlugin(), _linears, _muon_adamw_subclass, match)
 
 
 @distributed(world_size=2)
