@@ -4,10 +4,12 @@ class. Otherwise MoeHybridParallelPlugin at tp 2 would train silently wrong (eac
 HybridParallelPlugin at every zero_stage (tp slices gathered whole to owner ranks; at zero_stage 1/2 after ZeRO's
 own gather, test_plugins_hybrid_zero_tp_muon.py; refused only with cpu_offload at tp > 1), MoeHybridParallelPlugin at
 tp 1, GeminiPlugin at tp 1 and TorchFSDPPlugin step whole matrices instead (GeminiPlugin at tp 2 refuses Muon;
-TorchFSDPPlugin steps torch's Muon itself, so it refuses a subclass, whose step it cannot split)."""
+TorchFSDPPlugin steps torch's Muon and cx-zero's MuonWithAdamW itself, so it refuses a subclass of either, whose step
+it cannot split)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -36,6 +38,10 @@ class _MuonSubclass(torch.optim.Muon):
     """A subclass of torch's Muon: its step may differ from the one TorchFSDPPlugin splits over the shards."""
 
 
+class _MuonWithAdamWSubclass(MuonWithAdamW):
+    """A subclass of cx-zero's MuonWithAdamW: likewise."""
+
+
 class _Foreign(torch.optim.Optimizer):
     """An optimizer class cx knows nothing about (it might be matrix-wise)."""
 
@@ -53,6 +59,10 @@ def _muon_adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 def _muon_subclass(model: nn.Module) -> torch.optim.Optimizer:
     return _MuonSubclass([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+
+
+def _muon_adamw_subclass(model: nn.Module) -> torch.optim.Optimizer:
+    return _MuonWithAdamWSubclass(muon_param_groups(model), lr=0.02)
 
 
 def _foreign(model: nn.Module) -> torch.optim.Optimizer:
@@ -95,7 +105,16 @@ def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: 
     _refused(offload, lambda: llama(layers=1), _muon_adamw, r"HybridParallelPlugin: MuonWithAdamW needs each matrix")
     moe = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=1, precision="fp32", zero_stage=1)
     _refused(moe, lambda: mixtral(layers=1), _muon_adamw, r"MoeHybridParallelPlugin: MuonWithAdamW is not known")
-    _refused(TorchFSDPPlugin(), _linears, _muon_adamw, r"TorchFSDPPlugin: MuonWithAdamW needs each parameter whole")
+    # TorchFSDPPlugin steps MuonWithAdamW itself (test_plugins_fsdp_muon_adamw.py), not a subclass
+    match = r"TorchFSDPPlugin: _MuonWithAdamWSubclass needs each parameter whole"
+    _refused(TorchFSDPPlugin(), _linears, _muon_adamw_subclass, match)
+    # nor one whose module no longer steps through the functions TorchFSDPPlugin swaps (fsdp/_muon_adamw.py)
+    stepping = sys.modules[MuonWithAdamW.__module__]
+    matrices = stepping.__dict__.pop("_muon_update")
+    try:
+        _refused(TorchFSDPPlugin(), _linears, _muon_adamw, r"TorchFSDPPlugin: this cx-zero's MuonWithAdamW no longer")
+    finally:
+        stepping.__dict__["_muon_update"] = matrices
 
 
 @distributed(world_size=2)

@@ -6,8 +6,10 @@ full state dicts offloaded to the CPU of rank 0: one full copy, on the writing r
 Loading the model reads, on every rank, only the region of each tensor its FSDP shard holds (`DTensorModuleSink`).
 Loading the optimizer reads the full state on every rank and lets `set_optimizer_state_dict` keep each rank's shard
 (every rank reading the same files also means every rank raises the same error for a bad checkpoint, never a hang).
-torch's state-dict functions may step the optimizer once at lr 0 to create its state; torch's Muon does so through
-its `ShardedMuon` (fsdp/_muon.py), as in training.
+torch's state-dict functions may step the optimizer once at lr 0 to create its state; torch's Muon and cx-zero's
+MuonWithAdamW do so through their `ShardedMuon` (fsdp/_muon.py, fsdp/_muon_adamw.py), as in training. Their states
+(Muon's momentum, AdamW's moments) are sharded like their parameters, AdamW's `step` a plain scalar, so they save and
+load as any FSDP optimizer's.
 """
 
 from __future__ import annotations

@@ -33,15 +33,20 @@ from torch.optim.optimizer import _to_scalar
 from cx_mesh import ProcessGroup
 from cx_zero import Spans, assign_owners, gather_to_owner, scatter_from_owner
 
-__all__ = ["ShardedMuon", "sharded_muon_supported"]
+__all__ = ["ShardedMuon", "sharded_muon_supported", "torch_muon_parts"]
 
 _TORCH_PARTS = ("muon", "_zeropower_via_newtonschulz", "_adjust_lr")
+
+
+def torch_muon_parts() -> bool:
+    """Whether torch still has the parts of its Muon that `ShardedMuon` calls or replaces."""
+    return all(hasattr(torch_muon, name) for name in _TORCH_PARTS)
 
 
 def sharded_muon_supported(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` is torch's Muon itself (a subclass may step otherwise) and torch still has the parts
     `ShardedMuon` calls."""
-    return type(optimizer) is torch.optim.Muon and all(hasattr(torch_muon, name) for name in _TORCH_PARTS)
+    return type(optimizer) is torch.optim.Muon and torch_muon_parts()
 
 
 def _row_spans(shape: torch.Size, size: int) -> Spans:
@@ -58,15 +63,20 @@ class ShardedMuon:
         self.optimizer = optimizer
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        sharded = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, DTensor)]
+        sharded = [p for p in self._muon_params() if isinstance(p, DTensor)]
         for param in sharded:
             if param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
                 raise ValueError(
                     f"TorchFSDPPlugin with Muon: expected parameters sharded on dim 0 over a 1-D mesh, got placements "
                     f"{param.placements} on a {param.device_mesh.ndim}-D mesh"
                 )
-        owners = assign_owners([p.shape for p in sharded], self.size)
-        self.owner = {id(p): owner for p, owner in zip(sharded, owners, strict=True)}
+        matrices = [p for p in sharded if p.ndim == 2]  # a 3-D stack's rows are whole matrices: no owner needed
+        owners = assign_owners([p.shape for p in matrices], self.size)
+        self.owner = {id(p): owner for p, owner in zip(matrices, owners, strict=True)}
+
+    def _muon_params(self) -> list[torch.Tensor]:
+        """The parameters Muon steps: all of torch's Muon's (a subclass narrows them)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     @contextlib.contextmanager
     def patched(self) -> Iterator[None]:

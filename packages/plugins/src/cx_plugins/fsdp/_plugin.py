@@ -36,13 +36,14 @@ from cx_plugins._plugin import Boosted, DPPluginBase
 from cx_plugins.fp8._communication import warn_if_nothing_to_compress
 from cx_plugins.fsdp._checkpoint_io import FSDPCheckpointIO
 from cx_plugins.fsdp._muon import ShardedMuon, sharded_muon_supported
+from cx_plugins.fsdp._muon_adamw import ShardedMuonWithAdamW, muon_adamw_supported
 from cx_plugins.fsdp._options import FSDPOptions
 from cx_plugins.fsdp._wrap import cast_buffers, repoint_optimizer, shard_module, sync_module_states
 from cx_plugins.lazy._context import LazyModel, is_lazy
 from cx_plugins.lazy._fsdp import materialise_into_fsdp_shards
 from cx_plugins.wrappers._base import ModelWrapper, OptimizerWrapper
 from cx_plugins.wrappers._named_phases import NamedPhases
-from cx_zero import needs_whole_tensors, require_elementwise
+from cx_zero import MuonWithAdamW, needs_whole_tensors, require_elementwise
 
 __all__ = ["FSDPOptimizerWrapper", "TorchFSDPModel", "TorchFSDPPlugin"]
 
@@ -65,7 +66,8 @@ class TorchFSDPModel(ModelWrapper):
 
 class FSDPOptimizerWrapper(OptimizerWrapper):
     """The user's optimizer over the sharded parameters; clipping returns the global norm as a plain tensor. torch's
-    Muon steps through `ShardedMuon` (Newton-Schulz on whole matrices at owner ranks, the rest on the shards)."""
+    Muon and cx-zero's MuonWithAdamW step through `ShardedMuon` (Newton-Schulz on whole matrices at owner ranks, the
+    rest, AdamW's groups included, on the shards)."""
 
     def __init__(self, optimizer: Optimizer, phases: NamedPhases, muon: ShardedMuon | None = None) -> None:
         super().__init__(optimizer, phases)
@@ -155,7 +157,7 @@ class TorchFSDPPlugin(DPPluginBase):
         dataloader: DataLoader[Any] | None = None,
         lr_scheduler: LRScheduler | None = None,
     ) -> Boosted:
-        if optimizer is not None:  # FSDP2 hands the optimizer row shards: elementwise, or torch's Muon (_muon.py)
+        if optimizer is not None:  # FSDP2 hands the optimizer row shards: elementwise, or Muon (_muon*.py)
             _require_supported(optimizer, type(self).__name__)
         if not isinstance(model, ModelWrapper):
             names = {parameter: name for name, parameter in model.named_parameters()}
@@ -178,7 +180,7 @@ class TorchFSDPPlugin(DPPluginBase):
         wrapped = None
         if optimizer is not None:
             self._owner[optimizer] = model.unwrap()
-            muon = ShardedMuon(optimizer, self.options.process_group) if needs_whole_tensors(optimizer) else None
+            muon = _sharded_muon(optimizer, self.options.process_group)
             if muon is not None:
                 self._muon[optimizer] = muon
             wrapped = FSDPOptimizerWrapper(optimizer, _phases(self.options.process_group), muon)
@@ -195,16 +197,29 @@ class TorchFSDPPlugin(DPPluginBase):
 
 
 def _require_supported(optimizer: Optimizer, who: str) -> None:
-    """An elementwise optimizer steps on the shards as is; torch's Muon through `ShardedMuon`; any other optimizer
-    that needs whole tensors is refused (the plugin knows how to split only Muon's step)."""
-    if needs_whole_tensors(optimizer) and not sharded_muon_supported(optimizer):
+    """An elementwise optimizer steps on the shards as is; torch's Muon and cx-zero's MuonWithAdamW through
+    `ShardedMuon`; any other optimizer that needs whole tensors is refused (the plugin knows how to split only those
+    two steps)."""
+    if type(optimizer) is MuonWithAdamW and not muon_adamw_supported(optimizer):
+        raise TypeError(
+            f"{who}: this cx-zero's MuonWithAdamW no longer steps its Muon groups through the functions {who} replaces "
+            f"with sharded ones (fsdp/_muon_adamw.py), so {who} cannot split its step"
+        )
+    if needs_whole_tensors(optimizer) and not (sharded_muon_supported(optimizer) or muon_adamw_supported(optimizer)):
         raise TypeError(
             f"{who}: {type(optimizer).__name__} needs each parameter whole, and {who} steps on parameter shards; "
-            f"it steps torch.optim.Muon itself (Newton-Schulz on whole matrices), not subclasses or other "
-            f"whole-tensor optimizers (docs/plugins.md, 'Matrix-wise optimizers')"
+            f"it steps torch.optim.Muon and cx_zero.MuonWithAdamW themselves (Newton-Schulz on whole matrices), not "
+            f"subclasses or other whole-tensor optimizers (docs/plugins.md, 'Matrix-wise optimizers')"
         )
     if not needs_whole_tensors(optimizer):
         require_elementwise(optimizer, who)
+
+
+def _sharded_muon(optimizer: Optimizer, group: dist.ProcessGroup | None) -> ShardedMuon | None:
+    """The sharded step of a whole-tensor optimizer `_require_supported` let through (None: elementwise)."""
+    if not needs_whole_tensors(optimizer):
+        return None
+    return (ShardedMuonWithAdamW if type(optimizer) is MuonWithAdamW else ShardedMuon)(optimizer, group)
 
 
 @contextlib.contextmanager
