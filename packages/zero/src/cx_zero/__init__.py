@@ -37,7 +37,7 @@ from cx_zero._fused_adam import FusedAdam
 from cx_zero._grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler
 from cx_zero._loss_scale import LossScaleOptions
 from cx_zero._low_level_optimizer import LowLevelZeroOptimizer
-from cx_zero._muon_adamw import MUON_DEFAULTS, MuonWithAdamW, muon_param_groups
+from cx_zero._muon_adamw import MUON_DEFAULTS, MuonUpdate, MuonWithAdamW, muon_param_groups
 from cx_zero._norm import NormType, clip_coefficient, clip_grad_norm_, compute_grad_norm, local_norm_term, reduce_norm
 from cx_zero._options import LowLevelZeroOptions, ZeroStage, parse_states_dtype
 from cx_zero._overflow import any_across_groups, has_inf_or_nan
@@ -96,6 +96,7 @@ __all__ = [
     "GroupKinds",
     "elementwise_groups",
     "MUON_DEFAULTS",
+    "MuonUpdate",
     "MuonWithAdamW",
     "muon_param_groups",
     "is_elementwise",

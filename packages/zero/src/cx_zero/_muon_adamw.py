@@ -19,7 +19,7 @@ only the Muon groups whole on one owner rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,11 @@ from torch.optim.adamw import adamw as _adamw_update
 
 from cx_zero._muon_stacks import muon_stacks
 
-__all__ = ["MUON_DEFAULTS", "MuonWithAdamW", "muon_param_groups"]
+__all__ = ["MUON_DEFAULTS", "MuonUpdate", "MuonWithAdamW", "muon_param_groups"]
+
+# a Muon group's update: (params, grads, momentum buffers, *, lr, weight_decay, momentum, nesterov, ns_coefficients,
+# ns_steps, eps, adjust_lr_fn[, has_complex]): torch's Muon function for 2-D matrices, `muon_stacks` for 3-D stacks
+MuonUpdate = Callable[..., None]
 
 # torch.optim.Muon's defaults (its Newton-Schulz coefficients are Keller Jordan's)
 MUON_DEFAULTS: dict[str, Any] = {
@@ -101,6 +105,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
             },
         }
         super().__init__(groups, {})
+        # what the Muon groups step with; a plugin that holds the matrices sharded (TorchFSDPPlugin) puts its own
+        # here for the duration of a step (Newton-Schulz on whole matrices at owner ranks): plain attributes, so the
+        # state dict and the math stay the optimizer's own
+        self.matrix_update: MuonUpdate = _muon_update
+        self.stack_update: MuonUpdate = muon_stacks
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """A group must say `use_muon`; its kind's defaults fill the rest; a Muon group takes 2-D matrices and 3-D
@@ -178,9 +187,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
             "adjust_lr_fn": group["adjust_lr_fn"],
         }
         if params:
-            _muon_update(params, grads, buffers, has_complex=False, **options)
+            self.matrix_update(params, grads, buffers, has_complex=False, **options)
         if stacks[0]:
-            muon_stacks(*stacks, **options)
+            self.stack_update(*stacks, **options)
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -200,11 +200,6 @@ def _require_supported(optimizer: Optimizer, who: str) -> None:
     """An elementwise optimizer steps on the shards as is; torch's Muon and cx-zero's MuonWithAdamW through
     `ShardedMuon`; any other optimizer that needs whole tensors is refused (the plugin knows how to split only those
     two steps)."""
-    if type(optimizer) is MuonWithAdamW and not muon_adamw_supported(optimizer):
-        raise TypeError(
-            f"{who}: this cx-zero's MuonWithAdamW no longer steps its Muon groups through the functions {who} replaces "
-            f"with sharded ones (fsdp/_muon_adamw.py), so {who} cannot split its step"
-        )
     if needs_whole_tensors(optimizer) and not (sharded_muon_supported(optimizer) or muon_adamw_supported(optimizer)):
         raise TypeError(
             f"{who}: {type(optimizer).__name__} needs each parameter whole, and {who} steps on parameter shards; "
