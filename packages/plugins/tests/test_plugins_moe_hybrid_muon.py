@@ -1,5 +1,5 @@
-"""MoeHybridParallelPlugin (ep 2, tp 1; also moe_dp 2, pp 2 and sp 2; tp 2 at zero_stage 0 with ep 1 and ep 2) with
-matrix-wise optimizers, against the same optimizer on one process.
+"""MoeHybridParallelPlugin (ep 2, tp 1; also moe_dp 2, pp 2 and sp 2; tp 2 at zero_stage 0 with ep 1 and ep 2, and
+with pp 2 or sp 2) with matrix-wise optimizers, against the same optimizer on one process.
 
 Expert parallelism splits each fused expert stack ((experts, out, in)) along the expert dimension, so every ep rank
 holds whole experts, and dense matrices are replicated over dp (tp 1): at zero_stage 0 each rank steps whole
@@ -200,6 +200,16 @@ def test_plugins_moe_hybrid_muon_tensor_and_expert_parallel(
 ) -> None:
     """tp 2 x ep 2, zero_stage 0: each ep rank's two experts per stack, replicated or split over its tp group."""
     _train_compare_resume("muon_adamw", 0, tmp_path, tp=2, expert_tp=expert_tp)
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize(("pp", "sp", "expert_tp"), [(2, 1, True), (1, 2, False)])
+def test_plugins_moe_hybrid_muon_tensor_parallel_with_pp_or_sp(
+    rank: int, world_size: int, pp: int, sp: int, expert_tp: bool, tmp_path: Path
+) -> None:
+    """tp 2 x pp 2 (experts split over tp; each stage gathers its own slices) and tp 2 x sp 2 (all_to_all), zero_stage
+    0, ep 1."""
+    _train_compare_resume("muon_adamw", 0, tmp_path, pp=pp, sp=sp, tp=2, ep=1, expert_tp=expert_tp)
 
 
 @distributed(world_size=4)
