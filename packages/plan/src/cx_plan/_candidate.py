@@ -305,10 +305,9 @@ def muon_refusal(plugin: str, tp: int, stage: int) -> str | None:
     Muon needs each matrix whole, so the plugins that hand the optimizer slices refuse it."""
     if plugin == "torch_fsdp":
         return "TorchFSDPPlugin steps torch's Muon on row shards but not cx-zero's MuonWithAdamW (cx-train refuses it)"
-    if plugin == "hybrid" and tp > 1 and stage >= 1:
-        return "HybridParallelPlugin with tp > 1 steps whole matrices at zero_stage 0 only (ZeRO would step tp slices)"
-    if plugin == "moe_hybrid" and tp > 1:
-        return "MoeHybridParallelPlugin steps whole matrices at tp 1 only (tp > 1 hands it slices)"
+    if plugin in ("hybrid", "moe_hybrid") and tp > 1 and stage >= 1:
+        name = "HybridParallelPlugin" if plugin == "hybrid" else "MoeHybridParallelPlugin"
+        return f"{name} with tp > 1 steps whole matrices at zero_stage 0 only (ZeRO would step tp slices)"
     if plugin == "gemini" and tp > 1:
         return "GeminiPlugin steps whole matrices at tp 1 only"
     return None

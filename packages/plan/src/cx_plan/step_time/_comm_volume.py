@@ -23,7 +23,8 @@ n-1 hops; an all-to-all sends (n-1)/n of the local tensor in n-1 hops. Per step 
 - optimizer muon where whole parameters have owners (`_muon_split.whole_group`: ZeRO 1/2, Gemini, hybrid tp at
   ZeRO 0): every rank sends its slices of the stage's gradients to their owners (one gather per owner, fp32, the
   master dtype; Gemini sends the master beside them) and gets its slices of the updates back (one scatter per
-  owner): each an all-gather-sized volume of the stage's parameters in fp32, after the backward (not overlapped).
+  owner): each an all-gather-sized volume of the stage's parameters in fp32, after the backward (not overlapped);
+  MoeHybridParallelPlugin at tp > 1 gathers no routed experts (replicated over tp, each rank steps its own).
 
 Activation checkpointing repeats a recomputed layer's forward collectives (tp, sp, experts) once more.
 """
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 from cx_plan._candidate import Candidate
 from cx_plan.trace._model_spec import ModelShape
-from cx_plan.trace._muon_split import whole_group
+from cx_plan.trace._muon_split import experts_stepped_locally, whole_group
 from cx_plan.trace._oracle import hot_rank_load
 
 __all__ = ["BUCKET_BYTES", "Collective", "step_collectives", "weight_bytes"]
@@ -186,7 +187,8 @@ def _whole_matrices(candidate: Candidate, shape: ModelShape) -> list[Collective]
     if not c.muon or size <= 1:
         return []
     counts = shape.parameters
-    elements = (counts.dense + counts.experts / c.ep) / c.pp  # the stage's parameters, whole
+    experts = 0.0 if experts_stepped_locally(c) else counts.experts / c.ep  # replicated over tp: not gathered
+    elements = (counts.dense + experts) / c.pp  # the stage's parameters, whole
     axes: tuple[str, ...] = ("tp",) if c.stage == 0 and c.plugin != "gemini" else ("dp", "sp")
     if c.plugin == "moe_hybrid" and axes != ("tp",):
         axes = ("moe_dp", "ep", "sp")
