@@ -18,8 +18,9 @@ from cx_plan._cli import main
 from cx_plan._enumerate import SearchSpace, enumerate_candidates
 from cx_plan._report import train_command
 from cx_plan.memory._memory import predict_memory
+from cx_plan.step_time._comm_volume import step_collectives
 from cx_plan.trace._model_spec import build_model
-from cx_plan.trace._muon_split import muon_split, ns_flops
+from cx_plan.trace._muon_split import muon_split, ns_flops, stepped_load
 from cx_zero import assign_owners, muon_param_groups
 
 HIDDEN, LAYERS, SEQ = 64, 2, 32
@@ -118,6 +119,13 @@ def test_muon_under_moe_hybrid_tp_keeps_every_expert_state_where_the_experts_are
                                                 optimizer=Optimizer.MUON), SEQ)  # fmt: skip
     assert predicted.optimizer_states == sum(states(p) for p in busiest) + sum(states(p) for p in experts) // ep
     assert predicted.master_weights - adamw.master_weights == 4 * sum(p.numel() for p in busiest)
+    # the step: only the rest is gathered over tp (fp32, half of it from the other rank); the rank steps all experts
+    c = Candidate("moe_hybrid", dp=ep, tp=2, ep=ep, precision="fp32", optimizer=Optimizer.MUON)
+    sent = {col.name: col.bytes for col in step_collectives(c, shape, SEQ)}
+    assert sent["muon gradient gather"] == sent["muon weight scatter"] == 0.5 * 4 * shape.parameters.dense
+    load = stepped_load(c, shape)
+    assert load.state_bytes == sum(states(p) for p in busiest) + sum(states(p) for p in experts) // ep
+    assert predict_step_time(c, shape, SEQ, lookup_device("h100")).step_s > 0
 
 
 def test_newton_schulz_flops_and_the_gather_scatter_are_in_the_step() -> None:
