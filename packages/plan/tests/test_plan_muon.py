@@ -20,8 +20,8 @@ from cx_plan._report import train_command
 from cx_plan.memory._memory import predict_memory
 from cx_plan.step_time._comm_volume import step_collectives
 from cx_plan.trace._model_spec import build_model
-from cx_plan.trace._muon_split import muon_split, ns_flops
-from cx_zero import assign_owners
+from cx_plan.trace._muon_split import muon_split, ns_flops, stepped_load
+from cx_zero import assign_owners, muon_param_groups
 
 HIDDEN, LAYERS, SEQ = 64, 2, 32
 _GPT = ["--model", "gpt", "--hidden-size", "32", "--num-layers", "2", "--seq-len", "32", "--device", "cpu"]
@@ -111,6 +111,40 @@ def test_muon_under_gemini_still_holds_whole_adamw_states_on_owners() -> None:
     assert predict_memory(shape, gemini, SEQ).optimizer_states == max(per_rank)[1]
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_muon_under_moe_hybrid_tp_keeps_every_expert_state_where_the_experts_are(ep: int) -> None:
+    """moe_hybrid tp 2 at ZeRO 0: the routed experts are replicated over tp, so each rank keeps the states of all its
+    ep share of them (no owner, no whole master); the other parameters have owners over tp (`_tp_whole`)."""
+    shape = load_model_shape("mixtral", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+    with torch.device("meta"):
+        model = build_model(shape)
+    muon = {id(p): bool(g["use_muon"]) for g in muon_param_groups(model) for p in g["params"]}
+    named = [(n, p) for n, p in model.named_parameters() if id(p) in muon]
+    experts = [p for n, p in named if ".experts." in n]
+    rest = [p for n, p in named if ".experts." not in n]
+    assert experts
+    assert rest
+
+    def states(p: torch.Tensor) -> int:
+        return p.numel() * (4 if muon[id(p)] else 8)
+
+    owners = assign_owners([tuple(p.shape) for p in rest], 2)
+    per_rank = [[p for p, o in zip(rest, owners, strict=True) if o == rank] for rank in range(2)]
+    busiest = max(per_rank, key=lambda ps: sum(states(p) for p in ps))
+    adamw = predict_memory(shape, Candidate("moe_hybrid", dp=ep, tp=2, ep=ep, precision="fp32"), SEQ)
+    predicted = predict_memory(shape, Candidate("moe_hybrid", dp=ep, tp=2, ep=ep, precision="fp32",
+                                                optimizer=Optimizer.MUON), SEQ)  # fmt: skip
+    assert predicted.optimizer_states == sum(states(p) for p in busiest) + sum(states(p) for p in experts) // ep
+    assert predicted.master_weights - adamw.master_weights == 4 * sum(p.numel() for p in busiest)
+    # the step: only the rest is gathered over tp (fp32, half of it from the other rank); the rank steps all experts
+    c = Candidate("moe_hybrid", dp=ep, tp=2, ep=ep, precision="fp32", optimizer=Optimizer.MUON)
+    sent = {col.name: col.bytes for col in step_collectives(c, shape, SEQ)}
+    assert sent["muon gradient gather"] == sent["muon weight scatter"] == 0.5 * 4 * shape.parameters.dense
+    load = stepped_load(c, shape)
+    assert load.state_bytes == sum(states(p) for p in busiest) + sum(states(p) for p in experts) // ep
+    assert predict_step_time(c, shape, SEQ, lookup_device("h100")).step_s > 0
+
+
 def test_newton_schulz_flops_and_the_gather_scatter_are_in_the_step() -> None:
     # 5 iterations of X X^T (2 m^2 n), A @ A (2 m^3), B @ X (2 m^2 n) on the 3 x 5 matrix (m = 3), transposed alike
     assert ns_flops((3, 5)) == ns_flops((5, 3)) == 5 * (4 * 9 * 5 + 2 * 27)
@@ -144,7 +178,8 @@ def test_refused_layouts_are_not_candidates_and_are_said_once(capsys: pytest.Cap
     assert all(c.optimizer is Optimizer.MUON for c in found)
     assert not [c for c in found if c.plugin == "torch_fsdp"]
     assert not [c for c in found if c.plugin == "hybrid" and c.tp > 1 and c.stage >= 1]
-    assert not [c for c in found if c.plugin == "moe_hybrid" and c.tp > 1]
+    assert not [c for c in found if c.plugin == "moe_hybrid" and c.tp > 1 and c.stage >= 1]
+    assert [c for c in found if c.plugin == "moe_hybrid" and c.tp > 1]  # tp at ZeRO 0 too (experts replicated)
     assert [c for c in found if c.plugin == "hybrid" and c.tp > 1]  # tp at ZeRO 0 steps whole matrices
     with pytest.raises(ValueError, match="optimizer muon: TorchFSDPPlugin"):
         Candidate("torch_fsdp", dp=2, optimizer=Optimizer.MUON)

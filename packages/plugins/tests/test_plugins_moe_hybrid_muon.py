@@ -1,5 +1,5 @@
-"""MoeHybridParallelPlugin (ep 2, tp 1; also moe_dp 2, pp 2 and sp 2) with matrix-wise optimizers, against the same
-optimizer on one process.
+"""MoeHybridParallelPlugin (ep 2, tp 1; also moe_dp 2, pp 2 and sp 2; tp 2 at zero_stage 0 with ep 1 and ep 2, and
+with pp 2 or sp 2) with matrix-wise optimizers, against the same optimizer on one process.
 
 Expert parallelism splits each fused expert stack ((experts, out, in)) along the expert dimension, so every ep rank
 holds whole experts, and dense matrices are replicated over dp (tp 1): at zero_stage 0 each rank steps whole
@@ -12,7 +12,13 @@ in packages/zero/tests/test_zero_low_level_muon.py; the ep dispatch and the dp a
 rounding only) and test_plugins_hybrid_muon_adamw.py (AdamW: 0.2 of lr per step taken). Measured worst at world 2:
 0.36x the bound (o_proj), the expert stacks 0.27x; torch's Muon (experts frozen) matches bit for bit. A checkpoint
 (the momentum of each expert stack gathered over ep) resumes bit-exactly.
-tp > 1 is refused by name (test_plugins_muon_refusals.py).
+tp 2 at zero_stage 0: every tp-split tensor is gathered whole to an owner rank of the tp group and stepped there
+(the base plugin's `_tp_whole`); the experts are replicated over tp by default (each tp rank steps its whole stacks
+identically), or split along each expert's intermediate dimension with `expert_tensor_parallel=True`, whose slices
+`_tp_whole` gathers into whole stacks, so each expert is still orthogonalised whole. Without `_tp_whole` (Newton-
+Schulz per slice) q_proj is off by 5.4x the bound; with it the replicated-expert runs match bit for bit and the
+expert-tp ones reach 0.36x (tp 2 x ep 2, o_proj), the tp-split stacks 0.27x. Their checkpoints (each rank's slice of
+the owners' momentum) resume bit-exactly. ZeRO-1/2 with tp > 1 is refused by name (test_plugins_muon_refusals.py).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from cx_mesh.testing import distributed
 from cx_moe import get_moe_info
 from cx_plugins import Booster, HybridParallelModule, MoeHybridParallelPlugin, OptimizerWrapper
 from cx_plugins._layout import Axis
+from cx_shardformer import get_shard_spec, unshard_tensor
+from cx_shardformer.policies import MixtralForCausalLMPolicy
 from moe_hybrid_test_helpers import ROWS, mixtral, rows
 from muon_test_helpers import (
     ADAMW_BOUND,
@@ -67,8 +75,11 @@ def _reference_step(reference: nn.Module, optimizer: torch.optim.Optimizer, step
 
 
 def _whole(plugin: MoeHybridParallelPlugin, param: torch.Tensor) -> torch.Tensor:
-    """An expert slice gathered over ep along the expert dimension; a dense parameter as it is."""
+    """A tp slice gathered over tp along its spec, then an expert slice over ep along the expert dimension."""
     full = param.detach()
+    spec = get_shard_spec(param)
+    if spec is not None:
+        full = unshard_tensor(full, spec, plugin.tp_group)
     if get_moe_info(param) is None:
         return full
     parts = [torch.empty_like(full) for _ in range(plugin.ep_size)]
@@ -94,23 +105,34 @@ def _train_step(
     optimizer.zero_grad()
 
 
-def _train_compare_resume(kind: str, zero_stage: int, tmp_path: Path, pp: int = 1, sp: int = 1) -> None:
+def _train_compare_resume(
+    kind: str,
+    zero_stage: int,
+    tmp_path: Path,
+    pp: int = 1,
+    sp: int = 1,
+    tp: int = 1,
+    ep: int = 2,
+    expert_tp: bool = False,
+) -> None:
     """Train STEPS steps beside one process, compare every parameter this rank holds, then save, load into a fresh
-    pair and check that one more step agrees bit for bit."""
+    pair and check that one more step agrees bit for bit. `expert_tp`: the experts split over tp as well."""
     model = _model(kind, layers=pp)
     reference = copy.deepcopy(model)
     plugin = MoeHybridParallelPlugin(
-        tp_size=1,
+        tp_size=tp,
         pp_size=pp,
-        ep_size=2,
+        ep_size=ep,
         precision="fp32",
         zero_stage=zero_stage,
         num_microbatches=1 if pp > 1 else None,
         sp_size=sp if sp > 1 else None,
         enable_sequence_parallelism=sp > 1,
         sequence_parallelism_mode="all_to_all" if sp > 1 else None,
+        custom_policy=MixtralForCausalLMPolicy(expert_tensor_parallel=True) if expert_tp else None,
     )
-    assert (plugin.layout.size(Axis.PP), plugin.layout.size(Axis.SP)) == (pp, sp)
+    sizes = (Axis.PP, Axis.SP, Axis.TP, Axis.EP)
+    assert tuple(plugin.layout.size(a) for a in sizes) == (pp, sp, tp, ep)
     booster = Booster(plugin=plugin)
     boosted, optimizer, *_ = booster.boost(model, _optimizer(kind, model))
     assert isinstance(boosted, HybridParallelModule)
@@ -122,16 +144,22 @@ def _train_compare_resume(kind: str, zero_stage: int, tmp_path: Path, pp: int = 
         _reference_step(reference, reference_optimizer, step, dp_size)
     muon = {id(p) for g in reference_optimizer.param_groups if g.get("use_muon", True) for p in g["params"]}
     expected = dict(reference.named_parameters())
-    stacks = 0
+    stacks, tp_stacks, tp_split = 0, 0, 0
     held = boosted.held_parameter_names()
     for name, param in boosted.unwrap().named_parameters():
         if name not in held:
             continue
         full, want = _whole(plugin, param), expected[name]
-        stacks += get_moe_info(param) is not None and id(want) in muon
+        stack = ".experts." in name and full.ndim == 3 and id(want) in muon
+        stacks += stack and (get_moe_info(param) is not None) == (ep > 1)
+        tp_stacks += stack and get_shard_spec(param) is not None
+        tp_split += get_shard_spec(param) is not None and id(want) in muon
         bound = muon_bound(MUON_LR, *full.shape[-2:]) if id(want) in muon else ADAMW_BOUND
         torch.testing.assert_close(full, want.detach(), rtol=0, atol=bound, msg=name)
-    assert stacks == (2 if kind == "muon_adamw" else 0)  # gate_up_proj and down_proj, split over ep, stepped by Muon
+    # gate_up_proj and down_proj stepped by Muon, split over ep when ep > 1 (and over tp with expert_tp)
+    assert stacks == (2 if kind == "muon_adamw" else 0)
+    assert tp_stacks == (2 if kind == "muon_adamw" and expert_tp else 0)
+    assert tp_split >= (4 if tp > 1 else 0)  # q, k, v, o gathered whole over tp by `_tp_whole`
     # checkpoint: the momentum of every matrix (expert stacks gathered over ep); a fresh pair resumes bit-exactly
     resumed, resumed_optimizer = save_and_load_fresh(
         booster, boosted, optimizer, lambda: _model(kind, layers=pp), lambda m: _optimizer(kind, m), tmp_path
@@ -152,6 +180,36 @@ def test_plugins_moe_hybrid_muon_matches_one_process(
 ) -> None:
     """ep 2 x moe_dp 1: dense matrices over dp 2 (ZeRO-1: two owners), expert stacks whole on their ep rank."""
     _train_compare_resume(kind, zero_stage, tmp_path)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize(("kind", "expert_tp"), [("muon_adamw", False), ("muon_adamw", True), ("muon", False)])
+def test_plugins_moe_hybrid_muon_tensor_parallel(
+    rank: int, world_size: int, kind: str, expert_tp: bool, tmp_path: Path
+) -> None:
+    """tp 2 x ep 1, zero_stage 0: the tp-split dense matrices gathered whole to an owner over tp (`_tp_whole`); the
+    expert stacks replicated over tp (stepped whole by both), or split over tp (`expert_tensor_parallel`, each
+    expert's intermediate dimension) and gathered whole stacks to an owner like the dense slices."""
+    _train_compare_resume(kind, 0, tmp_path, tp=2, ep=1, expert_tp=expert_tp)
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("expert_tp", [False, True])
+def test_plugins_moe_hybrid_muon_tensor_and_expert_parallel(
+    rank: int, world_size: int, expert_tp: bool, tmp_path: Path
+) -> None:
+    """tp 2 x ep 2, zero_stage 0: each ep rank's two experts per stack, replicated or split over its tp group."""
+    _train_compare_resume("muon_adamw", 0, tmp_path, tp=2, expert_tp=expert_tp)
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize(("pp", "sp", "expert_tp"), [(2, 1, True), (1, 2, False)])
+def test_plugins_moe_hybrid_muon_tensor_parallel_with_pp_or_sp(
+    rank: int, world_size: int, pp: int, sp: int, expert_tp: bool, tmp_path: Path
+) -> None:
+    """tp 2 x pp 2 (experts split over tp; each stage gathers its own slices) and tp 2 x sp 2 (all_to_all), zero_stage
+    0, ep 1."""
+    _train_compare_resume("muon_adamw", 0, tmp_path, pp=pp, sp=sp, tp=2, ep=1, expert_tp=expert_tp)
 
 
 @distributed(world_size=4)

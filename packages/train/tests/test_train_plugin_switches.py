@@ -215,8 +215,8 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
             "gemini or hybrid or moe_hybrid (Muon needs each matrix whole",
         ),
         (
-            ["--model", "mixtral", "--plugin", "moe_hybrid", "--tp", "2", "--optimizer", "muon"],
-            "--optimizer muon with --plugin moe_hybrid steps whole matrices at --tp 1 only (--tp 2",
+            ["--model", "mixtral", "--plugin", "moe_hybrid", "--tp", "2", "--zero", "1", "--optimizer", "muon"],
+            "--optimizer muon with --plugin moe_hybrid --tp 2 steps whole matrices at --zero 0 only",
         ),
         (
             ["--plugin", "hybrid", "--tp", "2", "--zero", "1", "--optimizer", "muon"],
@@ -242,6 +242,7 @@ def test_train_switches_refused_by_name(flags: list[str], message: str, capsys: 
         ["--plugin", "hybrid", "--zero", "1"],
         ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2"],
         ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2", "--zero", "1"],
+        ["--model", "mixtral", "--plugin", "moe_hybrid", "--tp", "2"],
     ],
 )
 def test_train_muon_accepted_where_the_plugin_steps_whole_matrices(flags: list[str]) -> None:

@@ -112,6 +112,21 @@ def test_train_muon_under_moe_hybrid_trains_and_resumes_at_ep_1(tmp_path: Path) 
     assert resumed_start < start - 0.5, "the resumed run must start from the trained weights, not from scratch"
 
 
+def test_train_muon_under_moe_hybrid_at_tp_2_trains_and_resumes_at_tp_1(tmp_path: Path) -> None:
+    """--optimizer muon under moe_hybrid at tp 2, ZeRO 0 (the tp-split matrices stepped whole on tp owners, the
+    experts replicated over tp) trains, saves (each rank's slice of the owners' momentum) and resumes at 1 rank."""
+    flags = ("--model", "mixtral", "--plugin", "moe_hybrid", "--optimizer", "muon", "--lr", "3e-3", "--log-every", "10")
+    first = _cx_train(*flags, "--tp", "2", "--steps", "30", "--save", str(tmp_path / "ckpt"))
+    assert "ranks=2" in first
+    start, end = _loss_change(first)
+    assert end < start - 0.5, f"loss did not fall enough: {start} -> {end}"
+    resumed = _cx_train(*flags, "--steps", "50", "--nproc", "1", "--resume", str(tmp_path / "ckpt"))
+    assert "at step 30" in resumed
+    assert "step 50/50" in resumed
+    resumed_start, _ = _loss_change(resumed)
+    assert resumed_start < start - 0.5, "the resumed run must start from the trained weights, not from scratch"
+
+
 def test_train_refuses_an_incomplete_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_options(["--resume", str(tmp_path)])

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="as cx-train's flag: adamw (two fp32 moments per parameter; its fused Adam(W)s hold the same) or muon "
         "(MuonWithAdamW: one momentum per hidden-matrix element, AdamW on 1-D parameters, embeddings and the head; "
         "each parameter stepped whole on one owner rank, gathered to it and scattered back; not under torch_fsdp, "
-        "hybrid ZeRO 1/2 or moe_hybrid at tp > 1)",
+        "hybrid or moe_hybrid ZeRO 1/2 at tp > 1)",
     )
     parser.add_argument("--plugins", default=",".join(PLUGINS), help="comma-separated plugins to consider")
     parser.add_argument("--hidden-size", type=int, default=128, help="built-in models only (as cx-train)")

@@ -25,7 +25,8 @@ a plain AdamW (1/dp of their moments on every rank, their masters in the ZeRO ma
 ZeRO 0 whole on owners like the matrices (`_muon_split.rank_load`). Unsharded runs step every matrix on every rank: the
 instant adds Newton-Schulz's workspace on the largest matrix. Under tp or pp the stage's share of the whole model's
 split is taken in proportion to its elements (whole matrices: its elements x tp); a data-parallel layout's is the
-split's own (the trace counts a tied head beside its embedding, cx steps it once).
+split's own (the trace counts a tied head beside its embedding, cx steps it once). MoeHybridParallelPlugin at tp > 1
+replicates the routed experts over tp: each rank keeps the states of all its experts and only the rest has tp owners.
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ from cx_plan._candidate import Candidate
 from cx_plan.memory._fsdp_memory import fsdp_bytes
 from cx_plan.trace._activations import ActivationTrace, trace_stage
 from cx_plan.trace._model_spec import ModelShape, ParameterCounts
-from cx_plan.trace._muon_split import MuonSplit, busiest_owner, muon_split, rank_load, whole_group
+from cx_plan.trace._muon_split import (
+    MuonSplit,
+    busiest_owner,
+    experts_stepped_locally,
+    muon_split,
+    rank_load,
+    whole_group,
+)
 
 __all__ = ["MemoryPrediction", "predict_memory", "predict_memory_from_traces"]
 
@@ -119,8 +127,21 @@ class _MuonBytes:
     step: int  # transient at the step: gathered whole gradients and receive buffers, or Newton-Schulz's workspace
 
 
-def _muon_bytes(c: Candidate, n: int, split: MuonSplit) -> _MuonBytes:
-    """MuonWithAdamW's bytes on the busiest rank of a stage training `n` elements (module docstring)."""
+def _muon_bytes(c: Candidate, n: int, e: int, split: MuonSplit) -> _MuonBytes:
+    """MuonWithAdamW's bytes on the busiest rank of a stage training `n` elements, `e` of them routed experts'
+    (module docstring). Where the experts are stepped locally (`experts_stepped_locally`: replicated over tp), the
+    rank's expert states beside the busiest tp owner's share of the rest; they take no whole master and no gather."""
+    if not experts_stepped_locally(c):
+        return _owned_bytes(c, n, split)
+    dense, experts = split.part(expert=False), split.part(expert=True)
+    owned = _owned_bytes(c, n - e, dense)
+    local = int(min(1.0, e / experts.total) * experts.state_bytes) if experts.total else 0
+    return _MuonBytes(owned.optimizer + local, owned.whole_masters, owned.step)
+
+
+def _owned_bytes(c: Candidate, n: int, split: MuonSplit) -> _MuonBytes:
+    """The busiest owner's bytes of `split` for a stage training `n` of its elements (every rank steps all it holds
+    when nothing is gathered)."""
     group = whole_group(c)
     scale = 1.0  # the whole model (the trace counts a tied head again: the split's own count is the one cx steps)
     if (c.tp, c.pp, c.ep) != (1, 1, 1) and split.total:  # a stage's share, its matrices whole
@@ -172,7 +193,7 @@ def _for_stage(
     if c.muon:
         if muon is None:
             raise ValueError("optimizer muon: the memory prediction needs the model's Muon split (muon_split)")
-        muon_bytes = _muon_bytes(c, n, muon)
+        muon_bytes = _muon_bytes(c, n, e, muon)
         optimizer, master, muon_step = muon_bytes.optimizer, master + muon_bytes.whole_masters, muon_bytes.step
     # what is moved to the CPU leaves both instants below, unless the CPU is the device (the same memory)
     offloaded = 0

@@ -25,7 +25,8 @@ n-1 hops; an all-to-all sends (n-1)/n of the local tensor in n-1 hops. Per step 
   master dtype; Gemini sends the master beside them) and gets its slices of the updates back (one scatter per
   owner): each an all-gather-sized volume of the stage's whole-stepped parameters in fp32, after the backward (not
   overlapped): under LowLevelZero's ZeRO 1/2 the Muon matrices only (the AdamW groups step on the shards,
-  `_muon_split.adamw_on_shards`), under Gemini and tp at ZeRO 0 every parameter.
+  `_muon_split.adamw_on_shards`), under Gemini and tp at ZeRO 0 every parameter;
+  MoeHybridParallelPlugin at tp > 1 gathers no routed experts (replicated over tp, each rank steps its own).
 
 Activation checkpointing repeats a recomputed layer's forward collectives (tp, sp, experts) once more.
 """
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 
 from cx_plan._candidate import Candidate
 from cx_plan.trace._model_spec import ModelShape
-from cx_plan.trace._muon_split import adamw_on_shards, muon_split, whole_group
+from cx_plan.trace._muon_split import adamw_on_shards, experts_stepped_locally, muon_split, whole_group
 from cx_plan.trace._oracle import hot_rank_load
 
 __all__ = ["BUCKET_BYTES", "Collective", "step_collectives", "weight_bytes"]
@@ -188,7 +189,8 @@ def _whole_matrices(candidate: Candidate, shape: ModelShape) -> list[Collective]
     if not c.muon or size <= 1:
         return []
     counts = shape.parameters
-    elements = (counts.dense + counts.experts / c.ep) / c.pp  # the stage's parameters, whole
+    experts = 0.0 if experts_stepped_locally(c) else counts.experts / c.ep  # replicated over tp: not gathered
+    elements = (counts.dense + experts) / c.pp  # the stage's parameters, whole
     if adamw_on_shards(c):  # only the Muon matrices travel to owners (their share of the model's elements)
         split = muon_split(shape)
         elements *= split.muon_elements / split.total if split.total else 0.0

@@ -33,11 +33,11 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
   and moments), plus the 16-bit weight copy, at the device's memory bandwidth; offloaded optimizer state crosses PCIe
   5 (gradients down, weights up) and steps at `HOST_BANDWIDTH`.
 - Optimizer muon (MuonWithAdamW): the rank steps what it owns (`_muon_split.stepped_load`: all it holds, or its
-  owner share of the whole parameters where the plugin shards them, plus its AdamW shards under LowLevelZero),
-  streaming 20 bytes per Muon element (read
-  weight, gradient, momentum; write weight and momentum) and AdamW's 28 per other element, plus Newton-Schulz's
-  FLOPs (5 iterations of 4 m^2 n + 2 m^3 per m x n matrix, m <= n) at `efficiency` x the bf16 peak (torch runs
-  Newton-Schulz in bf16); the gather / scatter to owners is in `_comm_volume`.
+  owner share of the whole parameters where the plugin shards them, plus its AdamW shards under LowLevelZero;
+  moe_hybrid at tp > 1: and all its routed experts), streaming 20 bytes per Muon element (read weight, gradient,
+  momentum; write weight and momentum) and AdamW's 28 per other element, plus Newton-Schulz's FLOPs (5 iterations of
+  4 m^2 n + 2 m^3 per m x n matrix, m <= n) at `efficiency` x the bf16 peak (torch runs Newton-Schulz in bf16); the
+  gather / scatter to owners is in `_comm_volume`.
 - Host work (`_host_time`, given the trace's op and tensor counts): dispatching each micro-batch's aten ops, the
   plugin's own per-parameter ops and AdamW's per-tensor loop, at the device's measured per-op and per-tensor costs.
   On a host-bound device (the CPU) they add to the compute, and with more ranks than cores every rank's host work,

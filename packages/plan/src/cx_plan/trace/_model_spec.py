@@ -28,6 +28,7 @@ __all__ = [
     "ModelShapeError",
     "ParameterCounts",
     "build_model",
+    "is_routed_expert",
     "load_model_shape",
     "train_flags",
 ]
@@ -174,7 +175,8 @@ def _decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
     return layers
 
 
-def _is_routed_expert(name: str) -> bool:
+def is_routed_expert(name: str) -> bool:
+    """Whether the parameter `name` (dotted, from any module) belongs to a routed experts module."""
     parts = name.split(".")
     return "experts" in parts
 
@@ -184,7 +186,7 @@ def count_parameters(model: nn.Module, num_layers: int, num_experts: int) -> Par
     layers = _decoder_layers(model, num_layers)
     dense, experts = [], []
     for layer in layers:
-        routed = sum(p.numel() for n, p in layer.named_parameters() if num_experts and _is_routed_expert(n))
+        routed = sum(p.numel() for n, p in layer.named_parameters() if num_experts and is_routed_expert(n))
         experts.append(routed)
         dense.append(sum(p.numel() for p in layer.parameters()) - routed)
     total = sum(p.numel() for p in model.parameters())

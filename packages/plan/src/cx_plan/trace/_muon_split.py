@@ -10,7 +10,9 @@ keeps its whole fp32 master and its state, and steps it. Its AdamW groups are el
 shards, each rank 1/dp of their states (`adamw_on_shards`, `rank_load`); Gemini and tensor parallelism at ZeRO 0 give
 them owners too, as the Muon parameters. Newton-Schulz runs `ns_steps` (torch.optim.Muon's 5) iterations of X X^T,
 (A @ A) and B @ X on each m x n matrix (m <= n): 2 m^2 n + 2 m^3 + 2 m^2 n FLOPs each; a 3-D expert stack
-orthogonalises each expert's matrix on its own.
+orthogonalises each expert's matrix on its own. MoeHybridParallelPlugin at tp > 1 (ZeRO 0) keeps the routed experts
+replicated over tp (cx's MoE policies), so every tp rank steps its own whole expert stacks and only the other
+parameters get owners over tp (`experts_stepped_locally`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cx_plan._candidate import Candidate
-from cx_plan.trace._model_spec import ModelShape, build_model
+from cx_plan.trace._model_spec import ModelShape, build_model, is_routed_expert
 from cx_zero import MUON_DEFAULTS, assign_owners, muon_param_groups
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "OwnerLoad",
     "adamw_on_shards",
     "busiest_owner",
+    "experts_stepped_locally",
     "muon_split",
     "ns_flops",
     "owner_loads",
@@ -65,10 +68,19 @@ def ns_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
 
 @dataclass(frozen=True)
 class MuonSplit:
-    """Every trained parameter's shape (shared ones once, model order) and whether Muon steps it."""
+    """Every trained parameter's shape (shared ones once, model order), whether Muon steps it and whether it is a
+    routed expert's."""
 
     shapes: tuple[tuple[int, ...], ...]
     muon: tuple[bool, ...]
+    expert: tuple[bool, ...]
+
+    def part(self, expert: bool) -> MuonSplit:
+        """The routed experts' parameters (`expert`) or the others, as a split of their own."""
+        keep = [i for i, flag in enumerate(self.expert) if flag == expert]
+        return MuonSplit(
+            tuple(self.shapes[i] for i in keep), tuple(self.muon[i] for i in keep), tuple(expert for _ in keep)
+        )
 
     @property
     def total(self) -> int:
@@ -166,8 +178,19 @@ def muon_split(shape: ModelShape) -> MuonSplit:
     with torch.device("meta"):
         model = build_model(shape)
     use_muon = {id(p): bool(group["use_muon"]) for group in muon_param_groups(model) for p in group["params"]}
-    params = [p for p in model.parameters() if id(p) in use_muon]
-    return MuonSplit(tuple(tuple(p.shape) for p in params), tuple(use_muon[id(p)] for p in params))
+    named = [(n, p) for n, p in model.named_parameters() if id(p) in use_muon]
+    routed = bool(shape.num_experts)
+    return MuonSplit(
+        tuple(tuple(p.shape) for _, p in named),
+        tuple(use_muon[id(p)] for _, p in named),
+        tuple(routed and is_routed_expert(n) for n, _ in named),
+    )
+
+
+def experts_stepped_locally(c: Candidate) -> bool:
+    """MoeHybridParallelPlugin at tp > 1 and ZeRO 0: the routed experts are replicated over tp, so each tp rank
+    steps its own whole stacks (no owner, no gather); `_tp_whole` gives only the tp-split parameters owners."""
+    return c.plugin == "moe_hybrid" and c.tp > 1 and c.stage == 0
 
 
 def whole_group(c: Candidate) -> int:
@@ -182,15 +205,33 @@ def whole_group(c: Candidate) -> int:
     return 1
 
 
-def stepped_load(c: Candidate, shape: ModelShape) -> OwnerLoad:
-    """What the busiest rank steps under `c` (a pipeline stage's share of the busiest rank's load, `rank_load`, in
-    proportion to the stage's whole elements: the layers split over pp, routed experts over ep)."""
-    split = muon_split(shape)
-    counts = shape.parameters
-    stage = (counts.dense + counts.experts / c.ep) / c.pp
-    scale = stage / split.total if split.total else 0.0
-    load = rank_load(c, split)
+def _scaled(load: OwnerLoad, scale: float) -> OwnerLoad:
     return OwnerLoad(
         int(load.elements * scale), int(load.state_bytes * scale), int(load.muon_elements * scale),
         load.largest_matrix, int(load.ns_flops * scale), int(load.sharded_elements * scale),
     )  # fmt: skip
+
+
+def _share(load: OwnerLoad, elements: float, split: MuonSplit) -> OwnerLoad:
+    """`load` scaled to a stage holding `elements` of `split`'s whole elements."""
+    return _scaled(load, elements / split.total if split.total else 0.0)
+
+
+def stepped_load(c: Candidate, shape: ModelShape) -> OwnerLoad:
+    """What the busiest rank steps under `c` (a pipeline stage's share of the busiest rank's load, `rank_load`, in
+    proportion to the stage's whole elements: the layers split over pp, routed experts over ep). Where the experts
+    are stepped locally (`experts_stepped_locally`): the busiest tp owner's share of the other parameters plus all
+    of the rank's experts."""
+    split = muon_split(shape)
+    counts = shape.parameters
+    if experts_stepped_locally(c):
+        dense, experts = split.part(expert=False), split.part(expert=True)
+        owned = _share(busiest_owner(dense, c.tp), counts.dense / c.pp, dense)
+        local = _share(busiest_owner(experts, 1), counts.experts / (c.ep * c.pp), experts)
+        largest = max(owned.largest_matrix, local.largest_matrix, key=lambda mn: mn[0] * mn[1])
+        return OwnerLoad(
+            owned.elements + local.elements, owned.state_bytes + local.state_bytes,
+            owned.muon_elements + local.muon_elements, largest, owned.ns_flops + local.ns_flops,
+        )  # fmt: skip
+    stage = (counts.dense + counts.experts / c.ep) / c.pp
+    return _share(rank_load(c, split), stage, split)

@@ -247,14 +247,31 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         return composed, boosted
 
     def _check_optimizer_kind(self, optimizer: Optimizer, composed: ComposedModel) -> None:
-        """Elementwise optimizers always; a whole-tensor one (Muon, MuonWithAdamW) at tp_size 1: each ep rank holds
+        """Elementwise optimizers always. A whole-tensor one (Muon, MuonWithAdamW): at tp_size 1 each ep rank holds
         whole experts (stacks split along the expert dimension) and whole dense matrices, so zero_stage 0 steps them
-        as they are and ZeRO-1/2 steps each whole on an owner rank of its group (cx_zero's `_whole_step`). With
-        tp > 1 the matrices are slices (and `_tp_whole` does not cover expert slices yet): refused."""
-        if self.options.tp_size == 1 and needs_whole_tensors(optimizer):
-            return
-        why = "tp_size > 1 hands it slices of the expert and dense matrices (it steps whole matrices at tp_size=1)"
-        refuse_non_elementwise(optimizer, type(self).__name__, why)
+        as they are and ZeRO-1/2 steps each whole on an owner rank of its group (cx_zero's `_whole_step`). At tp > 1
+        with zero_stage 0 the base plugin's `_tp_whole` gathers every tp-split tensor whole to an owner in the tp
+        group: the dense slices, and the expert stacks an `expert_tensor_parallel` policy splits along each expert's
+        intermediate dimension (dims 1 / 2, so the owner gets whole experts, each orthogonalised on its own);
+        by default experts are replicated over tp and stepped whole by every tp rank. ZeRO-1/2 with tp > 1: refused
+        (ZeRO would shard and step tp slices)."""
+        name = type(self).__name__
+        tp, stage = self.options.tp_size, self.options.zero.stage
+        if needs_whole_tensors(optimizer):
+            if tp == 1 or stage == 0:
+                return
+            raise TypeError(
+                f"{name}: {type(optimizer).__name__} needs each matrix whole (Newton-Schulz / matrix-wise update), "
+                f"but zero_stage={stage} with tp_size={tp} would step tensor-parallel slices of its "
+                f"matrices on their own and train silently wrong; use zero_stage=0 (whole matrices gathered over tp) "
+                f"or tp_size=1, or an elementwise optimizer"
+            )
+        why = (
+            "tp_size > 1 hands it slices of the dense matrices (and of the experts under expert_tensor_parallel)"
+            if tp > 1
+            else "expert parallelism and ZeRO may hand it slices (expert stacks split along the expert dimension)"
+        )
+        refuse_non_elementwise(optimizer, name, why)
 
     def _broadcast_states(self, composed: ComposedModel, grad_group: ProcessGroup | None) -> None:
         """Dense parameters and buffers start from the first dp replica, each expert slice from the first rank of

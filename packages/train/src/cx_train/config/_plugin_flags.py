@@ -45,7 +45,7 @@ _WHOLE_TENSOR = (
     "gemini",
     "hybrid",
     "moe_hybrid",
-)  # step a matrix-wise optimizer (Muon) on whole matrices (hybrid: --zero 0 at --tp > 1; moe_hybrid: --tp 1)
+)  # step a matrix-wise optimizer (Muon) on whole matrices (hybrid, moe_hybrid: --zero 0 at --tp > 1)
 _LORA = ("torch_ddp", "low_level_zero", "hybrid", "gemini")  # plugins whose support_lora() is True
 _MERGE_LORA = ("torch_ddp", "low_level_zero")  # --merge-lora merges on one rank's full weights
 DEFAULT_LORA_TARGETS = "all-linear"  # peft: every linear layer but the output head
@@ -241,7 +241,7 @@ def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
         "update; cpu_adam steps parameters that live on the CPU, as with --cpu-offload); muon: cx-zero's "
         "MuonWithAdamW (Muon on hidden matrices, AdamW on 1-D parameters, embeddings and the output head, one "
         "--lr / --weight-decay: Muon's match_rms_adamw scaling; each expert of a fused MoE stack orthogonalised on its "
-        "own); torch_ddp, low_level_zero, gemini, hybrid (tp > 1: --zero 0), moe_hybrid (--tp 1)",
+        "own); torch_ddp, low_level_zero, gemini, hybrid and moe_hybrid (tp > 1: --zero 0)",
     )
     switches.add_argument(
         "--optimizer-states-dtype",
@@ -355,8 +355,8 @@ def plugin_switch_problem(args: argparse.Namespace) -> str | None:
 
 def _muon_problem(args: argparse.Namespace) -> str | None:
     """--optimizer muon needs each matrix whole: the plugins that slice parameters for the optimizer refuse it at
-    boost (cx_zero.require_elementwise, HybridParallelPlugin over tp slices with ZeRO, MoeHybridParallelPlugin at
-    tp > 1), so it is refused here first."""
+    boost (cx_zero.require_elementwise, HybridParallelPlugin and MoeHybridParallelPlugin over tp slices with ZeRO),
+    so it is refused here first."""
     if args.optimizer != "muon":
         return None
     plugin = args.plugin
@@ -365,15 +365,10 @@ def _muon_problem(args: argparse.Namespace) -> str | None:
             f"{_not_for('--optimizer muon', plugin, _WHOLE_TENSOR)} (Muon needs each matrix whole, and --plugin "
             f"{plugin} steps the optimizer on parameter slices)"
         )
-    if plugin == "hybrid" and (args.tp or 1) > 1 and args.zero in (1, 2):
+    if plugin in _HYBRID and (args.tp or 1) > 1 and args.zero in (1, 2):
         return (
-            f"--optimizer muon with --plugin hybrid --tp {args.tp} steps whole matrices at --zero 0 only (ZeRO would "
-            f"step each rank's tp slice): drop --zero {args.zero}, or use --tp 1"
-        )
-    if plugin == "moe_hybrid" and (args.tp or 1) > 1:
-        return (
-            f"--optimizer muon with --plugin moe_hybrid steps whole matrices at --tp 1 only (--tp {args.tp} would hand "
-            f"it slices of the expert and dense matrices): use --tp 1"
+            f"--optimizer muon with --plugin {plugin} --tp {args.tp} steps whole matrices at --zero 0 only (ZeRO "
+            f"would step each rank's tp slice): drop --zero {args.zero}, or use --tp 1"
         )
     if args.optimizer_states_dtype != "fp32":
         return (
