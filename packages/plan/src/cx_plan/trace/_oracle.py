@@ -90,6 +90,9 @@ class ValueOracle(TorchDispatchMode):
         return self.shadows.get(value)
 
     def _all_shadowed(self, args: Any, kwargs: Any) -> bool:
+        for arg in args:  # most ops' first tensor is an activation with no value: decided before flattening
+            if isinstance(arg, torch.Tensor) and self._shadow(arg) is None:
+                return False
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         return all(self._shadow(t) is not None for t in tensors)
 
