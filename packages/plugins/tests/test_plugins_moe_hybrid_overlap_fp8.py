@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from cx_mesh import fp8 as cx_fp8
-from cx_mesh.testing import distributed
+from cx_mesh.testing import count_collective_bytes, distributed
 from cx_plugins import Booster, MoeHybridParallelPlugin
 from fp8_test_helpers import assert_first_step_within_adam, parameters_now
 
@@ -61,9 +61,9 @@ def _expert_fp8_rows() -> Iterator[list[int]]:
         cx_fp8.fp8_linear = original
 
 
-def _train(**switches: Any) -> tuple[list[float], Params, Params, int, int, int]:
-    """Losses, parameters before and after the first step, how many layers ran the ring / were marked fp8, and the
-    rows cx-moe's fp8 expert matmuls took."""
+def _train(**switches: Any) -> tuple[list[float], Params, Params, int, int, int, int]:
+    """Losses, parameters before and after the first step, how many layers were marked for the ring / fp8, the rows
+    cx-moe's fp8 expert matmuls took, and the ring steps run (each an fp8 message; another dtype fails here)."""
     plugin = MoeHybridParallelPlugin(
         tp_size=2, pp_size=1, ep_size=1, precision="bf16", enable_sequence_parallelism=True,
         sequence_parallelism_mode="split_gather", use_fp8=True, fp8_communication=True, **switches,
@@ -75,7 +75,7 @@ def _train(**switches: Any) -> tuple[list[float], Params, Params, int, int, int]
     data = torch.randint(0, VOCAB, (STEPS, ROWS, LENGTH), generator=torch.Generator().manual_seed(7))
     losses, start = [], parameters_now(model)
     first: Params = {}
-    with _expert_fp8_rows() as rows:
+    with _expert_fp8_rows() as rows, count_collective_bytes() as counted:
         for step in range(STEPS):
             loss = boosted(input_ids=data[step], labels=data[step]).loss
             booster.backward(loss, optimizer)
@@ -83,16 +83,21 @@ def _train(**switches: Any) -> tuple[list[float], Params, Params, int, int, int]
             optimizer.zero_grad()
             first = parameters_now(model) if step == 0 else first
             losses.append(float(loss.detach()))
+    ring = {dtype: n for (op, dtype), n in counted.calls.items() if op == "batch_isend_irecv"}
+    assert set(ring) <= {torch.uint8}, f"ring steps outside fp8: {ring}"
     modules = list(model.modules())
     rings = sum(bool(getattr(m, "sequence_overlap", False)) for m in modules)
     fp8 = sum(getattr(m, "fp8_recipe", None) is not None for m in modules)
-    return losses, start, first, rings, fp8, sum(rows)
+    return losses, start, first, rings, fp8, sum(rows), ring.get(torch.uint8, 0)
 
 
 @distributed(world_size=2, timeout=300)
 def test_plugins_moe_hybrid_overlap_fp8_trains_like_plain_fp8(rank: int, world_size: int) -> None:
-    plain, start, plain_first, plain_rings, plain_fp8, plain_rows = _train()
-    got, _, first, rings, fp8, rows = _train(enable_sequence_overlap=True)
+    plain, start, plain_first, plain_rings, plain_fp8, plain_rows, plain_steps = _train()
+    got, _, first, rings, fp8, rows, steps = _train(enable_sequence_overlap=True)
+    # tp 2, one step a ring: the attention block's column gather, its gradient sum, the row sum and its gradient
+    # gather, per layer and step (the MoE blocks ring nothing)
+    assert (steps, plain_steps) == (4 * LAYERS * STEPS, 0)
     # q, k, v, o of both layers: in fp8 either way, in the ring only with the switch (the experts are cx-moe's)
     assert (rings, plain_rings, fp8, plain_fp8) == (LAYERS * 4, 0, LAYERS * 4, LAYERS * 4)
     # exactly, whatever the routing: each of this rank's sequence-shard tokens goes through both fp8 matmuls (gate_up,
