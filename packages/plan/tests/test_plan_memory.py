@@ -58,6 +58,8 @@ def _measured(model: str, fields: dict[str, Any]) -> int:
         # MuonWithAdamW: one momentum per hidden-matrix element; under ZeRO whole matrices on owners, AdamW on shards
         ("llama", dict(plugin="torch_ddp", dp=2, precision="fp32", optimizer=Optimizer.MUON)),
         ("llama", dict(plugin="low_level_zero", dp=2, zero_stage=1, precision="fp32", optimizer=Optimizer.MUON)),
+        # FSDP: states on row shards, the owner's bf16 whole matrices at the step
+        ("llama", dict(plugin="torch_fsdp", dp=2, fsdp_wrap="block", precision="fp32", optimizer=Optimizer.MUON)),
     ],
     ids=[
         "llama-tp2",
@@ -68,6 +70,7 @@ def _measured(model: str, fields: dict[str, Any]) -> int:
         "llama-fsdp-no-sync",
         "llama-ddp-muon",
         "llama-zero1-muon",
+        "llama-fsdp-muon",
     ],  # 2 ranks each
 )
 def test_predicted_peak_within_ten_percent_of_measured(model: str, fields: dict[str, Any]) -> None:

@@ -12,7 +12,8 @@ them owners too, as the Muon parameters. Newton-Schulz runs `ns_steps` (torch.op
 (A @ A) and B @ X on each m x n matrix (m <= n): 2 m^2 n + 2 m^3 + 2 m^2 n FLOPs each; a 3-D expert stack
 orthogonalises each expert's matrix on its own. MoeHybridParallelPlugin at tp > 1 (ZeRO 0) keeps the routed experts
 replicated over tp (cx's MoE policies), so every tp rank steps its own whole expert stacks and only the other
-parameters get owners over tp (`experts_stepped_locally`).
+parameters get owners over tp (`experts_stepped_locally`). TorchFSDPPlugin keeps every state on its row shards and
+gathers only each Muon matrix's bf16 update to its owner for Newton-Schulz (`fsdp_rows`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "adamw_on_shards",
     "busiest_owner",
     "experts_stepped_locally",
+    "fsdp_rows",
     "muon_split",
     "ns_flops",
     "owner_loads",
@@ -161,10 +163,23 @@ def adamw_on_shards(c: Candidate) -> bool:
     return c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage >= 1 and c.dp * c.sp > 1
 
 
+def fsdp_rows(c: Candidate) -> bool:
+    """TorchFSDPPlugin over dp > 1 (`cx_plugins.fsdp.ShardedMuon`): every state on the rank's row shards, Newton-Schulz
+    on each whole Muon matrix at its owner, gathered and scattered back in bf16."""
+    return c.plugin == "torch_fsdp" and c.dp > 1
+
+
 def rank_load(c: Candidate, split: MuonSplit) -> OwnerLoad:
     """What the busiest rank of `c`'s whole-parameter group steps over the whole model: its owner share of the
-    whole parameters and, where `adamw_on_shards`, its flat shard of every AdamW parameter."""
+    whole parameters and, where `adamw_on_shards`, its flat shard of every AdamW parameter. Under `fsdp_rows`: 1/dp
+    of every state and element (no whole master), the busiest owner's Newton-Schulz."""
     group = whole_group(c)
+    if fsdp_rows(c):
+        owner = busiest_owner(split, group, muon_only=True)
+        return OwnerLoad(
+            0, split.state_bytes // group, -(-split.muon_elements // group), owner.largest_matrix, owner.ns_flops,
+            -(-split.total // group),
+        )  # fmt: skip
     if not adamw_on_shards(c):
         return busiest_owner(split, group)
     load = busiest_owner(split, group, muon_only=True)
@@ -198,6 +213,8 @@ def whole_group(c: Candidate) -> int:
     the gradient group (dp x sp) under ZeRO 1/2, Gemini's dp, the tp group at hybrid ZeRO 0 (`_tp_whole`)."""
     if adamw_on_shards(c):
         return c.dp * c.sp
+    if fsdp_rows(c):
+        return c.dp
     if c.plugin == "gemini" and c.dp > 1:
         return c.dp
     if c.plugin in ("hybrid", "moe_hybrid") and c.tp > 1:

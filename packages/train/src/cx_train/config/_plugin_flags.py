@@ -41,11 +41,13 @@ _CPU_OFFLOAD = ("low_level_zero", *_HYBRID)  # ZeRO 1/2 optimizer states on the 
 _STATES_DTYPE = ("low_level_zero", "gemini", *_HYBRID)  # optimizer_states_dtype: ZeRO 1/2 and Gemini's optimizers
 _WHOLE_TENSOR = (
     "torch_ddp",
+    "torch_fsdp",
     "low_level_zero",
     "gemini",
     "hybrid",
     "moe_hybrid",
-)  # step a matrix-wise optimizer (Muon) on whole matrices (hybrid, moe_hybrid: --zero 0 at --tp > 1)
+)  # step a matrix-wise optimizer (Muon) on whole matrices (hybrid, moe_hybrid: --zero 0 at --tp > 1; torch_fsdp:
+# Newton-Schulz on each matrix gathered whole to an owner rank)
 _LORA = ("torch_ddp", "low_level_zero", "hybrid", "gemini")  # plugins whose support_lora() is True
 _MERGE_LORA = ("torch_ddp", "low_level_zero")  # --merge-lora merges on one rank's full weights
 DEFAULT_LORA_TARGETS = "all-linear"  # peft: every linear layer but the output head
