@@ -214,10 +214,6 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
             "--optimizer muon with --plugin moe_hybrid --tp 2 steps whole matrices at --zero 0 only",
         ),
         (
-            ["--plugin", "hybrid", "--tp", "2", "--zero", "1", "--optimizer", "muon"],
-            "--optimizer muon with --plugin hybrid --tp 2 steps whole matrices at --zero 0 only",
-        ),
-        (
             ["--plugin", "low_level_zero", "--optimizer", "muon", "--optimizer-states-dtype", "bf16"],
             "--optimizer muon keeps fp32 states",
         ),
@@ -236,6 +232,8 @@ def test_train_switches_refused_by_name(flags: list[str], message: str, capsys: 
         ["--plugin", "gemini"],
         ["--plugin", "hybrid", "--tp", "2"],
         ["--plugin", "hybrid", "--zero", "1"],
+        ["--plugin", "hybrid", "--tp", "2", "--zero", "1"],  # a dp owner of each slice, then a tp owner
+        ["--plugin", "hybrid", "--tp", "2", "--zero", "2"],
         ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2"],
         ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2", "--zero", "1"],
         ["--model", "mixtral", "--plugin", "moe_hybrid", "--tp", "2"],

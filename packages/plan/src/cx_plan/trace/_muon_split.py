@@ -13,7 +13,9 @@ them owners too, as the Muon parameters. Newton-Schulz runs `ns_steps` (torch.op
 orthogonalises each expert's matrix on its own. MoeHybridParallelPlugin at tp > 1 (ZeRO 0) keeps the routed experts
 replicated over tp (cx's MoE policies), so every tp rank steps its own whole expert stacks and only the other
 parameters get owners over tp (`experts_stepped_locally`). TorchFSDPPlugin keeps every state on its row shards and
-gathers only each Muon matrix's bf16 update to its owner for Newton-Schulz (`fsdp_rows`).
+gathers only each Muon matrix's bf16 update to its owner for Newton-Schulz (`fsdp_rows`). HybridParallelPlugin at
+ZeRO 1/2 with tp > 1 has two owners per matrix: a dp owner of each tp slice, then a tp owner of the whole matrix
+(`tp_zero_owners`, `two_level_loads`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ __all__ = [
     "busiest_owner",
     "experts_stepped_locally",
     "fsdp_rows",
+    "tp_zero_owners",
+    "two_level_loads",
     "muon_split",
     "ns_flops",
     "owner_loads",
@@ -169,11 +173,40 @@ def fsdp_rows(c: Candidate) -> bool:
     return c.plugin == "torch_fsdp" and c.dp > 1
 
 
+def tp_zero_owners(c: Candidate) -> bool:
+    """HybridParallelPlugin at ZeRO 1/2 with tp > 1 (`cx_plugins.hybrid.ZeroTensorParallelWhole`): ZeRO gathers each
+    Muon matrix's tp slice whole to a dp owner, whose tp group gathers the slices to a tp owner holding the whole fp32
+    master and momentum; the AdamW groups step on ZeRO's flat shards."""
+    return c.plugin == "hybrid" and c.tp > 1 and c.stage >= 1 and c.dp * c.sp > 1
+
+
+@functools.lru_cache(maxsize=64)
+def two_level_loads(split: MuonSplit, dp: int, tp: int) -> tuple[int, OwnerLoad]:
+    """Under `tp_zero_owners`: the busiest dp owner's Muon elements (whole shapes; it holds 1/tp of them, its tp
+    slices) and the busiest tp owner's load among the matrices owned at that dp coordinate."""
+    muon = [i for i, m in enumerate(split.muon) if m]
+    dp_owners = assign_owners([split.shapes[i] for i in muon], dp)
+    best: tuple[int, OwnerLoad] = (0, _load(split, []))
+    for r in range(dp):
+        owned = [i for i, o in zip(muon, dp_owners, strict=True) if o == r]
+        tp_owners = assign_owners([split.shapes[i] for i in owned], tp) if owned else []
+        loads = [_load(split, [i for i, o in zip(owned, tp_owners, strict=True) if o == t]) for t in range(tp)]
+        load = max(loads, key=lambda x: (x.state_bytes + 8 * x.elements, x.ns_flops))
+        elements = sum(_numel(split.shapes[i]) for i in owned)
+        if (elements, load.elements) > (best[0], best[1].elements):
+            best = (elements, load)
+    return best
+
+
 def rank_load(c: Candidate, split: MuonSplit) -> OwnerLoad:
     """What the busiest rank of `c`'s whole-parameter group steps over the whole model: its owner share of the
     whole parameters and, where `adamw_on_shards`, its flat shard of every AdamW parameter. Under `fsdp_rows`: 1/dp
     of every state and element (no whole master), the busiest owner's Newton-Schulz."""
     group = whole_group(c)
+    if tp_zero_owners(c):  # the busiest tp owner's whole matrices, and a flat shard of every AdamW slice
+        _, owned = two_level_loads(split, group, c.tp)
+        shard = -(-split.adamw_shard_elements(group) // c.tp)
+        return replace(owned, state_bytes=owned.state_bytes + ADAMW_STATE_BYTES * shard, sharded_elements=shard)
     if fsdp_rows(c):
         owner = busiest_owner(split, group, muon_only=True)
         return OwnerLoad(
