@@ -58,6 +58,10 @@ def _measured(model: str, fields: dict[str, Any]) -> int:
         # MuonWithAdamW: one momentum per hidden-matrix element; under ZeRO whole matrices on owners, AdamW on shards
         ("llama", dict(plugin="torch_ddp", dp=2, precision="fp32", optimizer=Optimizer.MUON)),
         ("llama", dict(plugin="low_level_zero", dp=2, zero_stage=1, precision="fp32", optimizer=Optimizer.MUON)),
+        # FSDP: states on row shards, the owner's bf16 whole matrices at the step
+        ("llama", dict(plugin="torch_fsdp", dp=2, fsdp_wrap="block", precision="fp32", optimizer=Optimizer.MUON)),
+        # hybrid ZeRO 1 at tp 2: dp-whole tp slices on dp owners, whole matrices on tp owners (4 ranks)
+        ("llama", dict(plugin="hybrid", dp=2, tp=2, zero_stage=1, precision="fp32", optimizer=Optimizer.MUON)),
     ],
     ids=[
         "llama-tp2",
@@ -68,7 +72,9 @@ def _measured(model: str, fields: dict[str, Any]) -> int:
         "llama-fsdp-no-sync",
         "llama-ddp-muon",
         "llama-zero1-muon",
-    ],  # 2 ranks each
+        "llama-fsdp-muon",
+        "llama-zero1-tp2-muon",
+    ],  # 2 ranks each (the last: 4)
 )
 def test_predicted_peak_within_ten_percent_of_measured(model: str, fields: dict[str, Any]) -> None:
     shape = load_model_shape(model, hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)

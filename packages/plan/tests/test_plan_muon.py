@@ -2,7 +2,7 @@
 from the parameter shapes (one fp32 momentum per hidden-matrix element, AdamW's two fp32 moments on the rest), the
 whole-matrix owners under ZeRO (cx-zero's own assignment), the gather / scatter and Newton-Schulz in the step time,
 the layouts cx refuses left out, and the printed cx-train command carrying the flag. The measured check is in
-test_plan_memory (DDP and ZeRO-1 under Muon, within its 10 %)."""
+test_plan_memory (DDP, ZeRO-1, FSDP and hybrid ZeRO-1 at tp 2 under Muon, within its 10 %)."""
 
 from __future__ import annotations
 
@@ -145,6 +145,50 @@ def test_muon_under_moe_hybrid_tp_keeps_every_expert_state_where_the_experts_are
     assert predict_step_time(c, shape, SEQ, lookup_device("h100")).step_s > 0
 
 
+def test_muon_under_fsdp_keeps_every_state_on_row_shards_and_moves_bf16_matrices() -> None:
+    """TorchFSDPPlugin (ShardedMuon): 1/dp of every Muon momentum and AdamW moment, no whole master; the Muon
+    matrices' updates gathered to owners and scattered back in bf16; Newton-Schulz of the busiest owner's matrices."""
+    shape = load_model_shape("llama", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+    split = muon_split(shape)
+    c = Candidate("torch_fsdp", dp=2, precision="fp32", optimizer=Optimizer.MUON)
+    adamw = predict_memory(shape, Candidate("torch_fsdp", dp=2, precision="fp32"), SEQ)
+    muon = predict_memory(shape, c, SEQ)
+    assert muon.optimizer_states == split.state_bytes // 2
+    assert muon.master_weights == adamw.master_weights == 0
+    sent = {col.name: col.bytes for col in step_collectives(c, shape, SEQ)}
+    assert sent["muon gradient gather"] == sent["muon weight scatter"] == pytest.approx(0.5 * 2 * split.muon_elements)
+    matrices = [s for s, m in zip(split.shapes, split.muon, strict=True) if m]
+    owners = assign_owners(matrices, 2)
+    busiest = max(sum(ns_flops(s) for s, o in zip(matrices, owners, strict=True) if o == r) for r in range(2))
+    assert stepped_load(c, shape).ns_flops == busiest
+    assert predict_step_time(c, shape, SEQ, lookup_device("h100")).step_s > 0
+
+
+def test_muon_under_hybrid_zero_tp_holds_dp_whole_slices_and_the_tp_owners_matrices() -> None:
+    """HybridParallelPlugin ZeRO 1 at tp 2 (ZeroTensorParallelWhole): the busiest dp owner holds its matrices' tp
+    slices whole (fp32), and the busiest tp owner at that dp coordinate their whole masters and momenta; ZeRO moves
+    the slices over dp, then the tp group moves the dp owner's share over tp."""
+    shape = load_model_shape("llama", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+    split = muon_split(shape)
+    c = Candidate("hybrid", dp=2, tp=2, zero_stage=1, precision="fp32", optimizer=Optimizer.MUON)
+    matrices = [s for s, m in zip(split.shapes, split.muon, strict=True) if m]
+    numel = [s[0] * s[1] for s in matrices]
+    dp_owner = assign_owners(matrices, 2)
+    best = max(range(2), key=lambda r: sum(n for n, o in zip(numel, dp_owner, strict=True) if o == r))
+    owned = [i for i, o in enumerate(dp_owner) if o == best]
+    tp_owner = assign_owners([matrices[i] for i in owned], 2)
+    whole = max(sum(numel[i] for i, o in zip(owned, tp_owner, strict=True) if o == t) for t in range(2))
+    load = stepped_load(c, shape)
+    assert load.muon_elements == load.elements == whole
+    adamw = predict_memory(shape, Candidate("hybrid", dp=2, tp=2, zero_stage=1, precision="fp32"), SEQ)
+    muon = predict_memory(shape, c, SEQ)
+    assert muon.master_weights - adamw.master_weights == 4 * (sum(numel[i] for i in owned) // 2 + whole)
+    sent = {col.name: col.bytes for col in step_collectives(c, shape, SEQ)}
+    assert sent["muon gradient gather"] == pytest.approx(0.5 * 4 * split.muon_elements / 2)  # tp slices over dp
+    assert sent["muon tp gradient gather"] == pytest.approx(0.5 * 4 * split.muon_elements / 2)  # half of them over tp
+    assert predict_step_time(c, shape, SEQ, lookup_device("h100")).step_s > 0
+
+
 def test_newton_schulz_flops_and_the_gather_scatter_are_in_the_step() -> None:
     # 5 iterations of X X^T (2 m^2 n), A @ A (2 m^3), B @ X (2 m^2 n) on the 3 x 5 matrix (m = 3), transposed alike
     assert ns_flops((3, 5)) == ns_flops((5, 3)) == 5 * (4 * 9 * 5 + 2 * 27)
@@ -176,16 +220,16 @@ def test_refused_layouts_are_not_candidates_and_are_said_once(capsys: pytest.Cap
     found = enumerate_candidates(shape, 4, SEQ, space)
     assert found
     assert all(c.optimizer is Optimizer.MUON for c in found)
-    assert not [c for c in found if c.plugin == "torch_fsdp"]
-    assert not [c for c in found if c.plugin == "hybrid" and c.tp > 1 and c.stage >= 1]
+    assert [c for c in found if c.plugin == "torch_fsdp"]  # row shards, Newton-Schulz at owners
+    assert [c for c in found if c.plugin == "hybrid" and c.tp > 1 and c.stage >= 1]  # dp owners, then tp owners
     assert not [c for c in found if c.plugin == "moe_hybrid" and c.tp > 1 and c.stage >= 1]
     assert [c for c in found if c.plugin == "moe_hybrid" and c.tp > 1]  # tp at ZeRO 0 too (experts replicated)
     assert [c for c in found if c.plugin == "hybrid" and c.tp > 1]  # tp at ZeRO 0 steps whole matrices
-    with pytest.raises(ValueError, match="optimizer muon: TorchFSDPPlugin"):
-        Candidate("torch_fsdp", dp=2, optimizer=Optimizer.MUON)
+    with pytest.raises(ValueError, match="optimizer muon: MoeHybridParallelPlugin"):
+        Candidate("moe_hybrid", tp=2, dp=2, ep=2, zero_stage=1, optimizer=Optimizer.MUON)
     assert main([*_GPT, "--world", "2", "--optimizer", "muon", "--top", "1", "--quiet"], _fits) == 0
     out = capsys.readouterr().out
-    assert out.count("not considered under --optimizer muon: torch_fsdp") == 1
+    assert "not considered under --optimizer muon: torch_fsdp" not in out
     best = next(line for line in out.splitlines() if line.strip().startswith("cx-train "))
     assert best.endswith("--optimizer muon")
     assert main([*_GPT, "--world", "2", "--optimizer", "muon", "--optimizer-states-dtype", "bf16"]) == 2

@@ -60,6 +60,8 @@ def test_train_plan_printed_commands_parse_into_the_candidate() -> None:
     ddp = Candidate("torch_ddp", dp=4, micro_batch_size=2, num_microbatches=3, precision="fp32")
     muon = Candidate("low_level_zero", dp=2, zero_stage=1, optimizer=Optimizer.MUON)  # cx-train's MuonWithAdamW
     tp_muon = Candidate("hybrid", dp=1, tp=2, zero_stage=0, optimizer=Optimizer.MUON)  # whole matrices at ZeRO 0
+    fsdp_muon = Candidate("torch_fsdp", dp=2, optimizer=Optimizer.MUON)  # row shards, Newton-Schulz at owners
+    zero_tp_muon = Candidate("hybrid", dp=2, tp=2, zero_stage=1, optimizer=Optimizer.MUON)  # dp, then tp owners
     parser = build_parser()
     for candidate, expected in (
         (hybrid, {"plugin": "hybrid", "nproc": 8, "tp": 2, "pp": 2, "zero": 1, "batch_size": 8, "microbatches": 4}),
@@ -68,6 +70,8 @@ def test_train_plan_printed_commands_parse_into_the_candidate() -> None:
         (Candidate("low_level_zero", dp=2, zero_stage=1), {"plugin": "low_level_zero", "zero": 1}),
         (muon, {"plugin": "low_level_zero", "zero": 1, "optimizer": "muon"}),
         (tp_muon, {"plugin": "hybrid", "tp": 2, "zero": 0, "optimizer": "muon"}),
+        (fsdp_muon, {"plugin": "torch_fsdp", "nproc": 2, "optimizer": "muon"}),
+        (zero_tp_muon, {"plugin": "hybrid", "tp": 2, "zero": 1, "optimizer": "muon"}),
     ):
         command = train_command(candidate, "mixtral", 64, ("--hidden-size", "96", "--num-layers", "3"))
         assert "#" not in command
@@ -76,7 +80,7 @@ def test_train_plan_printed_commands_parse_into_the_candidate() -> None:
             assert getattr(arguments, name) == value, (name, command)
         assert (arguments.seq_len, arguments.hidden_size, arguments.num_layers) == (64, 96, 3)
     assert parser.parse_args(shlex.split(train_command(hybrid, "gpt", 32))[1:]).activation_checkpointing
-    for candidate in (ddp, Candidate("low_level_zero", dp=2, zero_stage=1), muon, tp_muon):  # and back: the same
+    for candidate in (ddp, Candidate("low_level_zero", dp=2, zero_stage=1), muon, tp_muon, fsdp_muon, zero_tp_muon):
         options = parse_options(shlex.split(train_command(candidate, "gpt", 64))[1:])
         assert plan_candidate(options, candidate.world_size) == candidate
 

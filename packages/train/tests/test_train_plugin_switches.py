@@ -210,17 +210,8 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
         ),
         (["--plugin", "hybrid", "--tp", "2", "--sp-mode", "ring", "--seq-len", "15"], "--seq-len 15 must be a"),
         (
-            ["--plugin", "torch_fsdp", "--optimizer", "muon"],
-            "--optimizer muon is not supported by --plugin torch_fsdp; use --plugin torch_ddp or low_level_zero or "
-            "gemini or hybrid or moe_hybrid (Muon needs each matrix whole",
-        ),
-        (
             ["--model", "mixtral", "--plugin", "moe_hybrid", "--tp", "2", "--zero", "1", "--optimizer", "muon"],
             "--optimizer muon with --plugin moe_hybrid --tp 2 steps whole matrices at --zero 0 only",
-        ),
-        (
-            ["--plugin", "hybrid", "--tp", "2", "--zero", "1", "--optimizer", "muon"],
-            "--optimizer muon with --plugin hybrid --tp 2 steps whole matrices at --zero 0 only",
         ),
         (
             ["--plugin", "low_level_zero", "--optimizer", "muon", "--optimizer-states-dtype", "bf16"],
@@ -236,10 +227,13 @@ def test_train_switches_refused_by_name(flags: list[str], message: str, capsys: 
     "flags",
     [
         ["--plugin", "torch_ddp"],
+        ["--plugin", "torch_fsdp"],  # Newton-Schulz on each matrix gathered to an owner rank
         ["--plugin", "low_level_zero", "--zero", "1"],
         ["--plugin", "gemini"],
         ["--plugin", "hybrid", "--tp", "2"],
         ["--plugin", "hybrid", "--zero", "1"],
+        ["--plugin", "hybrid", "--tp", "2", "--zero", "1"],  # a dp owner of each slice, then a tp owner
+        ["--plugin", "hybrid", "--tp", "2", "--zero", "2"],
         ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2"],
         ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2", "--zero", "1"],
         ["--model", "mixtral", "--plugin", "moe_hybrid", "--tp", "2"],

@@ -302,15 +302,7 @@ class Candidate:
 
 def muon_refusal(plugin: str, tp: int, stage: int) -> str | None:
     """Why cx-plan leaves MuonWithAdamW out on this layout (None: it counts it), as cx-train's `--optimizer muon`
-    checks say: Muon needs each matrix whole, so the layouts that hand the optimizer slices refuse it, and two that
-    the plugins now run have no memory model here yet."""
-    if plugin == "torch_fsdp":
-        return "TorchFSDPPlugin steps it on row shards, but cx-plan does not count that yet (cx-train refuses it)"
-    if plugin == "hybrid" and tp > 1 and stage >= 1:
-        return (
-            "HybridParallelPlugin steps it at zero_stage 1/2 with tp > 1 through two owners (dp, then tp), which "
-            "cx-plan does not count yet (cx-train refuses it)"
-        )
+    checks say: Muon needs each matrix whole, so the layouts that hand the optimizer slices refuse it."""
     if plugin == "moe_hybrid" and tp > 1 and stage >= 1:
         return "MoeHybridParallelPlugin with tp > 1 steps whole matrices at zero_stage 0 only (ZeRO steps tp slices)"
     if plugin == "gemini" and tp > 1:

@@ -16,7 +16,7 @@ The rules (each the one the code that would run it checks):
   (GeminiDDP refuses accumulation as cx-train configures it);
 - checkpointing: a ratio of layers under the hybrid plugins (ShardFormer); all or none under the others, and, when
   asked for (`checkpoint_modes`), every layer under torchtitan's selective op policy (transformers' switch only);
-- optimizer muon (MuonWithAdamW): not under torch_fsdp, nor hybrid or moe_hybrid ZeRO 1/2 at tp > 1 (cx refuses
+- optimizer muon (MuonWithAdamW): not under moe_hybrid ZeRO 1/2 at tp > 1 (cx refuses
   them: `muon_refusal`); `optimizer_skips` says so once for the report.
 When no candidate survives, `NoLayoutError` names, per plugin, why.
 """
@@ -194,9 +194,6 @@ def enumerate_candidates(
         if plugin == "moe_hybrid" and not shape.num_experts:
             why.add(f"{shape.name} has no routed experts")
             continue
-        if space.optimizer is Optimizer.MUON and plugin == "torch_fsdp":
-            why.add(f"optimizer muon: {muon_refusal(plugin, 1, 3)}")
-            continue
         if plugin in ("hybrid", "moe_hybrid"):
             found += _parallel(plugin, shape, world, global_batch, seq_len, space, why)
         elif global_batch % world:
@@ -220,11 +217,7 @@ def optimizer_skips(space: SearchSpace) -> tuple[str, ...]:
     if space.optimizer is not Optimizer.MUON:
         return ()
     lines = []
-    for plugin, tp, stage, layouts in (
-        ("torch_fsdp", 1, 3, "torch_fsdp"),
-        ("hybrid", 2, 1, "hybrid at tp > 1 with zero 1/2"),
-        ("moe_hybrid", 2, 1, "moe_hybrid at tp > 1 with zero 1/2"),
-    ):
-        if plugin in space.plugins and (plugin == "torch_fsdp" or space.max_tp > 1):
+    for plugin, tp, stage, layouts in (("moe_hybrid", 2, 1, "moe_hybrid at tp > 1 with zero 1/2"),):
+        if plugin in space.plugins and space.max_tp > 1:
             lines.append(f"not considered under --optimizer muon: {layouts} ({muon_refusal(plugin, tp, stage)})")
     return tuple(lines)

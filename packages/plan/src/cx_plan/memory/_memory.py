@@ -27,6 +27,10 @@ instant adds Newton-Schulz's workspace on the largest matrix. Under tp or pp the
 split is taken in proportion to its elements (whole matrices: its elements x tp); a data-parallel layout's is the
 split's own (the trace counts a tied head beside its embedding, cx steps it once). MoeHybridParallelPlugin at tp > 1
 replicates the routed experts over tp: each rank keeps the states of all its experts and only the rest has tp owners.
+TorchFSDPPlugin over dp > 1 keeps every state on its row shards (no whole master); the step instant adds the busiest
+owner's gathered bf16 matrices, their Newton-Schulz results and workspace, and the rank's nesterov updates.
+Hybrid ZeRO 1/2 at tp > 1 (`tp_zero_owners`): the busiest dp owner's fp32 tp slices and its busiest tp owner's whole
+masters and momenta, and at the step both gathers' receive buffers.
 """
 
 from __future__ import annotations
@@ -41,8 +45,11 @@ from cx_plan.trace._muon_split import (
     MuonSplit,
     busiest_owner,
     experts_stepped_locally,
+    fsdp_rows,
     muon_split,
     rank_load,
+    tp_zero_owners,
+    two_level_loads,
     whole_group,
 )
 
@@ -151,6 +158,18 @@ def _owned_bytes(c: Candidate, n: int, split: MuonSplit) -> _MuonBytes:
         m, k = largest
         workspace = _FP32 * m * k + 2 * 2 * m * k + 3 * 2 * m * m  # nesterov update fp32; bf16 X, new X; A, B, A @ A
         return _MuonBytes(int(scale * split.state_bytes), 0, workspace)
+    if fsdp_rows(c):  # states on the row shards; the owner's bf16 wholes, their result and the send copy
+        owned = busiest_owner(split, group, muon_only=True)
+        m, k = owned.largest_matrix
+        shard = -(-split.muon_elements // group)
+        workspace = 2 * 2 * m * k + 3 * 2 * m * m  # bf16 X, new X; A, B, A @ A on its largest matrix
+        step = 3 * 2 * owned.muon_elements + workspace + _FP32 * shard + 2 * shard  # + nesterov updates, rows back
+        return _MuonBytes(split.state_bytes // group, 0, step)
+    if tp_zero_owners(c):  # dp-whole fp32 slices (1/tp of the dp owner's matrices) and the tp owner's wholes
+        dp_elements, owned = two_level_loads(split, group, c.tp)
+        slices = dp_elements // c.tp
+        state = int(scale * rank_load(c, split).state_bytes)
+        return _MuonBytes(state, _FP32 * (slices + owned.elements), 2 * _FP32 * (slices + owned.elements))
     load = rank_load(c, split)  # the whole parameters it owns, and its AdamW shards under LowLevelZero
     elements = int(scale * load.elements)
     received = 2 if c.plugin == "gemini" else 1  # Gemini gathers the master beside the gradient
@@ -229,6 +248,8 @@ def _for_stage(
     if c.muon:  # the step: the gradients it reads beside the gathered whole ones or Newton-Schulz's workspace
         if c.plugin == "gemini":
             read = 2 * w * n // dp
+        elif c.plugin == "torch_fsdp":
+            read = _FP32 * n // max(1, c.dp)  # the fp32 gradient shards
         elif whole_group(c) > 1 and c.stage >= 1:
             read = _shard(c, n, e, _FP32)
         else:

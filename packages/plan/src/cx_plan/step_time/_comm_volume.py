@@ -25,7 +25,9 @@ n-1 hops; an all-to-all sends (n-1)/n of the local tensor in n-1 hops. Per step 
   master dtype; Gemini sends the master beside them) and gets its slices of the updates back (one scatter per
   owner): each an all-gather-sized volume of the stage's whole-stepped parameters in fp32, after the backward (not
   overlapped): under LowLevelZero's ZeRO 1/2 the Muon matrices only (the AdamW groups step on the shards,
-  `_muon_split.adamw_on_shards`), under Gemini and tp at ZeRO 0 every parameter;
+  `_muon_split.adamw_on_shards`), under Gemini and tp at ZeRO 0 every parameter; under TorchFSDPPlugin the Muon
+  matrices' bf16 updates (`_muon_split.fsdp_rows`); hybrid ZeRO 1/2 at tp > 1 the Muon tp slices over dp, then the
+  dp owner's share of the matrices over tp (`_muon_split.tp_zero_owners`);
   MoeHybridParallelPlugin at tp > 1 gathers no routed experts (replicated over tp, each rank steps its own).
 
 Activation checkpointing repeats a recomputed layer's forward collectives (tp, sp, experts) once more.
@@ -38,7 +40,14 @@ from dataclasses import dataclass
 
 from cx_plan._candidate import Candidate
 from cx_plan.trace._model_spec import ModelShape
-from cx_plan.trace._muon_split import adamw_on_shards, experts_stepped_locally, muon_split, whole_group
+from cx_plan.trace._muon_split import (
+    adamw_on_shards,
+    experts_stepped_locally,
+    fsdp_rows,
+    muon_split,
+    tp_zero_owners,
+    whole_group,
+)
 from cx_plan.trace._oracle import hot_rank_load
 
 __all__ = ["BUCKET_BYTES", "Collective", "step_collectives", "weight_bytes"]
@@ -191,14 +200,23 @@ def _whole_matrices(candidate: Candidate, shape: ModelShape) -> list[Collective]
     counts = shape.parameters
     experts = 0.0 if experts_stepped_locally(c) else counts.experts / c.ep  # replicated over tp: not gathered
     elements = (counts.dense + experts) / c.pp  # the stage's parameters, whole
-    if adamw_on_shards(c):  # only the Muon matrices travel to owners (their share of the model's elements)
+    if adamw_on_shards(c) or fsdp_rows(c):  # only the Muon matrices travel to owners (their share of the elements)
         split = muon_split(shape)
         elements *= split.muon_elements / split.total if split.total else 0.0
-    axes: tuple[str, ...] = ("tp",) if c.stage == 0 and c.plugin != "gemini" else ("dp", "sp")
+    axes: tuple[str, ...] = ("tp",) if c.stage == 0 and c.plugin not in ("gemini", "torch_fsdp") else ("dp", "sp")
     if c.plugin == "moe_hybrid" and axes != ("tp",):
         axes = ("moe_dp", "ep", "sp")
     _, span = _group(c, *axes)
-    sent = (size - 1) / size * elements * _FP32
+    sent = (size - 1) / size * elements * (2 if fsdp_rows(c) else _FP32)  # FSDP: bf16 updates both ways
+    if tp_zero_owners(c):  # ZeRO moves tp slices over dp; then the slices at a dp owner go to tp owners
+        _, tp_span = _group(c, "tp")
+        over_tp = (c.tp - 1) / c.tp * elements / size * _FP32
+        return [
+            Collective("muon gradient gather", size, span, sent / c.tp, size),
+            Collective("muon weight scatter", size, span, sent / c.tp, size),
+            Collective("muon tp gradient gather", c.tp, tp_span, over_tp, c.tp),
+            Collective("muon tp weight scatter", c.tp, tp_span, over_tp, c.tp),
+        ]
     return [
         Collective("muon gradient gather", size, span, sent * (2 if c.plugin == "gemini" else 1), size),
         Collective("muon weight scatter", size, span, sent, size),

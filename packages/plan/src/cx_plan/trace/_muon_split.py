@@ -12,7 +12,10 @@ them owners too, as the Muon parameters. Newton-Schulz runs `ns_steps` (torch.op
 (A @ A) and B @ X on each m x n matrix (m <= n): 2 m^2 n + 2 m^3 + 2 m^2 n FLOPs each; a 3-D expert stack
 orthogonalises each expert's matrix on its own. MoeHybridParallelPlugin at tp > 1 (ZeRO 0) keeps the routed experts
 replicated over tp (cx's MoE policies), so every tp rank steps its own whole expert stacks and only the other
-parameters get owners over tp (`experts_stepped_locally`).
+parameters get owners over tp (`experts_stepped_locally`). TorchFSDPPlugin keeps every state on its row shards and
+gathers only each Muon matrix's bf16 update to its owner for Newton-Schulz (`fsdp_rows`). HybridParallelPlugin at
+ZeRO 1/2 with tp > 1 has two owners per matrix: a dp owner of each tp slice, then a tp owner of the whole matrix
+(`tp_zero_owners`, `two_level_loads`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ __all__ = [
     "adamw_on_shards",
     "busiest_owner",
     "experts_stepped_locally",
+    "fsdp_rows",
+    "tp_zero_owners",
+    "two_level_loads",
     "muon_split",
     "ns_flops",
     "owner_loads",
@@ -161,10 +167,52 @@ def adamw_on_shards(c: Candidate) -> bool:
     return c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage >= 1 and c.dp * c.sp > 1
 
 
+def fsdp_rows(c: Candidate) -> bool:
+    """TorchFSDPPlugin over dp > 1 (`cx_plugins.fsdp.ShardedMuon`): every state on the rank's row shards, Newton-Schulz
+    on each whole Muon matrix at its owner, gathered and scattered back in bf16."""
+    return c.plugin == "torch_fsdp" and c.dp > 1
+
+
+def tp_zero_owners(c: Candidate) -> bool:
+    """HybridParallelPlugin at ZeRO 1/2 with tp > 1 (`cx_plugins.hybrid.ZeroTensorParallelWhole`): ZeRO gathers each
+    Muon matrix's tp slice whole to a dp owner, whose tp group gathers the slices to a tp owner holding the whole fp32
+    master and momentum; the AdamW groups step on ZeRO's flat shards."""
+    return c.plugin == "hybrid" and c.tp > 1 and c.stage >= 1 and c.dp * c.sp > 1
+
+
+@functools.lru_cache(maxsize=64)
+def two_level_loads(split: MuonSplit, dp: int, tp: int) -> tuple[int, OwnerLoad]:
+    """Under `tp_zero_owners`: the busiest dp owner's Muon elements (whole shapes; it holds 1/tp of them, its tp
+    slices) and the busiest tp owner's load among the matrices owned at that dp coordinate."""
+    muon = [i for i, m in enumerate(split.muon) if m]
+    dp_owners = assign_owners([split.shapes[i] for i in muon], dp)
+    best: tuple[int, OwnerLoad] = (0, _load(split, []))
+    for r in range(dp):
+        owned = [i for i, o in zip(muon, dp_owners, strict=True) if o == r]
+        tp_owners = assign_owners([split.shapes[i] for i in owned], tp) if owned else []
+        loads = [_load(split, [i for i, o in zip(owned, tp_owners, strict=True) if o == t]) for t in range(tp)]
+        load = max(loads, key=lambda x: (x.state_bytes + 8 * x.elements, x.ns_flops))
+        elements = sum(_numel(split.shapes[i]) for i in owned)
+        if (elements, load.elements) > (best[0], best[1].elements):
+            best = (elements, load)
+    return best
+
+
 def rank_load(c: Candidate, split: MuonSplit) -> OwnerLoad:
     """What the busiest rank of `c`'s whole-parameter group steps over the whole model: its owner share of the
-    whole parameters and, where `adamw_on_shards`, its flat shard of every AdamW parameter."""
+    whole parameters and, where `adamw_on_shards`, its flat shard of every AdamW parameter. Under `fsdp_rows`: 1/dp
+    of every state and element (no whole master), the busiest owner's Newton-Schulz."""
     group = whole_group(c)
+    if tp_zero_owners(c):  # the busiest tp owner's whole matrices, and a flat shard of every AdamW slice
+        _, owned = two_level_loads(split, group, c.tp)
+        shard = -(-split.adamw_shard_elements(group) // c.tp)
+        return replace(owned, state_bytes=owned.state_bytes + ADAMW_STATE_BYTES * shard, sharded_elements=shard)
+    if fsdp_rows(c):
+        owner = busiest_owner(split, group, muon_only=True)
+        return OwnerLoad(
+            0, split.state_bytes // group, -(-split.muon_elements // group), owner.largest_matrix, owner.ns_flops,
+            -(-split.total // group),
+        )  # fmt: skip
     if not adamw_on_shards(c):
         return busiest_owner(split, group)
     load = busiest_owner(split, group, muon_only=True)
@@ -198,6 +246,8 @@ def whole_group(c: Candidate) -> int:
     the gradient group (dp x sp) under ZeRO 1/2, Gemini's dp, the tp group at hybrid ZeRO 0 (`_tp_whole`)."""
     if adamw_on_shards(c):
         return c.dp * c.sp
+    if fsdp_rows(c):
+        return c.dp
     if c.plugin == "gemini" and c.dp > 1:
         return c.dp
     if c.plugin in ("hybrid", "moe_hybrid") and c.tp > 1:

@@ -41,11 +41,13 @@ _CPU_OFFLOAD = ("low_level_zero", *_HYBRID)  # ZeRO 1/2 optimizer states on the 
 _STATES_DTYPE = ("low_level_zero", "gemini", *_HYBRID)  # optimizer_states_dtype: ZeRO 1/2 and Gemini's optimizers
 _WHOLE_TENSOR = (
     "torch_ddp",
+    "torch_fsdp",
     "low_level_zero",
     "gemini",
     "hybrid",
     "moe_hybrid",
-)  # step a matrix-wise optimizer (Muon) on whole matrices (hybrid, moe_hybrid: --zero 0 at --tp > 1)
+)  # step a matrix-wise optimizer (Muon) on whole matrices (moe_hybrid: --zero 0 at --tp > 1; torch_fsdp:
+# Newton-Schulz on each matrix gathered whole to an owner rank)
 _LORA = ("torch_ddp", "low_level_zero", "hybrid", "gemini")  # plugins whose support_lora() is True
 _MERGE_LORA = ("torch_ddp", "low_level_zero")  # --merge-lora merges on one rank's full weights
 DEFAULT_LORA_TARGETS = "all-linear"  # peft: every linear layer but the output head
@@ -355,7 +357,7 @@ def plugin_switch_problem(args: argparse.Namespace) -> str | None:
 
 def _muon_problem(args: argparse.Namespace) -> str | None:
     """--optimizer muon needs each matrix whole: the plugins that slice parameters for the optimizer refuse it at
-    boost (cx_zero.require_elementwise, HybridParallelPlugin and MoeHybridParallelPlugin over tp slices with ZeRO),
+    boost (cx_zero.require_elementwise, MoeHybridParallelPlugin over tp slices with ZeRO),
     so it is refused here first."""
     if args.optimizer != "muon":
         return None
@@ -365,7 +367,7 @@ def _muon_problem(args: argparse.Namespace) -> str | None:
             f"{_not_for('--optimizer muon', plugin, _WHOLE_TENSOR)} (Muon needs each matrix whole, and --plugin "
             f"{plugin} steps the optimizer on parameter slices)"
         )
-    if plugin in _HYBRID and (args.tp or 1) > 1 and args.zero in (1, 2):
+    if plugin == "moe_hybrid" and (args.tp or 1) > 1 and args.zero in (1, 2):
         return (
             f"--optimizer muon with --plugin {plugin} --tp {args.tp} steps whole matrices at --zero 0 only (ZeRO "
             f"would step each rank's tp slice): drop --zero {args.zero}, or use --tp 1"
