@@ -245,3 +245,12 @@ def test_json_plan_candidates_round_trip_with_the_optimizer(capsys: pytest.Captu
         assert candidate.optimizer is Optimizer.MUON
         assert row["label"].endswith(" muon")
         assert train_command(candidate, "gpt", 32).endswith("--optimizer muon")
+
+
+def test_muon_with_cpu_offload_at_tp_is_refused_as_the_plugin_refuses_it() -> None:
+    """HybridParallelPlugin refuses a whole-tensor optimizer with cpu_offload at tp > 1 (the tp gather would run on
+    CPU masters): the planner's candidate refuses it by the same rule, so it never predicts a layout cx refuses."""
+    with pytest.raises(ValueError, match="not of CPU-offloaded states"):
+        Candidate("hybrid", dp=2, tp=2, zero_stage=1, cpu_offload=True, optimizer=Optimizer.MUON)
+    assert Candidate("hybrid", dp=2, tp=2, zero_stage=1, cpu_offload=True).cpu_offload  # AdamW: taken
+    assert Candidate("hybrid", dp=2, zero_stage=1, cpu_offload=True, optimizer=Optimizer.MUON).cpu_offload  # tp 1

@@ -217,6 +217,10 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
             ["--plugin", "low_level_zero", "--optimizer", "muon", "--optimizer-states-dtype", "bf16"],
             "--optimizer muon keeps fp32 states",
         ),
+        (
+            ["--plugin", "hybrid", "--tp", "2", "--zero", "1", "--cpu-offload", "--optimizer", "muon"],
+            "cannot do on optimizer states offloaded to the CPU: drop --cpu-offload, or use --tp 1",
+        ),
     ],
 )
 def test_train_switches_refused_by_name(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

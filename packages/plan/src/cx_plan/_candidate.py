@@ -196,6 +196,11 @@ class Candidate:
         refused = muon_refusal(self.plugin, self.tp, stage) if self.optimizer is Optimizer.MUON else None
         _require(refused is None, f"optimizer muon: {refused}")
         _require(
+            self.optimizer is Optimizer.ADAMW or not (self.plugin == "hybrid" and self.tp > 1 and self.cpu_offload),
+            "optimizer muon: HybridParallelPlugin gathers tp slices to owners, not of CPU-offloaded states (tp 1, or "
+            "no cpu_offload)",
+        )
+        _require(
             self.optimizer is Optimizer.ADAMW or self.optimizer_states_dtype == "fp32",
             "optimizer_states_dtype bf16 stores Adam's moments with stochastic rounding; optimizer muon keeps fp32 "
             "states (as cx-train refuses the pair)",

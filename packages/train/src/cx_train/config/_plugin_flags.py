@@ -357,8 +357,8 @@ def plugin_switch_problem(args: argparse.Namespace) -> str | None:
 
 def _muon_problem(args: argparse.Namespace) -> str | None:
     """--optimizer muon needs each matrix whole: the plugins that slice parameters for the optimizer refuse it at
-    boost (cx_zero.require_elementwise, MoeHybridParallelPlugin over tp slices with ZeRO),
-    so it is refused here first."""
+    boost (cx_zero.require_elementwise, MoeHybridParallelPlugin over tp slices with ZeRO, HybridParallelPlugin over
+    tp slices with cpu_offload), so it is refused here first."""
     if args.optimizer != "muon":
         return None
     plugin = args.plugin
@@ -371,6 +371,11 @@ def _muon_problem(args: argparse.Namespace) -> str | None:
         return (
             f"--optimizer muon with --plugin {plugin} --tp {args.tp} steps whole matrices at --zero 0 only (ZeRO "
             f"would step each rank's tp slice): drop --zero {args.zero}, or use --tp 1"
+        )
+    if plugin == "hybrid" and (args.tp or 1) > 1 and args.cpu_offload:
+        return (
+            f"--optimizer muon with --plugin hybrid --tp {args.tp} gathers each matrix's tp slices to an owner, which "
+            "it cannot do on optimizer states offloaded to the CPU: drop --cpu-offload, or use --tp 1"
         )
     if args.optimizer_states_dtype != "fp32":
         return (
