@@ -32,9 +32,10 @@ from cx_plan.trace._activations import ActivationTrace, PlanTraceError, _plugin,
 HIDDEN, LAYERS, SEQ = 64, 2, 32
 _TOLERANCE = 0.10
 # TorchFSDP + MuonWithAdamW: the measured step peaks at 1,044,972 or 1,192,684 bytes (the second in about 1 run of 3
-# under load): a Muon-matrix-sized fp32 buffer of the step sits in a reference cycle that Python's collector frees
-# before the peak or after it, when other threads' allocations set its timing. Both are within 13 % of the
-# prediction; the cycle is an open defect of ShardedMuon's step (find and break it, then this goes back to 10 %).
+# under load): a Muon-matrix-sized fp32 buffer of the step is freed before or after the peak. Not a reference cycle
+# (with the collector off through a step nothing is left to collect); most likely a buffer whose release waits for an
+# asynchronous collective to complete. Both are within 13 % of the prediction; the cause is an open defect (find it,
+# then this goes back to 10 %).
 _TOLERANCE_FSDP_MUON = 0.13
 
 
