@@ -5,11 +5,15 @@ parameters after the first optimizer step against the bf16 run's, within Adam's 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
+from cx_mesh import fp8 as cx_fp8
 from cx_mesh.testing import CollectiveBytes, adam_step_tolerance, unit_roundoff
 
 VOCAB, PER_RANK, LENGTH, BATCHES = 64, 2, 16, 4
@@ -149,3 +153,20 @@ def assert_first_step_within_adam(
         same += int(((a - p0).sign() == (b - p0).sign()).sum())
         total += p0.numel()
     return same / total
+
+
+@contextlib.contextmanager
+def fp8_linear_rows() -> Iterator[list[int]]:
+    """The rows of every cx_mesh.fp8.fp8_linear call made through the module attribute (cx-moe's expert matmuls)."""
+    calls: list[int] = []
+    original = cx_fp8.fp8_linear
+
+    def spy(input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(input.shape[0])
+        return original(input, weight, *args, **kwargs)
+
+    cx_fp8.fp8_linear = spy
+    try:
+        yield calls
+    finally:
+        cx_fp8.fp8_linear = original

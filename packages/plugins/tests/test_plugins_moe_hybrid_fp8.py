@@ -9,19 +9,14 @@ measured; no floor asserted).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cx_mesh import fp8 as cx_fp8
 from cx_mesh.testing import count_collective_bytes, distributed
 from cx_plugins import Booster, MoeHybridParallelPlugin
-from fp8_test_helpers import assert_first_step_within_adam, parameters_now
+from fp8_test_helpers import assert_first_step_within_adam, fp8_linear_rows, parameters_now
 
 VOCAB, HIDDEN, EXPERTS, LAYERS, ROWS, LENGTH, STEPS, TOP_K, LR = 64, 32, 4, 2, 4, 16, 30, 2, 3e-3
 Params = dict[str, torch.Tensor]
@@ -38,23 +33,6 @@ def _mixtral() -> nn.Module:
     )  # fmt: skip
     model: nn.Module = transformers.MixtralForCausalLM(config)
     return model
-
-
-@contextlib.contextmanager
-def _fp8_linear_calls() -> Iterator[list[int]]:
-    """Count cx_mesh.fp8.fp8_linear calls made through the module attribute (cx-moe's expert matmuls)."""
-    calls: list[int] = []
-    original = cx_fp8.fp8_linear
-
-    def spy(input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(input.shape[0])
-        return original(input, weight, *args, **kwargs)
-
-    cx_fp8.fp8_linear = spy
-    try:
-        yield calls
-    finally:
-        cx_fp8.fp8_linear = original
 
 
 def _train(layout: dict[str, int], fp8: bool = False) -> tuple[list[float], list[int], int, tuple[Params, Params]]:
@@ -78,7 +56,7 @@ def _train(layout: dict[str, int], fp8: bool = False) -> tuple[list[float], list
     share = ROWS // dp_size
     losses, a2a_bytes, start = [], 0, parameters_now(model)
     first: Params = {}
-    with _fp8_linear_calls() as calls:
+    with fp8_linear_rows() as calls:
         for step in range(STEPS):
             ids = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=torch.Generator().manual_seed(step % 4))
             mine = ids[dp_rank * share : (dp_rank + 1) * share]

@@ -12,18 +12,15 @@ without transformers."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from cx_mesh import fp8 as cx_fp8
 from cx_mesh.testing import count_collective_bytes, distributed
 from cx_plugins import Booster, MoeHybridParallelPlugin
-from fp8_test_helpers import assert_first_step_within_adam, parameters_now
+from fp8_test_helpers import assert_first_step_within_adam, fp8_linear_rows, parameters_now
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,23 +41,6 @@ def _mixtral() -> nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def _expert_fp8_rows() -> Iterator[list[int]]:
-    """The rows of every cx_mesh.fp8.fp8_linear call made through the module attribute (cx-moe's expert matmuls)."""
-    calls: list[int] = []
-    original = cx_fp8.fp8_linear
-
-    def spy(input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(input.shape[0])
-        return original(input, weight, *args, **kwargs)
-
-    cx_fp8.fp8_linear = spy
-    try:
-        yield calls
-    finally:
-        cx_fp8.fp8_linear = original
-
-
 def _train(**switches: Any) -> tuple[list[float], Params, Params, int, int, int, int]:
     """Losses, parameters before and after the first step, how many layers were marked for the ring / fp8, the rows
     cx-moe's fp8 expert matmuls took, and the ring steps run (each an fp8 message; another dtype fails here)."""
@@ -75,7 +55,7 @@ def _train(**switches: Any) -> tuple[list[float], Params, Params, int, int, int,
     data = torch.randint(0, VOCAB, (STEPS, ROWS, LENGTH), generator=torch.Generator().manual_seed(7))
     losses, start = [], parameters_now(model)
     first: Params = {}
-    with _expert_fp8_rows() as rows, count_collective_bytes() as counted:
+    with fp8_linear_rows() as rows, count_collective_bytes() as counted:
         for step in range(STEPS):
             loss = boosted(input_ids=data[step], labels=data[step]).loss
             booster.backward(loss, optimizer)
