@@ -11,7 +11,8 @@ a step is forward + loss + backward + AdamW + barrier, each ratio the median of 
 - torch pipelining pp 2: `Schedule1F1B` over two `PipelineStage`s (embedding + first half of the layers; second half +
   norm + head), `n_microbatches=4`;
 - cx pp 2: `HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=4, precision="fp32")` and
-  `booster.execute_pipeline`;
+  `booster.execute_pipeline`; again with `num_layers_per_stage="balanced"` (layers split by matmul parameters: 3 / 1
+  here, the head on the last stage outweighing a layer; torch's stages and the plain cx ones split 2 / 2);
 - on 4 processes, torch-native tp 2 x pp 2: the same two pipeline stages, each tensor-parallel over its tp submesh of
   a (pp, tp) `DeviceMesh` with the config's `base_model_tp_plan` (the head colwise, replicated output), against cx
   `HybridParallelPlugin(tp_size=2, pp_size=2, num_microbatches=4)`. 4 processes on a 2-core machine oversubscribe
@@ -253,6 +254,7 @@ def _worker(rank: int, world_size: int, out: str) -> None:
         "cx tp 2": _cx(tp_size=2, pp_size=1),
         "torch pipelining pp 2 (1F1B)": _torch_pipeline(rank),
         "cx pp 2 (1F1B)": _cx(tp_size=1, pp_size=2, num_microbatches=MICRO),
+        "cx pp 2 (1F1B, balanced)": _cx(tp_size=1, pp_size=2, num_microbatches=MICRO, num_layers_per_stage="balanced"),
     }
     systems = {name: step for name, (step, _) in built.items()}
     held = {name: size for name, (_, size) in built.items()}
@@ -260,7 +262,12 @@ def _worker(rank: int, world_size: int, out: str) -> None:
     sizes = [torch.zeros(len(held), dtype=torch.float64) for _ in range(world_size)]
     dist.all_gather(sizes, torch.tensor(list(held.values()), dtype=torch.float64))
     if rank == 0:
-        pairs = (("cx tp 2", "DTensor TP"), ("cx pp 2 (1F1B)", "torch pipelining pp 2 (1F1B)"))
+        pipelining = "torch pipelining pp 2 (1F1B)"
+        pairs = (
+            ("cx tp 2", "DTensor TP"),
+            ("cx pp 2 (1F1B)", pipelining),
+            ("cx pp 2 (1F1B, balanced)", pipelining),
+        )
         ratios = {
             f"{name} / {base}": statistics.median(a / b for a, b in zip(times[name], times[base], strict=True))
             for name, base in pairs + tuple((name, "one process") for name in systems if name != "one process")

@@ -45,6 +45,28 @@ def test_plugins_hybrid_pp2(rank: int, world_size: int, style: dict[str, Any], z
 
 
 @distributed(world_size=2)
+def test_plugins_hybrid_pp2_balanced_layers(rank: int, world_size: int) -> None:
+    """num_layers_per_stage="balanced" splits a 5-layer Llama 3/2 (the last stage holds the head; the even split is
+    2/3) and trains as one process does."""
+    model = llama(5)
+    plugin = HybridParallelPlugin(
+        tp_size=1, pp_size=2, precision="fp32", num_microbatches=2, num_layers_per_stage="balanced"
+    )
+    train_and_compare(plugin, model_fn=lambda: model, steps=3)
+    held = [i for i, layer in enumerate(model.model.layers) if not next(layer.parameters()).is_meta]
+    assert held == ([0, 1, 2] if rank == 0 else [3, 4])
+
+
+def test_plugins_hybrid_layers_per_stage_names_its_values() -> None:
+    from cx_plugins.hybrid._options import parse_layers_per_stage
+
+    assert parse_layers_per_stage("balanced", "P") == (None, True)
+    assert parse_layers_per_stage([1, 3], "P") == ((1, 3), False)
+    with pytest.raises(ValueError, match=r"num_layers_per_stage takes a list of layer counts, None .* or 'balanced'"):
+        parse_layers_per_stage("even", "HybridParallelPlugin")
+
+
+@distributed(world_size=2)
 @pytest.mark.parametrize("zero_stage", [1, 2])
 def test_plugins_hybrid_zero_dp2(rank: int, world_size: int, zero_stage: int) -> None:
     train_and_compare(HybridParallelPlugin(tp_size=1, pp_size=1, precision="fp32", zero_stage=zero_stage))

@@ -1,6 +1,7 @@
 """cx-pipeline: the pipeline axis of cx's hybrid plugins.
 
-- `PipelineStageManager`: this rank's stage, neighbours, pipeline group and the layer distribution.
+- `PipelineStageManager`: this rank's stage, neighbours, pipeline group and the layer distribution (even, given,
+  or balanced by cost: `balance_layers`, `layer_costs`, `balanced_layers`).
 - Schedules with ColossalAI's names and `forward_backward_step`: `OneForwardOneBackwardSchedule`,
   `InterleavedSchedule`, `ZeroBubbleVPipeScheduler` (zero-bubble V, split backward).
 - Splitting models into stages: `PipelineSplittable` (the protocol a model implements), `split_model`, the
@@ -11,6 +12,7 @@
 """
 
 from cx_pipeline._actions import Action, ActionKind
+from cx_pipeline._balance import LayerCosts, balanced_layers, layer_costs
 from cx_pipeline._errors import EmptyDataIterError, PipelineConfigError
 from cx_pipeline._hf import GPT2Splitter, HFDecoderSplitter
 from cx_pipeline._interleaved import InterleavedSchedule
@@ -28,6 +30,9 @@ from cx_pipeline._zero_bubble import ZeroBubbleVPipeScheduler
 __all__ = [
     # stages
     "PipelineStageManager",
+    "LayerCosts",
+    "layer_costs",
+    "balanced_layers",
     "EmptyDataIterError",
     "PipelineConfigError",
     # schedules

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from cx_pipeline._balance import layer_costs
 from cx_pipeline._errors import PipelineConfigError
 from cx_pipeline._model import PipelineModel, SharedParameter
 from cx_pipeline._stage_manager import PipelineStageManager
@@ -56,7 +57,8 @@ def split_model(
         )
     manager = stage_manager
     num_virtual = manager.num_virtual_stages
-    layers = manager.distribute_layers(model.pipeline_num_layers())
+    costs = layer_costs(model) if manager.balance_layers and manager.num_layers_per_stage is None else None
+    layers = manager.distribute_layers(model.pipeline_num_layers(), costs=costs)
     bounds = [0]
     for count in layers:
         bounds.append(bounds[-1] + count)

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 from cx_mesh import Axis, ProcessGroup, ProcessGroupMesh
+from cx_pipeline._balance import LayerCosts, balanced_layers
 from cx_pipeline._errors import PipelineConfigError
 
 __all__ = ["PipelineStageManager"]
@@ -31,6 +32,7 @@ class PipelineStageManager:
         use_zbv: bool = False,
         num_model_chunks: int = 1,
         num_layers_per_stage: Sequence[int] | None = None,
+        balance_layers: bool = False,
     ) -> None:
         if not isinstance(num_model_chunks, int) or num_model_chunks < 1:
             raise PipelineConfigError(f"num_model_chunks must be a positive integer, got {num_model_chunks!r}")
@@ -53,6 +55,11 @@ class PipelineStageManager:
         self.model_chunk_id: int | None = None
         self._num_stages = pg_mesh.size(self.pipeline_axis)
         self._stage = pg_mesh.coordinate(self.pipeline_axis)
+        if balance_layers and num_layers_per_stage is not None:
+            raise PipelineConfigError(
+                "balance_layers splits the layers by cost, num_layers_per_stage gives the split: pass one of them"
+            )
+        self.balance_layers = balance_layers
         if num_layers_per_stage is not None:
             layers = list(num_layers_per_stage)
             expected = self._num_stages * num_model_chunks
@@ -163,12 +170,17 @@ class PipelineStageManager:
 
     # ---- layer distribution -------------------------------------------------------------------------------------
     def distribute_layers(
-        self, num_layers: int, num_stages: int | None = None, num_model_chunks: int | None = None
+        self,
+        num_layers: int,
+        num_stages: int | None = None,
+        num_model_chunks: int | None = None,
+        costs: LayerCosts | None = None,
     ) -> list[int]:
         """Layers per virtual stage (stage-major per chunk: chunk 0's stages first, then chunk 1's, ...).
 
-        `num_layers_per_stage` when given (it must sum to `num_layers`); otherwise an even split, the remainder going
-        to the middle stages, because the first holds the embeddings and the last the head.
+        `num_layers_per_stage` when given (it must sum to `num_layers`); with `costs` (`balance_layers`) the
+        contiguous split whose costliest virtual stage is cheapest (`cx_pipeline._balance`); otherwise an even split,
+        the remainder going to the middle stages, because the first holds the embeddings and the last the head.
         """
         num_stages = self._num_stages if num_stages is None else num_stages
         num_model_chunks = self.num_model_chunks if num_model_chunks is None else num_model_chunks
@@ -185,6 +197,10 @@ class PipelineStageManager:
                 f"the model has {num_layers} layers, fewer than the {slots} pipeline slots (num_stages={num_stages} x "
                 f"num_model_chunks={num_model_chunks}): every stage needs at least one layer"
             )
+        if costs is not None:
+            if len(costs.layers) != num_layers:
+                raise PipelineConfigError(f"{len(costs.layers)} layer costs for a model of {num_layers} layers")
+            return balanced_layers(costs, slots)
         quotient, remainder = divmod(num_layers, slots)
         layers = [quotient] * slots
         start = slots // 2 - remainder // 2

@@ -14,6 +14,7 @@ from cx_plugins.hybrid._options import (
     PipelineOptions,
     ZeroOptions,
     check_custom_policy,
+    parse_layers_per_stage,
     parse_pipeline_style,
 )
 from cx_plugins.options._ddp import DDPOptions
@@ -63,7 +64,7 @@ def hybrid_options(
     custom_policy: Policy | None,
     pp_style: str,
     num_model_chunks: int,
-    num_layers_per_stage: Sequence[int] | None,
+    num_layers_per_stage: Sequence[int] | str | None,
     gradient_checkpoint_config: GradientCheckpointConfig | None,
     enable_metadata_cache: bool,
     make_vocab_size_divisible_by: int,
@@ -84,6 +85,7 @@ def hybrid_options(
             "inner_ring_size=None (ring_attn runs one ring over the sp group)"
         )
     custom_policy = check_custom_policy(custom_policy, name)
+    layers_per_stage, balance_layers = parse_layers_per_stage(num_layers_per_stage, name)
     shardformer = ShardFormerOptions(
         enable_all_optimization=enable_all_optimization,
         enable_fused_normalization=enable_fused_normalization,
@@ -135,7 +137,8 @@ def hybrid_options(
             num_microbatches=num_microbatches,
             microbatch_size=microbatch_size,
             num_model_chunks=num_model_chunks,
-            num_layers_per_stage=None if num_layers_per_stage is None else tuple(num_layers_per_stage),
+            num_layers_per_stage=layers_per_stage,
+            balance_layers=balance_layers,
             enable_metadata_cache=enable_metadata_cache,
             overlap_p2p=overlap_p2p,
             fp8_communication=fp8_communication,

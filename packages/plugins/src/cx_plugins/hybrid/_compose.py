@@ -39,6 +39,7 @@ def build_pipeline(layout: ParallelLayout, o: PipelineOptions) -> tuple[Pipeline
         use_zbv=o.style is PipelineStyle.ZBV,
         num_model_chunks=o.num_model_chunks,
         num_layers_per_stage=None if o.num_layers_per_stage is None else list(o.num_layers_per_stage),
+        balance_layers=o.balance_layers,
     )
     schedule: PipelineSchedule
     common = (o.microbatch_size, o.enable_metadata_cache, o.overlap_p2p, o.fp8_communication)

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import math
 import reprlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,7 @@ class PipelineOptions:
     microbatch_size: int | None = None
     num_model_chunks: int = 1
     num_layers_per_stage: tuple[int, ...] | None = None
+    balance_layers: bool = False  # num_layers_per_stage="balanced": layers split by matmul parameters (cx_pipeline)
     enable_metadata_cache: bool = True
     overlap_p2p: bool = True
     fp8_communication: bool = False  # activations and gradients between stages in fp8
@@ -185,7 +187,7 @@ class HybridParallelOptions:
                 "microbatch_size": pipeline.microbatch_size is not None,
                 "pp_style": pipeline.style is not PipelineOptions.style,
                 "num_model_chunks": pipeline.num_model_chunks != PipelineOptions.num_model_chunks,
-                "num_layers_per_stage": pipeline.num_layers_per_stage is not None,
+                "num_layers_per_stage": pipeline.num_layers_per_stage is not None or pipeline.balance_layers,
                 "enable_metadata_cache": pipeline.enable_metadata_cache != PipelineOptions.enable_metadata_cache,
                 "overlap_p2p": pipeline.overlap_p2p != PipelineOptions.overlap_p2p,
             }
@@ -246,6 +248,19 @@ def _check_pipeline(pipeline: PipelineOptions, pp_size: int, plugin: str) -> Non
         raise ValueError(f"{plugin}: pp_style='interleaved' needs num_model_chunks >= 2, got {chunks}")
     if style is PipelineStyle.ZBV and chunks != 2:
         raise ValueError(f"{plugin}: pp_style='zbv' needs num_model_chunks=2 (the V), got {chunks}")
+
+
+def parse_layers_per_stage(value: Sequence[int] | str | None, plugin: str) -> tuple[tuple[int, ...] | None, bool]:
+    """`num_layers_per_stage`: counts per virtual stage, None (an even split) or "balanced" (by cost); returns the
+    counts and whether to balance."""
+    if isinstance(value, str):
+        if value != "balanced":
+            raise ValueError(
+                f"{plugin}: num_layers_per_stage takes a list of layer counts, None (even) or 'balanced' (by each "
+                f"stage's matmul parameters, the head included), got {value!r}"
+            )
+        return None, True
+    return (None if value is None else tuple(value)), False
 
 
 def parse_pipeline_style(value: str, plugin: str) -> PipelineStyle:

@@ -96,7 +96,7 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
         custom_policy: Policy | None = None,
         pp_style: str = "1f1b",
         num_model_chunks: int = 1,
-        num_layers_per_stage: Sequence[int] | None = None,
+        num_layers_per_stage: Sequence[int] | str | None = None,
         gradient_checkpoint_config: GradientCheckpointConfig | None = None,
         enable_metadata_cache: bool = True,
         make_vocab_size_divisible_by: int = 64,
