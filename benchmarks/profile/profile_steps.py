@@ -2,12 +2,12 @@
 
 Run: `OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo HF_HUB_OFFLINE=1 .nox/tests/bin/python
 benchmarks/profile/profile_steps.py [mode ...]` (a few minutes; `CX_BENCH_SMOKE=1` for a seconds-long check).
-Modes are those of the step benchmarks, built by their own harnesses so the models and settings are theirs:
-hybrid tp 2, hybrid pp 2 1F1B, hybrid pp 2 interleaved (benchmarks/hybrid), MoeHybrid ep 2 zero 1 on the dense-heavy
-Mixtral (benchmarks/moe_hybrid), LowLevelZero stage 2 (benchmarks/zero) and Gemini bf16 (benchmarks/gemini); 2 gloo
-ranks, one thread each.
+Modes are those of the step benchmarks, built by their own harnesses so the models and settings are theirs: hybrid
+tp 2, hybrid pp 2 1F1B (even, and `num_layers_per_stage="balanced"`), hybrid pp 2 interleaved (benchmarks/hybrid),
+MoeHybrid ep 2 zero 1 on the dense-heavy Mixtral (benchmarks/moe_hybrid), LowLevelZero stage 2 (benchmarks/zero) and
+Gemini bf16 (benchmarks/gemini); 2 gloo ranks, one thread each.
 
-For each mode, on rank 0, after warm-up steps:
+For each mode, on each rank, after warm-up steps:
 - wall: median of unprofiled steps (between barriers, as the harnesses time them);
 - compute: self time of the `aten::` operators on the step's thread under `torch.profiler` (on CPU the kernels run
   on that thread);
@@ -122,6 +122,7 @@ def _gemini(rank: int) -> Step:
 MODES: dict[str, Callable[[int], Step]] = {
     "hybrid tp 2": _hybrid(tp_size=2, pp_size=1),
     "hybrid pp 2 1F1B": _hybrid(tp_size=1, pp_size=2, num_microbatches=4),
+    "hybrid pp 2 1F1B balanced": _hybrid(tp_size=1, pp_size=2, num_microbatches=4, num_layers_per_stage="balanced"),
     "hybrid pp 2 interleaved": _hybrid(
         tp_size=1, pp_size=2, num_microbatches=4, pp_style="interleaved", num_model_chunks=2
     ),
@@ -232,7 +233,8 @@ def main() -> None:
     for mode in modes:
         for rank, by_mode in enumerate(results["ranks"]):
             r = by_mode[mode]
-            share = f"{r['one_process_share']:.0f}" if "one_process_share" in r else "-"
+            first = results["ranks"][0][mode]  # one process ran on rank 0
+            share = f"{first['one_process_share']:.0f}" if "one_process_share" in first else "-"
             parts = " | ".join(f"{r[key]:.0f}" for key in ("wall", "compute", "communication", "waiting", "host"))
             print(f"| {mode} | {rank} | {parts} | {share} |")
     for mode in modes:
