@@ -45,16 +45,27 @@ def test_plugins_hybrid_pp2(rank: int, world_size: int, style: dict[str, Any], z
 
 
 @distributed(world_size=2)
-def test_plugins_hybrid_pp2_balanced_layers(rank: int, world_size: int) -> None:
-    """num_layers_per_stage="balanced" splits a 5-layer Llama 3/2 (the last stage holds the head; the even split is
-    2/3) and trains as one process does."""
-    model = llama(5)
+@pytest.mark.parametrize(
+    ("layers", "style", "held_by_rank"),
+    [
+        (5, {"pp_style": "1f1b"}, ([0, 1, 2], [3, 4])),  # 3 / 2; even: 2 / 3
+        (7, {"pp_style": "interleaved", "num_model_chunks": 2}, ([0, 1, 4, 5], [2, 3, 6])),  # 2/2/2/1; even: 1/2/2/2
+    ],
+    ids=["1f1b", "interleaved"],
+)
+def test_plugins_hybrid_pp2_balanced_layers(
+    rank: int, world_size: int, layers: int, style: dict[str, Any], held_by_rank: tuple[list[int], list[int]]
+) -> None:
+    """num_layers_per_stage="balanced" splits a Llama by cost (the last virtual stage holds the head, so it gets no
+    extra layer, unlike the even split) and trains as one process does."""
+    model = llama(layers)
     plugin = HybridParallelPlugin(
-        tp_size=1, pp_size=2, precision="fp32", num_microbatches=2, num_layers_per_stage="balanced"
+        tp_size=1, pp_size=2, precision="fp32", num_microbatches=2, num_layers_per_stage="balanced", **style
     )
     train_and_compare(plugin, model_fn=lambda: model, steps=3)
-    held = [i for i, layer in enumerate(model.model.layers) if not next(layer.parameters()).is_meta]
-    assert held == ([0, 1, 2] if rank == 0 else [3, 4])
+    decoder_layers: Any = model.get_submodule("model.layers")
+    held = [i for i, layer in enumerate(decoder_layers) if not next(layer.parameters()).is_meta]
+    assert held == held_by_rank[rank]
 
 
 def test_plugins_hybrid_layers_per_stage_names_its_values() -> None:

@@ -25,7 +25,7 @@ from cx_train import GrammarText, TrainOptions, parse_options
 from cx_train._train import run
 from cx_train.data._grammar import CharTokenizer
 from cx_train.metrics._progress import expert_counts
-from cx_train.models._plugins import plan_candidate
+from cx_train.models._plugins import plan_candidate, plugin_extras
 from cx_train.models._spec import ModelError, ModelSpec, build_model, check_builds, describe_model
 
 transformers = pytest.importorskip("transformers")
@@ -215,6 +215,10 @@ def test_train_models_parallel_flags(monkeypatch: pytest.MonkeyPatch, capsys: py
     hybrid = ["--plugin", "hybrid"]
     assert "--ep (expert parallelism) applies to --plugin moe_hybrid only" in _refused([*hybrid, "--ep", "2"], capsys)
     assert "--microbatches needs --pp 2 or more" in _refused([*hybrid, "--microbatches", "2"], capsys)
+    assert "--pp-layers needs --pp 2 or more" in _refused([*hybrid, "--pp-layers", "balanced"], capsys)
+    balanced = parse_options([*hybrid, "--pp", "2", "--nproc", "2", "--pp-layers", "balanced"])
+    assert plugin_extras(balanced) == {"num_layers_per_stage": "balanced"}
+    assert plugin_extras(parse_options([*hybrid, "--pp", "2", "--nproc", "2"])) == {}
     error = _refused([*hybrid, "--tp", "2", "--nproc", "3"], capsys)
     assert "3 processes do not split into tp 2 x pp 1 x sp 1 = 2: use --nproc 2, 4, 6" in error
     error = _refused([*hybrid, "--pp", "2", "--microbatches", "3", "--nproc", "2"], capsys)

@@ -6,7 +6,8 @@ first idles (measured on a 4-layer Llama with a 4k vocabulary at pp 2: the last 
 Megatron-LM offers counting the embedding and the loss as whole layers; here each stage's cost is the number of
 matmul parameters it holds (the FLOPs of a token through it are twice that), so the head counts at its size and the
 embedding lookup, which does no matmul, counts nothing. The split is the contiguous one whose costliest stage is
-cheapest (every stage keeps at least one layer). Mixture-of-experts layers count all their experts, so a model of
+cheapest (every stage keeps at least one layer); with several chunks per rank that is each virtual stage, a proxy
+for the rank's sum. Mixture-of-experts layers count all their experts, so a model of
 MoE layers only is balanced as if every expert ran; that over-weights the layers against the head, never the reverse.
 """
 

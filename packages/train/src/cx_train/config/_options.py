@@ -28,6 +28,7 @@ from cx_train.config._parser import (
     DEFAULT_TIMEOUT_S,
     HYBRID_CLASSES,
     PLUGINS,
+    PP_LAYER_SPLITS,
     PP_STYLES,
     build_parser,
 )
@@ -97,6 +98,7 @@ class TrainOptions:
     zero: int = 0  # the ZeRO stage of hybrid / moe_hybrid, or of low_level_zero (where 0 means its default, 2)
     microbatches: int = 1  # pipeline micro-batches per step (the pipeline size unless --microbatches says)
     pp_style: str = PP_STYLES[0]
+    pp_layers: str = PP_LAYER_SPLITS[0]  # --pp-layers: "even" or "balanced" (by cost)
     timeout: float = DEFAULT_TIMEOUT_S  # seconds: the process groups' and named collectives' timeout
     data: DataSettings | None = None  # --data and its flags (_data_flags); None: the embedded grammar text
     eval_every: int = 0  # steps between evaluations (0: only at the end), with --eval-data / --eval-fraction
@@ -152,7 +154,7 @@ def plugin_missing(plugin: str) -> str | None:
     return f"--plugin {plugin}: {name} is not available yet in this cx-plugins ({cx_plugins.__version__})"
 
 
-_HYBRID_FLAGS = ("tp", "pp", "ep", "sp", "zero", "microbatches", "pp_style")
+_HYBRID_FLAGS = ("tp", "pp", "ep", "sp", "zero", "microbatches", "pp_style", "pp_layers")
 
 
 def _flag(name: str) -> str:
@@ -178,8 +180,9 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
     if args.ep is not None and args.plugin != "moe_hybrid":
         return "--ep (expert parallelism) applies to --plugin moe_hybrid only"
     pp = args.pp or 1
-    if pp == 1 and (args.microbatches is not None or args.pp_style is not None):
-        return f"{'--microbatches' if args.microbatches is not None else '--pp-style'} needs --pp 2 or more"
+    pipeline_only = [name for name in ("microbatches", "pp_style", "pp_layers") if getattr(args, name) is not None]
+    if pp == 1 and pipeline_only:
+        return f"{_flag(pipeline_only[0])} needs --pp 2 or more"
     if args.model not in MODEL_CHOICES:
         sized = [f for f in ("hidden_size", "num_layers") if getattr(args, f) is not None]
         if sized:
@@ -373,6 +376,7 @@ def validated_options(args: argparse.Namespace, world_size: int | None = None) -
         zero=args.zero or 0,
         microbatches=args.microbatches or args.pp or 1,
         pp_style=args.pp_style or PP_STYLES[0],
+        pp_layers=args.pp_layers or PP_LAYER_SPLITS[0],
         data=data_settings(args),
         eval_every=args.eval_every,
         metrics=args.metrics,

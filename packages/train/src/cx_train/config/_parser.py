@@ -30,6 +30,7 @@ __all__ = [
 HYBRID_CLASSES = {"hybrid": "HybridParallelPlugin", "moe_hybrid": "MoeHybridParallelPlugin"}
 PLUGINS = ("gemini", "low_level_zero", "torch_ddp", "torch_fsdp", *HYBRID_CLASSES)
 PRECISIONS = ("fp32", "bf16", "fp16")
+PP_LAYER_SPLITS = ("even", "balanced")  # the plugins' num_layers_per_stage=None / "balanced"
 PP_STYLES = ("1f1b", "interleaved", "zbv")  # zbv: the zero-bubble V schedule, two chunks per stage
 DEFAULT_HIDDEN, DEFAULT_LAYERS = 128, 2
 DEFAULT_TIMEOUT_S = 600.0  # cx_mesh.DEFAULT_TIMEOUT (10 minutes), without importing torch; a test asserts they agree
@@ -167,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--microbatches", type=_positive, default=None, help="micro-batches per step with --pp (default: --pp)"
     )
     hybrid.add_argument("--pp-style", choices=PP_STYLES, default=None, help="pipeline schedule (default: 1f1b)")
+    hybrid.add_argument(
+        "--pp-layers",
+        choices=PP_LAYER_SPLITS,
+        default=None,
+        help="layers per stage: even by count (default) or balanced by cost (the head counted at its size)",
+    )
     add_plugin_arguments(parser)
     add_data_arguments(parser)
     add_training_arguments(parser)

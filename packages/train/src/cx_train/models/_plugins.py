@@ -80,6 +80,8 @@ def plugin_extras(options: TrainOptions) -> dict[str, Any]:
         extras["fp8_recipe"] = s.fp8_recipe  # (the planner judges no fp8: neither changes its memory or time)
     if s.shard_fraction is not None:
         extras["shard_param_frac"] = s.shard_fraction
+    if options.pp > 1 and options.pp_layers == "balanced":  # the planner splits evenly; balanced lowers the last stage
+        extras["num_layers_per_stage"] = "balanced"
     return extras
 
 
