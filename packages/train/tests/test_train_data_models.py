@@ -9,6 +9,8 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
 from cx_mesh.testing import run_distributed
 from cx_train import parse_options
 from cx_train._train import run
@@ -62,6 +64,10 @@ def test_train_data_mixtral_learns_resumes_and_reports_experts(tmp_path: Path) -
         # the busiest expert's tokens (<= all tokens) over the mean expert's (2 / 4 of the tokens): 1 <= it <= 2
         assert math.isfinite(record["expert_balance"]), record
         assert 1 <= record["expert_balance"] <= 2, record
+        counts = torch.tensor(record["expert_counts"], dtype=torch.float64)  # [layers, experts]: cx-plan --expert-load
+        assert counts.shape[1] == 4, record
+        expected = counts.max(dim=1).values / counts.mean(dim=1)
+        assert math.isclose(float(expected.max()), record["expert_balance"], rel_tol=1e-9), record
 
 
 def test_train_data_llama_folder_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:

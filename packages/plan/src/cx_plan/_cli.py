@@ -9,6 +9,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cx_plan._candidate import OPTIMIZER_STATES_DTYPES, OPTIMIZERS, PIPELINE_STYLES, PLUGINS, PRECISIONS, Optimizer
@@ -25,6 +26,7 @@ from cx_plan._devices import (
     parse_reserve,
 )
 from cx_plan._enumerate import SearchSpace
+from cx_plan._expert_load import read_expert_load
 from cx_plan._planner import MemoryModel, plan, traced_memory_model
 from cx_plan._report import PlanRow, row_label
 from cx_plan.step_time._step_time import ACHIEVABLE_FRACTION
@@ -131,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="MoE: the hottest expert's tokens over the mean expert's (>= 1; 1 is balanced); the plan predicts the "
         "worst expert-parallel rank's memory and step time",
+    )
+    parser.add_argument(
+        "--expert-load",
+        type=Path,
+        default=None,
+        help="MoE: a measured histogram instead of --routing-skew: cx-train's --metrics FILE.jsonl (its expert_counts) "
+        "or a JSON list of per-layer token counts per expert; each ep size gets its hottest rank's share",
     )
     parser.add_argument("--efficiency", type=float, default=ACHIEVABLE_FRACTION, help="achievable fraction of peak")
     parser.add_argument("--top", type=int, default=10, help="fitting rows to print")
@@ -273,6 +282,7 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
         precision=args.precision,
         optimizer_states_dtype=args.optimizer_states_dtype,
         routing_skew=_routing_skew(args.routing_skew),
+        expert_load=None if args.expert_load is None else read_expert_load(args.expert_load),
         optimizer=Optimizer(args.optimizer),
     )
     if shadowed_builtin(args.model):

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from cx_plan._candidate import PLUGINS, Candidate, Optimizer, muon_refusal
+from cx_plan._expert_load import ExpertLoad
 from cx_plan.trace._model_spec import ModelShape
 
 __all__ = ["NoLayoutError", "SearchSpace", "enumerate_candidates", "optimizer_skips"]
@@ -54,6 +55,7 @@ class SearchSpace:
     precision: str = "bf16"
     optimizer_states_dtype: str = "fp32"  # "bf16": Adam's moments in bf16 wherever the layout runs ZeRO 1/2 or Gemini
     routing_skew: float = 1.0  # the hottest expert's tokens over the mean's, set on the moe_hybrid candidates
+    expert_load: ExpertLoad | None = None  # a measured histogram instead: each ep size's hot-rank share (_expert_load)
     optimizer: Optimizer = Optimizer.ADAMW  # MUON: MuonWithAdamW, only on the layouts cx steps it on
 
 
@@ -165,8 +167,27 @@ def _pipelines(
                 plugin, dp=dp, tp=tp, pp=pp, sp=sp, sp_mode=mode, ep=ep, zero_stage=stage, micro_batch_size=micro,
                 num_microbatches=count, pp_style=style, checkpoint_ratio=ratio, precision=space.precision,
                 optimizer_states_dtype=space.optimizer_states_dtype if stage >= 1 else "fp32",
-                routing_skew=space.routing_skew if plugin == "moe_hybrid" else 1.0, optimizer=space.optimizer,
+                routing_skew=_routing_skew(space, plugin, ep), optimizer=space.optimizer,
             )  # fmt: skip
+
+
+def _routing_skew(space: SearchSpace, plugin: str, ep: int) -> float:
+    if plugin != "moe_hybrid":
+        return 1.0
+    return space.routing_skew if space.expert_load is None else space.expert_load.hot_rank_share(ep)
+
+
+def _check_expert_load(space: SearchSpace, shape: ModelShape) -> None:
+    load = space.expert_load
+    if load is None:
+        return
+    if space.routing_skew != 1:
+        raise ValueError("give the routing either as --routing-skew or as --expert-load, not both")
+    if load.num_experts != shape.num_experts:
+        raise ValueError(
+            f"the expert load ({load.source}) counts {load.num_experts} experts per layer, the model has "
+            f"{shape.num_experts}: measure it on the model being planned"
+        )
 
 
 def enumerate_candidates(
@@ -176,6 +197,7 @@ def enumerate_candidates(
     space = SearchSpace() if space is None else space
     if not space.routing_skew >= 1:
         raise ValueError(f"routing_skew must be >= 1 (1: balanced routing), got {space.routing_skew}")
+    _check_expert_load(space, shape)
     if world < 1:
         raise NoLayoutError(f"the world size must be a positive number of devices, got {world}")
     unknown = [p for p in space.plugins if p not in PLUGINS]

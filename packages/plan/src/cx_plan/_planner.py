@@ -111,8 +111,15 @@ def plan(
         shape.name, world, seq_len, device, ranked, considered=len(candidates), model_flags=train_flags(shape),
         block_class=_block_class(shape) if any(r.candidate.fsdp_wrap == "block" for r in ranked) else None,
         stopped=stopped, routing_skew=1.0 if space is None else space.routing_skew,
+        expert_load=_expert_load_note(space, candidates),
         skipped=() if space is None else optimizer_skips(space),
     )  # fmt: skip
+
+
+def _expert_load_note(space: SearchSpace | None, candidates: list[Candidate]) -> str | None:
+    if space is None or space.expert_load is None:
+        return None
+    return space.expert_load.describe(sorted({c.ep for c in candidates if c.plugin == "moe_hybrid"}))
 
 
 def _block_class(shape: ModelShape) -> str:

@@ -208,6 +208,7 @@ class PlanReport:
     block_class: str | None = None  # the decoder layer's class, named in per-block FSDP's constructor call
     stopped: str | None = None  # why the search ended before its usual end (the time limit), said in the output
     routing_skew: float = 1.0  # the MoE candidates' (SearchSpace.routing_skew): > 1 predicts the worst ep rank
+    expert_load: str | None = None  # a measured histogram's hot-rank shares, said (ExpertLoad.describe)
     skipped: tuple[str, ...] = ()  # layouts left out for the optimizer (`optimizer_skips`), said once
 
     @property
@@ -221,6 +222,7 @@ class PlanReport:
             f"cx-plan: {self.model} on {self.world} x {self.device.name} ({self._memory()}), "
             f"seq {self.seq_len}; {self._judged()}, {sum(r.memory.fits for r in self.rows)} fit",
             *([f"routing skew {self.routing_skew:g}: the worst rank's memory and time"] * (self.routing_skew != 1)),
+            *([self.expert_load] if self.expert_load else []),
             *self.skipped,
             f"{'#':>3}  {'configuration':<60} {'fits':<5} {'peak':>10} {'step ms':>9} {'tokens/s':>11} {'MFU':>6}",
         ]
@@ -273,6 +275,7 @@ class PlanReport:
             "world": self.world,
             "seq_len": self.seq_len,
             "routing_skew": self.routing_skew,
+            "expert_load": self.expert_load,
             "device": {
                 "name": self.device.name,
                 "memory_bytes": self.device.memory_bytes,

@@ -30,6 +30,7 @@ class LogRecord:
     memory: MemorySample
     aux_loss: float | None = None  # MoE: the load-balancing loss, mean since the previous log step
     expert_balance: float | None = None  # MoE: the worst layer's busiest expert / the mean expert
+    expert_counts: list[list[float]] | None = None  # MoE: tokens per expert per layer since the previous log step
     mfu: float | None = None  # CUDA with a known peak: model FLOPs utilisation, a fraction
     eval_loss: float | None = None  # the evaluation since the previous log step, when there was one
     eval_step: int | None = None  # the step that evaluation ran at
@@ -68,6 +69,7 @@ class LogRecord:
             "mfu": self.mfu,
             "aux_loss": self.aux_loss,
             "expert_balance": self.expert_balance,
+            "expert_counts": self.expert_counts,  # the histogram cx-plan --expert-load reads
             "memory_kind": self.memory.kind,
             "memory_bytes": self.memory.used,
             "memory_reserved_bytes": self.memory.reserved,

@@ -177,6 +177,7 @@ class Progress:
             memory=memory,
             aux_loss=sum(self._aux) / len(self._aux) if self._aux else None,
             expert_balance=balance,
+            expert_counts=None if self._counts is None else self._counts.tolist(),
             mfu=mfu,
             eval_loss=None if self._eval is None else self._eval[1],
             eval_step=None if self._eval is None else self._eval[0],
