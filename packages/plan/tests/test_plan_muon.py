@@ -222,11 +222,16 @@ def test_refused_layouts_are_not_candidates_and_are_said_once(capsys: pytest.Cap
     assert all(c.optimizer is Optimizer.MUON for c in found)
     assert [c for c in found if c.plugin == "torch_fsdp"]  # row shards, Newton-Schulz at owners
     assert [c for c in found if c.plugin == "hybrid" and c.tp > 1 and c.stage >= 1]  # dp owners, then tp owners
-    assert not [c for c in found if c.plugin == "moe_hybrid" and c.tp > 1 and c.stage >= 1]
-    assert [c for c in found if c.plugin == "moe_hybrid" and c.tp > 1]  # tp at ZeRO 0 too (experts replicated)
+    moe_tp_zero = [c for c in found if c.plugin == "moe_hybrid" and c.tp > 1 and c.stage >= 1]
+    assert moe_tp_zero  # dp (or moe_dp) owners, then tp owners, as hybrid
+    assert all(c.pp == 1 and c.sp_mode is None for c in moe_tp_zero)  # untested with pp / sequence parallelism
+    assert [c for c in found if c.plugin == "moe_hybrid" and c.tp > 1 and c.pp > 1]  # at ZeRO 0 they are
     assert [c for c in found if c.plugin == "hybrid" and c.tp > 1]  # tp at ZeRO 0 steps whole matrices
+    Candidate("moe_hybrid", tp=2, dp=2, ep=2, zero_stage=1, optimizer=Optimizer.MUON)
     with pytest.raises(ValueError, match="optimizer muon: MoeHybridParallelPlugin"):
-        Candidate("moe_hybrid", tp=2, dp=2, ep=2, zero_stage=1, optimizer=Optimizer.MUON)
+        Candidate("moe_hybrid", tp=2, pp=2, dp=1, zero_stage=1, num_microbatches=2, optimizer=Optimizer.MUON)
+    with pytest.raises(ValueError, match="optimizer muon: moe_hybrid gathers tp slices"):
+        Candidate("moe_hybrid", tp=2, dp=2, zero_stage=1, cpu_offload=True, optimizer=Optimizer.MUON)
     assert main([*_GPT, "--world", "2", "--optimizer", "muon", "--top", "1", "--quiet"], _fits) == 0
     out = capsys.readouterr().out
     assert "not considered under --optimizer muon: torch_fsdp" not in out

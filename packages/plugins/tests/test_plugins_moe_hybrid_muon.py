@@ -18,7 +18,13 @@ identically), or split along each expert's intermediate dimension with `expert_t
 `_tp_whole` gathers into whole stacks, so each expert is still orthogonalised whole. Without `_tp_whole` (Newton-
 Schulz per slice) q_proj is off by 5.4x the bound; with it the replicated-expert runs match bit for bit and the
 expert-tp ones reach 0.36x (tp 2 x ep 2, o_proj), the tp-split stacks 0.27x. Their checkpoints (each rank's slice of
-the owners' momentum) resume bit-exactly. ZeRO-1/2 with tp > 1 is refused by name (test_plugins_muon_refusals.py).
+the owners' momentum) resume bit-exactly.
+tp 2 at zero_stage 1/2 (tp 2 x moe_dp 2 with ep 1, tp 2 x ep 2): ZeRO gathers each tp slice whole onto its owner in
+the slice's group (dense over dp, experts over moe_dp), whose tp group gathers the slices to a tp owner
+(`_tp_zero_whole`), under the same bounds: torch's Muon matches bit for bit, MuonWithAdamW reaches 0.36x (o_proj),
+the tp-split stacks 0.27x; checkpoints resume bit-exactly. Without the tp step (each ZeRO owner orthogonalising its
+tp slice) all four cases fail (q_proj, or the embedding the changed loss moves). With cpu_offload, pp or sequence
+parallelism that pair is refused by name (test_plugins_muon_refusals.py).
 """
 
 from __future__ import annotations
@@ -228,3 +234,16 @@ def test_plugins_moe_hybrid_muon_pipeline(rank: int, world_size: int, tmp_path: 
 def test_plugins_moe_hybrid_muon_sequence_parallel(rank: int, world_size: int, tmp_path: Path) -> None:
     """ep 2 x sp 2 (all_to_all) with ZeRO-1: dense gradients averaged over moe_dp x ep x sp, experts equal over sp."""
     _train_compare_resume("muon_adamw", 1, tmp_path, sp=2)
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize(
+    ("kind", "zero_stage", "ep", "expert_tp"),
+    [("muon", 1, 1, False), ("muon_adamw", 2, 1, True), ("muon_adamw", 1, 2, True), ("muon", 2, 2, False)],
+)
+def test_plugins_moe_hybrid_muon_tensor_parallel_zero(
+    rank: int, world_size: int, kind: str, zero_stage: int, ep: int, expert_tp: bool, tmp_path: Path
+) -> None:
+    """tp 2 with ZeRO-1/2 over tp 2 x moe_dp 2 (ep 1: one ZeRO group) or tp 2 x ep 2 (dense over ep, experts over a
+    one-rank moe_dp): each ZeRO owner's tp slices gathered whole over tp (`_tp_zero_whole`)."""
+    _train_compare_resume(kind, zero_stage, tmp_path, tp=2, ep=ep, expert_tp=expert_tp)

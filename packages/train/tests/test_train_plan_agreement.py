@@ -62,6 +62,7 @@ def test_train_plan_printed_commands_parse_into_the_candidate() -> None:
     tp_muon = Candidate("hybrid", dp=1, tp=2, zero_stage=0, optimizer=Optimizer.MUON)  # whole matrices at ZeRO 0
     fsdp_muon = Candidate("torch_fsdp", dp=2, optimizer=Optimizer.MUON)  # row shards, Newton-Schulz at owners
     zero_tp_muon = Candidate("hybrid", dp=2, tp=2, zero_stage=1, optimizer=Optimizer.MUON)  # dp, then tp owners
+    moe_zero_tp_muon = Candidate("moe_hybrid", dp=2, tp=2, ep=2, zero_stage=2, optimizer=Optimizer.MUON)
     parser = build_parser()
     for candidate, expected in (
         (hybrid, {"plugin": "hybrid", "nproc": 8, "tp": 2, "pp": 2, "zero": 1, "batch_size": 8, "microbatches": 4}),
@@ -72,6 +73,7 @@ def test_train_plan_printed_commands_parse_into_the_candidate() -> None:
         (tp_muon, {"plugin": "hybrid", "tp": 2, "zero": 0, "optimizer": "muon"}),
         (fsdp_muon, {"plugin": "torch_fsdp", "nproc": 2, "optimizer": "muon"}),
         (zero_tp_muon, {"plugin": "hybrid", "tp": 2, "zero": 1, "optimizer": "muon"}),
+        (moe_zero_tp_muon, {"plugin": "moe_hybrid", "nproc": 4, "tp": 2, "ep": 2, "zero": 2, "optimizer": "muon"}),
     ):
         command = train_command(candidate, "mixtral", 64, ("--hidden-size", "96", "--num-layers", "3"))
         assert "#" not in command
@@ -83,6 +85,8 @@ def test_train_plan_printed_commands_parse_into_the_candidate() -> None:
     for candidate in (ddp, Candidate("low_level_zero", dp=2, zero_stage=1), muon, tp_muon, fsdp_muon, zero_tp_muon):
         options = parse_options(shlex.split(train_command(candidate, "gpt", 64))[1:])
         assert plan_candidate(options, candidate.world_size) == candidate
+    options = parse_options(shlex.split(train_command(moe_zero_tp_muon, "mixtral", 64))[1:])  # cx-train takes it
+    assert plan_candidate(options, moe_zero_tp_muon.world_size) == moe_zero_tp_muon
 
 
 def _cx_train_plugins(rank: int, world_size: int) -> None:

@@ -33,6 +33,7 @@ from cx_train.step._optimization import make_optimizer
 from cx_zero import CPUAdam, FusedAdam, HybridAdam, MuonWithAdamW
 
 LLAMA = ["--model", "llama", "--seq-len", "16", "--batch-size", "2"]
+_MOE_MUON = ["--model", "mixtral", "--plugin", "moe_hybrid", "--optimizer", "muon"]
 
 
 def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -210,8 +211,16 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
         ),
         (["--plugin", "hybrid", "--tp", "2", "--sp-mode", "ring", "--seq-len", "15"], "--seq-len 15 must be a"),
         (
-            ["--model", "mixtral", "--plugin", "moe_hybrid", "--tp", "2", "--zero", "1", "--optimizer", "muon"],
-            "--optimizer muon with --plugin moe_hybrid --tp 2 steps whole matrices at --zero 0 only",
+            [*_MOE_MUON, "--tp", "2", "--pp", "2", "--zero", "1"],
+            "--optimizer muon with --plugin moe_hybrid --tp 2 --zero 1 steps whole matrices without --pp or sequence",
+        ),
+        (
+            [*_MOE_MUON, "--tp", "2", "--zero", "2", "--sp-mode", "split_gather"],
+            "steps whole matrices without --pp or sequence parallelism only",
+        ),
+        (
+            [*_MOE_MUON, "--tp", "2", "--zero", "1", "--cpu-offload"],
+            "--optimizer muon with --plugin moe_hybrid --tp 2 gathers each matrix's tp slices to an owner",
         ),
         (
             ["--plugin", "low_level_zero", "--optimizer", "muon", "--optimizer-states-dtype", "bf16"],
@@ -241,6 +250,8 @@ def test_train_switches_refused_by_name(flags: list[str], message: str, capsys: 
         ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2"],
         ["--model", "mixtral", "--plugin", "moe_hybrid", "--ep", "2", "--zero", "1"],
         ["--model", "mixtral", "--plugin", "moe_hybrid", "--tp", "2"],
+        ["--model", "mixtral", "--plugin", "moe_hybrid", "--tp", "2", "--zero", "1"],  # dp owners, then tp owners
+        ["--model", "mixtral", "--plugin", "moe_hybrid", "--tp", "2", "--zero", "2"],
     ],
 )
 def test_train_muon_accepted_where_the_plugin_steps_whole_matrices(flags: list[str]) -> None:

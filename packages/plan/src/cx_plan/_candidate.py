@@ -193,11 +193,13 @@ class Candidate:
             f"optimizer_states_dtype {self.optimizer_states_dtype!r} is ZeRO's: {self.plugin} needs zero_stage 1 or 2",
         )
         object.__setattr__(self, "optimizer", _optimizer(self.optimizer))  # a JSON plan's plain name: the enum
-        refused = muon_refusal(self.plugin, self.tp, stage) if self.optimizer is Optimizer.MUON else None
+        muon = self.optimizer is Optimizer.MUON
+        refused = muon_refusal(self.plugin, self.tp, stage, self.pp, self.sp_mode) if muon else None
         _require(refused is None, f"optimizer muon: {refused}")
         _require(
-            self.optimizer is Optimizer.ADAMW or not (self.plugin == "hybrid" and self.tp > 1 and self.cpu_offload),
-            "optimizer muon: HybridParallelPlugin gathers tp slices to owners, not of CPU-offloaded states (tp 1, or "
+            self.optimizer is Optimizer.ADAMW
+            or not (self.plugin in ("hybrid", "moe_hybrid") and self.tp > 1 and self.cpu_offload),
+            f"optimizer muon: {self.plugin} gathers tp slices to owners, not of CPU-offloaded states (tp 1, or "
             "no cpu_offload)",
         )
         _require(
@@ -305,11 +307,14 @@ class Candidate:
         )
 
 
-def muon_refusal(plugin: str, tp: int, stage: int) -> str | None:
+def muon_refusal(plugin: str, tp: int, stage: int, pp: int = 1, sp_mode: str | None = None) -> str | None:
     """Why cx-plan leaves MuonWithAdamW out on this layout (None: it counts it), as cx-train's `--optimizer muon`
-    checks say: Muon needs each matrix whole, so the layouts that hand the optimizer slices refuse it."""
-    if plugin == "moe_hybrid" and tp > 1 and stage >= 1:
-        return "MoeHybridParallelPlugin with tp > 1 steps whole matrices at zero_stage 0 only (ZeRO steps tp slices)"
+    checks say: Muon needs each matrix whole, so the layouts that would hand the optimizer slices refuse it."""
+    if plugin == "moe_hybrid" and tp > 1 and stage >= 1 and (pp > 1 or sp_mode is not None):
+        return (
+            "MoeHybridParallelPlugin with tp > 1 and ZeRO 1/2 steps whole matrices without pp or sequence parallelism "
+            "only (untested there)"
+        )
     if plugin == "gemini" and tp > 1:
         return "GeminiPlugin steps whole matrices at tp 1 only"
     return None

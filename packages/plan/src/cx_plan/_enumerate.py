@@ -16,8 +16,8 @@ The rules (each the one the code that would run it checks):
   (GeminiDDP refuses accumulation as cx-train configures it);
 - checkpointing: a ratio of layers under the hybrid plugins (ShardFormer); all or none under the others, and, when
   asked for (`checkpoint_modes`), every layer under torchtitan's selective op policy (transformers' switch only);
-- optimizer muon (MuonWithAdamW): not under moe_hybrid ZeRO 1/2 at tp > 1 (cx refuses
-  them: `muon_refusal`); `optimizer_skips` says so once for the report.
+- optimizer muon (MuonWithAdamW): not under moe_hybrid ZeRO 1/2 at tp > 1 with pp > 1 or sequence parallelism,
+  nor Gemini at tp > 1 (cx refuses them: `muon_refusal`); `optimizer_skips` says so once for the report.
 When no candidate survives, `NoLayoutError` names, per plugin, why.
 """
 
@@ -161,7 +161,7 @@ def _pipelines(
         ):
             if style == "interleaved" and count % pp:
                 continue
-            if space.optimizer is Optimizer.MUON and muon_refusal(plugin, tp, stage):
+            if space.optimizer is Optimizer.MUON and muon_refusal(plugin, tp, stage, pp, mode):
                 continue  # said once by `optimizer_skips`
             yield Candidate(
                 plugin, dp=dp, tp=tp, pp=pp, sp=sp, sp_mode=mode, ep=ep, zero_stage=stage, micro_batch_size=micro,
@@ -239,7 +239,7 @@ def optimizer_skips(space: SearchSpace) -> tuple[str, ...]:
     if space.optimizer is not Optimizer.MUON:
         return ()
     lines = []
-    for plugin, tp, stage, layouts in (("moe_hybrid", 2, 1, "moe_hybrid at tp > 1 with zero 1/2"),):
-        if plugin in space.plugins and space.max_tp > 1:
-            lines.append(f"not considered under --optimizer muon: {layouts} ({muon_refusal(plugin, tp, stage)})")
+    layouts = "moe_hybrid at tp > 1 with zero 1/2 and pp > 1 or sequence parallelism"
+    if "moe_hybrid" in space.plugins and space.max_tp > 1:  # split_gather is tried at every tp > 1
+        lines.append(f"not considered under --optimizer muon: {layouts} ({muon_refusal('moe_hybrid', 2, 1, 2)})")
     return tuple(lines)

@@ -37,7 +37,7 @@ from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins.fp8._use_fp8 import check_fp8_recipe
 from cx_plugins.hybrid._model import ComposedModel, HybridParallelModule, broadcast_states
 from cx_plugins.hybrid._optimizer_kind import refuse_non_elementwise
-from cx_plugins.hybrid._options import HybridParallelOptions
+from cx_plugins.hybrid._options import HybridParallelOptions, SequenceParallelism
 from cx_plugins.hybrid._plugin import HybridParallelPlugin
 from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig
 from cx_zero import needs_whole_tensors
@@ -250,21 +250,25 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         """Elementwise optimizers always. A whole-tensor one (Muon, MuonWithAdamW): at tp_size 1 each ep rank holds
         whole experts (stacks split along the expert dimension) and whole dense matrices, so zero_stage 0 steps them
         as they are and ZeRO-1/2 steps each whole on an owner rank of its group (cx_zero's `_whole_step`). At tp > 1
-        with zero_stage 0 the base plugin's `_tp_whole` gathers every tp-split tensor whole to an owner in the tp
-        group: the dense slices, and the expert stacks an `expert_tensor_parallel` policy splits along each expert's
-        intermediate dimension (dims 1 / 2, so the owner gets whole experts, each orthogonalised on its own);
-        by default experts are replicated over tp and stepped whole by every tp rank. ZeRO-1/2 with tp > 1: refused
-        (ZeRO would shard and step tp slices)."""
+        every tp-split tensor is gathered whole to an owner in the tp group: the dense slices, and the expert stacks
+        an `expert_tensor_parallel` policy splits along each expert's intermediate dimension (the owner gets whole
+        experts); by default experts are replicated over tp and stepped whole by every tp rank. zero_stage 0 does
+        it directly (`_tp_whole`), ZeRO-1/2 after ZeRO gathered each slice whole onto its owner in the slice's group,
+        dp or moe_dp (`_tp_zero_whole`). Refused at tp > 1 with ZeRO: cpu_offload (the tp gather needs the masters
+        on the device, as the base plugin), and pp / sequence parallelism (not tested with this composition)."""
         name = type(self).__name__
-        tp, stage = self.options.tp_size, self.options.zero.stage
+        o = self.options
+        tp, stage = o.tp_size, o.zero.stage
         if needs_whole_tensors(optimizer):
             if tp == 1 or stage == 0:
                 return
+            problem = _tp_zero_problem(o)
+            if problem is None:
+                return
             raise TypeError(
-                f"{name}: {type(optimizer).__name__} needs each matrix whole (Newton-Schulz / matrix-wise update), "
-                f"but zero_stage={stage} with tp_size={tp} would step tensor-parallel slices of its "
-                f"matrices on their own and train silently wrong; use zero_stage=0 (whole matrices gathered over tp) "
-                f"or tp_size=1, or an elementwise optimizer"
+                f"{name}: {type(optimizer).__name__} needs each matrix whole, which zero_stage={stage} with "
+                f"tp_size={tp} gathers over tp from ZeRO's masters, but {problem} (not supported); use zero_stage=0, "
+                f"tp_size=1, or an elementwise optimizer"
             )
         why = (
             "tp_size > 1 hands it slices of the dense matrices (and of the experts under expert_tensor_parallel)"
@@ -315,3 +319,14 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         weights = super()._unsharded_norm_weights(model, held)
         ep = self._ep_size
         return {id(p): weights[id(p)] if is_moe_tensor(p) else weights[id(p)] / ep for p in held}
+
+
+def _tp_zero_problem(options: HybridParallelOptions) -> str | None:
+    """Why a whole-tensor optimizer at tp > 1 with ZeRO-1/2 is refused on this layout (None: it is supported)."""
+    if options.zero.cpu_offload:
+        return "cpu_offload keeps them on the CPU"
+    if options.pp_size > 1:
+        return f"pp_size={options.pp_size} is not tested with it"
+    if options.sp_mode is not SequenceParallelism.NONE:
+        return f"sequence parallelism ({options.sp_mode.value}) is not tested with it"
+    return None

@@ -46,8 +46,8 @@ _WHOLE_TENSOR = (
     "gemini",
     "hybrid",
     "moe_hybrid",
-)  # step a matrix-wise optimizer (Muon) on whole matrices (moe_hybrid: --zero 0 at --tp > 1; torch_fsdp:
-# Newton-Schulz on each matrix gathered whole to an owner rank)
+)  # step a matrix-wise optimizer (Muon) on whole matrices (moe_hybrid at --tp > 1 with --zero 1/2: not with --pp or
+# sequence parallelism; torch_fsdp: Newton-Schulz on each matrix gathered whole to an owner rank)
 _LORA = ("torch_ddp", "low_level_zero", "hybrid", "gemini")  # plugins whose support_lora() is True
 _MERGE_LORA = ("torch_ddp", "low_level_zero")  # --merge-lora merges on one rank's full weights
 DEFAULT_LORA_TARGETS = "all-linear"  # peft: every linear layer but the output head
@@ -357,8 +357,9 @@ def plugin_switch_problem(args: argparse.Namespace) -> str | None:
 
 def _muon_problem(args: argparse.Namespace) -> str | None:
     """--optimizer muon needs each matrix whole: the plugins that slice parameters for the optimizer refuse it at
-    boost (cx_zero.require_elementwise, MoeHybridParallelPlugin over tp slices with ZeRO, HybridParallelPlugin over
-    tp slices with cpu_offload), so it is refused here first."""
+    boost (cx_zero.require_elementwise; HybridParallelPlugin and MoeHybridParallelPlugin over tp slices with
+    cpu_offload; MoeHybridParallelPlugin over tp slices with ZeRO and pp or sequence parallelism), so it is refused
+    here first."""
     if args.optimizer != "muon":
         return None
     plugin = args.plugin
@@ -367,15 +368,16 @@ def _muon_problem(args: argparse.Namespace) -> str | None:
             f"{_not_for('--optimizer muon', plugin, _WHOLE_TENSOR)} (Muon needs each matrix whole, and --plugin "
             f"{plugin} steps the optimizer on parameter slices)"
         )
-    if plugin == "moe_hybrid" and (args.tp or 1) > 1 and args.zero in (1, 2):
+    sequence = args.sp_mode is not None or (args.sp or 1) > 1
+    if plugin == "moe_hybrid" and (args.tp or 1) > 1 and args.zero in (1, 2) and ((args.pp or 1) > 1 or sequence):
         return (
-            f"--optimizer muon with --plugin {plugin} --tp {args.tp} steps whole matrices at --zero 0 only (ZeRO "
-            f"would step each rank's tp slice): drop --zero {args.zero}, or use --tp 1"
+            f"--optimizer muon with --plugin {plugin} --tp {args.tp} --zero {args.zero} steps whole matrices without "
+            f"--pp or sequence parallelism only (untested there): drop --pp / --sp / --sp-mode, or use --zero 0"
         )
-    if plugin == "hybrid" and (args.tp or 1) > 1 and args.cpu_offload:
+    if plugin in ("hybrid", "moe_hybrid") and (args.tp or 1) > 1 and args.cpu_offload:
         return (
-            f"--optimizer muon with --plugin hybrid --tp {args.tp} gathers each matrix's tp slices to an owner, which "
-            "it cannot do on optimizer states offloaded to the CPU: drop --cpu-offload, or use --tp 1"
+            f"--optimizer muon with --plugin {plugin} --tp {args.tp} gathers each matrix's tp slices to an owner, "
+            "which it cannot do on optimizer states offloaded to the CPU: drop --cpu-offload, or use --tp 1"
         )
     if args.optimizer_states_dtype != "fp32":
         return (
