@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from cx_pipeline import HFDecoderSplitter, LayerCosts, PipelineConfigError, balanced_layers, layer_costs
 
@@ -44,6 +45,23 @@ def test_balanced_split_without_extra_costs_is_even() -> None:
 def test_balanced_split_needs_a_layer_per_stage() -> None:
     with pytest.raises(PipelineConfigError, match="fewer than the 4 pipeline slots"):
         balanced_layers(LayerCosts((1, 1, 1), 0, 0), 4)
+
+
+def test_a_sharded_lookup_table_counts_nothing() -> None:
+    """A vocabulary-parallel embedding (ShardFormer's is no nn.Embedding subclass) is recognised by its
+    `num_embeddings`, as torch's embedding is."""
+    from torch import nn
+
+    from cx_pipeline._balance import _matmul_parameters
+
+    class ShardedLookup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_embeddings = 100
+            self.weight = nn.Parameter(torch.zeros(50, 8))
+
+    stage = nn.Sequential(ShardedLookup(), nn.Linear(8, 8, bias=False))
+    assert _matmul_parameters(stage) == 64
 
 
 def test_hf_llama_costs_count_the_head_not_the_embedding() -> None:

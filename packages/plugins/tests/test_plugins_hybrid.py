@@ -68,6 +68,20 @@ def test_plugins_hybrid_pp2_balanced_layers(
     assert held == held_by_rank[rank]
 
 
+@distributed(world_size=4)
+def test_plugins_hybrid_tp2_pp2_balanced_layers(rank: int, world_size: int) -> None:
+    """Under tensor parallelism the costs come from the sharded stages (the vocabulary-parallel embedding still
+    counts as a lookup): the same 3 / 2 split as at tp 1, and training as one process does."""
+    model = llama(5)
+    plugin = HybridParallelPlugin(
+        tp_size=2, pp_size=2, precision="fp32", num_microbatches=2, num_layers_per_stage="balanced"
+    )
+    train_and_compare(plugin, model_fn=lambda: model, steps=3)
+    decoder_layers: Any = model.get_submodule("model.layers")
+    held = [i for i, layer in enumerate(decoder_layers) if not next(layer.parameters()).is_meta]
+    assert held == ([0, 1, 2] if plugin.layout.rank(Axis.PP) == 0 else [3, 4])
+
+
 def test_plugins_hybrid_layers_per_stage_names_its_values() -> None:
     from cx_plugins.hybrid._options import parse_layers_per_stage
 

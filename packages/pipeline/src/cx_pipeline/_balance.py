@@ -6,9 +6,12 @@ first idles (measured on a 4-layer Llama with a 4k vocabulary at pp 2: the last 
 Megatron-LM offers counting the embedding and the loss as whole layers; here each stage's cost is the number of
 matmul parameters it holds (the FLOPs of a token through it are twice that), so the head counts at its size and the
 embedding lookup, which does no matmul, counts nothing. The split is the contiguous one whose costliest stage is
-cheapest (every stage keeps at least one layer); with several chunks per rank that is each virtual stage, a proxy
-for the rank's sum. Mixture-of-experts layers count all their experts, so a model of
-MoE layers only is balanced as if every expert ran; that over-weights the layers against the head, never the reverse.
+cheapest (every stage keeps at least one layer); with several chunks per rank (interleaved, zero-bubble V) that is
+each virtual stage, a proxy for the rank's sum that can miss the best per-rank split by a fraction of a layer.
+Counts are of the parameters each rank holds: under tensor parallelism layers and head shrink alike; expert layers
+count the experts the rank holds (E / ep) while its tokens run through top_k / ep of them on average, so an expert
+block weighs E / top_k times its compute against dense layers and the head (a model of MoE layers only is split
+nearly evenly; one mixing dense and MoE layers is mis-weighted).
 """
 
 from __future__ import annotations
@@ -35,12 +38,18 @@ class LayerCosts:
     last: int
 
 
+def _is_embedding(module: nn.Module) -> bool:
+    """A lookup table: torch's, or a sharded one (ShardFormer's vocabulary-parallel embedding is no nn.Embedding
+    subclass but carries `num_embeddings` as torch's does)."""
+    return isinstance(module, nn.Embedding) or hasattr(module, "num_embeddings")
+
+
 def _matmul_parameters(module: nn.Module) -> int:
     """Parameters of `module` outside embedding tables, each counted once (a tied head counts as the head)."""
     seen: set[int] = set()
     total = 0
     for sub in module.modules():
-        if isinstance(sub, nn.Embedding):
+        if _is_embedding(sub):
             continue
         for param in sub.parameters(recurse=False):
             if id(param) not in seen:
@@ -53,6 +62,8 @@ def layer_costs(model: PipelineSplittable) -> LayerCosts:
     """Each layer's cost from a one-layer stage of `model`, the input and output sides' from the difference a first
     and a last stage of that layer make."""
     count = model.pipeline_num_layers()
+    if count < 1:
+        raise PipelineConfigError("the model has no layers to split into pipeline stages")
     layers = tuple(_matmul_parameters(model.pipeline_stage_module(i, i + 1, False, False)) for i in range(count))
     first = _matmul_parameters(model.pipeline_stage_module(0, 1, True, False)) - layers[0]
     last = _matmul_parameters(model.pipeline_stage_module(count - 1, count, False, True)) - layers[-1]

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from cx_mesh import assert_same_across_ranks
 from cx_pipeline._balance import layer_costs
 from cx_pipeline._errors import PipelineConfigError
 from cx_pipeline._model import PipelineModel, SharedParameter
@@ -57,8 +58,10 @@ def split_model(
         )
     manager = stage_manager
     num_virtual = manager.num_virtual_stages
-    costs = layer_costs(model) if manager.balance_layers and manager.num_layers_per_stage is None else None
+    costs = layer_costs(model) if manager.balance_layers else None
     layers = manager.distribute_layers(model.pipeline_num_layers(), costs=costs)
+    if costs is not None:  # each rank counted its own parameters: the stages must still agree on one split
+        assert_same_across_ranks(layers, manager.pp_group, "the layers per stage balanced by each rank's parameters")
     bounds = [0]
     for count in layers:
         bounds.append(bounds[-1] + count)

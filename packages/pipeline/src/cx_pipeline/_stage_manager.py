@@ -197,6 +197,11 @@ class PipelineStageManager:
                 f"the model has {num_layers} layers, fewer than the {slots} pipeline slots (num_stages={num_stages} x "
                 f"num_model_chunks={num_model_chunks}): every stage needs at least one layer"
             )
+        if self.balance_layers and costs is None:
+            raise PipelineConfigError(
+                "balance_layers: distribute_layers needs the layer costs (split_model passes layer_costs(model)); "
+                "without them the split would silently be the even one"
+            )
         if costs is not None:
             if len(costs.layers) != num_layers:
                 raise PipelineConfigError(f"{len(costs.layers)} layer costs for a model of {num_layers} layers")

@@ -94,8 +94,8 @@ def read_expert_load(path: Path) -> ExpertLoad:
                 total = [[a + b for a, b in zip(t, r, strict=True)] for t, r in zip(total, rows, strict=True)]
         if total is None:
             raise ValueError(
-                f"--expert-load {source}: no record has expert_counts (cx-train --metrics FILE.jsonl writes them for "
-                "an MoE model at every log step)"
+                f"--expert-load {source}: no record has expert_counts (cx-train --metrics FILE.jsonl writes them at "
+                "every log step for an MoE model whose router logits transformers returns; DeepSeek-V3's does not)"
             )
         return ExpertLoad(tuple(tuple(row) for row in total), source)
     try:
