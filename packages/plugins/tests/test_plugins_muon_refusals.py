@@ -3,9 +3,10 @@ name, at boost, on every rank: torch's Muon (Newton-Schulz needs each matrix who
 class; otherwise a plugin would train silently wrong (each rank orthogonalising its own slice). HybridParallelPlugin
 at every zero_stage (tp slices gathered whole to owner ranks; at zero_stage 1/2 after ZeRO's own gather,
 test_plugins_hybrid_zero_tp_muon.py; refused only with cpu_offload at tp > 1), MoeHybridParallelPlugin likewise (at
-tp > 1 with ZeRO also refused with sequence parallelism or pp, untested there), GeminiPlugin at tp 1 and
-TorchFSDPPlugin step whole matrices instead (GeminiPlugin at tp 2 refuses Muon; TorchFSDPPlugin steps torch's Muon
-and cx-zero's MuonWithAdamW itself, so it refuses a subclass of either, whose step it cannot split)."""
+tp > 1 with ZeRO also refused with sequence parallelism or pp, untested there), GeminiPlugin (at tp 2: dp owners,
+then tp owners, test_plugins_gemini_tp_muon.py; refused only with CPU optimizer data at tp > 1) and TorchFSDPPlugin
+step whole matrices instead (TorchFSDPPlugin steps torch's Muon and cx-zero's MuonWithAdamW itself, so it refuses a
+subclass of either, whose step it cannot split)."""
 
 from __future__ import annotations
 
@@ -103,9 +104,10 @@ def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: 
     # TorchFSDPPlugin steps torch's Muon itself (test_plugins_fsdp_muon.py), not a subclass
     _refused(TorchFSDPPlugin(), _linears, _muon_subclass, r"TorchFSDPPlugin: _MuonSubclass needs each parameter whole")
     _refused(TorchFSDPPlugin(), _linears, _foreign, r"TorchFSDPPlugin: _Foreign is not known to be elementwise")
-    # Gemini at tp 1 steps Muon on whole matrices (test_plugins_gemini_muon.py); at tp 2 the matrices are sliced
-    gemini = GeminiPlugin(precision="fp32", tp_size=2, chunk_config_dict={"chunk_size": 1024})
-    _refused(gemini, lambda: llama(layers=1), _muon, r"GeminiOptimizer: Muon needs each matrix whole.*tensor paral")
+    # Gemini steps Muon on whole matrices at tp 1 and 2 (test_plugins_gemini_{,tp_}muon.py), except with optimizer
+    # data on the CPU at tp > 1 (the tp gather would run on the CPU masters)
+    gemini = GeminiPlugin(precision="fp32", tp_size=2, chunk_config_dict={"chunk_size": 1024}, offload_optim_frac=1.0)
+    _refused(gemini, lambda: llama(layers=1), _muon, r"GeminiPlugin: Muon needs each matrix whole.*offload_optim_frac")
     gemini = GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 64})
     _refused(gemini, _linears, _foreign, r"GeminiOptimizer: _Foreign is not known to be elementwise")
     # cx-zero's MuonWithAdamW is whole-tensor too: refused by the same rules, by its own name

@@ -144,6 +144,12 @@ def test_zero_gemini_optimizer_refuses_non_elementwise(rank: int, world_size: in
         GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp, gpu_margin_mem_ratio=0.5)
     with pytest.raises(ValueError, match="unsupported norm type"):
         GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp, norm_type=1.0)
+    # a whole-tensor optimizer over tp slices needs the caller's gather over tp (GeminiPlugin passes tp_whole)
+    model = make_gpt()
+    muon = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2])
+    ddp = GeminiDDP(model, mixed_precision=torch.float32)
+    with pytest.raises(TypeError, match=r"Muon needs each matrix whole.*tp_group.*pass tp_whole"):
+        GeminiOptimizer(muon, ddp, tp_group=dist.group.WORLD)
 
 
 @distributed(world_size=2)

@@ -1,7 +1,8 @@
 """cx-zero: ZeRO data parallelism for cx.
 
 - `GeminiDDP` / `GeminiOptimizer`: chunk-based ZeRO-3 with GPU/CPU placement (cx-chunk), in `cx_zero.gemini`,
-  re-exported here with `GeminiOptions`, `GeminiOptimizerOptions`, `PlacementKind` and `PathMismatchError`.
+  re-exported here with `GeminiOptions`, `GeminiOptimizerOptions`, `PlacementKind`, `PathMismatchError` and the
+  whole-tensor seam (`GeminiWholeStep`, `WholeParam`, `SplitWholeStates`).
 - `LowLevelZeroOptimizer`: ZeRO-1/2 (master weights, optimizer state and, with stage 2, gradients partitioned) over
   one or several data-parallel groups (dense over the full DP group, MoE experts over a smaller one).
 - Option groups, each defined once and taken whole by the engines (`options=`, instead of ColossalAI's flat
@@ -50,9 +51,12 @@ from cx_zero.gemini import (
     GeminiOptimizer,
     GeminiOptimizerOptions,
     GeminiOptions,
+    GeminiWholeStep,
     ParameterSource,
     PathMismatchError,
     PlacementKind,
+    SplitWholeStates,
+    WholeParam,
 )
 
 __all__ = [
@@ -61,9 +65,12 @@ __all__ = [
     "GeminiOptimizer",
     "GeminiOptimizerOptions",
     "GeminiOptions",
+    "GeminiWholeStep",
     "ParameterSource",
     "PathMismatchError",
     "PlacementKind",
+    "SplitWholeStates",
+    "WholeParam",
     # ZeRO-1/2
     "LowLevelZeroOptimizer",
     "LowLevelZeroOptions",

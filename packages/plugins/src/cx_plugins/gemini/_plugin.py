@@ -9,7 +9,9 @@ Gemini shards it over the zero group; clipping takes the global norm over both, 
 into the canonical format. The ShardFormer switches only act with tensor parallelism, in ColossalAI too: with
 `tp_size=1` they are accepted with one warning naming them (ColossalAI's own examples pass
 `enable_fused_normalization=True`), and have no effect. Unlike ColossalAI, `enable_async_reduce` does not quietly turn
-`pin_memory` on, and `precision` also accepts "fp32".
+`pin_memory` on, and `precision` also accepts "fp32". A whole-tensor optimizer (torch's Muon, MuonWithAdamW) at
+`tp_size > 1` steps each matrix whole: Gemini gathers its chunk slices to a dp owner, whose tp group gathers the tp
+slices to a tp owner (`_tp_whole`); not with optimizer data offloaded to the CPU (the tp gather runs on the masters).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +41,7 @@ from cx_plugins.fp8._use_fp8 import check_fp8_recipe, convert_linears_to_fp8
 from cx_plugins.gemini._checkpoint_io import GeminiCheckpointIO
 from cx_plugins.gemini._tp import shard_for_gemini, tp_split_names
 from cx_plugins.gemini._tp_checkpoint_io import GeminiTPCheckpointIO
+from cx_plugins.gemini._tp_whole import GeminiTensorParallelWhole
 from cx_plugins.lazy._context import LazyModel, is_lazy
 from cx_plugins.lazy._tp import SlicedSource
 from cx_plugins.options._shardformer import ShardFormerOptions
@@ -50,7 +54,9 @@ from cx_zero import (
     GeminiOptimizerOptions,
     GeminiOptions,
     LossScaleOptions,
+    PlacementKind,
     Precision,
+    needs_whole_tensors,
     parse_states_dtype,
 )
 
@@ -309,6 +315,9 @@ class GeminiPlugin(ZeroPluginBase):
             boosted = GeminiModel(ddp)
         wrapped: OptimizerWrapper | None = None
         if optimizer is not None:
+            tp_group = self.layout.group_or_none(Axis.TP)
+            if tp_group is not None and self.layout.size(Axis.TP) > 1 and needs_whole_tensors(optimizer):
+                self._require_device_optimizer_data(optimizer)
             gemini = GeminiOptimizer(
                 optimizer,
                 boosted.ddp,
@@ -316,10 +325,22 @@ class GeminiPlugin(ZeroPluginBase):
                 options=self.options.optimizer,
                 tp_group=self.layout.group_or_none(Axis.TP),
                 tp_split_params=tp_split_names(boosted.unwrap()) if self.shardformer is not None else None,
+                tp_whole=None if tp_group is None else partial(GeminiTensorParallelWhole, group=tp_group),
             )
             self._gemini_of[optimizer] = gemini
             wrapped = GeminiOptimizerWrapper(optimizer, gemini)
         return boosted, wrapped, criterion, dataloader, lr_scheduler
+
+    def _require_device_optimizer_data(self, optimizer: Optimizer) -> None:
+        """The tp gather of a whole-tensor optimizer runs on the dp-whole masters, which must be on the device."""
+        ddp = self.options.ddp
+        if ddp.placement is PlacementKind.AUTO or ddp.offload_optim_frac > 0:
+            raise TypeError(
+                f"GeminiPlugin: {type(optimizer).__name__} needs each matrix whole, which tp_size > 1 gathers over tp "
+                "on the optimizer's masters; with optimizer data on the CPU (placement_policy='auto' or "
+                "offload_optim_frac > 0) that gather is not supported: use placement_policy='static' with "
+                "offload_optim_frac=0.0, or tp_size=1"
+            )
 
     def get_checkpoint_io(self) -> CheckpointIO:
         if self.layout.size(Axis.TP) > 1:

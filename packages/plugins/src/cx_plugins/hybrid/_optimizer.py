@@ -35,7 +35,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from cx_mesh import ProcessGroup, all_reduce
 from cx_mesh.fp8 import all_reduce_fp8
-from cx_plugins.hybrid._tp_whole import TensorParallelWholeStep
+from cx_plugins._tp_whole import TensorParallelWholeStep
 from cx_plugins.hybrid._tp_zero_whole import ZeroTensorParallelWhole
 from cx_plugins.wrappers._base import OptimizerWrapper, finite_or_raise
 from cx_plugins.wrappers._zero import ZeroOptimizerWrapper

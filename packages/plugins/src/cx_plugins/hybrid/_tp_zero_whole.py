@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from cx_mesh import ProcessGroup, RankMismatchError, assert_same_across_ranks
-from cx_plugins.hybrid._tp_whole import TensorParallelWholeStep
+from cx_plugins._tp_whole import TensorParallelWholeStep
 from cx_shardformer import ShardSpec, get_shard_spec
 from cx_zero import LowLevelZeroOptimizer
 

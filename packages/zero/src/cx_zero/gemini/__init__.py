@@ -10,6 +10,9 @@
   different order; `OpaqueOutputError`: a module output hides tensors from torch's pytree.
 - `ParameterSource`: how `GeminiDDP(module, parameter_source=...)` takes a module whose parameters are on the meta
   device (never allocated): each full value is streamed into its chunk slot, this rank's part kept.
+- `GeminiWholeStep` / `WholeParam` (`GeminiOptimizer.whole_step`: a whole-tensor optimizer's owners and whole
+  masters) and `SplitWholeStates`, what `GeminiOptimizer(tp_whole=...)` returns: the seam through which a caller that
+  knows the tensor-parallel slicing (GeminiPlugin) steps those masters whole over tp too.
 See docs/gemini.md.
 """
 
@@ -19,14 +22,18 @@ from cx_zero.gemini._optimizer import GeminiOptimizer
 from cx_zero.gemini._options import GeminiOptimizerOptions, GeminiOptions, PlacementKind
 from cx_zero.gemini._outputs import OpaqueOutputError
 from cx_zero.gemini._source import ParameterSource
+from cx_zero.gemini._whole import GeminiWholeStep, SplitWholeStates, WholeParam
 
 __all__ = [
     "GeminiDDP",
     "GeminiOptimizer",
     "GeminiOptimizerOptions",
     "GeminiOptions",
+    "GeminiWholeStep",
     "OpaqueOutputError",
     "ParameterSource",
     "PathMismatchError",
     "PlacementKind",
+    "SplitWholeStates",
+    "WholeParam",
 ]

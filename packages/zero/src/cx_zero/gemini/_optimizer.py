@@ -9,7 +9,8 @@ fp16 runs a dynamic loss scale: an overflow on any rank of the groups holding gr
 rank, leaves parameters and optimizer state untouched and backs the scale off.
 A whole-tensor optimizer (torch's Muon, `cx_zero.needs_whole_tensors`) is stepped by `_whole` instead: each matrix's
 unscaled, clipped gradient and master gathered whole to one owner rank, stepped there, scattered back into the master
-slices; the rest of the step is the same.
+slices; the rest of the step is the same. Under tensor parallelism those wholes are tp slices: the caller passes
+`tp_whole`, which composes the gather over tp (GeminiPlugin's `gemini._tp_whole`); without it the pair is refused.
 State dicts and the cx-checkpoint protocols are in `_optimizer_state`.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from cx_zero.gemini._margin import use_device_margin
 from cx_zero.gemini._optimizer_state import GeminiOptimizerStateMixin
 from cx_zero.gemini._options import GeminiOptimizerOptions
 from cx_zero.gemini._shards import ShardEntry
-from cx_zero.gemini._whole import GeminiWholeStep
+from cx_zero.gemini._whole import GeminiWholeStep, SplitWholeStates
 
 __all__ = ["GeminiOptimizer"]
 
@@ -46,7 +47,9 @@ __all__ = ["GeminiOptimizer"]
 class GeminiOptimizer(GeminiOptimizerStateMixin):
     """Wrap `optimizer` (built on `module.parameters()`) for a `GeminiDDP` (argument meanings in docs/gemini.md).
     ColossalAI's option keywords, or `options=` a `GeminiOptimizerOptions` group built once elsewhere, not both.
-    State dicts and the cx-checkpoint protocols come from `GeminiOptimizerStateMixin` (module `_optimizer_state`)."""
+    State dicts and the cx-checkpoint protocols come from `GeminiOptimizerStateMixin` (module `_optimizer_state`).
+    `tp_whole(optimizer, whole_step)`: for a whole-tensor optimizer under tp_group, builds the step over tp around
+    `whole_step` (hooks on `optimizer`) and returns where its state lives; called once, after the dp owners are set."""
 
     def __init__(
         self,
@@ -68,6 +71,7 @@ class GeminiOptimizer(GeminiOptimizerStateMixin):
         *,
         options: GeminiOptimizerOptions | None = None,
         tp_split_params: Collection[str] | None = None,
+        tp_whole: Callable[[torch.optim.Optimizer, GeminiWholeStep], SplitWholeStates] | None = None,
         **defaults: Any,
     ) -> None:
         if defaults:  # ColossalAI's signature takes and ignores them; say so instead of failing or hiding it
@@ -93,7 +97,7 @@ class GeminiOptimizer(GeminiOptimizerStateMixin):
             raise TypeError(f"GeminiOptimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
         whole_tensors = require_elementwise_or_whole(optimizer, "GeminiOptimizer")
         if whole_tensors:
-            _check_whole(optimizer, options, tp_group)
+            _check_whole(optimizer, options, tp_group, tp_whole is not None)
         bf16_states = options.optimizer_states_dtype == torch.bfloat16
         if bf16_states:
             require_bf16_capable(optimizer, "GeminiOptimizer(optimizer_states_dtype=bf16)")
@@ -139,6 +143,9 @@ class GeminiOptimizer(GeminiOptimizerStateMixin):
         self._unbind()
         # a whole-tensor optimizer (Muon) steps whole parameters on owner ranks (module `_whole`)
         self._whole = GeminiWholeStep(optimizer, self._entries, self._optim_device) if whole_tensors else None
+        if self._whole is not None and tp_group is not None and dist.get_world_size(tp_group) > 1:
+            assert tp_whole is not None  # `_check_whole` refused the pair otherwise
+            self._whole.split = tp_whole(optimizer, self._whole)  # collective over tp
         self._bf16_states = None
         if bf16_states:
             if any(entry.holder.dtype != torch.float32 for entry in self._entries):
@@ -422,7 +429,7 @@ class GeminiOptimizer(GeminiOptimizerStateMixin):
 
 
 def _check_whole(
-    optimizer: torch.optim.Optimizer, options: GeminiOptimizerOptions, tp_group: ProcessGroup | None
+    optimizer: torch.optim.Optimizer, options: GeminiOptimizerOptions, tp_group: ProcessGroup | None, over_tp: bool
 ) -> None:
     """Refuse, naming the optimizer, what the whole-parameter step (`_whole`) does not support."""
     name = type(optimizer).__name__
@@ -433,10 +440,11 @@ def _check_whole(
             f"GeminiOptimizer: gpu_margin_mem_ratio moves optimizer state by chunk; {name}'s state is whole on owner "
             "ranks: pass 0.0"
         )
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+    if tp_group is not None and dist.get_world_size(tp_group) > 1 and not over_tp:
         raise TypeError(
-            f"GeminiOptimizer: {name} needs each matrix whole, and tensor parallelism (tp_group) slices them; use "
-            "tp size 1 (each matrix is then gathered whole to one owner rank) or an elementwise optimizer"
+            f"GeminiOptimizer: {name} needs each matrix whole, and tensor parallelism (tp_group) slices them; pass "
+            "tp_whole (GeminiPlugin does: the slices gathered over tp to an owner), use tp size 1 or an elementwise "
+            "optimizer"
         )
     if optimizer.state:
         raise ValueError(

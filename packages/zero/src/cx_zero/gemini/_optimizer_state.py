@@ -4,7 +4,10 @@ A mixin so that `_optimizer` keeps to building the placeholders and stepping. Sa
 chunk (`_shards.full_states`); loading keeps this rank's flat range of each full value (`_shards.own_part`).
 A whole-tensor optimizer (Muon, `_whole`) keeps each parameter's state whole on its owner rank: saving broadcasts it
 from there parameter by parameter (`cx_zero._whole_state.broadcast_state`, no pickle), loading keeps it on the owner
-only; the same full-by-name form, so either kind of checkpoint names its tensors the same way.
+only; the same full-by-name form, so either kind of checkpoint names its tensors the same way. Under tensor
+parallelism (`GeminiWholeStep.split`) a tp-split parameter's state lives whole on its tp owner: the dp owner stands
+in with its slice of it (the layout of an elementwise optimizer's tp-sliced state), which the checkpoint IO then
+gathers over tp like any other slice.
 """
 
 from __future__ import annotations
@@ -55,9 +58,15 @@ class GeminiOptimizerStateMixin:
         if self._whole is None:
             yield from full_states(self._entries, self.optim.state, self.manager.chunks())
             return
+        split = self._whole.split
+        covered = split.covers if split is not None else ()
+        sliced = split.local_states() if split is not None else {}  # collective over tp
         for entry in self._entries:  # collective: every rank, the same order
             whole = self._whole.of(entry)
-            state = self.optim.state.get(whole.tensor, {}) if whole.mine else None
+            state = None
+            if whole.mine:
+                held = id(whole.tensor)
+                state = sliced.get(held, {}) if held in covered else self.optim.state.get(whole.tensor, {})
             if whole.local:
                 assert state is not None
                 full = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
@@ -73,8 +82,11 @@ class GeminiOptimizerStateMixin:
         state: dict[str, Any] = self.optim.state.get(tensor, {}) if mine else {}
         return state
 
-    def _load_whole(self, entry: ShardEntry, state: Mapping[str, Any]) -> None:
-        """A whole-tensor optimizer's full state of `entry`: kept on its owner, checked everywhere."""
+    def _load_whole(
+        self, entry: ShardEntry, state: Mapping[str, Any], pending: dict[int, dict[str, Any]] | None = None
+    ) -> None:
+        """A whole-tensor optimizer's full state of `entry`: kept on its owner, checked everywhere; one the tp
+        split holds goes to `pending` (by id of the whole master) for `split.load_states`."""
         assert self._whole is not None
         whole = self._whole.of(entry)
         loaded: dict[str, Any] = {}
@@ -90,7 +102,11 @@ class GeminiOptimizerStateMixin:
                 )
             else:
                 loaded[key] = value.detach().to(whole.tensor.device, copy=True)
-        if whole.mine:
+        split = self._whole.split
+        if whole.mine and split is not None and id(whole.tensor) in split.covers:
+            assert pending is not None, "a tp-split state loads through load_state_dict"
+            pending[id(whole.tensor)] = loaded
+        elif whole.mine:
             self.optim.state[whole.tensor] = loaded
 
     def state_dict(self, only_rank_0: bool = True) -> dict[str, Any]:
@@ -148,8 +164,11 @@ class GeminiOptimizerStateMixin:
         if unknown:
             raise ValueError(f"GeminiOptimizer.load_state_dict: state for unknown parameters {unknown}")
         if self._whole is not None:
+            pending: dict[int, dict[str, Any]] = {}
             for name, entries in state_dict["state"].items():
-                self._load_whole(self._by_name[name], entries)
+                self._load_whole(self._by_name[name], entries, pending)
+            if self._whole.split is not None:
+                self._whole.split.load_states(pending)  # collective over tp
             if "grad_scaler" in state_dict:
                 self.scaler.load_state_dict(dict(state_dict["grad_scaler"]))
             return
@@ -212,6 +231,7 @@ class GeminiOptimizerStateMixin:
 
     def expected_tensors(self) -> Mapping[str, TensorSpec]:
         """`TensorSink`: the state tensors this optimizer holds now, with full shapes."""
+        self._no_split_sink("expected_tensors")
         out: dict[str, TensorSpec] = {}
         for entry in self._entries:
             shape = tuple(entry.chunk.slot(entry.param).shape)
@@ -227,6 +247,7 @@ class GeminiOptimizerStateMixin:
 
     def receive(self, name: str, tensor: torch.Tensor) -> None:
         """`TensorSink`: take one `state.<param>.<key>` tensor."""
+        self._no_split_sink("receive")
         for entry in self._entries:
             for key in list(self._states_of(entry)):
                 if optimizer_tensor_name(entry.name, str(key)) == name:
@@ -237,3 +258,12 @@ class GeminiOptimizerStateMixin:
                     self._settle_moment_dtypes()
                     return
         raise KeyError(f"GeminiOptimizer.receive: no optimizer state tensor named {name!r}")
+
+    def _no_split_sink(self, method: str) -> None:
+        """A tp-split whole state is rebuilt on its tp owner from every tp rank's slice at once (collective), not
+        tensor by tensor."""
+        if self._whole is not None and self._whole.split is not None:
+            raise NotImplementedError(
+                f"GeminiOptimizer.{method}: with a whole-tensor optimizer under tensor parallelism the state loads "
+                "through load_state_dict (as the Booster's checkpoint IO does)"
+            )

@@ -12,12 +12,16 @@ parameter gets one owner rank in its chunk's group, balanced by Newton-Schulz co
 3. scatter: each owner sends every rank its part of the updated parameters (one `scatter` per owner), written into
    that rank's master slice, from which `GeminiOptimizer` refreshes the parameter chunks as usual.
 A keep_gathered chunk (or a group of one) holds its parameters whole on every rank: each rank steps them itself.
+With tensor parallelism these whole masters are tp slices; the caller (GeminiPlugin, which knows the slicing) then
+composes a second gather over tp in the wrapped optimizer's step hooks and tells the state dicts where that state
+lives (`SplitWholeStates`, attached as `split`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -26,7 +30,7 @@ from cx_zero._owners import assign_owners
 from cx_zero._whole_comm import gather_to_owner, scatter_from_owner
 from cx_zero.gemini._shards import ShardEntry
 
-__all__ = ["GeminiWholeStep", "WholeParam"]
+__all__ = ["GeminiWholeStep", "SplitWholeStates", "WholeParam"]
 
 
 @dataclass(eq=False)
@@ -53,6 +57,25 @@ def _spans(chunk: Chunk, begin: int, end: int) -> list[tuple[int, int]]:
     ]
 
 
+class SplitWholeStates(Protocol):
+    """A second split of some whole masters (tp slices stepped whole on a tp owner): their optimizer state lives
+    there, and the state dicts see each rank's slice of it, the layout an elementwise optimizer has."""
+
+    @property
+    def covers(self) -> Collection[int]:
+        """id() of the whole masters (`WholeParam.tensor`) whose state the split holds."""
+        ...
+
+    def local_states(self) -> dict[int, dict[str, Any]]:
+        """id(whole master) -> this rank's slice of its state; collective over the split's group."""
+        ...
+
+    def load_states(self, local: Mapping[int, Mapping[str, Any]]) -> None:
+        """Take slice states by id(whole master) (every rank of the split's group the same keys) and rebuild them
+        where the split keeps them; collective over the split's group."""
+        ...
+
+
 class GeminiWholeStep:
     """The whole-parameter masters of a `GeminiOptimizer`, their owners and one step's gather / step / scatter."""
 
@@ -63,6 +86,7 @@ class GeminiWholeStep:
         device_of: Callable[[Chunk], torch.device],
     ) -> None:
         self.params: dict[int, WholeParam] = {}  # id(entry.holder) -> its whole parameter
+        self.split: SplitWholeStates | None = None  # set by `GeminiOptimizer(tp_whole=...)` under tp
         self.groups: list[list[WholeParam]] = []  # sharded parameters by chunk group, in entry order
         by_group: dict[int, list[ShardEntry]] = {}
         for entry in entries:

@@ -11,7 +11,8 @@ slice (`shard_tensor`) as its master. Replicated parameters (norms, unsplit matr
 rank as before, identically. A parameter without a gradient (unused by the batch, so on every tp rank) is skipped.
 Checkpoints see each rank's slice of the owner's state (`local_states`), exactly the layout an elementwise optimizer
 has, and a load rebuilds the whole state on the owner (`whole_states`). At zero_stage 1/2 `_tp_zero_whole` uses the
-same class on the tp slices ZeRO gathered whole onto this rank (its dp-whole masters stand for the master slices).
+same class on the tp slices ZeRO gathered whole onto this rank (its dp-whole masters stand for the master slices), as
+GeminiPlugin does (`gemini._tp_whole`) on the tp slices Gemini gathered whole from its chunks; hence a shared module.
 """
 
 from __future__ import annotations
