@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cx_plan import Candidate, Device, ModelShape, Optimizer, load_model_shape, lookup_device, predict_step_time
+from cx_plan._candidate import muon_refusal
 from cx_plan._cli import main
 from cx_plan._enumerate import SearchSpace, enumerate_candidates
 from cx_plan._report import train_command
@@ -259,3 +260,19 @@ def test_muon_with_cpu_offload_at_tp_is_refused_as_the_plugin_refuses_it() -> No
         Candidate("hybrid", dp=2, tp=2, zero_stage=1, cpu_offload=True, optimizer=Optimizer.MUON)
     assert Candidate("hybrid", dp=2, tp=2, zero_stage=1, cpu_offload=True).cpu_offload  # AdamW: taken
     assert Candidate("hybrid", dp=2, zero_stage=1, cpu_offload=True, optimizer=Optimizer.MUON).cpu_offload  # tp 1
+
+
+def test_gemini_at_tp_is_refused_as_unmodelled_for_every_optimizer() -> None:
+    """GeminiPlugin steps Muon at tp_size > 1, but cx-plan models Gemini as data parallelism only (no ShardFormer
+    trace, memory or comm for it; cx-train takes no --tp with gemini): the refusal names that, not Muon, and is the
+    same for AdamW, so the planner never predicts a layout it does not count."""
+    for optimizer in Optimizer:
+        with pytest.raises(ValueError, match="GeminiPlugin's tp_size > 1 is not modelled by cx-plan"):
+            Candidate("gemini", dp=2, tp=2, optimizer=optimizer)
+    assert muon_refusal("gemini", 2, 3) is None  # the plugin takes Muon at tp > 1: no Muon-specific refusal
+    assert Candidate("gemini", dp=4, optimizer=Optimizer.MUON).muon  # tp 1: counted
+    space = SearchSpace(global_batch=8, optimizer=Optimizer.MUON, max_tp=2)
+    shape = load_model_shape("gpt", hidden_size=64, num_layers=2, seq_len=SEQ)
+    gemini = [c for c in enumerate_candidates(shape, 4, SEQ, space) if c.plugin == "gemini"]
+    assert gemini
+    assert all(c.tp == 1 for c in gemini)

@@ -57,6 +57,12 @@ _PARALLEL_PLUGINS = ("hybrid", "moe_hybrid")
 # the ZeRO stage each plugin runs: DDP replicates, FSDP (full shard) and Gemini shard everything
 _FIXED_STAGE = {"torch_ddp": 0, "torch_fsdp": 3, "gemini": 3}
 _STAGES = {"low_level_zero": (1, 2), "hybrid": (0, 1, 2), "moe_hybrid": (0, 1, 2)}
+# GeminiPlugin takes tp_size (ShardFormer, then chunks over dp; Muon too, cx_plugins.gemini._tp_whole), but cx-plan
+# neither traces that model nor counts its memory and comm, and cx-train takes --tp with hybrid / moe_hybrid only
+_GEMINI_TP = (
+    " (GeminiPlugin's tp_size > 1 is not modelled by cx-plan: no ShardFormer trace, memory or comm for it, and "
+    "cx-train takes --tp with hybrid / moe_hybrid only; use hybrid with zero_stage 1 or 2 for tp x ZeRO)"
+)
 
 
 class CodeText(str):
@@ -122,7 +128,8 @@ class Candidate:
         if not parallel:
             _require(
                 (self.tp, self.pp, self.sp, self.ep) == (1, 1, 1, 1) and self.sp_mode is None,
-                f"{self.plugin} runs data parallelism only: tp, pp, sp, ep must be 1 and sp_mode None",
+                f"{self.plugin} runs data parallelism only: tp, pp, sp, ep must be 1 and sp_mode None"
+                + (_GEMINI_TP if self.plugin == "gemini" and self.tp > 1 else ""),
             )
         _require(self.ep == 1 or self.plugin == "moe_hybrid", "ep > 1 needs the moe_hybrid plugin")
         _require(
@@ -315,6 +322,4 @@ def muon_refusal(plugin: str, tp: int, stage: int, pp: int = 1, sp_mode: str | N
             "MoeHybridParallelPlugin with tp > 1 and ZeRO 1/2 steps whole matrices without pp or sequence parallelism "
             "only (untested there)"
         )
-    if plugin == "gemini" and tp > 1:
-        return "GeminiPlugin steps whole matrices at tp 1 only"
-    return None
+    return None  # GeminiPlugin at tp > 1 steps Muon too; cx-plan refuses gemini tp > 1 for any optimizer (_GEMINI_TP)

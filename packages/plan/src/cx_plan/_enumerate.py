@@ -16,8 +16,9 @@ The rules (each the one the code that would run it checks):
   (GeminiDDP refuses accumulation as cx-train configures it);
 - checkpointing: a ratio of layers under the hybrid plugins (ShardFormer); all or none under the others, and, when
   asked for (`checkpoint_modes`), every layer under torchtitan's selective op policy (transformers' switch only);
-- optimizer muon (MuonWithAdamW): not under moe_hybrid ZeRO 1/2 at tp > 1 with pp > 1 or sequence parallelism,
-  nor Gemini at tp > 1 (cx refuses them: `muon_refusal`); `optimizer_skips` says so once for the report.
+- optimizer muon (MuonWithAdamW): not under moe_hybrid ZeRO 1/2 at tp > 1 with pp > 1 or sequence parallelism
+  (cx refuses it: `muon_refusal`); `optimizer_skips` says so once for the report. Gemini is enumerated at tp 1 only,
+  for every optimizer (cx-plan does not model GeminiPlugin's tp_size).
 When no candidate survives, `NoLayoutError` names, per plugin, why.
 """
 
