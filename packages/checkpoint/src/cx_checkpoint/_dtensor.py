@@ -30,7 +30,10 @@ def local_region(tensor: DTensor) -> Region:
         if type(placement) is Replicate:
             continue
         if type(placement) is not Shard:
-            raise NotImplementedError(f"loading into a DTensor placed as {placement} is not supported")
+            raise NotImplementedError(
+                f"loading into a DTensor placed as {placement} is not supported; redistribute it to Shard / Replicate "
+                "placements first, or load through the plugin's checkpoint IO (Booster.load_model)"
+            )
         dim = placement.dim
         parts = tensor.device_mesh.size(mesh_dim)
         piece = -(-lengths[dim] // parts)
@@ -41,7 +44,8 @@ def local_region(tensor: DTensor) -> Region:
     if local_shape != tuple(lengths):
         raise NotImplementedError(
             f"a DTensor's local shard has shape {local_shape}, but its placements {tensor.placements} give "
-            f"{tuple(lengths)}: this sharding layout is not supported for loading"
+            f"{tuple(lengths)}: this sharding layout is not supported for loading; redistribute to even Shard "
+            "placements, or load the full tensor and distribute it"
         )
     return tuple(slice(start, start + length) for start, length in zip(starts, lengths, strict=True))
 

@@ -178,7 +178,10 @@ class Booster:
         """Add LoRA adapters (Hugging Face peft) to `model`, new from `lora_config` (a `peft.LoraConfig`) or loaded
         trainable from `pretrained_dir`; call it before `boost` and build the optimizer from the returned model."""
         if quantize or bnb_quantization_config is not None:
-            raise NotImplementedError("enable_lora: quantised base weights (bitsandbytes) are not supported in cx")
+            raise NotImplementedError(
+                "enable_lora: quantised base weights (bitsandbytes) are not supported in cx; train LoRA on bf16 base "
+                "weights (precision='bf16')"
+            )
         if isinstance(model, ModelWrapper):
             raise ValueError("enable_lora must be called before boost (this model is already boosted)")
         return self.plugin.enable_lora(model, None if pretrained_dir is None else str(pretrained_dir), lora_config)
@@ -190,7 +193,10 @@ class Booster:
         `enable_lora(pretrained_dir=...)`); always safetensors."""
         io = self.checkpoint_io
         if not isinstance(io, SavesLora) or not self.plugin.support_lora():
-            raise NotImplementedError(f"save_lora_as_pretrained: {type(self.plugin).__name__} does not support LoRA")
+            raise NotImplementedError(
+                f"save_lora_as_pretrained: {type(self.plugin).__name__} does not support LoRA; TorchDDPPlugin, "
+                "LowLevelZeroPlugin, GeminiPlugin and HybridParallelPlugin do"
+            )
         io.save_lora_as_pretrained(model, checkpoint, use_safetensors)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------

@@ -42,7 +42,10 @@ def is_lora_wrapper(module: nn.Module) -> bool:
 def _refuse_extras(wrapper: nn.Module, where: str) -> None:
     dora = getattr(wrapper, "use_dora", {})
     if any(bool(v) for v in (dora.values() if isinstance(dora, dict) else [dora])):
-        raise NotImplementedError(f"{where}: DoRA adapters under tensor parallelism are not supported")
+        raise NotImplementedError(
+            f"{where}: DoRA adapters under tensor parallelism are not supported; use plain LoRA (use_dora=False) or "
+            "tp_size=1"
+        )
     dropout = getattr(wrapper, "lora_dropout", None)
     if isinstance(dropout, nn.ModuleDict) and any(isinstance(d, nn.Dropout) and d.p > 0 for d in dropout.values()):
         raise NotImplementedError(
@@ -52,15 +55,20 @@ def _refuse_extras(wrapper: nn.Module, where: str) -> None:
     for extra in ("lora_embedding_A", "lora_magnitude_vector"):
         container = getattr(wrapper, extra, None)
         if isinstance(container, nn.ParameterDict | nn.ModuleDict) and len(container) > 0:
-            raise NotImplementedError(f"{where}: LoRA {extra} under tensor parallelism is not supported")
+            raise NotImplementedError(
+                f"{where}: LoRA {extra} under tensor parallelism is not supported; leave that layer out of the "
+                "adapters' target_modules, or use tp_size=1"
+            )
 
 
 def shard_lora_adapters(wrapper: nn.Module, base: nn.Module, group: ProcessGroup | None, where: str) -> None:
     """Put the sharded `base` in `wrapper` and shard its adapters to match (module docs); `where` names the layer."""
     _refuse_extras(wrapper, where)
     if getattr(base, "seq_parallel_mode", None) is not None or getattr(base, "skip_bias_add", False):
+        which = "sequence parallelism" if getattr(base, "seq_parallel_mode", None) is not None else "skip_bias_add"
         raise NotImplementedError(
-            f"{where}: LoRA adapters on a layer with sequence parallelism or skip_bias_add are not supported"
+            f"{where}: LoRA adapters on a layer with {which} are not supported; turn {which} off, or leave this "
+            "layer out of the adapters' target_modules"
         )
     lora_a, lora_b = wrapper.lora_A, wrapper.lora_B
     if not isinstance(lora_a, nn.ModuleDict) or not isinstance(lora_b, nn.ModuleDict):

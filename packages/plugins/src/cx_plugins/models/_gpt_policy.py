@@ -70,9 +70,15 @@ class GPTPolicy(Policy):
         config, shard = self.gpt.config, self.shard_config
         name = type(self.model).__name__
         if shard.enable_sequence_parallelism:
-            raise NotImplementedError(f"{name}: sequence parallelism is not implemented for cx's reference GPT")
+            raise NotImplementedError(
+                f"{name}: sequence parallelism is not implemented for cx's reference GPT; turn it off, or train a "
+                "transformers model (e.g. the llama preset)"
+            )
         if shard.gradient_checkpoint_config is not None:
-            raise NotImplementedError(f"{name}: gradient_checkpoint_config is not implemented for cx's reference GPT")
+            raise NotImplementedError(
+                f"{name}: gradient_checkpoint_config is not implemented for cx's reference GPT; leave it None, or "
+                "train a transformers model (e.g. the llama preset)"
+            )
         if shard.ep_group is not None:
             raise ValueError(f"{name} has no experts; ep_group must be None")
         tp = shard.tensor_parallel_size

@@ -30,7 +30,9 @@ class GPT2Policy(HFDecoderPolicy):
         config = self.hf_config
         self.reject_expert_parallelism()
         if getattr(config, "add_cross_attention", False):
-            raise NotImplementedError(f"{type(self.model).__name__}: cross-attention GPT-2 is not supported")
+            raise NotImplementedError(
+                f"{type(self.model).__name__}: cross-attention GPT-2 is not supported; use add_cross_attention=False"
+            )
         if self.shard_config.enable_tensor_parallelism:
             check_divisible(self.model, "n_head", config.n_head, self.tp_size)
             inner = config.n_inner if config.n_inner is not None else 4 * config.n_embd
