@@ -19,7 +19,9 @@ Model states only (no activations): DeepSpeed's t5-3b table on 1 node x 8 GPUs (
 `estimate_zero2/3_model_states_mem_needs_all_live`), recomputed here from DeepSpeed's formulas and set beside what
 cx-plan predicts for cx's equivalent layouts; benchmarks/plan/RESULTS.md has the table and why the rows differ.
 And a calibration, not a prediction: the `--routing-skew` at which cx-plan's compute loses what Megatron's published
-Qwen3-235B runs lose to dropless routing against forced balance.
+Qwen3-235B runs lose to dropless routing against forced balance. Tokens/s per GPU: torch.compile's factor and fp8's
+fraction of the fp8 peak fitted to torchtitan's Table 1 and checked on Table 3 (8B on 128 H100), which they were not
+fitted to.
 """
 
 from __future__ import annotations
@@ -227,3 +229,42 @@ def test_other_estimators_on_the_llama_runs() -> None:
             total, _ = sizes(build_model(shape))
         figures[name] = f"{max(estimate.estimate_training_usage(total, dtype).values()) / scale:.2f}"
     assert figures == {"8b-fp32": "119.66", "8b-fp16": "59.83", "tiny": "1.29"}
+
+
+# Tokens/s per GPU (benchmarks/plan/published_tps.py writes the whole table into RESULTS.md): torchtitan's Table 1
+# (8 H100) and Table 3 (128 H100), eager / + torch.compile / + compile + Float8, the FSDP runs above
+TPS_ROWS = {8: (5762, 6667, 8532), 128: (5605, 6514, 8380)}
+
+
+def _tps_per_gpu(gpus: int) -> tuple[float, float, float]:
+    from cx_plan._devices import lookup_device as device
+    from cx_plan.step_time._kernels import COMPILE_SPEEDUP, FP8_EFFICIENCY, Kernels
+    from cx_plan.step_time._step_time import predict_step_time
+    from cx_plan.trace._op_counts import op_counter
+
+    shape = load_model_shape(str(CONFIG))
+    torchtitan = Candidate(
+        "torch_fsdp", dp=gpus, micro_batch_size=2, precision="bf16", checkpoint_ratio=1.0,
+        checkpoint_mode="selective-op", fsdp_wrap="block",
+    )  # fmt: skip
+    ops = op_counter(shape, 8192, exact=False)(torchtitan)
+    kernels = (Kernels(), Kernels(COMPILE_SPEEDUP), Kernels(COMPILE_SPEEDUP, FP8_EFFICIENCY))
+    eager, compiled, fp8 = (
+        predict_step_time(torchtitan, shape, 8192, device("h100"), ops=ops, kernels=k).tokens_per_s / gpus
+        for k in kernels
+    )
+    return eager, compiled, fp8
+
+
+def test_torchtitan_compile_and_fp8_factors_fit_table1_and_carry_to_table3() -> None:
+    # fitted on Table 1's ratios (published_tps.py solves 1.158 and 0.3232; the code holds 1.16 and 0.32, which moves
+    # the fp8 ratio by 0.6 %, hence 1 %), held out on Table 3's: the same factors give 128 GPUs' ratios within 2 %
+    for gpus, tolerance in ((8, 0.01), (128, 0.02)):
+        eager, compiled, fp8 = _tps_per_gpu(gpus)
+        published = TPS_ROWS[gpus]
+        assert compiled / eager == pytest.approx(published[1] / published[0], rel=tolerance), gpus
+        assert fp8 / compiled == pytest.approx(published[2] / published[1], rel=tolerance), gpus
+        # absolute: 21-24 % over on these 500 W HBM2e H100s (the h100 row is the SXM datasheet's peak, and the 45 %
+        # efficiency is above the 34 % MFU torchtitan measured eager); RESULTS.md, "why it misses"
+        for predicted, figure in zip((eager, compiled, fp8), published, strict=True):
+            assert 0.15 <= predicted / figure - 1 <= 0.25, (gpus, predicted, figure)

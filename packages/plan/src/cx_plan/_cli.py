@@ -29,6 +29,7 @@ from cx_plan._enumerate import SearchSpace
 from cx_plan._expert_load import read_expert_load
 from cx_plan._planner import MemoryModel, plan, traced_memory_model
 from cx_plan._report import PlanRow, row_label
+from cx_plan.step_time._kernels import COMPILE_SPEEDUP, FP8_EFFICIENCY, Kernels
 from cx_plan.step_time._step_time import ACHIEVABLE_FRACTION
 from cx_plan.trace._model_spec import ModelShape, load_model_shape, shadowed_builtin
 
@@ -142,6 +143,33 @@ def build_parser() -> argparse.ArgumentParser:
         "or a JSON list of per-layer token counts per expert; each ep size gets its hottest rank's share",
     )
     parser.add_argument("--efficiency", type=float, default=ACHIEVABLE_FRACTION, help="achievable fraction of peak")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="the step under torch.compile, as cx-train's --compile: its forward and backward compute run "
+        "--compile-speedup times faster (cx-train compiles under torch_ddp only; the factor applies to every "
+        "candidate); memory is predicted as eager",
+    )
+    parser.add_argument(
+        "--compile-speedup",
+        type=float,
+        default=None,
+        help=f"--compile's factor on the compute (default: {COMPILE_SPEEDUP:g}, fitted to torchtitan's published "
+        "Llama 3.1 8B FSDP runs on H100, eager against compiled)",
+    )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="the decoder layers' linear layers in fp8, as cx-train's --fp8 (use_fp8): their FLOPs at "
+        "--fp8-efficiency x the device's fp8 peak (h100, h200); attention and the output head stay in --precision",
+    )
+    parser.add_argument(
+        "--fp8-efficiency",
+        type=float,
+        default=None,
+        help=f"--fp8's achievable fraction of the fp8 peak, scaling and casts included (default: {FP8_EFFICIENCY:g}, "
+        "fitted to torchtitan's published Llama 3.1 8B Float8 run on H100)",
+    )
     parser.add_argument("--top", type=int, default=10, help="fitting rows to print")
     parser.add_argument(
         "--all",
@@ -202,6 +230,17 @@ def _routing_skew(value: float) -> float:
     if not value >= 1:
         raise ValueError(f"--routing-skew must be >= 1 (the hottest expert's tokens over the mean's), got {value:g}")
     return value
+
+
+def _kernels(args: argparse.Namespace) -> Kernels:
+    """--compile / --fp8 with their rates; a rate without its switch is an error (it would change nothing)."""
+    for switch, rate in (("compile", "compile_speedup"), ("fp8", "fp8_efficiency")):
+        if getattr(args, rate) is not None and not getattr(args, switch):
+            flag = "--" + rate.replace("_", "-")
+            raise ValueError(f"{flag} takes effect only with --{switch}: add --{switch} or drop {flag}")
+    speedup = COMPILE_SPEEDUP if args.compile_speedup is None else args.compile_speedup
+    fp8 = FP8_EFFICIENCY if args.fp8_efficiency is None else args.fp8_efficiency
+    return Kernels(speedup if args.compile else 1.0, fp8 if args.fp8 else None)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -272,6 +311,10 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
     if args.measure:
         _check_measurable(device)
     network = _network(args, device)
+    kernels = _kernels(args)
+    if kernels.fp8 and "fp8" not in device.peak_flops:
+        fp8 = ", ".join(name for name, row in DEVICES.items() if "fp8" in row.peak_flops)
+        raise ValueError(f"--fp8: device {device.name} has no fp8 matmuls in the table (devices with them: {fp8})")
     space = SearchSpace(
         plugins=_names(args.plugins),
         global_batch=args.global_batch,
@@ -302,6 +345,7 @@ def run(args: argparse.Namespace, memory_factory: MemoryFactory) -> str:
         enough=None if args.all else args.top,
         progress=_progress_line(args.quiet),
         time_limit=args.time_limit,
+        kernels=kernels,
     )
     if not args.quiet:
         print(file=sys.stderr)  # end the progress line

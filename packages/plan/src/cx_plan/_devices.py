@@ -46,8 +46,8 @@ RESERVE_FRACTION = 0.1  # held back by default: CUDA context, NCCL and library w
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator: peak dense FLOP/s by precision ("bf16", "fp16", "fp32"), memory in bytes and memory
-    bandwidth in bytes/s (what bounds the optimizer step)."""
+    """One accelerator: peak dense FLOP/s by precision ("bf16", "fp16", "fp32"; "fp8" where it has fp8 GEMMs), memory
+    in bytes and memory bandwidth in bytes/s (what bounds the optimizer step)."""
 
     name: str
     peak_flops: dict[str, float]
@@ -110,12 +110,12 @@ class Network:
 
 
 _NVIDIA_H100 = (
-    "NVIDIA H100 Tensor Core GPU datasheet (SXM5): bf16/fp16 989 TFLOP/s dense, fp32 67 TFLOP/s, "
+    "NVIDIA H100 Tensor Core GPU datasheet (SXM5): bf16/fp16 989 TFLOP/s dense, fp8 1,979, fp32 67 TFLOP/s, "
     "80 GB HBM3 at 3.35 TB/s; memory as the device reports it: 81,559 MiB"
 )
 _NVIDIA_H200 = (
-    "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 compute, 141 GB HBM3e at 4.8 TB/s; memory as the device "
-    "reports it: 143,771 MiB"
+    "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 compute (fp8 1,979 TFLOP/s dense), 141 GB HBM3e at 4.8 TB/s; "
+    "memory as the device reports it: 143,771 MiB"
 )
 _NVIDIA_A100 = (
     "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB): bf16/fp16 312 TFLOP/s dense, fp32 19.5 TFLOP/s, 80 GB HBM2e at "
@@ -145,14 +145,12 @@ _CPU_PLUGINS = {
 # overlaps the kernels, so it only shows when a step's kernels are shorter. AdamW on CUDA is foreach / fused: no
 # per-tensor loop.
 _GPU_OP_S = 5e-6
+# "fp8": the linear layers' matmuls under --fp8 (`step_time._kernels`); a device without the key has no fp8 GEMMs
+_HOPPER_PEAKS = {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12}
 
 DEVICES: dict[str, Device] = {
-    "h100": Device(
-        "h100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, _H100_BYTES, 3.35e12, _NVIDIA_H100, op_s=_GPU_OP_S
-    ),
-    "h200": Device(
-        "h200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, _H200_BYTES, 4.8e12, _NVIDIA_H200, op_s=_GPU_OP_S
-    ),
+    "h100": Device("h100", dict(_HOPPER_PEAKS), _H100_BYTES, 3.35e12, _NVIDIA_H100, op_s=_GPU_OP_S),
+    "h200": Device("h200", dict(_HOPPER_PEAKS), _H200_BYTES, 4.8e12, _NVIDIA_H200, op_s=_GPU_OP_S),
     "a100": Device(
         "a100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, _A100_BYTES, 2.04e12, _NVIDIA_A100, op_s=_GPU_OP_S
     ),
@@ -202,8 +200,8 @@ _DEFAULT_NETWORK = {
 def lookup_device(
     name: str, memory_bytes: int | None = None, peak_flops: float | None = None, reserve: float | None = None
 ) -> Device:
-    """The table's device `name` (case-insensitive), with its memory, peak (every precision) and/or reserve (the
-    fraction of its memory held back) overridden."""
+    """The table's device `name` (case-insensitive), with its memory, peak (every precision; fp8 keeps its ratio to
+    bf16) and/or reserve (the fraction of its memory held back) overridden."""
     found = DEVICES.get(name.lower())
     if found is None:
         raise ValueError(f"unknown device {name!r}; known: {', '.join(sorted(DEVICES))}")
@@ -219,6 +217,8 @@ def lookup_device(
         if not peak_flops > 0:
             raise ValueError(f"peak FLOP/s must be positive, got {peak_flops}")
         peaks = dict.fromkeys(found.peak_flops, peak_flops)
+        if "fp8" in peaks:  # twice the 16-bit rate on the table's devices, whatever the override
+            peaks["fp8"] = peak_flops * found.peak_flops["fp8"] / found.peak_flops["bf16"]
         found = dataclasses.replace(found, peak_flops=peaks, source=found.source + "; peak overridden")
     return found
 

@@ -22,6 +22,7 @@ from cx_plan._enumerate import SearchSpace, enumerate_candidates, optimizer_skip
 from cx_plan._report import MemoryVerdict, PlanReport, PlanRow, rank_rows
 from cx_plan.memory._fits import Verdict
 from cx_plan.memory._memory_model import memory_model
+from cx_plan.step_time._kernels import EAGER, Kernels
 from cx_plan.step_time._step_time import ACHIEVABLE_FRACTION, predict_step_time
 from cx_plan.trace._model_spec import ModelShape, build_model, train_flags
 from cx_plan.trace._op_counts import OpCounter, op_counter
@@ -50,10 +51,11 @@ def judge(
     network: Network | None = None,
     efficiency: float = ACHIEVABLE_FRACTION,
     ops: OpCounter | None = None,
+    kernels: Kernels = EAGER,
 ) -> PlanRow:
     """One candidate's row: its memory verdict and predicted step time (`ops`: the op counts, traced by default)."""
     counts = (op_counter(shape, seq_len, device.host_bound) if ops is None else ops)(candidate)
-    step = predict_step_time(candidate, shape, seq_len, device, network, efficiency, counts)
+    step = predict_step_time(candidate, shape, seq_len, device, network, efficiency, counts, kernels)
     return PlanRow(candidate, memory(candidate), step)
 
 
@@ -71,6 +73,7 @@ def plan(
     ops: OpCounter | None = None,
     progress: Progress | None = None,
     time_limit: float | None = None,
+    kernels: Kernels = EAGER,
 ) -> PlanReport:
     """The candidates for `world` devices, ranked: fitting ones by predicted step time, then the rest.
 
@@ -80,14 +83,17 @@ def plan(
     `ops` gives each candidate's op and tensor counts for the host terms (default: traced, one trace per distinct
     split on a host-bound device, the whole model's shared out on a GPU, see `_op_counts`). `progress` is called
     after each judged candidate; past `time_limit` seconds no further candidate is judged, and the report says it
-    stopped (its rows are the best found so far: the fastest predicted of those judged).
+    stopped (its rows are the best found so far: the fastest predicted of those judged). `kernels`: torch.compile's
+    factor and fp8 linear layers for every candidate's step time.
     """
     if enough is not None and enough < 1:
         raise ValueError(f"enough must be a positive number of fitting candidates, got {enough}")
     start = time.monotonic()
     candidates = enumerate_candidates(shape, world, seq_len, space)
     count = op_counter(shape, seq_len, device.host_bound) if ops is None else ops
-    timed = [(predict_step_time(c, shape, seq_len, device, network, efficiency, count(c)), c) for c in candidates]
+    timed = [
+        (predict_step_time(c, shape, seq_len, device, network, efficiency, count(c), kernels), c) for c in candidates
+    ]
     timed.sort(key=lambda pair: pair[0].step_s)
     rows: list[PlanRow] = []
     fitting, stopped = 0, None

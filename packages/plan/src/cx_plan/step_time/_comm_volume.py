@@ -131,6 +131,8 @@ def _data_parallel(candidate: Candidate, shape: ModelShape) -> list[Collective]:
             continue
         full = parameters * w
         calls = max(1, math.ceil(full / BUCKET_BYTES))
+        if c.plugin == "torch_fsdp":  # FSDP2: one collective per unit and pass, whatever its size (no buckets)
+            calls = shape.num_layers + 1 if c.fsdp_wrap == "block" else 1
         if c.stage == 0:
             moved, hops = _ring(size, full, calls, "all_reduce")
             found.append(Collective(f"{label} gradient all-reduce", size, span, moved, hops))

@@ -15,6 +15,10 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
   with ep > 1): the hottest ep rank computes `hot_rank_load` x its balanced share of the routed experts' FLOPs and
   the slowest rank sets the step, so its expert compute (and its dispatch / combine all-to-all, `_comm_volume`) is
   charged.
+- `kernels` (`_kernels.Kernels`, default eager): with fp8 the decoder layers' linear FLOPs (`linear_flops_per_token`)
+  run at `fp8_efficiency` x the device's fp8 peak instead; torch.compile divides the forward and backward compute
+  by `compile_speedup` (both fitted to torchtitan's published Llama 3.1 8B runs, see `_kernels`). The recompute
+  takes the forward's mix. MFU stays against the precision's peak (torchtitan reports none with fp8 for that reason).
 - A collective takes hops x latency + bytes / bandwidth on the slowest link its group crosses (`_comm_volume`).
 - Overlap (`_hidden_data_parallel`), on a device that launches asynchronously (a GPU: NCCL runs on its own stream;
   on the host-bound CPU every collective adds, as calibrated), the data-parallel communication a plugin issues
@@ -57,6 +61,7 @@ from cx_plan._candidate import Candidate
 from cx_plan._devices import LINKS, Device, Network, default_network
 from cx_plan.step_time._comm_volume import BUCKET_BYTES, Collective, step_collectives, weight_bytes
 from cx_plan.step_time._host_time import OpCounts, host_time
+from cx_plan.step_time._kernels import EAGER, Kernels
 from cx_plan.trace._model_spec import ModelShape
 from cx_plan.trace._muon_split import stepped_load
 from cx_plan.trace._oracle import hot_rank_load
@@ -66,6 +71,7 @@ __all__ = [
     "HOST_BANDWIDTH",
     "StepTime",
     "flops_per_token",
+    "linear_flops_per_token",
     "predict_step_time",
     "worst_rank_expert_flops",
 ]
@@ -125,6 +131,30 @@ def worst_rank_expert_flops(candidate: Candidate, shape: ModelShape) -> float:
     load = hot_rank_load(candidate.routing_skew, candidate.ep, shape.num_experts, shape.top_k)
     routed = shape.parameters.experts * shape.top_k / shape.num_experts
     return 6.0 * routed * (load - 1.0)
+
+
+def linear_flops_per_token(candidate: Candidate, shape: ModelShape) -> float:
+    """Training FLOPs per token of the decoder layers' linear layers on the busiest rank's share (what fp8 runs):
+    6 x their matmul parameters (the routed experts' top_k share, the hottest ep rank's excess included); not
+    attention's scores and values, not the output head."""
+    counts = shape.parameters
+    routed = counts.experts * shape.top_k / shape.num_experts if shape.num_experts else 0.0
+    return 6.0 * (sum(counts.dense_per_layer) + routed) + worst_rank_expert_flops(candidate, shape)
+
+
+def _seconds_per_token(
+    candidate: Candidate, shape: ModelShape, seq_len: int, device: Device, efficiency: float, kernels: Kernels
+) -> float:
+    """Compute seconds per token of the whole world's forward and backward on one device (no recompute): every FLOP
+    at `efficiency` x the precision's peak, or with fp8 the layers' linear FLOPs at `fp8_efficiency` x the fp8 peak;
+    then torch.compile's factor on all of it."""
+    per_token = flops_per_token(shape, seq_len)[0] + worst_rank_expert_flops(candidate, shape)
+    seconds = per_token / (device.peak(candidate.precision) * efficiency)
+    if kernels.fp8_efficiency is not None:
+        linear = linear_flops_per_token(candidate, shape)
+        fp8_rate = device.peak("fp8") * kernels.fp8_efficiency
+        seconds += linear / fp8_rate - linear / (device.peak(candidate.precision) * efficiency)
+    return seconds / kernels.compile_speedup
 
 
 def _seconds(collective: Collective, network: Network, slow: float = 1.0) -> float:
@@ -224,23 +254,29 @@ def predict_step_time(
     network: Network | None = None,
     efficiency: float = ACHIEVABLE_FRACTION,
     ops: OpCounts | None = None,
+    kernels: Kernels = EAGER,
 ) -> StepTime:
     """The predicted time of one optimizer step of `candidate` (global batch `candidate.global_batch_size`
     sequences of `seq_len` tokens) on `world_size` devices of `device` connected by `network`; `ops` (the trace's
-    counts for the candidate's busiest stage) adds the host's time, None leaves it out."""
+    counts for the candidate's busiest stage) adds the host's time, None leaves it out; `kernels`: torch.compile's
+    factor and fp8 linear layers (`_kernels`)."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency (the achievable fraction of peak) must be in (0, 1], got {efficiency}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if efficiency * kernels.compile_speedup > 1:
+        raise ValueError(
+            f"efficiency {efficiency:g} x compile_speedup {kernels.compile_speedup:g} is above the device's peak"
+        )
     c = candidate
     net = default_network(device) if network is None else network
     host = host_time(c, ops, device, shape.num_layers)
     slow = host.oversubscription
     peak = device.peak(c.precision)
-    rate = peak * efficiency / slow  # ranks sharing cores share their FLOPs
     per_token, _ = flops_per_token(shape, seq_len)
     tokens = c.global_batch_size * seq_len
-    model_s = tokens * (per_token + worst_rank_expert_flops(c, shape)) / c.world_size / rate
+    per_token_s = _seconds_per_token(c, shape, seq_len, device, efficiency, kernels)
+    model_s = tokens * per_token_s * slow / c.world_size  # ranks sharing cores share their FLOPs
     recompute_s = model_s / 3 * _recompute_fraction(c, shape, seq_len, ops)
     collectives = step_collectives(c, shape, seq_len)
     times = {col.name: _seconds(col, net, slow) for col in collectives}
