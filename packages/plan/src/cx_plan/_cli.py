@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="MoE: a measured histogram instead of --routing-skew: cx-train's --metrics FILE.jsonl (its expert_counts) "
-        "or a JSON list of per-layer token counts per expert; each ep size gets its hottest rank's share",
+        "or a JSON list of per-layer token counts per expert; each ep size gets its hottest rank's share (default: "
+        "none: --routing-skew)",
     )
     parser.add_argument("--efficiency", type=float, default=ACHIEVABLE_FRACTION, help="achievable fraction of peak")
     parser.add_argument(
