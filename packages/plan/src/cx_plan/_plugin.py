@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecision
 
 from cx_plan._candidate import Candidate
+from cx_plan.memory._gemini_chunks import GEMINI_HIDDEN_DIM, GEMINI_MIN_CHUNK_SIZE_M, GEMINI_SEARCH_RANGE_M
 from cx_plugins import (
     GeminiPlugin,
     HybridParallelPlugin,
@@ -55,7 +56,13 @@ def make_plugin(
         return LowLevelZeroPlugin(**arguments), None
     if c.plugin == "gemini":
         # cx's models are small next to the chunk search's defaults: small chunks, so they really are sharded
-        return GeminiPlugin(search_range_m=1, min_chunk_size_m=0.05, hidden_dim=64, **arguments), None
+        # (the memory model lays the chunks out with the same search: memory._gemini_chunks)
+        return GeminiPlugin(
+            search_range_m=GEMINI_SEARCH_RANGE_M,
+            min_chunk_size_m=GEMINI_MIN_CHUNK_SIZE_M,
+            hidden_dim=GEMINI_HIDDEN_DIM,
+            **arguments,
+        ), None
     if c.checkpoint_ratio:
         arguments["gradient_checkpoint_config"] = GradientCheckpointConfig(
             gradient_checkpointing_ratio=c.checkpoint_ratio

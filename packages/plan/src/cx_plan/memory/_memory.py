@@ -8,10 +8,11 @@ Parameters at the compute precision (DDP / FSDP keep fp32 parameters and cast in
 the 16-bit plugins (LowLevelZero, Gemini, hybrid). Activations come from the FakeTensor trace of one micro-batch
 (`trace_stage`); a 1F1B pipeline stage s also keeps the saved activations of the pp - s - 1 micro-batches it has started
 and not finished (interleaved / ZBV: one more per extra model chunk, bounded by the micro-batch count). Comm buffers:
-DDP's gradient buckets (a second copy of the gradients), FSDP's and Gemini's gathered parameters. The peak is the larger
-of two instants: the trace's peak inside the backward (model states, activations, the gradients live then) and, under
-ZeRO 1/2, the end of the backward (model states, the gradients packed into the reduce bucket and this rank's reduced
-fp32 shard; cx-zero keeps an fp32 master shard then even for fp32 weights); under hybrid ZeRO 0 over dp > 1, the
+DDP's gradient buckets (a second copy of the gradients), FSDP's and Gemini's gathered parameters (Gemini's: the
+long-lived chunks and those of the layer in use, `_gemini_chunks`; the whole model when no layout is given). The peak is
+the larger of two instants: the trace's peak inside the backward (model states, activations, the gradients live then)
+and, under ZeRO 1/2, the end of the backward (model states, the gradients packed into the reduce bucket and this rank's
+reduced fp32 shard; cx-zero keeps an fp32 master shard then even for fp32 weights); under hybrid ZeRO 0 over dp > 1, the
 gradients and their packed copy for the all-reduce; unsharded 16-bit runs, the step's fp32 copy of the gradients beside
 the 16-bit ones.
 
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 
 from cx_plan._candidate import Candidate
 from cx_plan.memory._fsdp_memory import fsdp_bytes
+from cx_plan.memory._gemini_chunks import gemini_gathered_elements
 from cx_plan.trace._activations import ActivationTrace, trace_stage
 from cx_plan.trace._model_spec import ModelShape, ParameterCounts
 from cx_plan.trace._muon_split import (
@@ -53,7 +55,7 @@ from cx_plan.trace._muon_split import (
     whole_group,
 )
 
-__all__ = ["MemoryPrediction", "predict_memory", "predict_memory_from_traces"]
+__all__ = ["MemoryPrediction", "gemini_layout", "predict_memory", "predict_memory_from_traces"]
 
 _ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
 _FP32 = 4
@@ -182,6 +184,7 @@ def _for_stage(
     counts: ParameterCounts | None,
     host_is_device: bool,
     muon: MuonSplit | None = None,
+    gathered: int | None = None,
 ) -> MemoryPrediction:
     c, n, e = candidate, trace.parameter_count, trace.expert_parameter_count
     w = _ITEMSIZE[c.precision]
@@ -203,7 +206,7 @@ def _for_stage(
             optimizer = _shard(c, n, e, c.moment_bytes)
             master = _shard(c, n, e, _FP32) if c.half_precision else 0
         if c.plugin == "gemini":  # this rank's chunk shards; the gathered chunks in use take the gradients
-            parameters, gradients, comm = w * n // dp, 0, w * n
+            parameters, gradients, comm = w * n // dp, 0, w * (n if gathered is None else min(n, gathered))
         else:
             gradients = live_grads + _accumulated(c, w, n)
             if c.stage >= 1 and dp > 1:  # cx-zero keeps a separate fp32 master shard even for fp32 working weights
@@ -276,14 +279,16 @@ def predict_memory_from_traces(
     counts: ParameterCounts | None = None,
     host_is_device: bool = False,
     muon: MuonSplit | None = None,
+    gemini_gathered: int | None = None,
 ) -> MemoryPrediction:
     """The busiest stage's prediction from already-made traces (one per stage traced); `counts` (the shape's) are
     needed for per-block FSDP, whose gathered bytes are the root unit's and the largest blocks'. `host_is_device`:
     the devices are the CPU (`--device cpu`), so "offloaded" optimizer states stay in the memory that peaks. `muon`:
-    the model's Muon split (`muon_split`), needed for a candidate with optimizer muon."""
+    the model's Muon split (`muon_split`), needed for a candidate with optimizer muon. `gemini_gathered`: the elements
+    GeminiPlugin holds gathered at once (`gemini_layout`; None: the whole model, as one chunk)."""
     if not traces:
         raise ValueError("predict_memory_from_traces: no trace given")
-    made = (_for_stage(candidate, trace, counts, host_is_device, muon) for trace in traces)
+    made = (_for_stage(candidate, trace, counts, host_is_device, muon, gemini_gathered) for trace in traces)
     return max(made, key=lambda prediction: prediction.peak)
 
 
@@ -294,4 +299,10 @@ def predict_memory(
     stages = sorted({0, candidate.pp - 1})
     traces = [trace_stage(shape, candidate, seq_len, s) for s in stages]
     split = muon_split(shape) if candidate.muon else None
-    return predict_memory_from_traces(candidate, traces, shape.parameters, host_is_device, split)
+    gathered = gemini_layout(shape, candidate)
+    return predict_memory_from_traces(candidate, traces, shape.parameters, host_is_device, split, gathered)
+
+
+def gemini_layout(shape: ModelShape, candidate: Candidate) -> int | None:
+    """The elements a Gemini candidate holds gathered at once (`gemini_gathered_elements`); None for other plugins."""
+    return gemini_gathered_elements(shape, candidate.dp) if candidate.plugin == "gemini" else None

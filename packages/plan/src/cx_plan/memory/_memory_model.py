@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from cx_plan._candidate import Candidate
 from cx_plan.memory._fits import USABLE_FRACTION, Verdict, fits
-from cx_plan.memory._memory import MemoryPrediction, predict_memory_from_traces
+from cx_plan.memory._memory import MemoryPrediction, gemini_layout, predict_memory_from_traces
 from cx_plan.memory._states_floor import states_floor, with_states_floor
 from cx_plan.trace._activations import ActivationTrace, shallow_layers
 from cx_plan.trace._model_spec import ModelShape
@@ -95,7 +95,8 @@ def memory_model(
     def floor_verdict(candidate: Candidate, floors: list[ActivationTrace]) -> Verdict:
         floors = [with_states_floor(trace, states_floor(shape, candidate)) for trace in floors]
         split = muon_split(shape) if candidate.muon else None
-        prediction = predict_memory_from_traces(candidate, floors, shape.parameters, host_is_device, split)
+        gathered = gemini_layout(shape, candidate)
+        prediction = predict_memory_from_traces(candidate, floors, shape.parameters, host_is_device, split, gathered)
         return fits(prediction, device_memory, usable_fraction)
 
     def ruled_out(
@@ -185,7 +186,8 @@ def memory_model(
         if isinstance(made, Verdict):
             return made
         split = muon_split(shape) if candidate.muon else None
-        prediction = predict_memory_from_traces(candidate, made, shape.parameters, host_is_device, split)
+        gathered = gemini_layout(shape, candidate)
+        prediction = predict_memory_from_traces(candidate, made, shape.parameters, host_is_device, split, gathered)
         return fits(prediction, device_memory, usable_fraction)
 
     return judge
