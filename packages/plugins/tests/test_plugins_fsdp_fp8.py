@@ -129,8 +129,9 @@ def test_fsdp_fp8_communication_and_use_fp8(rank: int, world_size: int) -> None:
     assert (
         comm_bytes.by_op["all_gather_single"] == bf16_bytes.by_op["all_gather_single"] // 2 + SCALE_BYTES * 2 * groups
     )
+    # on gloo the bf16 run reduce-scatters by an in-place all-reduce of the same input (cx_plugins.fsdp._gloo_comms)
     assert comm_bytes.by_op["all_to_all_single"] == (
-        bf16_bytes.by_op["reduce_scatter_single"] // 2 + SCALE_BYTES * world_size * groups
+        bf16_bytes.by_op["all_reduce"] // 2 + SCALE_BYTES * world_size * groups
     )
     _close_per_pass("fp8_communication", comm_losses, bf16_losses)
 

@@ -15,8 +15,10 @@ the sharded gradients. Three instants compete for the peak:
   gradients and their packed copy in the reduce dtype (fp32), then that copy and this rank's reduced shard, beside
   the shards of the units already reduced. For one root unit that is the whole model at once; per block it is the
   root unit, reduced last.
-The first and the last go into `end_of_backward` (the larger of the two); on CPU devices gloo's reduce-scatter also
-copies its whole input. Each was found by a measured miss (benchmarks/plan/notes.md).
+The first and the last go into `end_of_backward` (the larger of the two); each was found by a measured miss
+(benchmarks/plan/notes.md). CPU devices count the same: cx's TorchFSDPPlugin reduces in place on gloo as NCCL does
+(`cx_plugins.fsdp._gloo_comms`; gloo's own reduce-scatter copies its whole input and frees that copy whenever its
+worker thread gets to it).
 Gradient accumulation runs the earlier micro-batches under `no_sync` (FSDP2's `set_requires_gradient_sync(False)`,
 what cx-train and `booster.no_sync` do): every unit keeps its unsharded gradient, summed in fp32 (the reduce dtype),
 until the last micro-batch's backward reduce-scatters it, so all three instants of that backward hold it too.
@@ -61,13 +63,11 @@ def _units(c: Candidate, n: int, counts: ParameterCounts | None) -> tuple[int, i
     return outer + sum(layers[:2]), outer, layers[0] if layers else 0
 
 
-def fsdp_bytes(c: Candidate, trace: ActivationTrace, counts: ParameterCounts | None, gloo: bool = False) -> FSDPBytes:
+def fsdp_bytes(c: Candidate, trace: ActivationTrace, counts: ParameterCounts | None) -> FSDPBytes:
     """Bytes of the trace's `parameter_count` trained parameters under `c` (torch_fsdp). The trace runs the model
     unsharded, so its gradients pile up as the backward goes; per block FSDP holds only the root unit's and one
     block's unsharded, so where the trace's peak is theirs (a 70B model's gradients outweigh its activations) the
-    peak is taken with those and the larger of the peak's and the forward's saved activations. `gloo`: the devices
-    are CPUs, whose gloo reduce_scatter_tensor makes a full-size copy of its input while it runs (NCCL reduces in
-    place)."""
+    peak is taken with those and the larger of the peak's and the forward's saved activations."""
     w = 2 if c.half_precision else _FP32
     n, dp, saved_bytes = trace.parameter_count, c.dp, trace.saved_bytes
     shard, optimizer = _FP32 * n // dp, _ADAM_MOMENTS * _FP32 * n // dp
@@ -83,7 +83,7 @@ def fsdp_bytes(c: Candidate, trace: ActivationTrace, counts: ParameterCounts | N
     reduced_before = _FP32 * (n - last_unit) // dp  # the other units' reduced gradient shards
     # FSDP2's post_backward reshards the unit first, then copies its gradients into the packed fp32 input, drops them,
     # and only then allocates this rank's output: the gradients or the output beside the input, never all three
-    output = _FP32 * last_unit // dp + (_FP32 * last_unit if gloo else 0)
+    output = _FP32 * last_unit // dp
     unit_gradient = (_FP32 if accumulated else w) * last_unit  # summed in fp32 under no_sync
     packed = _FP32 * last_unit + max(unit_gradient, output)
     reduce = shard + optimizer + reduced_before + packed

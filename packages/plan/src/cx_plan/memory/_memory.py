@@ -196,7 +196,7 @@ def _for_stage(
         parameters, comm = _FP32 * n, _FP32 * n
         gradients = live_grads * _FP32 // w + _accumulated(c, _FP32, n)
     elif c.plugin == "torch_fsdp":  # fp32 shards; the root unit, or each block, gathered for compute (_fsdp_memory)
-        fsdp = fsdp_bytes(c, trace, counts, gloo=host_is_device)  # CPU devices: gloo
+        fsdp = fsdp_bytes(c, trace, counts)
         parameters, gradients, optimizer, comm = fsdp.parameters, fsdp.gradients, fsdp.optimizer_states, fsdp.gathered
         activations, end = fsdp.activations, fsdp.end_of_backward
     else:

@@ -5,7 +5,8 @@ FSDP1 policies (`ModuleWrapPolicy`, `functools.partial(transformer_auto_wrap_pol
 callables `policy(module, recurse, nonwrapped_numel)`. Walking the tree bottom-up, a submodule gets its own
 `fully_shard` when the policy says so for the parameters not already inside a sharded descendant, as FSDP1's
 recursive wrapping decides; the root is always sharded last, taking what is left. With `use_fp8` the eligible
-linears become fp8 linears first; with `fp8_communication` every sharded module gets the fp8 collectives.
+linears become fp8 linears first; with `fp8_communication` every sharded module gets the fp8 collectives, else on
+gloo collectives that free their buffers at fixed points (`_gloo_comms`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.optim import Optimizer
 
 from cx_mesh import get_accelerator
 from cx_plugins.fsdp._fp8 import convert_linears, use_fp8_collectives
+from cx_plugins.fsdp._gloo_comms import InPlaceReduceScatter, ReleasedAllGather
 from cx_plugins.fsdp._options import FSDPOptions
 
 __all__ = ["cast_buffers", "repoint_optimizer", "shard_module", "sync_module_states"]
@@ -70,6 +72,11 @@ def shard_module(module: nn.Module, options: FSDPOptions) -> list[nn.Module]:
         )
     if options.fp8_communication:
         use_fp8_collectives([*chosen, module])
+    elif dist.get_backend(mesh.get_group()) == "gloo":  # buffers freed where FSDP2 drops them (_gloo_comms)
+        for target in [*chosen, module]:
+            assert isinstance(target, FSDPModule), "fully_shard returns its module as an FSDPModule"
+            target.set_custom_all_gather(ReleasedAllGather())
+            target.set_custom_reduce_scatter(InPlaceReduceScatter())
     return [*chosen, module]
 
 
