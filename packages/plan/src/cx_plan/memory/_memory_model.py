@@ -133,6 +133,28 @@ def memory_model(
         trace would be wasted (an 8B search, 20 % slower with it everywhere)."""
         return floor_verdict(candidate, [states_floor(shape, candidate)]).peak_bytes * 2 >= limit
 
+    def frugal(candidate: Candidate) -> Candidate | None:
+        """The same split at micro-batch 1 with every layer checkpointed in full (its least memory); None: the
+        candidate is it, or Gemini (its peak keeps no activations: no gain), or the model states leave room."""
+        least = dataclasses.replace(candidate, micro_batch_size=1, checkpoint_ratio=1.0, checkpoint_mode="full")
+        if least == candidate or candidate.plugin == "gemini" or not crowded(candidate):
+            return None
+        return least
+
+    def split_floor(candidate: Candidate) -> Verdict | None:
+        """Ruled out by the frugal split's (`frugal`) first stage of the shallower model, or its own first stage
+        where that is short enough to trace as it is: one trace of a few layers, shared by every micro-batch and
+        checkpointing choice of the split, so a split that cannot fit costs one such trace."""
+        least = frugal(candidate)
+        if least is None:
+            return None
+        trace = traces.shallow(least, 0)
+        if isinstance(trace, str):
+            return None
+        depth = "of a shallower model " if shallow_layers(shape, least) is not None else ""
+        why = f"the same split's first stage {depth}at micro-batch 1 with full checkpointing"
+        return ruled_out(candidate, [floor_trace(candidate, trace)], why)
+
     def frugal_floor(candidate: Candidate) -> Verdict | None:
         """Ruled out by the first stage of the same split at micro-batch 1 with every layer checkpointed in full (its
         least memory): one trace rules out every micro-batch and checkpointing choice of a split that cannot fit.
@@ -162,7 +184,7 @@ def memory_model(
     def bounded(candidate: Candidate) -> Verdict | None:
         """The first bound, cheapest first, that rules the candidate out without its own trace."""
         ruled = ruled_out(candidate, [states_floor(shape, candidate)], "the model states alone")
-        ruled = ruled or shallow_floor(candidate) or frugal_floor(candidate)
+        ruled = ruled or split_floor(candidate) or shallow_floor(candidate) or frugal_floor(candidate)
         for smaller in ((1,), (1, 2))[: (candidate.micro_batch_size > 1) + (candidate.micro_batch_size > 2)]:
             ruled = ruled or batch_floor(candidate, smaller)
         return ruled or first_stage(candidate)
