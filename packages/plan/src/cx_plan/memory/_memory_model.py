@@ -6,6 +6,9 @@ Before a candidate is traced, bounds try to rule it out, cheapest first; each pr
 own trace would (tested on every candidate of small searches), so a verdict, fits or not, is the one the full trace
 gives, and a ruled-out row says which bound and gives it as its peak ("peak >= ..."):
 - the model states alone (`_states_floor`: parameter counts, no trace);
+- where the states take half the memory or more (`crowded`): the frugal split's first stage (micro-batch 1, every
+  layer checkpointed in full), of the shallower model where the stage is extrapolated: one trace of a few layers
+  for every micro-batch and checkpointing choice of the split, short stages included;
 - a stage deeper than a few layers: stage 0 of the shallower model its trace extrapolates from, at micro-batch 1
   (one trace of a few layers instead of up to four);
 - the same split's first stage at micro-batch 1 with every layer checkpointed in full (its least memory: one trace
