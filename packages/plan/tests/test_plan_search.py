@@ -149,8 +149,8 @@ def test_progress_and_time_limit() -> None:
 def test_the_bounds_before_a_trace_never_exceed_the_traced_prediction(tmp_path: Path) -> None:
     """On every candidate of a small search over a model deep enough to be extrapolated (5 layers per stage), the
     model-states floor, the shallower model's first stage, the same split's frugal first stage (micro-batch 1, full
-    checkpointing) and the candidate's own first stage each predict no more than its full traces: a bound can only
-    rule out what a trace would rule out."""
+    checkpointing) and that stage of the shallower model, and the candidate's own first stage each predict no more
+    than its full traces: a bound can only rule out what a trace would rule out."""
     config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 10, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 64, "tie_word_embeddings": False}  # fmt: skip
@@ -169,14 +169,14 @@ def test_the_bounds_before_a_trace_never_exceed_the_traced_prediction(tmp_path: 
         own = [cache.get(candidate, s) for s in sorted({0, candidate.pp - 1})]
         one = dataclasses.replace(candidate, micro_batch_size=1)
         frugal = dataclasses.replace(one, checkpoint_ratio=1.0, checkpoint_mode="full")
-        shallow, first = cache.shallow(one, 0), cache.get(frugal, 0)
-        made = [t for t in [*own, shallow, first] if isinstance(t, ActivationTrace)]
-        if len(made) < len(own) + 2:  # a split cx refuses
+        shallow, first, split = cache.shallow(one, 0), cache.get(frugal, 0), cache.shallow(frugal, 0)
+        made = [t for t in [*own, shallow, first, split] if isinstance(t, ActivationTrace)]
+        if len(made) < len(own) + 3:  # a split cx refuses
             continue
         true = predict_memory_from_traces(candidate, made[: len(own)], shape.parameters).peak
         floor = states_floor(shape, candidate)
         bounds = [[floor], [with_states_floor(made[0], floor)]]
-        bounds += [[with_states_floor(floor_trace(candidate, t), floor)] for t in made[-2:]]
+        bounds += [[with_states_floor(floor_trace(candidate, t), floor)] for t in made[-3:]]
         for traces in bounds:
             assert predict_memory_from_traces(candidate, traces, shape.parameters).peak <= true, candidate
         checked += 1

@@ -6,6 +6,9 @@ Before a candidate is traced, bounds try to rule it out, cheapest first; each pr
 own trace would (tested on every candidate of small searches), so a verdict, fits or not, is the one the full trace
 gives, and a ruled-out row says which bound and gives it as its peak ("peak >= ..."):
 - the model states alone (`_states_floor`: parameter counts, no trace);
+- where the states take half the memory or more (`crowded`): the frugal split's first stage (micro-batch 1, every
+  layer checkpointed in full), of the shallower model where the stage is extrapolated: one trace of a few layers
+  for every micro-batch and checkpointing choice of the split, short stages included;
 - a stage deeper than a few layers: stage 0 of the shallower model its trace extrapolates from, at micro-batch 1
   (one trace of a few layers instead of up to four);
 - the same split's first stage at micro-batch 1 with every layer checkpointed in full (its least memory: one trace
@@ -134,6 +137,28 @@ def memory_model(
         trace would be wasted (an 8B search, 20 % slower with it everywhere)."""
         return floor_verdict(candidate, [states_floor(shape, candidate)]).peak_bytes * 2 >= limit
 
+    def frugal(candidate: Candidate) -> Candidate | None:
+        """The same split at micro-batch 1 with every layer checkpointed in full (its least memory); None: the
+        candidate is it, or Gemini (its peak keeps no activations: no gain), or the model states leave room."""
+        least = dataclasses.replace(candidate, micro_batch_size=1, checkpoint_ratio=1.0, checkpoint_mode="full")
+        if least == candidate or candidate.plugin == "gemini" or not crowded(candidate):
+            return None
+        return least
+
+    def split_floor(candidate: Candidate) -> Verdict | None:
+        """Ruled out by the frugal split's (`frugal`) first stage of the shallower model, or its own first stage
+        where that is short enough to trace as it is: one trace of a few layers, shared by every micro-batch and
+        checkpointing choice of the split, so a split that cannot fit costs one such trace."""
+        least = frugal(candidate)
+        if least is None:
+            return None
+        trace = traces.shallow(least, 0)
+        if isinstance(trace, str):
+            return None
+        depth = "of a shallower model " if shallow_layers(shape, least) is not None else ""
+        why = f"the same split's first stage {depth}at micro-batch 1 with full checkpointing"
+        return ruled_out(candidate, [floor_trace(candidate, trace)], why)
+
     def frugal_floor(candidate: Candidate) -> Verdict | None:
         """Ruled out by the first stage of the same split at micro-batch 1 with every layer checkpointed in full (its
         least memory): one trace rules out every micro-batch and checkpointing choice of a split that cannot fit.
@@ -163,7 +188,7 @@ def memory_model(
     def bounded(candidate: Candidate) -> Verdict | None:
         """The first bound, cheapest first, that rules the candidate out without its own trace."""
         ruled = ruled_out(candidate, [states_floor(shape, candidate)], "the model states alone")
-        ruled = ruled or shallow_floor(candidate) or frugal_floor(candidate)
+        ruled = ruled or split_floor(candidate) or shallow_floor(candidate) or frugal_floor(candidate)
         for smaller in ((1,), (1, 2))[: (candidate.micro_batch_size > 1) + (candidate.micro_batch_size > 2)]:
             ruled = ruled or batch_floor(candidate, smaller)
         return ruled or first_stage(candidate)

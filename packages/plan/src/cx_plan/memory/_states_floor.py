@@ -5,7 +5,8 @@ layout whose model states alone exceed the device before tracing it (ZeRO 0 over
 Every figure only undercounts: the stage holds at least floor(layers / slots) layers per model chunk, each at least
 the smallest layer of the model; tensor parallelism splits at most all of a layer's parameters (norms stay whole),
 expert parallelism at most all of its routed experts; the embeddings and the head count only when one stage holds
-the whole model. The prediction is a sum of non-negative terms in these counts, so it undercounts too.
+the whole model, and a pipeline's first stage its token embedding (its first chunk is the model's first). The
+prediction is a sum of non-negative terms in these counts, so it undercounts too.
 """
 
 from __future__ import annotations
@@ -28,10 +29,18 @@ def states_floor(shape: ModelShape, candidate: Candidate) -> ActivationTrace:
     layers = shape.num_layers // slots * c.num_model_chunks
     dense = min(counts.dense_per_layer, default=0) * layers // c.tp
     experts = min(counts.experts_per_layer, default=0) * layers // (c.tp * c.ep)
-    outer = counts.outer // c.tp if c.pp == 1 else 0
+    outer = counts.outer // c.tp if c.pp == 1 else _token_embedding(shape) // c.tp
     n = dense + experts + outer
     w = _ITEMSIZE[c.precision]
     return ActivationTrace(0, w * n, 0, 0, 0, w * n, 0, n, experts)
+
+
+def _token_embedding(shape: ModelShape) -> int:
+    """The token embedding's elements, which pipeline stage 0 holds (its first chunk is the model's first): vocab x
+    hidden, at most the embeddings counted less an untied LM head (a model without such a table gets less)."""
+    table = shape.vocab_size * shape.hidden_size
+    counts = shape.parameters
+    return max(0, min(table, counts.embeddings - (0 if counts.tied else table)))
 
 
 def with_states_floor(trace: ActivationTrace, floor: ActivationTrace) -> ActivationTrace:
