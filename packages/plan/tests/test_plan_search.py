@@ -184,20 +184,27 @@ def test_the_bounds_before_a_trace_never_exceed_the_traced_prediction(tmp_path: 
 
 
 def test_pipelined_splits_share_one_per_layer_slope(tmp_path: Path) -> None:
-    """Every stage of every pp > 1 split that is otherwise the same adds the same per decoder layer: the cache traces
-    the deeper model once for them all, and each stage's extrapolated trace equals its own two traces'."""
-    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+    """Every stage of every pp > 1 split that is otherwise the same and holds the same ends of the model adds the same
+    per decoder layer: the cache traces the deeper model once per stage role, and each stage's extrapolated trace
+    equals its own two traces'. The vocabulary is large enough that the head makes the last stage's peak (and a
+    zero-bubble V's middle stage, holding neither end, peaks elsewhere): one slope for all was off there (+/-)."""
+    config = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 20, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 64, "tie_word_embeddings": False}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
     shape = load_model_shape(str(tmp_path))
-    cache = TraceCache(shape, _SEQ)
+    seq = 64
+    cache = TraceCache(shape, seq)
     splits = [(Candidate("hybrid", pp=pp, precision="fp32", checkpoint_ratio=ratio), stage)
-              for ratio in (0.0, 1.0) for pp in (2, 4) for stage in (0, pp - 1)]  # fmt: skip
+              for ratio in (0.0, 1.0) for pp in (2, 4) for stage in sorted({0, 1, pp - 1})]  # fmt: skip
+    splits += [(Candidate("hybrid", pp=2, precision="fp32", checkpoint_ratio=ratio, pp_style="zbv",
+                          num_microbatches=2), stage) for ratio in (0.0, 1.0) for stage in (0, 1)]  # fmt: skip
     for candidate, stage in splits:
         shared = cache.get(candidate, stage)
         assert isinstance(shared, ActivationTrace)
-        assert shared == trace_stage(shape, candidate, _SEQ, stage), (candidate, stage)
-    assert cache.made == len(splits) + 2  # a shallow trace per stage, one deeper trace per checkpointing choice
+        assert shared == trace_stage(shape, candidate, seq, stage), (candidate, stage)
+    # a shallow trace per stage; per checkpointing choice one deeper trace per role: 1F1B first / middle / last, the
+    # zero-bubble V's both-ends stage 0 and its middle stage
+    assert cache.made == len(splits) + 2 * 5
     half = Candidate("hybrid", pp=2, precision="fp32", checkpoint_ratio=0.5)
     assert slope_key(half, 0) != slope_key(half, 1)  # the stage's depth picks which layers recompute: not shared

@@ -8,9 +8,10 @@ ratio, and MoeHybrid's the routing skew too (the hot rank's dispatch sizes); ZeR
 are not part of it. `shared_trace_cache` keeps one cache per model and sequence length for the process, so
 `cx-train --plan` and repeated plans of one model trace once. A deep stage's trace is extrapolated from two shallower
 ones (`trace_stage`); the first of them is kept too (`shallow`), as the memory model's floor before the second. The
-per-layer slope the second gives is shared by every stage of every pp > 1 split that is otherwise the same (`slope_key`:
-a layer is a layer on any stage; measured equal on Llama 3.1 8B and Mixtral 8x7B over pp 2 and 4, first and last
-stages), so a pipelined split costs one shallow trace per stage and one deeper trace in all.
+per-layer slope the second gives is shared by every stage of every pp > 1 split that is otherwise the same and holds
+the same ends of the model (`slope_key`, `stage_role`: first, last, both or neither; stages of different roles differ,
+e.g. Llama 3.1 8B at full checkpointing), so a pipelined split costs one shallow trace per stage and one deeper trace
+per role.
 
 A trace cx's validation refuses (ValueError / NotImplementedError) is kept as "cx refuses: <message>", any other
 fault as "trace failed: <type>: <message>"; `PlanTraceError` (no trace can run in this process) is raised.
@@ -59,7 +60,18 @@ def slope_key(candidate: Candidate, stage: int) -> tuple[object, ...]:
         return ("slope", *trace_key(candidate, stage))
     skew = c.routing_skew if c.plugin == "moe_hybrid" else 1.0
     return ("slope", c.plugin, c.tp, c.pp > 1, c.sp, c.sp_mode, c.ep, c.micro_batch_size, c.checkpoint_ratio,
-            c.checkpoint_mode, c.pp_style, c.precision, skew)  # fmt: skip
+            c.checkpoint_mode, c.pp_style, c.precision, skew, stage_role(c, stage))  # fmt: skip
+
+
+def stage_role(candidate: Candidate, stage: int) -> tuple[bool, bool]:
+    """Whether `stage` holds the input side (embedding) and the output side (head, loss): the stage's peak is made of
+    different things with and without them, so what a layer adds differs too (Llama 3.1 8B, full checkpointing, pp 2:
+    the last stage's and a zero-bubble V's middle stage's slopes are not the first stage's). Zero-bubble V puts both
+    ends on stage 0."""
+    c = candidate
+    if c.pp_style == "zbv":
+        return stage == 0, stage == 0
+    return stage == 0, stage == c.pp - 1
 
 
 class TraceCache:
