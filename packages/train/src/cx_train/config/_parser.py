@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--pp-layers",
         choices=PP_LAYER_SPLITS,
         default=None,
-        help="layers per stage: even by count (default) or balanced by cost (the head counted at its size; cx-plan "
-        "predicts the even split)",
+        help="layers per stage: even by count or balanced by cost (the head counted at its size; cx-plan predicts "
+        "the even split) (default: even)",
     )
     add_plugin_arguments(parser)
     add_data_arguments(parser)
