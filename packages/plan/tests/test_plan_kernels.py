@@ -5,14 +5,12 @@ reach them and the errors for what cannot be."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import pytest
 
 from cx_plan._candidate import Candidate
 from cx_plan._cli import build_parser, main
-from cx_plan._devices import Device, lookup_device
-from cx_plan._planner import MemoryModel
+from cx_plan._devices import lookup_device
 from cx_plan.step_time._kernels import COMPILE_SPEEDUP, FP8_EFFICIENCY, Kernels
 from cx_plan.step_time._step_time import (
     ACHIEVABLE_FRACTION,
@@ -21,8 +19,9 @@ from cx_plan.step_time._step_time import (
     predict_step_time,
     worst_rank_expert_flops,
 )
-from cx_plan.trace._model_spec import ModelShape, ParameterCounts, shape_from_config
+from cx_plan.trace._model_spec import ModelShape, shape_from_config
 from cx_plugins.models import GPTConfig
+from test_plan_routing_skew import _moe_shape, _stub
 
 _SEQ = 32
 _REL = 1e-12  # the same float operations in another order
@@ -35,16 +34,6 @@ def gpt() -> ModelShape:
     return shape_from_config(
         "gpt", GPTConfig(vocab_size=256, max_positions=33, hidden_size=64, num_layers=2, num_heads=4)
     )
-
-
-def _moe() -> ModelShape:
-    """4 layers, 8 experts of 3 x 64 x 128, top-2 (no transformers import)."""
-    per_expert = 3 * 64 * 128
-    counts = ParameterCounts(
-        total=4 * (20_000 + 8 * per_expert) + 2 * 64 * 1000, outer=2 * 64 * 1000, embeddings=2 * 64 * 1000,
-        dense_per_layer=(20_000,) * 4, experts_per_layer=(8 * per_expert,) * 4, per_expert=per_expert, tied=False,
-    )  # fmt: skip
-    return ModelShape("moe", "mixtral", 1000, 64, 4, 4, 2, 16, 128, 8, 2, 64, counts, None)
 
 
 def _ddp(checkpoint_ratio: float = 0.0) -> Candidate:
@@ -91,7 +80,7 @@ def test_linear_flops_are_the_layers_matmuls_without_attention_or_head(gpt: Mode
 
 
 def test_linear_flops_of_moe_count_top_k_experts_and_the_hot_rank() -> None:
-    moe = _moe()
+    moe = _moe_shape()
     counts = moe.parameters
     balanced = Candidate("moe_hybrid", dp=4, ep=4, precision="bf16")
     routed = counts.experts * 2 / 8
@@ -122,18 +111,6 @@ def test_a_peak_override_keeps_fp8_at_twice_bf16() -> None:
     device = lookup_device("h100", peak_flops=800e12)
     assert device.peak("bf16") == 800e12
     assert device.peak("fp8") == pytest.approx(1600e12, rel=1e-3)  # 1979 / 989
-
-
-@dataclass(frozen=True)
-class _Verdict:
-    fits: bool
-    peak_bytes: int
-    reason: str
-
-
-def _stub(shape: ModelShape, seq_len: int, device: Device) -> MemoryModel:
-    """Everything fits at 1 MB (the command's memory is not what these tests check)."""
-    return lambda candidate: _Verdict(True, 10**6, "")
 
 
 def _compute(flags: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, float]:
