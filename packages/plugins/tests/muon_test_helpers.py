@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from cx_plugins import Booster, HybridParallelPlugin, OptimizerWrapper
+from cx_plugins import Booster, GeminiPlugin, HybridParallelPlugin, OptimizerWrapper
 from cx_zero import MuonWithAdamW, muon_param_groups
-from hybrid_test_helpers import batch
+from hybrid_test_helpers import batch, llama
 
 MUON_LR, ADAMW_LR, STEPS, PER_RANK, FLIP_BOUND = 0.02, 0.003, 3, 3, 0.2
 ADAMW_BOUND = FLIP_BOUND * ADAMW_LR * STEPS
@@ -71,11 +71,26 @@ def rank_rows(rank: int) -> slice:
     return slice(rank * PER_RANK, (rank + 1) * PER_RANK)
 
 
-def dp_share(plugin: HybridParallelPlugin, step: int) -> dict[str, torch.Tensor]:
+def dp_share(plugin: HybridParallelPlugin | GeminiPlugin, step: int) -> dict[str, torch.Tensor]:
     """This dp rank's share of hybrid_test_helpers' `batch(step)`."""
     dp_rank, dp_size = plugin.data_parallel_rank_and_size()
     share = next(iter(batch(step).values())).shape[0] // dp_size
     return {k: v[dp_rank * share : (dp_rank + 1) * share] for k, v in batch(step).items()}
+
+
+def _matrices_only_llama() -> nn.Module:
+    return freeze_all_but_matrices(llama(layers=1))
+
+
+def one_layer_llama() -> nn.Module:
+    return llama(layers=1)
+
+
+# the tp tests' cases: torch's Muon on a one-layer Llama's matrices alone, MuonWithAdamW on all of it
+ONE_LAYER_CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.optim.Optimizer]]] = {
+    "muon": (_matrices_only_llama, torch_muon),
+    "muon_adamw": (one_layer_llama, muon_adamw),
+}
 
 
 def boosted_step(booster: Booster, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:

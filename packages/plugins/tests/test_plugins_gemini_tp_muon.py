@@ -29,34 +29,19 @@ from cx_plugins.checkpoint_io._tp_shards import TensorParallelShards
 from cx_plugins.gemini._plugin import GeminiModel, GeminiOptimizerWrapper
 from cx_plugins.gemini._tp_whole import require_same_owners
 from cx_shardformer import get_shard_spec
-from hybrid_test_helpers import batch, llama
+from hybrid_test_helpers import batch
 from muon_test_helpers import (
     ADAMW_BOUND,
     MUON_LR,
+    ONE_LAYER_CASES,
     STEPS,
     boosted_step,
-    freeze_all_but_matrices,
-    muon_adamw,
+    dp_share,
     muon_bound,
     save_and_load_fresh,
-    torch_muon,
 )
 
 pytest.importorskip("transformers")
-
-
-def _matrices_only() -> nn.Module:
-    return freeze_all_but_matrices(llama(layers=1))
-
-
-def _llama() -> nn.Module:
-    return llama(layers=1)
-
-
-_CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.optim.Optimizer]]] = {
-    "muon": (_matrices_only, torch_muon),
-    "muon_adamw": (_llama, muon_adamw),
-}
 
 
 def _plugin() -> GeminiPlugin:
@@ -64,18 +49,12 @@ def _plugin() -> GeminiPlugin:
     return GeminiPlugin(precision="fp32", tp_size=2, chunk_config_dict={"chunk_size": 1024})
 
 
-def _share(plugin: GeminiPlugin, step: int) -> dict[str, torch.Tensor]:
-    dp_rank, dp_size = plugin.data_parallel_rank_and_size()
-    rows = batch(step)["input_ids"].shape[0] // dp_size
-    return {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch(step).items()}
-
-
 def _train(booster: Booster, plugin: GeminiPlugin, model: Any, optimizer: Any, steps: range) -> list[float]:
     """Steps `steps`; the losses, averaged over the dp ranks (equal token counts: the global batch's loss)."""
     losses = []
     group = plugin.layout.group(Axis.ZERO)
     for step in steps:
-        loss = model(**_share(plugin, step)).loss
+        loss = model(**dp_share(plugin, step)).loss
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=group)
         losses.append(float(mean) / dist.get_world_size(group))
@@ -119,7 +98,7 @@ def _bounds(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, flo
 
 
 def _boost(case: str) -> tuple[GeminiPlugin, Booster, Any, Any]:
-    make_model, make_optimizer = _CASES[case]
+    make_model, make_optimizer = ONE_LAYER_CASES[case]
     plugin = _plugin()
     booster = Booster(plugin=plugin)
     model = make_model()
@@ -140,7 +119,7 @@ def test_plugins_gemini_tp_muon_matches_one_process(rank: int, world_size: int, 
     # both levels run: tp-split matrices whose elements lie in both dp ranks' shards
     assert sum(1 for w in split if sum(1 for b, e in w.spans if e > b) == 2) >= 3
     losses = _train(booster, plugin, boosted, optimizer, range(STEPS))
-    reference, reference_optimizer, reference_losses, grads = _reference(*_CASES[case])
+    reference, reference_optimizer, reference_losses, grads = _reference(*ONE_LAYER_CASES[case])
     bounds = _bounds(reference, reference_optimizer)
     for step, (got, want) in enumerate(zip(losses, reference_losses, strict=True)):
         bound = sum(grads[step][name] * bounds[name] for name in grads[step]) + 2**-16 * abs(want)
@@ -149,7 +128,7 @@ def test_plugins_gemini_tp_muon_matches_one_process(rank: int, world_size: int, 
     expected = dict(reference.named_parameters())
     for name, bound in bounds.items():
         torch.testing.assert_close(full[name], expected[name].detach(), rtol=0, atol=bound, msg=name)
-    make_model, make_optimizer = _CASES[case]
+    make_model, make_optimizer = ONE_LAYER_CASES[case]
     resumed, resumed_optimizer = save_and_load_fresh(booster, boosted, optimizer, make_model, make_optimizer, tmp_path)
     for model_, optimizer_ in ((boosted, optimizer), (resumed, resumed_optimizer)):
         _train(booster, plugin, model_, optimizer_, range(STEPS, STEPS + 2))
@@ -185,7 +164,7 @@ def test_plugins_gemini_tp_muon_without_the_tp_gather_fails_the_bound(rank: int,
         _train(booster, plugin, boosted, optimizer, range(STEPS))
     finally:
         setattr(gemini_plugin, _PATCHED, saved)
-    reference, reference_optimizer, *_ = _reference(*_CASES["muon"])
+    reference, reference_optimizer, *_ = _reference(*ONE_LAYER_CASES["muon"])
     bounds = _bounds(reference, reference_optimizer)
     full = _full_params(plugin, boosted)
     expected = dict(reference.named_parameters())

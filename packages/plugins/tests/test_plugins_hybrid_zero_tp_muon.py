@@ -13,46 +13,30 @@ measured worst with it: 0.58x the bound (o_proj)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, HybridParallelModule, HybridParallelPlugin
 from cx_plugins._layout import Axis
 from cx_plugins.hybrid._tp_zero_whole import require_same_owners
 from cx_shardformer import get_shard_spec, unshard_tensor
-from hybrid_test_helpers import batch, llama
+from hybrid_test_helpers import batch
 from muon_test_helpers import (
     ADAMW_BOUND,
     MUON_LR,
+    ONE_LAYER_CASES,
     STEPS,
     boosted_step,
     dp_share,
-    freeze_all_but_matrices,
     muon_adamw,
     muon_bound,
+    one_layer_llama,
     reference_step,
     save_and_load_fresh,
-    torch_muon,
 )
-
-
-def _matrices_only() -> nn.Module:
-    return freeze_all_but_matrices(llama(layers=1))
-
-
-def _llama() -> nn.Module:
-    return llama(layers=1)
-
-
-_CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.optim.Optimizer]]] = {
-    "muon": (_matrices_only, torch_muon),
-    "muon_adamw": (_llama, muon_adamw),
-}
 
 
 @distributed(world_size=4)
@@ -60,7 +44,7 @@ _CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.opt
 def test_plugins_hybrid_zero_tp_muon_matches_one_process(
     rank: int, world_size: int, zero_stage: int, case: str, tmp_path: Path
 ) -> None:
-    make_model, make_optimizer = _CASES[case]
+    make_model, make_optimizer = ONE_LAYER_CASES[case]
     model = make_model()
     reference = copy.deepcopy(model)
     plugin = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=zero_stage)
@@ -107,13 +91,13 @@ def test_plugins_hybrid_zero_tp_muon_bf16_resumes_exactly(rank: int, world_size:
     reach the tp owners' whole masters again, so the resumed step matches the straight one bit for bit."""
     plugin = HybridParallelPlugin(tp_size=2, pp_size=1, precision="bf16", zero_stage=2)
     booster = Booster(plugin=plugin)
-    model = _llama()
+    model = one_layer_llama()
     boosted, optimizer, *_ = booster.boost(model, muon_adamw(model))
     assert isinstance(boosted, HybridParallelModule)
     assert optimizer is not None
     for step in range(2):
         boosted_step(booster, boosted(**dp_share(plugin, step)).loss, optimizer)
-    resumed, resumed_optimizer = save_and_load_fresh(booster, boosted, optimizer, _llama, muon_adamw, tmp_path)
+    resumed, resumed_optimizer = save_and_load_fresh(booster, boosted, optimizer, one_layer_llama, muon_adamw, tmp_path)
     assert isinstance(resumed, HybridParallelModule)
     for step in (2, 3):
         for model_, optimizer_ in ((boosted, optimizer), (resumed, resumed_optimizer)):
