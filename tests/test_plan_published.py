@@ -19,9 +19,10 @@ Model states only (no activations): DeepSpeed's t5-3b table on 1 node x 8 GPUs (
 `estimate_zero2/3_model_states_mem_needs_all_live`), recomputed here from DeepSpeed's formulas and set beside what
 cx-plan predicts for cx's equivalent layouts; benchmarks/plan/RESULTS.md has the table and why the rows differ.
 And a calibration, not a prediction: the `--routing-skew` at which cx-plan's compute loses what Megatron's published
-Qwen3-235B runs lose to dropless routing against forced balance. Tokens/s per GPU: torch.compile's factor and fp8's
-fraction of the fp8 peak fitted to torchtitan's Table 1 and checked on Table 3 (8B on 128 H100), which they were not
-fitted to.
+Qwen3-235B runs lose to dropless routing against forced balance. Tokens/s per GPU: each device row's achievable
+fraction of peak fitted to one run (h100_96gb: Table 1's eager run; a100: docs/performance.md's Llama 3 8B),
+torch.compile's factor and fp8's fraction of the fp8 peak to Table 1's ratios; Table 3 (8B on 128 H100) and the other
+A100 runs, which nothing was fitted to, within the issue's 20 %.
 """
 
 from __future__ import annotations
@@ -239,39 +240,75 @@ def test_other_estimators_on_the_llama_runs() -> None:
 
 
 # Tokens/s per GPU (benchmarks/plan/published_tps.py writes the whole table into RESULTS.md): torchtitan's Table 1
-# (8 H100) and Table 3 (128 H100), eager / + torch.compile / + compile + Float8, the FSDP runs above
+# (8 H100) and Table 3 (128 H100), eager / + torch.compile / + compile + Float8, the FSDP runs above, on cx-plan's
+# h100_96gb row (the benchmark's 500 W, 96 GB HBM2e H100)
 TPS_ROWS = {8: (5762, 6667, 8532), 128: (5605, 6514, 8380)}
+_TPS_TARGET = 0.20  # the issue's bar for tokens/s per GPU
 
 
-def _tps_per_gpu(gpus: int) -> tuple[float, float, float]:
-    from cx_plan._devices import lookup_device as device
-    from cx_plan.step_time._kernels import COMPILE_SPEEDUP, FP8_EFFICIENCY, Kernels
+def _fsdp_tps(config: Path, seq: int, device: str, gpus: int, local_batch: int, mode: str, kernels: Any) -> float:
+    """cx-plan's tokens/s per GPU for torchtitan's FSDP2 run (per block, bf16 with fp32 reduction)."""
+    from cx_plan._devices import lookup_device
     from cx_plan.step_time._step_time import predict_step_time
     from cx_plan.trace._op_counts import op_counter
 
-    shape = load_model_shape(str(CONFIG))
+    shape = load_model_shape(str(config))
+    ratio, how = {"op": (1.0, "selective-op"), "full": (1.0, "full"), "none": (0.0, "full")}[mode]
     torchtitan = Candidate(
-        "torch_fsdp", dp=gpus, micro_batch_size=2, precision="bf16", checkpoint_ratio=1.0,
-        checkpoint_mode="selective-op", fsdp_wrap="block",
+        "torch_fsdp", dp=gpus, micro_batch_size=local_batch, precision="bf16", checkpoint_ratio=ratio,
+        checkpoint_mode=how, fsdp_wrap="block",
     )  # fmt: skip
-    ops = op_counter(shape, 8192, exact=False)(torchtitan)
+    ops = op_counter(shape, seq, exact=False)(torchtitan)
+    step = predict_step_time(torchtitan, shape, seq, lookup_device(device), ops=ops, kernels=kernels)
+    return step.tokens_per_s / gpus
+
+
+def _tps_per_gpu(gpus: int) -> tuple[float, float, float]:
+    from cx_plan.step_time._kernels import COMPILE_SPEEDUP, FP8_EFFICIENCY, Kernels
+
     kernels = (Kernels(), Kernels(COMPILE_SPEEDUP), Kernels(COMPILE_SPEEDUP, FP8_EFFICIENCY))
-    eager, compiled, fp8 = (
-        predict_step_time(torchtitan, shape, 8192, device("h100"), ops=ops, kernels=k).tokens_per_s / gpus
-        for k in kernels
-    )
+    eager, compiled, fp8 = (_fsdp_tps(CONFIG, 8192, "h100_96gb", gpus, 2, "op", k) for k in kernels)
     return eager, compiled, fp8
 
 
 def test_torchtitan_compile_and_fp8_factors_fit_table1_and_carry_to_table3() -> None:
-    # fitted on Table 1's ratios (published_tps.py solves 1.158 and 0.3232; the code holds 1.16 and 0.32, which moves
-    # the fp8 ratio by 0.6 %, hence 1 %), held out on Table 3's: the same factors give 128 GPUs' ratios within 2 %
+    # fitted on Table 1's ratios at h100_96gb's efficiency 0.40 (published_tps.py solves 1.158 and 0.2874; the code
+    # holds 1.16 and 0.29, which moves the fp8 ratio by 0.6 %, hence 1 %), held out on Table 3's: the same factors
+    # give 128 GPUs' ratios within 2 %
     for gpus, tolerance in ((8, 0.01), (128, 0.02)):
         eager, compiled, fp8 = _tps_per_gpu(gpus)
         published = TPS_ROWS[gpus]
         assert compiled / eager == pytest.approx(published[1] / published[0], rel=tolerance), gpus
         assert fp8 / compiled == pytest.approx(published[2] / published[1], rel=tolerance), gpus
-        # absolute: 21-24 % over on these 500 W HBM2e H100s (the h100 row is the SXM datasheet's peak, and the 45 %
-        # efficiency is above the 34 % MFU torchtitan measured eager); RESULTS.md, "why it misses"
+        # absolute: Table 1's eager run is h100_96gb's efficiency fit (0.4003 solved, 0.40 held: within 1 %); the
+        # others within the issue's 20 % (RESULTS.md: Table 1's +0.1 / +0.7 %, Table 3's +2.8 / +2.5 / +2.6 %)
         for predicted, figure in zip((eager, compiled, fp8), published, strict=True):
-            assert 0.15 <= predicted / figure - 1 <= 0.25, (gpus, predicted, figure)
+            assert abs(predicted / figure - 1) <= (0.01 if (gpus, figure) == (8, 5762) else _TPS_TARGET), gpus
+
+
+# torchtitan docs/performance.md (2024): 64 A100 80 GB, FSDP2, bf16 / fp32 reduction, no compile or Float8; WPS per
+# GPU. Llama 3 8B (mb 1, selective op) is a100's efficiency fit (0.6039 solved, 0.60 held); the rest are held out.
+A100_ROWS = [
+    (CONFIG, 8192, 1, "op", 2973, 0.01),
+    (CONFIG.with_name("llama3_70b_config.json"), 8192, 1, "full", 331, _TPS_TARGET),
+    (CONFIG.with_name("llama2_13b_config.json"), 4096, 2, "none", 2162, _TPS_TARGET),
+    (CONFIG.with_name("llama2_13b_config.json"), 4096, 2, "op", 1904, _TPS_TARGET),
+    (LLAMA2_70B, 4096, 1, "op", 355, _TPS_TARGET),
+    (LLAMA2_70B, 4096, 2, "full", 353, _TPS_TARGET),
+]
+
+
+@pytest.mark.parametrize(
+    ("config", "seq", "local_batch", "mode", "published", "tolerance"),
+    A100_ROWS,
+    ids=["3-8b-mb1-op-fit", "3-70b-mb1-full", "2-13b-mb2-none", "2-13b-mb2-op", "2-70b-mb1-op", "2-70b-mb2-full"],
+)
+def test_torchtitan_a100_tokens_per_second(
+    config: Path, seq: int, local_batch: int, mode: str, published: int, tolerance: float
+) -> None:
+    # Llama 2 70B at mb 1 was -47 % while ring collectives across nodes ran at one NIC's 25 GB/s (its FSDP traffic,
+    # 21.9 s, did not fit under 14.4 s of compute); at the node's 8 NICs together it hides (RESULTS.md)
+    from cx_plan.step_time._kernels import Kernels
+
+    predicted = _fsdp_tps(config, seq, "a100", 64, local_batch, mode, Kernels())
+    assert abs(predicted / published - 1) <= tolerance, f"{config.name} mb{local_batch} {mode}: {predicted:.0f}"

@@ -138,7 +138,7 @@ def test_device_tables_and_clear_errors() -> None:
     assert h200.peak("bf16") == lookup_device("h100").peak("bf16") == 989e12
     assert lookup_device("a100").peak("bf16") == 312e12
     assert lookup_device("h100", memory_bytes=10**9).memory_bytes == 10**9
-    with pytest.raises(ValueError, match="unknown device 'tpu'; known: a100, cpu, h100, h200"):
+    with pytest.raises(ValueError, match="unknown device 'tpu'; known: a100, cpu, h100, h100_96gb, h200"):
         lookup_device("tpu")
     with pytest.raises(ValueError, match="unknown interconnect 'ethernet'"):
         lookup_link("ethernet")
@@ -146,3 +146,43 @@ def test_device_tables_and_clear_errors() -> None:
     with pytest.raises(ValueError, match="achievable fraction"):
         predict_step_time(Candidate("torch_ddp"), _moe_shape(), 64, h200, efficiency=1.5)
     assert dataclasses.replace(h200, name="x").name == "x"
+
+
+def test_ring_collectives_across_nodes_share_the_nodes_nics(gpt: ModelShape) -> None:
+    """A ring collective across nodes runs at the inter link times the group's ranks per node (NCCL spreads its
+    rings over a node's NICs), at most the intra link; all-to-all and p2p stay at one link's bandwidth."""
+    a100 = default_network(lookup_device("a100"))  # NVLink 3 300 GB/s, HDR 25 GB/s per GPU, 8 per node
+    assert a100.ring_bandwidth(8, 8) == 300e9  # inside a node
+    assert a100.ring_bandwidth(64, 64) == 8 * 25e9  # FSDP over 8 whole nodes
+    assert a100.ring_bandwidth(32, 1 + 31 * 8) == 25e9  # dp 32 beside tp 8: one rank per node
+    assert a100.ring_bandwidth(16, 1 + 15 * 2) == 4 * 25e9  # dp 16 beside tp 2: four per node
+    assert default_network(lookup_device("h100")).ring_bandwidth(128, 128) == 8 * 50e9  # below NVLink 4's 450
+    fast = Network(lookup_link("nvlink3"), lookup_link("ib_ndr"), 8)
+    assert fast.ring_bandwidth(64, 64) == 300e9  # capped by the intra link the ring also passes
+    device = lookup_device("a100")
+    fsdp = predict_step_time(Candidate("torch_fsdp", dp=64, precision="bf16"), gpt, _SEQ, device)
+    gather = next(c for c in step_collectives(Candidate("torch_fsdp", dp=64, precision="bf16"), gpt, _SEQ)
+                  if c.name == "dense weight all-gather")  # fmt: skip
+    assert gather.ring
+    assert fsdp.communication_s[gather.name] == pytest.approx(gather.hops * 10e-6 + gather.bytes / 200e9)
+    moe = Candidate("moe_hybrid", dp=16, ep=16, precision="bf16")
+    kinds = {c.name: c.ring for c in step_collectives(moe, _moe_shape(), 64)}
+    assert kinds["expert dispatch/combine all-to-all"] is False
+
+
+def test_device_rows_carry_their_achievable_fraction(gpt: ModelShape) -> None:
+    """a100 and h100_96gb carry the fraction fitted to their published run, the others ACHIEVABLE_FRACTION; an
+    explicit efficiency overrides the row's."""
+    from cx_plan._devices import ACHIEVABLE_FRACTION
+
+    assert lookup_device("h100").efficiency == lookup_device("cpu").efficiency == ACHIEVABLE_FRACTION
+    c = Candidate("torch_ddp", precision="bf16")
+    for name, fitted in (("a100", 0.60), ("h100_96gb", 0.40)):
+        device = lookup_device(name)
+        assert device.efficiency == fitted
+        default = predict_step_time(c, gpt, _SEQ, device)
+        assert default.compute_s == predict_step_time(c, gpt, _SEQ, device, efficiency=fitted).compute_s
+        assert default.compute_s == pytest.approx(
+            predict_step_time(c, gpt, _SEQ, device, efficiency=ACHIEVABLE_FRACTION).compute_s
+            * ACHIEVABLE_FRACTION / fitted
+        )  # fmt: skip

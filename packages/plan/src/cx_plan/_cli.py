@@ -143,7 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         "or a JSON list of per-layer token counts per expert; each ep size gets its hottest rank's share (default: "
         "none: --routing-skew)",
     )
-    parser.add_argument("--efficiency", type=float, default=ACHIEVABLE_FRACTION, help="achievable fraction of peak")
+    parser.add_argument(
+        "--efficiency",
+        type=float,
+        default=None,
+        help="the achievable fraction of the device's peak the forward and backward reach (default: the device "
+        f"row's: fitted to a published run for a100 and h100_96gb, {ACHIEVABLE_FRACTION:g} for the others)",
+    )
     parser.add_argument(
         "--compile",
         action="store_true",

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 __all__ = [
+    "ACHIEVABLE_FRACTION",
     "DEVICES",
     "LINKS",
     "Device",
@@ -41,7 +42,14 @@ _MIB = 2**20
 _H100_BYTES = 81_559 * _MIB
 _H200_BYTES = 143_771 * _MIB
 _A100_BYTES = 81_920 * _MIB
+# torchtitan's H100s have 96 GB of HBM2e (6 stacks of 16 GiB); what they report is not published: taken as the SXM's
+# share of its raw 80 GiB (81,559 of 81,920 MiB) of the raw 96 GiB
+_H100_96GB_BYTES = 97_871 * _MIB
 RESERVE_FRACTION = 0.1  # held back by default: CUDA context, NCCL and library workspaces, allocator fragmentation
+# The fraction of the peak a step's compute reaches where a device row fits none of its own (h100, h200, cpu): 45 %,
+# between the 34-39 % MFU torchtitan measured for Llama 3.1 8B on its 500 W H100s and the 52 % of Megatron-LM's
+# largest GPT runs on A100. The rows fitted to a published run (a100, h100_96gb) carry theirs (`Device.efficiency`).
+ACHIEVABLE_FRACTION = 0.45
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,9 @@ class Device:
     # `_host_time.plugin_key`; "torch_fsdp block" per FSDP unit and micro-batch. Absent: counted ops x op_s.
     plugin_tensor_s: dict[str, tuple[float, float]] = field(default_factory=dict)
     reserve: float = RESERVE_FRACTION  # fraction of `memory_bytes` the planner keeps free; a peak inside it is "tight"
+    # the fraction of `peak_flops` the forward and backward reach (cx-plan's --efficiency overrides it); fitted to
+    # one published run where the row says so, else ACHIEVABLE_FRACTION
+    efficiency: float = ACHIEVABLE_FRACTION
 
     @property
     def usable_bytes(self) -> int:
@@ -108,6 +119,18 @@ class Network:
         """The slowest link a group crosses whose ranks lie within `span` consecutive global ranks."""
         return self.intra if span <= self.devices_per_node else self.inter
 
+    def ring_bandwidth(self, group_size: int, span: int) -> float:
+        """Bytes/s per rank of a ring collective (all-reduce, all-gather, reduce-scatter) over `group_size` ranks
+        within `span` consecutive ranks. Inside a node: the intra link. Across nodes NCCL runs one ring per channel
+        and spreads the channels over the NICs of the group's ranks on a node: each ring enters and leaves a node
+        once, so the node's share of one rank's ring volume crosses the inter links of its `local` group ranks
+        together (one NIC per GPU), bounded by the intra link the ring also passes (nccl-tests' bus bandwidth
+        across DGX / HGX nodes: about the node's summed NIC rate, not one NIC's)."""
+        if span <= self.devices_per_node:
+            return self.intra.bandwidth
+        local = max(1, min(self.devices_per_node, group_size * self.devices_per_node // span))
+        return min(self.intra.bandwidth, self.inter.bandwidth * local)
+
 
 _NVIDIA_H100 = (
     "NVIDIA H100 Tensor Core GPU datasheet (SXM5): bf16/fp16 989 TFLOP/s dense, fp8 1,979, fp32 67 TFLOP/s, "
@@ -116,6 +139,13 @@ _NVIDIA_H100 = (
 _NVIDIA_H200 = (
     "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 compute (fp8 1,979 TFLOP/s dense), 141 GB HBM3e at 4.8 TB/s; "
     "memory as the device reports it: 143,771 MiB"
+)
+_H100_96GB = (
+    "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Meta's Grand Teton hosts): H100 with 96 GB HBM2e at "
+    "2.4 TB/s, the default 500 W power limit (the SXM's TDP is 700 W), 8 per host on NVLink, 400 Gb/s RDMA per GPU; "
+    "its peak 'should be between SXM and NVL, and we don't know the exact value' (torchtitan's footnote): taken as "
+    "the midpoint of the SXM's and the NVL's (NVIDIA H100 datasheet, dense): bf16 989 and 835 TFLOP/s, 912; fp32 67 "
+    "and 60, 63.5; fp8 twice bf16"
 )
 _NVIDIA_A100 = (
     "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB): bf16/fp16 312 TFLOP/s dense, fp32 19.5 TFLOP/s, 80 GB HBM2e at "
@@ -148,11 +178,36 @@ _GPU_OP_S = 5e-6
 # "fp8": the linear layers' matmuls under --fp8 (`step_time._kernels`); a device without the key has no fp8 GEMMs
 _HOPPER_PEAKS = {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12}
 
+# Fitted, each to one published run (benchmarks/plan/published_tps.py solves them; RESULTS.md, "Tokens per second
+# per GPU"): the fraction of the row's bf16 peak at which cx-plan's step reproduces the run's tokens/s per GPU.
+# a100: torchtitan docs/performance.md, Llama 3 8B on 64 A100 80 GB, FSDP2, local batch 1, selective op checkpointing,
+# 2,973 tokens/s per GPU. h100_96gb: torchtitan llama3_h100_202412 Table 1, Llama 3.1 8B on 8 of those H100s, FSDP2,
+# local batch 2, selective op, eager, 5,762. The A100 reaches more of its peak than the H100: it has 153 FLOPs per
+# byte of memory bandwidth (312 TFLOP/s, 2.04 TB/s) against the H100 SXM's 295 and this part's 380, so the step's
+# memory-bound kernels (norms, rotary, SwiGLU's products, casts, FSDP's copies) weigh less beside its matmuls.
+_A100_EFFICIENCY = 0.60
+_H100_96GB_EFFICIENCY = 0.40
+
 DEVICES: dict[str, Device] = {
     "h100": Device("h100", dict(_HOPPER_PEAKS), _H100_BYTES, 3.35e12, _NVIDIA_H100, op_s=_GPU_OP_S),
     "h200": Device("h200", dict(_HOPPER_PEAKS), _H200_BYTES, 4.8e12, _NVIDIA_H200, op_s=_GPU_OP_S),
     "a100": Device(
-        "a100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, _A100_BYTES, 2.04e12, _NVIDIA_A100, op_s=_GPU_OP_S
+        "a100",
+        {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+        _A100_BYTES,
+        2.04e12,
+        _NVIDIA_A100,
+        op_s=_GPU_OP_S,
+        efficiency=_A100_EFFICIENCY,
+    ),
+    "h100_96gb": Device(
+        "h100_96gb",
+        {"bf16": 912e12, "fp16": 912e12, "fp32": 63.5e12, "fp8": 1824e12},
+        _H100_96GB_BYTES,
+        2.4e12,
+        _H100_96GB,
+        op_s=_GPU_OP_S,
+        efficiency=_H100_96GB_EFFICIENCY,
     ),
     "cpu": Device(
         "cpu",
@@ -193,6 +248,7 @@ _DEFAULT_NETWORK = {
     "h100": ("nvlink4", "ib_ndr", 8),
     "h200": ("nvlink4", "ib_ndr", 8),
     "a100": ("nvlink3", "ib_hdr", 8),
+    "h100_96gb": ("nvlink4", "ib_ndr", 8),
     "cpu": ("loopback", "loopback", 1 << 30),
 }
 

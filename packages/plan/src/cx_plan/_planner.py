@@ -23,7 +23,7 @@ from cx_plan._report import MemoryVerdict, PlanReport, PlanRow, rank_rows
 from cx_plan.memory._fits import Verdict
 from cx_plan.memory._memory_model import memory_model
 from cx_plan.step_time._kernels import EAGER, Kernels
-from cx_plan.step_time._step_time import ACHIEVABLE_FRACTION, predict_step_time
+from cx_plan.step_time._step_time import predict_step_time
 from cx_plan.trace._model_spec import ModelShape, build_model, train_flags
 from cx_plan.trace._op_counts import OpCounter, op_counter
 from cx_plugins.fsdp import block_classes
@@ -49,7 +49,7 @@ def judge(
     device: Device,
     memory: MemoryModel,
     network: Network | None = None,
-    efficiency: float = ACHIEVABLE_FRACTION,
+    efficiency: float | None = None,  # None: the device row's
     ops: OpCounter | None = None,
     kernels: Kernels = EAGER,
 ) -> PlanRow:
@@ -68,7 +68,7 @@ def plan(
     *,
     space: SearchSpace | None = None,
     network: Network | None = None,
-    efficiency: float = ACHIEVABLE_FRACTION,
+    efficiency: float | None = None,  # None: the device row's
     enough: int | None = None,
     ops: OpCounter | None = None,
     progress: Progress | None = None,

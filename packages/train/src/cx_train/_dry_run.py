@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 
 from cx_plan import (
-    ACHIEVABLE_FRACTION,
     TEXT_VOCAB_SIZE,
     ModelShape,
     detect_device,
@@ -99,7 +98,7 @@ def plan_lines(options: TrainOptions, world: int, shape: ModelShape | None = Non
         f"# parameters: {counts.total:,} in the model{experts}",
         f"# memory per rank (cx-plan, {options.precision}{stage}): {parts}; peak {format_bytes(verdict.peak_bytes)}",
         f"#   on {device.name} ({format_bytes(per_rank)}{shared}, {format_bytes(verdict.limit)} usable): {fit}",
-        f"# predicted step on {world} x {device.name} (cx-plan, {ACHIEVABLE_FRACTION:.0%} of peak): "
+        f"# predicted step on {world} x {device.name} (cx-plan, {device.efficiency:.0%} of peak): "
         f"{step.step_s * 1e3:.2f} ms, {step.tokens_per_s:,.0f} tokens/s, MFU {step.mfu:.1%}",
         f"#   compute {step.compute_s * 1e3:.2f} ms (recompute {step.recompute_s * 1e3:.2f}), pipeline bubble "
         f"{step.bubble_s * 1e3:.2f} ms, optimizer {step.optimizer_s * 1e3:.2f} ms; communication: {comm}",

@@ -61,7 +61,9 @@ _OWN_PRECISION = ("gemini", "low_level_zero", "hybrid", "moe_hybrid")  # 16-bit 
 class Collective:
     """One kind of collective in a step: `bytes` one rank sends in all its calls, `hops` latency-bound steps in all
     its calls, over a group of `group_size` ranks lying within `span` consecutive global ranks; `pipelined` ones
-    are the pipeline's p2p transfers (timed inside the schedule simulation, not added to the step)."""
+    are the pipeline's p2p transfers (timed inside the schedule simulation, not added to the step); `ring` ones
+    are NCCL ring collectives (all-reduce, all-gather, reduce-scatter), whose rings share a node's NICs
+    (`Network.ring_bandwidth`)."""
 
     name: str
     group_size: int
@@ -69,6 +71,7 @@ class Collective:
     bytes: float
     hops: int
     pipelined: bool = False
+    ring: bool = False
 
 
 def weight_bytes(candidate: Candidate) -> int:
@@ -135,13 +138,13 @@ def _data_parallel(candidate: Candidate, shape: ModelShape) -> list[Collective]:
             calls = shape.num_layers + 1 if c.fsdp_wrap == "block" else 1
         if c.stage == 0:
             moved, hops = _ring(size, full, calls, "all_reduce")
-            found.append(Collective(f"{label} gradient all-reduce", size, span, moved, hops))
+            found.append(Collective(f"{label} gradient all-reduce", size, span, moved, hops, ring=True))
             continue
         moved, hops = _ring(size, full, calls, "reduce_scatter")
-        found.append(Collective(f"{label} gradient reduce-scatter", size, span, moved, hops))
+        found.append(Collective(f"{label} gradient reduce-scatter", size, span, moved, hops, ring=True))
         gathers = 1 if c.stage < 3 else 2 * c.num_microbatches  # ZeRO-3: every forward and backward
         moved, hops = _ring(size, parameters * gathered * gathers, calls * gathers, "all_gather")
-        found.append(Collective(f"{label} weight all-gather", size, span, moved, hops))
+        found.append(Collective(f"{label} weight all-gather", size, span, moved, hops, ring=True))
     return found
 
 
@@ -158,7 +161,7 @@ def _in_layer(candidate: Candidate, shape: ModelShape, seq_len: int) -> list[Col
         size, span = _group(c, "tp")
         calls = round(m * (2 * layers * passes + 2))
         moved, hops = _ring(size, calls * tokens * shape.hidden_size * a, calls, "all_reduce")
-        found.append(Collective("tp activation all-reduce", size, span, moved, hops))
+        found.append(Collective("tp activation all-reduce", size, span, moved, hops, ring=True))
     if c.sp > 1:
         size, span = _group(c, "sp")
         kv = shape.num_kv_heads * shape.head_dim

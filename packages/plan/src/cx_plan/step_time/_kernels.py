@@ -3,8 +3,10 @@ torch.compile as a stated factor on the forward and backward compute, and the li
 stated fraction of the device's fp8 peak.
 
 Both defaults are fitted to one published run, torchtitan's Llama 3.1 8B on 8 H100 (FSDP2 per block, local batch 2,
-seq 8192, selective op checkpointing; `benchmarks/llama3_h100_202412_torchtitan.md`, Table 1), and checked on the
-runs they were not fitted to in benchmarks/plan/RESULTS.md ("Tokens per second per GPU"):
+seq 8192, selective op checkpointing; `benchmarks/llama3_h100_202412_torchtitan.md`, Table 1), on cx-plan's
+`h100_96gb` row (those runs' 500 W, 96 GB HBM2e H100, whose achievable fraction of peak is fitted to the table's
+eager run), and checked on the runs they were not fitted to in benchmarks/plan/RESULTS.md ("Tokens per second per
+GPU"):
 
 - `COMPILE_SPEEDUP`: eager 5,762 tokens/s per GPU, compiled 6,667, a factor of 1.157 on the whole step; cx-plan's
   step for that run is compute (the FSDP collectives hide under it) but for the AdamW step, so the factor on the
@@ -12,8 +14,9 @@ runs they were not fitted to in benchmarks/plan/RESULTS.md ("Tokens per second p
 - `FP8_EFFICIENCY`: compiled + Float8 8,532 tokens/s per GPU. torchao's Float8 (dynamic tensorwise scaling) runs
   every `nn.Linear` of the decoder layers in fp8, not attention and not the output head (cx's `use_fp8` skips
   `lm_head` the same way); the fraction of the fp8 peak that reproduces the published gain is what the linear
-  layers reach with their amax and cast kernels included, well below the bf16 matmuls' `efficiency`: 0.323
-  (633 TFLOP/s on the H100 row's 1,979, 1.4x the bf16 rate; the datasheets' ratio is 2).
+  layers reach with their amax and cast kernels included, well below the bf16 matmuls' `efficiency`: 0.287
+  (524 TFLOP/s on that row's assumed 1,824, 1.44x its bf16 matmuls' 365 at efficiency 0.40; the datasheets' ratio
+  is 2). Until issue 36 it was fitted on the `h100` (SXM) row at 45 %: 0.323 of 1,979, the same 1.4x ratio.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 __all__ = ["COMPILE_SPEEDUP", "EAGER", "FP8_EFFICIENCY", "Kernels"]
 
 COMPILE_SPEEDUP = 1.16  # fitted: torchtitan Table 1, FSDP + torch.compile against FSDP (module docstring)
-FP8_EFFICIENCY = 0.32  # fitted: torchtitan Table 1, + Float8 against FSDP + torch.compile (module docstring)
+FP8_EFFICIENCY = 0.29  # fitted: torchtitan Table 1, + Float8 against FSDP + torch.compile (module docstring)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
   attention FLOPs the backward runs again, as a share of the forward's): full checkpointing reruns the layers'
   forward, the selective op policy only the matmuls it did not save (never attention), so it costs less. Without
   a trace: the layers' forward x `checkpoint_ratio` (full), half their matmul FLOPs (selective op).
-- Compute runs at `efficiency` x peak (default `ACHIEVABLE_FRACTION`: 45 %, between the 38-43 % MFU torchtitan
-  reports for Llama 3 8B on H100 with FSDP2 and the 52 % of Megatron-LM's largest GPT runs on A100; on this
-  repository's CPU the peak is a measured matmul rate, see `_devices`). Every rank does 1/world of the FLOPs
+- Compute runs at `efficiency` x peak (default: the device row's `Device.efficiency`, fitted to one published run
+  for `a100` and `h100_96gb`, `ACHIEVABLE_FRACTION` (45 %) elsewhere; on this repository's CPU the peak is a
+  measured matmul rate, see `_devices`). Every rank does 1/world of the FLOPs
   (the layers split evenly over pp, the experts balanced over ep), except under routing skew (`routing_skew` > 1
   with ep > 1): the hottest ep rank computes `hot_rank_load` x its balanced share of the routed experts' FLOPs and
   the slowest rank sets the step, so its expert compute (and its dispatch / combine all-to-all, `_comm_volume`) is
@@ -19,7 +19,9 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
   run at `fp8_efficiency` x the device's fp8 peak instead; torch.compile divides the forward and backward compute
   by `compile_speedup` (both fitted to torchtitan's published Llama 3.1 8B runs, see `_kernels`). The recompute
   takes the forward's mix. MFU stays against the precision's peak (torchtitan reports none with fp8 for that reason).
-- A collective takes hops x latency + bytes / bandwidth on the slowest link its group crosses (`_comm_volume`).
+- A collective takes hops x latency + bytes / bandwidth on the slowest link its group crosses (`_comm_volume`); a
+  ring collective (all-reduce, all-gather, reduce-scatter) across nodes at the summed inter links of the group's
+  ranks on a node, at most the intra link (`Network.ring_bandwidth`: NCCL spreads its rings over a node's NICs).
 - Overlap (`_hidden_data_parallel`), on a device that launches asynchronously (a GPU: NCCL runs on its own stream;
   on the host-bound CPU every collective adds, as calibrated), the data-parallel communication a plugin issues
   during compute hides under that compute, except what cannot start before the compute ends or must finish before
@@ -58,7 +60,7 @@ from dataclasses import dataclass, field
 
 from cx_pipeline import Action, ActionKind, schedule_orders, simulate
 from cx_plan._candidate import Candidate
-from cx_plan._devices import LINKS, Device, Network, default_network
+from cx_plan._devices import ACHIEVABLE_FRACTION, LINKS, Device, Network, default_network
 from cx_plan.step_time._comm_volume import BUCKET_BYTES, Collective, step_collectives, weight_bytes
 from cx_plan.step_time._host_time import OpCounts, host_time
 from cx_plan.step_time._kernels import EAGER, Kernels
@@ -76,7 +78,6 @@ __all__ = [
     "worst_rank_expert_flops",
 ]
 
-ACHIEVABLE_FRACTION = 0.45
 HOST_BANDWIDTH = 100e9  # bytes/s a CPU Adam streams on a GPU server's host (a share of its ~300 GB/s DRAM)
 _ADAM_BYTES = 28  # per fp32 master parameter and step: read w, g, m, v (16), write w, m, v (12)
 _MUON_BYTES = 20  # per Muon element: read w, g, momentum (12), write w, momentum (8)
@@ -158,9 +159,12 @@ def _seconds_per_token(
 
 
 def _seconds(collective: Collective, network: Network, slow: float = 1.0) -> float:
-    """Hops at the link's latency (`slow` x: a peer waiting for its core) plus the bytes at its bandwidth."""
+    """Hops at the link's latency (`slow` x: a peer waiting for its core) plus the bytes at its bandwidth (a ring
+    collective's across nodes: the NICs of the group's ranks on a node together, `Network.ring_bandwidth`)."""
     link = network.link_for(collective.span)
-    return collective.hops * link.latency * slow + collective.bytes / link.bandwidth
+    c = collective
+    bandwidth = network.ring_bandwidth(c.group_size, c.span) if c.ring else link.bandwidth
+    return c.hops * link.latency * slow + c.bytes / bandwidth
 
 
 def _optimizer_seconds(candidate: Candidate, shape: ModelShape, device: Device) -> float:
@@ -252,14 +256,16 @@ def predict_step_time(
     seq_len: int,
     device: Device,
     network: Network | None = None,
-    efficiency: float = ACHIEVABLE_FRACTION,
+    efficiency: float | None = None,
     ops: OpCounts | None = None,
     kernels: Kernels = EAGER,
 ) -> StepTime:
     """The predicted time of one optimizer step of `candidate` (global batch `candidate.global_batch_size`
     sequences of `seq_len` tokens) on `world_size` devices of `device` connected by `network`; `ops` (the trace's
     counts for the candidate's busiest stage) adds the host's time, None leaves it out; `kernels`: torch.compile's
-    factor and fp8 linear layers (`_kernels`)."""
+    factor and fp8 linear layers (`_kernels`); `efficiency`: the achievable fraction of peak (None: the device
+    row's, `Device.efficiency`)."""
+    efficiency = device.efficiency if efficiency is None else efficiency
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency (the achievable fraction of peak) must be in (0, 1], got {efficiency}")
     if seq_len < 1:
