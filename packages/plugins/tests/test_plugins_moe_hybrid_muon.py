@@ -1,5 +1,5 @@
-"""MoeHybridParallelPlugin (ep 2, tp 1; also moe_dp 2, pp 2 and sp 2; tp 2 at zero_stage 0 with ep 1 and ep 2, and
-with pp 2 or sp 2) with matrix-wise optimizers, against the same optimizer on one process.
+"""MoeHybridParallelPlugin (ep 2, tp 1; also moe_dp 2, pp 2 and sp 2; tp 2 at every zero_stage with ep 1 and ep 2, and
+with pp 2 or sequence parallelism) with matrix-wise optimizers, against the same optimizer on one process.
 
 Expert parallelism splits each fused expert stack ((experts, out, in)) along the expert dimension, so every ep rank
 holds whole experts, and dense matrices are replicated over dp (tp 1): at zero_stage 0 each rank steps whole
@@ -23,8 +23,10 @@ tp 2 at zero_stage 1/2 (tp 2 x moe_dp 2 with ep 1, tp 2 x ep 2): ZeRO gathers ea
 the slice's group (dense over dp, experts over moe_dp), whose tp group gathers the slices to a tp owner
 (`_tp_zero_whole`), under the same bounds: torch's Muon matches bit for bit, MuonWithAdamW reaches 0.36x (o_proj),
 the tp-split stacks 0.27x; checkpoints resume bit-exactly. Without the tp step (each ZeRO owner orthogonalising its
-tp slice) all four cases fail (q_proj, or the embedding the changed loss moves). With cpu_offload, pp or sequence
-parallelism that pair is refused by name (test_plugins_muon_refusals.py).
+tp slice) all four cases fail (q_proj, or the embedding the changed loss moves). The same at tp 2 x pp 2 (ZeRO-1,
+dp 1: each stage's tp group gathers its own slices) and at ZeRO-2 with sequence parallelism (split_gather over tp 2 x
+moe_dp 2, all_to_all over tp 2 x sp 2, where ZeRO's dense group is sp): without the tp step each fails (q_proj of the
+second stage, or the embedding). With cpu_offload that pair is refused by name (test_plugins_muon_refusals.py).
 """
 
 from __future__ import annotations
@@ -120,9 +122,11 @@ def _train_compare_resume(
     tp: int = 1,
     ep: int = 2,
     expert_tp: bool = False,
+    sp_mode: str = "all_to_all",
 ) -> None:
     """Train STEPS steps beside one process, compare every parameter this rank holds, then save, load into a fresh
-    pair and check that one more step agrees bit for bit. `expert_tp`: the experts split over tp as well."""
+    pair and check that one more step agrees bit for bit. `expert_tp`: the experts split over tp as well; `sp_mode`
+    with sp > 1 (split_gather runs on the tp group: sp stays 1 in the layout)."""
     model = _model(kind, layers=pp)
     reference = copy.deepcopy(model)
     plugin = MoeHybridParallelPlugin(
@@ -132,13 +136,13 @@ def _train_compare_resume(
         precision="fp32",
         zero_stage=zero_stage,
         num_microbatches=1 if pp > 1 else None,
-        sp_size=sp if sp > 1 else None,
+        sp_size=sp if sp > 1 and sp_mode == "all_to_all" else None,
         enable_sequence_parallelism=sp > 1,
-        sequence_parallelism_mode="all_to_all" if sp > 1 else None,
+        sequence_parallelism_mode=sp_mode if sp > 1 else None,
         custom_policy=MixtralForCausalLMPolicy(expert_tensor_parallel=True) if expert_tp else None,
     )
     sizes = (Axis.PP, Axis.SP, Axis.TP, Axis.EP)
-    assert tuple(plugin.layout.size(a) for a in sizes) == (pp, sp, tp, ep)
+    assert tuple(plugin.layout.size(a) for a in sizes) == (pp, sp if sp_mode == "all_to_all" else 1, tp, ep)
     booster = Booster(plugin=plugin)
     boosted, optimizer, *_ = booster.boost(model, _optimizer(kind, model))
     assert isinstance(boosted, HybridParallelModule)
@@ -247,3 +251,21 @@ def test_plugins_moe_hybrid_muon_tensor_parallel_zero(
     """tp 2 with ZeRO-1/2 over tp 2 x moe_dp 2 (ep 1: one ZeRO group) or tp 2 x ep 2 (dense over ep, experts over a
     one-rank moe_dp): each ZeRO owner's tp slices gathered whole over tp (`_tp_zero_whole`)."""
     _train_compare_resume(kind, zero_stage, tmp_path, tp=2, ep=ep, expert_tp=expert_tp)
+
+
+@distributed(world_size=4)
+def test_plugins_moe_hybrid_muon_tensor_parallel_zero_pipeline(rank: int, world_size: int, tmp_path: Path) -> None:
+    """tp 2 x pp 2 (ep 1, dp 1) with ZeRO-1, experts split over tp: each stage's tp group gathers its own slices
+    (ZeRO's owner at dp 1 is every rank; the stages share no parameter)."""
+    _train_compare_resume("muon_adamw", 1, tmp_path, pp=2, tp=2, ep=1, expert_tp=True)
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("sp_mode", ["split_gather", "all_to_all"])
+def test_plugins_moe_hybrid_muon_tensor_parallel_zero_sequence(
+    rank: int, world_size: int, sp_mode: str, tmp_path: Path
+) -> None:
+    """ZeRO-2 at tp 2 (ep 1) with sequence parallelism: split_gather on the tp group over tp 2 x moe_dp 2 (the norms'
+    sequence partial gradients summed over tp), all_to_all over tp 2 x sp 2 (ZeRO's dense group is sp); the tp slices
+    gathered whole onto their ZeRO owner and from there over tp (`_tp_zero_whole`)."""
+    _train_compare_resume("muon_adamw", 2, tmp_path, sp=2, tp=2, ep=1, sp_mode=sp_mode)

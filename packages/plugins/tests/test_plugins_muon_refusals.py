@@ -1,12 +1,11 @@
-"""Plugins that would step an optimizer on slices of a matrix refuse one that is not known to be elementwise, by
-name, at boost, on every rank: torch's Muon (Newton-Schulz needs each matrix whole) and an optimizer of an unknown
-class; otherwise a plugin would train silently wrong (each rank orthogonalising its own slice). HybridParallelPlugin
-at every zero_stage (tp slices gathered whole to owner ranks; at zero_stage 1/2 after ZeRO's own gather,
-test_plugins_hybrid_zero_tp_muon.py; refused only with cpu_offload at tp > 1), MoeHybridParallelPlugin likewise (at
-tp > 1 with ZeRO also refused with sequence parallelism or pp, untested there), GeminiPlugin (at tp 2: dp owners,
-then tp owners, test_plugins_gemini_tp_muon.py; refused only with CPU optimizer data at tp > 1) and TorchFSDPPlugin
-step whole matrices instead (TorchFSDPPlugin steps torch's Muon and cx-zero's MuonWithAdamW itself, so it refuses a
-subclass of either, whose step it cannot split)."""
+"""Plugins that would step an optimizer on slices of a matrix refuse one that is not known to be elementwise, by name,
+at boost, on every rank: torch's Muon (Newton-Schulz needs each matrix whole) and an optimizer of an unknown class;
+otherwise a plugin would train silently wrong (each rank orthogonalising its own slice). HybridParallelPlugin at
+every zero_stage (tp slices gathered whole to owner ranks; at zero_stage 1/2 after ZeRO's own gather,
+test_plugins_hybrid_zero_tp_muon.py; refused only with cpu_offload at tp > 1), MoeHybridParallelPlugin likewise,
+GeminiPlugin (at tp 2: dp owners, then tp owners, test_plugins_gemini_tp_muon.py; refused only with CPU optimizer
+data at tp > 1) and TorchFSDPPlugin step whole matrices instead (TorchFSDPPlugin steps torch's Muon and cx-zero's
+MuonWithAdamW itself, so it refuses a subclass of either, whose step it cannot split)."""
 
 from __future__ import annotations
 
@@ -90,15 +89,10 @@ def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: 
     for stage in (0, 1):
         tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=stage)
         _refused(tp, lambda: llama(layers=1), _foreign, r"HybridParallelPlugin: _Foreign is not known to be element")
-    # MoeHybrid steps whole matrices at tp 1 and at tp 2 with every zero_stage (test_plugins_moe_hybrid_muon.py);
-    # at tp 2 with ZeRO not with cpu_offload or sequence parallelism (or pp, untested); an unknown optimizer is refused
+    # MoeHybrid steps whole matrices at tp 1 and at tp 2 with every zero_stage (test_plugins_moe_hybrid_muon.py, pp
+    # and sequence parallelism included); at tp 2 with ZeRO not with cpu_offload; an unknown optimizer is refused
     moe = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=1, precision="fp32", zero_stage=1, cpu_offload=True)
     _refused(moe, lambda: mixtral(layers=1), _muon, r"MoeHybridParallelPlugin: Muon needs each matrix whole.*cpu_offl")
-    moe = MoeHybridParallelPlugin(
-        tp_size=2, pp_size=1, ep_size=1, precision="fp32", zero_stage=2, enable_sequence_parallelism=True,
-        sequence_parallelism_mode="split_gather",
-    )  # fmt: skip
-    _refused(moe, lambda: mixtral(layers=1), _muon, r"MoeHybridParallelPlugin: Muon .*sequence parallelism \(split_g")
     moe = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=1, precision="fp32")
     _refused(moe, lambda: mixtral(layers=1), _foreign, r"MoeHybridParallelPlugin: _Foreign is not known.*tp_size > 1")
     # TorchFSDPPlugin steps torch's Muon itself (test_plugins_fsdp_muon.py), not a subclass
