@@ -26,7 +26,10 @@ the tp-split stacks 0.27x; checkpoints resume bit-exactly. Without the tp step (
 tp slice) all four cases fail (q_proj, or the embedding the changed loss moves). The same at tp 2 x pp 2 (ZeRO-1,
 dp 1: each stage's tp group gathers its own slices) and at ZeRO-2 with sequence parallelism (split_gather over tp 2 x
 moe_dp 2, all_to_all over tp 2 x sp 2, where ZeRO's dense group is sp): without the tp step each fails (q_proj of the
-second stage, or the embedding). With cpu_offload that pair is refused by name (test_plugins_muon_refusals.py).
+second stage, or the embedding). bf16 working weights (fp32 masters; ZeRO-1 over tp 2 x moe_dp 2, torch's Muon) are
+held to one process's emulated mixed-precision step under the bf16 bound of muon_test_helpers (0.5 of an effective
+step, derived on the one-layer Llama); without the tp step q_proj fails it. With cpu_offload that pair is refused by
+name (test_plugins_muon_refusals.py).
 """
 
 from __future__ import annotations
@@ -48,8 +51,11 @@ from cx_shardformer.policies import MixtralForCausalLMPolicy
 from moe_hybrid_test_helpers import ROWS, mixtral, rows
 from muon_test_helpers import (
     ADAMW_BOUND,
+    BF16_FLIP_BOUND,
     MUON_LR,
     STEPS,
+    assert_close_bf16,
+    bf16_reference_step,
     freeze_all_but_matrices,
     muon_adamw,
     muon_bound,
@@ -75,10 +81,16 @@ def _mine(plugin: MoeHybridParallelPlugin, step: int) -> torch.Tensor:
     return rows(step)[dp_rank * share : (dp_rank + 1) * share]
 
 
-def _reference_step(reference: nn.Module, optimizer: torch.optim.Optimizer, step: int, dp_size: int) -> None:
-    """The mean over dp ranks of each rank's own loss (the aux loss is per forward)."""
+def _reference_step(
+    reference: nn.Module, optimizer: torch.optim.Optimizer, step: int, dp_size: int, precision: str
+) -> None:
+    """The mean over dp ranks of each rank's own loss (the aux loss is per forward); bf16: its mixed-precision
+    emulation."""
     share = ROWS // dp_size
     pieces = [rows(step)[r * share : (r + 1) * share] for r in range(dp_size)]
+    if precision == "bf16":
+        bf16_reference_step(reference, optimizer, [{"input_ids": p, "labels": p} for p in pieces])
+        return
     reference_step(torch.stack([reference(input_ids=p, labels=p).loss for p in pieces]).mean(), optimizer)
 
 
@@ -123,17 +135,19 @@ def _train_compare_resume(
     ep: int = 2,
     expert_tp: bool = False,
     sp_mode: str = "all_to_all",
+    precision: str = "fp32",
 ) -> None:
     """Train STEPS steps beside one process, compare every parameter this rank holds, then save, load into a fresh
     pair and check that one more step agrees bit for bit. `expert_tp`: the experts split over tp as well; `sp_mode`
-    with sp > 1 (split_gather runs on the tp group: sp stays 1 in the layout)."""
+    with sp > 1 (split_gather runs on the tp group: sp stays 1 in the layout); bf16 (torch's Muon only: no AdamW bound
+    derived for it) against one process's emulation of the mixed-precision step, both sides rounded to bf16."""
     model = _model(kind, layers=pp)
     reference = copy.deepcopy(model)
     plugin = MoeHybridParallelPlugin(
         tp_size=tp,
         pp_size=pp,
         ep_size=ep,
-        precision="fp32",
+        precision=precision,
         zero_stage=zero_stage,
         num_microbatches=1 if pp > 1 else None,
         sp_size=sp if sp > 1 and sp_mode == "all_to_all" else None,
@@ -151,7 +165,7 @@ def _train_compare_resume(
     _, dp_size = plugin.data_parallel_rank_and_size()
     for step in range(STEPS):
         _train_step(booster, plugin, boosted, optimizer, step)
-        _reference_step(reference, reference_optimizer, step, dp_size)
+        _reference_step(reference, reference_optimizer, step, dp_size, precision)
     muon = {id(p) for g in reference_optimizer.param_groups if g.get("use_muon", True) for p in g["params"]}
     expected = dict(reference.named_parameters())
     stacks, tp_stacks, tp_split = 0, 0, 0
@@ -164,6 +178,11 @@ def _train_compare_resume(
         stacks += stack and (get_moe_info(param) is not None) == (ep > 1)
         tp_stacks += stack and get_shard_spec(param) is not None
         tp_split += get_shard_spec(param) is not None and id(want) in muon
+        if precision == "bf16":
+            assert kind == "muon", kind
+            bound = muon_bound(MUON_LR, *full.shape[-2:], flip=BF16_FLIP_BOUND) if id(want) in muon else 0.0
+            assert_close_bf16(full, want, bound, name)
+            continue
         bound = muon_bound(MUON_LR, *full.shape[-2:]) if id(want) in muon else ADAMW_BOUND
         torch.testing.assert_close(full, want.detach(), rtol=0, atol=bound, msg=name)
     # gate_up_proj and down_proj stepped by Muon, split over ep when ep > 1 (and over tp with expert_tp)
@@ -269,3 +288,9 @@ def test_plugins_moe_hybrid_muon_tensor_parallel_zero_sequence(
     sequence partial gradients summed over tp), all_to_all over tp 2 x sp 2 (ZeRO's dense group is sp); the tp slices
     gathered whole onto their ZeRO owner and from there over tp (`_tp_zero_whole`)."""
     _train_compare_resume("muon_adamw", 2, tmp_path, sp=2, tp=2, ep=1, sp_mode=sp_mode)
+
+
+@distributed(world_size=4)
+def test_plugins_moe_hybrid_muon_tensor_parallel_zero_bf16(rank: int, world_size: int, tmp_path: Path) -> None:
+    """bf16 working weights, fp32 masters: ZeRO-1 over tp 2 x moe_dp 2 (ep 1), torch's Muon (experts frozen)."""
+    _train_compare_resume("muon", 1, tmp_path, tp=2, ep=1, precision="bf16")
