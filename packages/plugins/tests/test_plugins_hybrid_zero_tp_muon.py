@@ -46,14 +46,21 @@ from muon_test_helpers import (
 
 
 @distributed(world_size=4)
-@pytest.mark.parametrize(("zero_stage", "case"), [(1, "muon"), (2, "muon"), (2, "muon_adamw")])
+@pytest.mark.parametrize(
+    ("zero_stage", "case", "cpu_offload"),
+    [(1, "muon", False), (2, "muon", False), (2, "muon_adamw", False), (2, "muon_adamw", True)],
+)
 def test_plugins_hybrid_zero_tp_muon_matches_one_process(
-    rank: int, world_size: int, zero_stage: int, case: str, tmp_path: Path
+    rank: int, world_size: int, zero_stage: int, case: str, cpu_offload: bool, tmp_path: Path
 ) -> None:
+    """cpu_offload: ZeRO's masters and the optimizer state on the CPU, the tp collectives on the communication
+    device (the CPU here too under gloo: this checks the step and the checkpoint with CPU masters, not the moves)."""
     make_model, make_optimizer = ONE_LAYER_CASES[case]
     model = make_model()
     reference = copy.deepcopy(model)
-    plugin = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=zero_stage)
+    plugin = HybridParallelPlugin(
+        tp_size=2, pp_size=1, precision="fp32", zero_stage=zero_stage, cpu_offload=cpu_offload
+    )
     assert plugin.data_parallel_rank_and_size()[1] == 2
     booster = Booster(plugin=plugin)
     boosted, optimizer, *_ = booster.boost(model, make_optimizer(model))

@@ -28,8 +28,9 @@ dp 1: each stage's tp group gathers its own slices) and at ZeRO-2 with sequence 
 moe_dp 2, all_to_all over tp 2 x sp 2, where ZeRO's dense group is sp): without the tp step each fails (q_proj of the
 second stage, or the embedding). bf16 working weights (fp32 masters; ZeRO-1 over tp 2 x moe_dp 2, torch's Muon) are
 held to one process's emulated mixed-precision step under the bf16 bound of muon_test_helpers (0.5 of an effective
-step, derived on the one-layer Llama); without the tp step q_proj fails it. With cpu_offload that pair is refused by
-name (test_plugins_muon_refusals.py).
+step, derived on the one-layer Llama); without the tp step q_proj fails it. With cpu_offload (ZeRO-2, experts split over
+tp) the same bounds hold: the masters stay on the CPU, the tp collectives run on the communication device (the CPU
+here too: gloo runs no device copies, so only a GPU run checks those moves).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def _train_compare_resume(
     expert_tp: bool = False,
     sp_mode: str = "all_to_all",
     precision: str = "fp32",
+    cpu_offload: bool = False,
 ) -> None:
     """Train STEPS steps beside one process, compare every parameter this rank holds, then save, load into a fresh
     pair and check that one more step agrees bit for bit. `expert_tp`: the experts split over tp as well; `sp_mode`
@@ -149,6 +151,7 @@ def _train_compare_resume(
         ep_size=ep,
         precision=precision,
         zero_stage=zero_stage,
+        cpu_offload=cpu_offload,
         num_microbatches=1 if pp > 1 else None,
         sp_size=sp if sp > 1 and sp_mode == "all_to_all" else None,
         enable_sequence_parallelism=sp > 1,
@@ -294,3 +297,10 @@ def test_plugins_moe_hybrid_muon_tensor_parallel_zero_sequence(
 def test_plugins_moe_hybrid_muon_tensor_parallel_zero_bf16(rank: int, world_size: int, tmp_path: Path) -> None:
     """bf16 working weights, fp32 masters: ZeRO-1 over tp 2 x moe_dp 2 (ep 1), torch's Muon (experts frozen)."""
     _train_compare_resume("muon", 1, tmp_path, tp=2, ep=1, precision="bf16")
+
+
+@distributed(world_size=4)
+def test_plugins_moe_hybrid_muon_tensor_parallel_zero_cpu_offload(rank: int, world_size: int, tmp_path: Path) -> None:
+    """ZeRO-2 with cpu_offload over tp 2 x moe_dp 2 (ep 1), experts split over tp: ZeRO's masters on the CPU, the tp
+    collectives on the communication device (the CPU too under gloo: the moves themselves are not exercised)."""
+    _train_compare_resume("muon_adamw", 2, tmp_path, tp=2, ep=1, expert_tp=True, cpu_offload=True)
