@@ -200,12 +200,6 @@ class Candidate:
         )
         object.__setattr__(self, "optimizer", _optimizer(self.optimizer))  # a JSON plan's plain name: the enum
         _require(
-            self.optimizer is Optimizer.ADAMW
-            or not (self.plugin in ("hybrid", "moe_hybrid") and self.tp > 1 and self.cpu_offload),
-            f"optimizer muon: {self.plugin} gathers tp slices to owners, not of CPU-offloaded states (tp 1, or "
-            "no cpu_offload)",
-        )
-        _require(
             self.optimizer is Optimizer.ADAMW or self.optimizer_states_dtype == "fp32",
             "optimizer_states_dtype bf16 stores Adam's moments with stochastic rounding; optimizer muon keeps fp32 "
             "states (as cx-train refuses the pair)",

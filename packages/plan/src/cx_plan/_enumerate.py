@@ -16,9 +16,9 @@ The rules (each the one the code that would run it checks):
   (GeminiDDP refuses accumulation as cx-train configures it);
 - checkpointing: a ratio of layers under the hybrid plugins (ShardFormer); all or none under the others, and, when
   asked for (`checkpoint_modes`), every layer under torchtitan's selective op policy (transformers' switch only);
-- optimizer muon (MuonWithAdamW): on every enumerated layout (cx refuses it only with cpu_offload at tp > 1, which
-  cx-plan does not enumerate); `optimizer_skips` would say once for the report what it left out. Gemini is
-  enumerated at tp 1 only, for every optimizer (cx-plan does not model GeminiPlugin's tp_size).
+- optimizer muon (MuonWithAdamW): on every enumerated layout (cx steps it on all of them); `optimizer_skips` would
+  say once for the report what it left out. Gemini is enumerated at tp 1 only, for every optimizer (cx-plan does
+  not model GeminiPlugin's tp_size).
 When no candidate survives, `NoLayoutError` names, per plugin, why.
 """
 
@@ -232,7 +232,7 @@ def enumerate_candidates(
 
 def optimizer_skips(space: SearchSpace) -> tuple[str, ...]:
     """The layouts of `space` left out for its optimizer, one line each, said once in the report rather than once per
-    candidate: none now (MoeHybridParallelPlugin steps MuonWithAdamW at ZeRO 1/2 with tp > 1 under pp and sequence
-    parallelism too; its one refusal there, cpu_offload, is not enumerated)."""
+    candidate: none now (MoeHybridParallelPlugin steps MuonWithAdamW at ZeRO 1/2 with tp > 1 under pp, sequence
+    parallelism and cpu_offload too)."""
     del space
     return ()
