@@ -10,7 +10,7 @@ A checkpoint (each rank's slice of the tp owners' momentum, gathered over tp int
 bit-exactly beside the straight run. Without the tp gather (each dp owner orthogonalising its tp slice) a matrix
 fails its bound (the mutation test below), and the owner check refuses tp ranks owning different parameters. bf16
 working weights (fp32 masters, torch's Muon) are held to one process's emulated mixed-precision step under the bf16
-bound of muon_test_helpers (0.5 of an effective step)."""
+bound of muon_test_helpers (0.5 of an effective step); without the tp gather q_proj fails it (checked by hand)."""
 
 from __future__ import annotations
 

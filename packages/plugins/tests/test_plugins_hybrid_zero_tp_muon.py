@@ -10,7 +10,9 @@ masters in the checkpoint back on the tp owners). The owner check refuses tp ran
 parameters' slices, by name. Without the tp step (each dp owner orthogonalising its slice) q_proj fails the bound;
 measured worst with it: 0.58x the bound (o_proj). bf16 working weights (fp32 masters, ZeRO-2, torch's Muon) against
 one process's emulated mixed-precision step, under the bf16 bound of muon_test_helpers (0.5 of an effective step);
-measured worst 0.41x it (o_proj); without the tp step q_proj fails it."""
+measured worst 0.41x it (o_proj); without the tp step q_proj fails it. cpu_offload (ZeRO-2, MuonWithAdamW) keeps the
+masters on the CPU and runs the tp collectives on the communication device, the CPU under gloo, so only a GPU run
+checks those copies; without the tp step the embedding fails its bound."""
 
 from __future__ import annotations
 
