@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from cx_plan import Candidate, Device, ModelShape, Optimizer, load_model_shape, lookup_device, predict_step_time
-from cx_plan._candidate import muon_refusal
 from cx_plan._cli import main
 from cx_plan._enumerate import SearchSpace, enumerate_candidates
 from cx_plan._report import train_command
@@ -215,7 +214,7 @@ def test_newton_schulz_flops_and_the_gather_scatter_are_in_the_step() -> None:
     assert not any(name.startswith("muon") for name in ddp.communication_s)  # every rank steps every matrix
 
 
-def test_refused_layouts_are_not_candidates_and_are_said_once(capsys: pytest.CaptureFixture[str]) -> None:
+def test_muon_layouts_cx_takes_are_candidates(capsys: pytest.CaptureFixture[str]) -> None:
     shape = load_model_shape("mixtral", hidden_size=64, num_layers=2, seq_len=SEQ)
     space = SearchSpace(global_batch=8, optimizer=Optimizer.MUON, max_tp=2)
     found = enumerate_candidates(shape, 4, SEQ, space)
@@ -225,17 +224,15 @@ def test_refused_layouts_are_not_candidates_and_are_said_once(capsys: pytest.Cap
     assert [c for c in found if c.plugin == "hybrid" and c.tp > 1 and c.stage >= 1]  # dp owners, then tp owners
     moe_tp_zero = [c for c in found if c.plugin == "moe_hybrid" and c.tp > 1 and c.stage >= 1]
     assert moe_tp_zero  # dp (or moe_dp) owners, then tp owners, as hybrid
-    assert all(c.pp == 1 and c.sp_mode is None for c in moe_tp_zero)  # untested with pp / sequence parallelism
-    assert [c for c in found if c.plugin == "moe_hybrid" and c.tp > 1 and c.pp > 1]  # at ZeRO 0 they are
+    assert [c for c in moe_tp_zero if c.pp > 1]  # each pp stage's tp group gathers its own slices
+    assert [c for c in moe_tp_zero if c.sp_mode is not None]  # sequence parallelism changes only ZeRO's groups
     assert [c for c in found if c.plugin == "hybrid" and c.tp > 1]  # tp at ZeRO 0 steps whole matrices
     Candidate("moe_hybrid", tp=2, dp=2, ep=2, zero_stage=1, optimizer=Optimizer.MUON)
-    with pytest.raises(ValueError, match="optimizer muon: MoeHybridParallelPlugin"):
-        Candidate("moe_hybrid", tp=2, pp=2, dp=1, zero_stage=1, num_microbatches=2, optimizer=Optimizer.MUON)
-    with pytest.raises(ValueError, match="optimizer muon: moe_hybrid gathers tp slices"):
-        Candidate("moe_hybrid", tp=2, dp=2, zero_stage=1, cpu_offload=True, optimizer=Optimizer.MUON)
+    Candidate("moe_hybrid", tp=2, pp=2, dp=1, zero_stage=1, num_microbatches=2, optimizer=Optimizer.MUON)
+    Candidate("moe_hybrid", tp=2, dp=2, zero_stage=1, cpu_offload=True, optimizer=Optimizer.MUON)
     assert main([*_GPT, "--world", "2", "--optimizer", "muon", "--top", "1", "--quiet"], _fits) == 0
     out = capsys.readouterr().out
-    assert "not considered under --optimizer muon: torch_fsdp" not in out
+    assert "not considered under --optimizer muon" not in out  # no layout left out
     best = next(line for line in out.splitlines() if line.strip().startswith("cx-train "))
     assert best.endswith("--optimizer muon")
     assert main([*_GPT, "--world", "2", "--optimizer", "muon", "--optimizer-states-dtype", "bf16"]) == 2
@@ -253,11 +250,10 @@ def test_json_plan_candidates_round_trip_with_the_optimizer(capsys: pytest.Captu
         assert train_command(candidate, "gpt", 32).endswith("--optimizer muon")
 
 
-def test_muon_with_cpu_offload_at_tp_is_refused_as_the_plugin_refuses_it() -> None:
-    """HybridParallelPlugin refuses a whole-tensor optimizer with cpu_offload at tp > 1 (the tp gather would run on
-    CPU masters): the planner's candidate refuses it by the same rule, so it never predicts a layout cx refuses."""
-    with pytest.raises(ValueError, match="not of CPU-offloaded states"):
-        Candidate("hybrid", dp=2, tp=2, zero_stage=1, cpu_offload=True, optimizer=Optimizer.MUON)
+def test_muon_with_cpu_offload_at_tp_is_a_candidate_as_the_plugin_takes_it() -> None:
+    """HybridParallelPlugin steps a whole-tensor optimizer with cpu_offload at tp > 1 (CPU masters, the tp collectives
+    on the device): the planner's candidate takes it too."""
+    assert Candidate("hybrid", dp=2, tp=2, zero_stage=1, cpu_offload=True, optimizer=Optimizer.MUON).cpu_offload
     assert Candidate("hybrid", dp=2, tp=2, zero_stage=1, cpu_offload=True).cpu_offload  # AdamW: taken
     assert Candidate("hybrid", dp=2, zero_stage=1, cpu_offload=True, optimizer=Optimizer.MUON).cpu_offload  # tp 1
 
@@ -269,7 +265,6 @@ def test_gemini_at_tp_is_refused_as_unmodelled_for_every_optimizer() -> None:
     for optimizer in Optimizer:
         with pytest.raises(ValueError, match="GeminiPlugin's tp_size > 1 is not modelled by cx-plan"):
             Candidate("gemini", dp=2, tp=2, optimizer=optimizer)
-    assert muon_refusal("gemini", 2, 3) is None  # the plugin takes Muon at tp > 1: no Muon-specific refusal
     assert Candidate("gemini", dp=4, optimizer=Optimizer.MUON).muon  # tp 1: counted
     space = SearchSpace(global_batch=8, optimizer=Optimizer.MUON, max_tp=2)
     shape = load_model_shape("gpt", hidden_size=64, num_layers=2, seq_len=SEQ)

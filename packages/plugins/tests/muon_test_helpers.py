@@ -6,6 +6,7 @@ that each test then steps beside the original to check a bit-exact resume."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -20,11 +21,25 @@ from hybrid_test_helpers import batch, llama
 
 MUON_LR, ADAMW_LR, STEPS, PER_RANK, FLIP_BOUND = 0.02, 0.003, 3, 3, 0.2
 ADAMW_BOUND = FLIP_BOUND * ADAMW_LR * STEPS
+# bf16 working weights: their gradients differ between summation orders (tp partial sums, the dp average) by about
+# half a bf16 ulp (2**-8 relative) per element, not fp32's 1e-7, so many of Newton-Schulz's bf16 inputs round the
+# other way. One process's emulated mixed-precision run of the one-layer Llama (`bf16_reference_step`, 3 steps) with
+# every gradient element multiplied by (1 + 2**-8 * uniform(-1, 1)) moved a Muon matrix by at most 0.41 of one
+# effective step in 100 seeded runs (o_proj); the bound is 0.5 of one, after rounding both sides to bf16 (BF16_RTOL:
+# one bf16 spacing, 2**-7 relative, as two roundings of nearby masters can land one spacing apart).
+BF16_FLIP_BOUND, BF16_RTOL = 0.5, 2**-7
 
 
-def muon_bound(lr: float, rows: int, cols: int) -> float:
-    """0.2 of one effective Muon step of a rows x cols matrix at `lr`."""
-    return FLIP_BOUND * lr * math.sqrt(max(1.0, rows / cols))
+def muon_bound(lr: float, rows: int, cols: int, *, flip: float = FLIP_BOUND) -> float:
+    """`flip` (0.2, or BF16_FLIP_BOUND) of one effective Muon step of a rows x cols matrix at `lr`."""
+    return flip * lr * math.sqrt(max(1.0, rows / cols))
+
+
+def assert_close_bf16(got: torch.Tensor, master: torch.Tensor, bound: float, name: str) -> None:
+    """A bf16 working weight against one process's fp32 master rounded to bf16: within `bound` plus one bf16
+    spacing of the value."""
+    want = master.detach().to(torch.bfloat16).float()
+    torch.testing.assert_close(got.detach().float(), want, rtol=BF16_RTOL, atol=bound, msg=name)
 
 
 def tiny_matrices() -> nn.Module:
@@ -76,6 +91,32 @@ def dp_share(plugin: HybridParallelPlugin | GeminiPlugin, step: int) -> dict[str
     dp_rank, dp_size = plugin.data_parallel_rank_and_size()
     share = next(iter(batch(step).values())).shape[0] // dp_size
     return {k: v[dp_rank * share : (dp_rank + 1) * share] for k, v in batch(step).items()}
+
+
+def dp_shares(step: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
+    """Every dp rank's share of hybrid_test_helpers' `batch(step)`, in dp rank order."""
+    whole = batch(step)
+    share = next(iter(whole.values())).shape[0] // dp_size
+    return [{k: v[r * share : (r + 1) * share] for k, v in whole.items()} for r in range(dp_size)]
+
+
+def bf16_reference_step(
+    reference: nn.Module, optimizer: torch.optim.Optimizer, shares: list[dict[str, torch.Tensor]]
+) -> None:
+    """One mixed-precision step emulated on one process: each dp rank's share through a bf16 copy of the fp32
+    masters, the bf16 gradients summed and averaged in bf16, the optimizer stepping the fp32 masters."""
+    total: list[torch.Tensor | None] = [None for _ in reference.parameters()]
+    for share in shares:
+        work = copy.deepcopy(reference).to(torch.bfloat16)
+        work(**share).loss.backward()
+        for index, param in enumerate(work.parameters()):
+            summed = total[index]
+            if param.grad is not None:
+                total[index] = param.grad if summed is None else summed + param.grad
+    for param, grad in zip(reference.parameters(), total, strict=True):
+        param.grad = None if grad is None else (grad / len(shares)).float()
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 def _matrices_only_llama() -> nn.Module:

@@ -8,7 +8,9 @@ mean) is held to the first-order effect of those parameter bounds, sum over para
 bound, plus 2**-16 of the loss for fp32 sums taken in another order (tp partial sums, <= 64 terms: 2**-18 each).
 A checkpoint (each rank's slice of the tp owners' momentum, gathered over tp into the canonical files) resumes
 bit-exactly beside the straight run. Without the tp gather (each dp owner orthogonalising its tp slice) a matrix
-fails its bound (the mutation test below), and the owner check refuses tp ranks owning different parameters."""
+fails its bound (the mutation test below), and the owner check refuses tp ranks owning different parameters. bf16
+working weights (fp32 masters, torch's Muon) are held to one process's emulated mixed-precision step under the bf16
+bound of muon_test_helpers (0.5 of an effective step); without the tp gather q_proj fails it (checked by hand)."""
 
 from __future__ import annotations
 
@@ -32,11 +34,15 @@ from cx_shardformer import get_shard_spec
 from hybrid_test_helpers import batch
 from muon_test_helpers import (
     ADAMW_BOUND,
+    BF16_FLIP_BOUND,
     MUON_LR,
     ONE_LAYER_CASES,
     STEPS,
+    assert_close_bf16,
+    bf16_reference_step,
     boosted_step,
     dp_share,
+    dp_shares,
     muon_bound,
     save_and_load_fresh,
 )
@@ -44,9 +50,9 @@ from muon_test_helpers import (
 pytest.importorskip("transformers")
 
 
-def _plugin() -> GeminiPlugin:
+def _plugin(precision: str = "fp32") -> GeminiPlugin:
     # 1024-element chunks: most tp slices straddle the two dp ranks' shards
-    return GeminiPlugin(precision="fp32", tp_size=2, chunk_config_dict={"chunk_size": 1024})
+    return GeminiPlugin(precision=precision, tp_size=2, chunk_config_dict={"chunk_size": 1024})
 
 
 def _train(booster: Booster, plugin: GeminiPlugin, model: Any, optimizer: Any, steps: range) -> list[float]:
@@ -97,9 +103,9 @@ def _bounds(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, flo
     }
 
 
-def _boost(case: str) -> tuple[GeminiPlugin, Booster, Any, Any]:
+def _boost(case: str, precision: str = "fp32") -> tuple[GeminiPlugin, Booster, Any, Any]:
     make_model, make_optimizer = ONE_LAYER_CASES[case]
-    plugin = _plugin()
+    plugin = _plugin(precision)
     booster = Booster(plugin=plugin)
     model = make_model()
     boosted, optimizer, *_ = booster.boost(model, make_optimizer(model))
@@ -135,6 +141,23 @@ def test_plugins_gemini_tp_muon_matches_one_process(rank: int, world_size: int, 
     continued, loaded = _full_params(plugin, boosted), _full_params(plugin, resumed)
     for name in continued:
         assert torch.equal(continued[name], loaded[name]), name
+
+
+@distributed(world_size=4)
+def test_plugins_gemini_tp_muon_bf16_matches_mixed_precision(rank: int, world_size: int) -> None:
+    """bf16 working weights, fp32 masters, torch's Muon over the matrices: against one process's emulation of the
+    mixed-precision step (`bf16_reference_step`), both sides rounded to bf16 (bound in muon_test_helpers)."""
+    plugin, booster, boosted, optimizer = _boost("muon", "bf16")
+    _train(booster, plugin, boosted, optimizer, range(STEPS))
+    make_model, make_optimizer = ONE_LAYER_CASES["muon"]
+    reference = make_model()
+    reference_optimizer = make_optimizer(reference)
+    for step in range(STEPS):
+        bf16_reference_step(reference, reference_optimizer, dp_shares(step, 2))
+    full = _full_params(plugin, boosted)
+    for name, param in reference.named_parameters():
+        bound = muon_bound(MUON_LR, *param.shape, flip=BF16_FLIP_BOUND) if param.requires_grad else 0.0
+        assert_close_bf16(full[name], param, bound, name)
 
 
 _PATCHED = "GeminiTensorParallelWhole"  # what the plugin builds the tp step with

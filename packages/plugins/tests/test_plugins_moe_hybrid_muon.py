@@ -1,5 +1,5 @@
-"""MoeHybridParallelPlugin (ep 2, tp 1; also moe_dp 2, pp 2 and sp 2; tp 2 at zero_stage 0 with ep 1 and ep 2, and
-with pp 2 or sp 2) with matrix-wise optimizers, against the same optimizer on one process.
+"""MoeHybridParallelPlugin (ep 2, tp 1; also moe_dp 2, pp 2 and sp 2; tp 2 at every zero_stage with ep 1 and ep 2, and
+with pp 2 or sequence parallelism) with matrix-wise optimizers, against the same optimizer on one process.
 
 Expert parallelism splits each fused expert stack ((experts, out, in)) along the expert dimension, so every ep rank
 holds whole experts, and dense matrices are replicated over dp (tp 1): at zero_stage 0 each rank steps whole
@@ -23,8 +23,14 @@ tp 2 at zero_stage 1/2 (tp 2 x moe_dp 2 with ep 1, tp 2 x ep 2): ZeRO gathers ea
 the slice's group (dense over dp, experts over moe_dp), whose tp group gathers the slices to a tp owner
 (`_tp_zero_whole`), under the same bounds: torch's Muon matches bit for bit, MuonWithAdamW reaches 0.36x (o_proj),
 the tp-split stacks 0.27x; checkpoints resume bit-exactly. Without the tp step (each ZeRO owner orthogonalising its
-tp slice) all four cases fail (q_proj, or the embedding the changed loss moves). With cpu_offload, pp or sequence
-parallelism that pair is refused by name (test_plugins_muon_refusals.py).
+tp slice) all four cases fail (q_proj, or the embedding the changed loss moves). The same at tp 2 x pp 2 (ZeRO-1,
+dp 1: each stage's tp group gathers its own slices) and at ZeRO-2 with sequence parallelism (split_gather over tp 2 x
+moe_dp 2, all_to_all over tp 2 x sp 2, where ZeRO's dense group is sp): without the tp step each fails (q_proj of the
+second stage, or the embedding). bf16 working weights (fp32 masters; ZeRO-1 over tp 2 x moe_dp 2, torch's Muon) are
+held to one process's emulated mixed-precision step under the bf16 bound of muon_test_helpers (0.5 of an effective
+step, derived on the one-layer Llama); without the tp step q_proj fails it. With cpu_offload (ZeRO-2, experts split over
+tp) the same bounds hold: the masters stay on the CPU, the tp collectives run on the communication device (the CPU
+here too: gloo runs no device copies, so only a GPU run checks those moves).
 """
 
 from __future__ import annotations
@@ -46,8 +52,11 @@ from cx_shardformer.policies import MixtralForCausalLMPolicy
 from moe_hybrid_test_helpers import ROWS, mixtral, rows
 from muon_test_helpers import (
     ADAMW_BOUND,
+    BF16_FLIP_BOUND,
     MUON_LR,
     STEPS,
+    assert_close_bf16,
+    bf16_reference_step,
     freeze_all_but_matrices,
     muon_adamw,
     muon_bound,
@@ -73,10 +82,16 @@ def _mine(plugin: MoeHybridParallelPlugin, step: int) -> torch.Tensor:
     return rows(step)[dp_rank * share : (dp_rank + 1) * share]
 
 
-def _reference_step(reference: nn.Module, optimizer: torch.optim.Optimizer, step: int, dp_size: int) -> None:
-    """The mean over dp ranks of each rank's own loss (the aux loss is per forward)."""
+def _reference_step(
+    reference: nn.Module, optimizer: torch.optim.Optimizer, step: int, dp_size: int, precision: str
+) -> None:
+    """The mean over dp ranks of each rank's own loss (the aux loss is per forward); bf16: its mixed-precision
+    emulation."""
     share = ROWS // dp_size
     pieces = [rows(step)[r * share : (r + 1) * share] for r in range(dp_size)]
+    if precision == "bf16":
+        bf16_reference_step(reference, optimizer, [{"input_ids": p, "labels": p} for p in pieces])
+        return
     reference_step(torch.stack([reference(input_ids=p, labels=p).loss for p in pieces]).mean(), optimizer)
 
 
@@ -120,25 +135,31 @@ def _train_compare_resume(
     tp: int = 1,
     ep: int = 2,
     expert_tp: bool = False,
+    sp_mode: str = "all_to_all",
+    precision: str = "fp32",
+    cpu_offload: bool = False,
 ) -> None:
     """Train STEPS steps beside one process, compare every parameter this rank holds, then save, load into a fresh
-    pair and check that one more step agrees bit for bit. `expert_tp`: the experts split over tp as well."""
+    pair and check that one more step agrees bit for bit. `expert_tp`: the experts split over tp as well; `sp_mode`
+    with sp > 1 (split_gather runs on the tp group: sp stays 1 in the layout); bf16 (torch's Muon only: no AdamW bound
+    derived for it) against one process's emulation of the mixed-precision step, both sides rounded to bf16."""
     model = _model(kind, layers=pp)
     reference = copy.deepcopy(model)
     plugin = MoeHybridParallelPlugin(
         tp_size=tp,
         pp_size=pp,
         ep_size=ep,
-        precision="fp32",
+        precision=precision,
         zero_stage=zero_stage,
+        cpu_offload=cpu_offload,
         num_microbatches=1 if pp > 1 else None,
-        sp_size=sp if sp > 1 else None,
+        sp_size=sp if sp > 1 and sp_mode == "all_to_all" else None,
         enable_sequence_parallelism=sp > 1,
-        sequence_parallelism_mode="all_to_all" if sp > 1 else None,
+        sequence_parallelism_mode=sp_mode if sp > 1 else None,
         custom_policy=MixtralForCausalLMPolicy(expert_tensor_parallel=True) if expert_tp else None,
     )
     sizes = (Axis.PP, Axis.SP, Axis.TP, Axis.EP)
-    assert tuple(plugin.layout.size(a) for a in sizes) == (pp, sp, tp, ep)
+    assert tuple(plugin.layout.size(a) for a in sizes) == (pp, sp if sp_mode == "all_to_all" else 1, tp, ep)
     booster = Booster(plugin=plugin)
     boosted, optimizer, *_ = booster.boost(model, _optimizer(kind, model))
     assert isinstance(boosted, HybridParallelModule)
@@ -147,7 +168,7 @@ def _train_compare_resume(
     _, dp_size = plugin.data_parallel_rank_and_size()
     for step in range(STEPS):
         _train_step(booster, plugin, boosted, optimizer, step)
-        _reference_step(reference, reference_optimizer, step, dp_size)
+        _reference_step(reference, reference_optimizer, step, dp_size, precision)
     muon = {id(p) for g in reference_optimizer.param_groups if g.get("use_muon", True) for p in g["params"]}
     expected = dict(reference.named_parameters())
     stacks, tp_stacks, tp_split = 0, 0, 0
@@ -160,6 +181,11 @@ def _train_compare_resume(
         stacks += stack and (get_moe_info(param) is not None) == (ep > 1)
         tp_stacks += stack and get_shard_spec(param) is not None
         tp_split += get_shard_spec(param) is not None and id(want) in muon
+        if precision == "bf16":
+            assert kind == "muon", kind
+            bound = muon_bound(MUON_LR, *full.shape[-2:], flip=BF16_FLIP_BOUND) if id(want) in muon else 0.0
+            assert_close_bf16(full, want, bound, name)
+            continue
         bound = muon_bound(MUON_LR, *full.shape[-2:]) if id(want) in muon else ADAMW_BOUND
         torch.testing.assert_close(full, want.detach(), rtol=0, atol=bound, msg=name)
     # gate_up_proj and down_proj stepped by Muon, split over ep when ep > 1 (and over tp with expert_tp)
@@ -247,3 +273,34 @@ def test_plugins_moe_hybrid_muon_tensor_parallel_zero(
     """tp 2 with ZeRO-1/2 over tp 2 x moe_dp 2 (ep 1: one ZeRO group) or tp 2 x ep 2 (dense over ep, experts over a
     one-rank moe_dp): each ZeRO owner's tp slices gathered whole over tp (`_tp_zero_whole`)."""
     _train_compare_resume(kind, zero_stage, tmp_path, tp=2, ep=ep, expert_tp=expert_tp)
+
+
+@distributed(world_size=4)
+def test_plugins_moe_hybrid_muon_tensor_parallel_zero_pipeline(rank: int, world_size: int, tmp_path: Path) -> None:
+    """tp 2 x pp 2 (ep 1, dp 1) with ZeRO-1, experts split over tp: each stage's tp group gathers its own slices
+    (ZeRO's owner at dp 1 is every rank; the stages share no parameter)."""
+    _train_compare_resume("muon_adamw", 1, tmp_path, pp=2, tp=2, ep=1, expert_tp=True)
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("sp_mode", ["split_gather", "all_to_all"])
+def test_plugins_moe_hybrid_muon_tensor_parallel_zero_sequence(
+    rank: int, world_size: int, sp_mode: str, tmp_path: Path
+) -> None:
+    """ZeRO-2 at tp 2 (ep 1) with sequence parallelism: split_gather on the tp group over tp 2 x moe_dp 2 (the norms'
+    sequence partial gradients summed over tp), all_to_all over tp 2 x sp 2 (ZeRO's dense group is sp); the tp slices
+    gathered whole onto their ZeRO owner and from there over tp (`_tp_zero_whole`)."""
+    _train_compare_resume("muon_adamw", 2, tmp_path, sp=2, tp=2, ep=1, sp_mode=sp_mode)
+
+
+@distributed(world_size=4)
+def test_plugins_moe_hybrid_muon_tensor_parallel_zero_bf16(rank: int, world_size: int, tmp_path: Path) -> None:
+    """bf16 working weights, fp32 masters: ZeRO-1 over tp 2 x moe_dp 2 (ep 1), torch's Muon (experts frozen)."""
+    _train_compare_resume("muon", 1, tmp_path, tp=2, ep=1, precision="bf16")
+
+
+@distributed(world_size=4)
+def test_plugins_moe_hybrid_muon_tensor_parallel_zero_cpu_offload(rank: int, world_size: int, tmp_path: Path) -> None:
+    """ZeRO-2 with cpu_offload over tp 2 x moe_dp 2 (ep 1), experts split over tp: ZeRO's masters on the CPU, the tp
+    collectives on the communication device (the CPU too under gloo: the moves themselves are not exercised)."""
+    _train_compare_resume("muon_adamw", 2, tmp_path, tp=2, ep=1, expert_tp=True, cpu_offload=True)

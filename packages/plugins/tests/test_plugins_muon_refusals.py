@@ -1,12 +1,11 @@
-"""Plugins that would step an optimizer on slices of a matrix refuse one that is not known to be elementwise, by
-name, at boost, on every rank: torch's Muon (Newton-Schulz needs each matrix whole) and an optimizer of an unknown
-class; otherwise a plugin would train silently wrong (each rank orthogonalising its own slice). HybridParallelPlugin
-at every zero_stage (tp slices gathered whole to owner ranks; at zero_stage 1/2 after ZeRO's own gather,
-test_plugins_hybrid_zero_tp_muon.py; refused only with cpu_offload at tp > 1), MoeHybridParallelPlugin likewise (at
-tp > 1 with ZeRO also refused with sequence parallelism or pp, untested there), GeminiPlugin (at tp 2: dp owners,
-then tp owners, test_plugins_gemini_tp_muon.py; refused only with CPU optimizer data at tp > 1) and TorchFSDPPlugin
-step whole matrices instead (TorchFSDPPlugin steps torch's Muon and cx-zero's MuonWithAdamW itself, so it refuses a
-subclass of either, whose step it cannot split)."""
+"""Plugins that would step an optimizer on slices of a matrix refuse one that is not known to be elementwise, by name,
+at boost, on every rank: torch's Muon (Newton-Schulz needs each matrix whole) and an optimizer of an unknown class;
+otherwise a plugin would train silently wrong (each rank orthogonalising its own slice). HybridParallelPlugin at
+every zero_stage (tp slices gathered whole to owner ranks; at zero_stage 1/2 after ZeRO's own gather,
+test_plugins_hybrid_zero_tp_muon.py; cpu_offload included), MoeHybridParallelPlugin likewise,
+GeminiPlugin (at tp 2: dp owners, then tp owners, test_plugins_gemini_tp_muon.py; refused only with CPU optimizer
+data at tp > 1) and TorchFSDPPlugin step whole matrices instead (TorchFSDPPlugin steps torch's Muon and cx-zero's
+MuonWithAdamW itself, so it refuses a subclass of either, whose step it cannot split)."""
 
 from __future__ import annotations
 
@@ -83,22 +82,13 @@ def _linears() -> nn.Module:
 
 @distributed(world_size=2)
 def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: int) -> None:
-    # every zero_stage steps Muon on whole matrices (test_plugins_hybrid_{,zero_tp_}muon.py), except with cpu_offload
-    # at tp > 1 (the tp gather would run on the CPU masters); an unknown optimizer is refused at every stage
-    offload = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=1, cpu_offload=True)
-    _refused(offload, lambda: llama(layers=1), _muon, r"HybridParallelPlugin: Muon needs each matrix whole.*cpu_offl")
+    # every zero_stage steps Muon on whole matrices (test_plugins_hybrid_{,zero_tp_}muon.py, cpu_offload included);
+    # an unknown optimizer is refused at every stage
     for stage in (0, 1):
         tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=stage)
         _refused(tp, lambda: llama(layers=1), _foreign, r"HybridParallelPlugin: _Foreign is not known to be element")
-    # MoeHybrid steps whole matrices at tp 1 and at tp 2 with every zero_stage (test_plugins_moe_hybrid_muon.py);
-    # at tp 2 with ZeRO not with cpu_offload or sequence parallelism (or pp, untested); an unknown optimizer is refused
-    moe = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=1, precision="fp32", zero_stage=1, cpu_offload=True)
-    _refused(moe, lambda: mixtral(layers=1), _muon, r"MoeHybridParallelPlugin: Muon needs each matrix whole.*cpu_offl")
-    moe = MoeHybridParallelPlugin(
-        tp_size=2, pp_size=1, ep_size=1, precision="fp32", zero_stage=2, enable_sequence_parallelism=True,
-        sequence_parallelism_mode="split_gather",
-    )  # fmt: skip
-    _refused(moe, lambda: mixtral(layers=1), _muon, r"MoeHybridParallelPlugin: Muon .*sequence parallelism \(split_g")
+    # MoeHybrid steps whole matrices at tp 1 and at tp 2 with every zero_stage (test_plugins_moe_hybrid_muon.py, pp,
+    # sequence parallelism and cpu_offload included); an unknown optimizer is refused
     moe = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=1, precision="fp32")
     _refused(moe, lambda: mixtral(layers=1), _foreign, r"MoeHybridParallelPlugin: _Foreign is not known.*tp_size > 1")
     # TorchFSDPPlugin steps torch's Muon itself (test_plugins_fsdp_muon.py), not a subclass
@@ -110,10 +100,9 @@ def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: 
     _refused(gemini, lambda: llama(layers=1), _muon, r"GeminiPlugin: Muon needs each matrix whole.*offload_optim_frac")
     gemini = GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 64})
     _refused(gemini, _linears, _foreign, r"GeminiOptimizer: _Foreign is not known to be elementwise")
-    # cx-zero's MuonWithAdamW is whole-tensor too: refused by the same rules, by its own name
-    _refused(offload, lambda: llama(layers=1), _muon_adamw, r"HybridParallelPlugin: MuonWithAdamW needs each matrix")
-    moe = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=1, precision="fp32", zero_stage=2, cpu_offload=True)
-    _refused(moe, lambda: mixtral(layers=1), _muon_adamw, r"MoeHybridParallelPlugin: MuonWithAdamW needs each matrix")
+    # cx-zero's MuonWithAdamW is whole-tensor too: refused by the same rule, by its own name
+    gemini = GeminiPlugin(precision="fp32", tp_size=2, chunk_config_dict={"chunk_size": 1024}, offload_optim_frac=1.0)
+    _refused(gemini, lambda: llama(layers=1), _muon_adamw, r"GeminiPlugin: MuonWithAdamW needs each matrix whole")
     # TorchFSDPPlugin steps MuonWithAdamW itself (test_plugins_fsdp_muon_adamw.py), not a subclass
     match = r"TorchFSDPPlugin: _MuonWithAdamWSubclass needs each parameter whole"
     _refused(TorchFSDPPlugin(), _linears, _muon_adamw_subclass, match)

@@ -27,7 +27,6 @@ __all__ = [
     "Candidate",
     "CodeText",
     "Optimizer",
-    "muon_refusal",
 ]
 
 PLUGINS = ("torch_ddp", "torch_fsdp", "low_level_zero", "gemini", "hybrid", "moe_hybrid")
@@ -200,15 +199,6 @@ class Candidate:
             f"optimizer_states_dtype {self.optimizer_states_dtype!r} is ZeRO's: {self.plugin} needs zero_stage 1 or 2",
         )
         object.__setattr__(self, "optimizer", _optimizer(self.optimizer))  # a JSON plan's plain name: the enum
-        muon = self.optimizer is Optimizer.MUON
-        refused = muon_refusal(self.plugin, self.tp, stage, self.pp, self.sp_mode) if muon else None
-        _require(refused is None, f"optimizer muon: {refused}")
-        _require(
-            self.optimizer is Optimizer.ADAMW
-            or not (self.plugin in ("hybrid", "moe_hybrid") and self.tp > 1 and self.cpu_offload),
-            f"optimizer muon: {self.plugin} gathers tp slices to owners, not of CPU-offloaded states (tp 1, or "
-            "no cpu_offload)",
-        )
         _require(
             self.optimizer is Optimizer.ADAMW or self.optimizer_states_dtype == "fp32",
             "optimizer_states_dtype bf16 stores Adam's moments with stochastic rounding; optimizer muon keeps fp32 "
@@ -312,14 +302,3 @@ class Candidate:
             f"{self.plugin}{sizes}{zero} mb{self.micro_batch_size}x{self.num_microbatches}{ckpt} {self.precision}"
             f"{states}"
         )
-
-
-def muon_refusal(plugin: str, tp: int, stage: int, pp: int = 1, sp_mode: str | None = None) -> str | None:
-    """Why cx-plan leaves MuonWithAdamW out on this layout (None: it counts it), as cx-train's `--optimizer muon`
-    checks say: Muon needs each matrix whole, so the layouts that would hand the optimizer slices refuse it."""
-    if plugin == "moe_hybrid" and tp > 1 and stage >= 1 and (pp > 1 or sp_mode is not None):
-        return (
-            "MoeHybridParallelPlugin with tp > 1 and ZeRO 1/2 steps whole matrices without pp or sequence parallelism "
-            "only (untested there)"
-        )
-    return None  # GeminiPlugin at tp > 1 steps Muon too; cx-plan refuses gemini tp > 1 for any optimizer (_GEMINI_TP)

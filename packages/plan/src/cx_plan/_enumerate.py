@@ -16,9 +16,9 @@ The rules (each the one the code that would run it checks):
   (GeminiDDP refuses accumulation as cx-train configures it);
 - checkpointing: a ratio of layers under the hybrid plugins (ShardFormer); all or none under the others, and, when
   asked for (`checkpoint_modes`), every layer under torchtitan's selective op policy (transformers' switch only);
-- optimizer muon (MuonWithAdamW): not under moe_hybrid ZeRO 1/2 at tp > 1 with pp > 1 or sequence parallelism
-  (cx refuses it: `muon_refusal`); `optimizer_skips` says so once for the report. Gemini is enumerated at tp 1 only,
-  for every optimizer (cx-plan does not model GeminiPlugin's tp_size).
+- optimizer muon (MuonWithAdamW): on every enumerated layout (cx steps it on all of them); `optimizer_skips` would
+  say once for the report what it left out. Gemini is enumerated at tp 1 only, for every optimizer (cx-plan does
+  not model GeminiPlugin's tp_size).
 When no candidate survives, `NoLayoutError` names, per plugin, why.
 """
 
@@ -29,7 +29,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from cx_plan._candidate import PLUGINS, Candidate, Optimizer, muon_refusal
+from cx_plan._candidate import PLUGINS, Candidate, Optimizer
 from cx_plan._expert_load import ExpertLoad
 from cx_plan.trace._model_spec import ModelShape
 
@@ -130,8 +130,6 @@ def _parallel(
         if tp > space.max_tp or pp > space.max_pp or world % (tp * pp):
             continue
         reason = _tp_reason(shape, tp)
-        if not reason and space.optimizer is Optimizer.MUON and muon_refusal(plugin, tp, 0):
-            reason = f"optimizer muon at tp={tp}: {muon_refusal(plugin, tp, 0)}"
         if pp > shape.num_layers:
             reason = f"pp={pp} exceeds the {shape.num_layers} layers"
         if reason:
@@ -162,8 +160,6 @@ def _pipelines(
         ):
             if style == "interleaved" and count % pp:
                 continue
-            if space.optimizer is Optimizer.MUON and muon_refusal(plugin, tp, stage, pp, mode):
-                continue  # said once by `optimizer_skips`
             yield Candidate(
                 plugin, dp=dp, tp=tp, pp=pp, sp=sp, sp_mode=mode, ep=ep, zero_stage=stage, micro_batch_size=micro,
                 num_microbatches=count, pp_style=style, checkpoint_ratio=ratio, precision=space.precision,
@@ -235,12 +231,8 @@ def enumerate_candidates(
 
 
 def optimizer_skips(space: SearchSpace) -> tuple[str, ...]:
-    """The layouts of `space` left out for its optimizer (cx refuses MuonWithAdamW there), one line each, said once
-    in the report rather than once per candidate."""
-    if space.optimizer is not Optimizer.MUON:
-        return ()
-    lines = []
-    layouts = "moe_hybrid at tp > 1 with zero 1/2 and pp > 1 or sequence parallelism"
-    if "moe_hybrid" in space.plugins and space.max_tp > 1:  # split_gather is tried at every tp > 1
-        lines.append(f"not considered under --optimizer muon: {layouts} ({muon_refusal('moe_hybrid', 2, 1, 2)})")
-    return tuple(lines)
+    """The layouts of `space` left out for its optimizer, one line each, said once in the report rather than once per
+    candidate: none now (MoeHybridParallelPlugin steps MuonWithAdamW at ZeRO 1/2 with tp > 1 under pp, sequence
+    parallelism and cpu_offload too)."""
+    del space
+    return ()

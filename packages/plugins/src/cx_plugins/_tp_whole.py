@@ -9,6 +9,8 @@ dimension (`unshard_tensor`, fused q/k/v parts and vocabulary padding as the che
 steps its whole masters; each owner broadcasts its updated matrices over the tp group and every rank keeps its own
 slice (`shard_tensor`) as its master. Replicated parameters (norms, unsplit matrices) are stepped whole by every tp
 rank as before, identically. A parameter without a gradient (unused by the batch, so on every tp rank) is skipped.
+The masters and the optimizer state stay where the plugin keeps them (the CPU under ZeRO's cpu_offload); only the
+collectives' buffers go to the group's communication device.
 Checkpoints see each rank's slice of the owner's state (`local_states`), exactly the layout an elementwise optimizer
 has, and a load rebuilds the whole state on the owner (`whole_states`). At zero_stage 1/2 `_tp_zero_whole` uses the
 same class on the tp slices ZeRO gathered whole onto this rank (its dp-whole masters stand for the master slices), as
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cx_mesh import ProcessGroup
+from cx_mesh import ProcessGroup, communication_device
 from cx_shardformer import ShardSpec, shard_tensor, unshard_tensor
 from cx_zero import assign_owners, broadcast_state
 
@@ -41,14 +43,15 @@ class TensorParallelWholeStep:
     ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
+        self.device = communication_device(group)  # the collectives' (masters may live on the CPU: cpu_offload)
         self.sliced = list(sliced)  # (this rank's master slice, its spec), in optimizer order
         full_shapes = [spec.full_shape(master.shape) for master, spec in self.sliced]
         self.owners = assign_owners(full_shapes, dist.get_world_size(group))
         self.whole: list[torch.Tensor] = []
         for (master, spec), owner, shape in zip(self.sliced, self.owners, full_shapes, strict=True):
-            full = unshard_tensor(master, spec, group)  # collective: every rank takes part
+            full = unshard_tensor(master.to(self.device), spec, group)  # collective: every rank takes part
             if owner == self.rank:
-                self.whole.append(full.to(master.dtype).clone())
+                self.whole.append(full.to(device=master.device, dtype=master.dtype).clone())
             else:  # no memory: the optimizer sees the shape and skips it (no gradient)
                 self.whole.append(torch.zeros((), dtype=master.dtype, device=master.device).expand(shape))
         whole_of = {id(master): whole for (master, _), whole in zip(self.sliced, self.whole, strict=True)}
@@ -60,9 +63,9 @@ class TensorParallelWholeStep:
         for (master, spec), owner, whole in zip(self.sliced, self.owners, self.whole, strict=True):
             if master.grad is None:
                 continue
-            full = unshard_tensor(master.grad, spec, self.group)
+            full = unshard_tensor(master.grad.to(self.device), spec, self.group)
             if owner == self.rank:
-                whole.grad = full.to(whole.dtype)
+                whole.grad = full.to(device=whole.device, dtype=whole.dtype)
 
     def scatter_masters(self) -> None:
         """Every rank's master slices from their owners' updated whole masters (one broadcast per matrix)."""
@@ -70,8 +73,9 @@ class TensorParallelWholeStep:
             for (master, spec), owner, whole in zip(self.sliced, self.owners, self.whole, strict=True):
                 if master.grad is None:
                     continue
-                full = whole.detach() if owner == self.rank else torch.empty(whole.shape, dtype=whole.dtype)
-                full = full.to(master.device).contiguous()
+                mine = owner == self.rank
+                full = whole.detach() if mine else torch.empty(whole.shape, dtype=whole.dtype, device=self.device)
+                full = full.to(self.device).contiguous()
                 dist.broadcast(full, group=self.group, group_src=owner)
                 master.copy_(shard_tensor(full, spec, self.group))
                 whole.grad = None
@@ -86,7 +90,7 @@ class TensorParallelWholeStep:
         from them (collective over tp)."""
         with torch.no_grad():
             for (master, spec), owner, whole in zip(self.sliced, self.owners, self.whole, strict=True):
-                full = unshard_tensor(master, spec, self.group)
+                full = unshard_tensor(master.to(self.device), spec, self.group)
                 if owner == self.rank:
                     whole.copy_(full)
 
@@ -115,7 +119,7 @@ class TensorParallelWholeStep:
             for key in sorted(entry):
                 value = entry[key]
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape:
-                    value = unshard_tensor(value.to(master.device), spec, self.group)
+                    value = unshard_tensor(value.to(self.device), spec, self.group).to(master.device)
                 full[key] = value
             if owner == self.rank and full:
                 result[id(whole)] = full

@@ -8,8 +8,8 @@ naming the first split parameters; unknown optimizers too, since nothing says th
 Parameters that are not split (tp 1, or only replicated parameters in the optimizer) are stepped whole: any
 optimizer is fine there. HybridParallelPlugin does not refuse a declared whole-tensor optimizer (Muon, MuonWithAdamW)
 at any zero_stage: at 0 `_tp_whole` gathers each split matrix to an owner rank of the tp group; at 1/2 ZeRO first
-gathers each slice whole onto its dp owner, and `_tp_zero_whole` gathers those over tp (not with cpu_offload, refused
-by the plugin). What stays refused here is an optimizer not known to be elementwise and not declared whole-tensor.
+gathers each slice whole onto its dp owner, and `_tp_zero_whole` gathers those over tp (cpu_offload too). What stays
+refused here is an optimizer not known to be elementwise and not declared whole-tensor.
 """
 
 from __future__ import annotations

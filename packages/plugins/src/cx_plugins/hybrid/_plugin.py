@@ -322,15 +322,9 @@ class HybridParallelPlugin(LayoutAttributes, ZeroPluginBase):
     def _check_optimizer_kind(self, optimizer: Optimizer, composed: ComposedModel) -> None:
         """Refuse an optimizer that is not elementwise over tensor-parallel slices (`_optimizer_kind`), except a
         whole-tensor one (Muon), which steps whole matrices on tp owner ranks: at zero_stage 0 (`_tp_whole`), and at
-        zero_stage 1/2 after ZeRO gathered each slice whole onto its dp owner (`_tp_zero_whole`; not with
-        cpu_offload, whose CPU masters the tp collectives would need on the communication device)."""
+        zero_stage 1/2 after ZeRO gathered each slice whole onto its dp owner (`_tp_zero_whole`; with cpu_offload
+        the masters stay on the CPU, the tp collectives run on the communication device)."""
         if needs_whole_tensors(optimizer):
-            if self.options.zero.cpu_offload and self.tp_size > 1:
-                raise TypeError(
-                    f"{type(self).__name__}: {type(optimizer).__name__} needs each matrix whole, which tp_size > 1 "
-                    f"with zero_stage {self.options.zero.stage} gathers over tp from the fp32 masters, but cpu_offload "
-                    f"keeps them on the CPU (not supported); use cpu_offload=False or an elementwise optimizer"
-                )
             return
         refuse_whole_tensor_on_slices(optimizer, composed.names, type(self).__name__)
 

@@ -37,7 +37,7 @@ from cx_plugins._layout import FILL, Axis, ParallelLayout
 from cx_plugins.fp8._use_fp8 import check_fp8_recipe
 from cx_plugins.hybrid._model import ComposedModel, HybridParallelModule, broadcast_states
 from cx_plugins.hybrid._optimizer_kind import refuse_non_elementwise
-from cx_plugins.hybrid._options import HybridParallelOptions, SequenceParallelism
+from cx_plugins.hybrid._options import HybridParallelOptions
 from cx_plugins.hybrid._plugin import HybridParallelPlugin
 from cx_shardformer import GradientCheckpointConfig, Policy, ShardConfig
 from cx_zero import needs_whole_tensors
@@ -254,28 +254,17 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         an `expert_tensor_parallel` policy splits along each expert's intermediate dimension (the owner gets whole
         experts); by default experts are replicated over tp and stepped whole by every tp rank. zero_stage 0 does
         it directly (`_tp_whole`), ZeRO-1/2 after ZeRO gathered each slice whole onto its owner in the slice's group,
-        dp or moe_dp (`_tp_zero_whole`). Refused at tp > 1 with ZeRO: cpu_offload (the tp gather needs the masters
-        on the device, as the base plugin), and pp / sequence parallelism (not tested with this composition)."""
-        name = type(self).__name__
-        o = self.options
-        tp, stage = o.tp_size, o.zero.stage
+        dp or moe_dp (`_tp_zero_whole`), per pp stage (each stage's tp group gathers its own slices), under every
+        sequence-parallel mode (they change only which ranks form ZeRO's groups) and with cpu_offload (the masters
+        stay on the CPU, the tp collectives run on the communication device)."""
         if needs_whole_tensors(optimizer):
-            if tp == 1 or stage == 0:
-                return
-            problem = _tp_zero_problem(o)
-            if problem is None:
-                return
-            raise TypeError(
-                f"{name}: {type(optimizer).__name__} needs each matrix whole, which zero_stage={stage} with "
-                f"tp_size={tp} gathers over tp from ZeRO's masters, but {problem} (not supported); use zero_stage=0, "
-                f"tp_size=1, or an elementwise optimizer"
-            )
+            return
         why = (
             "tp_size > 1 hands it slices of the dense matrices (and of the experts under expert_tensor_parallel)"
-            if tp > 1
+            if self.options.tp_size > 1
             else "expert parallelism and ZeRO may hand it slices (expert stacks split along the expert dimension)"
         )
-        refuse_non_elementwise(optimizer, name, why)
+        refuse_non_elementwise(optimizer, type(self).__name__, why)
 
     def _broadcast_states(self, composed: ComposedModel, grad_group: ProcessGroup | None) -> None:
         """Dense parameters and buffers start from the first dp replica, each expert slice from the first rank of
@@ -319,14 +308,3 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         weights = super()._unsharded_norm_weights(model, held)
         ep = self._ep_size
         return {id(p): weights[id(p)] if is_moe_tensor(p) else weights[id(p)] / ep for p in held}
-
-
-def _tp_zero_problem(options: HybridParallelOptions) -> str | None:
-    """Why a whole-tensor optimizer at tp > 1 with ZeRO-1/2 is refused on this layout (None: it is supported)."""
-    if options.zero.cpu_offload:
-        return "cpu_offload keeps them on the CPU"
-    if options.pp_size > 1:
-        return f"pp_size={options.pp_size} is not tested with it"
-    if options.sp_mode is not SequenceParallelism.NONE:
-        return f"sequence parallelism ({options.sp_mode.value}) is not tested with it"
-    return None

@@ -46,8 +46,8 @@ _WHOLE_TENSOR = (
     "gemini",
     "hybrid",
     "moe_hybrid",
-)  # step a matrix-wise optimizer (Muon) on whole matrices (moe_hybrid at --tp > 1 with --zero 1/2: not with --pp or
-# sequence parallelism; torch_fsdp: Newton-Schulz on each matrix gathered whole to an owner rank)
+)  # step a matrix-wise optimizer (Muon) on whole matrices (torch_fsdp: Newton-Schulz on each matrix gathered whole to
+# an owner rank)
 _LORA = ("torch_ddp", "low_level_zero", "hybrid", "gemini")  # plugins whose support_lora() is True
 _MERGE_LORA = ("torch_ddp", "low_level_zero")  # --merge-lora merges on one rank's full weights
 DEFAULT_LORA_TARGETS = "all-linear"  # peft: every linear layer but the output head
@@ -243,7 +243,7 @@ def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
         "update; cpu_adam steps parameters that live on the CPU, as with --cpu-offload); muon: cx-zero's "
         "MuonWithAdamW (Muon on hidden matrices, AdamW on 1-D parameters, embeddings and the output head, one "
         "--lr / --weight-decay: Muon's match_rms_adamw scaling; each expert of a fused MoE stack orthogonalised on its "
-        "own); torch_ddp, low_level_zero, gemini, hybrid and moe_hybrid (tp > 1: --zero 0)",
+        "own); torch_ddp, torch_fsdp, low_level_zero, gemini, hybrid and moe_hybrid",
     )
     switches.add_argument(
         "--optimizer-states-dtype",
@@ -357,9 +357,7 @@ def plugin_switch_problem(args: argparse.Namespace) -> str | None:
 
 def _muon_problem(args: argparse.Namespace) -> str | None:
     """--optimizer muon needs each matrix whole: the plugins that slice parameters for the optimizer refuse it at
-    boost (cx_zero.require_elementwise; HybridParallelPlugin and MoeHybridParallelPlugin over tp slices with
-    cpu_offload; MoeHybridParallelPlugin over tp slices with ZeRO and pp or sequence parallelism), so it is refused
-    here first."""
+    boost (cx_zero.require_elementwise), so it is refused here first; and Muon keeps fp32 states."""
     if args.optimizer != "muon":
         return None
     plugin = args.plugin
@@ -367,17 +365,6 @@ def _muon_problem(args: argparse.Namespace) -> str | None:
         return (
             f"{_not_for('--optimizer muon', plugin, _WHOLE_TENSOR)} (Muon needs each matrix whole, and --plugin "
             f"{plugin} steps the optimizer on parameter slices)"
-        )
-    sequence = args.sp_mode is not None or (args.sp or 1) > 1
-    if plugin == "moe_hybrid" and (args.tp or 1) > 1 and args.zero in (1, 2) and ((args.pp or 1) > 1 or sequence):
-        return (
-            f"--optimizer muon with --plugin {plugin} --tp {args.tp} --zero {args.zero} steps whole matrices without "
-            f"--pp or sequence parallelism only (untested there): drop --pp / --sp / --sp-mode, or use --zero 0"
-        )
-    if plugin in ("hybrid", "moe_hybrid") and (args.tp or 1) > 1 and args.cpu_offload:
-        return (
-            f"--optimizer muon with --plugin {plugin} --tp {args.tp} gathers each matrix's tp slices to an owner, "
-            "which it cannot do on optimizer states offloaded to the CPU: drop --cpu-offload, or use --tp 1"
         )
     if args.optimizer_states_dtype != "fp32":
         return (
