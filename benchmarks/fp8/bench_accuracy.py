@@ -14,6 +14,7 @@ weight t % 5 - 2; the label says whether a sequence's weights sum above zero (su
 learn 255 token weights and add 64 of them up; the near-ties (a sum of +-1) are the hard cases.
 
     OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo python benchmarks/fp8/bench_accuracy.py [--steps 200] [--held-out 16384]
+        [--lr 3e-3] [--plugins ...] [--precisions ...] [--seeds 0 1] [--results PATH]
 Appends (or replaces) its own section of benchmarks/fp8/RESULTS.md, between the accuracy-table markers.
 """
 
@@ -91,13 +92,18 @@ def _model(seed: int) -> nn.Module:
 
 
 def _train_and_score(
-    plugin_name: str, precision: str, seed: int, steps: int, held_out: tuple[torch.Tensor, torch.Tensor]
+    plugin_name: str,
+    precision: str,
+    seed: int,
+    steps: int,
+    held_out: tuple[torch.Tensor, torch.Tensor],
+    lr: float = LR,
 ) -> dict[str, Any]:
     """One run: the plugin's refusal, or the held-out correctness (a '0'/'1' string), final loss and wall time."""
     make_plugin, mixed_precision = PLUGINS[plugin_name]
     start = time.perf_counter()
     model = _model(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scheduler = LinearWarmupLR(optimizer, steps, warmup_steps=WARMUP)
     try:
         plugin = make_plugin(**PRECISIONS[precision])
@@ -136,11 +142,13 @@ def _train_and_score(
     }
 
 
-def _worker(rank: int, world: int, runs: list[tuple[str, str, int]], steps: int, rows: int, out: str) -> None:
+def _worker(
+    rank: int, world: int, runs: list[tuple[str, str, int]], steps: int, rows: int, lr: float, out: str
+) -> None:
     held_out = dataset(rows, seed=2)
     results = []
     for plugin_name, precision, seed in runs:
-        result = _train_and_score(plugin_name, precision, seed, steps, held_out)
+        result = _train_and_score(plugin_name, precision, seed, steps, held_out, lr)
         results.append({"plugin": plugin_name, "precision": precision, "seed": seed, **result})
         if rank == 0:
             print(json.dumps({k: v for k, v in results[-1].items() if k != "correct"}), file=sys.stderr, flush=True)
@@ -199,6 +207,7 @@ def main() -> None:
     parser.add_argument("--plugins", nargs="+", default=list(PLUGINS), choices=list(PLUGINS))
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps (global batch 64)")
+    parser.add_argument("--lr", type=float, default=LR, help="peak AdamW learning rate (3e-3: fast, on the edge)")
     parser.add_argument("--held-out", type=int, default=16384, help="held-out sequences (even)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="model initialisation seeds")
     parser.add_argument("--results", type=Path, default=Path(__file__).with_name("RESULTS.md"))
@@ -210,7 +219,7 @@ def main() -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        spawn(_worker, 2, runs, args.steps, args.held_out, out, timeout=3600)
+        spawn(_worker, 2, runs, args.steps, args.held_out, args.lr, out, timeout=3600)
         results: list[dict[str, Any]] = json.loads(Path(out).read_text())
     minutes = (time.perf_counter() - started) / 60
     command = shlex.join(["python", "benchmarks/fp8/bench_accuracy.py", *sys.argv[1:]])
