@@ -21,8 +21,9 @@ cx-plan predicts for cx's equivalent layouts; benchmarks/plan/RESULTS.md has the
 And a calibration, not a prediction: the `--routing-skew` at which cx-plan's compute loses what Megatron's published
 Qwen3-235B runs lose to dropless routing against forced balance. Tokens/s per GPU: each device row's achievable
 fraction of peak fitted to one run (h100_96gb: Table 1's eager run; a100: docs/performance.md's Llama 3 8B),
-torch.compile's factor and fp8's fraction of the fp8 peak to Table 1's ratios; Table 3 (8B on 128 H100) and the other
-A100 runs, which nothing was fitted to, within the issue's 20 %.
+torch.compile's factor and fp8's gain over the achieved bf16 rate to Table 1's ratios; Table 3 (8B on 128 H100: the
+fitted model and layout again) and the other A100 runs within the issue's 20 % and within 3 points of their error
+when the fits were made (a regression bar; RESULTS.md says how independent each row is).
 """
 
 from __future__ import annotations
@@ -263,52 +264,72 @@ def _fsdp_tps(config: Path, seq: int, device: str, gpus: int, local_batch: int, 
     return step.tokens_per_s / gpus
 
 
-def _tps_per_gpu(gpus: int) -> tuple[float, float, float]:
-    from cx_plan.step_time._kernels import COMPILE_SPEEDUP, FP8_EFFICIENCY, Kernels
+def _tps_per_gpu(gpus: int, device: str = "h100_96gb") -> tuple[float, float, float]:
+    from cx_plan.step_time._kernels import COMPILE_SPEEDUP, FP8_GAIN, Kernels
 
-    kernels = (Kernels(), Kernels(COMPILE_SPEEDUP), Kernels(COMPILE_SPEEDUP, FP8_EFFICIENCY))
-    eager, compiled, fp8 = (_fsdp_tps(CONFIG, 8192, "h100_96gb", gpus, 2, "op", k) for k in kernels)
+    kernels = (Kernels(), Kernels(COMPILE_SPEEDUP), Kernels(COMPILE_SPEEDUP, FP8_GAIN))
+    eager, compiled, fp8 = (_fsdp_tps(CONFIG, 8192, device, gpus, 2, "op", k) for k in kernels)
     return eager, compiled, fp8
 
 
+_REGRESSION = 0.03  # a held-out row may move this far from its error when the fits were made (RESULTS.md's table)
+# each row's error (predicted / published - 1) when the fits were made: Table 1 (8 GPUs) and Table 3 (128 GPUs)
+TPS_ERRORS = {8: (-0.001, 0.001, 0.002), 128: (0.028, 0.025, 0.022)}
+
+
 def test_torchtitan_compile_and_fp8_factors_fit_table1_and_carry_to_table3() -> None:
-    # fitted on Table 1's ratios at h100_96gb's efficiency 0.40 (published_tps.py solves 1.158 and 0.2874; the code
-    # holds 1.16 and 0.29, which moves the fp8 ratio by 0.6 %, hence 1 %), held out on Table 3's: the same factors
-    # give 128 GPUs' ratios within 2 %
+    # fitted on Table 1's ratios at h100_96gb's efficiency 0.40 (published_tps.py solves 1.158 and a gain of 1.437;
+    # the code holds 1.16 and 1.44, which moves the fp8 ratio by 0.3 %, hence 1 %), held out on Table 3's: the same
+    # factors give 128 GPUs' ratios within 2 %
     for gpus, tolerance in ((8, 0.01), (128, 0.02)):
         eager, compiled, fp8 = _tps_per_gpu(gpus)
         published = TPS_ROWS[gpus]
         assert compiled / eager == pytest.approx(published[1] / published[0], rel=tolerance), gpus
         assert fp8 / compiled == pytest.approx(published[2] / published[1], rel=tolerance), gpus
         # absolute: Table 1's eager run is h100_96gb's efficiency fit (0.4003 solved, 0.40 held: within 1 %); the
-        # others within the issue's 20 % (RESULTS.md: Table 1's +0.1 / +0.7 %, Table 3's +2.8 / +2.5 / +2.6 %)
-        for predicted, figure in zip((eager, compiled, fp8), published, strict=True):
-            assert abs(predicted / figure - 1) <= (0.01 if (gpus, figure) == (8, 5762) else _TPS_TARGET), gpus
+        # others within the issue's 20 % and within 3 points of their error at the fit (Table 3: +2.2 to +2.8 %)
+        for predicted, figure, error in zip((eager, compiled, fp8), published, TPS_ERRORS[gpus], strict=True):
+            off = predicted / figure - 1
+            assert abs(off) <= (0.01 if (gpus, figure) == (8, 5762) else _TPS_TARGET), (gpus, figure, off)
+            assert abs(off - error) <= _REGRESSION, (gpus, figure, off, error)
+
+
+def test_fp8_gain_carries_to_the_h100_row() -> None:
+    # the fp8 gain is over the row's own achieved bf16 rate, so on the `h100` (SXM, 45 %) row Table 1's layout keeps
+    # the published ratio of fp8 to compiled (1.280) as on h100_96gb, within 2 % (the linear share of the compute
+    # barely moves with the row); a fitted fraction of the fp8 peak gave 1.192 there
+    _, compiled, fp8 = _tps_per_gpu(8, "h100")
+    assert fp8 / compiled == pytest.approx(TPS_ROWS[8][2] / TPS_ROWS[8][1], rel=0.02)
 
 
 # torchtitan docs/performance.md (2024): 64 A100 80 GB, FSDP2, bf16 / fp32 reduction, no compile or Float8; WPS per
-# GPU. Llama 3 8B (mb 1, selective op) is a100's efficiency fit (0.6039 solved, 0.60 held); the rest are held out.
+# GPU. Llama 3 8B (mb 1, selective op) is a100's efficiency fit (0.6039 solved, 0.60 held); the rest are held out, each
+# within the issue's 20 % and within 3 points of its error at the fit (the last column).
 A100_ROWS = [
-    (CONFIG, 8192, 1, "op", 2973, 0.01),
-    (CONFIG.with_name("llama3_70b_config.json"), 8192, 1, "full", 331, _TPS_TARGET),
-    (CONFIG.with_name("llama2_13b_config.json"), 4096, 2, "none", 2162, _TPS_TARGET),
-    (CONFIG.with_name("llama2_13b_config.json"), 4096, 2, "op", 1904, _TPS_TARGET),
-    (LLAMA2_70B, 4096, 1, "op", 355, _TPS_TARGET),
-    (LLAMA2_70B, 4096, 2, "full", 353, _TPS_TARGET),
+    (CONFIG, 8192, 1, "op", 2973, -0.006),
+    (CONFIG.with_name("llama3_70b_config.json"), 8192, 1, "full", 331, -0.063),
+    (CONFIG.with_name("llama2_13b_config.json"), 4096, 2, "none", 2162, -0.012),
+    (CONFIG.with_name("llama2_13b_config.json"), 4096, 2, "op", 1904, 0.009),
+    (LLAMA2_70B, 4096, 1, "op", 355, 0.062),
+    (LLAMA2_70B, 4096, 2, "full", 353, -0.046),
 ]
 
 
 @pytest.mark.parametrize(
-    ("config", "seq", "local_batch", "mode", "published", "tolerance"),
+    ("config", "seq", "local_batch", "mode", "published", "error"),
     A100_ROWS,
     ids=["3-8b-mb1-op-fit", "3-70b-mb1-full", "2-13b-mb2-none", "2-13b-mb2-op", "2-70b-mb1-op", "2-70b-mb2-full"],
 )
 def test_torchtitan_a100_tokens_per_second(
-    config: Path, seq: int, local_batch: int, mode: str, published: int, tolerance: float
+    config: Path, seq: int, local_batch: int, mode: str, published: int, error: float
 ) -> None:
     # Llama 2 70B at mb 1 was -47 % while ring collectives across nodes ran at one NIC's 25 GB/s (its FSDP traffic,
-    # 21.9 s, did not fit under 14.4 s of compute); at the node's 8 NICs together it hides (RESULTS.md)
+    # 21.9 s, did not fit under 14.4 s of compute); at the node's 8 NICs together it hides (RESULTS.md: that change
+    # was made after seeing this row, so it is not independent evidence)
     from cx_plan.step_time._kernels import Kernels
 
     predicted = _fsdp_tps(config, seq, "a100", 64, local_batch, mode, Kernels())
-    assert abs(predicted / published - 1) <= tolerance, f"{config.name} mb{local_batch} {mode}: {predicted:.0f}"
+    off = predicted / published - 1
+    tolerance = 0.01 if config == CONFIG else _TPS_TARGET  # the 8B row is a100's efficiency fit
+    assert abs(off) <= tolerance, f"{config.name} mb{local_batch} {mode}: {predicted:.0f}"
+    assert abs(off - error) <= _REGRESSION, f"{config.name} mb{local_batch} {mode}: {off:+.3f} against {error:+.3f}"

@@ -11,9 +11,8 @@ import pytest
 from cx_plan._candidate import Candidate
 from cx_plan._cli import build_parser, main
 from cx_plan._devices import lookup_device
-from cx_plan.step_time._kernels import COMPILE_SPEEDUP, FP8_EFFICIENCY, Kernels
+from cx_plan.step_time._kernels import COMPILE_SPEEDUP, FP8_GAIN, Kernels
 from cx_plan.step_time._step_time import (
-    ACHIEVABLE_FRACTION,
     flops_per_token,
     linear_flops_per_token,
     predict_step_time,
@@ -56,20 +55,47 @@ def test_compile_divides_the_compute_and_nothing_else(gpt: ModelShape, checkpoin
 
 
 def test_fp8_runs_the_layers_linear_flops_at_the_fp8_rate(gpt: ModelShape) -> None:
-    """Compute = tokens / world x (the rest at efficiency x the bf16 peak + the linear FLOPs at fp8_efficiency x
-    the fp8 peak); an fp8 fraction of half the bf16 one is the bf16 rate again (the fp8 peak is twice the bf16)."""
+    """Compute = tokens / world x (the rest at efficiency x the bf16 peak + the linear FLOPs at fp8_gain x that rate,
+    at most efficiency x the fp8 peak); a gain of 1 is the bf16 rate again, a gain above the peaks' ratio (2) caps."""
     c = _ddp()
     per_token, _ = flops_per_token(gpt, _SEQ)
     linear = linear_flops_per_token(c, gpt)
     tokens = c.global_batch_size * _SEQ
-    expected = tokens / c.world_size * ((per_token - linear) / (989e12 * 0.45) + linear / (1979e12 * 0.3))
-    fp8 = predict_step_time(c, gpt, _SEQ, _H100, kernels=Kernels(fp8_efficiency=0.3))
+    bf16 = 989e12 * 0.45
+    expected = tokens / c.world_size * ((per_token - linear) / bf16 + linear / (1.3 * bf16))
+    fp8 = predict_step_time(c, gpt, _SEQ, _H100, kernels=Kernels(fp8_gain=1.3))
     assert fp8.compute_s == pytest.approx(expected, rel=_REL)
-    same_rate = Kernels(fp8_efficiency=ACHIEVABLE_FRACTION * 989 / 1979)
     eager = predict_step_time(c, gpt, _SEQ, _H100)
-    assert predict_step_time(c, gpt, _SEQ, _H100, kernels=same_rate).compute_s == pytest.approx(eager.compute_s)
-    both = predict_step_time(c, gpt, _SEQ, _H100, kernels=Kernels(compile_speedup=1.25, fp8_efficiency=0.3))
+    assert predict_step_time(c, gpt, _SEQ, _H100, kernels=Kernels(fp8_gain=1.0)).compute_s == pytest.approx(
+        eager.compute_s, rel=_REL
+    )
+    capped = tokens / c.world_size * ((per_token - linear) / bf16 + linear / (1979e12 * 0.45))
+    assert predict_step_time(c, gpt, _SEQ, _H100, kernels=Kernels(fp8_gain=3.0)).compute_s == pytest.approx(
+        capped, rel=_REL
+    )
+    both = predict_step_time(c, gpt, _SEQ, _H100, kernels=Kernels(compile_speedup=1.25, fp8_gain=1.3))
     assert both.compute_s == pytest.approx(expected / 1.25, rel=_REL)
+
+
+@pytest.mark.parametrize("name", ["h100", "h200", "h100_96gb"])
+def test_fp8_keeps_the_fitted_gain_on_every_row(gpt: ModelShape, name: str) -> None:
+    """The default gain is over each row's own achieved bf16 rate, so the linear FLOPs run FP8_GAIN x faster on the
+    `h100` (SXM, 45 %) and `h200` rows as on the `h100_96gb` row it was fitted on (40 % of 912), not a fitted
+    fraction of the fp8 peak that would carry h100_96gb's efficiency to them."""
+    c = _ddp()
+    device = lookup_device(name)
+    per_token, _ = flops_per_token(gpt, _SEQ)
+    linear = linear_flops_per_token(c, gpt)
+    tokens = c.global_batch_size * _SEQ
+    bf16 = device.peak("bf16") * device.efficiency
+    eager = predict_step_time(c, gpt, _SEQ, device)
+    fp8 = predict_step_time(c, gpt, _SEQ, device, kernels=Kernels(fp8_gain=FP8_GAIN))
+    assert eager.compute_s - fp8.compute_s == pytest.approx(
+        tokens / c.world_size * (linear / bf16 - linear / (FP8_GAIN * bf16)), rel=1e-9
+    )
+    assert fp8.compute_s == pytest.approx(
+        tokens / c.world_size * ((per_token - linear) / bf16 + linear / (FP8_GAIN * bf16)), rel=1e-9
+    )
 
 
 def test_linear_flops_are_the_layers_matmuls_without_attention_or_head(gpt: ModelShape) -> None:
@@ -93,7 +119,10 @@ def test_linear_flops_of_moe_count_top_k_experts_and_the_hot_rank() -> None:
 
 @pytest.mark.parametrize(
     ("changes", "message"),
-    [({"compile_speedup": 0.0}, "compile_speedup must be a positive"), ({"fp8_efficiency": 1.5}, "fp8_efficiency")],
+    [
+        ({"compile_speedup": 0.0}, "compile_speedup must be a positive"),
+        ({"fp8_gain": 0.0}, "fp8_gain must be a positive"),
+    ],
 )
 def test_kernels_refuse_impossible_factors(changes: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -104,7 +133,7 @@ def test_compute_above_the_peak_and_fp8_without_fp8_matmuls_are_errors(gpt: Mode
     with pytest.raises(ValueError, match="above the device's peak"):
         predict_step_time(_ddp(), gpt, _SEQ, _H100, efficiency=0.9, kernels=Kernels(compile_speedup=1.2))
     with pytest.raises(ValueError, match="no peak for precision 'fp8'"):
-        predict_step_time(_ddp(), gpt, _SEQ, lookup_device("a100"), kernels=Kernels(fp8_efficiency=0.3))
+        predict_step_time(_ddp(), gpt, _SEQ, lookup_device("a100"), kernels=Kernels(fp8_gain=1.3))
 
 
 def test_a_peak_override_keeps_fp8_at_twice_bf16() -> None:
@@ -126,8 +155,8 @@ def test_cli_compile_and_fp8_reach_the_step_time(capsys: pytest.CaptureFixture[s
     assert all(compiled[label] == pytest.approx(eager[label] / 1.25, rel=_REL) for label in eager)
     default = _compute(["--compile"], capsys)
     assert all(default[label] == pytest.approx(eager[label] / COMPILE_SPEEDUP, rel=_REL) for label in eager)
-    fp8 = _compute(["--fp8"], capsys)  # the default fraction is below the bf16 rate's half: fp8 is faster
-    assert FP8_EFFICIENCY * 1979 > ACHIEVABLE_FRACTION * 989
+    fp8 = _compute(["--fp8"], capsys)  # the default gain is above 1: fp8 is faster
+    assert FP8_GAIN > 1
     assert all(fp8[label] < eager[label] for label in eager)
 
 
@@ -135,7 +164,7 @@ def test_cli_compile_and_fp8_reach_the_step_time(capsys: pytest.CaptureFixture[s
     ("flags", "message"),
     [
         (["--compile-speedup", "1.2"], "--compile-speedup takes effect only with --compile"),
-        (["--fp8-efficiency", "0.3"], "--fp8-efficiency takes effect only with --fp8"),
+        (["--fp8-gain", "1.3"], "--fp8-gain takes effect only with --fp8"),
         (["--fp8", "--device", "a100"], "--fp8: device a100 has no fp8 matmuls"),
         (["--compile", "--compile-speedup", "0"], "compile_speedup must be a positive"),
     ],
@@ -147,4 +176,20 @@ def test_cli_kernel_flag_errors(flags: list[str], message: str, capsys: pytest.C
 
 def test_cli_kernel_flags_default_off() -> None:
     args = build_parser().parse_args(_GPT_FLAGS)
-    assert (args.compile, args.fp8, args.compile_speedup, args.fp8_efficiency) == (False, False, None, None)
+    assert (args.compile, args.fp8, args.compile_speedup, args.fp8_gain) == (False, False, None, None)
+
+
+def test_cli_efficiency_defaults_to_the_device_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --efficiency the compute runs at the device row's fitted fraction (a100: 0.60), not the 0.45 of
+    ACHIEVABLE_FRACTION; --efficiency still overrides it."""
+
+    def compute(flags: list[str]) -> dict[str, float]:
+        assert main([*_GPT_FLAGS, "--device", "a100", "--plugins", "torch_ddp", "--all", "--json", "--quiet", *flags],
+                    memory_factory=_stub) == 0  # fmt: skip
+        return {row["label"]: row["compute_s"] for row in json.loads(capsys.readouterr().out)["rows"]}
+
+    row = lookup_device("a100").efficiency
+    assert row == 0.60
+    default, explicit, other = compute([]), compute(["--efficiency", str(row)]), compute(["--efficiency", "0.45"])
+    assert default == explicit
+    assert all(default[label] == pytest.approx(other[label] * 0.45 / row, rel=1e-9) for label in default)

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cx_plan._candidate import Candidate
 from cx_plan._devices import Link, Network, default_network, lookup_device, lookup_link, parse_memory
-from cx_plan.step_time._comm_volume import step_collectives
+from cx_plan.step_time._comm_volume import Collective, step_collectives
 from cx_plan.step_time._step_time import flops_per_token, predict_step_time
 from cx_plan.trace._model_spec import ModelShape, ParameterCounts, shape_from_config
 from cx_plugins.models import GPT, GPTConfig
@@ -148,26 +148,55 @@ def test_device_tables_and_clear_errors() -> None:
     assert dataclasses.replace(h200, name="x").name == "x"
 
 
-def test_ring_collectives_across_nodes_share_the_nodes_nics(gpt: ModelShape) -> None:
-    """A ring collective across nodes runs at the inter link times the group's ranks per node (NCCL spreads its
-    rings over a node's NICs), at most the intra link; all-to-all and p2p stay at one link's bandwidth."""
-    a100 = default_network(lookup_device("a100"))  # NVLink 3 300 GB/s, HDR 25 GB/s per GPU, 8 per node
-    assert a100.ring_bandwidth(8, 8) == 300e9  # inside a node
-    assert a100.ring_bandwidth(64, 64) == 8 * 25e9  # FSDP over 8 whole nodes
-    assert a100.ring_bandwidth(32, 1 + 31 * 8) == 25e9  # dp 32 beside tp 8: one rank per node
-    assert a100.ring_bandwidth(16, 1 + 15 * 2) == 4 * 25e9  # dp 16 beside tp 2: four per node
-    assert default_network(lookup_device("h100")).ring_bandwidth(128, 128) == 8 * 50e9  # below NVLink 4's 450
+_A100_NET = default_network(lookup_device("a100"))  # NVLink 3 300 GB/s, HDR 25 GB/s per GPU, 8 per node
+
+
+@pytest.mark.parametrize(
+    ("candidate", "name", "per_node"),
+    [
+        (Candidate("torch_fsdp", dp=8), "dense weight all-gather", None),  # one node: NVLink
+        (Candidate("torch_fsdp", dp=64), "dense weight all-gather", 8),  # 8 whole nodes
+        (Candidate("torch_fsdp", dp=9), "dense weight all-gather", 1),  # ranks 0-7 | 8: the second node holds 1
+        (Candidate("torch_fsdp", dp=12), "dense weight all-gather", 4),  # 0-7 | 8-11
+        (Candidate("torch_fsdp", dp=20), "dense weight all-gather", 4),  # 0-7 | 8-15 | 16-19
+        (Candidate("hybrid", dp=32, tp=8), "dense gradient all-reduce", 1),  # dp stride 8: one rank per node
+        (Candidate("hybrid", dp=16, tp=2), "dense gradient all-reduce", 4),  # dp stride 2: 0, 2, 4, 6 | 8, ...
+        (Candidate("hybrid", dp=3, tp=4), "dense gradient all-reduce", 1),  # dp {0, 4 | 8}: 2 and 1
+        (Candidate("hybrid", dp=3, tp=4), "tp activation all-reduce", None),  # tp {0-3}, {4-7}, {8-11}: in a node
+        (Candidate("hybrid", dp=3, tp=3), "tp activation all-reduce", 1),  # tp {6, 7 | 8} crosses: 2 and 1
+        # dp x sp with pp in between (sp stride 1, pp 4, dp 8): {0-3, 8-11}: 4 per node (the span's 12 averaged 5)
+        (Candidate("hybrid", dp=2, pp=2, sp=4, sp_mode="all_to_all"), "dense gradient all-reduce", 4),
+    ],
+    ids=["fsdp8", "fsdp64", "fsdp9", "fsdp12", "fsdp20", "dp32-tp8", "dp16-tp2", "dp3-tp4", "tp4-of-12", "tp3-of-9",
+         "dp2-pp2-sp4"],
+)  # fmt: skip
+def test_ring_collectives_across_nodes_count_the_fewest_ranks_per_node(
+    gpt: ModelShape, candidate: Candidate, name: str, per_node: int | None
+) -> None:
+    """A ring collective across nodes runs at the inter link times the group's ranks on the node holding fewest of
+    them (NCCL spreads its rings over a node's NICs; the slowest node bounds the ring, the slowest group the step),
+    at most the intra link; a group inside one node at the intra link. Hand-counted from the layouts' rank order
+    (hybrid: dp, pp, tp, sp row-major)."""
+    c = dataclasses.replace(candidate, precision="bf16")
+    found = next(x for x in step_collectives(c, gpt, _SEQ) if x.name == name)
+    assert found.ring
+    expected = 300e9 if per_node is None else min(300e9, per_node * 25e9)
+    assert _A100_NET.ring_bandwidth(found.axes, found.world) == expected
+    step = predict_step_time(c, gpt, _SEQ, lookup_device("a100"), _A100_NET)
+    latency = _A100_NET.link_for(found.span).latency
+    assert step.communication_s[name] == pytest.approx(found.hops * latency + found.bytes / expected)
+
+
+def test_ring_bandwidth_is_capped_by_the_intra_link_and_leaves_other_collectives() -> None:
+    """The summed NICs never beat the intra link the ring also passes; all-to-all stays at one link's bandwidth."""
+    assert default_network(lookup_device("h100")).ring_bandwidth(((128, 1),), 128) == 8 * 50e9  # below NVLink 4's
     fast = Network(lookup_link("nvlink3"), lookup_link("ib_ndr"), 8)
-    assert fast.ring_bandwidth(64, 64) == 300e9  # capped by the intra link the ring also passes
-    device = lookup_device("a100")
-    fsdp = predict_step_time(Candidate("torch_fsdp", dp=64, precision="bf16"), gpt, _SEQ, device)
-    gather = next(c for c in step_collectives(Candidate("torch_fsdp", dp=64, precision="bf16"), gpt, _SEQ)
-                  if c.name == "dense weight all-gather")  # fmt: skip
-    assert gather.ring
-    assert fsdp.communication_s[gather.name] == pytest.approx(gather.hops * 10e-6 + gather.bytes / 200e9)
+    assert fast.ring_bandwidth(((64, 1),), 64) == 300e9  # 8 x 50 capped at 300
     moe = Candidate("moe_hybrid", dp=16, ep=16, precision="bf16")
     kinds = {c.name: c.ring for c in step_collectives(moe, _moe_shape(), 64)}
     assert kinds["expert dispatch/combine all-to-all"] is False
+    with pytest.raises(ValueError, match="needs its group's layout axes"):
+        Collective("x", 4, 4, 1.0, 3, ring=True)
 
 
 def test_device_rows_carry_their_achievable_fraction(gpt: ModelShape) -> None:

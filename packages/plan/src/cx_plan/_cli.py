@@ -29,7 +29,7 @@ from cx_plan._enumerate import SearchSpace
 from cx_plan._expert_load import read_expert_load
 from cx_plan._planner import MemoryModel, plan, traced_memory_model
 from cx_plan._report import PlanRow, row_label
-from cx_plan.step_time._kernels import COMPILE_SPEEDUP, FP8_EFFICIENCY, Kernels
+from cx_plan.step_time._kernels import COMPILE_SPEEDUP, FP8_GAIN, Kernels
 from cx_plan.step_time._step_time import ACHIEVABLE_FRACTION
 from cx_plan.trace._model_spec import ModelShape, load_model_shape, shadowed_builtin
 
@@ -167,15 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fp8",
         action="store_true",
-        help="the decoder layers' linear layers in fp8, as cx-train's --fp8 (use_fp8): their FLOPs at "
-        "--fp8-efficiency x the device's fp8 peak (h100, h200); attention and the output head stay in --precision",
+        help="the decoder layers' linear layers in fp8, as cx-train's --fp8 (use_fp8): their FLOPs at --fp8-gain x "
+        "the row's achieved bf16 rate, at most its fp8 peak x --efficiency (devices with fp8 matmuls: "
+        f"{', '.join(name for name, row in DEVICES.items() if 'fp8' in row.peak_flops)}); attention and the output "
+        "head stay in --precision",
     )
     parser.add_argument(
-        "--fp8-efficiency",
+        "--fp8-gain",
         type=float,
         default=None,
-        help=f"--fp8's achievable fraction of the fp8 peak, scaling and casts included (default: {FP8_EFFICIENCY:g}, "
-        "fitted to torchtitan's published Llama 3.1 8B Float8 run on H100)",
+        help=f"--fp8's rate over the achieved bf16 rate, scaling and casts included (default: {FP8_GAIN:g}, fitted "
+        "to torchtitan's published Llama 3.1 8B Float8 run on H100)",
     )
     parser.add_argument("--top", type=int, default=10, help="fitting rows to print")
     parser.add_argument(
@@ -241,12 +243,12 @@ def _routing_skew(value: float) -> float:
 
 def _kernels(args: argparse.Namespace) -> Kernels:
     """--compile / --fp8 with their rates; a rate without its switch is an error (it would change nothing)."""
-    for switch, rate in (("compile", "compile_speedup"), ("fp8", "fp8_efficiency")):
+    for switch, rate in (("compile", "compile_speedup"), ("fp8", "fp8_gain")):
         if getattr(args, rate) is not None and not getattr(args, switch):
             flag = "--" + rate.replace("_", "-")
             raise ValueError(f"{flag} takes effect only with --{switch}: add --{switch} or drop {flag}")
     speedup = COMPILE_SPEEDUP if args.compile_speedup is None else args.compile_speedup
-    fp8 = FP8_EFFICIENCY if args.fp8_efficiency is None else args.fp8_efficiency
+    fp8 = FP8_GAIN if args.fp8_gain is None else args.fp8_gain
     return Kernels(speedup if args.compile else 1.0, fp8 if args.fp8 else None)
 
 

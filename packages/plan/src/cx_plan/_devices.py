@@ -15,7 +15,9 @@ unless it is longer than they are; on the CPU it adds, and more ranks than cores
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ __all__ = [
     "Link",
     "Network",
     "default_network",
+    "fewest_ranks_per_node",
     "lookup_device",
     "lookup_link",
     "memory_per_rank",
@@ -47,7 +50,7 @@ _A100_BYTES = 81_920 * _MIB
 _H100_96GB_BYTES = 97_871 * _MIB
 RESERVE_FRACTION = 0.1  # held back by default: CUDA context, NCCL and library workspaces, allocator fragmentation
 # The fraction of the peak a step's compute reaches where a device row fits none of its own (h100, h200, cpu): 45 %,
-# between the 34-39 % MFU torchtitan measured for Llama 3.1 8B on its 500 W H100s and the 52 % of Megatron-LM's
+# between the 33 % to 39 % MFU torchtitan measured for Llama 3.1 8B on its 500 W H100s and the 52 % of Megatron-LM's
 # largest GPT runs on A100. The rows fitted to a published run (a100, h100_96gb) carry theirs (`Device.efficiency`).
 ACHIEVABLE_FRACTION = 0.45
 
@@ -119,17 +122,33 @@ class Network:
         """The slowest link a group crosses whose ranks lie within `span` consecutive global ranks."""
         return self.intra if span <= self.devices_per_node else self.inter
 
-    def ring_bandwidth(self, group_size: int, span: int) -> float:
-        """Bytes/s per rank of a ring collective (all-reduce, all-gather, reduce-scatter) over `group_size` ranks
-        within `span` consecutive ranks. Inside a node: the intra link. Across nodes NCCL runs one ring per channel
-        and spreads the channels over the NICs of the group's ranks on a node: each ring enters and leaves a node
-        once, so the node's share of one rank's ring volume crosses the inter links of its `local` group ranks
-        together (one NIC per GPU), bounded by the intra link the ring also passes (nccl-tests' bus bandwidth
-        across DGX / HGX nodes: about the node's summed NIC rate, not one NIC's)."""
-        if span <= self.devices_per_node:
+    def ring_bandwidth(self, axes: tuple[tuple[int, int], ...], world: int) -> float:
+        """Bytes/s per rank of a ring collective (all-reduce, all-gather, reduce-scatter) over the groups of the
+        layout axes `axes` ((size, stride) each, ranks row-major) among `world` ranks. A group inside one node: the
+        intra link. Across nodes NCCL runs one ring per channel and spreads the channels over the NICs of the
+        group's ranks on a node: each ring enters and leaves every node once, so a node's share of one rank's ring
+        volume crosses the inter links of the group's ranks there together (one NIC per GPU), bounded by the intra
+        link the ring also passes (nccl-tests' bus bandwidth across DGX / HGX nodes: about the node's summed NIC
+        rate, not one NIC's). The node holding the fewest of a group's ranks bounds its ring, and the slowest group
+        the step (`fewest_ranks_per_node`)."""
+        fewest = fewest_ranks_per_node(axes, world, self.devices_per_node)
+        if fewest is None:
             return self.intra.bandwidth
-        local = max(1, min(self.devices_per_node, group_size * self.devices_per_node // span))
-        return min(self.intra.bandwidth, self.inter.bandwidth * local)
+        return min(self.intra.bandwidth, self.inter.bandwidth * fewest)
+
+
+@functools.lru_cache(maxsize=4096)
+def fewest_ranks_per_node(axes: tuple[tuple[int, int], ...], world: int, devices_per_node: int) -> int | None:
+    """Over every group along `axes` ((size, stride) each) among `world` ranks numbered node by node: the fewest of
+    a group's ranks on one node it touches, among the groups spanning several nodes (None: every group lies in one
+    node). Counted rank by rank, since groups whose ranks sit unevenly on the nodes (dp 9 on 8-GPU nodes: 8 and 1;
+    dp 3 beside tp 4: 2 and 1; dp x sp with pp ranks in between) are bounded by the node with the fewest."""
+    counts: dict[int, collections.Counter[int]] = {}
+    for rank in range(world):
+        group = rank - sum((rank // stride % size) * stride for size, stride in axes)  # the group's first rank
+        counts.setdefault(group, collections.Counter())[rank // devices_per_node] += 1
+    crossing = [min(per_node.values()) for per_node in counts.values() if len(per_node) > 1]
+    return min(crossing) if crossing else None
 
 
 _NVIDIA_H100 = (

@@ -63,7 +63,8 @@ class Collective:
     its calls, over a group of `group_size` ranks lying within `span` consecutive global ranks; `pipelined` ones
     are the pipeline's p2p transfers (timed inside the schedule simulation, not added to the step); `ring` ones
     are NCCL ring collectives (all-reduce, all-gather, reduce-scatter), whose rings share a node's NICs
-    (`Network.ring_bandwidth`)."""
+    (`Network.ring_bandwidth`, which counts the ranks per node of every group along `axes`, (size, stride) each,
+    among `world` ranks)."""
 
     name: str
     group_size: int
@@ -72,6 +73,12 @@ class Collective:
     hops: int
     pipelined: bool = False
     ring: bool = False
+    axes: tuple[tuple[int, int], ...] = ()
+    world: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ring and self.group_size > 1 and not self.axes:
+            raise ValueError(f"ring collective {self.name!r} needs its group's layout axes (size, stride)")
 
 
 def weight_bytes(candidate: Candidate) -> int:
@@ -108,6 +115,13 @@ def _group(candidate: Candidate, *axes: str) -> tuple[int, int]:
     return size, span
 
 
+def _layout(candidate: Candidate, *axes: str) -> tuple[tuple[tuple[int, int], ...], int]:
+    """A ring collective's group layout: the (size, stride) of its axes and the world (`Network.ring_bandwidth`)."""
+    strides = _strides(candidate)
+    found = tuple(strides[a] for a in axes if a in strides and strides[a][0] > 1)
+    return found, math.prod(size for size, _ in strides.values())
+
+
 def _ring(size: int, full_bytes: float, calls: int, kind: str) -> tuple[float, int]:
     """(bytes sent per rank, hops) of `calls` ring collectives of `kind` moving `full_bytes` in all."""
     if size <= 1:
@@ -130,6 +144,7 @@ def _data_parallel(candidate: Candidate, shape: ModelShape) -> list[Collective]:
     found = []
     for label, parameters, axes in groups:
         size, span = _group(c, *axes)
+        layout, world = _layout(c, *axes)
         if size <= 1 or parameters == 0:
             continue
         full = parameters * w
@@ -138,13 +153,19 @@ def _data_parallel(candidate: Candidate, shape: ModelShape) -> list[Collective]:
             calls = shape.num_layers + 1 if c.fsdp_wrap == "block" else 1
         if c.stage == 0:
             moved, hops = _ring(size, full, calls, "all_reduce")
-            found.append(Collective(f"{label} gradient all-reduce", size, span, moved, hops, ring=True))
+            found.append(
+                Collective(f"{label} gradient all-reduce", size, span, moved, hops, ring=True, axes=layout, world=world)
+            )
             continue
         moved, hops = _ring(size, full, calls, "reduce_scatter")
-        found.append(Collective(f"{label} gradient reduce-scatter", size, span, moved, hops, ring=True))
+        found.append(
+            Collective(f"{label} gradient reduce-scatter", size, span, moved, hops, ring=True, axes=layout, world=world)
+        )
         gathers = 1 if c.stage < 3 else 2 * c.num_microbatches  # ZeRO-3: every forward and backward
         moved, hops = _ring(size, parameters * gathered * gathers, calls * gathers, "all_gather")
-        found.append(Collective(f"{label} weight all-gather", size, span, moved, hops, ring=True))
+        found.append(
+            Collective(f"{label} weight all-gather", size, span, moved, hops, ring=True, axes=layout, world=world)
+        )
     return found
 
 
@@ -161,7 +182,10 @@ def _in_layer(candidate: Candidate, shape: ModelShape, seq_len: int) -> list[Col
         size, span = _group(c, "tp")
         calls = round(m * (2 * layers * passes + 2))
         moved, hops = _ring(size, calls * tokens * shape.hidden_size * a, calls, "all_reduce")
-        found.append(Collective("tp activation all-reduce", size, span, moved, hops, ring=True))
+        layout, world = _layout(c, "tp")
+        found.append(
+            Collective("tp activation all-reduce", size, span, moved, hops, ring=True, axes=layout, world=world)
+        )
     if c.sp > 1:
         size, span = _group(c, "sp")
         kv = shape.num_kv_heads * shape.head_dim

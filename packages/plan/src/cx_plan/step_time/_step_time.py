@@ -16,12 +16,14 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
   the slowest rank sets the step, so its expert compute (and its dispatch / combine all-to-all, `_comm_volume`) is
   charged.
 - `kernels` (`_kernels.Kernels`, default eager): with fp8 the decoder layers' linear FLOPs (`linear_flops_per_token`)
-  run at `fp8_efficiency` x the device's fp8 peak instead; torch.compile divides the forward and backward compute
-  by `compile_speedup` (both fitted to torchtitan's published Llama 3.1 8B runs, see `_kernels`). The recompute
-  takes the forward's mix. MFU stays against the precision's peak (torchtitan reports none with fp8 for that reason).
+  run at `fp8_gain` x `efficiency` x the device's bf16 peak instead (at most `efficiency` x its fp8 peak);
+  torch.compile divides the forward and backward compute by `compile_speedup` (both fitted to torchtitan's
+  published Llama 3.1 8B runs, see `_kernels`). The recompute takes the forward's mix. MFU stays against the
+  precision's peak (torchtitan reports none with fp8 for that reason).
 - A collective takes hops x latency + bytes / bandwidth on the slowest link its group crosses (`_comm_volume`); a
   ring collective (all-reduce, all-gather, reduce-scatter) across nodes at the summed inter links of the group's
-  ranks on a node, at most the intra link (`Network.ring_bandwidth`: NCCL spreads its rings over a node's NICs).
+  ranks on the node holding fewest of them, at most the intra link (`Network.ring_bandwidth`: NCCL spreads its
+  rings over a node's NICs).
 - Overlap (`_hidden_data_parallel`), on a device that launches asynchronously (a GPU: NCCL runs on its own stream;
   on the host-bound CPU every collective adds, as calibrated), the data-parallel communication a plugin issues
   during compute hides under that compute, except what cannot start before the compute ends or must finish before
@@ -147,13 +149,13 @@ def _seconds_per_token(
     candidate: Candidate, shape: ModelShape, seq_len: int, device: Device, efficiency: float, kernels: Kernels
 ) -> float:
     """Compute seconds per token of the whole world's forward and backward on one device (no recompute): every FLOP
-    at `efficiency` x the precision's peak, or with fp8 the layers' linear FLOPs at `fp8_efficiency` x the fp8 peak;
-    then torch.compile's factor on all of it."""
+    at `efficiency` x the precision's peak, or with fp8 the layers' linear FLOPs at `fp8_gain` x `efficiency` x the
+    bf16 peak (at most `efficiency` x the fp8 peak); then torch.compile's factor on all of it."""
     per_token = flops_per_token(shape, seq_len)[0] + worst_rank_expert_flops(candidate, shape)
     seconds = per_token / (device.peak(candidate.precision) * efficiency)
-    if kernels.fp8_efficiency is not None:
+    if kernels.fp8_gain is not None:
         linear = linear_flops_per_token(candidate, shape)
-        fp8_rate = device.peak("fp8") * kernels.fp8_efficiency
+        fp8_rate = efficiency * min(device.peak("bf16") * kernels.fp8_gain, device.peak("fp8"))
         seconds += linear / fp8_rate - linear / (device.peak(candidate.precision) * efficiency)
     return seconds / kernels.compile_speedup
 
@@ -163,7 +165,7 @@ def _seconds(collective: Collective, network: Network, slow: float = 1.0) -> flo
     collective's across nodes: the NICs of the group's ranks on a node together, `Network.ring_bandwidth`)."""
     link = network.link_for(collective.span)
     c = collective
-    bandwidth = network.ring_bandwidth(c.group_size, c.span) if c.ring else link.bandwidth
+    bandwidth = network.ring_bandwidth(c.axes, c.world) if c.ring else link.bandwidth
     return c.hops * link.latency * slow + c.bytes / bandwidth
 
 
