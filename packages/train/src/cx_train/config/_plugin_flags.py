@@ -358,8 +358,8 @@ def plugin_switch_problem(args: argparse.Namespace) -> str | None:
 def _muon_problem(args: argparse.Namespace) -> str | None:
     """--optimizer muon needs each matrix whole: the plugins that slice parameters for the optimizer refuse it at
     boost (cx_zero.require_elementwise; HybridParallelPlugin and MoeHybridParallelPlugin over tp slices with
-    cpu_offload; MoeHybridParallelPlugin over tp slices with ZeRO and pp or sequence parallelism), so it is refused
-    here first."""
+    cpu_offload; MoeHybridParallelPlugin over tp slices with ZeRO and pp or sequence parallelism; GeminiPlugin over tp
+    slices with optimizer data on the CPU), so it is refused here first."""
     if args.optimizer != "muon":
         return None
     plugin = args.plugin
@@ -373,6 +373,13 @@ def _muon_problem(args: argparse.Namespace) -> str | None:
         return (
             f"--optimizer muon with --plugin {plugin} --tp {args.tp} --zero {args.zero} steps whole matrices without "
             f"--pp or sequence parallelism only (untested there): drop --pp / --sp / --sp-mode, or use --zero 0"
+        )
+    offloaded = args.placement == "auto" or (args.offload_optim_fraction or 0.0) > 0
+    if plugin == "gemini" and (args.tp or 1) > 1 and offloaded:
+        flag = "--placement auto" if args.placement == "auto" else "--offload-optim-fraction"
+        return (
+            f"--optimizer muon with --plugin gemini --tp {args.tp} gathers each matrix's tp slices on the optimizer's "
+            f"master weights, which cannot be on the CPU ({flag} puts them there): drop {flag}, or use --tp 1"
         )
     if plugin in ("hybrid", "moe_hybrid") and (args.tp or 1) > 1 and args.cpu_offload:
         return (
