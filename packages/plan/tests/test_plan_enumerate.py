@@ -53,6 +53,8 @@ def test_enumeration_obeys_the_layout_rules() -> None:
     assert not any(c.pp_style == "zbv" and c.pp == 4 for c in found)  # 4 layers: no two chunks on 4 stages
     gemini = {(c.placement_policy, c.offload_optim_frac) for c in found if c.plugin == "gemini"}
     assert gemini == {("static", 0.0), ("static", 1.0), ("auto", 0.0)}
+    # GeminiPlugin's tp_size: ShardFormer over tp (dividing the heads as above), Gemini over dp = world / tp, no pp
+    assert {(c.tp, c.dp, c.pp, c.sp) for c in found if c.plugin == "gemini"} == {(1, 8, 1, 1), (2, 4, 1, 1)}
     assert {c.stage for c in found if c.plugin == "low_level_zero"} == {1, 2}
 
 

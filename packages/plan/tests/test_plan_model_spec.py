@@ -74,7 +74,8 @@ def test_candidate_validates_and_derives() -> None:
     assert Candidate("hybrid", tp=2, sp_mode="split_gather").sequence_split == 2
     assert Candidate("hybrid", pp=2, num_microbatches=1).num_microbatches == 1  # 1F1B runs one (cx-train allows it)
     for bad, match in [
-        (dict(plugin="gemini", tp=2), "data parallelism only"),
+        (dict(plugin="torch_ddp", tp=2), "data parallelism only"),
+        (dict(plugin="gemini", tp=2, pp=2), "tensor parallelism \\(tp_size\\) at most"),
         (dict(plugin="hybrid", ep=2, dp=2), "moe_hybrid"),
         (dict(plugin="hybrid", pp=4, num_microbatches=2, pp_style="interleaved"), "a multiple of pp=4"),
         (dict(plugin="hybrid", sp=2), "sp_mode"),

@@ -15,7 +15,7 @@ import torch
 
 from cx_plan import Candidate, Device, ModelShape, Optimizer, load_model_shape, lookup_device, predict_step_time
 from cx_plan._cli import main
-from cx_plan._enumerate import SearchSpace, enumerate_candidates
+from cx_plan._enumerate import SearchSpace, enumerate_candidates, optimizer_skips
 from cx_plan._report import train_command
 from cx_plan.memory._memory import predict_memory
 from cx_plan.step_time._comm_volume import step_collectives
@@ -232,7 +232,8 @@ def test_muon_layouts_cx_takes_are_candidates(capsys: pytest.CaptureFixture[str]
     Candidate("moe_hybrid", tp=2, dp=2, zero_stage=1, cpu_offload=True, optimizer=Optimizer.MUON)
     assert main([*_GPT, "--world", "2", "--optimizer", "muon", "--top", "1", "--quiet"], _fits) == 0
     out = capsys.readouterr().out
-    assert "not considered under --optimizer muon" not in out  # no layout left out
+    skipped = [line for line in out.splitlines() if "not considered under --optimizer muon" in line]
+    assert len(skipped) == 1 and "gemini at tp > 1" in skipped[0]  # the only layout left out (not modelled)
     best = next(line for line in out.splitlines() if line.strip().startswith("cx-train "))
     assert best.endswith("--optimizer muon")
     assert main([*_GPT, "--world", "2", "--optimizer", "muon", "--optimizer-states-dtype", "bf16"]) == 2
@@ -258,16 +259,21 @@ def test_muon_with_cpu_offload_at_tp_is_a_candidate_as_the_plugin_takes_it() -> 
     assert Candidate("hybrid", dp=2, zero_stage=1, cpu_offload=True, optimizer=Optimizer.MUON).cpu_offload  # tp 1
 
 
-def test_gemini_at_tp_is_refused_as_unmodelled_for_every_optimizer() -> None:
-    """GeminiPlugin steps Muon at tp_size > 1, but cx-plan models Gemini as data parallelism only (no ShardFormer
-    trace, memory or comm for it; cx-train takes no --tp with gemini): the refusal names that, not Muon, and is the
-    same for AdamW, so the planner never predicts a layout it does not count."""
-    for optimizer in Optimizer:
-        with pytest.raises(ValueError, match="GeminiPlugin's tp_size > 1 is not modelled by cx-plan"):
-            Candidate("gemini", dp=2, tp=2, optimizer=optimizer)
-    assert Candidate("gemini", dp=4, optimizer=Optimizer.MUON).muon  # tp 1: counted
+def test_gemini_at_tp_takes_muon_on_device_and_the_plan_leaves_it_out() -> None:
+    """GeminiPlugin steps Muon at tp_size > 1 with its optimizer data on the device (it refuses CPU masters: the tp
+    gather runs on them), so the candidate takes that and refuses auto placement / offloaded optimizer states, as
+    cx-train does; the planner enumerates Gemini at tp > 1 under AdamW only (its Muon owners over dp and tp are not
+    modelled) and says so once."""
+    assert Candidate("gemini", dp=2, tp=2, optimizer=Optimizer.MUON).muon
+    for fields in (dict(placement_policy="auto"), dict(offload_optim_frac=1.0)):
+        with pytest.raises(ValueError, match="cannot be on the CPU"):
+            Candidate("gemini", dp=2, tp=2, optimizer=Optimizer.MUON, **fields)
+        assert Candidate("gemini", dp=2, tp=2, **fields).tp == 2  # AdamW: taken
     space = SearchSpace(global_batch=8, optimizer=Optimizer.MUON, max_tp=2)
     shape = load_model_shape("gpt", hidden_size=64, num_layers=2, seq_len=SEQ)
     gemini = [c for c in enumerate_candidates(shape, 4, SEQ, space) if c.plugin == "gemini"]
     assert gemini
     assert all(c.tp == 1 for c in gemini)
+    assert any("gemini at tp > 1" in line for line in optimizer_skips(space))
+    adamw = enumerate_candidates(shape, 4, SEQ, SearchSpace(global_batch=8, max_tp=2))
+    assert {c.tp for c in adamw if c.plugin == "gemini"} == {1, 2}

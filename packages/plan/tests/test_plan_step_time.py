@@ -105,6 +105,10 @@ def test_collective_volumes_follow_the_ring_formulas(gpt: ModelShape) -> None:
     calls = 2 * _CONFIG.num_layers * 2 + 2  # two per layer each way, plus the vocabulary-parallel embedding
     ring = 2 * (2 - 1) / 2  # an all-reduce over 2 ranks sends its whole tensor once
     assert tp["tp activation all-reduce"] == pytest.approx(calls * 2 * _SEQ * _CONFIG.hidden_size * 4 * ring)
+    # GeminiPlugin(tp_size=2): hybrid tp's activation all-reduces, and ZeRO-3 gathers of a tp rank's half over dp
+    gemini_tp = volume(Candidate("gemini", dp=n, tp=2, micro_batch_size=2, precision="fp32"))
+    assert gemini_tp["tp activation all-reduce"] == pytest.approx(tp["tp activation all-reduce"])
+    assert gemini_tp["dense weight all-gather"] == pytest.approx(2 * (n - 1) / n * parameters / 2 * 4)
 
 
 def test_moe_all_to_all_and_links() -> None:

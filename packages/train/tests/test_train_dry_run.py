@@ -79,6 +79,20 @@ def test_cx_train_plan_prints_the_prediction(capsys: pytest.CaptureFixture[str])
     assert "estimate without activations" not in out
 
 
+def test_cx_train_dry_run_of_gemini_at_tp_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """--plugin gemini --tp 2 launches as GeminiPlugin(tp_size=2): the planner's tp candidate, the plugin's
+    (dp, tp) mesh with tp innermost, and the tp activation all-reduces in the predicted step."""
+    argv = ["--plugin", "gemini", "--tp", "2", "--nproc", "4", "--seq-len", "32", "--hidden-size", "32"]
+    candidate = plan_candidate(parse_options(argv), 4)
+    assert candidate == Candidate("gemini", dp=2, tp=2, micro_batch_size=8, precision="fp32")
+    assert candidate.plugin_arguments()["tp_size"] == 2
+    assert main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "#   rank 1: dp=0 tp=1\n#   rank 2: dp=1 tp=0\n" in out
+    assert "tp activation all-reduce" in out
+    assert "fits" in out
+
+
 def test_cx_train_dry_run_prints_the_data_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """With --data, --dry-run prints the data line the real start prints: windows, documents, chats packed whole and
     the --overlong counts (one chat longer than the window, truncated)."""

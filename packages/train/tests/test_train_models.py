@@ -202,7 +202,10 @@ def test_train_models_parallel_flags(monkeypatch: pytest.MonkeyPatch, capsys: py
     assert "HybridParallelPlugin is not available yet" in _refused(["--plugin", "hybrid"], capsys)
     error = _refused(["--plugin", "moe_hybrid", "--model", "mixtral", "--ep", "2"], capsys)
     assert "MoeHybridParallelPlugin is not available yet" in error
-    assert "--tp applies to --plugin hybrid or moe_hybrid only (not gemini)" in _refused(["--tp", "2"], capsys)
+    error = _refused(["--plugin", "torch_ddp", "--tp", "2"], capsys)
+    assert "--tp applies to --plugin hybrid, moe_hybrid or gemini only (not torch_ddp)" in error
+    error = _refused(["--pp", "2"], capsys)
+    assert "--pp applies to --plugin hybrid or moe_hybrid only (not gemini; gemini takes --tp alone)" in error
     assert "--zero applies to --plugin hybrid" in _refused(["--plugin", "torch_ddp", "--zero", "1"], capsys)
     error = _refused(["--plugin", "low_level_zero", "--zero", "0"], capsys)
     assert "--zero 0 is not a LowLevelZero stage: --plugin low_level_zero runs --zero 1 or 2" in error

@@ -214,6 +214,20 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
             ["--plugin", "low_level_zero", "--optimizer", "muon", "--optimizer-states-dtype", "bf16"],
             "--optimizer muon keeps fp32 states",
         ),
+        # GeminiPlugin(tp_size > 1) refuses a whole-tensor optimizer on CPU masters (its tp gather runs on them)
+        (
+            ["--plugin", "gemini", "--tp", "2", "--optimizer", "muon", "--placement", "auto"],
+            "--optimizer muon with --plugin gemini --tp 2 gathers each matrix's tp slices on the optimizer's master "
+            "weights, which cannot be on the CPU (--placement auto puts them there): drop --placement auto, or use "
+            "--tp 1",
+        ),
+        (
+            ["--plugin", "gemini", "--tp", "2", "--optimizer", "muon", "--offload-optim-fraction", "0.5"],
+            "(--offload-optim-fraction puts them there): drop --offload-optim-fraction, or use --tp 1",
+        ),
+        # GeminiPlugin's sequence parallelism has no cx-train flag: --sp-mode / --sp stay hybrid's
+        (["--plugin", "gemini", "--tp", "2", "--sp-mode", "split_gather"], "is not supported by --plugin gemini"),
+        (["--plugin", "gemini", "--tp", "2", "--pp", "2"], "(not gemini; gemini takes --tp alone)"),
     ],
 )
 def test_train_switches_refused_by_name(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -227,6 +241,7 @@ def test_train_switches_refused_by_name(flags: list[str], message: str, capsys: 
         ["--plugin", "torch_fsdp"],  # Newton-Schulz on each matrix gathered to an owner rank
         ["--plugin", "low_level_zero", "--zero", "1"],
         ["--plugin", "gemini"],
+        ["--plugin", "gemini", "--tp", "2"],  # a dp owner's tp slices, then a tp owner (on-device masters)
         ["--plugin", "hybrid", "--tp", "2"],
         ["--plugin", "hybrid", "--zero", "1"],
         ["--plugin", "hybrid", "--tp", "2", "--zero", "1"],  # a dp owner of each slice, then a tp owner
@@ -294,6 +309,10 @@ def test_train_switch_refused_before_any_rank_starts(tmp_path: Path) -> None:
         Candidate("torch_ddp", dp=2, optimizer=Optimizer.MUON),
         Candidate("low_level_zero", dp=2, zero_stage=2, optimizer=Optimizer.MUON),
         Candidate("gemini", dp=2, precision="bf16", optimizer=Optimizer.MUON),
+        # GeminiPlugin(tp_size=2): each layout cx-plan enumerates at tp > 1
+        Candidate("gemini", tp=2, precision="bf16"),
+        Candidate("gemini", dp=2, tp=2, offload_optim_frac=1.0, checkpoint_ratio=1.0),
+        Candidate("gemini", dp=2, tp=2, placement_policy="auto"),
         Candidate("hybrid", dp=2, tp=2, zero_stage=0, optimizer=Optimizer.MUON),
         Candidate("moe_hybrid", dp=2, ep=2, zero_stage=1, optimizer=Optimizer.MUON),
     ],

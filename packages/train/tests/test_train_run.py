@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from cx_mesh.testing import sum_tolerance
 from cx_train import CharTokenizer, GrammarText, TokenWindows, parse_options
+from cx_train.config._parser import DEFAULT_HIDDEN, DEFAULT_LAYERS
+from cx_train.metrics._metrics_file import read_metrics
 
 
 def test_train_data_is_deterministic_and_round_trips() -> None:
@@ -127,6 +130,29 @@ def test_train_muon_under_moe_hybrid_at_tp_2_trains_and_resumes_at_tp_1(tmp_path
     assert resumed_start < start - 0.5, "the resumed run must start from the trained weights, not from scratch"
 
 
+def test_train_gemini_at_tp_2_gives_the_tp_1_losses(tmp_path: Path) -> None:
+    """`--plugin gemini --tp 2` (GeminiPlugin(tp_size=2): ShardFormer over the 2 ranks, Gemini over dp 1) trains the
+    run tp 1 makes on one rank: the same seed, weights and batches (tp ranks share their data), fp32. Only the
+    summation order differs: each of a step's 2 x layers row-parallel matmuls and its vocabulary-parallel loss sums
+    its <= 4 x hidden terms in two halves, each such reordering moving the loss by at most `sum_tolerance` of
+    4 x hidden terms of the loss's size, and Adam carries every step's difference into the next weights (so step s
+    allows s of them). A wrong batch, weight slice or update moves the loss by 1e-2 or more."""
+    losses = {}
+    for tp, nproc in ((1, 1), (2, 2)):
+        metrics = tmp_path / f"tp{tp}.jsonl"
+        flags = ["--plugin", "gemini", "--nproc", str(nproc), "--steps", "4", "--metrics", str(metrics)]
+        output = _cx_train(*flags, *(["--tp", "2"] if tp > 1 else []), "--log-every", "1")
+        assert f"ranks={nproc}" in output
+        losses[tp] = {record["step"]: record["loss"] for record in read_metrics(metrics)}
+    assert sorted(losses[2]) == sorted(losses[1]) == [1, 2, 3, 4]
+    hidden, layers = DEFAULT_HIDDEN, DEFAULT_LAYERS
+    for step, expected in losses[1].items():
+        reorderings = step * (2 * layers + 1)
+        tolerance = reorderings * sum_tolerance(n_terms=4 * hidden, magnitude=expected)
+        assert abs(losses[2][step] - expected) <= tolerance, (step, losses[2][step], expected, tolerance)
+    assert losses[1][4] < losses[1][1] - 0.3  # it trains
+
+
 def test_train_refuses_an_incomplete_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_options(["--resume", str(tmp_path)])
@@ -150,7 +176,7 @@ def test_train_hybrid_trains_saves_and_resumes_at_another_layout(tmp_path: Path)
 
 def test_train_hybrid_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, message in (
-        (["--tp", "2"], "--tp applies to --plugin hybrid or moe_hybrid only"),
+        (["--plugin", "low_level_zero", "--tp", "2"], "--tp applies to --plugin hybrid, moe_hybrid or gemini only"),
         (["--plugin", "hybrid", "--tp", "3"], "2 processes do not split into tp 3 x pp 1 x sp 1 = 3"),
         (["--plugin", "hybrid", "--pp", "2", "--num-layers", "1"], "layers do not split into 2 stages"),
     ):

@@ -56,11 +56,12 @@ _PARALLEL_PLUGINS = ("hybrid", "moe_hybrid")
 # the ZeRO stage each plugin runs: DDP replicates, FSDP (full shard) and Gemini shard everything
 _FIXED_STAGE = {"torch_ddp": 0, "torch_fsdp": 3, "gemini": 3}
 _STAGES = {"low_level_zero": (1, 2), "hybrid": (0, 1, 2), "moe_hybrid": (0, 1, 2)}
-# GeminiPlugin takes tp_size (ShardFormer, then chunks over dp; Muon too, cx_plugins.gemini._tp_whole), but cx-plan
-# neither traces that model nor counts its memory and comm, and cx-train takes --tp with hybrid / moe_hybrid only
-_GEMINI_TP = (
-    " (GeminiPlugin's tp_size > 1 is not modelled by cx-plan: no ShardFormer trace, memory or comm for it, and "
-    "cx-train takes --tp with hybrid / moe_hybrid only; use hybrid with zero_stage 1 or 2 for tp x ZeRO)"
+# GeminiPlugin's tp_size: ShardFormer splits the model over tp, Gemini chunks each tp rank's part over dp; no pp, no
+# sequence parallelism (cx-train has no flags for GeminiPlugin's), and a whole-tensor optimizer (Muon) at tp > 1 needs
+# its optimizer data on the device (the plugin's own refusal)
+_GEMINI_NO_CPU_MUON = (
+    "GeminiPlugin at tp > 1 gathers each matrix's tp slices on the optimizer's masters, which cannot be on the CPU: "
+    "placement_policy static with offload_optim_frac 0, or tp 1"
 )
 
 
@@ -124,11 +125,16 @@ class Candidate:
             f"got {self.routing_skew!r}",
         )
         parallel = self.plugin in _PARALLEL_PLUGINS
-        if not parallel:
+        if self.plugin == "gemini":
+            _require(
+                (self.pp, self.sp, self.ep) == (1, 1, 1) and self.sp_mode is None,
+                "gemini runs data parallelism, with tensor parallelism (tp_size) at most: pp, sp, ep must be 1 and "
+                "sp_mode None",
+            )
+        elif not parallel:
             _require(
                 (self.tp, self.pp, self.sp, self.ep) == (1, 1, 1, 1) and self.sp_mode is None,
-                f"{self.plugin} runs data parallelism only: tp, pp, sp, ep must be 1 and sp_mode None"
-                + (_GEMINI_TP if self.plugin == "gemini" and self.tp > 1 else ""),
+                f"{self.plugin} runs data parallelism only: tp, pp, sp, ep must be 1 and sp_mode None",
             )
         _require(self.ep == 1 or self.plugin == "moe_hybrid", "ep > 1 needs the moe_hybrid plugin")
         _require(
@@ -200,6 +206,11 @@ class Candidate:
         )
         object.__setattr__(self, "optimizer", _optimizer(self.optimizer))  # a JSON plan's plain name: the enum
         _require(
+            not (self.optimizer is Optimizer.MUON and self.plugin == "gemini" and self.tp > 1)
+            or (self.placement_policy == "static" and self.offload_optim_frac == 0.0),
+            f"optimizer muon: {_GEMINI_NO_CPU_MUON}",
+        )
+        _require(
             self.optimizer is Optimizer.ADAMW or self.optimizer_states_dtype == "fp32",
             "optimizer_states_dtype bf16 stores Adam's moments with stochastic rounding; optimizer muon keeps fp32 "
             "states (as cx-train refuses the pair)",
@@ -257,6 +268,8 @@ class Candidate:
             arguments = dict(auto_wrap_policy=CodeText(BLOCK_POLICY))
         elif self.plugin == "gemini":
             arguments = dict(placement_policy=self.placement_policy, precision=self.precision)
+            if self.tp > 1:
+                arguments["tp_size"] = self.tp
             if self.offload_optim_frac or self.offload_param_frac:
                 arguments.update(offload_optim_frac=self.offload_optim_frac, offload_param_frac=self.offload_param_frac)
         elif self.plugin == "low_level_zero":

@@ -16,9 +16,10 @@ The rules (each the one the code that would run it checks):
   (GeminiDDP refuses accumulation as cx-train configures it);
 - checkpointing: a ratio of layers under the hybrid plugins (ShardFormer); all or none under the others, and, when
   asked for (`checkpoint_modes`), every layer under torchtitan's selective op policy (transformers' switch only);
-- optimizer muon (MuonWithAdamW): on every enumerated layout (cx steps it on all of them); `optimizer_skips` would
-  say once for the report what it left out. Gemini is enumerated at tp 1 only, for every optimizer (cx-plan does
-  not model GeminiPlugin's tp_size).
+- optimizer muon (MuonWithAdamW): on every enumerated layout but Gemini's at tp > 1 (`optimizer_skips` says so
+  once for the report);
+- Gemini's tp_size > 1 (`_gemini_tp`): tp divides the heads and MLP width as above, dp = world / tp, no pp or sp;
+  under AdamW only (its Muon owners over dp and tp are not modelled: `optimizer_skips`).
 When no candidate survives, `NoLayoutError` names, per plugin, why.
 """
 
@@ -123,6 +124,23 @@ def _data_parallel(plugin: str, world: int, per_rank: int, space: SearchSpace, w
         )
 
 
+def _gemini_tp(
+    shape: ModelShape, world: int, global_batch: int, space: SearchSpace, why: set[str]
+) -> Iterator[Candidate]:
+    """GeminiPlugin at tp_size > 1: ShardFormer over tp, Gemini's layouts over the dp = world / tp ranks left."""
+    if space.optimizer is Optimizer.MUON:
+        return  # said once by `optimizer_skips`
+    for tp in (tp for tp in _divisors(world)[1:] if tp <= space.max_tp):
+        reason, dp = _tp_reason(shape, tp), world // tp
+        if reason is None and global_batch % dp:
+            reason = f"the global batch {global_batch} does not split over dp={dp}"
+        if reason:
+            why.add(reason)
+            continue
+        for candidate in _data_parallel("gemini", dp, global_batch // dp, space, why):
+            yield dataclasses.replace(candidate, tp=tp)
+
+
 def _parallel(
     plugin: str, shape: ModelShape, world: int, global_batch: int, seq_len: int, space: SearchSpace, why: set[str]
 ) -> Iterator[Candidate]:
@@ -219,6 +237,8 @@ def enumerate_candidates(
             why.add(f"the global batch {global_batch} does not split over dp={world}")
         else:
             found += _data_parallel(plugin, world, global_batch // world, space, why)
+        if plugin == "gemini":
+            found += _gemini_tp(shape, world, global_batch, space, why)
     if not space.checkpoint_ratios:
         for plugin in ("hybrid", "moe_hybrid"):
             reasons.get(plugin, set()).add("ShardFormer checkpoints a ratio of whole layers; no ratio was given")
@@ -232,7 +252,10 @@ def enumerate_candidates(
 
 def optimizer_skips(space: SearchSpace) -> tuple[str, ...]:
     """The layouts of `space` left out for its optimizer, one line each, said once in the report rather than once per
-    candidate: none now (MoeHybridParallelPlugin steps MuonWithAdamW at ZeRO 1/2 with tp > 1 under pp, sequence
-    parallelism and cpu_offload too)."""
-    del space
-    return ()
+    candidate: Gemini at tp > 1 under Muon (cx steps it; cx-plan does not model its owners over dp and tp)."""
+    if space.optimizer is not Optimizer.MUON or "gemini" not in space.plugins or space.max_tp == 1:
+        return ()
+    return (
+        "not considered under --optimizer muon: gemini at tp > 1 (cx steps it, but cx-plan does not model its owners "
+        "over dp and tp)",
+    )

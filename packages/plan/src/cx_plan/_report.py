@@ -181,6 +181,7 @@ def train_command(candidate: Candidate, model: str, seq_len: int, model_flags: S
     if c.plugin == "torch_fsdp" and c.fsdp_wrap == "model":
         parts.append("--fsdp-wrap model")
     if c.plugin == "gemini":
+        parts += [f"--tp {c.tp}"] if c.tp > 1 else []
         parts += ["--placement auto"] if c.placement_policy == "auto" else []
         parts += [f"--offload-optim-fraction {c.offload_optim_frac:g}"] if c.offload_optim_frac else []
         parts += [f"--offload-param-fraction {c.offload_param_frac:g}"] if c.offload_param_frac else []

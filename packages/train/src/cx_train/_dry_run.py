@@ -4,11 +4,11 @@ Prints the resolved config (TOML, as `--config` reads it), which rank holds whic
 prediction for this configuration. With `--data`, the data line the real start prints (windows, chats packed whole or
 text cut, documents truncated / dropped, evaluation windows), from the token cache the option checks built. The
 layout is computed from the sizes, in the plugins' own axis order (the `ParallelLayout` tables: hybrid (dp, pp, tp,
-sp), MoE hybrid (moe_dp, pp, ep, tp, sp), the ZeRO / DDP / FSDP plugins one data axis), ranks row-major over it as
-`ProcessGroupMesh` numbers them; no process group is made. The memory per rank (parameters, gradients, optimizer
-states, master weights, activations from a FakeTensor trace of the real model under the real policy, pipeline
-in-flight micro-batches, communication buffers, the peak) and the step time are the planner's (`cx_plan`), on this
-machine's device: one memory model for cx-plan and cx-train.
+sp), MoE hybrid (moe_dp, pp, ep, tp, sp), Gemini (dp, tp), the ZeRO / DDP / FSDP plugins one data axis), ranks
+row-major over it as `ProcessGroupMesh` numbers them; no process group is made. The memory per rank (parameters,
+gradients, optimizer states, master weights, activations from a FakeTensor trace of the real model under the real
+policy, pipeline in-flight micro-batches, communication buffers, the peak) and the step time are the planner's
+(`cx_plan`), on this machine's device: one memory model for cx-plan and cx-train.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def _axes(options: TrainOptions) -> list[tuple[Axis, int]]:
     if options.plugin == "moe_hybrid":
         ep = [(Axis.EP, options.ep)]
         return [(Axis.MOE_DP, FILL), (Axis.PP, options.pp), *ep, (Axis.TP, options.tp), (Axis.SP, options.sp)]
+    if options.plugin == "gemini" and options.tp > 1:  # GeminiPlugin's (zero, extra_dp, tp): tp innermost
+        return [(Axis.DP, FILL), (Axis.TP, options.tp)]
     return [(Axis.DP, FILL)]
 
 

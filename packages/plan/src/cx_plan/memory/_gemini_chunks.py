@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from cx_chunk import ChunkConfig, search_chunk_configuration
+from cx_plan._candidate import Candidate
 from cx_plan.trace._model_spec import ModelShape, build_model
 
 __all__ = [
@@ -76,8 +77,13 @@ def _next_fit(sizes: Sequence[int], config: ChunkConfig) -> tuple[list[int], lis
 
 
 @functools.lru_cache(maxsize=16)
-def gemini_gathered_elements(shape: ModelShape, dp: int) -> int:
-    """`gathered_in` the model of `shape`, built on the meta device."""
+def gemini_gathered_elements(shape: ModelShape, dp: int, tp: int = 1) -> int:
+    """`gathered_in` the model of `shape`, built on the meta device; at tp > 1 one tp rank's part of it (ShardFormer's
+    split, which GeminiPlugin chunks: the sharded matrices 1/tp, the replicated ones whole)."""
+    if tp > 1:
+        from cx_plan.trace._activations import tp_rank_model  # the fake-world trace machinery, only when needed
+
+        return gathered_in(tp_rank_model(shape, Candidate("gemini", dp=dp, tp=tp)), dp)
     with torch.device("meta"):
         model = build_model(shape)
     return gathered_in(model, dp)

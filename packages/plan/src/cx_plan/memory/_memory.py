@@ -305,4 +305,4 @@ def predict_memory(
 
 def gemini_layout(shape: ModelShape, candidate: Candidate) -> int | None:
     """The elements a Gemini candidate holds gathered at once (`gemini_gathered_elements`); None for other plugins."""
-    return gemini_gathered_elements(shape, candidate.dp) if candidate.plugin == "gemini" else None
+    return gemini_gathered_elements(shape, candidate.dp, candidate.tp) if candidate.plugin == "gemini" else None

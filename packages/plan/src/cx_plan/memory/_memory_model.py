@@ -189,7 +189,10 @@ def memory_model(
         """The first bound, cheapest first, that rules the candidate out without its own trace."""
         ruled = ruled_out(candidate, [states_floor(shape, candidate)], "the model states alone")
         ruled = ruled or split_floor(candidate) or shallow_floor(candidate) or frugal_floor(candidate)
-        for smaller in ((1,), (1, 2))[: (candidate.micro_batch_size > 1) + (candidate.micro_batch_size > 2)]:
+        # Gemini's micro-batch floor keeps no activations (`floor_trace`): it adds only exact parameter counts, worth
+        # it where its whole-model traces are shared (tp 1), not at tp > 1, whose would be made for it alone
+        sizes = 0 if candidate.plugin == "gemini" and candidate.tp > 1 else candidate.micro_batch_size
+        for smaller in ((1,), (1, 2))[: (sizes > 1) + (sizes > 2)]:
             ruled = ruled or batch_floor(candidate, smaller)
         return ruled or first_stage(candidate)
 

@@ -7,8 +7,9 @@ pipeline stage manager), and the hybrid plugins' own composition (`compose_model
 the model, built on the meta device; the stage's parameters become FakeTensors, and `MemTracker` follows every live
 tensor through the forward and backward. Data-dependent reads go to `ValueOracle` (MoE routing balanced, or skewed
 towards the traced ep rank). The data-parallel plugins (DDP, FSDP, LowLevelZero, Gemini) do not change what a rank
-computes: their trace is the whole model's. Activation checkpointing follows the candidate: ShardFormer's ratio under
-the hybrid plugins, transformers' own switch (every layer) under the others.
+computes: their trace is the whole model's (Gemini at tp > 1: a tp rank's, split by ShardFormer as under
+HybridParallelPlugin). Activation checkpointing follows the candidate: ShardFormer's ratio under the hybrid plugins,
+transformers' own switch (every layer) under the others.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from cx_shardformer import GradientCheckpointConfig
 
 __all__ = [
     "ActivationTrace", "LayerSlope", "PlanTraceError", "forward_op_flops", "layer_slope", "shallow_layers",
-    "stage_rank", "trace_shallow", "trace_stage",
+    "stage_rank", "tp_rank_model", "trace_shallow", "trace_stage",
 ]  # fmt: skip
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -190,6 +191,8 @@ def _fake_world(world_size: int, rank: int) -> Iterator[None]:
 
 
 def _plugin(candidate: Candidate) -> HybridParallelPlugin:
+    if candidate.plugin == "gemini":  # GeminiPlugin's tp_size: the same ShardFormer split (no pp, no sp), then chunks
+        return HybridParallelPlugin(tp_size=candidate.tp, pp_size=1, precision="fp32")
     arguments = dict(candidate.plugin_arguments(), precision="fp32")  # the cast is done here, on meta
     if candidate.checkpoint_ratio:
         ratio = GradientCheckpointConfig(gradient_checkpointing_ratio=candidate.checkpoint_ratio)
@@ -236,8 +239,9 @@ def _stage_modules(shape: ModelShape, candidate: Candidate) -> tuple[list[nn.Mod
     if candidate.plugin not in ("hybrid", "moe_hybrid"):
         if candidate.checkpoint_ratio:  # every layer, in full or under the selective op policy
             enable_activation_checkpointing(model, candidate.checkpoint_mode)
-        return [model], True, _no_scope
-    plugin = _plugin(candidate)
+        if candidate.tp == 1:
+            return [model], True, _no_scope
+    plugin = _plugin(candidate)  # GeminiPlugin at tp > 1: ShardFormer after the checkpointing switch, as cx-train
     composed = compose_model(
         model, plugin.shard_config, plugin.custom_policy, plugin.stage_manager, torch.float32,
         torch.device("meta"), plugin=type(plugin).__name__,
@@ -248,6 +252,15 @@ def _stage_modules(shape: ModelShape, candidate: Candidate) -> tuple[list[nn.Mod
     assert manager is not None
     scope = manager.switch_model_chunk_id if manager.is_interleave else _no_scope
     return list(composed.pipeline.chunks), manager.is_first_stage(ignore_chunk=True), scope
+
+
+def tp_rank_model(shape: ModelShape, candidate: Candidate) -> nn.Module:
+    """The module one rank of `candidate` holds, on the meta device (ShardFormer's split at tp > 1), pp 1 only."""
+    if candidate.pp > 1:
+        raise ValueError("tp_rank_model: a pipeline rank holds stage chunks, not one module")
+    with _fake_world(candidate.world_size, 0):
+        modules, _, _ = _stage_modules(shape, candidate)
+    return modules[0]
 
 
 def _backward(output: Any) -> None:

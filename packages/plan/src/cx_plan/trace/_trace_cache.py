@@ -45,7 +45,8 @@ def trace_key(candidate: Candidate, stage: int) -> tuple[object, ...]:
     """What a trace of `candidate`'s `stage` depends on: candidates equal here share it."""
     c = candidate
     if c.plugin not in _SPLITTING:
-        return ("whole model", c.micro_batch_size, c.checkpoint_ratio, c.checkpoint_mode, c.precision)
+        # Gemini at tp > 1 traces a tp rank's ShardFormer split: the tp size is part of what it sees
+        return ("whole model", c.tp, c.micro_batch_size, c.checkpoint_ratio, c.checkpoint_mode, c.precision)
     return (c.plugin, c.tp, c.pp, c.sp, c.sp_mode, c.ep, c.micro_batch_size, c.checkpoint_ratio, c.checkpoint_mode,
             c.pp_style, c.precision, stage, c.routing_skew if c.plugin == "moe_hybrid" else 1.0)  # fmt: skip
 

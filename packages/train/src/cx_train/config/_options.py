@@ -175,8 +175,13 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
         if args.zero == 0:
             return "--zero 0 is not a LowLevelZero stage: --plugin low_level_zero runs --zero 1 or 2 (default 2)"
         given.remove("zero")
+    if args.plugin == "gemini" and args.tp is not None:  # GeminiPlugin's tp_size: ShardFormer, then chunks over dp
+        given.remove("tp")
     if given and args.plugin not in HYBRID_CLASSES:
-        return f"{_flag(given[0])} applies to --plugin hybrid or moe_hybrid only (not {args.plugin})"
+        if given[0] == "tp":
+            return f"--tp applies to --plugin hybrid, moe_hybrid or gemini only (not {args.plugin})"
+        alone = "; gemini takes --tp alone" if args.plugin == "gemini" else ""
+        return f"{_flag(given[0])} applies to --plugin hybrid or moe_hybrid only (not {args.plugin}{alone})"
     if args.ep is not None and args.plugin != "moe_hybrid":
         return "--ep (expert parallelism) applies to --plugin moe_hybrid only"
     pp = args.pp or 1

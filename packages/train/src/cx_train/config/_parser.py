@@ -148,7 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: verify; {VERIFY_COST})",
     )
     hybrid = parser.add_argument_group("hybrid parallelism (--plugin hybrid / moe_hybrid)")
-    hybrid.add_argument("--tp", type=_positive, default=None, help="tensor-parallel size (default: 1)")
+    hybrid.add_argument(
+        "--tp",
+        type=_positive,
+        default=None,
+        help="tensor-parallel size; also --plugin gemini's tp_size (ShardFormer over tp, Gemini over the rest) "
+        "(default: 1)",
+    )
     hybrid.add_argument("--pp", type=_positive, default=None, help="pipeline stages (default: 1)")
     hybrid.add_argument("--ep", type=_positive, default=None, help="expert-parallel size, moe_hybrid (default: 1)")
     hybrid.add_argument(
