@@ -10,7 +10,11 @@ A checkpoint (each rank's slice of the tp owners' momentum, gathered over tp int
 bit-exactly beside the straight run. Without the tp gather (each dp owner orthogonalising its tp slice) a matrix
 fails its bound (the mutation test below), and the owner check refuses tp ranks owning different parameters. bf16
 working weights (fp32 masters, torch's Muon) are held to one process's emulated mixed-precision step under the bf16
-bound of muon_test_helpers (0.5 of an effective step); without the tp gather q_proj fails it (checked by hand)."""
+bound of muon_test_helpers (0.5 of an effective step); without the tp gather q_proj fails it (checked by hand).
+With the optimizer data on the CPU (`offload_optim_frac=1.0`, or `auto` placement) the same bounds and resume hold:
+the dp-whole masters and the tp owners' state stay on the CPU, the tp collectives run on the communication device
+(the CPU too under gloo: only a GPU run checks those copies); without the tp gather that case fails its bound too
+(checked by hand). Before this the plugin refused optimizer data on the CPU at tp > 1."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import cx_plugins.gemini._plugin as gemini_plugin
+from cx_chunk import Residence
 from cx_mesh.testing import distributed
 from cx_plugins import Booster, GeminiPlugin
 from cx_plugins._layout import Axis
@@ -50,9 +55,9 @@ from muon_test_helpers import (
 pytest.importorskip("transformers")
 
 
-def _plugin(precision: str = "fp32") -> GeminiPlugin:
+def _plugin(precision: str = "fp32", **placement: Any) -> GeminiPlugin:
     # 1024-element chunks: most tp slices straddle the two dp ranks' shards
-    return GeminiPlugin(precision=precision, tp_size=2, chunk_config_dict={"chunk_size": 1024})
+    return GeminiPlugin(precision=precision, tp_size=2, chunk_config_dict={"chunk_size": 1024}, **placement)
 
 
 def _train(booster: Booster, plugin: GeminiPlugin, model: Any, optimizer: Any, steps: range) -> list[float]:
@@ -103,9 +108,9 @@ def _bounds(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, flo
     }
 
 
-def _boost(case: str, precision: str = "fp32") -> tuple[GeminiPlugin, Booster, Any, Any]:
+def _boost(case: str, precision: str = "fp32", **placement: Any) -> tuple[GeminiPlugin, Booster, Any, Any]:
     make_model, make_optimizer = ONE_LAYER_CASES[case]
-    plugin = _plugin(precision)
+    plugin = _plugin(precision, **placement)
     booster = Booster(plugin=plugin)
     model = make_model()
     boosted, optimizer, *_ = booster.boost(model, make_optimizer(model))
@@ -114,13 +119,29 @@ def _boost(case: str, precision: str = "fp32") -> tuple[GeminiPlugin, Booster, A
 
 
 @distributed(world_size=4)
-@pytest.mark.parametrize("case", ["muon", "muon_adamw"])
-def test_plugins_gemini_tp_muon_matches_one_process(rank: int, world_size: int, case: str, tmp_path: Path) -> None:
-    plugin, booster, boosted, optimizer = _boost(case)
+@pytest.mark.parametrize(
+    ("case", "placement"),
+    [
+        ("muon", {}),
+        ("muon_adamw", {}),
+        ("muon_adamw", {"offload_optim_frac": 1.0}),
+        ("muon", {"placement_policy": "auto"}),
+    ],
+    ids=["muon", "muon_adamw", "muon_adamw-offload_optim", "muon-auto"],
+)
+def test_plugins_gemini_tp_muon_matches_one_process(
+    rank: int, world_size: int, case: str, placement: dict[str, Any], tmp_path: Path
+) -> None:
+    """`placement` non-empty: every chunk's optimizer data on the CPU (the dp-whole masters and the tp owners'
+    state there, the tp collectives on the communication device, the CPU too under gloo)."""
+    plugin, booster, boosted, optimizer = _boost(case, **placement)
     assert plugin.data_parallel_rank_and_size()[1] == 2
     whole = optimizer.gemini.whole_step
     assert whole is not None
     assert whole.split is not None
+    policy = optimizer.gemini.module.policy
+    residences = {policy.optimizer_residence(w.entry.chunk) for w in whole.params.values()}
+    assert residences == {Residence.HOST if placement else Residence.DEVICE}, residences
     split = [w for w in whole.params.values() if get_shard_spec(w.entry.param) is not None]
     # both levels run: tp-split matrices whose elements lie in both dp ranks' shards
     assert sum(1 for w in split if sum(1 for b, e in w.spans if e > b) == 2) >= 3

@@ -3,9 +3,10 @@ at boost, on every rank: torch's Muon (Newton-Schulz needs each matrix whole) an
 otherwise a plugin would train silently wrong (each rank orthogonalising its own slice). HybridParallelPlugin at
 every zero_stage (tp slices gathered whole to owner ranks; at zero_stage 1/2 after ZeRO's own gather,
 test_plugins_hybrid_zero_tp_muon.py; cpu_offload included), MoeHybridParallelPlugin likewise,
-GeminiPlugin (at tp 2: dp owners, then tp owners, test_plugins_gemini_tp_muon.py; refused only with CPU optimizer
-data at tp > 1) and TorchFSDPPlugin step whole matrices instead (TorchFSDPPlugin steps torch's Muon and cx-zero's
-MuonWithAdamW itself, so it refuses a subclass of either, whose step it cannot split)."""
+GeminiPlugin (at tp 2: dp owners, then tp owners, test_plugins_gemini_tp_muon.py; optimizer data on the CPU
+included, though not `auto` placement's gpu_margin_mem_ratio > 0, which moves state by chunk) and TorchFSDPPlugin
+step whole matrices instead (TorchFSDPPlugin steps torch's Muon and cx-zero's MuonWithAdamW itself, so it refuses a
+subclass of either, whose step it cannot split)."""
 
 from __future__ import annotations
 
@@ -94,15 +95,16 @@ def test_plugins_refuse_matrix_wise_optimizers_on_slices(rank: int, world_size: 
     # TorchFSDPPlugin steps torch's Muon itself (test_plugins_fsdp_muon.py), not a subclass
     _refused(TorchFSDPPlugin(), _linears, _muon_subclass, r"TorchFSDPPlugin: _MuonSubclass needs each parameter whole")
     _refused(TorchFSDPPlugin(), _linears, _foreign, r"TorchFSDPPlugin: _Foreign is not known to be elementwise")
-    # Gemini steps Muon on whole matrices at tp 1 and 2 (test_plugins_gemini_{,tp_}muon.py), except with optimizer
-    # data on the CPU at tp > 1 (the tp gather would run on the CPU masters)
-    gemini = GeminiPlugin(precision="fp32", tp_size=2, chunk_config_dict={"chunk_size": 1024}, offload_optim_frac=1.0)
-    _refused(gemini, lambda: llama(layers=1), _muon, r"GeminiPlugin: Muon needs each matrix whole.*offload_optim_frac")
+    # Gemini steps Muon on whole matrices at tp 1 and 2 (test_plugins_gemini_{,tp_}muon.py), optimizer data on the CPU
+    # included; `auto` placement's gpu_margin_mem_ratio > 0 stays refused (it moves state by chunk, the state is whole
+    # on owner ranks), at tp 2 as at tp 1, for MuonWithAdamW too, by name
+    for make, name in ((_muon, "Muon"), (_muon_adamw, "MuonWithAdamW")):
+        margin = GeminiPlugin(precision="fp32", tp_size=2, placement_policy="auto", gpu_margin_mem_ratio=0.5)
+        model = llama(layers=1)
+        with pytest.raises(ValueError, match=rf"GeminiOptimizer: gpu_margin_mem_ratio .*; {name}'s state is whole"):
+            Booster(plugin=margin).boost(model, make(model))
     gemini = GeminiPlugin(precision="fp32", chunk_config_dict={"chunk_size": 64})
     _refused(gemini, _linears, _foreign, r"GeminiOptimizer: _Foreign is not known to be elementwise")
-    # cx-zero's MuonWithAdamW is whole-tensor too: refused by the same rule, by its own name
-    gemini = GeminiPlugin(precision="fp32", tp_size=2, chunk_config_dict={"chunk_size": 1024}, offload_optim_frac=1.0)
-    _refused(gemini, lambda: llama(layers=1), _muon_adamw, r"GeminiPlugin: MuonWithAdamW needs each matrix whole")
     # TorchFSDPPlugin steps MuonWithAdamW itself (test_plugins_fsdp_muon_adamw.py), not a subclass
     match = r"TorchFSDPPlugin: _MuonWithAdamWSubclass needs each parameter whole"
     _refused(TorchFSDPPlugin(), _linears, _muon_adamw_subclass, match)

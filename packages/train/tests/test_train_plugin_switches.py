@@ -214,17 +214,6 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
             ["--plugin", "low_level_zero", "--optimizer", "muon", "--optimizer-states-dtype", "bf16"],
             "--optimizer muon keeps fp32 states",
         ),
-        # GeminiPlugin(tp_size > 1) refuses a whole-tensor optimizer on CPU masters (its tp gather runs on them)
-        (
-            ["--plugin", "gemini", "--tp", "2", "--optimizer", "muon", "--placement", "auto"],
-            "--optimizer muon with --plugin gemini --tp 2 gathers each matrix's tp slices on the optimizer's master "
-            "weights, which cannot be on the CPU (--placement auto puts them there): drop --placement auto, or use "
-            "--tp 1",
-        ),
-        (
-            ["--plugin", "gemini", "--tp", "2", "--optimizer", "muon", "--offload-optim-fraction", "0.5"],
-            "(--offload-optim-fraction puts them there): drop --offload-optim-fraction, or use --tp 1",
-        ),
         # GeminiPlugin's sequence parallelism has no cx-train flag: --sp-mode / --sp stay hybrid's
         (["--plugin", "gemini", "--tp", "2", "--sp-mode", "split_gather"], "is not supported by --plugin gemini"),
         (["--plugin", "gemini", "--tp", "2", "--pp", "2"], "(not gemini; gemini takes --tp alone)"),
@@ -242,6 +231,8 @@ def test_train_switches_refused_by_name(flags: list[str], message: str, capsys: 
         ["--plugin", "low_level_zero", "--zero", "1"],
         ["--plugin", "gemini"],
         ["--plugin", "gemini", "--tp", "2"],  # a dp owner's tp slices, then a tp owner (on-device masters)
+        ["--plugin", "gemini", "--tp", "2", "--placement", "auto"],  # CPU masters, tp collectives on the device
+        ["--plugin", "gemini", "--tp", "2", "--offload-optim-fraction", "0.5"],
         ["--plugin", "hybrid", "--tp", "2"],
         ["--plugin", "hybrid", "--zero", "1"],
         ["--plugin", "hybrid", "--tp", "2", "--zero", "1"],  # a dp owner of each slice, then a tp owner

@@ -57,12 +57,7 @@ _PARALLEL_PLUGINS = ("hybrid", "moe_hybrid")
 _FIXED_STAGE = {"torch_ddp": 0, "torch_fsdp": 3, "gemini": 3}
 _STAGES = {"low_level_zero": (1, 2), "hybrid": (0, 1, 2), "moe_hybrid": (0, 1, 2)}
 # GeminiPlugin's tp_size: ShardFormer splits the model over tp, Gemini chunks each tp rank's part over dp; no pp, no
-# sequence parallelism (cx-train has no flags for GeminiPlugin's), and a whole-tensor optimizer (Muon) at tp > 1 needs
-# its optimizer data on the device (the plugin's own refusal)
-_GEMINI_NO_CPU_MUON = (
-    "GeminiPlugin at tp > 1 gathers each matrix's tp slices on the optimizer's masters, which cannot be on the CPU: "
-    "placement_policy static with offload_optim_frac 0, or tp 1"
-)
+# sequence parallelism (cx-train has no flags for GeminiPlugin's)
 
 
 class CodeText(str):
@@ -205,11 +200,6 @@ class Candidate:
             f"optimizer_states_dtype {self.optimizer_states_dtype!r} is ZeRO's: {self.plugin} needs zero_stage 1 or 2",
         )
         object.__setattr__(self, "optimizer", _optimizer(self.optimizer))  # a JSON plan's plain name: the enum
-        _require(
-            not (self.optimizer is Optimizer.MUON and self.plugin == "gemini" and self.tp > 1)
-            or (self.placement_policy == "static" and self.offload_optim_frac == 0.0),
-            f"optimizer muon: {_GEMINI_NO_CPU_MUON}",
-        )
         _require(
             self.optimizer is Optimizer.ADAMW or self.optimizer_states_dtype == "fp32",
             "optimizer_states_dtype bf16 stores Adam's moments with stochastic rounding; optimizer muon keeps fp32 "

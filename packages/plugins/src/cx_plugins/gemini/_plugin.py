@@ -11,7 +11,8 @@ into the canonical format. The ShardFormer switches only act with tensor paralle
 `enable_fused_normalization=True`), and have no effect. Unlike ColossalAI, `enable_async_reduce` does not quietly turn
 `pin_memory` on, and `precision` also accepts "fp32". A whole-tensor optimizer (torch's Muon, MuonWithAdamW) at
 `tp_size > 1` steps each matrix whole: Gemini gathers its chunk slices to a dp owner, whose tp group gathers the tp
-slices to a tp owner (`_tp_whole`); not with optimizer data offloaded to the CPU (the tp gather runs on the masters).
+slices to a tp owner (`_tp_whole`); with optimizer data on the CPU (`auto` placement, `offload_optim_frac > 0`) the
+masters and the state stay there and only the tp collectives run on the communication device.
 """
 
 from __future__ import annotations
@@ -54,9 +55,7 @@ from cx_zero import (
     GeminiOptimizerOptions,
     GeminiOptions,
     LossScaleOptions,
-    PlacementKind,
     Precision,
-    needs_whole_tensors,
     parse_states_dtype,
 )
 
@@ -316,8 +315,6 @@ class GeminiPlugin(ZeroPluginBase):
         wrapped: OptimizerWrapper | None = None
         if optimizer is not None:
             tp_group = self.layout.group_or_none(Axis.TP)
-            if tp_group is not None and self.layout.size(Axis.TP) > 1 and needs_whole_tensors(optimizer):
-                self._require_device_optimizer_data(optimizer)
             gemini = GeminiOptimizer(
                 optimizer,
                 boosted.ddp,
@@ -330,17 +327,6 @@ class GeminiPlugin(ZeroPluginBase):
             self._gemini_of[optimizer] = gemini
             wrapped = GeminiOptimizerWrapper(optimizer, gemini)
         return boosted, wrapped, criterion, dataloader, lr_scheduler
-
-    def _require_device_optimizer_data(self, optimizer: Optimizer) -> None:
-        """The tp gather of a whole-tensor optimizer runs on the dp-whole masters, which must be on the device."""
-        ddp = self.options.ddp
-        if ddp.placement is PlacementKind.AUTO or ddp.offload_optim_frac > 0:
-            raise TypeError(
-                f"GeminiPlugin: {type(optimizer).__name__} needs each matrix whole, which tp_size > 1 gathers over tp "
-                "on the optimizer's masters; with optimizer data on the CPU (placement_policy='auto' or "
-                "offload_optim_frac > 0) that gather is not supported: use placement_policy='static' with "
-                "offload_optim_frac=0.0, or tp_size=1"
-            )
 
     def get_checkpoint_io(self) -> CheckpointIO:
         if self.layout.size(Axis.TP) > 1:

@@ -9,7 +9,9 @@ wrapped optimizer's step hooks (Gemini calls its `step()` between its gather and
 (rebuilt from the chunks each step) and gradients are all-gathered over tp, the tp owner steps the whole matrix, and
 every rank takes its slice back into its dp-whole master, which Gemini scatters to the chunk slices. Regathering the
 masters every step (one more tp all-gather) keeps a loaded model or checkpoint in effect without a refresh call.
-State dicts see each rank's slice of the tp owner's state (`cx_zero.SplitWholeStates`).
+State dicts see each rank's slice of the tp owner's state (`cx_zero.SplitWholeStates`). With Gemini's optimizer data
+on the CPU (`auto` placement, `offload_optim_frac > 0`) the dp-whole masters, the tp owner's whole masters and their
+state stay there; `TensorParallelWholeStep` moves only the collectives' buffers to the communication device.
 """
 
 from __future__ import annotations

@@ -357,8 +357,7 @@ def plugin_switch_problem(args: argparse.Namespace) -> str | None:
 
 def _muon_problem(args: argparse.Namespace) -> str | None:
     """--optimizer muon needs each matrix whole: the plugins that slice parameters for the optimizer refuse it at
-    boost (cx_zero.require_elementwise; GeminiPlugin over tp slices with optimizer data on the CPU), so it is refused
-    here first; and Muon keeps fp32 states."""
+    boost (cx_zero.require_elementwise), so it is refused here first; and Muon keeps fp32 states."""
     if args.optimizer != "muon":
         return None
     plugin = args.plugin
@@ -366,13 +365,6 @@ def _muon_problem(args: argparse.Namespace) -> str | None:
         return (
             f"{_not_for('--optimizer muon', plugin, _WHOLE_TENSOR)} (Muon needs each matrix whole, and --plugin "
             f"{plugin} steps the optimizer on parameter slices)"
-        )
-    offloaded = args.placement == "auto" or (args.offload_optim_fraction or 0.0) > 0
-    if plugin == "gemini" and (args.tp or 1) > 1 and offloaded:
-        flag = "--placement auto" if args.placement == "auto" else "--offload-optim-fraction"
-        return (
-            f"--optimizer muon with --plugin gemini --tp {args.tp} gathers each matrix's tp slices on the optimizer's "
-            f"master weights, which cannot be on the CPU ({flag} puts them there): drop {flag}, or use --tp 1"
         )
     if args.optimizer_states_dtype != "fp32":
         return (
