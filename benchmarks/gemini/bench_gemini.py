@@ -1,7 +1,8 @@
 """Gemini (GeminiDDP + GeminiOptimizer) vs PyTorch FSDP2 (`fully_shard` per block + root), world 2, CPU, gloo.
 
-Run: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/gemini/bench_gemini.py` (about 75 s on 2 cores).
-Part 1 trains the same GPT-like model (4 layers, hidden 256, 4 heads, vocab 4096, seq 128, micro-batch 8 per rank,
+Run: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/gemini/bench_gemini.py` (about 4 minutes on 2 quiet cores;
+`CX_BENCH_BF16_ONLY=1`: only part 1's bf16 rounds, Gemini and FSDP2, which stays short on a loaded machine).
+Part 1 trains the same GPT-like model (12 layers, hidden 256, 4 heads, vocab 4096, seq 128, micro-batch 8 per rank,
 tied LM head, torch AdamW) with each system in one pair of processes, taking turns step by step so that machine noise
 hits all systems alike: fp32, bf16 (Gemini: bf16 chunks + fp32 master; FSDP2: MixedPrecisionPolicy bf16 params,
 fp32 reduce) and optimizer offload (Gemini offload_optim_frac=1 vs FSDP2 CPUOffloadPolicy(pin_memory=False)). It
@@ -37,6 +38,7 @@ LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = int(os.environ.get("CX_BENCH_LAYERS",
 WARMUP, STEPS, ADAM_NUMEL = 2, 12, 100_000_000
 CHUNK_M = float(os.environ.get("CX_BENCH_CHUNK_M", 0.25))  # Gemini min_chunk_size_m; the search then finds one block
 DEPTHS: tuple[int, ...] = (2, 4, 8, 12, 24)  # part 3: peak model data by depth (exact accounting, no timing)
+BF16_ONLY = bool(os.environ.get("CX_BENCH_BF16_ONLY"))  # part 1's bf16 rounds only (Gemini, max_prefetch=2, FSDP2)
 if os.environ.get("CX_BENCH_SMOKE"):  # a seconds-long run that only checks the script works
     LAYERS, HIDDEN, VOCAB, SEQ, STEPS, ADAM_NUMEL, DEPTHS = 1, 32, 64, 16, 2, 1_000_000, (1, 2)
 
@@ -197,6 +199,8 @@ def _worker(rank: int, world_size: int, out: str) -> None:
     data = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen) for _ in range(4)]
     cases: dict[str, tuple[Step, Callable[[], dict[str, float]] | None]] = {}
     for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        if BF16_ONLY and label == "fp32":
+            continue
         g_step, g_mem = _gemini(dtype, offload=False)
         cases[f"gemini {label}"] = (g_step, g_mem)
         g_step, g_mem = _gemini(dtype, offload=False, prefetch=2)
@@ -205,11 +209,12 @@ def _worker(rank: int, world_size: int, out: str) -> None:
         deepspeed_step = _deepspeed(dtype, rank, world_size)
         if deepspeed_step is not None:
             cases[f"deepspeed zero3 {label}"] = (deepspeed_step, None)
-    g_step, g_mem = _gemini(torch.float32, offload=True)
-    cases["gemini fp32 offload_optim"] = (g_step, g_mem)
-    cases["fsdp2 fp32 CPUOffloadPolicy"] = (_fsdp(torch.float32, offload=True), None)
-    g_step, g_mem = _gemini(torch.float32, offload=True, hybrid=True)
-    cases["gemini fp32 offload_optim + HybridAdam"] = (g_step, g_mem)
+    if not BF16_ONLY:
+        g_step, g_mem = _gemini(torch.float32, offload=True)
+        cases["gemini fp32 offload_optim"] = (g_step, g_mem)
+        cases["fsdp2 fp32 CPUOffloadPolicy"] = (_fsdp(torch.float32, offload=True), None)
+        g_step, g_mem = _gemini(torch.float32, offload=True, hybrid=True)
+        cases["gemini fp32 offload_optim + HybridAdam"] = (g_step, g_mem)
     times: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(WARMUP + STEPS):
         batch = data[i % len(data)]
@@ -221,7 +226,7 @@ def _worker(rank: int, world_size: int, out: str) -> None:
             if i >= WARMUP:
                 times[name].append(time.perf_counter() - start)
     depth: dict[str, dict[str, float]] = {}
-    for layers in DEPTHS:  # memory only: one pair of steps per depth, exact accounting
+    for layers in () if BF16_ONLY else DEPTHS:  # memory only: one pair of steps per depth, exact accounting
         for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             g_step, g_mem = _gemini(dtype, offload=False, layers=layers)
             for batch in data[:2]:
@@ -344,6 +349,9 @@ def main() -> None:
         print(f"depth {name:34s} {row['numel'] / 1e6:6.1f}M params   model data B/param/rank: {_per_param(row)}")
     for label, ratio in ratios.items():
         print(f"ratio {label}: {ratio:.2f} (median of per-round ratios)")
+    if BF16_ONLY:
+        print(f"load average at the end {os.getloadavg()}")
+        return
     peaks = _peak_memory()
     for label in ("fp32", "bf16"):
         ours, theirs = peaks[f"gemini {label}"], peaks[f"fsdp2 {label}"]

@@ -4,8 +4,8 @@ Run: `OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo HF_HUB_OFFLINE=1 .nox/tests/bin/py
 benchmarks/profile/profile_steps.py [mode ...]` (a few minutes; `CX_BENCH_SMOKE=1` for a seconds-long check).
 Modes are those of the step benchmarks, built by their own harnesses so the models and settings are theirs: hybrid
 tp 2, hybrid pp 2 1F1B (even, and `num_layers_per_stage="balanced"`), hybrid pp 2 interleaved (benchmarks/hybrid),
-MoeHybrid ep 2 zero 1 on the dense-heavy Mixtral (benchmarks/moe_hybrid), LowLevelZero stage 2 (benchmarks/zero) and
-Gemini bf16 (benchmarks/gemini); 2 gloo ranks, one thread each.
+MoeHybrid ep 2 zero 1 on the dense-heavy Mixtral (benchmarks/moe_hybrid), LowLevelZero stage 2 (benchmarks/zero),
+Gemini bf16 and its peer FSDP2 bf16 (benchmarks/gemini); 2 gloo ranks, one thread each.
 
 For each mode, on each rank, after warm-up steps:
 - wall: median of unprofiled steps (between barriers, as the harnesses time them);
@@ -119,6 +119,20 @@ def _gemini(rank: int) -> Step:
     return step
 
 
+def _fsdp2(rank: int) -> Step:
+    """Gemini bf16's peer on the same model and batches (the benchmark's FSDP2 bf16)."""
+    bench = _harness("gemini", "bench_gemini")
+    fsdp_step = bench._fsdp(torch.bfloat16, offload=False)
+    generator = torch.Generator().manual_seed(rank)
+    data = [torch.randint(0, bench.VOCAB, (bench.BATCH, bench.SEQ + 1), generator=generator) for _ in range(4)]
+
+    def step(i: int) -> None:
+        batch = data[i % len(data)]
+        fsdp_step(batch[:, :-1], batch[:, 1:])
+
+    return step
+
+
 MODES: dict[str, Callable[[int], Step]] = {
     "hybrid tp 2": _hybrid(tp_size=2, pp_size=1),
     "hybrid pp 2 1F1B": _hybrid(tp_size=1, pp_size=2, num_microbatches=4),
@@ -129,6 +143,7 @@ MODES: dict[str, Callable[[int], Step]] = {
     "MoeHybrid ep 2 zero 1": _moe_hybrid,
     "LowLevelZero stage 2": _low_level_zero,
     "Gemini bf16": _gemini,
+    "FSDP2 bf16": _fsdp2,
 }
 SINGLE: dict[str, Callable[[int], Step]] = {"hybrid": _hybrid_single}  # one process's compute, for the share
 

@@ -28,6 +28,17 @@ class _Entry:
     so `shape` and `numel()` stay the parameter's (ColossalAI's scripts count parameters after boost) while no
     memory is held; reading its values raises torch's storage-size error."""
 
+    slot_view: torch.Tensor | None = None
+    """The tensor's slot in the last full buffer it pointed into, kept for the next gather: a chunk refills the
+    same buffer every step (`_revive`), so its views stay valid and need not be sliced again per parameter."""
+
+    def gathered_view(self, buffer: torch.Tensor) -> torch.Tensor:
+        view = self.slot_view
+        if view is None or view._base is not buffer:
+            view = buffer[self.slot.begin : self.slot.end].view(self.slot.shape)
+            self.slot_view = view
+        return view
+
     def released_view(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self.hollow is None or self.hollow.dtype != dtype or self.hollow.device != device:
             hollow = torch.empty(self.slot.shape, dtype=dtype, device=device)

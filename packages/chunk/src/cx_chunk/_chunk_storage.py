@@ -276,4 +276,4 @@ class _ChunkStorage:
             if buffer is None:
                 entry.tensor.data = entry.released_view(self.dtype, self.compute_device)
             else:
-                entry.tensor.data = buffer[entry.slot.begin : entry.slot.end].view(entry.slot.shape)
+                entry.tensor.data = entry.gathered_view(buffer)

@@ -406,6 +406,9 @@ class ChunkManager:
         chunk = self.get_chunk(tensor)
         self.grad_chunk(chunk)
         self._settle(chunk)
+        if chunk.grads_in_buffer:  # only the first write can change storage (the own slice copied aside)
+            chunk.write_grad_in_buffer(tensor, grad)
+            return
         with self._accounting(chunk):
             chunk.write_grad_in_buffer(tensor, grad)
 
