@@ -5,8 +5,11 @@ that allows ties within the measured noise."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cx_plan import load_model_shape
 from cx_plan._candidate import Candidate
@@ -15,7 +18,7 @@ from cx_plan.measure._agreement import Agreement, Timing, agreement, timing
 from cx_plan.measure._measure import measure_candidate
 from cx_plan.step_time._host_time import OpCounts, host_time, plugin_ops_per_tensor, plugin_tensor_s
 from cx_plan.step_time._step_time import predict_step_time
-from cx_plan.trace import _op_counts
+from cx_plan.trace import _activations, _op_counts
 from cx_plan.trace import _trace_cache as trace_cache_module
 from cx_plan.trace._activations import trace_stage
 from cx_plan.trace._model_spec import ModelShape, shape_from_config
@@ -44,6 +47,53 @@ def test_the_trace_counts_ops_and_tensors_and_recompute_repeats_the_forward() ->
     assert full is not None
     assert selective is not None
     assert plain.backward_ops < selective.backward < full.backward
+
+
+class _AtenCount(TorchDispatchMode):
+    """A mode of its own counting the aten ops dispatched under it (how the trace counted before the peak tracker
+    did)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func.namespace == "aten"
+        return func(*args, **(kwargs or {}))
+
+
+class _DevicePassedDown(_activations._PeakTracker):
+    """The peak tracker sending FakeTensor device queries down through the modes below (as before)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.prim.device.default:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_the_peak_tracker_counts_what_a_mode_of_its_own_counts(monkeypatch: pytest.MonkeyPatch, ratio: float) -> None:
+    """The op count fed by the peak tracker equals that of a counting mode above it, and the trace with every device
+    query sent down through the modes (FakeTensorMode's own answer) has the same figures: answering it at the top
+    changes nothing."""
+    llama = load_model_shape("llama", hidden_size=32, num_layers=2, seq_len=_SEQ)
+    candidate = Candidate("hybrid", pp=2, num_microbatches=2, precision="fp32", checkpoint_ratio=ratio)
+    counters: list[_AtenCount] = []
+    real_run = _activations._run
+
+    def counted_run(*args: Any) -> None:
+        with _AtenCount() as counter:
+            counters.append(counter)
+            real_run(*args)
+
+    monkeypatch.setattr(_activations, "_run", counted_run)
+    for stage in (0, 1):
+        counters.clear()
+        answered = _activations._trace_exact(llama, candidate, _SEQ, stage)
+        assert answered.forward_ops + answered.backward_ops == counters[0].count > 0
+        with monkeypatch.context() as patch:
+            patch.setattr(_activations, "_PeakTracker", _DevicePassedDown)
+            assert _activations._trace_exact(llama, candidate, _SEQ, stage) == answered
 
 
 def test_data_parallel_plugins_share_one_count(monkeypatch: pytest.MonkeyPatch) -> None:

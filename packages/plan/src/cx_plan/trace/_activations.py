@@ -27,7 +27,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from cx_mesh import ProcessGroupMesh
 from cx_plan._candidate import Candidate
@@ -87,39 +86,47 @@ def forward_op_flops(func: Any, args: Any) -> int:
     return 0
 
 
-class _OpCount(TorchDispatchMode):
-    """Counts the aten ops dispatched under it (collectives, in other namespaces, are timed from `_comm_volume`);
-    `forward` holds the count when the forward ended. It also adds up the forward's matmul and attention FLOPs and
-    those the backward recomputes: activation checkpointing reruns a layer's forward with grad enabled (the backward's
-    own kernels run with it disabled), and the selective op policy serves the outputs it saved without running them,
-    so `recompute_flops` is what the chosen checkpointing really recomputes."""
+class _OpCount:
+    """Counts the aten ops dispatched (collectives, in other namespaces, are timed from `_comm_volume`); `forward`
+    holds the count when the forward ended. It also adds up the forward's matmul and attention FLOPs and those the
+    backward recomputes: activation checkpointing reruns a layer's forward with grad enabled (the backward's own
+    kernels run with it disabled), and the selective op policy serves the outputs it saved without running them, so
+    `recompute_flops` is what the chosen checkpointing really recomputes. Fed by `_PeakTracker`, the top dispatch
+    mode, which sees every op the traced code dispatches (a mode of its own cost a Python layer per op)."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.count = self.forward = 0
         self.forward_flops = self.recompute_flops = 0
         self.backward_started = False
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _DEVICE_QUERY:
-            return func(*args, **(kwargs or {}))
+    def see(self, func: Any, args: Any) -> None:
         self.count += func.namespace == "aten"
         flops = forward_op_flops(func, args)
         if flops and not self.backward_started:
             self.forward_flops += flops
         elif flops and torch.is_grad_enabled():
             self.recompute_flops += flops
-        return func(*args, **(kwargs or {}))
 
 
 class _PeakTracker(MemTracker):
     """torch's `MemTracker` keeping only the totals the planner reads (the current and the peak snapshot): after
     every op MemTracker also walks every tracked module to update its per-module peaks, which the planner never
-    reads; that walk was a quarter of an 8B search's time. A device query allocates nothing: passed on untracked."""
+    reads; that walk was a quarter of an 8B search's time. A device query allocates nothing: the top mode of the
+    trace, it answers a FakeTensor's as FakeTensorMode would (its `fake_device`), without passing it down through
+    the modes below (60 % of a trace's dispatches went down three more Python layers for it). Every other op is
+    counted in `ops` first."""
+
+    def __init__(self, ops: _OpCount) -> None:
+        super().__init__()
+        self.ops = ops
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _DEVICE_QUERY:
+            tensor = args[0] if len(args) == 1 else None
+            if isinstance(tensor, FakeTensor) and not tensor.fake_mode.in_kernel_invocation:
+                return tensor.fake_device
             return func(*args, **(kwargs or {}))
+        self.ops.see(func, args)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
@@ -390,11 +397,12 @@ def _trace_exact(shape: ModelShape, candidate: Candidate, seq_len: int, stage: i
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         for module in modules:
             _to_fake(module, mode, dtype)
-        tracker = _PeakTracker()
+        ops = _OpCount()
+        tracker = _PeakTracker(ops)
         saved: list[dict[str, int]] = []
         for module in modules:
             tracker.track_external(module)
-        with mode, ValueOracle(mode, _routing(shape, candidate)) as oracle, tracker, _OpCount() as ops:
+        with mode, ValueOracle(mode, _routing(shape, candidate)) as oracle, tracker:
             _run(modules, first, scope, shape, candidate, seq_len, oracle, dtype, tracker, saved, ops)
         peak = _categories(tracker.get_tracker_snapshot("peak"))
         end = _categories(tracker.get_tracker_snapshot())
