@@ -11,10 +11,11 @@ bit-exactly beside the straight run. Without the tp gather (each dp owner orthog
 fails its bound (the mutation test below), and the owner check refuses tp ranks owning different parameters. bf16
 working weights (fp32 masters, torch's Muon) are held to one process's emulated mixed-precision step under the bf16
 bound of muon_test_helpers (0.5 of an effective step); without the tp gather q_proj fails it (checked by hand).
-With the optimizer data on the CPU (`offload_optim_frac=1.0`, or `auto` placement) the same bounds and resume hold:
-the dp-whole masters and the tp owners' state stay on the CPU, the tp collectives run on the communication device
-(the CPU too under gloo: only a GPU run checks those copies); without the tp gather that case fails its bound too
-(checked by hand). Before this the plugin refused optimizer data on the CPU at tp > 1."""
+With the optimizer data on the CPU (`offload_optim_frac=1.0`, `auto` placement, or `offload_optim_frac=0.5`: some
+chunks' on the CPU, the rest on the device, in one step) the same bounds and resume hold: the dp-whole masters and
+the tp owners' state stay on the CPU, the tp collectives run on the communication device (the CPU too under gloo:
+only a GPU run checks those copies); without the tp gather the 1.0 and 0.5 cases fail their bounds too (checked by
+hand; 0.5: 5.1x). Before this the plugin refused optimizer data on the CPU at tp > 1."""
 
 from __future__ import annotations
 
@@ -120,28 +121,30 @@ def _boost(case: str, precision: str = "fp32", **placement: Any) -> tuple[Gemini
 
 @distributed(world_size=4)
 @pytest.mark.parametrize(
-    ("case", "placement"),
+    ("case", "placement", "residences"),
     [
-        ("muon", {}),
-        ("muon_adamw", {}),
-        ("muon_adamw", {"offload_optim_frac": 1.0}),
-        ("muon", {"placement_policy": "auto"}),
+        ("muon", {}, {Residence.DEVICE}),
+        ("muon_adamw", {}, {Residence.DEVICE}),
+        ("muon_adamw", {"offload_optim_frac": 1.0}, {Residence.HOST}),
+        ("muon_adamw", {"offload_optim_frac": 0.5}, {Residence.HOST, Residence.DEVICE}),
+        ("muon", {"placement_policy": "auto"}, {Residence.HOST}),
     ],
-    ids=["muon", "muon_adamw", "muon_adamw-offload_optim", "muon-auto"],
+    ids=["muon", "muon_adamw", "muon_adamw-offload_optim", "muon_adamw-offload_optim_half", "muon-auto"],
 )
 def test_plugins_gemini_tp_muon_matches_one_process(
-    rank: int, world_size: int, case: str, placement: dict[str, Any], tmp_path: Path
+    rank: int, world_size: int, case: str, placement: dict[str, Any], residences: set[Residence], tmp_path: Path
 ) -> None:
-    """`placement` non-empty: every chunk's optimizer data on the CPU (the dp-whole masters and the tp owners'
-    state there, the tp collectives on the communication device, the CPU too under gloo)."""
+    """`placement` non-empty: the chunks' optimizer data on the CPU, all of it or (offload_optim_frac=0.5) some
+    chunks' (the dp-whole masters and the tp owners' state there, the tp collectives on the communication device,
+    the CPU too under gloo); the half case steps matrices of both residences in one step."""
     plugin, booster, boosted, optimizer = _boost(case, **placement)
     assert plugin.data_parallel_rank_and_size()[1] == 2
     whole = optimizer.gemini.whole_step
     assert whole is not None
     assert whole.split is not None
     policy = optimizer.gemini.module.policy
-    residences = {policy.optimizer_residence(w.entry.chunk) for w in whole.params.values()}
-    assert residences == {Residence.HOST if placement else Residence.DEVICE}, residences
+    found = {policy.optimizer_residence(w.entry.chunk) for w in whole.params.values()}
+    assert found == residences, found
     split = [w for w in whole.params.values() if get_shard_spec(w.entry.param) is not None]
     # both levels run: tp-split matrices whose elements lie in both dp ranks' shards
     assert sum(1 for w in split if sum(1 for b, e in w.spans if e > b) == 2) >= 3

@@ -154,6 +154,13 @@ def test_train_sequence_overlap_goes_with_fp8() -> None:
     assert (extras["use_fp8"], extras["fp8_communication"], extras["enable_sequence_overlap"]) == (True, True, True)
 
 
+def test_train_tp_help_names_gemini() -> None:
+    """--tp is GeminiPlugin's tp_size too, so its heading says so beside hybrid's."""
+    text = " ".join(build_parser().format_help().split())
+    assert "hybrid parallelism (--plugin hybrid / moe_hybrid; --tp also gemini):" in text
+    assert "also --plugin gemini's tp_size" in text
+
+
 @pytest.mark.parametrize(
     ("name", "kind"),
     [("adamw", "AdamW"), ("hybrid_adam", HybridAdam), ("fused_adam", FusedAdam), ("cpu_adam", CPUAdam)],
@@ -178,7 +185,7 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
         ),
         (["--plugin", "torch_ddp", "--fp8-recipe", "blockwise"], "--fp8-recipe blockwise sets how --fp8 scales"),
         (["--plugin", "torch_fsdp", "--fp8", "--fp8-recipe", "blockwise"], "--fp8 is not supported by --plugin"),
-        (["--plugin", "gemini", "--sp-mode", "ring"], "--sp-mode ring is not supported by --plugin gemini"),
+        (["--plugin", "gemini", "--sp-mode", "ring"], "--sp-mode ring: cx-train has no flag for GeminiPlugin's"),
         (["--plugin", "hybrid", "--sp-mode", "split_gather"], "--sp-mode split_gather splits the sequence over"),
         (["--plugin", "hybrid", "--sp-mode", "all_to_all"], "--sp-mode all_to_all splits the sequence over its own"),
         (["--plugin", "hybrid", "--tp", "2", "--sequence-overlap"], "--sequence-overlap overlaps split_gather's"),
@@ -215,7 +222,12 @@ def test_train_optimizer_flag_picks_the_optimizer(name: str, kind: object) -> No
             "--optimizer muon keeps fp32 states",
         ),
         # GeminiPlugin's sequence parallelism has no cx-train flag: --sp-mode / --sp stay hybrid's
-        (["--plugin", "gemini", "--tp", "2", "--sp-mode", "split_gather"], "is not supported by --plugin gemini"),
+        (
+            ["--plugin", "gemini", "--tp", "2", "--sp-mode", "split_gather"],
+            "--sp-mode split_gather: cx-train has no flag for GeminiPlugin's sequence parallelism (--plugin gemini "
+            "takes --tp alone); use --plugin hybrid or moe_hybrid",
+        ),
+        (["--plugin", "gemini", "--tp", "2", "--sp", "2"], "--sp: cx-train has no flag for GeminiPlugin's sequence"),
         (["--plugin", "gemini", "--tp", "2", "--pp", "2"], "(not gemini; gemini takes --tp alone)"),
     ],
 )

@@ -118,8 +118,19 @@ def _states_only(shape: ModelShape, seq_len: int, device: Device) -> Callable[[C
     return lambda candidate: Verdict(True, 1, device.memory_bytes, "", None)  # type: ignore[arg-type]
 
 
-def test_cx_train_refuses_selective_op_under_the_hybrid_plugins(capsys: pytest.CaptureFixture[str]) -> None:
-    flags = ["--model", "llama", "--plugin", "hybrid", "--tp", "2", "--activation-checkpointing-mode", "selective-op"]
+@pytest.mark.parametrize(
+    ("plugin", "message"),
+    [
+        ("hybrid", "checkpoints whole layers through ShardFormer's policies"),
+        ("gemini", "--plugin gemini --tp 2: torchtitan's op policy is untested around ShardFormer's"),
+    ],
+)
+def test_cx_train_refuses_selective_op_around_shardformer_tp(
+    plugin: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--model", "llama", "--plugin", plugin, "--tp", "2", "--activation-checkpointing-mode", "selective-op"]
     with pytest.raises(SystemExit):
         parse_options(flags, world_size=2)
-    assert "checkpoints whole layers through ShardFormer's policies" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+    gemini_tp1 = ["--model", "llama", "--plugin", "gemini", "--activation-checkpointing-mode", "selective-op"]
+    assert parse_options(gemini_tp1, world_size=2).checkpoint_mode == "selective-op"  # no ShardFormer at tp 1

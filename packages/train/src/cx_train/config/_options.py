@@ -34,6 +34,7 @@ from cx_train.config._parser import (
 )
 from cx_train.config._paths import outputs_problem, resume_problem, save_problem
 from cx_train.config._plugin_flags import (
+    GEMINI_NO_SP,
     SP_AXIS_MODES,
     LoraSettings,
     PluginSwitches,
@@ -180,6 +181,8 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
     if given and args.plugin not in HYBRID_CLASSES:
         if given[0] == "tp":
             return f"--tp applies to --plugin hybrid, moe_hybrid or gemini only (not {args.plugin})"
+        if given[0] == "sp" and args.plugin == "gemini":
+            return f"--sp: {GEMINI_NO_SP}"
         alone = "; gemini takes --tp alone" if args.plugin == "gemini" else ""
         return f"{_flag(given[0])} applies to --plugin hybrid or moe_hybrid only (not {args.plugin}{alone})"
     if args.ep is not None and args.plugin != "moe_hybrid":

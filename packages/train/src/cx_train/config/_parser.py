@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="--resume without first checking every shard against the checksums recorded at save time "
         f"(default: verify; {VERIFY_COST})",
     )
-    hybrid = parser.add_argument_group("hybrid parallelism (--plugin hybrid / moe_hybrid)")
+    hybrid = parser.add_argument_group("hybrid parallelism (--plugin hybrid / moe_hybrid; --tp also gemini)")
     hybrid.add_argument(
         "--tp",
         type=_positive,

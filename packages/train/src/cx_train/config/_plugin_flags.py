@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # imports torch: only the validated options need it, after th
 
 __all__ = [
     "FP8_RECIPES",
+    "GEMINI_NO_SP",
     "OPTIMIZERS",
     "OPTIMIZER_STATES_DTYPES",
     "PLACEMENTS",
@@ -283,12 +284,20 @@ def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+GEMINI_NO_SP = (
+    "cx-train has no flag for GeminiPlugin's sequence parallelism (--plugin gemini takes --tp alone); "
+    "use --plugin hybrid or moe_hybrid"
+)
+
+
 def _not_for(flag: str, plugin: str, plugins: tuple[str, ...]) -> str:
     return f"{flag} is not supported by --plugin {plugin}; use --plugin {' or '.join(plugins)}"
 
 
 def _sequence_problem(args: argparse.Namespace) -> str | None:
     mode, tp, sp = args.sp_mode, args.tp or 1, args.sp or 1
+    if mode is not None and args.plugin == "gemini":  # GeminiPlugin has sequence parallelism; cx-train's flags don't
+        return f"--sp-mode {mode}: {GEMINI_NO_SP}"
     if mode is not None and args.plugin not in _HYBRID:
         return _not_for(f"--sp-mode {mode}", args.plugin, _HYBRID)
     if mode in ("split_gather", "ring"):

@@ -35,7 +35,13 @@ def training_problem(args: argparse.Namespace) -> str | None:
             f"--activation-checkpointing-mode {args.activation_checkpointing_mode}: --plugin {args.plugin} "
             "checkpoints whole layers through ShardFormer's policies, which take no op policy; use "
             "--activation-checkpointing alone, or a data-parallel plugin (torch_fsdp, torch_ddp, low_level_zero, "
-            "gemini)"
+            "gemini at --tp 1)"
+        )
+    if selective and args.plugin == "gemini" and (args.tp or 1) > 1:
+        return (
+            f"--activation-checkpointing-mode {args.activation_checkpointing_mode} with --plugin gemini --tp "
+            f"{args.tp}: torchtitan's op policy is untested around ShardFormer's tensor-parallel layers (as under "
+            "--plugin hybrid); use --activation-checkpointing alone (whole layers), or --tp 1"
         )
     ratio = args.activation_checkpointing_ratio or 0.0
     if (args.activation_checkpointing or selective or ratio > 0) and args.model == GPT_MODEL:
