@@ -18,8 +18,9 @@ The rules (each the one the code that would run it checks):
   asked for (`checkpoint_modes`), every layer under torchtitan's selective op policy (transformers' switch only);
 - optimizer muon (MuonWithAdamW): on every enumerated layout but Gemini's at tp > 1 (`optimizer_skips` says so
   once for the report);
-- Gemini's tp_size > 1 (`_gemini_tp`): tp divides the heads and MLP width as above, dp = world / tp, no pp or sp;
-  under AdamW only (its Muon owners over dp and tp are not modelled: `optimizer_skips`).
+- Gemini's tp_size > 1 (`_gemini_tp`): tp divides the heads and MLP width as above, dp = world / tp, no pp or sp,
+  full checkpointing only (the selective op policy does not wrap ShardFormer's tp layers); under AdamW only (its
+  Muon owners over dp and tp are not modelled: `optimizer_skips`).
 When no candidate survives, `NoLayoutError` names, per plugin, why.
 """
 
@@ -138,7 +139,8 @@ def _gemini_tp(
             why.add(reason)
             continue
         for candidate in _data_parallel("gemini", dp, global_batch // dp, space, why):
-            yield dataclasses.replace(candidate, tp=tp)
+            if candidate.checkpoint_mode == "full":  # the op policy does not wrap ShardFormer's tp layers
+                yield dataclasses.replace(candidate, tp=tp)
 
 
 def _parallel(
