@@ -20,8 +20,9 @@ from cx_plan._report import train_command
 from cx_plan.memory._memory import predict_memory
 from cx_plan.step_time._comm_volume import step_collectives
 from cx_plan.step_time._step_time import HOST_FLOPS, _optimizer_seconds
-from cx_plan.trace._model_spec import build_model
+from cx_plan.trace._model_spec import build_model, shape_from_config
 from cx_plan.trace._muon_split import muon_split, ns_flops, stepped_load
+from cx_plugins.models import GPTConfig
 from cx_zero import assign_owners, muon_param_groups
 
 HIDDEN, LAYERS, SEQ = 64, 2, 32
@@ -273,9 +274,23 @@ def test_gemini_at_tp_takes_muon_and_the_plan_leaves_it_out() -> None:
     gemini = [c for c in enumerate_candidates(shape, 4, SEQ, space) if c.plugin == "gemini"]
     assert gemini
     assert all(c.tp == 1 for c in gemini)
-    assert any("gemini at tp > 1" in line for line in optimizer_skips(space))
+    assert any("gemini at tp > 1" in line for line in optimizer_skips(space, shape, 4))
     adamw = enumerate_candidates(shape, 4, SEQ, SearchSpace(global_batch=8, max_tp=2))
     assert {c.tp for c in adamw if c.plugin == "gemini"} == {1, 2}
+
+
+def test_the_gemini_tp_skip_is_said_only_where_a_gemini_tp_layout_exists() -> None:
+    """`optimizer_skips` names Gemini at tp > 1 only where AdamW would have enumerated such a layout: not on one rank,
+    nor where tp divides no head count (3 heads, tp 2), nor under --max-tp 1."""
+    shape = load_model_shape("gpt", hidden_size=64, num_layers=2, seq_len=SEQ)
+    muon = SearchSpace(global_batch=8, optimizer=Optimizer.MUON, max_tp=2)
+    assert optimizer_skips(muon, shape, 4)
+    assert optimizer_skips(muon, shape, 1) == ()
+    assert optimizer_skips(SearchSpace(global_batch=8, optimizer=Optimizer.MUON, max_tp=1), shape, 4) == ()
+    odd = shape_from_config("gpt", GPTConfig(vocab_size=64, max_positions=SEQ + 1, hidden_size=48, num_layers=2,
+                                             num_heads=3))  # fmt: skip
+    assert not [c for c in enumerate_candidates(odd, 4, SEQ, SearchSpace(global_batch=8, max_tp=2)) if c.tp > 1]
+    assert optimizer_skips(muon, odd, 4) == ()
 
 
 def test_newton_schulz_runs_on_the_host_where_the_whole_masters_are() -> None:

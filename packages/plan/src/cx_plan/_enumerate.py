@@ -252,10 +252,15 @@ def enumerate_candidates(
     return found
 
 
-def optimizer_skips(space: SearchSpace) -> tuple[str, ...]:
+def optimizer_skips(space: SearchSpace, shape: ModelShape, world: int) -> tuple[str, ...]:
     """The layouts of `space` left out for its optimizer, one line each, said once in the report rather than once per
-    candidate: Gemini at tp > 1 under Muon (cx steps it; cx-plan does not model its owners over dp and tp)."""
+    candidate: Gemini at tp > 1 under Muon (cx steps it; cx-plan does not model its owners over dp and tp), said only
+    where `world` ranks of `shape` would have given a Gemini tp > 1 layout under AdamW."""
     if space.optimizer is not Optimizer.MUON or "gemini" not in space.plugins or space.max_tp == 1:
+        return ()
+    global_batch = 4 * world if space.global_batch is None else space.global_batch
+    adamw = dataclasses.replace(space, optimizer=Optimizer.ADAMW)
+    if next(_gemini_tp(shape, world, global_batch, adamw, set()), None) is None:
         return ()
     return (
         "not considered under --optimizer muon: gemini at tp > 1 (cx steps it, but cx-plan does not model its owners "
