@@ -269,6 +269,7 @@ def test_gemini_at_tp_takes_muon_and_the_plan_leaves_it_out() -> None:
     assert Candidate("gemini", dp=2, tp=2, optimizer=Optimizer.MUON).muon
     for fields in (dict(placement_policy="auto"), dict(offload_optim_frac=1.0)):
         assert Candidate("gemini", dp=2, tp=2, optimizer=Optimizer.MUON, **fields).muon
+        assert Candidate("gemini", dp=2, tp=2, **fields).tp == 2  # AdamW takes CPU optimizer data at tp > 1 too
     space = SearchSpace(global_batch=8, optimizer=Optimizer.MUON, max_tp=2)
     shape = load_model_shape("gpt", hidden_size=64, num_layers=2, seq_len=SEQ)
     gemini = [c for c in enumerate_candidates(shape, 4, SEQ, space) if c.plugin == "gemini"]
