@@ -337,3 +337,16 @@ def test_newton_schulz_runs_on_the_host_where_the_whole_masters_are() -> None:
     # the step's: the step leaves only the weights on the device
     assert host_side.end_of_backward == 3 * host_side.parameters
     assert device_side.end_of_backward >= device_side.parameters + gathered
+
+
+def test_gemini_at_tp_moves_tp_slices_over_dp_then_the_owners_share_over_tp() -> None:
+    """cx-train --plan of Gemini at tp 2 under Muon (`_tp_whole`): each rank gathers its tp slices (1/tp of the
+    model) to dp owners, master beside gradient, and each dp owner's share goes over tp, masters regathered too."""
+    shape = load_model_shape("llama", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+    c = Candidate("gemini", dp=2, tp=2, precision="bf16", optimizer=Optimizer.MUON)
+    sent = {col.name: col.bytes for col in step_collectives(c, shape, SEQ)}
+    whole = 4 * shape.parameters.total  # fp32, every parameter has an owner under Gemini
+    assert sent["muon gradient gather"] == pytest.approx(2 * 0.5 * whole / 2)  # (dp - 1) / dp of a tp half, x2
+    assert sent["muon weight scatter"] == pytest.approx(0.5 * whole / 2)
+    assert sent["muon tp gradient gather"] == pytest.approx(2 * 0.5 * whole / 2)  # (tp - 1) / tp of a dp half, x2
+    assert sent["muon tp weight scatter"] == pytest.approx(0.5 * whole / 2)
