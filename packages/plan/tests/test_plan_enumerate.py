@@ -105,3 +105,15 @@ def test_data_parallel_plugins_checkpoint_all_or_none_and_gemini_does_not_accumu
         Candidate("low_level_zero", checkpoint_ratio=0.5)
     with pytest.raises(ValueError, match="gemini runs one micro-batch"):
         Candidate("gemini", num_microbatches=2)
+
+
+def test_gemini_at_tp_checkpoints_full_layers_only() -> None:
+    """Nothing runs torchtitan's selective op policy around ShardFormer's tp layers (cx-train refuses it for hybrid
+    and gemini at tp > 1), so Gemini's tp > 1 layouts take full checkpointing only; at tp 1 both modes stay."""
+    gpt = shape_from_config("gpt", _GPT)
+    space = SearchSpace(global_batch=8, max_tp=2, checkpoint_modes=("full", "selective-op"))
+    gemini = [c for c in enumerate_candidates(gpt, 4, _SEQ, space) if c.plugin == "gemini"]
+    assert {(c.tp, c.checkpoint_mode) for c in gemini} == {(1, "full"), (1, "selective-op"), (2, "full")}
+    assert Candidate("gemini", dp=2, tp=2, checkpoint_ratio=1.0).tp == 2
+    with pytest.raises(ValueError, match="op policy around ShardFormer's tp layers"):
+        Candidate("gemini", dp=2, tp=2, checkpoint_ratio=1.0, checkpoint_mode="selective-op")

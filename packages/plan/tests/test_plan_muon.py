@@ -19,8 +19,10 @@ from cx_plan._enumerate import SearchSpace, enumerate_candidates, optimizer_skip
 from cx_plan._report import train_command
 from cx_plan.memory._memory import predict_memory
 from cx_plan.step_time._comm_volume import step_collectives
-from cx_plan.trace._model_spec import build_model
+from cx_plan.step_time._step_time import HOST_FLOPS, _optimizer_seconds
+from cx_plan.trace._model_spec import build_model, shape_from_config
 from cx_plan.trace._muon_split import muon_split, ns_flops, stepped_load
+from cx_plugins.models import GPTConfig
 from cx_zero import assign_owners, muon_param_groups
 
 HIDDEN, LAYERS, SEQ = 64, 2, 32
@@ -267,11 +269,84 @@ def test_gemini_at_tp_takes_muon_and_the_plan_leaves_it_out() -> None:
     assert Candidate("gemini", dp=2, tp=2, optimizer=Optimizer.MUON).muon
     for fields in (dict(placement_policy="auto"), dict(offload_optim_frac=1.0)):
         assert Candidate("gemini", dp=2, tp=2, optimizer=Optimizer.MUON, **fields).muon
+        assert Candidate("gemini", dp=2, tp=2, **fields).tp == 2  # AdamW takes CPU optimizer data at tp > 1 too
     space = SearchSpace(global_batch=8, optimizer=Optimizer.MUON, max_tp=2)
     shape = load_model_shape("gpt", hidden_size=64, num_layers=2, seq_len=SEQ)
     gemini = [c for c in enumerate_candidates(shape, 4, SEQ, space) if c.plugin == "gemini"]
     assert gemini
     assert all(c.tp == 1 for c in gemini)
-    assert any("gemini at tp > 1" in line for line in optimizer_skips(space))
+    assert any("gemini at tp > 1" in line for line in optimizer_skips(space, shape, 4))
     adamw = enumerate_candidates(shape, 4, SEQ, SearchSpace(global_batch=8, max_tp=2))
     assert {c.tp for c in adamw if c.plugin == "gemini"} == {1, 2}
+
+
+def test_the_gemini_tp_skip_is_said_only_where_a_gemini_tp_layout_exists() -> None:
+    """`optimizer_skips` names Gemini at tp > 1 only where AdamW would have enumerated such a layout: not on one rank,
+    nor where tp divides no head count (3 heads, tp 2), nor under --max-tp 1."""
+    shape = load_model_shape("gpt", hidden_size=64, num_layers=2, seq_len=SEQ)
+    muon = SearchSpace(global_batch=8, optimizer=Optimizer.MUON, max_tp=2)
+    assert optimizer_skips(muon, shape, 4)
+    assert optimizer_skips(muon, shape, 1) == ()
+    assert optimizer_skips(SearchSpace(global_batch=8, optimizer=Optimizer.MUON, max_tp=1), shape, 4) == ()
+    odd = shape_from_config("gpt", GPTConfig(vocab_size=64, max_positions=SEQ + 1, hidden_size=48, num_layers=2,
+                                             num_heads=3))  # fmt: skip
+    assert not [c for c in enumerate_candidates(odd, 4, SEQ, SearchSpace(global_batch=8, max_tp=2)) if c.tp > 1]
+    assert optimizer_skips(muon, odd, 4) == ()
+
+
+def test_newton_schulz_runs_on_the_host_where_the_whole_masters_are() -> None:
+    """cpu_offload (hybrid ZeRO 1 at tp 2) and Gemini with CPU optimizer data keep the owners' whole masters on the
+    CPU, so Newton-Schulz runs there, at HOST_FLOPS instead of the GPU's bf16 rate, and the gradients gathered to
+    the owners are received in host memory, not on the device."""
+    shape = load_model_shape("llama", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+    device = lookup_device("h100")
+    gpu_rate = device.peak("bf16") * device.efficiency
+    # Gemini's auto placement moves no optimizer bytes in the streaming term: the two steps differ by the NS rate only
+    static = Candidate("gemini", dp=2, precision="bf16", optimizer=Optimizer.MUON)
+    auto = Candidate("gemini", dp=2, precision="bf16", placement_policy="auto", optimizer=Optimizer.MUON)
+    flops = stepped_load(static, shape).ns_flops
+    assert flops > 0
+    slower = predict_step_time(auto, shape, SEQ, device).step_s - predict_step_time(static, shape, SEQ, device).step_s
+    assert slower == pytest.approx(flops / HOST_FLOPS - flops / gpu_rate, rel=1e-9)
+    on_cpu = predict_step_time(auto, shape, SEQ, lookup_device("cpu"))  # the device is the host: its own rate
+    cpu = lookup_device("cpu")
+    assert on_cpu.step_s == pytest.approx(predict_step_time(static, shape, SEQ, cpu).step_s, rel=1e-9)
+    # cpu_offload: the streaming term moves to the host too; Newton-Schulz adds the host's time on top of it
+    on_gpu = Candidate("hybrid", dp=2, tp=2, zero_stage=1, precision="fp32", optimizer=Optimizer.MUON)
+    offloaded = Candidate("hybrid", dp=2, tp=2, zero_stage=1, precision="fp32", cpu_offload=True,
+                          optimizer=Optimizer.MUON)  # fmt: skip
+    flops = stepped_load(offloaded, shape).ns_flops
+    for c, rate in ((on_gpu, gpu_rate), (offloaded, HOST_FLOPS)):
+        predicted = predict_step_time(c, shape, SEQ, device).optimizer_s
+        assert predicted == pytest.approx(_optimizer_seconds(c, shape, device) + flops / rate, rel=1e-9)
+    # memory: the whole masters, their state and the step's gathered wholes (2 x 4 bytes per whole element the
+    # owner receives: the dp-whole tp slices and the tp owner's matrices) are all on the host
+    split = muon_split(shape)
+    matrices = [s for s, m in zip(split.shapes, split.muon, strict=True) if m]
+    numel = [s[0] * s[1] for s in matrices]
+    dp_owner = assign_owners(matrices, 2)
+    best = max(range(2), key=lambda r: sum(n for n, o in zip(numel, dp_owner, strict=True) if o == r))
+    owned = [i for i, o in enumerate(dp_owner) if o == best]
+    tp_owner = assign_owners([matrices[i] for i in owned], 2)
+    whole = max(sum(numel[i] for i, o in zip(owned, tp_owner, strict=True) if o == t) for t in range(2))
+    gathered = 2 * 4 * (sum(numel[i] for i in owned) // 2 + whole)
+    device_side, host_side = predict_memory(shape, on_gpu, SEQ), predict_memory(shape, offloaded, SEQ)
+    assert host_side.cpu_offloaded == device_side.optimizer_states + device_side.master_weights + gathered
+    assert host_side.optimizer_states == host_side.master_weights == 0
+    # the device's last instant is ZeRO 1's end of the backward (weights, their gradients, the packed bucket), not
+    # the step's: the step leaves only the weights on the device
+    assert host_side.end_of_backward == 3 * host_side.parameters
+    assert device_side.end_of_backward >= device_side.parameters + gathered
+
+
+def test_gemini_at_tp_moves_tp_slices_over_dp_then_the_owners_share_over_tp() -> None:
+    """cx-train --plan of Gemini at tp 2 under Muon (`_tp_whole`): each rank gathers its tp slices (1/tp of the
+    model) to dp owners, master beside gradient, and each dp owner's share goes over tp, masters regathered too."""
+    shape = load_model_shape("llama", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+    c = Candidate("gemini", dp=2, tp=2, precision="bf16", optimizer=Optimizer.MUON)
+    sent = {col.name: col.bytes for col in step_collectives(c, shape, SEQ)}
+    whole = 4 * shape.parameters.total  # fp32, every parameter has an owner under Gemini
+    assert sent["muon gradient gather"] == pytest.approx(2 * 0.5 * whole / 2)  # (dp - 1) / dp of a tp half, x2
+    assert sent["muon weight scatter"] == pytest.approx(0.5 * whole / 2)
+    assert sent["muon tp gradient gather"] == pytest.approx(2 * 0.5 * whole / 2)  # (tp - 1) / tp of a dp half, x2
+    assert sent["muon tp weight scatter"] == pytest.approx(0.5 * whole / 2)

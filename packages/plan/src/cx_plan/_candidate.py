@@ -174,6 +174,11 @@ class Candidate:
             f"{self.checkpoint_ratio:g}) through transformers' switch; {self.plugin} "
             + ("checkpoints through ShardFormer's policies, a ratio of whole layers only" if parallel else "can"),
         )
+        _require(
+            self.checkpoint_mode == "full" or self.plugin != "gemini" or self.tp == 1,
+            f"checkpoint_mode {self.checkpoint_mode} under gemini at tp={self.tp}: nothing runs torchtitan's op policy "
+            "around ShardFormer's tp layers (cx-train refuses it, as for hybrid); use checkpoint_mode full",
+        )
         _require(self.placement_policy in PLACEMENT_POLICIES, f"unknown placement_policy {self.placement_policy!r}")
         for name in ("offload_optim_frac", "offload_param_frac"):
             value = getattr(self, name)

@@ -18,8 +18,9 @@ The rules (each the one the code that would run it checks):
   asked for (`checkpoint_modes`), every layer under torchtitan's selective op policy (transformers' switch only);
 - optimizer muon (MuonWithAdamW): on every enumerated layout but Gemini's at tp > 1 (`optimizer_skips` says so
   once for the report);
-- Gemini's tp_size > 1 (`_gemini_tp`): tp divides the heads and MLP width as above, dp = world / tp, no pp or sp;
-  under AdamW only (its Muon owners over dp and tp are not modelled: `optimizer_skips`).
+- Gemini's tp_size > 1 (`_gemini_tp`): tp divides the heads and MLP width as above, dp = world / tp, no pp or sp,
+  full checkpointing only (the selective op policy does not wrap ShardFormer's tp layers); under AdamW only (its
+  Muon owners over dp and tp are not modelled: `optimizer_skips`).
 When no candidate survives, `NoLayoutError` names, per plugin, why.
 """
 
@@ -138,7 +139,8 @@ def _gemini_tp(
             why.add(reason)
             continue
         for candidate in _data_parallel("gemini", dp, global_batch // dp, space, why):
-            yield dataclasses.replace(candidate, tp=tp)
+            if candidate.checkpoint_mode == "full":  # the op policy does not wrap ShardFormer's tp layers
+                yield dataclasses.replace(candidate, tp=tp)
 
 
 def _parallel(
@@ -250,10 +252,15 @@ def enumerate_candidates(
     return found
 
 
-def optimizer_skips(space: SearchSpace) -> tuple[str, ...]:
+def optimizer_skips(space: SearchSpace, shape: ModelShape, world: int) -> tuple[str, ...]:
     """The layouts of `space` left out for its optimizer, one line each, said once in the report rather than once per
-    candidate: Gemini at tp > 1 under Muon (cx steps it; cx-plan does not model its owners over dp and tp)."""
+    candidate: Gemini at tp > 1 under Muon (cx steps it; cx-plan does not model its owners over dp and tp), said only
+    where `world` ranks of `shape` would have given a Gemini tp > 1 layout under AdamW."""
     if space.optimizer is not Optimizer.MUON or "gemini" not in space.plugins or space.max_tp == 1:
+        return ()
+    global_batch = 4 * world if space.global_batch is None else space.global_batch
+    adamw = dataclasses.replace(space, optimizer=Optimizer.ADAMW)
+    if next(_gemini_tp(shape, world, global_batch, adamw, set()), None) is None:
         return ()
     return (
         "not considered under --optimizer muon: gemini at tp > 1 (cx steps it, but cx-plan does not model its owners "

@@ -118,7 +118,7 @@ def plan(
         block_class=_block_class(shape) if any(r.candidate.fsdp_wrap == "block" for r in ranked) else None,
         stopped=stopped, routing_skew=1.0 if space is None else space.routing_skew,
         expert_load=_expert_load_note(space, candidates),
-        skipped=() if space is None else optimizer_skips(space),
+        skipped=() if space is None else optimizer_skips(space, shape, world),
     )  # fmt: skip
 
 

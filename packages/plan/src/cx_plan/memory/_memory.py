@@ -31,7 +31,9 @@ replicates the routed experts over tp: each rank keeps the states of all its exp
 TorchFSDPPlugin over dp > 1 keeps every state on its row shards (no whole master); the step instant adds the busiest
 owner's gathered bf16 matrices, their Newton-Schulz results and workspace, and the rank's nesterov updates.
 Hybrid ZeRO 1/2 at tp > 1 (`tp_zero_owners`): the busiest dp owner's fp32 tp slices and its busiest tp owner's whole
-masters and momenta, and at the step both gathers' receive buffers.
+masters and momenta, and at the step both gathers' receive buffers. Where those whole masters are on the CPU
+(`muon_on_host`: cpu_offload, Gemini with CPU optimizer data) the step's gathered wholes are received there too: they
+count in `cpu_offloaded`, not in the device's step instant.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from cx_plan.trace._muon_split import (
     busiest_owner,
     experts_stepped_locally,
     fsdp_rows,
+    muon_on_host,
     muon_split,
     rank_load,
     tp_zero_owners,
@@ -231,6 +234,8 @@ def _for_stage(
         offloaded = moved_optimizer + moved_master
         if not host_is_device:
             optimizer, master = optimizer - moved_optimizer, master - moved_master
+    if muon_on_host(c) and not host_is_device:  # the gathered whole gradients (and masters) meet on the CPU
+        offloaded, muon_step = offloaded + muon_step, 0
     if c.plugin in ("low_level_zero", "hybrid", "moe_hybrid") and c.stage >= 1 and dp > 1:
         # the end of the backward: the activations are gone, the gradients (stage 1: all of them; stage 2: released
         # bucket by bucket) wait in the packed bucket being reduce-scattered into this rank's shard
@@ -254,7 +259,7 @@ def _for_stage(
         elif c.plugin == "torch_fsdp":
             read = _FP32 * n // max(1, c.dp)  # the fp32 gradient shards
         elif whole_group(c) > 1 and c.stage >= 1:
-            read = _shard(c, n, e, _FP32)
+            read = 0 if fp32_on_host else _shard(c, n, e, _FP32)
         else:
             read = (_FP32 if c.plugin == "torch_ddp" else w) * n + (_FP32 * n if c.half_precision else 0)
         end = max(end, parameters + optimizer + master + read + muon_step)

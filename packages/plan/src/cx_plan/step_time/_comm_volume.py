@@ -27,7 +27,9 @@ n-1 hops; an all-to-all sends (n-1)/n of the local tensor in n-1 hops. Per step 
   overlapped): under LowLevelZero's ZeRO 1/2 the Muon matrices only (the AdamW groups step on the shards,
   `_muon_split.adamw_on_shards`), under Gemini and tp at ZeRO 0 every parameter; under TorchFSDPPlugin the Muon
   matrices' bf16 updates (`_muon_split.fsdp_rows`); hybrid ZeRO 1/2 at tp > 1 the Muon tp slices over dp, then the
-  dp owner's share of the matrices over tp (`_muon_split.tp_zero_owners`);
+  dp owner's share of the matrices over tp (`_muon_split.tp_zero_owners`); Gemini at tp > 1 alike (each rank's tp
+  slices over dp, then the dp owner's share over tp), master beside gradient in both gathers (`_tp_whole` regathers
+  the masters every step);
   MoeHybridParallelPlugin at tp > 1 gathers no routed experts (replicated over tp, each rank steps its own).
 
 Activation checkpointing repeats a recomputed layer's forward collectives (tp, sp, experts) once more.
@@ -237,13 +239,14 @@ def _whole_matrices(candidate: Candidate, shape: ModelShape) -> list[Collective]
         axes = ("moe_dp", "ep", "sp")
     _, span = _group(c, *axes)
     sent = (size - 1) / size * elements * (2 if fsdp_rows(c) else _FP32)  # FSDP: bf16 updates both ways
-    if tp_zero_owners(c):  # ZeRO moves tp slices over dp; then the slices at a dp owner go to tp owners
+    if tp_zero_owners(c) or (c.plugin == "gemini" and c.tp > 1):  # tp slices over dp; then a dp owner's over tp
         _, tp_span = _group(c, "tp")
         over_tp = (c.tp - 1) / c.tp * elements / size * _FP32
+        both = 2 if c.plugin == "gemini" else 1  # Gemini gathers the master beside the gradient
         return [
-            Collective("muon gradient gather", size, span, sent / c.tp, size),
+            Collective("muon gradient gather", size, span, both * sent / c.tp, size),
             Collective("muon weight scatter", size, span, sent / c.tp, size),
-            Collective("muon tp gradient gather", c.tp, tp_span, over_tp, c.tp),
+            Collective("muon tp gradient gather", c.tp, tp_span, both * over_tp, c.tp),
             Collective("muon tp weight scatter", c.tp, tp_span, over_tp, c.tp),
         ]
     return [

@@ -44,8 +44,10 @@ they cross, the pipeline schedule simulated with those costs, and the optimizer 
   owner share of the whole parameters where the plugin shards them, plus its AdamW shards under LowLevelZero;
   moe_hybrid at tp > 1: and all its routed experts), streaming 20 bytes per Muon element (read weight, gradient,
   momentum; write weight and momentum) and AdamW's 28 per other element, plus Newton-Schulz's FLOPs (5 iterations of
-  4 m^2 n + 2 m^3 per m x n matrix, m <= n) at `efficiency` x the bf16 peak (torch runs Newton-Schulz in bf16); the
-  gather / scatter to owners is in `_comm_volume`.
+  4 m^2 n + 2 m^3 per m x n matrix, m <= n) at `efficiency` x the bf16 peak (torch runs Newton-Schulz in bf16), or
+  at `HOST_FLOPS` where the owners' whole masters are on the CPU (`muon_on_host`: cpu_offload, Gemini with CPU
+  optimizer data), the host's rate unless the device is the CPU; the gather / scatter to owners is in
+  `_comm_volume`.
 - Host work (`_host_time`, given the trace's op and tensor counts): dispatching each micro-batch's aten ops, the
   plugin's own per-parameter ops and AdamW's per-tensor loop, at the device's measured per-op and per-tensor costs.
   On a host-bound device (the CPU) they add to the compute, and with more ranks than cores every rank's host work,
@@ -67,12 +69,13 @@ from cx_plan.step_time._comm_volume import BUCKET_BYTES, Collective, step_collec
 from cx_plan.step_time._host_time import OpCounts, host_time
 from cx_plan.step_time._kernels import EAGER, Kernels
 from cx_plan.trace._model_spec import ModelShape
-from cx_plan.trace._muon_split import stepped_load
+from cx_plan.trace._muon_split import muon_on_host, stepped_load
 from cx_plan.trace._oracle import hot_rank_load
 
 __all__ = [
     "ACHIEVABLE_FRACTION",
     "HOST_BANDWIDTH",
+    "HOST_FLOPS",
     "StepTime",
     "flops_per_token",
     "linear_flops_per_token",
@@ -81,6 +84,9 @@ __all__ = [
 ]
 
 HOST_BANDWIDTH = 100e9  # bytes/s a CPU Adam streams on a GPU server's host (a share of its ~300 GB/s DRAM)
+# FLOP/s a GPU server's host reaches on Newton-Schulz's bf16 matmuls (assumed: a share of a two-socket server's
+# AVX-512 / AMX cores beside the ranks' other host work, an order of magnitude under a GPU's achieved rate)
+HOST_FLOPS = 2e12
 _ADAM_BYTES = 28  # per fp32 master parameter and step: read w, g, m, v (16), write w, m, v (12)
 _MUON_BYTES = 20  # per Muon element: read w, g, momentum (12), write w, momentum (8)
 
@@ -291,8 +297,10 @@ def predict_step_time(
     in_layer = sum(times[col.name] for col in collectives if col.name.startswith(("tp ", "sp ", "expert ")))
     data_parallel = sum(t for name, t in times.items() if "gradient" in name or "weight" in name)  # muon's too
     optimizer_s = _optimizer_seconds(c, shape, device) * slow
-    if c.muon:  # Newton-Schulz on the matrices this rank steps, in bf16
-        optimizer_s += stepped_load(c, shape).ns_flops / (device.peak("bf16") * efficiency) * slow
+    if c.muon:  # Newton-Schulz on the matrices this rank steps, in bf16: on the host where its masters are
+        on_host = muon_on_host(c) and device.name != "cpu"
+        rate = HOST_FLOPS if on_host else device.peak("bf16") * efficiency
+        optimizer_s += stepped_load(c, shape).ns_flops / rate * slow
     passes = 2 + c.checkpoint_ratio
     m = c.num_microbatches
     bound = device.host_bound

@@ -41,6 +41,7 @@ __all__ = [
     "fsdp_rows",
     "tp_zero_owners",
     "two_level_loads",
+    "muon_on_host",
     "muon_split",
     "ns_flops",
     "owner_loads",
@@ -240,6 +241,16 @@ def experts_stepped_locally(c: Candidate) -> bool:
     """MoeHybridParallelPlugin at tp > 1 and ZeRO 0: the routed experts are replicated over tp, so each tp rank
     steps its own whole stacks (no owner, no gather); `_tp_whole` gives only the tp-split parameters owners."""
     return c.plugin == "moe_hybrid" and c.tp > 1 and c.stage == 0
+
+
+def muon_on_host(c: Candidate) -> bool:
+    """Whether the owners' whole fp32 masters, the gradients gathered to them and so Newton-Schulz live on the CPU:
+    cx-zero's cpu_offload (hybrid / moe_hybrid ZeRO 1/2 at tp > 1 among them), or Gemini with its optimizer data
+    on the CPU (`offload_optim_frac > 0` or `auto` placement: `cx_zero.GeminiWholeStep` keeps the wholes there)."""
+    if not c.muon:
+        return False
+    gemini_cpu = c.plugin == "gemini" and (c.offload_optim_frac > 0 or c.placement_policy == "auto")
+    return c.cpu_offload or gemini_cpu
 
 
 def whole_group(c: Candidate) -> int:
