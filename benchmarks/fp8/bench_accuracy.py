@@ -15,7 +15,9 @@ learn 255 token weights and add 64 of them up; the near-ties (a sum of +-1) are 
 
     OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo python benchmarks/fp8/bench_accuracy.py [--steps 200] [--held-out 16384]
         [--lr 3e-3] [--plugins ...] [--precisions ...] [--seeds 0 1] [--results PATH]
-Appends (or replaces) its own section of benchmarks/fp8/RESULTS.md, between the accuracy-table markers.
+Writes its table into benchmarks/fp8/RESULTS.md between accuracy-table markers that name the learning rate, so a run
+at one lr never overwrites another lr's table. A run with a subset of --plugins replaces only those plugins' rows of
+its lr's table (same steps, held-out size and seeds; otherwise the whole table): the plugins can run in turns.
 """
 
 from __future__ import annotations
@@ -40,14 +42,19 @@ from torch import nn
 
 from cx_mesh.fp8 import ScalingRecipe
 from cx_mesh.testing import spawn
-from cx_plugins import Booster, LowLevelZeroPlugin, Plugin, TorchDDPPlugin
+from cx_plugins import Booster, GeminiPlugin, LowLevelZeroPlugin, Plugin, TorchDDPPlugin
 from cx_plugins.lr_scheduler import LinearWarmupLR
 
 VOCAB, LENGTH, HIDDEN, LAYERS = 256, 64, 64, 2
 PAD = VOCAB - 1  # never drawn: the classification head reads the last non-pad token, here always the last one
 GLOBAL_BATCH, LR, WARMUP = 64, 3e-3, 20
 EVAL_BATCH = 512
-START, END = "<!-- accuracy tables:", "<!-- end accuracy tables -->"
+
+
+def markers(lr: float) -> tuple[str, str]:
+    """The comments that open and close the table of runs at peak learning rate `lr`."""
+    return f"<!-- accuracy tables, lr {lr:g}:", f"<!-- end accuracy tables, lr {lr:g} -->"
+
 
 # precision name -> the plugin's fp8 arguments
 PRECISIONS: dict[str, dict[str, Any]] = {
@@ -61,6 +68,7 @@ PRECISIONS: dict[str, dict[str, Any]] = {
 PLUGINS: dict[str, tuple[Callable[..., Plugin], str | None]] = {
     "TorchDDPPlugin": (TorchDDPPlugin, "bf16"),
     "LowLevelZeroPlugin stage 2": (functools.partial(LowLevelZeroPlugin, stage=2, precision="bf16"), None),
+    "GeminiPlugin": (functools.partial(GeminiPlugin, precision="bf16"), None),
 }
 
 
@@ -223,8 +231,9 @@ def main() -> None:
         results: list[dict[str, Any]] = json.loads(Path(out).read_text())
     minutes = (time.perf_counter() - started) / 60
     command = shlex.join(["python", "benchmarks/fp8/bench_accuracy.py", *sys.argv[1:]])
+    start, end = markers(args.lr)
     lines = [
-        f"{START} `{command}`, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
+        f"{start} `{command}`, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, {minutes:.1f} minutes -->",
         "",
         f"### Held-out accuracy, 2 gloo ranks, {args.steps} steps x {GLOBAL_BATCH} sequences, "
@@ -236,16 +245,35 @@ def main() -> None:
         "train loss, last 20 steps | minutes per run |",
         "|---" * (len(args.seeds) + 8) + "|",
         *_rows(results, args.seeds),
-        END,
+        end,
     ]
-    section = "\n".join(lines)
-    print(section)
+    print("\n".join(lines))  # this run's own rows, before any merge with the table already there
     text = args.results.read_text() if args.results.exists() else "# fp8 benchmark\n"
-    if START in text:
-        text = text.split(START, 1)[0].rstrip("\n") + "\n\n" + section + text.split(END, 1)[1]
+    section = merge_section(text, lines, args.plugins, args.lr)
+    if start in text:
+        text = text.split(start, 1)[0].rstrip("\n") + "\n\n" + section + text.split(start, 1)[1].split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     args.results.write_text(text)
+
+
+def merge_section(text: str, lines: list[str], plugins: list[str], lr: float) -> str:
+    """The new table section for `lr`: `lines` (comment, blank, heading, blank, header, rule, rows..., end), plus the
+    rows of plugins this run left out, kept from the existing section when its heading and header match (same
+    steps, held-out size and seeds); rows in PLUGINS order, the comment naming every run that left rows."""
+    start, end = markers(lr)
+    if start not in text:
+        return "\n".join(lines)
+    old = text.split(start, 1)[1].split(end, 1)[0].split("\n")
+    if old[2:5] != lines[2:5]:  # heading, blank line, column header
+        return "\n".join(lines)
+    others = [name for name in PLUGINS if name not in plugins]
+    kept = [row for row in old[6:] if row.startswith("| ") and row.split(" | ")[0][2:] in others]
+    rows = sorted(kept + lines[6:-1], key=lambda row: list(PLUGINS).index(row.split(" | ")[0][2:]))
+    comment = lines[0]
+    if kept:
+        comment = f"{start}{old[0].removesuffix(' -->')};{lines[0].removeprefix(start)}"
+    return "\n".join([comment, *lines[1:6], *rows, end])
 
 
 if __name__ == "__main__":
