@@ -124,6 +124,14 @@ def _layout(candidate: Candidate, *axes: str) -> tuple[tuple[tuple[int, int], ..
     return found, math.prod(size for size, _ in strides.values())
 
 
+def _ring_collective(candidate: Candidate, name: str, axes: tuple[str, ...], moved: float, hops: int) -> Collective:
+    """A ring collective (all-reduce, all-gather, reduce-scatter) over the group along `axes`, with the layout
+    `Network.ring_bandwidth` needs."""
+    size, span = _group(candidate, *axes)
+    layout, world = _layout(candidate, *axes)
+    return Collective(name, size, span, moved, hops, ring=True, axes=layout, world=world)
+
+
 def _ring(size: int, full_bytes: float, calls: int, kind: str) -> tuple[float, int]:
     """(bytes sent per rank, hops) of `calls` ring collectives of `kind` moving `full_bytes` in all."""
     if size <= 1:
@@ -145,8 +153,7 @@ def _data_parallel(candidate: Candidate, shape: ModelShape) -> list[Collective]:
         groups = [("dense", dense, ("moe_dp", "ep", "sp")), ("experts", experts, ("moe_dp",))]
     found = []
     for label, parameters, axes in groups:
-        size, span = _group(c, *axes)
-        layout, world = _layout(c, *axes)
+        size, _ = _group(c, *axes)
         if size <= 1 or parameters == 0:
             continue
         full = parameters * w
@@ -155,19 +162,13 @@ def _data_parallel(candidate: Candidate, shape: ModelShape) -> list[Collective]:
             calls = shape.num_layers + 1 if c.fsdp_wrap == "block" else 1
         if c.stage == 0:
             moved, hops = _ring(size, full, calls, "all_reduce")
-            found.append(
-                Collective(f"{label} gradient all-reduce", size, span, moved, hops, ring=True, axes=layout, world=world)
-            )
+            found.append(_ring_collective(c, f"{label} gradient all-reduce", axes, moved, hops))
             continue
         moved, hops = _ring(size, full, calls, "reduce_scatter")
-        found.append(
-            Collective(f"{label} gradient reduce-scatter", size, span, moved, hops, ring=True, axes=layout, world=world)
-        )
+        found.append(_ring_collective(c, f"{label} gradient reduce-scatter", axes, moved, hops))
         gathers = 1 if c.stage < 3 else 2 * c.num_microbatches  # ZeRO-3: every forward and backward
         moved, hops = _ring(size, parameters * gathered * gathers, calls * gathers, "all_gather")
-        found.append(
-            Collective(f"{label} weight all-gather", size, span, moved, hops, ring=True, axes=layout, world=world)
-        )
+        found.append(_ring_collective(c, f"{label} weight all-gather", axes, moved, hops))
     return found
 
 
@@ -181,13 +182,9 @@ def _in_layer(candidate: Candidate, shape: ModelShape, seq_len: int) -> list[Col
     m = c.num_microbatches
     found = []
     if c.tp > 1:
-        size, span = _group(c, "tp")
         calls = round(m * (2 * layers * passes + 2))
-        moved, hops = _ring(size, calls * tokens * shape.hidden_size * a, calls, "all_reduce")
-        layout, world = _layout(c, "tp")
-        found.append(
-            Collective("tp activation all-reduce", size, span, moved, hops, ring=True, axes=layout, world=world)
-        )
+        moved, hops = _ring(c.tp, calls * tokens * shape.hidden_size * a, calls, "all_reduce")
+        found.append(_ring_collective(c, "tp activation all-reduce", ("tp",), moved, hops))
     if c.sp > 1:
         size, span = _group(c, "sp")
         kv = shape.num_kv_heads * shape.head_dim
