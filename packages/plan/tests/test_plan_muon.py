@@ -166,13 +166,10 @@ def test_muon_under_fsdp_keeps_every_state_on_row_shards_and_moves_bf16_matrices
     assert predict_step_time(c, shape, SEQ, lookup_device("h100")).step_s > 0
 
 
-def test_muon_under_hybrid_zero_tp_holds_dp_whole_slices_and_the_tp_owners_matrices() -> None:
-    """HybridParallelPlugin ZeRO 1 at tp 2 (ZeroTensorParallelWhole): the busiest dp owner holds its matrices' tp
-    slices whole (fp32), and the busiest tp owner at that dp coordinate their whole masters and momenta; ZeRO moves
-    the slices over dp, then the tp group moves the dp owner's share over tp."""
-    shape = load_model_shape("llama", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+def _tp2_zero_owners(shape: ModelShape) -> tuple[list[int], list[int], int]:
+    """By hand, at dp 2 x tp 2 with ZeRO owners: the Muon matrices' element counts, the busiest dp owner's matrices
+    (indices) and the elements of the busiest tp owner's whole matrices among them."""
     split = muon_split(shape)
-    c = Candidate("hybrid", dp=2, tp=2, zero_stage=1, precision="fp32", optimizer=Optimizer.MUON)
     matrices = [s for s, m in zip(split.shapes, split.muon, strict=True) if m]
     numel = [s[0] * s[1] for s in matrices]
     dp_owner = assign_owners(matrices, 2)
@@ -180,6 +177,16 @@ def test_muon_under_hybrid_zero_tp_holds_dp_whole_slices_and_the_tp_owners_matri
     owned = [i for i, o in enumerate(dp_owner) if o == best]
     tp_owner = assign_owners([matrices[i] for i in owned], 2)
     whole = max(sum(numel[i] for i, o in zip(owned, tp_owner, strict=True) if o == t) for t in range(2))
+    return numel, owned, whole
+
+
+def test_muon_under_hybrid_zero_tp_holds_dp_whole_slices_and_the_tp_owners_matrices() -> None:
+    """HybridParallelPlugin ZeRO 1 at tp 2 (ZeroTensorParallelWhole): the busiest dp owner holds its matrices' tp
+    slices whole (fp32), and the busiest tp owner at that dp coordinate their whole masters and momenta; ZeRO moves
+    the slices over dp, then the tp group moves the dp owner's share over tp."""
+    shape = load_model_shape("llama", hidden_size=HIDDEN, num_layers=LAYERS, seq_len=SEQ)
+    c = Candidate("hybrid", dp=2, tp=2, zero_stage=1, precision="fp32", optimizer=Optimizer.MUON)
+    split, (numel, owned, whole) = muon_split(shape), _tp2_zero_owners(shape)
     load = stepped_load(c, shape)
     assert load.muon_elements == load.elements == whole
     adamw = predict_memory(shape, Candidate("hybrid", dp=2, tp=2, zero_stage=1, precision="fp32"), SEQ)
@@ -321,14 +328,7 @@ def test_newton_schulz_runs_on_the_host_where_the_whole_masters_are() -> None:
         assert predicted == pytest.approx(_optimizer_seconds(c, shape, device) + flops / rate, rel=1e-9)
     # memory: the whole masters, their state and the step's gathered wholes (2 x 4 bytes per whole element the
     # owner receives: the dp-whole tp slices and the tp owner's matrices) are all on the host
-    split = muon_split(shape)
-    matrices = [s for s, m in zip(split.shapes, split.muon, strict=True) if m]
-    numel = [s[0] * s[1] for s in matrices]
-    dp_owner = assign_owners(matrices, 2)
-    best = max(range(2), key=lambda r: sum(n for n, o in zip(numel, dp_owner, strict=True) if o == r))
-    owned = [i for i, o in enumerate(dp_owner) if o == best]
-    tp_owner = assign_owners([matrices[i] for i in owned], 2)
-    whole = max(sum(numel[i] for i, o in zip(owned, tp_owner, strict=True) if o == t) for t in range(2))
+    numel, owned, whole = _tp2_zero_owners(shape)
     gathered = 2 * 4 * (sum(numel[i] for i in owned) // 2 + whole)
     device_side, host_side = predict_memory(shape, on_gpu, SEQ), predict_memory(shape, offloaded, SEQ)
     assert host_side.cpu_offloaded == device_side.optimizer_states + device_side.master_weights + gathered
