@@ -58,7 +58,7 @@ from cx_plan.trace._muon_split import (
     whole_group,
 )
 
-__all__ = ["MemoryPrediction", "gemini_layout", "predict_memory", "predict_memory_from_traces"]
+__all__ = ["MemoryPrediction", "predict_for_shape", "predict_memory", "predict_memory_from_traces"]
 
 _ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
 _FP32 = 4
@@ -290,7 +290,7 @@ def predict_memory_from_traces(
     needed for per-block FSDP, whose gathered bytes are the root unit's and the largest blocks'. `host_is_device`:
     the devices are the CPU (`--device cpu`), so "offloaded" optimizer states stay in the memory that peaks. `muon`:
     the model's Muon split (`muon_split`), needed for a candidate with optimizer muon. `gemini_gathered`: the elements
-    GeminiPlugin holds gathered at once (`gemini_layout`; None: the whole model, as one chunk)."""
+    GeminiPlugin holds gathered at once (`predict_for_shape` derives it; None: the whole model, as one chunk)."""
     if not traces:
         raise ValueError("predict_memory_from_traces: no trace given")
     made = (_for_stage(candidate, trace, counts, host_is_device, muon, gemini_gathered) for trace in traces)
@@ -303,11 +303,15 @@ def predict_memory(
     """Trace the first and the last pipeline stage (the others lie between) and predict the busiest."""
     stages = sorted({0, candidate.pp - 1})
     traces = [trace_stage(shape, candidate, seq_len, s) for s in stages]
+    return predict_for_shape(candidate, traces, shape, host_is_device)
+
+
+def predict_for_shape(
+    candidate: Candidate, traces: list[ActivationTrace], shape: ModelShape, host_is_device: bool = False
+) -> MemoryPrediction:
+    """`predict_memory_from_traces` with what `shape` says: its parameter counts, its Muon split (optimizer muon) and
+    the elements a Gemini candidate holds gathered at once (`gemini_gathered_elements`)."""
     split = muon_split(shape) if candidate.muon else None
-    gathered = gemini_layout(shape, candidate)
+    gemini = candidate.plugin == "gemini"
+    gathered = gemini_gathered_elements(shape, candidate.dp, candidate.tp) if gemini else None
     return predict_memory_from_traces(candidate, traces, shape.parameters, host_is_device, split, gathered)
-
-
-def gemini_layout(shape: ModelShape, candidate: Candidate) -> int | None:
-    """The elements a Gemini candidate holds gathered at once (`gemini_gathered_elements`); None for other plugins."""
-    return gemini_gathered_elements(shape, candidate.dp, candidate.tp) if candidate.plugin == "gemini" else None

@@ -30,11 +30,10 @@ from collections.abc import Callable
 
 from cx_plan._candidate import Candidate
 from cx_plan.memory._fits import USABLE_FRACTION, Verdict, fits
-from cx_plan.memory._memory import MemoryPrediction, gemini_layout, predict_memory_from_traces
+from cx_plan.memory._memory import MemoryPrediction, predict_for_shape
 from cx_plan.memory._states_floor import states_floor, with_states_floor
 from cx_plan.trace._activations import ActivationTrace, shallow_layers
 from cx_plan.trace._model_spec import ModelShape
-from cx_plan.trace._muon_split import muon_split
 from cx_plan.trace._trace_cache import TraceCache, shared_trace_cache
 
 __all__ = ["floor_trace", "memory_model"]
@@ -97,10 +96,7 @@ def memory_model(
 
     def floor_verdict(candidate: Candidate, floors: list[ActivationTrace]) -> Verdict:
         floors = [with_states_floor(trace, states_floor(shape, candidate)) for trace in floors]
-        split = muon_split(shape) if candidate.muon else None
-        gathered = gemini_layout(shape, candidate)
-        prediction = predict_memory_from_traces(candidate, floors, shape.parameters, host_is_device, split, gathered)
-        return fits(prediction, device_memory, usable_fraction)
+        return fits(predict_for_shape(candidate, floors, shape, host_is_device), device_memory, usable_fraction)
 
     def ruled_out(
         candidate: Candidate, floors: list[ActivationTrace], why: str, untraced: str = "not traced itself"
@@ -213,9 +209,6 @@ def memory_model(
         made = stage_traces(candidate)
         if isinstance(made, Verdict):
             return made
-        split = muon_split(shape) if candidate.muon else None
-        gathered = gemini_layout(shape, candidate)
-        prediction = predict_memory_from_traces(candidate, made, shape.parameters, host_is_device, split, gathered)
-        return fits(prediction, device_memory, usable_fraction)
+        return fits(predict_for_shape(candidate, made, shape, host_is_device), device_memory, usable_fraction)
 
     return judge
